@@ -1,0 +1,7 @@
+// attn — exact, fast, trainable self-attention. The umbrella header.
+#pragma once
+
+#include "attn/error.hpp"
+#include "attn/multihead.hpp"
+#include "attn/sdpa.hpp"
+#include "attn/tensor.hpp"

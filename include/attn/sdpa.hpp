@@ -1,0 +1,101 @@
+// attn/sdpa.hpp — scaled dot-product attention, forward and backward.
+//
+//   Y = softmax_row(Q·Kᵀ·scale + bias + mask) · V
+//
+// Shapes (logical axes, see attn/tensor.hpp for layouts and strides):
+//   q    (B, H,   L, E)      k (B, Hkv, S, E)      v (B, Hkv, S, Ev)
+//   out  (B, H,   L, Ev)     weights (B, H, L, S)  lse (B, H, L)
+// Hkv must divide H; query head h reads key/value head h / (H / Hkv)
+// (grouped-query attention; Hkv = 1 is multi-query), without copying K or V.
+//
+// Masks (all optional, all combined):
+//   mask        bool (Bm, Hm, Lm, Sm), each axis 1 (broadcast) or full size.
+//               true = the query MAY attend to the key (PyTorch SDPA polarity).
+//   bias        additive float (Bb, Hb, Lb, Sb), same broadcasting; -inf
+//               entries mask. Its gradient dbias has the bias's own shape
+//               (summed over the broadcast axes).
+//   key_lengths int64 (B): in batch b only keys j < key_lengths[b] are seen.
+//   causal      query i sees key j iff j <= i (top_left, PyTorch is_causal) or
+//               j <= i + (S - L) (bottom_right, the alignment used when new
+//               queries are appended after a cache of S - L keys).
+//
+// A query row that can see no key at all ("fully masked") gets output 0,
+// weights 0, lse = -inf, and contributes zero gradient. Never NaN.
+//
+// The softmax subtracts the row maximum, so finite scores of any magnitude
+// are safe.
+//
+// Backward contract: the forward's saved state is (out, lse). Backends that
+// need it (fused) use it when given and recompute it otherwise; the
+// reference backend always recomputes the attention matrix from q and k.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+
+#include "attn/error.hpp"
+#include "attn/tensor.hpp"
+
+namespace attn {
+
+enum class Backend {
+  automatic,  // the fastest backend that supports the request
+  reference,  // plain, materialises the L×S matrices; float and double
+  fused,      // tiled online-softmax CPU kernel (float); see the fused issue
+};
+enum class CausalAlign { top_left, bottom_right };
+
+const char* backend_name(Backend b);                // "auto", "reference", "fused"
+Backend parse_backend(std::string_view name);       // throws attn::Error on unknown
+
+struct SdpaOptions {
+  std::optional<double> scale;  // default 1/sqrt(E); must be finite and > 0
+  bool causal = false;
+  CausalAlign causal_align = CausalAlign::top_left;
+  Backend backend = Backend::automatic;
+  bool check_finite = false;    // reject NaN/Inf in the inputs (costs one pass)
+  int num_threads = 0;          // 0 = the library default
+};
+
+template <class T>
+struct SdpaArgs {
+  View4<const T> q, k, v;
+  View4<const bool> mask;            // optional
+  View4<const T> bias;               // optional
+  View1<const int64_t> key_lengths;  // optional
+};
+
+template <class T>
+struct SdpaGrads {
+  View4<T> dq;     // (B, H, L, E)
+  View4<T> dk;     // (B, Hkv, S, E), summed over the query heads of each group
+  View4<T> dv;     // (B, Hkv, S, Ev)
+  View4<T> dbias;  // optional; same shape as args.bias
+};
+
+// Forward. `out` is required; `weights` and `lse` are written when non-empty.
+template <class T>
+void scaled_dot_product_attention(const SdpaArgs<T>& args, View4<T> out,
+                                  const SdpaOptions& opt = {}, View4<T> weights = {},
+                                  View3<T> lse = {});
+
+// Backward: given dout = dL/dY, writes dq, dk, dv (and dbias when requested).
+// Outputs are overwritten, not accumulated into.
+template <class T>
+void scaled_dot_product_attention_backward(const SdpaArgs<T>& args, View4<const T> dout,
+                                           const SdpaGrads<T>& grads,
+                                           const SdpaOptions& opt = {},
+                                           View4<const T> out = {}, View3<const T> lse = {});
+
+// The backend `opt.backend` resolves to for this request (after validation).
+template <class T>
+Backend resolve_backend(const SdpaArgs<T>& args, const SdpaOptions& opt, bool want_weights);
+
+// Numerically stable softmax of n values (y may alias x); returns the
+// log-sum-exp. All -inf input gives y = 0 and returns -inf.
+template <class T>
+T softmax(const T* x, T* y, int64_t n);
+
+}  // namespace attn

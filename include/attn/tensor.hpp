@@ -1,0 +1,208 @@
+// attn/tensor.hpp — strided views and a small owning tensor.
+//
+// Layout
+// ------
+// Every attention argument is a rank-4 view with logical axes
+//
+//     (batch B, heads H, sequence N, features d)
+//
+// and element strides for each axis (in elements, not bytes; strides may be
+// any non-negative value, including 0 for broadcasting). The logical order is
+// fixed; the physical order is whatever the strides say. So the same data can
+// be described as
+//
+//     (B,H,N,d) contiguous:  strides = {H*N*d, N*d, d, 1}   -> View4::bhnd(...)
+//     (B,N,H,d) contiguous:  strides = {N*H*d, d, H*d, 1}   -> View4::bnhd(...)
+//
+// and no kernel ever copies to change layout. Letters used everywhere:
+//   B batch, H query heads, Hkv key/value heads, L queries, S keys,
+//   E = d_k (query/key features), Ev = d_v (value features), D model width.
+//
+// Rank-3 views are used for per-row statistics (log-sum-exp, (B,H,L)) and for
+// token matrices in the multi-head layer ((B,N,D)); rank-2 for weights
+// ([out, in], PyTorch's convention) and rank-1 for biases.
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <initializer_list>
+#include <memory>
+#include <new>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "attn/error.hpp"
+
+namespace attn {
+
+// A non-owning view of R-dimensional strided data. T may be const.
+template <class T, int R>
+struct View {
+  static_assert(R >= 1 && R <= 4, "attn::View supports ranks 1 to 4");
+  T* data = nullptr;
+  std::array<int64_t, R> shape{};
+  std::array<int64_t, R> strides{};  // in elements
+
+  View() = default;
+  View(T* d, std::array<int64_t, R> shp, std::array<int64_t, R> str)
+      : data(d), shape(shp), strides(str) {}
+  // Contiguous, row-major (last axis fastest).
+  View(T* d, std::array<int64_t, R> shp) : data(d), shape(shp) {
+    int64_t s = 1;
+    for (int i = R - 1; i >= 0; --i) {
+      strides[i] = s;
+      s *= shp[i];
+    }
+  }
+
+  // A view of const data converts implicitly from a view of mutable data.
+  template <class U, class = std::enable_if_t<std::is_same_v<const U, T> && !std::is_same_v<U, T>>>
+  View(const View<U, R>& o) : data(o.data), shape(o.shape), strides(o.strides) {}
+
+  bool empty() const { return data == nullptr; }
+  int64_t numel() const {
+    int64_t n = 1;
+    for (auto s : shape) n *= s;
+    return n;
+  }
+  int64_t dim(int i) const { return shape[i]; }
+
+  template <class... I>
+  T& operator()(I... idx) const {
+    static_assert(sizeof...(I) == R, "wrong number of indices");
+    const int64_t ii[R] = {static_cast<int64_t>(idx)...};
+    int64_t off = 0;
+    for (int i = 0; i < R; ++i) off += ii[i] * strides[i];
+    return data[off];
+  }
+
+  // True when the elements are densely packed in row-major order.
+  bool is_contiguous() const {
+    int64_t s = 1;
+    for (int i = R - 1; i >= 0; --i) {
+      if (shape[i] != 1 && strides[i] != s) return false;
+      s *= shape[i];
+    }
+    return true;
+  }
+};
+
+template <class T>
+struct View4 : View<T, 4> {
+  using View<T, 4>::View;
+  View4() = default;
+  View4(const View<T, 4>& v) : View<T, 4>(v) {}
+  template <class U, class = std::enable_if_t<std::is_same_v<const U, T> && !std::is_same_v<U, T>>>
+  View4(const View<U, 4>& o) : View<T, 4>(o.data, o.shape, o.strides) {}
+
+  // Memory laid out as (B, H, N, d), last axis fastest.
+  static View4 bhnd(T* d, int64_t B, int64_t H, int64_t N, int64_t F) {
+    return View4(d, {B, H, N, F}, {H * N * F, N * F, F, 1});
+  }
+  // Memory laid out as (B, N, H, d) — the "batch_first, heads interleaved"
+  // layout of a projected (B, N, H*d) matrix — viewed as logical (B, H, N, d).
+  static View4 bnhd(T* d, int64_t B, int64_t N, int64_t H, int64_t F) {
+    return View4(d, {B, H, N, F}, {N * H * F, F, H * F, 1});
+  }
+};
+
+template <class T> using View3 = View<T, 3>;
+template <class T> using View2 = View<T, 2>;
+template <class T> using View1 = View<T, 1>;
+
+// Human-readable shape, e.g. "(2, 4, 16, 64)", used in error messages.
+template <size_t R>
+std::string shape_str(const std::array<int64_t, R>& s) {
+  std::string out = "(";
+  for (size_t i = 0; i < R; ++i) {
+    if (i) out += ", ";
+    out += std::to_string(s[i]);
+  }
+  return out + ")";
+}
+inline std::string shape_str(std::initializer_list<int64_t> s) {
+  std::string out = "(";
+  bool first = true;
+  for (auto v : s) {
+    if (!first) out += ", ";
+    first = false;
+    out += std::to_string(v);
+  }
+  return out + ")";
+}
+
+// Owning, contiguous, 64-byte aligned tensor of rank 1..4, zero-initialised.
+template <class T>
+class Tensor {
+ public:
+  static constexpr size_t kAlign = 64;
+
+  Tensor() = default;
+  explicit Tensor(std::vector<int64_t> shape) : shape_(std::move(shape)) {
+    if (shape_.empty() || shape_.size() > 4)
+      throw Error("attn::Tensor: rank must be 1 to 4, got " + std::to_string(shape_.size()));
+    size_ = 1;
+    for (auto s : shape_) {
+      if (s < 0) throw Error("attn::Tensor: negative dimension " + std::to_string(s));
+      size_ *= static_cast<size_t>(s);
+    }
+    if (size_ > 0) {
+      const size_t bytes = ((size_ * sizeof(T) + kAlign - 1) / kAlign) * kAlign;
+      data_.reset(static_cast<T*>(::operator new[](bytes, std::align_val_t(kAlign))));
+      for (size_t i = 0; i < size_; ++i) data_[i] = T(0);
+    }
+  }
+  Tensor(std::initializer_list<int64_t> shape) : Tensor(std::vector<int64_t>(shape)) {}
+  Tensor(const Tensor& o) : Tensor(o.shape_) {
+    for (size_t i = 0; i < size_; ++i) data_[i] = o.data_[i];
+  }
+  Tensor& operator=(const Tensor& o) {
+    if (this != &o) {
+      Tensor t(o);
+      *this = std::move(t);
+    }
+    return *this;
+  }
+  Tensor(Tensor&&) noexcept = default;
+  Tensor& operator=(Tensor&&) noexcept = default;
+
+  T* data() { return data_.get(); }
+  const T* data() const { return data_.get(); }
+  size_t size() const { return size_; }
+  int rank() const { return static_cast<int>(shape_.size()); }
+  const std::vector<int64_t>& shape() const { return shape_; }
+  int64_t dim(int i) const { return shape_.at(static_cast<size_t>(i)); }
+  T& operator[](size_t i) { return data_[i]; }
+  const T& operator[](size_t i) const { return data_[i]; }
+  void fill(T v) {
+    for (size_t i = 0; i < size_; ++i) data_[i] = v;
+  }
+
+  // Views of the whole tensor; the rank must match.
+  template <int R> View<T, R> view() { return View<T, R>(data(), dims<R>()); }
+  template <int R> View<const T, R> view() const { return View<const T, R>(data(), dims<R>()); }
+  View4<T> view4() { return View4<T>(view<4>()); }
+  View4<const T> view4() const { return View4<const T>(view<4>()); }
+
+ private:
+  struct Deleter {
+    void operator()(T* p) const { ::operator delete[](p, std::align_val_t(kAlign)); }
+  };
+  template <int R>
+  std::array<int64_t, R> dims() const {
+    if (static_cast<int>(shape_.size()) != R)
+      throw Error("attn::Tensor::view: tensor has rank " + std::to_string(shape_.size()) +
+                  ", requested a rank-" + std::to_string(R) + " view");
+    std::array<int64_t, R> a{};
+    for (int i = 0; i < R; ++i) a[i] = shape_[static_cast<size_t>(i)];
+    return a;
+  }
+  std::vector<int64_t> shape_;
+  size_t size_ = 0;
+  std::unique_ptr<T[], Deleter> data_;
+};
+
+}  // namespace attn

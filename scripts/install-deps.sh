@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Installs the Debian packages attn builds with, when any is missing.
+# Root on the project's machines; sudo otherwise. Nothing is downloaded at build time.
+set -euo pipefail
+pkgs=(g++ cmake make pkg-config libgtest-dev libgmock-dev libbenchmark-dev libhwy-dev libopenblas-dev
+      libcli11-dev nlohmann-json3-dev libfmt-dev libpng-dev)
+missing=()
+for p in "${pkgs[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -eq 0 ]; then
+  exit 0
+fi
+echo "install-deps: installing ${missing[*]}"
+SUDO=""
+[ "$(id -u)" -eq 0 ] || SUDO=sudo
+export DEBIAN_FRONTEND=noninteractive
+$SUDO apt-get update -qq
+$SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"

@@ -1,0 +1,193 @@
+// The reference backend: scaled dot-product attention written for clarity.
+//
+// For each (batch b, query head h) it materialises the whole L×S score matrix,
+// applies the masks, takes a numerically stable row softmax and multiplies by
+// V. Every sum is accumulated in double, so the float instantiation is also a
+// good oracle for the fast backends. Memory: O(L·S) per call; time: O(L·S·E).
+//
+// The backward recomputes the attention matrix A from q and k (it needs no
+// saved state) and pushes dY back through each step in reverse:
+//   Y  = A·V                  ->  dV = Aᵀ·dY,   dA = dY·Vᵀ
+//   A  = softmax_row(Z)       ->  dZ_ij = Σ_l dA_il · ∂a_il/∂z_ij
+//                                       = a_ij (dA_ij − Σ_l a_il dA_il)
+//        (the Jacobian a_l(δ_lj − a_j) applied row by row, never built)
+//   Z  = scale·Q·Kᵀ + bias    ->  dQ = scale·dZ·K,  dK = scale·dZᵀ·Q,
+//                                 dbias = dZ summed over broadcast axes
+// Masked entries have a_ij = 0, so they receive no gradient; a fully masked
+// row has A = 0 and contributes nothing anywhere.
+#include "kernels/reference/sdpa_reference.hpp"
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace attn::detail {
+namespace {
+
+constexpr double kNegInf = -std::numeric_limits<double>::infinity();
+
+// Scores z_ij = scale·q_i·k_j + bias_ij for one (b, h), masked entries -inf.
+template <class T>
+void scores(const Problem& p, const SdpaArgs<T>& a, int64_t b, int64_t h,
+            std::vector<double>& z) {
+  const int64_t hk = p.kv_head(h);
+  const int64_t key_len = a.key_lengths.empty() ? p.S : a.key_lengths(b);
+  for (int64_t i = 0; i < p.L; ++i) {
+    const int64_t end = std::min(p.causal_end(i), key_len);
+    for (int64_t j = 0; j < p.S; ++j) {
+      double& zij = z[static_cast<size_t>(i * p.S + j)];
+      bool visible = j < end;
+      if (visible && !a.mask.empty()) {
+        const auto& m = a.mask;
+        visible = m(bcast(b, m.dim(0)), bcast(h, m.dim(1)), bcast(i, m.dim(2)), bcast(j, m.dim(3)));
+      }
+      if (!visible) {
+        zij = kNegInf;
+        continue;
+      }
+      double dot = 0;
+      for (int64_t e = 0; e < p.E; ++e) dot += double(a.q(b, h, i, e)) * double(a.k(b, hk, j, e));
+      zij = p.scale * dot;
+      if (!a.bias.empty()) {
+        const auto& bi = a.bias;
+        zij += double(bi(bcast(b, bi.dim(0)), bcast(h, bi.dim(1)), bcast(i, bi.dim(2)),
+                         bcast(j, bi.dim(3))));
+      }
+    }
+  }
+}
+
+// In place: row i of z becomes softmax(z_i); returns the row's log-sum-exp.
+// A row with no finite entry becomes all zeros and returns -inf.
+double softmax_row(double* z, int64_t n) {
+  double m = kNegInf;
+  for (int64_t j = 0; j < n; ++j) m = std::max(m, z[j]);
+  if (m == kNegInf) {
+    for (int64_t j = 0; j < n; ++j) z[j] = 0;
+    return kNegInf;
+  }
+  double sum = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    z[j] = std::exp(z[j] - m);  // exp(-inf) = 0 for masked keys
+    sum += z[j];
+  }
+  for (int64_t j = 0; j < n; ++j) z[j] /= sum;
+  return m + std::log(sum);
+}
+
+// A = softmax_row(scores) for one (b, h); fills lse_row (length L).
+template <class T>
+void attention_matrix(const Problem& p, const SdpaArgs<T>& a, int64_t b, int64_t h,
+                      std::vector<double>& A, std::vector<double>& lse_row) {
+  scores(p, a, b, h, A);
+  for (int64_t i = 0; i < p.L; ++i) lse_row[size_t(i)] = softmax_row(&A[size_t(i * p.S)], p.S);
+}
+
+}  // namespace
+
+template <class T>
+void reference_forward(const Problem& p, const SdpaArgs<T>& a, View4<T> out, View4<T> weights,
+                       View3<T> lse) {
+  std::vector<double> A(static_cast<size_t>(p.L * p.S));
+  std::vector<double> lse_row(static_cast<size_t>(p.L));
+  for (int64_t b = 0; b < p.B; ++b) {
+    for (int64_t h = 0; h < p.H; ++h) {
+      const int64_t hk = p.kv_head(h);
+      attention_matrix(p, a, b, h, A, lse_row);
+      // Y = A·V
+      for (int64_t i = 0; i < p.L; ++i) {
+        const double* Ai = &A[size_t(i * p.S)];
+        for (int64_t e = 0; e < p.Ev; ++e) {
+          double y = 0;
+          for (int64_t j = 0; j < p.S; ++j) y += Ai[j] * double(a.v(b, hk, j, e));
+          out(b, h, i, e) = T(y);
+        }
+        if (!weights.empty())
+          for (int64_t j = 0; j < p.S; ++j) weights(b, h, i, j) = T(Ai[j]);
+        if (!lse.empty()) lse(b, h, i) = T(lse_row[size_t(i)]);
+      }
+    }
+  }
+}
+
+template <class T>
+void reference_backward(const Problem& p, const SdpaArgs<T>& a, View4<const T> dout,
+                        const SdpaGrads<T>& g) {
+  const size_t LS = static_cast<size_t>(p.L * p.S);
+  std::vector<double> A(LS), dZ(LS), lse_row(static_cast<size_t>(p.L));
+  std::vector<double> dk(static_cast<size_t>(p.S * p.E)), dv(static_cast<size_t>(p.S * p.Ev));
+  // dbias accumulates over every (b, h, i, j) that maps onto one bias element.
+  std::vector<double> dbias;
+  if (!g.dbias.empty()) dbias.assign(static_cast<size_t>(g.dbias.numel()), 0.0);
+  const auto& bs = a.bias.shape;
+
+  for (int64_t b = 0; b < p.B; ++b) {
+    for (int64_t hk = 0; hk < p.Hkv; ++hk) {
+      std::fill(dk.begin(), dk.end(), 0.0);
+      std::fill(dv.begin(), dv.end(), 0.0);
+      for (int64_t h = hk * p.group(); h < (hk + 1) * p.group(); ++h) {
+        attention_matrix(p, a, b, h, A, lse_row);
+        for (int64_t i = 0; i < p.L; ++i) {
+          const double* Ai = &A[size_t(i * p.S)];
+          double* dZi = &dZ[size_t(i * p.S)];
+          // dA_ij = dY_i · V_j, then the softmax Jacobian-vector product.
+          double row_dot = 0;  // Σ_l a_il dA_il
+          for (int64_t j = 0; j < p.S; ++j) {
+            double dA = 0;
+            if (Ai[j] != 0)
+              for (int64_t e = 0; e < p.Ev; ++e) dA += double(dout(b, h, i, e)) * double(a.v(b, hk, j, e));
+            dZi[j] = dA;
+            row_dot += Ai[j] * dA;
+          }
+          for (int64_t j = 0; j < p.S; ++j) dZi[j] = Ai[j] * (dZi[j] - row_dot);
+          // dV_j += a_ij · dY_i
+          for (int64_t j = 0; j < p.S; ++j) {
+            if (Ai[j] == 0) continue;
+            for (int64_t e = 0; e < p.Ev; ++e) dv[size_t(j * p.Ev + e)] += Ai[j] * double(dout(b, h, i, e));
+          }
+          // dQ_i = scale · Σ_j dZ_ij K_j ;  dK_j += scale · dZ_ij Q_i
+          for (int64_t e = 0; e < p.E; ++e) {
+            double dq = 0;
+            for (int64_t j = 0; j < p.S; ++j) dq += dZi[j] * double(a.k(b, hk, j, e));
+            g.dq(b, h, i, e) = T(p.scale * dq);
+          }
+          for (int64_t j = 0; j < p.S; ++j) {
+            if (dZi[j] == 0) continue;
+            for (int64_t e = 0; e < p.E; ++e)
+              dk[size_t(j * p.E + e)] += p.scale * dZi[j] * double(a.q(b, h, i, e));
+          }
+          if (!dbias.empty()) {
+            // dbias has the bias's shape; flat index in row-major order.
+            const int64_t bb = bcast(b, bs[0]), bh = bcast(h, bs[1]), bi = bcast(i, bs[2]);
+            for (int64_t j = 0; j < p.S; ++j) {
+              const int64_t bj = bcast(j, bs[3]);
+              dbias[size_t(((bb * bs[1] + bh) * bs[2] + bi) * bs[3] + bj)] += dZi[j];
+            }
+          }
+        }
+      }
+      for (int64_t j = 0; j < p.S; ++j) {
+        for (int64_t e = 0; e < p.E; ++e) g.dk(b, hk, j, e) = T(dk[size_t(j * p.E + e)]);
+        for (int64_t e = 0; e < p.Ev; ++e) g.dv(b, hk, j, e) = T(dv[size_t(j * p.Ev + e)]);
+      }
+    }
+  }
+  if (!dbias.empty()) {
+    size_t n = 0;
+    for (int64_t i0 = 0; i0 < bs[0]; ++i0)
+      for (int64_t i1 = 0; i1 < bs[1]; ++i1)
+        for (int64_t i2 = 0; i2 < bs[2]; ++i2)
+          for (int64_t i3 = 0; i3 < bs[3]; ++i3) g.dbias(i0, i1, i2, i3) = T(dbias[n++]);
+  }
+}
+
+template void reference_forward<float>(const Problem&, const SdpaArgs<float>&, View4<float>,
+                                       View4<float>, View3<float>);
+template void reference_forward<double>(const Problem&, const SdpaArgs<double>&, View4<double>,
+                                        View4<double>, View3<double>);
+template void reference_backward<float>(const Problem&, const SdpaArgs<float>&,
+                                        View4<const float>, const SdpaGrads<float>&);
+template void reference_backward<double>(const Problem&, const SdpaArgs<double>&,
+                                         View4<const double>, const SdpaGrads<double>&);
+
+}  // namespace attn::detail
