@@ -1,0 +1,48 @@
+// Row-major GEMM through CBLAS. CBLAS takes the layout explicitly
+// (CblasRowMajor), so arguments stay in the reader's order: C = op(A)·op(B).
+#include "kernels/gemm/gemm.hpp"
+
+#include <cblas.h>
+
+namespace attn::detail {
+
+template <class T>
+void gemm_reference(GemmShape s, bool ta, const T* A, int64_t lda, bool tb, const T* B, int64_t ldb,
+                    T* C, int64_t ldc, T alpha, T beta) {
+  for (int64_t i = 0; i < s.M; ++i)
+    for (int64_t j = 0; j < s.N; ++j) {
+      double acc = 0;
+      for (int64_t k = 0; k < s.K; ++k) {
+        const double a = ta ? A[k * lda + i] : A[i * lda + k];
+        const double b = tb ? B[j * ldb + k] : B[k * ldb + j];
+        acc += a * b;
+      }
+      T& c = C[i * ldc + j];
+      c = beta == T(0) ? T(alpha * acc) : T(alpha * acc + double(beta) * double(c));
+    }
+}
+
+template <>
+void gemm<float>(GemmShape s, bool ta, const float* A, int64_t lda, bool tb, const float* B,
+                 int64_t ldb, float* C, int64_t ldc, float alpha, float beta) {
+  if (s.M == 0 || s.N == 0) return;
+  if (s.K == 0) return gemm_reference(s, ta, A, lda, tb, B, ldb, C, ldc, alpha, beta);
+  cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans,
+              int(s.M), int(s.N), int(s.K), alpha, A, int(lda), B, int(ldb), beta, C, int(ldc));
+}
+
+template <>
+void gemm<double>(GemmShape s, bool ta, const double* A, int64_t lda, bool tb, const double* B,
+                  int64_t ldb, double* C, int64_t ldc, double alpha, double beta) {
+  if (s.M == 0 || s.N == 0) return;
+  if (s.K == 0) return gemm_reference(s, ta, A, lda, tb, B, ldb, C, ldc, alpha, beta);
+  cblas_dgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans,
+              int(s.M), int(s.N), int(s.K), alpha, A, int(lda), B, int(ldb), beta, C, int(ldc));
+}
+
+template void gemm_reference<float>(GemmShape, bool, const float*, int64_t, bool, const float*,
+                                    int64_t, float*, int64_t, float, float);
+template void gemm_reference<double>(GemmShape, bool, const double*, int64_t, bool, const double*,
+                                     int64_t, double*, int64_t, double, double);
+
+}  // namespace attn::detail

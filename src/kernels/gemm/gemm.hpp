@@ -1,0 +1,26 @@
+// Internal: row-major matrix products with named parameters, backed by BLAS
+// (OpenBLAS). No column-major argument juggling leaks out of this file.
+#pragma once
+
+#include <cstdint>
+
+namespace attn::detail {
+
+// C[M×N] = alpha · op(A)·op(B) + beta · C, all row-major.
+//   op(A) is A[M×K] (lda >= K), or A stored [K×M] and transposed (lda >= M).
+//   op(B) is B[K×N] (ldb >= N), or B stored [N×K] and transposed (ldb >= K).
+// beta = 0 overwrites C (its old contents may be uninitialised).
+struct GemmShape {
+  int64_t M, N, K;
+};
+template <class T>
+void gemm(GemmShape s, bool transpose_a, const T* A, int64_t lda, bool transpose_b, const T* B,
+          int64_t ldb, T* C, int64_t ldc, T alpha = T(1), T beta = T(0));
+
+// Plain triple loop with the same signature: the reference the BLAS path is
+// tested against, and the fallback for tiny shapes.
+template <class T>
+void gemm_reference(GemmShape s, bool transpose_a, const T* A, int64_t lda, bool transpose_b,
+                    const T* B, int64_t ldb, T* C, int64_t ldc, T alpha = T(1), T beta = T(0));
+
+}  // namespace attn::detail
