@@ -53,24 +53,31 @@ void write_safetensors(const std::string& path, const SafetensorsFile& file) {
   hs.append((8 - hs.size() % 8) % 8, ' ');  // pad so the data starts 8-byte aligned
   const uint64_t hlen = hs.size();
 
+  std::string bytes;
+  bytes.reserve(8 + hs.size() + offset);
+  bytes.append(reinterpret_cast<const char*>(&hlen), 8);
+  bytes += hs;
+  for (const auto& [name, t] : file.tensors) bytes.append(reinterpret_cast<const char*>(t.bytes.data()), t.bytes.size());
+  write_file_atomic(path, bytes, "attn::nn::write_safetensors");
+}
+
+void write_file_atomic(const std::string& path, const std::string& bytes, const char* who) {
   // Write a temporary file next to the target, flush it to disk, rename it over.
   const std::string tmp = path + ".tmp." + std::to_string(::getpid());
   FILE* f = std::fopen(tmp.c_str(), "wb");
-  if (!f) fail(fn, path, std::string("cannot create temporary file: ") + std::strerror(errno));
-  bool ok = std::fwrite(&hlen, 8, 1, f) == 1 && std::fwrite(hs.data(), 1, hs.size(), f) == hs.size();
-  for (const auto& [name, t] : file.tensors)
-    if (ok && !t.bytes.empty()) ok = std::fwrite(t.bytes.data(), 1, t.bytes.size(), f) == t.bytes.size();
+  if (!f) throw Error(std::string(who) + ": '" + path + "': cannot create a temporary file: " + std::strerror(errno));
+  bool ok = bytes.empty() || std::fwrite(bytes.data(), 1, bytes.size(), f) == bytes.size();
   ok = ok && std::fflush(f) == 0 && ::fsync(::fileno(f)) == 0;
   const int err = errno;
   ok = (std::fclose(f) == 0) && ok;
   if (!ok) {
     std::remove(tmp.c_str());
-    fail(fn, path, std::string("write failed: ") + std::strerror(err));
+    throw Error(std::string(who) + ": '" + path + "': write failed: " + std::strerror(err));
   }
   if (std::rename(tmp.c_str(), path.c_str()) != 0) {
     const int e = errno;
     std::remove(tmp.c_str());
-    fail(fn, path, std::string("cannot rename the temporary file into place: ") + std::strerror(e));
+    throw Error(std::string(who) + ": '" + path + "': cannot rename the temporary file into place: " + std::strerror(e));
   }
 }
 

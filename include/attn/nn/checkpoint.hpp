@@ -37,6 +37,10 @@ struct SafetensorsFile {
 void write_safetensors(const std::string& path, const SafetensorsFile& file);
 SafetensorsFile read_safetensors(const std::string& path);
 
+// Writes `bytes` to `path` atomically (temporary file, fsync, rename);
+// errors name `who` and the path.
+void write_file_atomic(const std::string& path, const std::string& bytes, const char* who);
+
 // Conversions between owned tensors and their stored form (the dtype follows T).
 template <class T>
 StoredTensor to_stored(const Tensor<T>& t);
