@@ -67,7 +67,7 @@ int main(int argc, char** argv) {
                   << std::flush;
         if (r.eval_token_acc >= 0) std::cout << '\n';
       } else {
-        std::cout << s << '\n';
+        std::cout << s << std::endl;  // flushed: progress is read live from pipes too
       }
     };
     const nn::TrainResult res = nn::train(c, progress);
