@@ -17,6 +17,7 @@ int main(int argc, char** argv) {
   app.add_option("--task", task, "copy | reverse | sort | recall")->capture_default_str();
   app.add_option("--length", c.task.length, "items per example (key-value pairs for recall)")->capture_default_str();
   app.add_option("--symbols", c.task.symbols, "alphabet size")->capture_default_str();
+  app.add_option("--queries", c.task.queries, "recall: queries per example (0 = one per key; 1 = the single-query task)")->capture_default_str();
   app.add_option("--layers", c.layers)->capture_default_str();
   app.add_option("--dim", c.dim)->capture_default_str();
   app.add_option("--heads", c.heads)->capture_default_str();

@@ -46,25 +46,33 @@ TEST(NnTasks, SequencesFollowTheirDefinitions) {
       }
     }
   }
-  nn::Task recall({nn::TaskKind::recall, 4, 6});
-  EXPECT_EQ(recall.vocab_size(), 8);
-  const auto b = recall.sample(50, rng);
-  ASSERT_EQ(b.N, 10);
-  for (int64_t s = 0; s < b.B; ++s) {
-    const int32_t* t = b.tokens.data() + s * b.N;
-    std::set<int32_t> keys;
-    int found = 0;
-    for (int i = 0; i < 4; ++i) {
-      keys.insert(t[2 * i]);
-      if (t[2 * i] == t[9]) {
-        ++found;
-        EXPECT_EQ(b.targets[size_t(s * b.N + 9)], t[2 * i + 1]);
+  for (int64_t m : {1, 3, 0}) {  // single query, three, one per key (0)
+    nn::Task recall({nn::TaskKind::recall, 4, 6, m});
+    const int64_t queries = m == 0 ? 4 : m;
+    EXPECT_EQ(recall.vocab_size(), 8);
+    const auto b = recall.sample(50, rng);
+    ASSERT_EQ(b.N, 9 + queries);
+    for (int64_t s = 0; s < b.B; ++s) {
+      const int32_t* t = b.tokens.data() + s * b.N;
+      const int32_t* y = b.targets.data() + s * b.N;
+      std::set<int32_t> keys, asked;
+      for (int i = 0; i < 4; ++i) keys.insert(t[2 * i]);
+      EXPECT_EQ(keys.size(), 4u);  // distinct keys
+      EXPECT_EQ(t[8], 0);
+      for (int i = 0; i < 9; ++i) EXPECT_EQ(y[i], -1);
+      for (int64_t j = 0; j < queries; ++j) {
+        const int32_t q = t[9 + j];
+        asked.insert(q);
+        int found = 0;
+        for (int i = 0; i < 4; ++i)
+          if (t[2 * i] == q) {
+            ++found;
+            EXPECT_EQ(y[9 + j], t[2 * i + 1]);
+          }
+        EXPECT_EQ(found, 1);
       }
+      EXPECT_EQ(int64_t(asked.size()), queries);  // distinct queries
     }
-    EXPECT_EQ(keys.size(), 4u);  // distinct keys
-    EXPECT_EQ(found, 1);
-    EXPECT_EQ(t[8], 0);
-    for (int i = 0; i < 9; ++i) EXPECT_EQ(b.targets[size_t(s * b.N + i)], -1);
   }
   EXPECT_TRUE(attn::testing::throws_with([] { nn::Task t({nn::TaskKind::recall, 9, 8}); }, {"distinct keys", "length (9)"}));
   EXPECT_TRUE(attn::testing::throws_with([] { nn::parse_task("shuffle"); }, {"unknown task 'shuffle'"}));

@@ -34,12 +34,15 @@ void TaskConfig::validate() const {
   if (kind == TaskKind::recall && length > symbols)
     throw Error("attn::nn::TaskConfig: recall needs distinct keys, so length (" + std::to_string(length) +
                 ") must be <= symbols (" + std::to_string(symbols) + ")");
+  if (kind == TaskKind::recall && (queries < 0 || queries > length))
+    throw Error("attn::nn::TaskConfig: queries is " + std::to_string(queries) + ", expected 1 to length (" +
+                std::to_string(length) + "), or 0 for length");
 }
 
 Task::Task(TaskConfig config) : cfg_(config) { cfg_.validate(); }
 
 int64_t Task::seq_len() const {
-  return cfg_.kind == TaskKind::recall ? 2 * cfg_.length + 2 : 2 * cfg_.length + 1;
+  return cfg_.kind == TaskKind::recall ? 2 * cfg_.length + 1 + cfg_.num_queries() : 2 * cfg_.length + 1;
 }
 
 Batch Task::sample(int64_t B, Rng& rng) const {
@@ -63,10 +66,16 @@ Batch Task::sample(int64_t B, Rng& rng) const {
         tok[2 * i] = kFirstSymbol + keys[size_t(i)];
         tok[2 * i + 1] = kFirstSymbol + int32_t(rng.below(cfg_.symbols));
       }
-      const int64_t q = rng.below(n);
       tok[2 * n] = kSep;
-      tok[2 * n + 1] = tok[2 * q];
-      tgt[2 * n + 1] = tok[2 * q + 1];
+      // queries: distinct pair indices, a partial Fisher–Yates shuffle of 0..n-1
+      std::vector<int64_t> order(static_cast<size_t>(n));
+      for (int64_t i = 0; i < n; ++i) order[size_t(i)] = i;
+      for (int64_t j = 0; j < cfg_.num_queries(); ++j) {
+        std::swap(order[size_t(j)], order[size_t(j + rng.below(n - j))]);
+        const int64_t q = order[size_t(j)];
+        tok[2 * n + 1 + j] = tok[2 * q];
+        tgt[2 * n + 1 + j] = tok[2 * q + 1];
+      }
       continue;
     }
     for (int64_t i = 0; i < n; ++i) x[size_t(i)] = kFirstSymbol + int32_t(rng.below(cfg_.symbols));

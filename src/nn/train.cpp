@@ -51,6 +51,7 @@ nlohmann::json config_json(const TrainConfig& c) {
   return {{"task", task_name(c.task.kind)},
           {"length", c.task.length},
           {"symbols", c.task.symbols},
+          {"queries", c.task.queries},
           {"layers", c.layers},
           {"dim", c.dim},
           {"heads", c.heads},
@@ -74,6 +75,7 @@ TrainConfig config_from_json(const nlohmann::json& j) {
   c.task.kind = parse_task(j.at("task").get<std::string>());
   c.task.length = j.at("length").get<int64_t>();
   c.task.symbols = j.at("symbols").get<int64_t>();
+  c.task.queries = j.value("queries", int64_t(0));
   c.layers = j.at("layers").get<int64_t>();
   c.dim = j.at("dim").get<int64_t>();
   c.heads = j.at("heads").get<int64_t>();

@@ -8,9 +8,12 @@
 //   input   x_1 … x_n  :  _ … _          (N = 2n + 1)
 //   target  the n answer slots hold y = x, reversed x, or x sorted ascending;
 //           every other position is ignored.
-// recall  (n = length key–value pairs, keys distinct)
-//   input   k_1 v_1 … k_n v_n  :  q      (N = 2n + 2), q one of the keys
-//   target  the last position holds the value paired with q.
+// recall  (n = length key–value pairs, keys distinct; m = queries, 0 = n)
+//   input   k_1 v_1 … k_n v_n  :  q_1 … q_m     (N = 2n + 1 + m)
+//   target  each query position holds the value paired with its key. The
+//           queries are distinct keys in random order; m = 1 is the classic
+//           single-query task, m > 1 the multi-query form (each query is an
+//           independent instance, so a batch carries m times the signal).
 //
 // The answer slots make the tasks one-shot: the model fills every slot at
 // once, so the same format works with and without causal masking, and with
@@ -33,6 +36,8 @@ struct TaskConfig {
   TaskKind kind = TaskKind::reverse;
   int64_t length = 8;    // n (items, or key-value pairs for recall)
   int64_t symbols = 16;  // alphabet size
+  int64_t queries = 0;   // recall only: queries per example, 1..length; 0 = length
+  int64_t num_queries() const { return queries == 0 ? length : queries; }
   void validate() const;
 };
 
