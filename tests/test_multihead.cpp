@@ -337,6 +337,32 @@ TEST(MultiheadAttention, HeadsAreIndependentSlices) {
   EXPECT_TRUE(head1_changed);
 }
 
+TEST(MultiheadAttention, SeedCatExampleThroughTheLayer) {
+  // One-hot tokens (the, cat, was, hungry); column i of each projection holds
+  // token i's query / key / value from the seed; d_k = 4, d_v = 2.
+  MultiheadAttention<double> m(config(4, 1, false, 0, 0, 4, 2));
+  const double wq[16] = {0, 0, 0, 2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+  const double wk[16] = {-1, 2, 0, 0, 0, 0, 1, 0, 0, 0, 0, 1, 0, 0, 0, 0};
+  const double wv[8] = {0, 1, 0, 0, 0, 0, 1, 1};
+  const double wo[8] = {1, 0, 0, 1, 0, 0, 0, 0};
+  m.load_parameter("q_proj_weight", View2<const double>(wq, {4, 4}));
+  m.load_parameter("k_proj_weight", View2<const double>(wk, {4, 4}));
+  m.load_parameter("v_proj_weight", View2<const double>(wv, {2, 4}));
+  m.load_parameter("out_proj.weight", View2<const double>(wo, {4, 2}));
+  Tensor<double> x({1, 4, 4}), y({1, 4, 4}), a({1, 1, 4, 4});
+  for (int i = 0; i < 4; ++i) x[size_t(i * 4 + i)] = 1;
+  m.forward_self(v3(x), v3(y), {}, {}, nullptr, a.view4());
+  const double* hungry = &a[12];
+  EXPECT_NEAR(hungry[0], 0.038, 0.0005);
+  EXPECT_NEAR(hungry[1], 0.757, 0.0005);
+  EXPECT_NEAR(hungry[2], 0.102, 0.0005);
+  EXPECT_NEAR(hungry[3], 0.102, 0.0005);
+  EXPECT_NEAR(y[12], 0.76, 0.005);
+  EXPECT_NEAR(y[13], 0.20, 0.005);
+  EXPECT_EQ(y[14], 0.0);
+  EXPECT_EQ(y[15], 0.0);
+}
+
 // ---------------------------------------------------------------------------
 // Parameters: names, shapes, initialisation, loading.
 
@@ -391,6 +417,11 @@ TEST(MultiheadAttention, InitialisationMatchesPyTorchBoundsAndIsSeeded) {
   EXPECT_FALSE(all_close(a.parameter("in_proj_weight"), c.parameter("in_proj_weight"), 1e-3, "other seed"));
   a.reset_parameters(43);
   EXPECT_TRUE(all_close(a.parameter("in_proj_weight"), c.parameter("in_proj_weight"), 0.0, "reset"));
+
+  // out_proj.weight [D, H·Ev]: the bound follows its input width H·Ev = 8, not D.
+  MultiheadAttention<double> e(config(D, 4, true, 0, 0, 8, 2), 5);
+  EXPECT_LE(max_abs(e.parameter("out_proj.weight").view<2>()), 1.0 / std::sqrt(8.0));
+  EXPECT_GT(max_abs(e.parameter("out_proj.weight").view<2>()), 0.9 / std::sqrt(8.0));
 
   // Separate projections: each gets Xavier bounds from its own fans.
   MultiheadAttention<double> s(config(8, 2, true, 24, 40), 1);
