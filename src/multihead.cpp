@@ -358,7 +358,17 @@ void forward_impl(const MultiheadAttention<T>& layer, const Checker& c, View3<co
     c.writable(avg_weights, "avg_weights");
   }
   if (!masks.attn_mask.empty()) c.broadcastable(masks.attn_mask, "attn_mask", full);
-  if (!masks.attn_bias.empty()) c.broadcastable(masks.attn_bias, "attn_bias", full);
+  if (!masks.attn_bias.empty()) {
+    c.broadcastable(masks.attn_bias, "attn_bias", full);
+    const auto& ab = masks.attn_bias;
+    for (int64_t b = 0; b < ab.dim(0); ++b)
+      for (int64_t h = 0; h < ab.dim(1); ++h)
+        for (int64_t i = 0; i < ab.dim(2); ++i)
+          for (int64_t j = 0; j < ab.dim(3); ++j)
+            if (const double z = double(ab(b, h, i, j)); std::isnan(z) || (std::isinf(z) && z > 0))
+              c.fail("argument 'attn_bias' contains NaN or +Inf at " + shape_str({b, h, i, j}) +
+                     " (only -Inf is allowed, as a mask)");
+  }
   if (!masks.key_padding_mask.empty()) c.shape(masks.key_padding_mask, "key_padding_mask", {B, S}, "(B, S) = " + shape_str({B, S}));
   if (!masks.key_lengths.empty()) {
     c.shape(masks.key_lengths, "key_lengths", {B}, "(B) = " + shape_str({B}));

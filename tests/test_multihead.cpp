@@ -721,6 +721,15 @@ TEST_F(ErrorFixture, ForwardMasksAndOptions) {
   mk.attn_bias = ab.view4();
   EXPECT_TRUE(throws_with([&] { m.forward(cq(), ck(), cv(), y.view<3>(), mk); },
                           {fn, "'attn_bias' has shape (3, 1, 1, 6)", "(2, 2, 3, 6) or 1"}));
+  Tensor<float> ab2{1, 1, 3, 6};
+  ab2[4] = std::numeric_limits<float>::quiet_NaN();
+  mk.attn_bias = ab2.view4();
+  EXPECT_TRUE(throws_with([&] { m.forward(cq(), ck(), cv(), y.view<3>(), mk); },
+                          {fn, "'attn_bias' contains NaN or +Inf at (0, 0, 0, 4)"}));
+  ab2[4] = std::numeric_limits<float>::infinity();
+  EXPECT_TRUE(throws_with([&] { m.forward(cq(), ck(), cv(), y.view<3>(), mk); }, {fn, "'attn_bias'", "+Inf"}));
+  ab2[4] = -std::numeric_limits<float>::infinity();  // -inf masks the key
+  EXPECT_NO_THROW(m.forward(cq(), ck(), cv(), y.view<3>(), mk));
   Tensor<bool> kpm{2, 3};
   mk = {};
   mk.key_padding_mask = kpm.view<2>();
