@@ -1003,6 +1003,11 @@ TEST(MultiheadAttentionLayout, CacheOwnsItsInputs) {
   m.backward(cache, v3(std::as_const(G)), v3(dx2));
   EXPECT_TRUE(all_close(dx2, dx1, 0.0, "dx after the input buffer changed"));
   EXPECT_TRUE(all_close(cache.query, x_saved, 0.0, "cached input"));
+  // The cache's own saved input may be fed back into a forward that refills it.
+  Tensor<double> y_again({2, 3, 4});
+  m.forward_self(cache.query.view<3>(), v3(y_again), {}, {}, &cache);
+  EXPECT_TRUE(all_close(y_again, y, 0.0, "forward from the cache's own input"));
+  EXPECT_TRUE(all_close(cache.query, x_saved, 0.0, "cached input after refill"));
 }
 
 // ---------------------------------------------------------------------------
