@@ -12,7 +12,7 @@
 int main(int argc, char** argv) {
   namespace nn = attn::nn;
   nn::TrainConfig c;
-  std::string task = "reverse", positions = "sinusoidal", scale = "default";
+  std::string task = "reverse", positions = "rope", scale = "default";
   CLI::App app{"Train a small transformer on a synthetic task (copy, reverse, sort, recall)."};
   app.add_option("--task", task, "copy | reverse | sort | recall")->capture_default_str();
   app.add_option("--length", c.task.length, "items per example (key-value pairs for recall)")->capture_default_str();

@@ -135,6 +135,7 @@ nn::TrainConfig tiny_config() {
   c.layers = 2;
   c.dim = 32;
   c.heads = 2;
+  c.positions = nn::Positions::sinusoidal;
   c.steps = 150;
   c.warmup = 20;
   c.batch = 16;

@@ -25,7 +25,7 @@ struct TrainConfig {
   TaskConfig task;
   // model
   int64_t layers = 2, dim = 64, heads = 4;
-  Positions positions = Positions::sinusoidal;
+  Positions positions = Positions::rope;  // the one encoding that learns both reverse and recall fast
   bool causal = false;
   bool scale_none = false;  // scores not divided by √d_k
   // optimisation
