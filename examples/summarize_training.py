@@ -35,7 +35,7 @@ for n in names:
 scale = [n for n in names if n.startswith("scale_")]
 if scale:
     print()
-    print("| run | score std at init | mean top weight at init | mean |dL/dW_Q| steps 1-10 | mean |dL/dW_K| steps 1-10 | loss @1 | loss @50 | loss @100 | loss @300 |")
+    print("| run | score std at init | mean top weight at init | mean ‖dL/dW_Q‖ steps 1-10 | mean ‖dL/dW_K‖ steps 1-10 | loss @1 | loss @50 | loss @100 | loss @300 |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for n in scale:
         rows = curve(n)
