@@ -8,6 +8,7 @@
 #include <string>
 
 #include "attn/nn.hpp"
+#include "plot_png.hpp"
 
 int main(int argc, char** argv) {
   namespace nn = attn::nn;
@@ -43,6 +44,8 @@ int main(int argc, char** argv) {
   app.add_option("--save-every", c.save_every)->capture_default_str();
   app.add_option("--resume", c.resume_path, "continue from this checkpoint");
   app.add_option("--csv", c.csv_path, "write the per-step curve here");
+  std::string png_path;
+  app.add_option("--png", png_path, "plot loss and accuracy (batch and held-out) here");
   CLI11_PARSE(app, argc, argv);
 
   try {
@@ -77,12 +80,29 @@ int main(int argc, char** argv) {
                 static_cast<long long>(res.start_step), static_cast<long long>(res.start_step + res.steps_done),
                 res.seconds);
     std::printf("at start: score std %.4f, mean top attention weight %.4f\n", res.init_score_std, res.init_top_weight);
+    if (!png_path.empty()) {
+      plot::Series loss{"loss", {}, {}}, acc{"token acc", {}, {}}, held{"held-out acc", {}, {}};
+      for (const auto& r : res.curve) {
+        loss.x.push_back(double(r.step + 1));
+        loss.y.push_back(r.loss);
+        acc.x.push_back(double(r.step + 1));
+        acc.y.push_back(r.token_acc);
+        if (r.eval_token_acc >= 0) {
+          held.x.push_back(double(r.step + 1));
+          held.y.push_back(r.eval_token_acc);
+        }
+      }
+      plot::write_line_plot(png_path, {loss, acc, held}, false, "training curve: loss and token accuracy by step");
+    }
     std::printf("held-out (%lld examples): loss %.4f, token accuracy %.4f, exact-sequence accuracy %.4f\n",
                 static_cast<long long>(res.final_eval.examples), res.final_eval.loss, res.final_eval.token_acc,
                 res.final_eval.seq_acc);
   } catch (const attn::Error& e) {
     std::cerr << "train: " << e.what() << '\n';
     return 2;
+  } catch (const std::runtime_error& e) {
+    std::cerr << "train: " << e.what() << '\n';
+    return 1;
   }
   return 0;
 }
