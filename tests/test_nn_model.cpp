@@ -88,6 +88,42 @@ TEST(NnTransformer, SeededInitIsReproducible) {
   EXPECT_EQ(a.num_parameters(), 160 + 128 + 2 * (64 + 1088 + 2128) + 32 + 170);
 }
 
+TEST(NnTransformer, ReturnsEveryLayersAttention) {
+  // The weights a heatmap draws: one (B, H, N, N) tensor per layer, rows on
+  // the probability simplex, zero above the diagonal when causal.
+  nn::ModelConfig mc;
+  mc.vocab = 6;
+  mc.max_len = 5;
+  mc.dim = 8;
+  mc.heads = 2;
+  mc.layers = 3;
+  mc.causal = true;
+  nn::Transformer<double> model(mc, 2);
+  const int32_t tokens[10] = {1, 2, 3, 4, 5, 0, 1, 2, 3, 4};
+  Tensor<double> logits, again;
+  std::vector<Tensor<double>> att;
+  model.forward(tokens, 2, 5, logits, &att);
+  model.forward(tokens, 2, 5, again);
+  EXPECT_TRUE(attn::testing::all_close(again, logits, 0.0, "logits with and without capture"));
+  ASSERT_EQ(att.size(), 3u);
+  for (const auto& a : att) {
+    ASSERT_EQ(a.shape(), (std::vector<int64_t>{2, 2, 5, 5}));
+    for (int64_t r = 0; r < 2 * 2 * 5; ++r) {
+      const int64_t i = r % 5;
+      double sum = 0;
+      for (int64_t j = 0; j < 5; ++j) {
+        const double w = a[size_t(r * 5 + j)];
+        if (j > i) {
+          EXPECT_EQ(w, 0.0);
+        }
+        EXPECT_GE(w, 0.0);
+        sum += w;
+      }
+      EXPECT_NEAR(sum, 1.0, 1e-12);
+    }
+  }
+}
+
 TEST(NnTransformer, RejectsBadConfigAndInput) {
   nn::ModelConfig mc;
   mc.vocab = 5;
