@@ -3,7 +3,7 @@
 markdown tables (standard library only). Usage: summarize_training.py DIR"""
 import csv, glob, os, re, statistics, sys
 
-d = sys.argv[1] if len(sys.argv) > 1 else "train-experiments"
+d = sys.argv[1] if len(sys.argv) > 1 else "build/train-experiments"
 
 def curve(name):
     with open(os.path.join(d, name + ".csv")) as f:
