@@ -31,9 +31,11 @@ using attn::testing::tolerance;
 #ifdef __OPTIMIZE__
 constexpr int kCases = 70;
 constexpr double kWorkBudget = 3e7;  // L·S·max(E, Ev)·B·H per case
+constexpr int64_t kWideE = 256;      // head size of the long corner case
 #else
 constexpr int kCases = 16;
 constexpr double kWorkBudget = 2e6;
+constexpr int64_t kWideE = 16;
 #endif
 
 // A (B, H, N, F) buffer in one of three physical layouts.
@@ -319,7 +321,7 @@ TEST(Fused, MatchesReferenceOnCorners) {
   c.align = CausalAlign::bottom_right, c.mask = 2, c.layout = Layout::strided, c.threads = 2;
   cases.push_back(c);  // B·Hkv = 8: the backward's head-owning mode
   c = Case{};
-  c.L = 267, c.S = 1030, c.E = 256, c.Ev = 1, c.threads = 2;
+  c.L = 267, c.S = 1030, c.E = kWideE, c.Ev = 1, c.threads = 2;
   cases.push_back(c);
   uint64_t seed = 7;
   for (auto& cs : cases) {
