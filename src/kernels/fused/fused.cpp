@@ -190,9 +190,15 @@ void ExpArray(const float* x, float* y, int64_t n) {
 //   s  [qb × kbp]  scores → probabilities vb [kb × Evp]  values
 //   dp [qb × kbp]  dP → dS (bwd)          dk [kb × Ep], dv [kb × Evp] (bwd)
 //   dq [qb × Ep]   dQ tile (bwd)          acc: dbias tile (bwd)
+// The forward works on transposed scores (keys × queries), so the queries
+// are packed transposed once per unit and the keys are read in place:
+//   qt [E × qbp]   queries × scale, transposed
+//   st_t [kb × qbp] scores → probabilities, transposed
+//   colv [4 × qbp] per-query tile max, shift, rescale factor, tile sum
 struct Scratch {
-  int64_t qb, kb, kbp, Ep, Evp;
+  int64_t qb, kb, kbp, Ep, Evp, qbp = 0;
   hwy::AlignedFreeUniquePtr<float[]> q, kt, vb, s, o, dy, vt, kb_rows, dp, dk, dv, dq, acc;
+  hwy::AlignedFreeUniquePtr<float[]> qt, st_t, colv;
   std::vector<os::State<float>> st;
   std::vector<float> lse, D;
 
@@ -209,15 +215,19 @@ struct Scratch {
     kbp = round_up(kb, lanes);
     Ep = round_up(p.E, lanes);
     Evp = round_up(p.Ev, lanes);
-    q = alloc(qb * Ep);
-    kt = alloc(p.E * kbp);
-    s = alloc(qb * kbp);
     st.resize(size_t(qb));
     lse.resize(size_t(qb));
     if (!backward) {
+      qbp = round_up(qb, lanes);
+      qt = alloc(p.E * qbp);
+      st_t = alloc(kb * qbp);
       vb = alloc(kb * Evp);
       o = alloc(qb * Evp);
+      colv = alloc(4 * qbp);
     } else {
+      q = alloc(qb * Ep);
+      kt = alloc(p.E * kbp);
+      s = alloc(qb * kbp);
       dy = alloc(qb * Evp);
       vt = alloc(p.Ev * kbp);
       kb_rows = alloc(kb * Ep);
@@ -314,25 +324,6 @@ void ScoreTile(const Call& c, Scratch& w, int64_t b, int64_t h, int64_t i0, int6
   }
 }
 
-// Row r of s becomes exp(s − shift) with shift from the online softmax;
-// returns the accumulator's rescale factor.
-float SoftmaxRowUpdate(float* row, int64_t nkp, os::State<float>& st) {
-  const DF d;
-  const int64_t N = int64_t(hn::Lanes(d));
-  VF vmax = hn::Set(d, kNegInf);
-  for (int64_t j = 0; j < nkp; j += N) vmax = hn::Max(vmax, hn::Load(d, row + j));
-  const os::Step<float> step = os::begin_tile(st, hn::GetLane(hn::MaxOfLanes(d, vmax)));
-  const VF shift = hn::Set(d, step.shift);
-  VF vsum = hn::Zero(d);
-  for (int64_t j = 0; j < nkp; j += N) {
-    const VF pj = hn::Exp(d, hn::Sub(hn::Load(d, row + j), shift));  // p = exp(s − max); 0 if masked
-    hn::Store(pj, d, row + j);
-    vsum = hn::Add(vsum, pj);
-  }
-  os::end_tile(st, hn::GetLane(hn::SumOfLanes(d, vsum)));
-  return step.alpha;
-}
-
 // Row of s becomes exp(s − lse) (0 everywhere for a fully masked row).
 void ProbRow(float* row, int64_t nkp, float lse) {
   const DF d;
@@ -351,26 +342,119 @@ void ScaleRow(float* row, int64_t n, float f) {
 
 // ---- forward ---------------------------------------------------------------
 
+// qt[e][r] = scale · Q(b, h, i0 + r, e); columns nr..qbp are zero.
+void PackQt(const Call& c, Scratch& w, int64_t b, int64_t h, int64_t i0, int64_t nr) {
+  const auto& Q = c.a->q;
+  const int64_t E = c.p->E, se = Q.strides[3];
+  float* qt = w.qt.get();
+  for (int64_t r = 0; r < nr; ++r) {
+    const float* src = &Q(b, h, i0 + r, 0);
+    for (int64_t e = 0; e < E; ++e) qt[e * w.qbp + r] = c.scale * src[e * se];
+  }
+  for (int64_t e = 0; e < E; ++e) std::fill(qt + e * w.qbp + nr, qt + (e + 1) * w.qbp, 0.0f);
+}
+
+// Transposed score tile: st_t[jj][r] = scale·q_r·k_j + bias for keys
+// j0..j0+nk against the unit's queries i0..i0+nr; −∞ where masked and in the
+// padding columns up to nrp. K is read in place.
+void ScoreTileT(const Call& c, Scratch& w, int64_t b, int64_t h, int64_t i0, int64_t nr, int64_t nrp,
+                int64_t j0, int64_t nk) {
+  const Problem& p = *c.p;
+  const auto& K = c.a->k;
+  const int64_t hk = p.kv_head(h);
+  Gemm(nk, nrp, p.E, &K(b, hk, j0, 0), K.strides[2], K.strides[3], w.qt.get(), w.qbp, w.st_t.get(), w.qbp,
+       false);
+  const auto& bias = c.a->bias;
+  const auto& mask = c.a->mask;
+  for (int64_t jj = 0; jj < nk; ++jj) {
+    const int64_t j = j0 + jj;
+    float* row = w.st_t.get() + jj * w.qbp;
+    // Query i sees key j iff i >= first_row_seeing(j) (and j < key length,
+    // which the caller's key range already ensures).
+    const int64_t first = std::clamp<int64_t>(first_row_seeing(p, j) - i0, 0, nr);
+    std::fill(row, row + first, kNegInf);
+    if (!bias.empty()) {
+      const float* bj = bias.data + bcast(b, bias.dim(0)) * bias.strides[0] +
+                        bcast(h, bias.dim(1)) * bias.strides[1] + bcast(j, bias.dim(3)) * bias.strides[3];
+      const int64_t si = bias.dim(2) == 1 ? 0 : bias.strides[2];
+      for (int64_t r = first; r < nr; ++r) row[r] += bj[(i0 + r) * si];
+    }
+    if (!mask.empty()) {
+      const bool* mj = mask.data + bcast(b, mask.dim(0)) * mask.strides[0] +
+                       bcast(h, mask.dim(1)) * mask.strides[1] + bcast(j, mask.dim(3)) * mask.strides[3];
+      const int64_t si = mask.dim(2) == 1 ? 0 : mask.strides[2];
+      for (int64_t r = first; r < nr; ++r)
+        if (!mj[(i0 + r) * si]) row[r] = kNegInf;
+    }
+    std::fill(row + nr, row + nrp, kNegInf);
+  }
+}
+
+// Folds a transposed tile into the per-query online softmax: st_t becomes
+// exp(s − shift) and colv[2·qbp ..] holds each query's rescale factor.
+void SoftmaxTileT(Scratch& w, int64_t nr, int64_t nrp, int64_t nk) {
+  const DF d;
+  const int64_t N = int64_t(hn::Lanes(d));
+  float* tmax = w.colv.get();
+  float* shift = tmax + w.qbp;
+  float* alpha = shift + w.qbp;
+  float* tsum = alpha + w.qbp;
+  const float* st = w.st_t.get();
+  for (int64_t r = 0; r < nrp; r += N) {  // column maxima
+    VF m = hn::Set(d, kNegInf);
+    for (int64_t jj = 0; jj < nk; ++jj) m = hn::Max(m, hn::Load(d, st + jj * w.qbp + r));
+    hn::Store(m, d, tmax + r);
+  }
+  for (int64_t r = 0; r < nr; ++r) {
+    const os::Step<float> step = os::begin_tile(w.st[size_t(r)], tmax[r]);
+    alpha[r] = step.alpha;
+    shift[r] = step.shift;
+  }
+  std::fill(shift + nr, shift + nrp, 0.0f);
+  for (int64_t r = 0; r < nrp; r += N) {
+    const VF shr = hn::Load(d, shift + r);
+    VF sum = hn::Zero(d);
+    for (int64_t jj = 0; jj < nk; ++jj) {
+      float* x = w.st_t.get() + jj * w.qbp + r;
+      const VF pj = hn::Exp(d, hn::Sub(hn::Load(d, x), shr));  // p = exp(s − max); 0 if masked
+      hn::Store(pj, d, x);
+      sum = hn::Add(sum, pj);
+    }
+    hn::Store(sum, d, tsum + r);
+  }
+  for (int64_t r = 0; r < nr; ++r) os::end_tile(w.st[size_t(r)], tsum[r]);
+}
+
 void ForwardUnit(const Call& c, Scratch& w, int64_t b, int64_t h, int64_t i0, int64_t nr,
                  View4<float> out, View4<float> weights, View3<float> lse) {
   const Problem& p = *c.p;
+  const auto& V = c.a->v;
   const int64_t hk = p.kv_head(h), lanes = int64_t(hn::Lanes(DF()));
+  const int64_t nrp = round_up(nr, lanes);
   const int64_t kend = row_end(c, b, i0 + nr - 1);  // no row of the block sees keys beyond
-  PackQ(c, w, b, h, i0, nr);
+  // V is used in place when its rows are dense and a whole number of vectors.
+  const bool v_in_place = V.strides[3] == 1 && p.Ev == w.Evp && V.strides[2] % lanes == 0;
+  PackQt(c, w, b, h, i0, nr);
   std::fill(w.o.get(), w.o.get() + nr * w.Evp, 0.0f);
   for (int64_t r = 0; r < nr; ++r) w.st[size_t(r)] = os::State<float>{};
 
   for (int64_t j0 = 0; j0 < kend; j0 += w.kb) {
-    const int64_t nk = std::min(w.kb, kend - j0), nkp = round_up(nk, lanes);
-    PackKt(c, w, b, hk, j0, nk);
-    ScoreTile(c, w, b, h, i0, nr, j0, nk, nkp);
-    for (int64_t r = 0; r < nr; ++r) {
-      const float alpha = SoftmaxRowUpdate(w.s.get() + r * w.kbp, nkp, w.st[size_t(r)]);
-      if (alpha != 1.0f) ScaleRow(w.o.get() + r * w.Evp, w.Evp, alpha);  // acc <- acc · alpha
+    const int64_t nk = std::min(w.kb, kend - j0);
+    ScoreTileT(c, w, b, h, i0, nr, nrp, j0, nk);
+    SoftmaxTileT(w, nr, nrp, nk);
+    const float* alpha = w.colv.get() + 2 * w.qbp;
+    for (int64_t r = 0; r < nr; ++r)
+      if (alpha[r] != 1.0f) ScaleRow(w.o.get() + r * w.Evp, w.Evp, alpha[r]);  // acc <- acc · alpha
+    const float* vb = w.vb.get();
+    int64_t ldv = w.Evp;
+    if (v_in_place) {
+      vb = &V(b, hk, j0, 0);
+      ldv = V.strides[2];
+    } else {
+      PackRows(V, b, hk, j0, nk, w.vb.get(), w.Evp);
     }
-    PackRows(c.a->v, b, hk, j0, nk, w.vb.get(), w.Evp);
-    // o += P·V
-    Gemm(nr, w.Evp, nk, w.s.get(), w.kbp, 1, w.vb.get(), w.Evp, w.o.get(), w.Evp, true);
+    // o += P·V, with P(r, jj) = st_t[jj][r]
+    Gemm(nr, w.Evp, nk, w.st_t.get(), 1, w.qbp, vb, ldv, w.o.get(), w.Evp, true);
   }
 
   for (int64_t r = 0; r < nr; ++r) {
@@ -385,20 +469,28 @@ void ForwardUnit(const Call& c, Scratch& w, int64_t b, int64_t h, int64_t i0, in
 
   if (weights.empty()) return;
   // Second pass: weights = exp(S − lse), zero beyond the visible keys.
+  const DF d;
+  float* shift = w.colv.get() + w.qbp;
+  for (int64_t r = 0; r < nrp; ++r) shift[r] = r < nr ? os::lse_shift(w.lse[size_t(r)]) : 0.0f;
+  const int64_t sj = weights.strides[3];
   for (int64_t j0 = 0; j0 < p.S; j0 += w.kb) {
-    const int64_t nk = std::min(w.kb, p.S - j0), nkp = round_up(nk, lanes);
+    const int64_t nk = std::min(w.kb, p.S - j0);
     if (j0 < kend) {
-      PackKt(c, w, b, hk, j0, nk);
-      ScoreTile(c, w, b, h, i0, nr, j0, nk, nkp);
-      for (int64_t r = 0; r < nr; ++r) ProbRow(w.s.get() + r * w.kbp, nkp, w.lse[size_t(r)]);
+      const int64_t nkv = std::min(nk, kend - j0);
+      ScoreTileT(c, w, b, h, i0, nr, nrp, j0, nkv);
+      for (int64_t jj = 0; jj < nkv; ++jj)
+        for (int64_t r = 0; r < nrp; r += lanes) {
+          float* x = w.st_t.get() + jj * w.qbp + r;
+          hn::Store(hn::Exp(d, hn::Sub(hn::Load(d, x), hn::Load(d, shift + r))), d, x);
+        }
+      for (int64_t jj = nkv; jj < nk; ++jj) std::fill(w.st_t.get() + jj * w.qbp, w.st_t.get() + (jj + 1) * w.qbp, 0.0f);
     } else {
-      std::fill(w.s.get(), w.s.get() + nr * w.kbp, 0.0f);
+      std::fill(w.st_t.get(), w.st_t.get() + nk * w.qbp, 0.0f);
     }
-    const int64_t sj = weights.strides[3];
     for (int64_t r = 0; r < nr; ++r) {
       float* dst = &weights(b, h, i0 + r, j0);
-      const float* src = w.s.get() + r * w.kbp;
-      for (int64_t jj = 0; jj < nk; ++jj) dst[jj * sj] = src[jj];
+      const float* src = w.st_t.get() + r;
+      for (int64_t jj = 0; jj < nk; ++jj) dst[jj * sj] = src[jj * w.qbp];
     }
   }
 }
