@@ -13,7 +13,7 @@
 // same run, the peak resident memory during the case and the time ratio to
 // the fused backend. The reference is only timed up to --ref-max-len (it
 // materialises L×S in double and takes minutes beyond).
-#include <sys/resource.h>
+#include <time.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
@@ -54,6 +54,12 @@ void reset_peak_rss() {
   f << "5";  // resets VmHWM to the current RSS
 }
 double mib(int64_t kib) { return double(kib) / 1024.0; }
+// CPU time of all the process's threads (precise, unlike getrusage's ticks).
+double cpu_seconds() {
+  timespec ts{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return double(ts.tv_sec) + 1e-9 * double(ts.tv_nsec);
+}
 
 std::string cpu_model() {
   std::ifstream f("/proc/cpuinfo");
@@ -118,7 +124,7 @@ struct Row {
   bool causal;
   std::string mode, backend;
   int threads;
-  double median_s, gflops, pct_peak, peak_gflops, peak_rss_mib, extra_mib, vs_fused;
+  double median_s, gflops, pct_peak, peak_gflops, peak_rss_mib, extra_mib, vs_fused, cpu_s, cpu_eff;
   int reps;
   std::string check;
 };
@@ -130,8 +136,24 @@ double flops(const Config& c, int64_t L, bool causal, const std::string& mode) {
   return f;
 }
 
+// Tile sizes forced for the fused backend (tuning; {0, 0} = the heuristic).
+attn::detail::FusedTiles g_tiles;
+
 // Runs one forward (+ backward) of the case.
 void run_once(Buffers& buf, Backend be, bool causal, int threads, bool bwd) {
+  if (be == Backend::fused && g_tiles.q_block > 0) {
+    attn::detail::Problem p;
+    p.B = buf.B, p.H = p.Hkv = buf.H, p.L = buf.L, p.S = buf.S, p.E = p.Ev = buf.E;
+    p.scale = 1.0 / std::sqrt(double(buf.E));
+    p.causal = causal;
+    p.threads = threads;
+    const auto a = buf.args();
+    attn::detail::fused_forward_tiled(p, a, buf.out.view4(), {}, buf.lse.view<3>(), g_tiles);
+    if (bwd)
+      attn::detail::fused_backward_tiled(p, a, buf.dout.view4(), buf.grads(), buf.out.view4(), buf.lse.view<3>(),
+                                         g_tiles);
+    return;
+  }
   attn::SdpaOptions opt;
   opt.backend = be;
   opt.causal = causal;
@@ -212,9 +234,9 @@ std::string validate(Buffers& buf, Backend be, bool causal, bool bwd, const Conf
 }
 
 void print_row(const Row& r) {
-  std::printf("%6lld %-6s %-7s %2d %-9s %10.2f %9.1f %6.1f%% %6.1f %9.1f %8.1f %8s %s\n", (long long)r.L,
+  std::printf("%6lld %-6s %-7s %2d %-9s %10.2f %9.1f %6.1f%% %6.1f %6.1f%% %9.1f %8.1f %8s %s\n", (long long)r.L,
               r.causal ? "causal" : "full", r.mode.c_str(), r.threads, r.backend.c_str(), r.median_s * 1e3,
-              r.gflops, r.pct_peak, r.peak_gflops, r.peak_rss_mib, r.extra_mib,
+              r.gflops, r.pct_peak, r.peak_gflops, r.cpu_eff, r.peak_rss_mib, r.extra_mib,
               r.vs_fused > 0 ? (std::to_string(r.vs_fused).substr(0, 6) + "x").c_str() : "-", r.check.c_str());
   std::fflush(stdout);
 }
@@ -238,7 +260,10 @@ int main(int argc, char** argv) {
   app.add_option("--json", c.json, "also write the results as JSON to this file ('-' = stdout only)");
   app.add_option("--memory-len", c.memory_len,
                  "instead: one causal forward at L = S = this, reporting peak memory against inputs+outputs");
+  std::vector<int64_t> tiles;
+  app.add_option("--tiles", tiles, "force the fused tiles q_block,k_block (tuning)")->delimiter(',')->expected(2);
   CLI11_PARSE(app, argc, argv);
+  if (tiles.size() == 2) g_tiles = {tiles[0], tiles[1]};
   const bool quiet = c.json == "-";
   auto say = [&](const char* fmt, auto... args) {
     if (!quiet) std::printf(fmt, args...);
@@ -289,8 +314,8 @@ int main(int argc, char** argv) {
     say("FMA peak, %d thread(s): %.1f GFLOP/s (re-measured next to every case: column 'peak')\n", t, peak[t]);
     doc["fma_peak_gflops"][std::to_string(t)] = peak[t];
   }
-  say("\n%6s %-6s %-7s %2s %-9s %10s %9s %7s %6s %9s %8s %8s %s\n", "L=S", "mask", "mode", "th", "backend",
-      "median ms", "GFLOP/s", "%peak", "peak", "peak MiB", "extraMiB", "vs fused", "validation");
+  say("\n%6s %-6s %-7s %2s %-9s %10s %9s %7s %6s %7s %9s %8s %8s %s\n", "L=S", "mask", "mode", "th", "backend",
+      "median ms", "GFLOP/s", "%peak", "peak", "%cpu-pk", "peak MiB", "extraMiB", "vs fused", "validation");
 
   std::vector<Row> rows;
   for (int64_t L : c.lengths) {
@@ -329,16 +354,20 @@ int main(int argc, char** argv) {
             else if (slowest > 5) reps = std::min(reps, 3);
           }
           // The machine may be shared: measure the peak again right next to the case.
+          double core_peak = 0;  // GFLOP per CPU-second of one core
           const double case_peak = std::max(attn_bench::fma_peak_gflops(t, 0.1), 1e-9);
-          std::vector<std::vector<double>> times(bes.size());
+          attn_bench::fma_peak_gflops(1, 0.1, &core_peak);
+          std::vector<std::vector<double>> times(bes.size()), cpu(bes.size());
           std::vector<double> peak_mib(bes.size(), 0), extra(bes.size(), 0);
           for (int r = 0; r < reps; ++r)
             for (size_t b = 0; b < bes.size(); ++b) {
               reset_peak_rss();
               const int64_t before = status_kib("VmRSS:");
               const auto t0 = Clock::now();
+              const double c0 = cpu_seconds();
               run_once(buf, bes[b], causal, t, bwd);
               times[b].push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+              cpu[b].push_back(cpu_seconds() - c0);
               const int64_t hwm = status_kib("VmHWM:");
               peak_mib[b] = std::max(peak_mib[b], mib(hwm));
               extra[b] = std::max(extra[b], mib(hwm - before));
@@ -357,6 +386,8 @@ int main(int argc, char** argv) {
             row.gflops = flops(c, L, causal, mode) / row.median_s * 1e-9;
             row.pct_peak = 100.0 * row.gflops / case_peak;
             row.peak_gflops = case_peak;
+            row.cpu_s = median(cpu[b]);
+            row.cpu_eff = 100.0 * flops(c, L, causal, mode) * 1e-9 / row.cpu_s / std::max(core_peak, 1e-9);
             row.peak_rss_mib = peak_mib[b];
             row.extra_mib = extra[b];
             row.vs_fused = fused_med > 0 ? row.median_s / fused_med : 0;
@@ -368,6 +399,7 @@ int main(int argc, char** argv) {
                                       {"causal", row.causal}, {"mode", row.mode}, {"backend", row.backend},
                                       {"threads", row.threads}, {"median_s", row.median_s},
                                       {"gflops", row.gflops}, {"pct_fma_peak", row.pct_peak}, {"fma_peak_gflops", row.peak_gflops},
+                                      {"cpu_s", row.cpu_s}, {"pct_core_peak_per_cpu_second", row.cpu_eff},
                                       {"peak_rss_mib", row.peak_rss_mib}, {"extra_rss_mib", row.extra_mib},
                                       {"time_vs_fused", row.vs_fused}, {"reps", row.reps},
                                       {"validation", row.check}});

@@ -749,6 +749,11 @@ void BackwardImpl(const Problem& p, const SdpaArgs<float>& a, View4<const float>
 
 const char* TargetNameImpl() { return hwy::TargetName(HWY_TARGET); }
 
+void GemmImpl(int64_t M, int64_t N, int64_t K, const float* A, int64_t ars, int64_t aks, const float* B,
+              int64_t ldb, float* C, int64_t ldc, bool accumulate) {
+  Gemm(M, N, K, A, ars, aks, B, ldb, C, ldc, accumulate);
+}
+
 }  // namespace
 }  // namespace HWY_NAMESPACE
 }  // namespace attn::detail
@@ -761,21 +766,30 @@ HWY_EXPORT(ForwardImpl);
 HWY_EXPORT(BackwardImpl);
 HWY_EXPORT(ExpArray);
 HWY_EXPORT(TargetNameImpl);
+HWY_EXPORT(GemmImpl);
+
+void fused_gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t ars, int64_t aks, const float* B,
+                int64_t ldb, float* C, int64_t ldc, bool accumulate) {
+  HWY_DYNAMIC_DISPATCH(GemmImpl)(M, N, K, A, ars, aks, B, ldb, C, ldc, accumulate);
+}
+
 
 bool fused_available() { return true; }
 bool fused_supports(const Problem&, const SdpaArgs<float>&, bool) { return true; }
 
 FusedTiles fused_tiles(const Problem& p) {
-  // q_block: a multiple of both micro-kernel heights (6 and 12); larger
-  // blocks re-read K and V less often, smaller ones waste less on the causal
-  // diagonal and give more units. k_block: the key/value tiles and the score
-  // tile stay within about 256 KiB (half of a typical L2).
+  // q_block: the queries of a unit, and the vector dimension of the
+  // transposed score tile (a multiple of 16 lanes); larger blocks re-read K
+  // and V less often, smaller ones waste less on the causal diagonal and
+  // give more units. k_block: a multiple of both micro-kernel heights (6 and
+  // 12), as large as keeps the key/value tiles and the score tile within
+  // about 256 KiB (half of a typical L2).
   FusedTiles t;
-  t.q_block = p.L <= 48 ? 12 * fused_common::ceil_div(p.L, 12) : 96;
+  t.q_block = p.L <= 80 ? 16 * fused_common::ceil_div(p.L, 16) : 96;
   const int64_t budget = 256 * 1024 / 4;  // floats
-  int64_t kb = 256;
-  while (kb > 16 && kb * (p.E + p.Ev) * 2 + t.q_block * kb * 2 > budget) kb /= 2;
-  t.k_block = std::min<int64_t>(kb, fused_common::round_up(p.S, 16));
+  int64_t kb = 240;
+  while (kb > 12 && kb * (p.E + p.Ev) * 2 + t.q_block * kb * 2 > budget) kb -= 48;
+  t.k_block = std::min<int64_t>(std::max<int64_t>(kb, 12), fused_common::round_up(p.S, 12));
   return t;
 }
 

@@ -41,6 +41,11 @@ void fused_backward_tiled(const Problem& p, const SdpaArgs<float>& a, View4<cons
 
 // The SIMD target the kernels dispatch to on this machine (e.g. "AVX2").
 const char* fused_target_name();
+// The kernels' block product C[M×N] (+)= A·B with A(r, k) = A[r·ars + k·aks]
+// and B, C row-major; N, ldb and ldc must be multiples of 16 (any target's
+// lane count). Exposed for its test and for tuning.
+void fused_gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t ars, int64_t aks, const float* B,
+                int64_t ldb, float* C, int64_t ldc, bool accumulate);
 // exp over n floats with the kernels' vectorised exp (for its accuracy test).
 void fused_exp(const float* x, float* y, int64_t n);
 
