@@ -4,7 +4,7 @@
 # instruction sets (foreach_target.h); the best one the CPU supports is picked
 # at run time (HWY_DYNAMIC_DISPATCH): AVX-512, AVX2, SSE4 and a portable path.
 find_package(hwy REQUIRED)
-target_link_libraries(attn PRIVATE hwy::hwy)
+target_link_libraries(attn PRIVATE $<BUILD_INTERFACE:hwy::hwy>)
 if(NOT BUILD_SHARED_LIBS)
   target_link_libraries(attn INTERFACE $<INSTALL_INTERFACE:hwy>)
 endif()

@@ -468,10 +468,17 @@ void ForwardUnit(const Call& c, Scratch& w, int64_t b, int64_t h, int64_t i0, in
   }
 
   if (weights.empty()) return;
-  // Second pass: weights = exp(S − lse), zero beyond the visible keys.
+  // Second pass: weights = exp(S − max) / sum, zero beyond the visible keys.
+  // (The row's max and sum rather than its lse: max is one of the scores, so
+  // S − max carries no rounding of a large lse.)
   const DF d;
   float* shift = w.colv.get() + w.qbp;
-  for (int64_t r = 0; r < nrp; ++r) shift[r] = r < nr ? os::lse_shift(w.lse[size_t(r)]) : 0.0f;
+  float* inv = shift + w.qbp;
+  for (int64_t r = 0; r < nrp; ++r) {
+    const os::Final<float> f = r < nr ? os::finalize(w.st[size_t(r)]) : os::Final<float>{0.0f, 0.0f};
+    shift[r] = r < nr && f.inv_sum > 0 ? w.st[size_t(r)].max : 0.0f;
+    inv[r] = f.inv_sum;
+  }
   const int64_t sj = weights.strides[3];
   for (int64_t j0 = 0; j0 < p.S; j0 += w.kb) {
     const int64_t nk = std::min(w.kb, p.S - j0);
@@ -481,7 +488,7 @@ void ForwardUnit(const Call& c, Scratch& w, int64_t b, int64_t h, int64_t i0, in
       for (int64_t jj = 0; jj < nkv; ++jj)
         for (int64_t r = 0; r < nrp; r += lanes) {
           float* x = w.st_t.get() + jj * w.qbp + r;
-          hn::Store(hn::Exp(d, hn::Sub(hn::Load(d, x), hn::Load(d, shift + r))), d, x);
+          hn::Store(hn::Mul(hn::Exp(d, hn::Sub(hn::Load(d, x), hn::Load(d, shift + r))), hn::Load(d, inv + r)), d, x);
         }
       for (int64_t jj = nkv; jj < nk; ++jj) std::fill(w.st_t.get() + jj * w.qbp, w.st_t.get() + (jj + 1) * w.qbp, 0.0f);
     } else {
