@@ -449,27 +449,34 @@ TEST(Fused, TileHeuristic) {
 }
 
 TEST(Fused, VectorisedExpIsAccurateToAFewUlp) {
+  // The kernels' exp is for softmax arguments (<= 0, or barely above after
+  // rounding); tested over its whole stated range [-87.3, 88].
   std::vector<float> x;
-  for (float v = -103.0f; v < 88.0f; v += 0.0137f) x.push_back(v);
+  for (float v = -87.3f; v < 88.0f; v += 0.0137f) x.push_back(v);
+  for (float v = -1.0f; v < 1.0f; v += 0.000731f) x.push_back(v);
   x.push_back(0.0f);
   x.push_back(-0.0f);
   x.push_back(1e-30f);
+  x.push_back(-1e-30f);
   std::vector<float> y(x.size());
   attn::detail::fused_exp(x.data(), y.data(), int64_t(x.size()));
   double worst_ulp = 0;
+  float worst_x = 0;
   for (size_t i = 0; i < x.size(); ++i) {
     const double want = std::exp(double(x[i]));
     const float wf = float(want);
-    if (!std::isnormal(wf)) continue;
+    ASSERT_TRUE(std::isnormal(wf)) << x[i];
     const double ulp = double(std::nextafter(wf, std::numeric_limits<float>::infinity()) - wf);
-    worst_ulp = std::max(worst_ulp, std::abs(double(y[i]) - want) / ulp);
+    const double err = std::abs(double(y[i]) - want) / ulp;
+    if (err > worst_ulp) worst_ulp = err, worst_x = x[i];
   }
-  EXPECT_LE(worst_ulp, 4.0);
-  std::printf("vectorised exp: worst error %.2f ulp over %zu points\n", worst_ulp, x.size());
-  // Masked scores: exp(−∞) and exp(very negative) are exactly 0.
-  const float neg[3] = {-std::numeric_limits<float>::infinity(), -1e4f, -200.0f};
-  float out[3] = {1, 1, 1};
-  attn::detail::fused_exp(neg, out, 3);
+  EXPECT_LE(worst_ulp, 4.0) << "at x = " << worst_x;
+  EXPECT_EQ(y[x.size() - 4], 1.0f);  // exp(0) is exactly 1
+  std::printf("vectorised exp: worst error %.2f ulp (at %g) over %zu points\n", worst_ulp, double(worst_x), x.size());
+  // Masked scores and underflow: exp(−∞) and anything below −87.33 are exactly 0.
+  const float neg[5] = {-std::numeric_limits<float>::infinity(), -1e4f, -200.0f, -103.0f, -87.5f};
+  float out[5] = {1, 1, 1, 1, 1};
+  attn::detail::fused_exp(neg, out, 5);
   for (float o : out) EXPECT_EQ(o, 0.0f);
 }
 

@@ -46,7 +46,8 @@ const char* fused_target_name();
 // lane count). Exposed for its test and for tuning.
 void fused_gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t ars, int64_t aks, const float* B,
                 int64_t ldb, float* C, int64_t ldc, bool accumulate);
-// exp over n floats with the kernels' vectorised exp (for its accuracy test).
+// exp over n floats with the kernels' vectorised exp (for its accuracy test):
+// valid for x <= 88, exactly 0 below -87.33 and for -inf.
 void fused_exp(const float* x, float* y, int64_t n);
 
 }  // namespace attn::detail
