@@ -79,16 +79,20 @@ double median(std::vector<double> v) {
 struct Buffers {
   int64_t B, H, L, S, E;
   attn::Tensor<float> q, k, v, dout, out, lse, dq, dk, dv;
-  Buffers(int64_t b, int64_t h, int64_t l, int64_t s, int64_t e) : B(b), H(h), L(l), S(s), E(e) {
+  // Without `backward`, only q, k, v, out and lse are allocated.
+  Buffers(int64_t b, int64_t h, int64_t l, int64_t s, int64_t e, bool backward = true)
+      : B(b), H(h), L(l), S(s), E(e) {
     q = attn::Tensor<float>({B, H, L, E});
     k = attn::Tensor<float>({B, H, S, E});
     v = attn::Tensor<float>({B, H, S, E});
-    dout = attn::Tensor<float>({B, H, L, E});
     out = attn::Tensor<float>({B, H, L, E});
     lse = attn::Tensor<float>({B, H, L});
-    dq = attn::Tensor<float>({B, H, L, E});
-    dk = attn::Tensor<float>({B, H, S, E});
-    dv = attn::Tensor<float>({B, H, S, E});
+    if (backward) {
+      dout = attn::Tensor<float>({B, H, L, E});
+      dq = attn::Tensor<float>({B, H, L, E});
+      dk = attn::Tensor<float>({B, H, S, E});
+      dv = attn::Tensor<float>({B, H, S, E});
+    }
     std::mt19937_64 rng(42);
     std::normal_distribution<float> nd(0.0f, 1.0f);
     for (auto* t : {&q, &k, &v, &dout})
@@ -285,8 +289,9 @@ int main(int argc, char** argv) {
     const int64_t n = c.memory_len;
     reset_peak_rss();
     const int64_t base = status_kib("VmRSS:");
-    Buffers buf(1, c.heads, n, n, c.dim);  // also allocates the gradients (untouched: not resident)
-    const int64_t io_kib = int64_t((buf.q.size() * 4 + buf.out.size() + buf.lse.size()) * sizeof(float) / 1024);
+    Buffers buf(1, c.heads, n, n, c.dim, /*backward=*/false);
+    const int64_t io_kib =
+        int64_t((buf.q.size() + buf.k.size() + buf.v.size() + buf.out.size() + buf.lse.size()) * sizeof(float) / 1024);
     attn::SdpaOptions opt;
     opt.backend = Backend::fused;
     opt.causal = true;
