@@ -3,7 +3,7 @@ BUILD ?= build
 JOBS ?= $(shell nproc)
 CMAKE_FLAGS ?=
 
-.PHONY: deps build demo test test-sanitize install clean
+.PHONY: deps build demo test test-sanitize bench bench-torch install clean
 
 deps:
 	@bash scripts/install-deps.sh
@@ -25,6 +25,15 @@ test-sanitize: deps
 	cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DATTN_SANITIZE=ON -DATTN_BUILD_BENCH=OFF $(CMAKE_FLAGS)
 	cmake --build build-asan -j $(JOBS)
 	cd build-asan && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 ctest --output-on-failure -j $(JOBS)
+
+# Benchmarks (docs/fused.md): validate, then time every backend; writes $(BUILD)/bench.json.
+BENCH_ARGS ?=
+bench: build
+	$(BUILD)/bench/attn-bench --json $(BUILD)/bench.json $(BENCH_ARGS)
+
+# The same shapes against PyTorch's CPU scaled_dot_product_attention (if installed).
+bench-torch: build
+	python3 bench/compare_torch.py --attn-bench $(BUILD)/bench/attn-bench $(BENCH_ARGS)
 
 install: build
 	cmake --install $(BUILD) --prefix $(or $(PREFIX),/usr/local)

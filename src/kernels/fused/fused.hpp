@@ -2,6 +2,8 @@
 // from the dispatch in src/sdpa.cpp after validation.
 #pragma once
 
+#include <cstdint>
+
 #include "attn/sdpa.hpp"
 #include "kernels/problem.hpp"
 
@@ -17,5 +19,35 @@ void fused_forward(const Problem& p, const SdpaArgs<float>& a, View4<float> out,
 // case the backend recomputes what it needs.
 void fused_backward(const Problem& p, const SdpaArgs<float>& a, View4<const float> dout,
                     const SdpaGrads<float>& g, View4<const float> out, View3<const float> lse);
+
+// Tile sizes of the fused kernel: `q_block` query rows are processed against
+// `k_block` keys at a time. They depend only on the problem's shape (never on
+// the thread count), so results are the same for any number of threads.
+struct FusedTiles {
+  int64_t q_block = 0;
+  int64_t k_block = 0;
+};
+// The block-size heuristic (the one place tile sizes are chosen).
+FusedTiles fused_tiles(const Problem& p);
+// Bytes of per-thread scratch the kernels allocate for these tiles.
+int64_t fused_scratch_bytes(const Problem& p, FusedTiles t);
+
+// The same entry points with explicit tiles (for tests and benchmarks).
+void fused_forward_tiled(const Problem& p, const SdpaArgs<float>& a, View4<float> out,
+                         View4<float> weights, View3<float> lse, FusedTiles t);
+void fused_backward_tiled(const Problem& p, const SdpaArgs<float>& a, View4<const float> dout,
+                          const SdpaGrads<float>& g, View4<const float> out,
+                          View3<const float> lse, FusedTiles t);
+
+// The SIMD target the kernels dispatch to on this machine (e.g. "AVX2").
+const char* fused_target_name();
+// The kernels' block product C[M×N] (+)= A·B with A(r, k) = A[r·ars + k·aks]
+// and B, C row-major; N, ldb and ldc must be multiples of 16 (any target's
+// lane count). Exposed for its test and for tuning.
+void fused_gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t ars, int64_t aks, const float* B,
+                int64_t ldb, float* C, int64_t ldc, bool accumulate);
+// exp over n floats with the kernels' vectorised exp (for its accuracy test):
+// valid for x <= 88, exactly 0 below -87.33 and for -inf.
+void fused_exp(const float* x, float* y, int64_t n);
 
 }  // namespace attn::detail

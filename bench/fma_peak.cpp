@@ -1,0 +1,106 @@
+// The machine's FMA throughput, measured: every thread runs independent
+// fused multiply-add chains on the widest vectors the CPU has (Highway's
+// run-time dispatch), enough chains to hide the FMA latency.
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "fma_peak.cpp"
+#include <hwy/foreach_target.h>  // IWYU pragma: keep
+// Must come after foreach_target.h.
+#include <hwy/highway.h>
+#include <omp.h>
+
+#include <time.h>
+
+#include <chrono>
+#include <cstdint>
+
+#include "fma_peak.hpp"
+
+HWY_BEFORE_NAMESPACE();
+namespace attn_bench {
+namespace HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+// Runs `iters` rounds of 12 independent FMAs; returns a value that depends on
+// every chain so the compiler cannot drop them. Adds the FLOPs done to *flops.
+float FmaChains(int64_t iters, float seed, double* flops) {
+  const hn::ScalableTag<float> d;
+  const auto a = hn::Set(d, 0.999999f), b = hn::Set(d, 1e-7f * seed);
+  auto c0 = hn::Set(d, seed), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0, c6 = c0, c7 = c0,
+       c8 = c0, c9 = c0, c10 = c0, c11 = c0;
+  for (int64_t i = 0; i < iters; ++i) {
+    c0 = hn::MulAdd(c0, a, b);
+    c1 = hn::MulAdd(c1, a, b);
+    c2 = hn::MulAdd(c2, a, b);
+    c3 = hn::MulAdd(c3, a, b);
+    c4 = hn::MulAdd(c4, a, b);
+    c5 = hn::MulAdd(c5, a, b);
+    c6 = hn::MulAdd(c6, a, b);
+    c7 = hn::MulAdd(c7, a, b);
+    c8 = hn::MulAdd(c8, a, b);
+    c9 = hn::MulAdd(c9, a, b);
+    c10 = hn::MulAdd(c10, a, b);
+    c11 = hn::MulAdd(c11, a, b);
+  }
+  const auto s = hn::Add(hn::Add(hn::Add(c0, c1), hn::Add(c2, c3)),
+                         hn::Add(hn::Add(hn::Add(c4, c5), hn::Add(c6, c7)),
+                                 hn::Add(hn::Add(c8, c9), hn::Add(c10, c11))));
+  *flops += double(iters) * 12.0 * 2.0 * double(hn::Lanes(d));
+  return hn::GetLane(s);
+}
+
+}  // namespace HWY_NAMESPACE
+}  // namespace attn_bench
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace attn_bench {
+HWY_EXPORT(FmaChains);
+
+namespace {
+// CPU time of all the process's threads (precise, unlike getrusage's ticks).
+double cpu_seconds() {
+  timespec ts{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return double(ts.tv_sec) + 1e-9 * double(ts.tv_nsec);
+}
+}  // namespace
+
+double fma_peak_gflops(int threads, double seconds, double* per_cpu_second) {
+  // Calibrate the iteration count on one thread, then run all threads at once.
+  double f = 0;
+  int64_t iters = 1 << 16;
+  for (;;) {
+    const auto t0 = std::chrono::steady_clock::now();
+    volatile float sink = HWY_DYNAMIC_DISPATCH(FmaChains)(iters, 1.0f, &f);
+    (void)sink;
+    const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (dt > seconds / 4) {
+      iters = int64_t(double(iters) * seconds / dt);
+      break;
+    }
+    iters *= 2;
+  }
+  double best = 0, best_cpu = 0;
+  for (int rep = 0; rep < 3; ++rep) {
+    double total = 0;
+    const double c0 = cpu_seconds();
+    const auto t0 = std::chrono::steady_clock::now();
+#pragma omp parallel num_threads(threads) reduction(+ : total)
+    {
+      double mine = 0;
+      volatile float sink = HWY_DYNAMIC_DISPATCH(FmaChains)(iters, 1.0f + float(omp_get_thread_num()), &mine);
+      (void)sink;
+      total += mine;
+    }
+    const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const double dc = cpu_seconds() - c0;
+    if (total / dt > best) best = total / dt;
+    if (dc > 0 && total / dc > best_cpu) best_cpu = total / dc;
+  }
+  if (per_cpu_second) *per_cpu_second = best_cpu * 1e-9;
+  return best * 1e-9;
+}
+
+
+}  // namespace attn_bench
+#endif
