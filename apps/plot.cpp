@@ -58,7 +58,7 @@ constexpr uint8_t kFont[95][7] = {
     {0x02, 0x00, 0x06, 0x02, 0x02, 0x12, 0x0C}, {0x10, 0x10, 0x12, 0x14, 0x18, 0x14, 0x12},  // j k
     {0x0C, 0x04, 0x04, 0x04, 0x04, 0x04, 0x0E}, {0x00, 0x00, 0x1A, 0x15, 0x15, 0x11, 0x11},  // l m
     {0x00, 0x00, 0x16, 0x19, 0x11, 0x11, 0x11}, {0x00, 0x00, 0x0E, 0x11, 0x11, 0x11, 0x0E},  // n o
-    {0x00, 0x00, 0x1E, 0x11, 0x1E, 0x10, 0x10}, {0x00, 0x00, 0x0D, 0x13, 0x0F, 0x01, 0x01},  // p q
+    {0x00, 0x00, 0x1E, 0x11, 0x1E, 0x10, 0x10}, {0x00, 0x00, 0x0F, 0x11, 0x0F, 0x01, 0x01},  // p q
     {0x00, 0x00, 0x16, 0x19, 0x10, 0x10, 0x10}, {0x00, 0x00, 0x0E, 0x10, 0x0E, 0x01, 0x1E},  // r s
     {0x08, 0x08, 0x1C, 0x08, 0x08, 0x09, 0x06}, {0x00, 0x00, 0x11, 0x11, 0x11, 0x13, 0x0D},  // t u
     {0x00, 0x00, 0x11, 0x11, 0x11, 0x0A, 0x04}, {0x00, 0x00, 0x11, 0x11, 0x15, 0x15, 0x0A},  // v w
@@ -229,7 +229,11 @@ void draw_chart(const Chart& ch, const std::string& path) {
     else xt = nice_ticks(xlo, xhi);
   }
   if (yt.empty()) {
-    if (ch.logy) for (int e = int(std::ceil(ylo)); e <= int(std::floor(yhi)); ++e) yt.push_back(std::pow(10.0, e));
+    if (ch.logy) {
+      const int e0 = int(std::ceil(ylo)), e1 = int(std::floor(yhi));
+      const int step = std::max(1, (e1 - e0 + 7) / 8);  // at most about 8 labelled decades
+      for (int e = e1; e >= e0; e -= step) yt.push_back(std::pow(10.0, e));
+    }
     else yt = nice_ticks(ylo, yhi);
   }
   for (double t : xt) {
@@ -263,12 +267,13 @@ void draw_chart(const Chart& ch, const std::string& path) {
       lx = x, ly = y, have = true;
     }
   }
-  // Legend, top-left inside the plot.
-  int ly = top + 12;
+  // Legend, top-left (or bottom-left) inside the plot.
+  const int ltop = ch.legend_bottom ? bottom - 16 - 22 * int(ch.series.size()) : top + 4;
+  int ly = ltop + 8;
   int lw = 0;
   for (const auto& s : ch.series) lw = std::max(lw, Canvas::text_width(s.name));
-  cv.fill_rect(left + 8, top + 4, left + 60 + lw, top + 12 + 22 * int(ch.series.size()), {255, 255, 255});
-  cv.rect(left + 8, top + 4, left + 60 + lw, top + 12 + 22 * int(ch.series.size()), kDark);
+  cv.fill_rect(left + 8, ltop, left + 60 + lw, ltop + 8 + 22 * int(ch.series.size()), {255, 255, 255});
+  cv.rect(left + 8, ltop, left + 60 + lw, ltop + 8 + 22 * int(ch.series.size()), kDark);
   for (const auto& s : ch.series) {
     cv.line(left + 16, ly + 7, left + 46, ly + 7, s.color, 3, s.dashed);
     cv.text(left + 54, ly, s.name, kBlack);
@@ -292,7 +297,8 @@ void draw_heatmap(const std::vector<double>& w, int64_t H, int64_t L, int64_t S,
   const int width = 20 + per_row * panel_w + bar_w, height = 50 + grid_rows * panel_h;
   if (int64_t(width) * height > 40'000'000) throw Error("attn heatmap: the image would be too large; use fewer heads or tokens");
   Canvas cv(width, height);
-  cv.text(20, 15, title, kBlack);
+  cv.text(20, 8, title, kBlack);
+  cv.text(20, 28, "rows: queries, columns: keys; each row sums to 1", kDark);
   double vmax = 0;
   for (double v : w) vmax = std::max(vmax, std::isfinite(v) ? v : 0.0);
   if (vmax <= 0) vmax = 1;

@@ -52,6 +52,7 @@ struct Series {
 struct Chart {
   std::string title, xlabel, ylabel;
   bool logx = false, logy = false;
+  bool legend_bottom = false;
   std::vector<double> xticks, yticks;  // empty: chosen automatically
   std::vector<Series> series;
   int width = 900, height = 600;
