@@ -3,7 +3,7 @@ BUILD ?= build
 JOBS ?= $(shell nproc)
 CMAKE_FLAGS ?=
 
-.PHONY: deps build demo test test-sanitize install clean
+.PHONY: deps build demo test test-sanitize fuzz install clean
 
 deps:
 	@bash scripts/install-deps.sh
@@ -26,8 +26,15 @@ test-sanitize: deps
 	cmake --build build-asan -j $(JOBS)
 	cd build-asan && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 ctest --output-on-failure -j $(JOBS)
 
+# libFuzzer targets for the .npy and safetensors parsers, FUZZ_SECONDS each
+# (needs clang: scripts/install-fuzz-deps.sh).
+FUZZ_SECONDS ?= 60
+fuzz:
+	bash scripts/install-fuzz-deps.sh
+	bash scripts/fuzz.sh $(FUZZ_SECONDS)
+
 install: build
 	cmake --install $(BUILD) --prefix $(or $(PREFIX),/usr/local)
 
 clean:
-	rm -rf build build-asan build-werror
+	rm -rf build build-asan build-werror build-fuzz
