@@ -236,9 +236,10 @@ void add_heatmap(CLI::App& app) {
 }
 
 void add_bench(CLI::App& app) {
-  auto* c = app.add_subcommand("bench", "Run the attention benchmark (attn-bench) with any extra arguments");
+  auto* c = app.add_subcommand("bench", "Run the benchmark binary attn-bench, passing every argument (--help too) to it");
   c->allow_extras();
   c->prefix_command();
+  c->set_help_flag();  // `attn bench --help` shows attn-bench's own help
   c->footer(kExitCodesHelp);
   c->callback([c] {
     namespace fs = std::filesystem;
