@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <cmath>
 #include <memory>
 
 #include <fmt/format.h>
@@ -61,7 +62,10 @@ void print_mat(const std::string& title, const Mat& m, const std::vector<std::st
   for (const auto& l : labels) lw = std::max(lw, l.size());
   for (int64_t i = 0; i < m.rows; ++i) {
     fmt::print("  {:<{}}", i < int64_t(labels.size()) ? labels[size_t(i)] : "", lw);
-    for (int64_t j = 0; j < m.cols; ++j) fmt::print(" {:>{}.{}f}", m(i, j) == 0 ? 0.0 : m(i, j), decimals + 5, decimals);
+    for (int64_t j = 0; j < m.cols; ++j) {
+      const double p = std::pow(10.0, decimals), r = std::round(m(i, j) * p) / p;
+      fmt::print(" {:>{}.{}f}", r == 0 ? 0.0 : r, decimals + 5, decimals);  // no "-0.000"
+    }
     fmt::print("\n");
   }
 }
