@@ -213,6 +213,10 @@ TEST(Safetensors, RoundTripAndForeignLayout) {
   EXPECT_EQ(f.at("a").data, (std::vector<double>{1, 2}));
   EXPECT_EQ(f.at("b").data, (std::vector<double>{3, 4, 5}));
   EXPECT_EQ(f.at("b").stored, DType::f32);
+  // Empty tensors take no bytes and may share an offset with a real one.
+  const auto e = parse_st(st_bytes(R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"e":{"dtype":"F64","shape":[0,3],"data_offsets":[0,0]}})", raw(std::vector<float>{1, 2})));
+  EXPECT_EQ(e.at("e").shape, (std::vector<int64_t>{0, 3}));
+  EXPECT_TRUE(e.at("e").data.empty());
 }
 
 TEST(Safetensors, MalformedFilesGetClearErrors) {

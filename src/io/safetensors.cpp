@@ -115,7 +115,8 @@ std::map<std::string, Array<T>> parse_safetensors(const unsigned char* bytes, si
     entries.push_back(std::move(e));
   }
   std::vector<const Entry*> order;
-  for (const auto& e : entries) order.push_back(&e);
+  for (const auto& e : entries)
+    if (e.end > e.begin) order.push_back(&e);  // empty tensors occupy no bytes
   std::sort(order.begin(), order.end(), [](const Entry* a, const Entry* b) { return a->begin < b->begin; });
   for (size_t i = 1; i < order.size(); ++i)
     if (order[i]->begin < order[i - 1]->end)
