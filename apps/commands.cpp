@@ -86,8 +86,17 @@ void run_sdpa_typed(const SdpaOpts& o, const io::Array<double>& qa, const io::Ar
     lse.resize(size_t(B * H * L));
     lv = View3<T>(lse.data(), {B, H, L});
   }
-  const Backend used = resolve_backend(args, opt, !o.weights.empty());
-  scaled_dot_product_attention<T>(args, View4<T>::bhnd(out.data(), B, H, L, Ev), opt, wv, lv);
+  Backend used;
+  try {
+    used = resolve_backend(args, opt, !o.weights.empty());
+    scaled_dot_product_attention<T>(args, View4<T>::bhnd(out.data(), B, H, L, Ev), opt, wv, lv);
+  } catch (const io::FileError&) {
+    throw;
+  } catch (const Error& e) {
+    // The library names arguments q, k, v, mask; say which files those are.
+    throw Error(fmt::format("attn sdpa: {} (q = {}, k = {}, v = {}{})", e.what(), o.q, o.k, o.v,
+                            o.mask.empty() ? "" : ", mask = " + o.mask));
+  }
   // Outputs keep the rank of the query file.
   const size_t r = qa.shape.size();
   auto tail = [&](std::vector<int64_t> full) { return std::vector<int64_t>(full.end() - long(r), full.end()); };

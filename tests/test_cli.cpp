@@ -202,6 +202,12 @@ TEST_F(Cli, SdpaRejectsMismatchedFilesAndKeepsTheExistingOutput) {
   r = run("sdpa --q q3.npy --k k_ok.npy --v v.npy --out y.npy");
   EXPECT_EQ(r.rc, 1);
   EXPECT_TRUE(contains(r.err, "same number of axes")) << r.err;
+  write_random<float>("q4.npy", {1, 4, 5, 8}, rng);
+  write_random<float>("k3.npy", {1, 3, 6, 8}, rng);
+  write_random<float>("v3.npy", {1, 3, 6, 2}, rng);
+  r = run("sdpa --q q4.npy --k k3.npy --v v3.npy --out y.npy");  // 3 key heads do not divide 4 query heads
+  EXPECT_EQ(r.rc, 1);
+  EXPECT_TRUE(contains(r.err, "Hkv dividing H = 4") && contains(r.err, "k = k3.npy")) << r.err;
   write_random<float>("m.npy", {4, 7}, rng);
   r = run("sdpa --q q.npy --k k_ok.npy --v v.npy --mask m.npy --out y.npy");
   EXPECT_EQ(r.rc, 1);
