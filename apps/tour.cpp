@@ -51,8 +51,8 @@ void sentence(const TourOpts& o) {
   std::vector<float> y(x.size()), w(size_t(H * N * N));
   layer.forward_self(View3<const float>(x.data(), {1, N, D}), View3<float>(y.data(), {1, N, D}), {}, {}, nullptr,
                      View4<float>::bhnd(w.data(), 1, H, N, N));
-  fmt::print("\"{}\": {} tokens, D = {}, {} heads of d_k = {}, PyTorch's initialisation (untrained: the patterns\n"
-             "below show the mechanism, not learned grammar).\n\n",
+  fmt::print("\"{}\": {} tokens, D = {}, {} heads of d_k = {},\n"
+             "weights as PyTorch initialises them (untrained: the patterns show the mechanism, not grammar).\n\n",
              "the cat sat on the mat because it was tired", N, D, H, D / H);
   fmt::print("  where each head's \"it\" looks (top two weights):\n");
   const int64_t it = 7;
