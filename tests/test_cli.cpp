@@ -498,6 +498,14 @@ TEST_F(Cli, ExperimentTablesPlotsAndErrors) {
   const std::string png = slurp(path("v.png"));
   ASSERT_GT(png.size(), 1000u);
   EXPECT_EQ(png.substr(1, 3), "PNG");
+  for (const char* e : {"saturation", "lookup"}) {
+    r = run(std::string("experiment ") + e + " --plot p.png");
+    ASSERT_EQ(r.rc, 0) << e << r.err;
+    const std::string p = slurp(path("p.png"));
+    ASSERT_GT(p.size(), 24u);
+    EXPECT_EQ(p.substr(12, 4), "IHDR");
+    EXPECT_EQ(p.substr(16, 8), std::string("\0\0\x03\x84\0\0\x02\x58", 8)) << e << ": a 900 x 600 chart";
+  }
   EXPECT_EQ(run("experiment jacobian --plot j.png").rc, 2);
   EXPECT_EQ(run("experiment nonsense").rc, 2);
 }
