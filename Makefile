@@ -15,7 +15,7 @@ build: deps $(BUILD)/CMakeCache.txt
 	cmake --build $(BUILD) -j $(JOBS)
 
 demo: build
-	@if [ -x $(BUILD)/apps/attn ]; then $(BUILD)/apps/attn tour; else $(BUILD)/examples/cat_example; fi
+	@if [ -x $(BUILD)/apps/attn ]; then $(BUILD)/apps/attn tour --heatmap $(BUILD)/attn-tour-heatmap.png; else $(BUILD)/examples/cat_example; fi
 
 test: build
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
