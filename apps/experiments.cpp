@@ -114,6 +114,7 @@ json jacobian(uint64_t seed) {
   const Mat Q = matmul(X, Wq), K = matmul(X, Wk), V = matmul(X, Wv);
   const Mat G = randn(B * n, dk, rng);  // dL/dY of a random linear loss
   json rows = json::array();
+  double unsat_share = 0;  // |dL/dW_Q| from unsaturated rows / total, unscaled
   for (int sc = 0; sc < 2; ++sc) {
     const double scale = sc ? 1 / std::sqrt(double(dk)) : 1.0;
     SdpaArgs<double> args;
@@ -151,6 +152,15 @@ json jacobian(uint64_t seed) {
     const Mat dWq = matmul(transpose(X), dQ);  // dL/dW_Q = Xᵀ dQ
     double gn = 0;
     for (double x : dWq.a) gn += x * x;
+    // The same sum over the unsaturated rows only (top weight <= 0.99).
+    Mat dQu = dQ;
+    for (int64_t r = 0; r < B * n; ++r)
+      if (topw[size_t(r)] > 0.99)
+        for (int64_t e = 0; e < dk; ++e) dQu(r, e) = 0;
+    const Mat dWqu = matmul(transpose(X), dQu);
+    double gu = 0;
+    for (double x : dWqu.a) gu += x * x;
+    if (!sc) unsat_share = std::sqrt(gu / gn);
     const double saturated = double(std::count_if(topw.begin(), topw.end(), [](double t) { return t > 0.99; })) /
                              double(topw.size());
     rows.push_back({sc ? "scaled 1/sqrt(256)" : "unscaled", scale, 100 * saturated, median(jn),
@@ -165,11 +175,13 @@ json jacobian(uint64_t seed) {
                        "|dL/dW_Q|_F"}},
           {"rows", rows},
           {"scaled_over_unscaled", {{"median_jacobian", ratio_j}, {"median_query_grad", ratio_g}, {"grad_wq", ratio_w}}},
+          {"unscaled_grad_wq_share_of_unsaturated_rows", unsat_share},
           {"conclusion",
            fmt::format("Without the scale most rows are born saturated: the typical row's Jacobian is {:.3g}x smaller "
-                       "and its query gets {:.3g}x less gradient. The total |dL/dW_Q| is {:.3g}x the scaled one: it "
-                       "comes from the {:.0f}% of rows that escape saturation, whose raw scores are 16x larger.",
-                       ratio_j, ratio_g, 1 / ratio_w, 100 - rows[0][2].get<double>())}};
+                       "and its query gets {:.3g}x less gradient. The total |dL/dW_Q| is still {:.3g}x the scaled "
+                       "one (the raw scores are 16x larger), and summing only the {:.0f}% of rows that are not "
+                       "saturated gives {:.3f} of that norm: the saturated rows contribute next to nothing.",
+                       ratio_j, ratio_g, 1 / ratio_w, 100 - rows[0][2].get<double>(), unsat_share)}};
 }
 
 // Sinusoidal positional encoding row for position p (width D).

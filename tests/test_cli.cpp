@@ -460,6 +460,8 @@ TEST_F(Cli, ExperimentJacobian) {
     EXPECT_LT(sc[2].get<double>(), 5.0) << "almost no scaled row is saturated";
     EXPECT_GT(sc[3].get<double>(), 20 * un[3].get<double>()) << "median Jacobian norm";
     EXPECT_GT(sc[5].get<double>(), 3 * un[5].get<double>()) << "median gradient per query";
+    // Dropping the saturated rows' terms barely changes the unscaled dL/dW_Q.
+    EXPECT_NEAR(j["unscaled_grad_wq_share_of_unsaturated_rows"].get<double>(), 1.0, 0.05);
     // A softmax Jacobian's Frobenius norm is at most 1/2 (two equal weights, the rest 0).
     EXPECT_LE(sc[4].get<double>(), 0.5);
     EXPECT_LE(un[4].get<double>(), 0.5);
