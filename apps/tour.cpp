@@ -98,10 +98,8 @@ void speed(const TourOpts& o) {
   int64_t done = 0;
   std::mt19937_64 rng(o.seed);
   std::normal_distribution<float> nd;
-  std::map<Backend, double> prev_ms;
-  int64_t prev_n = 0;
+  std::map<Backend, std::pair<int64_t, double>> measured;
   for (int64_t n : sizes) {
-    if (prev_n == 0) prev_n = n;
     std::vector<float> q(size_t(H * n * E)), k(q.size()), v(q.size()), ref(q.size()), out(q.size());
     for (auto* t : {&q, &k, &v})
       for (auto& z : *t) z = nd(rng);
@@ -112,10 +110,11 @@ void speed(const TourOpts& o) {
     double ref_ms = 0;
     for (Backend b : backends) {
       // Skip a size whose runs would take too long at the speed just measured (time grows like n^2).
-      const double guess = prev_ms[b] * double(n * n) / double(prev_n * prev_n) * (reps + 1);
-      if (prev_n > 0 && guess > 12000) {
+      const auto [mn, mms] = measured[b];  // the last size timed for this backend
+      const double guess = mms * double(n * n) / double(std::max<int64_t>(mn, 1) * std::max<int64_t>(mn, 1)) * (reps + 1);
+      if (mn > 0 && guess > 25000) {
         lines.push_back(fmt::format("  n = {:>5}  {:<9} skipped (about {:.0f} s at the speed measured for n = {})", n,
-                                    backend_name(b), guess / 1e3, prev_n));
+                                    backend_name(b), guess / 1e3, mn));
         done += reps + 1;
         bar.tick(done);
         continue;
@@ -133,7 +132,7 @@ void speed(const TourOpts& o) {
       }
       std::sort(ms.begin(), ms.end());
       const double med = ms[ms.size() / 2];
-      prev_ms[b] = med;
+      measured[b] = {n, med};
       const double gflop = 4.0 * double(H) * double(n) * double(n) * double(E) / 1e9;
       std::string check = "(the reference)";
       if (b == Backend::reference) {
@@ -148,7 +147,6 @@ void speed(const TourOpts& o) {
       lines.push_back(fmt::format("  n = {:>5}  {:<9} {:>9.2f} ms  {:>7.2f} GFLOP/s  {}", n, backend_name(b), med,
                                   gflop / (med / 1e3), check));
     }
-    prev_n = n;
   }
   bar.finish();
   for (const auto& l : lines) fmt::print("{}\n", l);
