@@ -288,13 +288,15 @@ void draw_heatmap(const std::vector<double>& w, int64_t H, int64_t L, int64_t S,
   for (const auto& r : rows) row_w = std::max(row_w, r.size());
   for (const auto& c : cols) col_w = std::max(col_w, c.size());
   const int cell = int(std::clamp<int64_t>(480 / std::max<int64_t>({L, S, 1}), 6, 48));
-  const int label_w = Canvas::text_width(std::string(row_w, 'x')) + 12;
-  const int label_h = Canvas::text_width(std::string(col_w, 'x')) + 12;
+  const int ts = cell >= 16 ? 2 : 1;                              // label text scale
+  const int stride = std::max(1, (Canvas::text_height(ts) + 2 + cell - 1) / cell);  // label every stride-th cell
+  const int label_w = Canvas::text_width(std::string(row_w, 'x'), ts) + 12;
+  const int label_h = Canvas::text_width(std::string(col_w, 'x'), ts) + 12;
   const int panel_w = label_w + int(S) * cell + 30, panel_h = 40 + label_h + int(L) * cell + 20;
   const int per_row = int(std::min<int64_t>(H, 4));
   const int grid_rows = int((H + per_row - 1) / per_row);
   const int bar_w = 120;
-  const int width = 20 + per_row * panel_w + bar_w, height = 50 + grid_rows * panel_h;
+  const int width = std::max(20 + per_row * panel_w + bar_w, 560), height = std::max(50 + grid_rows * panel_h, 300);
   if (int64_t(width) * height > 40'000'000) throw Error("attn heatmap: the image would be too large; use fewer heads or tokens");
   Canvas cv(width, height);
   cv.text(20, 8, title, kBlack);
@@ -306,11 +308,13 @@ void draw_heatmap(const std::vector<double>& w, int64_t H, int64_t L, int64_t S,
     const int ox = 20 + int(h % per_row) * panel_w, oy = 50 + int(h / per_row) * panel_h;
     if (H > 1) cv.text(ox + label_w, oy, fmt::format("head {}", h), kBlack);
     const int gx = ox + label_w, gy = oy + 30 + label_h;
-    for (int64_t j = 0; j < S; ++j)
-      cv.text_up(gx + int(j) * cell + (cell - 14) / 2, gy - 8, j < int64_t(cols.size()) ? cols[size_t(j)] : std::to_string(j), kBlack);
+    const int th = Canvas::text_height(ts);
+    for (int64_t j = 0; j < S; j += stride)
+      cv.text_up(gx + int(j) * cell + (cell - th) / 2, gy - 8, j < int64_t(cols.size()) ? cols[size_t(j)] : std::to_string(j),
+                 kBlack, ts);
     for (int64_t i = 0; i < L; ++i) {
       const std::string l = i < int64_t(rows.size()) ? rows[size_t(i)] : std::to_string(i);
-      cv.text(gx - 8 - Canvas::text_width(l), gy + int(i) * cell + (cell - 14) / 2, l, kBlack);
+      if (i % stride == 0) cv.text(gx - 8 - Canvas::text_width(l, ts), gy + int(i) * cell + (cell - th) / 2, l, kBlack, ts);
       for (int64_t j = 0; j < S; ++j) {
         const double v = w[size_t((h * L + i) * S + j)];
         cv.fill_rect(gx + int(j) * cell, gy + int(i) * cell, gx + int(j + 1) * cell - 1, gy + int(i + 1) * cell - 1,
