@@ -3,7 +3,7 @@ BUILD ?= build
 JOBS ?= $(shell nproc)
 CMAKE_FLAGS ?=
 
-.PHONY: deps build demo test test-sanitize bench bench-torch install clean
+.PHONY: deps build demo test test-sanitize bench bench-torch fuzz install clean
 
 deps:
 	@bash scripts/install-deps.sh
@@ -15,7 +15,7 @@ build: deps $(BUILD)/CMakeCache.txt
 	cmake --build $(BUILD) -j $(JOBS)
 
 demo: build
-	@if [ -x $(BUILD)/apps/attn ]; then $(BUILD)/apps/attn tour; else $(BUILD)/examples/cat_example; fi
+	@if [ -x $(BUILD)/apps/attn ]; then $(BUILD)/apps/attn tour --heatmap $(BUILD)/attn-tour-heatmap.png; else $(BUILD)/examples/cat_example; fi
 
 test: build
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
@@ -35,8 +35,15 @@ bench: build
 bench-torch: build
 	python3 bench/compare_torch.py --attn-bench $(BUILD)/bench/attn-bench $(BENCH_ARGS)
 
+# libFuzzer targets for the .npy and safetensors parsers, FUZZ_SECONDS each
+# (needs clang: scripts/install-fuzz-deps.sh).
+FUZZ_SECONDS ?= 60
+fuzz:
+	bash scripts/install-fuzz-deps.sh
+	bash scripts/fuzz.sh $(FUZZ_SECONDS)
+
 install: build
 	cmake --install $(BUILD) --prefix $(or $(PREFIX),/usr/local)
 
 clean:
-	rm -rf build build-asan build-werror
+	rm -rf build build-asan build-werror build-fuzz
