@@ -3,7 +3,7 @@ BUILD ?= build
 JOBS ?= $(shell nproc)
 CMAKE_FLAGS ?=
 
-.PHONY: deps build demo test test-sanitize install clean
+.PHONY: deps build demo test test-sanitize install clean python-install test-python test-torch
 
 deps:
 	@bash scripts/install-deps.sh
@@ -19,6 +19,35 @@ demo: build
 
 test: build
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
+	$(MAKE) test-python
+
+# The Python package, in a virtual environment of its own (build-py/venv):
+# numpy, pytest and the build requirements from PyPI, then `pip install .`.
+# Re-running is cheap: pip skips what is installed and scikit-build-core keeps
+# its CMake build in build-py/, so only changed sources recompile.
+PYTHON ?= python3
+PYVENV ?= build-py/venv
+PIP = $(PYVENV)/bin/python -m pip --disable-pip-version-check -q
+
+$(PYVENV)/bin/python:
+	$(PYTHON) -m venv $(PYVENV)
+
+python-install: deps $(PYVENV)/bin/python
+	$(PIP) install numpy pytest scikit-build-core nanobind
+	CMAKE_ARGS="$(CMAKE_FLAGS)" CMAKE_BUILD_PARALLEL_LEVEL=$(JOBS) $(PIP) install --no-build-isolation .
+
+# pytest exits 5 when it collects no test; that is reported, not a failure.
+PYTEST = rc=0; $(PYVENV)/bin/python -m pytest -q $(1) || rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; rc=0; fi; exit $$rc
+
+test-python: python-install
+	@$(call PYTEST,tests/python)
+
+# The PyTorch parity tests (skipped by test-python when torch is absent).
+# PyPI's torch wheel pulls several GB of CUDA libraries; it runs on the CPU.
+test-torch: python-install
+	$(PIP) install torch
+	@$(call PYTEST,-rs tests/python/test_torch_parity.py)
 
 # AddressSanitizer + UndefinedBehaviorSanitizer build of the test suite.
 test-sanitize: deps
@@ -30,4 +59,4 @@ install: build
 	cmake --install $(BUILD) --prefix $(or $(PREFIX),/usr/local)
 
 clean:
-	rm -rf build build-asan build-werror
+	rm -rf build build-asan build-werror build-py

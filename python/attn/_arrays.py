@@ -110,6 +110,8 @@ def expand_operand(a: np.ndarray, lead: Tuple[int, ...], tail: int, keep_ones: b
     a = a.reshape((1,) * pad + a.shape)
     if not keep_ones:
         return np.broadcast_to(a, lead + a.shape[n:])
+    if n == 0:
+        return a
     outer = a.shape[: n - 1]
     if all(d == 1 for d in outer):
         target = outer + a.shape[n - 1 :]

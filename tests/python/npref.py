@@ -1,0 +1,97 @@
+"""A plain NumPy oracle for the Python tests: attention forward and backward
+in float64 with PyTorch's conventions, written independently of attn.
+
+    S  = scale · Q·Kᵀ (+ float mask) ; bool mask / causal -> -inf
+    P  = softmax_row(S)                (fully masked rows -> 0)
+    Y  = P·V
+Backward, step by step in reverse:
+    dV = Pᵀ·dY,  dP = dY·Vᵀ,  dS = P ∘ (dP − rowsum(dP ∘ P)),
+    dQ = scale·dS·K,  dK = scale·dSᵀ·Q,  dmask = dS
+"""
+
+import numpy as np
+
+
+def tol(dtype, n, magnitude=1.0, factor=20.0):
+    """factor · eps · sqrt(n) · max(magnitude, 1): rounding error of a
+    length-n reduction over terms of about this magnitude."""
+    eps = np.finfo(dtype).eps
+    return factor * eps * np.sqrt(max(n, 1)) * max(magnitude, 1.0)
+
+
+def _expand_kv(x, H, gqa):
+    if not gqa or x.ndim < 3 or x.shape[-3] == H:
+        return x
+    return np.repeat(x, H // x.shape[-3], axis=-3)
+
+
+def scores(q, k, mask, causal, scale, gqa):
+    q = q.astype(np.float64)
+    k = _expand_kv(k.astype(np.float64), q.shape[-3] if q.ndim >= 3 else 1, gqa)
+    E = q.shape[-1]
+    scale = 1.0 / np.sqrt(E) if scale is None else scale
+    s = q @ np.swapaxes(k, -1, -2) * scale
+    L, S = s.shape[-2:]
+    if causal:
+        s = np.where(np.tril(np.ones((L, S), bool)), s, -np.inf)
+    if mask is not None:
+        if mask.dtype == np.bool_:
+            s = np.where(mask, s, -np.inf)
+        else:
+            s = s + mask.astype(np.float64)
+    return s, scale
+
+
+def _softmax(s):
+    m = s.max(axis=-1, keepdims=True)
+    dead = ~np.isfinite(m)  # rows that see no key
+    m = np.where(dead, 0.0, m)
+    e = np.exp(s - m)
+    z = e.sum(axis=-1, keepdims=True)
+    p = np.where(dead, 0.0, e / np.where(dead, 1.0, z))
+    with np.errstate(divide="ignore"):
+        lse = np.where(dead, -np.inf, m + np.log(np.where(dead, 1.0, z)))[..., 0]
+    return p, lse
+
+
+def sdpa(q, k, v, mask=None, causal=False, scale=None, gqa=False):
+    """Returns (out, lse, weights) in float64."""
+    s, _ = scores(q, k, mask, causal, scale, gqa)
+    p, lse = _softmax(s)
+    v = _expand_kv(v.astype(np.float64), q.shape[-3] if q.ndim >= 3 else 1, gqa)
+    return p @ v, lse, p
+
+
+def _sum_to(g, shape):
+    extra = g.ndim - len(shape)
+    if extra:
+        g = g.sum(axis=tuple(range(extra)))
+    axes = tuple(i for i, d in enumerate(shape) if d == 1 and g.shape[i] != 1)
+    return g.sum(axis=axes, keepdims=True).reshape(shape) if axes else g.reshape(shape)
+
+
+def _sum_groups(g, shape, gqa):
+    """Sums the gradient of an expanded K/V back over query-head groups."""
+    if gqa and len(shape) >= 3 and g.shape[-3] != shape[-3]:
+        r = g.shape[-3] // shape[-3]
+        g = g.reshape(g.shape[:-3] + (shape[-3], r) + g.shape[-2:]).sum(axis=-3)
+    return _sum_to(g, shape)
+
+
+def sdpa_backward(dout, q, k, v, mask=None, causal=False, scale=None, gqa=False):
+    """Returns (dq, dk, dv, dmask or None) in float64, shaped like the inputs."""
+    s, sc = scores(q, k, mask, causal, scale, gqa)
+    p, _ = _softmax(s)
+    H = q.shape[-3] if q.ndim >= 3 else 1
+    k64 = _expand_kv(k.astype(np.float64), H, gqa)
+    v64 = _expand_kv(v.astype(np.float64), H, gqa)
+    dout = dout.astype(np.float64)
+    dv = np.swapaxes(p, -1, -2) @ dout
+    dp = dout @ np.swapaxes(v64, -1, -2)
+    ds = p * (dp - (dp * p).sum(axis=-1, keepdims=True))
+    dq = sc * ds @ k64
+    dk = sc * np.swapaxes(ds, -1, -2) @ q.astype(np.float64)
+    dmask = None
+    if mask is not None and mask.dtype != np.bool_:
+        dmask = _sum_to(ds, mask.shape)
+    return (_sum_to(dq, q.shape), _sum_groups(dk, k.shape, gqa), _sum_groups(dv, v.shape, gqa), dmask)
