@@ -95,3 +95,46 @@ def sdpa_backward(dout, q, k, v, mask=None, causal=False, scale=None, gqa=False)
     if mask is not None and mask.dtype != np.bool_:
         dmask = _sum_to(ds, mask.shape)
     return (_sum_to(dq, q.shape), _sum_groups(dk, k.shape, gqa), _sum_groups(dv, v.shape, gqa), dmask)
+
+
+SIZES = [1, 2, 3, 5, 7, 13, 17]
+FEATS = [1, 3, 4, 8, 9, 16]
+KINDS = ["none", "bool", "float", "causal"]
+
+
+def random_case(rng, dtype, kind, gqa, dead_rows=True, nlead=None):
+    """Random shapes and options in PyTorch's conventions, with the given
+    mask kind (none, bool, float, causal) and GQA on or off; returns the
+    arguments for both attn and npref (mask under 'mask')."""
+    nlead = int(rng.integers(1 if gqa else 0, 4))
+    lead = [int(x) for x in rng.integers(1, 4, size=nlead)]
+    L, S = (int(rng.choice(SIZES)) for _ in range(2))
+    E, Ev = int(rng.choice(FEATS)), int(rng.choice(FEATS))
+    kv_lead = list(lead)
+    if gqa:
+        hkv = int(rng.integers(1, 3))
+        lead[-1] = hkv * int(rng.integers(1, 4))
+        kv_lead[-1] = hkv
+    # Some leading axes of key/value (not the GQA head axis) broadcast.
+    for i in range(nlead - (1 if gqa else 0)):
+        if rng.random() < 0.25:
+            kv_lead[i] = 1
+    q = rng.standard_normal(tuple(lead) + (L, E)).astype(dtype)
+    k = rng.standard_normal(tuple(kv_lead) + (S, E)).astype(dtype)
+    v = rng.standard_normal(tuple(kv_lead) + (S, Ev)).astype(dtype)
+    mask = None
+    if kind in ("bool", "float"):
+        full = tuple(lead) + (L, S)
+        drop = int(rng.integers(0, len(full) - 1))  # leading axes the mask omits
+        mshape = tuple(d if rng.random() < 0.6 else 1 for d in full[drop:])
+        if kind == "bool":
+            mask = rng.random(mshape) < 0.7
+            if not dead_rows:
+                mask[..., 0] = True
+        else:
+            mask = rng.standard_normal(mshape).astype(dtype)
+            mask[rng.random(mshape) < 0.15] = -np.inf
+            if not dead_rows:
+                mask[..., 0] = 0.0
+    scale = None if rng.random() < 0.7 else float(rng.uniform(0.05, 1.0))
+    return dict(q=q, k=k, v=v, mask=mask, causal=kind == "causal", scale=scale, gqa=gqa)

@@ -12,8 +12,7 @@ import npref
 
 DTYPES = [np.float32, np.float64]
 BACKENDS = ["reference", "auto", "fused"]
-SIZES = [1, 2, 3, 5, 7, 13, 17]
-FEATS = [1, 3, 4, 8, 9, 16]
+KINDS = npref.KINDS
 
 
 def fused_supported(dtype):
@@ -27,43 +26,6 @@ def fused_supported(dtype):
 def need_backend(backend, dtype):
     if backend == "fused" and not fused_supported(dtype):
         pytest.skip(f"the fused backend does not run {np.dtype(dtype).name} in this build")
-
-
-KINDS = ["none", "bool", "float", "causal"]
-
-
-def random_case(rng, dtype, kind, gqa):
-    """Random shapes and options in PyTorch's conventions, with the given
-    mask kind (none, bool, float, causal) and GQA on or off; returns the
-    arguments for both attn and npref (mask under 'mask')."""
-    nlead = int(rng.integers(1 if gqa else 0, 4))
-    lead = [int(x) for x in rng.integers(1, 4, size=nlead)]
-    L, S = (int(rng.choice(SIZES)) for _ in range(2))
-    E, Ev = int(rng.choice(FEATS)), int(rng.choice(FEATS))
-    kv_lead = list(lead)
-    if gqa:
-        hkv = int(rng.integers(1, 3))
-        lead[-1] = hkv * int(rng.integers(1, 4))
-        kv_lead[-1] = hkv
-    # Some leading axes of key/value (not the GQA head axis) broadcast.
-    for i in range(nlead - (1 if gqa else 0)):
-        if rng.random() < 0.25:
-            kv_lead[i] = 1
-    q = rng.standard_normal(tuple(lead) + (L, E)).astype(dtype)
-    k = rng.standard_normal(tuple(kv_lead) + (S, E)).astype(dtype)
-    v = rng.standard_normal(tuple(kv_lead) + (S, Ev)).astype(dtype)
-    mask = None
-    if kind in ("bool", "float"):
-        full = tuple(lead) + (L, S)
-        drop = int(rng.integers(0, len(full) - 1))  # leading axes the mask omits
-        mshape = tuple(d if rng.random() < 0.6 else 1 for d in full[drop:])
-        if kind == "bool":
-            mask = rng.random(mshape) < 0.7
-        else:
-            mask = rng.standard_normal(mshape).astype(dtype)
-            mask[rng.random(mshape) < 0.15] = -np.inf
-    scale = None if rng.random() < 0.7 else float(rng.uniform(0.05, 1.0))
-    return dict(q=q, k=k, v=v, mask=mask, causal=kind == "causal", scale=scale, gqa=gqa)
 
 
 def call(c, **kw):
@@ -103,7 +65,7 @@ def assert_close(got, want, atol, what):
 def test_forward_matches_numpy(dtype, backend, seed):
     need_backend(backend, dtype)
     rng = np.random.default_rng(1000 + seed)
-    c = random_case(rng, dtype, KINDS[seed % 4], seed % 8 >= 4)
+    c = npref.random_case(rng, dtype, KINDS[seed % 4], seed % 8 >= 4)
     out, lse = call(c, backend=backend, return_lse=True)
     want_out, want_lse, want_p = ref(c)
     assert out.dtype == dtype and lse.dtype == dtype
@@ -122,7 +84,7 @@ def test_forward_matches_numpy(dtype, backend, seed):
 def test_backward_matches_numpy(dtype, backend, seed):
     need_backend(backend, dtype)
     rng = np.random.default_rng(2000 + seed)
-    c = random_case(rng, dtype, KINDS[seed % 4], seed % 8 >= 4)
+    c = npref.random_case(rng, dtype, KINDS[seed % 4], seed % 8 >= 4)
     out, lse = call(c, backend=backend, return_lse=True)
     dout = rng.standard_normal(out.shape).astype(dtype)
     grads = attn.scaled_dot_product_attention_backward(

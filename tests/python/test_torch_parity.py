@@ -1,0 +1,129 @@
+"""attn against PyTorch itself: torch.nn.functional.scaled_dot_product_attention
+and its autograd gradients, and torch.nn.MultiheadAttention with the same
+weights, over many random configurations. Skipped when PyTorch is not
+installed (`make test-torch` installs it and runs this file).
+
+Tolerances: every comparison must satisfy
+    max |attn - torch| <= TOL[dtype] · max(1, max |torch|)
+with TOL = 1e-5 for float32 and 1e-12 for float64 (PyTorch's CPU math path
+accumulates in the input precision; attn's reference accumulates in double).
+The largest errors seen per case are printed at the end of the run."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip(
+    "torch", reason="PyTorch is not installed (run `make test-torch` to install it and run these)")
+import torch.nn.functional as F  # noqa: E402
+
+import attn  # noqa: E402
+import attn.torch  # noqa: E402
+import npref  # noqa: E402
+
+TOL = {np.float32: 1e-5, np.float64: 1e-12}
+TORCH_DTYPE = {np.float32: torch.float32, np.float64: torch.float64}
+BACKENDS = ["reference", "auto"]
+
+
+def check(parity, case, got, want, dtype):
+    got = got.detach().numpy() if isinstance(got, torch.Tensor) else got
+    want = want.detach().numpy()
+    assert got.shape == want.shape, f"{case}: shape {got.shape} != {want.shape}"
+    assert np.isfinite(got).all(), f"{case}: non-finite output"
+    abs_err, _ = parity.record(case, got, want)
+    bound = TOL[dtype] * max(1.0, float(np.abs(want).max()) if want.size else 0.0)
+    assert abs_err <= bound, f"{case}: max abs error {abs_err:.3g} > {bound:.3g}"
+
+
+def leaf(x):
+    return None if x is None else torch.from_numpy(x.copy()).requires_grad_(x.dtype != np.bool_)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("kind", npref.KINDS)
+@pytest.mark.parametrize("gqa", [False, True])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sdpa_and_gradients_match_torch(dtype, kind, gqa, backend, parity):
+    rng = np.random.default_rng(hash((kind, gqa)) % 2**32)
+    name = f"sdpa {np.dtype(dtype).name} {kind}{' gqa' if gqa else ''} [{backend}]"
+    for _ in range(8):
+        # PyTorch's GQA path expects (N, H, L, E); attn takes any leading axes.
+        c = npref.random_case(rng, dtype, kind, gqa, dead_rows=False, nlead=2 if gqa else None)
+        kw = dict(is_causal=c["causal"], scale=c["scale"], enable_gqa=c["gqa"])
+        tq, tk, tv, tm = (leaf(c[n]) for n in ("q", "k", "v", "mask"))
+        want = F.scaled_dot_product_attention(tq, tk, tv, attn_mask=tm, **kw)
+        aq, ak, av, am = (leaf(c[n]) for n in ("q", "k", "v", "mask"))
+        got = attn.torch.scaled_dot_product_attention(aq, ak, av, am, backend=backend, **kw)
+        assert isinstance(got, torch.Tensor) and got.dtype == TORCH_DTYPE[dtype]
+        check(parity, name + " out", got, want, dtype)
+        dout = torch.from_numpy(rng.standard_normal(tuple(want.shape)).astype(dtype))
+        want.backward(dout)
+        got.backward(dout)
+        for n, a, t in (("dq", aq, tq), ("dk", ak, tk), ("dv", av, tv), ("dmask", am, tm)):
+            if t is not None and t.requires_grad:
+                check(parity, f"{name} {n}", a.grad, t.grad, dtype)
+
+
+def test_tensors_in_tensors_out_and_autograd_entry():
+    rng = np.random.default_rng(1)
+    q, k, v = (torch.from_numpy(rng.standard_normal((2, 3, 5, 4))) for _ in range(3))
+    out, lse = attn.scaled_dot_product_attention(q, k, v, return_lse=True)
+    assert isinstance(out, torch.Tensor) and isinstance(lse, torch.Tensor)
+    want = F.scaled_dot_product_attention(q, k, v)
+    torch.testing.assert_close(out, want, rtol=0, atol=1e-12)
+    # Non-contiguous tensors (a transposed (B, L, H, E) layout) through DLPack.
+    qt = q.transpose(1, 2).contiguous().transpose(1, 2)
+    assert not qt.is_contiguous()
+    torch.testing.assert_close(attn.scaled_dot_product_attention(qt, k, v), out, rtol=0, atol=0)
+    # Tensors that require grad make the plain entry point differentiable.
+    qg = q.clone().requires_grad_(True)
+    y = attn.scaled_dot_product_attention(qg, k, v, is_causal=True)
+    assert y.requires_grad
+    y.sum().backward()
+    qr = q.clone().requires_grad_(True)
+    F.scaled_dot_product_attention(qr, k, v, is_causal=True).sum().backward()
+    torch.testing.assert_close(qg.grad, qr.grad, rtol=0, atol=1e-12)
+    # Unsupported dtypes and devices are refused by name.
+    with pytest.raises(ValueError, match="'query' has dtype float16"):
+        attn.scaled_dot_product_attention(q.half(), k.half(), v.half())
+    with pytest.raises(ValueError, match="dropout_p"):
+        attn.torch.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
+
+
+def test_torch_gradcheck():
+    """torch.autograd.gradcheck (finite differences in float64) on the
+    autograd Function, float mask included."""
+    rng = np.random.default_rng(2)
+    q, k, v = (torch.from_numpy(rng.standard_normal((1, 2, n, 3))).requires_grad_() for n in (3, 4, 4))
+    m = torch.from_numpy(rng.standard_normal((2, 1, 4))).requires_grad_()
+    fn = attn.torch.ScaledDotProductAttention.apply
+    assert torch.autograd.gradcheck(lambda *a: fn(*a), (q, k, v, m))
+    assert torch.autograd.gradcheck(lambda *a: fn(*a, None, 0.0, True), (q, k, v))
+
+
+def test_swap_into_a_torch_model_and_train():
+    """The README's pattern: a model whose attention call is swappable gives
+    the same loss and parameter gradients with attn as with PyTorch."""
+
+    class Block(torch.nn.Module):
+        def __init__(self, sdpa):
+            super().__init__()
+            self.qkv = torch.nn.Linear(16, 48)
+            self.proj = torch.nn.Linear(16, 16)
+            self.sdpa = sdpa
+
+        def forward(self, x):  # x: (B, L, 16), 4 heads of 4
+            B, L, _ = x.shape
+            q, k, v = self.qkv(x).view(B, L, 3, 4, 4).permute(2, 0, 3, 1, 4)
+            y = self.sdpa(q, k, v, is_causal=True)
+            return self.proj(y.transpose(1, 2).reshape(B, L, 16))
+
+    torch.manual_seed(0)
+    ref = Block(F.scaled_dot_product_attention).double()
+    ours = Block(attn.torch.scaled_dot_product_attention).double()
+    ours.load_state_dict(ref.state_dict())
+    x = torch.randn(3, 7, 16, dtype=torch.float64)
+    for model in (ref, ours):
+        model(x).pow(2).mean().backward()
+    for (n, a), (_, b) in zip(ours.named_parameters(), ref.named_parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=1e-12, msg=n)
