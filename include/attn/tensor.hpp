@@ -156,8 +156,11 @@ class Tensor {
     }
   }
   Tensor(std::initializer_list<int64_t> shape) : Tensor(std::vector<int64_t>(shape)) {}
-  Tensor(const Tensor& o) : Tensor(o.shape_) {
-    for (size_t i = 0; i < size_; ++i) data_[i] = o.data_[i];
+  Tensor(const Tensor& o) {
+    if (o.shape_.empty()) return;  // copy of an empty tensor
+    Tensor t(o.shape_);
+    for (size_t i = 0; i < t.size_; ++i) t.data_[i] = o.data_[i];
+    *this = std::move(t);
   }
   Tensor& operator=(const Tensor& o) {
     if (this != &o) {

@@ -4,6 +4,8 @@
 
 #include <cblas.h>
 
+#include <type_traits>
+
 namespace attn::detail {
 
 template <class T>
@@ -22,24 +24,24 @@ void gemm_reference(GemmShape s, bool ta, const T* A, int64_t lda, bool tb, cons
     }
 }
 
-template <>
-void gemm<float>(GemmShape s, bool ta, const float* A, int64_t lda, bool tb, const float* B,
-                 int64_t ldb, float* C, int64_t ldc, float alpha, float beta) {
+template <class T>
+void gemm(GemmShape s, bool ta, const T* A, int64_t lda, bool tb, const T* B, int64_t ldb, T* C,
+          int64_t ldc, T alpha, T beta) {
   if (s.M == 0 || s.N == 0) return;
   if (s.K == 0) return gemm_reference(s, ta, A, lda, tb, B, ldb, C, ldc, alpha, beta);
-  cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans,
-              int(s.M), int(s.N), int(s.K), alpha, A, int(lda), B, int(ldb), beta, C, int(ldc));
+  const auto op_a = ta ? CblasTrans : CblasNoTrans, op_b = tb ? CblasTrans : CblasNoTrans;
+  if constexpr (std::is_same_v<T, float>)
+    cblas_sgemm(CblasRowMajor, op_a, op_b, int(s.M), int(s.N), int(s.K), alpha, A, int(lda), B,
+                int(ldb), beta, C, int(ldc));
+  else
+    cblas_dgemm(CblasRowMajor, op_a, op_b, int(s.M), int(s.N), int(s.K), alpha, A, int(lda), B,
+                int(ldb), beta, C, int(ldc));
 }
 
-template <>
-void gemm<double>(GemmShape s, bool ta, const double* A, int64_t lda, bool tb, const double* B,
-                  int64_t ldb, double* C, int64_t ldc, double alpha, double beta) {
-  if (s.M == 0 || s.N == 0) return;
-  if (s.K == 0) return gemm_reference(s, ta, A, lda, tb, B, ldb, C, ldc, alpha, beta);
-  cblas_dgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans,
-              int(s.M), int(s.N), int(s.K), alpha, A, int(lda), B, int(ldb), beta, C, int(ldc));
-}
-
+template void gemm<float>(GemmShape, bool, const float*, int64_t, bool, const float*, int64_t,
+                          float*, int64_t, float, float);
+template void gemm<double>(GemmShape, bool, const double*, int64_t, bool, const double*, int64_t,
+                           double*, int64_t, double, double);
 template void gemm_reference<float>(GemmShape, bool, const float*, int64_t, bool, const float*,
                                     int64_t, float*, int64_t, float, float);
 template void gemm_reference<double>(GemmShape, bool, const double*, int64_t, bool, const double*,
