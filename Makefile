@@ -41,7 +41,7 @@ PYTEST = rc=0; $(PYVENV)/bin/python -m pytest -q $(1) || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; rc=0; fi; exit $$rc
 
 test-python: python-install
-	@$(call PYTEST,tests/python)
+	@$(call PYTEST,-rs tests/python)
 
 # The PyTorch parity tests (skipped by test-python when torch is absent).
 # PyPI's torch wheel pulls several GB of CUDA libraries; it runs on the CPU.

@@ -15,6 +15,7 @@ has the autograd Function that makes attn differentiable inside torch models.
 Errors from the library arrive as ValueError with its message.
 """
 
+from ._multihead import MultiheadAttention
 from ._sdpa import (
     resolve_backend,
     scaled_dot_product_attention,
@@ -24,6 +25,7 @@ from ._sdpa import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "MultiheadAttention",
     "scaled_dot_product_attention",
     "scaled_dot_product_attention_backward",
     "resolve_backend",

@@ -14,10 +14,12 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "attn/attn.hpp"
 
@@ -136,6 +138,86 @@ void bind_sdpa(nb::module_& m, const char* suffix) {
         "Name of the backend a forward call with these arguments would run.");
 }
 
+// A copy of a parameter as a fresh NumPy array (the layer keeps its own).
+template <class T>
+nb::ndarray<nb::numpy, T> numpy_copy(const attn::Tensor<T>& t) {
+  T* buf = new T[t.size() ? t.size() : 1];
+  std::copy(t.data(), t.data() + t.size(), buf);
+  nb::capsule owner(buf, [](void* p) noexcept { delete[] static_cast<T*>(p); });
+  std::vector<size_t> shape(t.shape().begin(), t.shape().end());
+  return nb::ndarray<nb::numpy, T>(buf, shape.size(), shape.data(), owner);
+}
+
+template <class T>
+void bind_multihead(nb::module_& m, const char* name) {
+  using namespace nb::literals;
+  using Layer = attn::MultiheadAttention<T>;
+  nb::class_<Layer>(m, name, "attn::MultiheadAttention; use attn.MultiheadAttention instead.")
+      .def(
+          "__init__",
+          [](Layer* self, int64_t embed_dim, int64_t num_heads, bool bias, int64_t kdim, int64_t vdim,
+             uint64_t seed) {
+            attn::MultiheadConfig c;
+            c.embed_dim = embed_dim;
+            c.num_heads = num_heads;
+            c.bias = bias;
+            c.kdim = kdim;
+            c.vdim = vdim;
+            new (self) Layer(c, seed);
+          },
+          "embed_dim"_a, "num_heads"_a, "bias"_a, "kdim"_a, "vdim"_a, "seed"_a)
+      .def_prop_ro("embed_dim", &Layer::embed_dim)
+      .def_prop_ro("num_heads", &Layer::num_heads)
+      .def_prop_ro("head_dim", &Layer::head_dim)
+      .def_prop_ro("kdim", &Layer::kdim)
+      .def_prop_ro("vdim", &Layer::vdim)
+      .def_prop_ro("packed_in_proj", &Layer::packed_in_proj)
+      .def("parameter_names", &Layer::parameter_names)
+      .def("get_parameter", [](const Layer& l, const std::string& n) { return numpy_copy(l.parameter(n)); },
+           "name"_a)
+      .def(
+          "set_parameter",
+          [](Layer& l, const std::string& n, const nb::ndarray<const T, nb::device::cpu>& a) {
+            if (a.ndim() == 2) return l.load_parameter(n, view_of<const T, 2>(a, "value"));
+            if (a.ndim() == 1) return l.load_parameter(n, view_of<const T, 1>(a, "value"));
+            throw attn::Error("attn::MultiheadAttention::load_parameter: parameter '" + n + "' was given " +
+                              std::to_string(a.ndim()) + " dimensions, expected 1 (bias) or 2 (weight)");
+          },
+          "name"_a, "value"_a.noconvert())
+      .def(
+          "forward",
+          [](const Layer& l, const Arr<const T, 3>& query, const Arr<const T, 3>& key, const Arr<const T, 3>& value,
+             const Arr<T, 3>& out, const std::optional<Arr<const bool, 4>>& attn_mask,
+             const std::optional<Arr<const T, 4>>& attn_bias,
+             const std::optional<Arr<const bool, 2>>& key_padding_mask, bool causal, const std::string& backend,
+             const std::optional<Arr<T, 4>>& head_weights, const std::optional<Arr<T, 3>>& avg_weights,
+             bool self_attention) {
+            attn::MhaMasks<T> masks;
+            masks.attn_mask = view_of<const bool, 4>(attn_mask, "attn_mask");
+            masks.attn_bias = view_of<const T, 4>(attn_bias, "attn_bias");
+            masks.key_padding_mask = view_of<const bool, 2>(key_padding_mask, "key_padding_mask");
+            attn::MhaOptions opt;
+            opt.causal = causal;
+            opt.backend = attn::parse_backend(backend);
+            const attn::View3<const T> q = view_of<const T, 3>(query, "query");
+            const attn::View3<const T> k = view_of<const T, 3>(key, "key");
+            const attn::View3<const T> v = view_of<const T, 3>(value, "value");
+            const attn::View3<T> o = view_of<T, 3>(out, "out");
+            const attn::View4<T> hw = view_of<T, 4>(head_weights, "head_weights");
+            const attn::View3<T> aw = view_of<T, 3>(avg_weights, "avg_weights");
+            nb::gil_scoped_release release;
+            if (self_attention)
+              l.forward_self(q, o, masks, opt, nullptr, hw, aw);
+            else
+              l.forward(q, k, v, o, masks, opt, nullptr, hw, aw);
+          },
+          "query"_a.noconvert(), "key"_a.noconvert(), "value"_a.noconvert(), "out"_a.noconvert(),
+          "attn_mask"_a.noconvert().none(), "attn_bias"_a.noconvert().none(),
+          "key_padding_mask"_a.noconvert().none(), "causal"_a, "backend"_a, "head_weights"_a.noconvert().none(),
+          "avg_weights"_a.noconvert().none(), "self_attention"_a,
+          "Forward on (B, N, width) arrays; writes out (and the weights).");
+}
+
 }  // namespace
 
 NB_MODULE(_attn, m) {
@@ -149,6 +231,8 @@ NB_MODULE(_attn, m) {
   });
   bind_sdpa<float>(m, "f32");
   bind_sdpa<double>(m, "f64");
+  bind_multihead<float>(m, "MultiheadAttentionF32");
+  bind_multihead<double>(m, "MultiheadAttentionF64");
   m.def("parse_backend", [](const std::string& name) { return std::string(attn::backend_name(attn::parse_backend(name))); },
         nb::arg("name"), "Validates a backend name; returns it, or raises ValueError.");
 }
