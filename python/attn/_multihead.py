@@ -81,6 +81,8 @@ class MultiheadAttention:
     def _dtype(dtype: Any) -> np.dtype:
         if dtype is None:
             return np.dtype(np.float32)
+        if isinstance(dtype, type) and issubclass(dtype, np.generic):
+            dtype = np.dtype(dtype)
         name = str(dtype).replace("torch.", "")
         if name in ("float32", "float"):
             return np.dtype(np.float32)

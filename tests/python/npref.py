@@ -138,3 +138,40 @@ def random_case(rng, dtype, kind, gqa, dead_rows=True, nlead=None):
                 mask[..., 0] = 0.0
     scale = None if rng.random() < 0.7 else float(rng.uniform(0.05, 1.0))
     return dict(q=q, k=k, v=v, mask=mask, causal=kind == "causal", scale=scale, gqa=gqa)
+
+
+def mha(params, query, key, value, num_heads, key_padding_mask=None, attn_mask=None, is_causal=False):
+    """torch.nn.MultiheadAttention's forward in float64, batch-first inputs
+    (B, L, D), (B, S, kdim), (B, S, vdim) and PyTorch's mask conventions
+    (bool attn_mask True = blocked). Returns (out, per-head weights)."""
+    p = {n: np.asarray(a, np.float64) for n, a in params.items()}
+    H = num_heads
+    if "in_proj_weight" in p:
+        wq, wk, wv = np.split(p["in_proj_weight"], 3)
+    else:
+        wq, wk, wv = p["q_proj_weight"], p["k_proj_weight"], p["v_proj_weight"]
+    if "in_proj_bias" in p:
+        bq, bk, bv = np.split(p["in_proj_bias"], [wq.shape[0], wq.shape[0] + wk.shape[0]])
+    else:
+        bq, bk, bv = (np.zeros(w.shape[0]) for w in (wq, wk, wv))
+
+    def heads(x, w, b):  # (B, N, width) -> (B, H, N, d)
+        y = x.astype(np.float64) @ w.T + b
+        return y.reshape(y.shape[0], y.shape[1], H, -1).transpose(0, 2, 1, 3)
+
+    q, k, v = heads(query, wq, bq), heads(key, wk, bk), heads(value, wv, bv)
+    B, _, L, _ = q.shape
+    S = k.shape[2]
+    bias = np.zeros((B, H, L, S))
+    if attn_mask is not None:
+        m = np.asarray(attn_mask)
+        m = m.reshape(B, H, L, S) if m.ndim == 3 else m
+        bias = bias + (np.where(m, -np.inf, 0.0) if m.dtype == np.bool_ else m)
+    if key_padding_mask is not None:
+        kpm = np.asarray(key_padding_mask)
+        add = np.where(kpm, -np.inf, 0.0) if kpm.dtype == np.bool_ else kpm
+        bias = bias + add[:, None, None, :]
+    o, _, w = sdpa(q, k, v, bias, is_causal)
+    o = o.transpose(0, 2, 1, 3).reshape(B, L, -1)
+    out = o @ p["out_proj.weight"].T + p.get("out_proj.bias", 0.0)
+    return out, w
