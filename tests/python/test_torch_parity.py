@@ -127,3 +127,64 @@ def test_swap_into_a_torch_model_and_train():
         model(x).pow(2).mean().backward()
     for (n, a), (_, b) in zip(ours.named_parameters(), ref.named_parameters()):
         torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=1e-12, msg=n)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("packed", [True, False])
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("masks", ["none", "bool", "float", "kpm", "per-head", "causal"])
+def test_multihead_matches_torch(dtype, packed, batch_first, masks, parity):
+    """nn.MultiheadAttention with random weights copied into attn: outputs and
+    attention weights (averaged and per head), self- and cross-attention."""
+    rng = np.random.default_rng(hash((packed, batch_first, masks)) % 2**32)
+    torch.manual_seed(int(rng.integers(0, 2**31)))
+    name = f"mha {np.dtype(dtype).name} {'packed' if packed else 'kdim/vdim'} {masks}"
+    for trial in range(6):
+        D, H = [(8, 2), (12, 3), (6, 1), (16, 4)][trial % 4]
+        kdim, vdim = (None, None) if packed else (int(rng.integers(3, 10)), int(rng.integers(3, 10)))
+        bias = trial % 3 != 2
+        ref = torch.nn.MultiheadAttention(D, H, bias=bias, kdim=kdim, vdim=vdim, batch_first=batch_first,
+                                          dtype=TORCH_DTYPE[dtype])
+        with torch.no_grad():
+            for p in ref.parameters():
+                p.copy_(torch.randn_like(p) * 0.5)
+        ours = attn.MultiheadAttention(D, H, bias=bias, kdim=kdim, vdim=vdim, batch_first=batch_first,
+                                       dtype=dtype)
+        ours.load_state_dict({k: v.numpy() for k, v in ref.state_dict().items()})
+        B, L = int(rng.integers(1, 4)), int(rng.integers(1, 9))
+        S = L if (packed and trial % 2 == 0) or masks == "causal" else int(rng.integers(1, 9))
+
+        def inp(n, width):
+            shape = (B, n, width) if batch_first else (n, B, width)
+            return torch.from_numpy(rng.standard_normal(shape).astype(dtype))
+
+        q = inp(L, D)
+        if packed and trial % 2 == 0:
+            k = v = q  # self-attention
+        else:
+            k, v = inp(S, ours.kdim), inp(S, ours.vdim)
+        kw = {}
+        if masks == "bool":
+            m = rng.random((L, S)) < 0.3
+            m[:, 0] = False
+            kw["attn_mask"] = torch.from_numpy(m)
+        elif masks == "float":
+            kw["attn_mask"] = torch.from_numpy(rng.standard_normal((L, S)).astype(dtype))
+        elif masks == "per-head":
+            m = rng.random((B * H, L, S)) < 0.3
+            m[..., 0] = False
+            kw["attn_mask"] = torch.from_numpy(m)
+        elif masks == "kpm":
+            m = rng.random((B, S)) < 0.3
+            m[:, 0] = False
+            kw["key_padding_mask"] = torch.from_numpy(m)
+        elif masks == "causal":
+            kw["attn_mask"] = torch.triu(torch.ones(L, L, dtype=torch.bool), 1)
+            kw["is_causal"] = True
+        for avg in (True, False):
+            with torch.no_grad():
+                want, want_w = ref(q, k, v, average_attn_weights=avg, **kw)
+            got, got_w = ours(q, k, v, average_attn_weights=avg, **kw)
+            assert isinstance(got, torch.Tensor)
+            check(parity, name + " out", got, want, dtype)
+            check(parity, name + (" weights avg" if avg else " weights per-head"), got_w, want_w, dtype)
