@@ -299,3 +299,23 @@ def test_errors_name_the_argument():
     bwd = attn.scaled_dot_product_attention_backward
     assert "'grad_output' has shape (1, 2, 3, 5)" in errors(bwd, np.zeros((1, 2, 3, 5)), q, k, v)
     assert "'lse' has shape" in errors(bwd, np.zeros((1, 2, 3, 6)), q, k, v, lse=np.zeros((1, 2)))
+
+
+def test_common_layouts_are_not_copied():
+    """White-box: the rank-4 views handed to the extension share memory with
+    the caller's arrays for contiguous, transposed, sliced and broadcast inputs."""
+    from attn._sdpa import _plan
+
+    rng = np.random.default_rng(12)
+    base = rng.standard_normal((2, 6, 3, 8))  # (B, L, H, E) memory
+    q = base.transpose(0, 2, 1, 3)  # (B, H, L, E) view
+    k = rng.standard_normal((2, 3, 9, 16))[..., ::2]  # every other feature
+    v = np.broadcast_to(rng.standard_normal((1, 3, 9, 4)), (2, 3, 9, 4))
+    mask = rng.standard_normal((3, 6, 9))
+    p = _plan("test", q, k, v, mask, 0.0, False, None, False, "auto")
+    for view, orig in ((p.q, base), (p.k, k), (p.v, v), (p.bias, mask)):
+        assert np.shares_memory(view, orig)
+    # Five leading axes that merge into one batch axis, still without a copy.
+    q5 = rng.standard_normal((2, 2, 2, 3, 4, 5))
+    p = _plan("test", q5, q5, q5, None, 0.0, False, None, False, "auto")
+    assert p.q.shape == (8, 3, 4, 5) and np.shares_memory(p.q, q5)
