@@ -133,6 +133,11 @@ class MultiheadAttention:
         """
         fn = _FN + ".forward"
         torch_out = any(is_torch_tensor(x) for x in (query, key, value))
+        if torch_out and sys.modules["torch"].is_grad_enabled() and any(
+                is_torch_tensor(x) and x.requires_grad for x in (query, key, value)):
+            raise ValueError(f"{fn}: the inputs require grad, but this layer does not take part in "
+                             "torch autograd; call it under torch.no_grad() or on detached tensors "
+                             "(attn.torch.scaled_dot_product_attention is differentiable)")
         q = float_array(query, fn, "query", self.dtype)
         k = float_array(key, fn, "key", self.dtype)
         v = float_array(value, fn, "value", self.dtype)

@@ -36,13 +36,18 @@ class ScaledDotProductAttention(_torch.autograd.Function):
         out, lse = _sdpa.scaled_dot_product_attention(
             query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
             backend=backend, return_lse=True)
-        ctx.save_for_backward(query, key, value, attn_mask, out, lse)
+        # save_for_backward takes tensors only; a NumPy mask is kept as is.
+        mask_tensor = attn_mask if isinstance(attn_mask, _torch.Tensor) else None
+        ctx.save_for_backward(query, key, value, mask_tensor, out, lse)
+        ctx.other_mask = None if mask_tensor is not None else attn_mask
         ctx.options = (is_causal, scale, enable_gqa, backend)
         return out
 
     @staticmethod
     def backward(ctx, grad_output):
         query, key, value, attn_mask, out, lse = ctx.saved_tensors
+        if attn_mask is None:
+            attn_mask = ctx.other_mask
         is_causal, scale, enable_gqa, backend = ctx.options
         grads = _sdpa.scaled_dot_product_attention_backward(
             grad_output, query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa,

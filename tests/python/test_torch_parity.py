@@ -190,3 +190,22 @@ def test_multihead_matches_torch(dtype, packed, batch_first, masks, parity):
             assert isinstance(got, torch.Tensor)
             check(parity, name + " out", got, want, dtype)
             check(parity, name + (" weights avg" if avg else " weights per-head"), got_w, want_w, dtype)
+
+
+def test_numpy_mask_with_tensors_and_mha_autograd_guard():
+    rng = np.random.default_rng(3)
+    q, k, v = (torch.from_numpy(rng.standard_normal((1, 2, 4, 3))).requires_grad_() for _ in range(3))
+    m = rng.standard_normal((4, 4))  # a NumPy float mask next to tensors
+    y = attn.torch.scaled_dot_product_attention(q, k, v, m)
+    y.sum().backward()
+    qr, kr, vr = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    F.scaled_dot_product_attention(qr, kr, vr, torch.from_numpy(m)).sum().backward()
+    for a, b in ((q, qr), (k, kr), (v, vr)):
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=1e-12)
+    layer = attn.MultiheadAttention(6, 2, dtype=torch.float64)
+    x = torch.randn(3, 1, 6, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(ValueError, match="does not take part in torch autograd"):
+        layer(x, x, x)
+    with torch.no_grad():
+        out, _ = layer(x, x, x)
+    assert out.shape == (3, 1, 6)
