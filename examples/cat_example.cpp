@@ -1,6 +1,12 @@
-// The seeds' "the cat was hungry" example, step by step, through attn's
-// scaled dot-product attention: the query of "hungry" against four keys with
-// d_k = 4, then the weighted blend of the four values.
+// The seeds' "the cat was hungry" example, run through attn's multi-head
+// attention layer (one head, d_k = 4, d_v = 2).
+//
+// The four tokens are one-hot embeddings (D = 4), so row i of X·Wᵀ is simply
+// column i of W: loading the seed's query, keys and values as the columns of
+// the projection weights makes the layer reproduce the hand calculation. The
+// seed gives only the query of "hungry"; the other queries are zero, so those
+// tokens spread their attention evenly. out_proj copies the two value
+// features into the first two of the four output features.
 #include <attn/attn.hpp>
 
 #include <cmath>
@@ -9,50 +15,81 @@
 
 namespace {
 
-void print_matrix(const char* title, const float* m, int rows, int cols, const char* const* labels) {
-  std::printf("%s  (%d x %d)\n", title, rows, cols);
+const char* const kTokens[] = {"the", "cat", "was", "hungry"};
+
+// Prints a (rows × cols) row-major matrix with token labels on the rows, and
+// an optional note after the last row.
+void print_matrix(const char* title, const float* m, int rows, int cols, const char* note = nullptr) {
+  std::printf("%s\n", title);
   for (int r = 0; r < rows; ++r) {
-    std::printf("  %-7s", labels ? labels[r] : "");
-    for (int c = 0; c < cols; ++c) std::printf(" %8.3f", m[r * cols + c]);
+    std::printf("  %-7s", kTokens[r]);
+    for (int c = 0; c < cols; ++c) std::printf(" %7.3f", m[r * cols + c]);
+    if (note && r == rows - 1) std::printf("    <- %s", note);
     std::printf("\n");
   }
+  std::printf("\n");
 }
 
 }  // namespace
 
 int main() {
-  const char* tokens[] = {"the", "cat", "was", "hungry"};
-  const char* query_label[] = {"hungry"};
-  // One query ("hungry"), four keys and values, d_k = 4, d_v = 2.
-  std::vector<float> q = {2, 0, 0, 0};
-  std::vector<float> k = {-1, 0, 0, 0,  //
-                          2,  0, 0, 0,  //
-                          0,  1, 0, 0,  //
-                          0,  0, 1, 0};
-  std::vector<float> v = {0, 0, 1, 0, 0, 1, 0, 1};
-  std::vector<float> y(2), a(4), lse(1);
+  constexpr int N = 4, D = 4, E = 4, Ev = 2;
 
-  attn::SdpaArgs<float> args;
-  args.q = attn::View4<const float>::bhnd(q.data(), 1, 1, 1, 4);
-  args.k = attn::View4<const float>::bhnd(k.data(), 1, 1, 4, 4);
-  args.v = attn::View4<const float>::bhnd(v.data(), 1, 1, 4, 2);
-  attn::scaled_dot_product_attention<float>(args, attn::View4<float>::bhnd(y.data(), 1, 1, 1, 2), {},
-                                            attn::View4<float>::bhnd(a.data(), 1, 1, 1, 4),
-                                            attn::View3<float>(lse.data(), {1, 1, 1}));
+  attn::MultiheadConfig cfg;
+  cfg.embed_dim = D;
+  cfg.num_heads = 1;
+  cfg.head_dim = E;
+  cfg.v_head_dim = Ev;
+  cfg.bias = false;
+  attn::MultiheadAttention<float> layer(cfg);
 
-  std::vector<float> s(4), s_scaled(4);
-  for (int j = 0; j < 4; ++j) {
-    for (int e = 0; e < 4; ++e) s[j] += q[e] * k[j * 4 + e];
-    s_scaled[j] = s[j] / std::sqrt(4.0f);
-  }
-  std::printf("attn: the seeds' \"the cat was hungry\" example (d_k = 4, sqrt(d_k) = 2)\n\n");
-  print_matrix("Q (query of \"hungry\")", q.data(), 1, 4, query_label);
-  print_matrix("K", k.data(), 4, 4, tokens);
-  print_matrix("V", v.data(), 4, 2, tokens);
-  print_matrix("S = q.K^T", s.data(), 1, 4, query_label);
-  print_matrix("S / sqrt(d_k)", s_scaled.data(), 1, 4, query_label);
-  print_matrix("A = softmax(S / sqrt(d_k))   [seed: 0.038 0.757 0.102 0.102]", a.data(), 1, 4, query_label);
-  print_matrix("Y = A.V                      [seed: 0.76 0.20]", y.data(), 1, 2, query_label);
-  std::printf("log-sum-exp of the row: %.4f\n", lse[0]);
+  // Weights are [out, in]; column i holds token i's vector.
+  //                        the  cat  was  hungry
+  const float w_q[E * D] = {0,   0,   0,   2,   //
+                            0,   0,   0,   0,   //
+                            0,   0,   0,   0,   //
+                            0,   0,   0,   0};
+  const float w_k[E * D] = {-1,  2,   0,   0,   //
+                            0,   0,   1,   0,   //
+                            0,   0,   0,   1,   //
+                            0,   0,   0,   0};
+  const float w_v[Ev * D] = {0,  1,   0,   0,   //
+                             0,  0,   1,   1};
+  const float w_o[D * Ev] = {1, 0,  //
+                             0, 1,  //
+                             0, 0,  //
+                             0, 0};
+  layer.load_parameter("q_proj_weight", attn::View2<const float>(w_q, {E, D}));
+  layer.load_parameter("k_proj_weight", attn::View2<const float>(w_k, {E, D}));
+  layer.load_parameter("v_proj_weight", attn::View2<const float>(w_v, {Ev, D}));
+  layer.load_parameter("out_proj.weight", attn::View2<const float>(w_o, {D, Ev}));
+
+  // X: one-hot token embeddings, batch of one sequence (1, N, D).
+  std::vector<float> x(N * D, 0.0f), y(N * D), a(N * N);
+  for (int i = 0; i < N; ++i) x[size_t(i * D + i)] = 1.0f;
+
+  attn::MhaCache<float> cache;  // keeps Q, K, V for display (and for backward)
+  layer.forward_self(attn::View3<const float>(x.data(), {1, N, D}), attn::View3<float>(y.data(), {1, N, D}),
+                     {}, {}, &cache, attn::View4<float>(a.data(), {1, 1, N, N}));
+
+  // The scaled scores, recomputed from the layer's Q and K for display.
+  std::vector<float> s(N * N);
+  for (int i = 0; i < N; ++i)
+    for (int j = 0; j < N; ++j) {
+      float dot = 0;
+      for (int e = 0; e < E; ++e) dot += cache.q[size_t(i * E + e)] * cache.k[size_t(j * E + e)];
+      s[size_t(i * N + j)] = dot / std::sqrt(float(E));
+    }
+
+  std::printf("attn: the seeds' \"the cat was hungry\" example through MultiheadAttention\n");
+  std::printf("(one head, D = 4, d_k = 4, d_v = 2; X = one-hot embeddings; sqrt(d_k) = 2)\n\n");
+  print_matrix("Q = X.W_q^T", cache.q.data(), N, E, "seed: q_hungry = [2, 0, 0, 0]");
+  print_matrix("K = X.W_k^T", cache.k.data(), N, E);
+  print_matrix("V = X.W_v^T", cache.v.data(), N, Ev);
+  print_matrix("S = Q.K^T / sqrt(d_k)   (columns: the cat was hungry)", s.data(), N, N,
+               "seed: -1 2 0 0");
+  print_matrix("A = softmax_row(S)", a.data(), N, N, "seed: 0.038 0.757 0.102 0.102");
+  print_matrix("Y = (A.V).W_o^T", y.data(), N, D, "seed: 0.76 0.20");
+  std::printf("\"hungry\" puts %.0f%% of its attention on \"cat\".\n", 100.0 * a[size_t(3 * N + 1)]);
   return 0;
 }

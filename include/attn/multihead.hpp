@@ -69,8 +69,8 @@ struct MhaOptions {
 template <class T>
 struct MhaCache {
   bool self_attention = false;  // forward_self: query = key = value
-  Tensor<T> query, key, value;  // inputs, contiguous (B, N, width)
-  Tensor<T> q, k, v;            // projections, (B, H, N, E|Ev)
+  Tensor<T> query, key, value;  // inputs, contiguous (B, N, width); self-attention: query only
+  Tensor<T> q, k, v;            // projections, (B, N, H·E|H·Ev); heads are View4::bnhd views
   Tensor<T> attn_out;           // concatenated head outputs, (B, L, H·Ev)
   Tensor<T> lse;                // (B, H, L)
   Tensor<bool> mask;            // combined bool mask, when one was built
