@@ -263,8 +263,10 @@ arguments and meaning.
 Arguments
   query  (..., L, E)   key (..., S, E)   value (..., S, Ev): NumPy arrays or CPU
          torch tensors, float32 or float64 (all three the same), any strides; used in
-         place (torch tensors through DLPack), not copied. Leading dimensions
-         broadcast against each other; dimension -3 is the head axis.
+         place (torch tensors through DLPack). A copy is made only for negative or
+         misaligned strides, non-native byte order, or broadcast leading axes that no
+         single stride describes. Leading dimensions broadcast against each other;
+         dimension -3 is the head axis.
   attn_mask  None, bool (True = the query may attend to the key) or float (added to
          the scores; -inf masks), broadcastable to (..., L, S).
   dropout_p  must be 0.0 (kept for PyTorch's positional order; attn has no dropout).
