@@ -26,6 +26,7 @@ test: build
 # Re-running is cheap: pip skips what is installed and scikit-build-core keeps
 # its CMake build in build-py/, so only changed sources recompile.
 PYTHON ?= python3
+PYTEST_ARGS ?=
 PYVENV ?= build-py/venv
 PIP = $(PYVENV)/bin/python -m pip --disable-pip-version-check -q
 
@@ -41,7 +42,7 @@ PYTEST = rc=0; $(PYVENV)/bin/python -m pytest -q $(1) || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; rc=0; fi; exit $$rc
 
 test-python: python-install
-	@$(call PYTEST,-rs tests/python)
+	@$(call PYTEST,-rs tests/python $(PYTEST_ARGS))
 
 # The PyTorch parity tests (skipped by test-python when torch is absent).
 # PyPI's torch wheel pulls several GB of CUDA libraries; it runs on the CPU.
