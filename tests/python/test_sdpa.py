@@ -319,3 +319,13 @@ def test_common_layouts_are_not_copied():
     q5 = rng.standard_normal((2, 2, 2, 3, 4, 5))
     p = _plan("test", q5, q5, q5, None, 0.0, False, None, False, "auto")
     assert p.q.shape == (8, 3, 4, 5) and np.shares_memory(p.q, q5)
+
+
+def test_attn_torch_import_explains_a_missing_torch():
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        with pytest.raises(ImportError, match="attn.torch needs PyTorch"):
+            import attn.torch  # noqa: F401
+    else:
+        pytest.skip("PyTorch is installed, so attn.torch imports")
