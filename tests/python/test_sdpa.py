@@ -43,7 +43,9 @@ def forward_tol(c, dtype):
     score |s| propagates through exp into the weights, then into sums over S."""
     z, _ = npref.scores(c["q"], c["k"], None, False, c["scale"], c["gqa"])
     s = np.abs(z).max()
-    return npref.tol(dtype, c["k"].shape[-2] + c["q"].shape[-1], np.abs(c["v"]).max() * (1 + s))
+    # factor 2: over 40 random cases per dtype the worst error (fused or
+    # reference backend) was about 1/8 of this bound.
+    return npref.tol(dtype, c["k"].shape[-2] + c["q"].shape[-1], np.abs(c["v"]).max() * (1 + s), factor=2)
 
 
 def assert_close(got, want, atol, what):
@@ -329,3 +331,34 @@ def test_attn_torch_import_explains_a_missing_torch():
             import attn.torch  # noqa: F401
     else:
         pytest.skip("PyTorch is installed, so attn.torch imports")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", ["none", "causal", "bool", "float"])
+def test_long_awkward_sequences_match_numpy(backend, kind):
+    """Lengths past any tile size and not a multiple of one (267 queries,
+    301 keys, E = 64, Ev = 40), float32, forward and backward."""
+    dtype = np.float32
+    need_backend(backend, dtype)
+    rng = np.random.default_rng(npref.seed_of("long", kind))
+    q = rng.standard_normal((1, 2, 267, 64)).astype(dtype)
+    k = rng.standard_normal((1, 2, 301, 64)).astype(dtype)
+    v = rng.standard_normal((1, 2, 301, 40)).astype(dtype)
+    mask = None
+    if kind == "bool":
+        mask = rng.random((267, 301)) < 0.8
+    elif kind == "float":
+        mask = rng.standard_normal((2, 1, 301)).astype(dtype)
+    c = dict(q=q, k=k, v=v, mask=mask, causal=kind == "causal", scale=None, gqa=False)
+    out, lse = call(c, backend=backend, return_lse=True)
+    want, want_lse, _ = ref(c)
+    atol = forward_tol(c, dtype)
+    assert_close(out, want, atol, "out")
+    assert_close(lse, want_lse, atol, "lse")
+    dout = rng.standard_normal(out.shape).astype(dtype)
+    grads = attn.scaled_dot_product_attention_backward(dout, q, k, v, mask, is_causal=c["causal"],
+                                                       backend=backend, output=out, lse=lse)
+    want_g = npref.sdpa_backward(dout, q, k, v, mask, c["causal"])
+    amax = max(np.abs(x).max() for x in (q, k, v, dout))
+    for name, g, w in zip(["dq", "dk", "dv", "dmask"], grads, want_g):
+        assert_close(g, w, atol * amax * np.sqrt(2 * 301), name)
