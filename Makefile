@@ -3,7 +3,7 @@ BUILD ?= build
 JOBS ?= $(shell nproc)
 CMAKE_FLAGS ?=
 
-.PHONY: deps build demo test test-sanitize install clean python-install test-python test-torch
+.PHONY: deps build demo test test-sanitize install clean
 
 deps:
 	@bash scripts/install-deps.sh
@@ -29,6 +29,7 @@ PYTHON ?= python3
 PYTEST_ARGS ?=
 PYVENV ?= build-py/venv
 PIP = $(PYVENV)/bin/python -m pip --disable-pip-version-check -q
+.PHONY: python-install test-python test-torch
 
 $(PYVENV)/bin/python:
 	$(PYTHON) -m venv $(PYVENV)
