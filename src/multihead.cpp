@@ -30,6 +30,7 @@
 #include <string>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "kernels/gemm/gemm.hpp"
 
@@ -134,11 +135,10 @@ void add_rows(T* C, int64_t m, int64_t n, const T* bias) {
 // db[j] += Σ_i C[i, j] for C (m, n).
 template <class T>
 void add_column_sums(const T* C, int64_t m, int64_t n, T* db) {
-  for (int64_t j = 0; j < n; ++j) {
-    double s = 0;
-    for (int64_t i = 0; i < m; ++i) s += double(C[i * n + j]);
-    db[j] += T(s);
-  }
+  std::vector<double> s(static_cast<size_t>(n), 0.0);
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t j = 0; j < n; ++j) s[size_t(j)] += double(C[i * n + j]);
+  for (int64_t j = 0; j < n; ++j) db[j] += T(s[size_t(j)]);
 }
 
 // Portable uniform draw in [lo, hi) from the top 53 bits of the generator
@@ -387,19 +387,18 @@ void forward_impl(const MultiheadAttention<T>& layer, const Checker& c, View3<co
     }
   }
 
-  MhaCache<T> local;
-  MhaCache<T>& st = cache ? *cache : local;
-  st = MhaCache<T>{};
+  // Filled here and moved into *cache at the end, so that inputs which alias
+  // the caller's old cache stay valid while they are read.
+  MhaCache<T> st;
   st.self_attention = self;
   st.masks = masks;
   st.options = opt;
 
   // Dense inputs: always copied into the cache (so the caller may reuse its
   // buffers before backward), otherwise only when strided.
-  Tensor<T> kscratch, vscratch;
   const T* xq = dense(query, st.query, cache != nullptr);
-  const T* xk = self ? xq : dense(key, cache ? st.key : kscratch, cache != nullptr);
-  const T* xv = self ? xq : dense(value, cache ? st.value : vscratch, cache != nullptr);
+  const T* xk = self ? xq : dense(key, st.key, cache != nullptr);
+  const T* xv = self ? xq : dense(value, st.value, cache != nullptr);
 
   // Projections (B·N, H·E | H·Ev).
   const auto proj = projections<const T>(cfg_, layer.packed_in_proj(),
@@ -472,6 +471,7 @@ void forward_impl(const MultiheadAttention<T>& layer, const Checker& c, View3<co
   gemm<T>({B * L, D, H * Ev}, false, st.attn_out.data(), H * Ev, true, wo.data(), H * Ev, y, D);
   add_rows(y, B * L, D, bo);
   if (!out.is_contiguous()) scatter<T>(y, out);
+  if (cache) *cache = std::move(st);
 }
 
 }  // namespace
