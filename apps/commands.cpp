@@ -1,4 +1,4 @@
-// `attn sdpa`, `attn experiment`, `attn heatmap` and `attn bench`.
+// `attn sdpa`, `attn experiment`, `attn heatmap` and `attn bench` (`attn train` is in train.cpp).
 #include "commands.hpp"
 
 #include <unistd.h>
@@ -15,6 +15,7 @@
 #include "common.hpp"
 #include "experiments.hpp"
 #include "plot.hpp"
+#include "train.hpp"
 
 namespace attn::cli {
 namespace {
@@ -234,14 +235,34 @@ void add_experiment(CLI::App& app) {
 
 void add_heatmap(CLI::App& app) {
   auto o = std::make_shared<HeatmapOpts>();
-  auto* c = app.add_subcommand("heatmap", "Draw attention weights as a PNG heatmap (one panel per head)");
-  c->add_option("--weights", o->weights, "weights .npy: (L, S), (H, L, S) or (B, H, L, S)")->required();
-  c->add_option("--labels", o->labels, "space-separated tokens: S words (rows too when L = S), or L + S words");
-  c->add_option("--batch", o->batch, "which batch entry of a (B, H, L, S) file")->capture_default_str();
+  auto k = std::make_shared<CheckpointHeatmapOpts>();
+  auto* c = app.add_subcommand("heatmap",
+                               "Draw attention weights as a PNG heatmap (one panel per head): from a .npy of weights, "
+                               "or a trained checkpoint run on one example");
+  auto* w = c->add_option("--weights", o->weights, "weights .npy: (L, S), (H, L, S) or (B, H, L, S)");
+  auto* ck = c->add_option("--checkpoint", k->checkpoint,
+                           "a checkpoint of `attn train` (.safetensors): draw every head of every layer on one example");
+  w->excludes(ck);
+  c->add_option("--labels", o->labels, "--weights: space-separated tokens: S words (rows too when L = S), or L + S words");
+  c->add_option("--batch", o->batch, "--weights: which batch entry of a (B, H, L, S) file")->capture_default_str();
+  c->add_option("--task", k->task, "--checkpoint: copy | reverse | sort | recall (default: the checkpoint's task)")
+      ->check(CLI::IsMember({"copy", "reverse", "sort", "recall"}));
+  c->add_option("--example", k->example, "--checkpoint: which example of the seeded stream")->capture_default_str();
+  c->add_option("--seed", k->seed, "--checkpoint: seed of the example stream")->capture_default_str();
   c->add_option("--title", o->title, "title above the panels");
   c->add_option("--out", o->out, "output .png")->required();
   c->footer(kExitCodesHelp);
-  c->callback([o] { run_heatmap(*o); });
+  c->callback([o, k] {
+    if (!k->checkpoint.empty()) {
+      k->out = o->out;
+      k->title = o->title;
+      run_checkpoint_heatmap(*k);
+    } else if (!o->weights.empty()) {
+      run_heatmap(*o);
+    } else {
+      throw UsageError("attn heatmap: give --weights A.npy or --checkpoint ckpt.safetensors");
+    }
+  });
 }
 
 void add_bench(CLI::App& app) {

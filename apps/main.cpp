@@ -7,6 +7,7 @@
 
 #include "commands.hpp"
 #include "common.hpp"
+#include "train.hpp"
 
 int main(int argc, char** argv) {
   using namespace attn::cli;
@@ -19,6 +20,7 @@ int main(int argc, char** argv) {
   add_mha(app);
   add_explain(app);
   add_experiment(app);
+  add_train(app);
   add_heatmap(app);
   add_bench(app);
   add_tour(app);

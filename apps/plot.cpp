@@ -283,7 +283,8 @@ void draw_chart(const Chart& ch, const std::string& path) {
 }
 
 void draw_heatmap(const std::vector<double>& w, int64_t H, int64_t L, int64_t S, const std::vector<std::string>& rows,
-                  const std::vector<std::string>& cols, const std::string& title, const std::string& path) {
+                  const std::vector<std::string>& cols, const std::string& title, const std::string& path,
+                  const std::vector<std::string>& panel_titles, int per_row_wanted) {
   size_t row_w = 0, col_w = 0;
   for (const auto& r : rows) row_w = std::max(row_w, r.size());
   for (const auto& c : cols) col_w = std::max(col_w, c.size());
@@ -293,7 +294,7 @@ void draw_heatmap(const std::vector<double>& w, int64_t H, int64_t L, int64_t S,
   const int label_w = Canvas::text_width(std::string(row_w, 'x'), ts) + 12;
   const int label_h = Canvas::text_width(std::string(col_w, 'x'), ts) + 12;
   const int panel_w = label_w + int(S) * cell + 30, panel_h = 40 + label_h + int(L) * cell + 20;
-  const int per_row = int(std::min<int64_t>(H, 4));
+  const int per_row = int(std::min<int64_t>(H, per_row_wanted > 0 ? per_row_wanted : 4));
   const int grid_rows = int((H + per_row - 1) / per_row);
   const int bar_w = 120;
   const int width = std::max(20 + per_row * panel_w + bar_w, 560), height = std::max(50 + grid_rows * panel_h, 300);
@@ -306,7 +307,8 @@ void draw_heatmap(const std::vector<double>& w, int64_t H, int64_t L, int64_t S,
   if (vmax <= 0) vmax = 1;
   for (int64_t h = 0; h < H; ++h) {
     const int ox = 20 + int(h % per_row) * panel_w, oy = 50 + int(h / per_row) * panel_h;
-    if (H > 1) cv.text(ox + label_w, oy, fmt::format("head {}", h), kBlack);
+    if (h < int64_t(panel_titles.size())) cv.text(ox + label_w, oy, panel_titles[size_t(h)], kBlack);
+    else if (H > 1) cv.text(ox + label_w, oy, fmt::format("head {}", h), kBlack);
     const int gx = ox + label_w, gy = oy + 30 + label_h;
     const int th = Canvas::text_height(ts);
     for (int64_t j = 0; j < S; j += stride)

@@ -537,6 +537,137 @@ TEST_F(Cli, HeatmapWritesAPngOfTheRightSize) {
   EXPECT_EQ(run("heatmap --weights a5.npy --out h3.png").rc, 1);
 }
 
+// ---- train and the checkpoint heatmap -------------------------------------------------
+
+// The CSV's rows as (step, loss).
+std::vector<std::pair<int64_t, double>> curve_rows(const std::string& csv) {
+  std::vector<std::pair<int64_t, double>> rows;
+  std::istringstream is(csv);
+  std::string line;
+  std::getline(is, line);  // header
+  while (std::getline(is, line)) {
+    std::istringstream ls(line);
+    std::string step, lr, loss;
+    std::getline(ls, step, ',');
+    std::getline(ls, lr, ',');
+    std::getline(ls, loss, ',');
+    rows.emplace_back(std::stoll(step), std::stod(loss));
+  }
+  return rows;
+}
+
+// The words after `label` on the line that starts with it (e.g. "  input").
+std::vector<std::string> words_after(const std::string& text, const std::string& label) {
+  std::vector<std::string> w;
+  const size_t at = text.find(label);
+  if (at == std::string::npos) return w;
+  std::istringstream ls(text.substr(at + label.size(), text.find('\n', at) - at - label.size()));
+  for (std::string x; ls >> x && x[0] != '(';) w.push_back(x);
+  return w;
+}
+
+TEST_F(Cli, TrainSavesResumesAndDrawsTheCheckpointsAttention) {
+  const std::string cfg =
+      "train --task reverse --length 3 --symbols 4 --layers 2 --dim 8 --heads 2 --batch 4 --warmup 2 --eval-examples 8 "
+      "--log-every 1 --seed 5 --steps 6";
+  // Three steps of six, checkpointed; then the other three from the checkpoint.
+  Result r = run(cfg + " --stop-at 3 --save c.safetensors --csv a.csv --png a.png");
+  ASSERT_EQ(r.rc, 0) << r.err << r.out;
+  EXPECT_TRUE(contains(r.out, "step      3/3")) << r.out;
+  EXPECT_TRUE(contains(r.out, "steps 0..3")) << r.out;
+  EXPECT_TRUE(contains(r.out, "held-out (8 examples)")) << r.out;
+  EXPECT_FALSE(contains(r.out, "\r")) << "no progress bar when stdout is not a terminal";
+  const auto first = curve_rows(slurp(path("a.csv")));
+  ASSERT_EQ(first.size(), 3u);
+  EXPECT_EQ(first[0].first, 0);
+  EXPECT_EQ(first[2].first, 2);
+  for (const auto& [step, loss] : first) EXPECT_TRUE(std::isfinite(loss) && loss > 0) << step;
+  EXPECT_EQ(slurp(path("a.png")).substr(1, 3), "PNG");
+  ASSERT_TRUE(fs::exists(path("c.safetensors")));
+
+  r = run(cfg + " --resume c.safetensors --csv b.csv");
+  ASSERT_EQ(r.rc, 0) << r.err << r.out;
+  EXPECT_TRUE(contains(r.out, "steps 3..6")) << r.out;
+  const auto resumed = curve_rows(slurp(path("b.csv")));
+  ASSERT_EQ(resumed.size(), 3u);
+  // An uninterrupted run of the same flags gives the same losses at steps 3..5.
+  r = run(cfg + " --csv full.csv");
+  ASSERT_EQ(r.rc, 0) << r.err;
+  const auto full = curve_rows(slurp(path("full.csv")));
+  ASSERT_EQ(full.size(), 6u);
+  for (size_t i = 0; i < 3; ++i) {
+    EXPECT_EQ(resumed[i].first, full[3 + i].first);
+    EXPECT_NEAR(resumed[i].second, full[3 + i].second, 1e-6 * full[3 + i].second) << "step " << full[3 + i].first;
+    EXPECT_NEAR(first[i].second, full[i].second, 1e-6 * full[i].second) << "step " << i;
+  }
+
+  // The checkpoint's attention on example 2: 2 layers x 2 heads of 7 x 7.
+  r = run("heatmap --checkpoint c.safetensors --task reverse --example 2 --out h.png");
+  ASSERT_EQ(r.rc, 0) << r.err << r.out;
+  EXPECT_TRUE(contains(r.out, "reverse example 2")) << r.out;
+  EXPECT_TRUE(contains(r.err, "2 layer(s) x 2 head(s) of 7 x 7")) << r.err;
+  const auto in = words_after(r.out, "input"), want = words_after(r.out, "target"),
+             got = words_after(r.out, "predicted");
+  ASSERT_EQ(in.size(), 7u) << r.out;  // x1 x2 x3 : _ _ _
+  EXPECT_EQ(in[3], ":");
+  ASSERT_EQ(want.size(), 3u) << r.out;
+  EXPECT_EQ(got.size(), 3u) << r.out;
+  for (size_t i = 0; i < 3; ++i) {
+    EXPECT_EQ(want[i], in[2 - i]) << "the target of reverse is the input backwards";
+    EXPECT_EQ(in[4 + i], "_");
+  }
+  const std::string png = slurp(path("h.png"));
+  ASSERT_GT(png.size(), 24u);
+  EXPECT_EQ(png.substr(1, 3), "PNG");
+  auto be32 = [&](size_t o) {
+    return uint32_t(uint8_t(png[o])) << 24 | uint32_t(uint8_t(png[o + 1])) << 16 | uint32_t(uint8_t(png[o + 2])) << 8 |
+           uint32_t(uint8_t(png[o + 3]));
+  };
+  const uint32_t w = be32(16), h = be32(20);
+  // Default task and a different example: same model, a different picture.
+  r = run("heatmap --checkpoint c.safetensors --example 0 --out h0.png");
+  ASSERT_EQ(r.rc, 0) << r.err;
+  EXPECT_NE(slurp(path("h0.png")), png);
+  // Two rows of panels (one per layer) are taller than a one-layer picture.
+  r = run("train --task reverse --length 3 --symbols 4 --layers 1 --dim 8 --heads 2 --batch 2 --steps 1 "
+          "--eval-examples 2 --save one.safetensors");
+  ASSERT_EQ(r.rc, 0) << r.err;
+  r = run("heatmap --checkpoint one.safetensors --example 2 --out h1.png");
+  ASSERT_EQ(r.rc, 0) << r.err;
+  const std::string png1 = slurp(path("h1.png"));
+  ASSERT_GT(png1.size(), 24u);
+  EXPECT_EQ(png1.substr(16, 4), png.substr(16, 4)) << "same width: two heads side by side";
+  const uint32_t h1 = uint32_t(uint8_t(png1[20])) << 24 | uint32_t(uint8_t(png1[21])) << 16 |
+                      uint32_t(uint8_t(png1[22])) << 8 | uint32_t(uint8_t(png1[23]));
+  EXPECT_GT(h, h1);
+  EXPECT_GT(w, 200u);
+}
+
+TEST_F(Cli, TrainAndCheckpointHeatmapErrors) {
+  Result r = run("train --task reverses --steps 1");
+  EXPECT_EQ(r.rc, 2);
+  EXPECT_TRUE(contains(r.err, "--task")) << r.err;
+  EXPECT_TRUE(contains(r.err, "reverses")) << r.err;
+  r = run("train --positions spiral --steps 1");
+  EXPECT_EQ(r.rc, 2);
+  r = run("train --steps 1 --resume missing.safetensors");
+  EXPECT_EQ(r.rc, 3);
+  EXPECT_TRUE(contains(r.err, "--resume 'missing.safetensors': no such file")) << r.err;
+  r = run("train --steps 1 --dim 8 --heads 3");
+  EXPECT_EQ(r.rc, 1);
+  EXPECT_TRUE(contains(r.err, "heads")) << r.err;
+  r = run("heatmap --checkpoint missing.safetensors --out h.png");
+  EXPECT_EQ(r.rc, 3);
+  EXPECT_TRUE(contains(r.err, "--checkpoint 'missing.safetensors'")) << r.err;
+  EXPECT_FALSE(fs::exists(path("h.png")));
+  std::ofstream(path("junk.safetensors")) << "not a checkpoint";
+  r = run("heatmap --checkpoint junk.safetensors --out h.png");
+  EXPECT_NE(r.rc, 0);
+  EXPECT_TRUE(contains(r.err, "junk.safetensors")) << r.err;
+  EXPECT_EQ(run("heatmap --out h.png").rc, 2);
+  EXPECT_EQ(run("heatmap --weights a.npy --checkpoint c.safetensors --out h.png").rc, 2);
+}
+
 TEST_F(Cli, BenchRunsAttnBenchOrSaysItIsMissing) {
   const fs::path bench = fs::path(kCli).parent_path().parent_path() / "bench" / "attn-bench";
   if (fs::exists(bench)) GTEST_SKIP() << "attn-bench is built; `attn bench` execs it";
@@ -560,7 +691,7 @@ TEST_F(Cli, HelpDocumentsExitCodesAndUsageErrorsExit2) {
   Result r = run("--help");
   EXPECT_EQ(r.rc, 0);
   EXPECT_TRUE(contains(r.out, "Exit codes: 0 success; 1 invalid input")) << r.out;
-  for (const char* sub : {"sdpa", "mha", "explain", "experiment", "heatmap", "tour"}) {
+  for (const char* sub : {"sdpa", "mha", "explain", "experiment", "heatmap", "train", "tour"}) {
     r = run(std::string(sub) + " --help");
     EXPECT_EQ(r.rc, 0) << sub;
     EXPECT_TRUE(contains(r.out, "Exit codes")) << sub;

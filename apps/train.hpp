@@ -1,0 +1,42 @@
+// `attn train` and `attn heatmap --checkpoint`: the command line of the
+// training library (attn::nn::train). The flag set is shared with the
+// example program examples/train.cpp, which is a thin wrapper around it.
+#pragma once
+
+#include <CLI/CLI.hpp>
+#include <cstdint>
+#include <string>
+
+#include "attn/nn.hpp"
+
+namespace attn::cli {
+
+// What the training flags fill in: the library's configuration plus the
+// names that are mapped onto enums after parsing, and the plot path.
+struct TrainOpts {
+  nn::TrainConfig config;
+  std::string task = "reverse", positions = "rope", scale = "default", png;
+};
+
+// Registers the training flags on `app` (a subcommand or a whole program).
+// --task, --positions, --scale and --optimizer are checked by CLI11, so a bad
+// value is a usage error.
+void add_train_flags(CLI::App& app, TrainOpts& o);
+
+// Maps the names onto the configuration, trains with progress on stdout and
+// writes the optional CSV, PNG and checkpoint. Throws attn::Error (bad
+// configuration) or attn::io::FileError (a missing --resume checkpoint).
+void run_train(const TrainOpts& o);
+
+struct CheckpointHeatmapOpts {
+  std::string checkpoint, task, out, title;
+  int64_t example = 0;
+  uint64_t seed = 0;
+};
+// Runs the checkpoint's model on example `example` of a seeded stream of its
+// task and draws the attention of every head of every layer.
+void run_checkpoint_heatmap(const CheckpointHeatmapOpts& o);
+
+void add_train(CLI::App& app);
+
+}  // namespace attn::cli
