@@ -10,7 +10,11 @@ int main(int argc, char** argv) {
   attn::cli::TrainOpts o;
   CLI::App app{"Train a small transformer on a synthetic task (copy, reverse, sort, recall)."};
   attn::cli::add_train_flags(app, o);
-  CLI11_PARSE(app, argc, argv);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e) == 0 ? 0 : 2;  // --help, or a usage error such as an unknown --task
+  }
   try {
     attn::cli::run_train(o);
   } catch (const attn::Error& e) {
