@@ -3,7 +3,7 @@ BUILD ?= build
 JOBS ?= $(shell nproc)
 CMAKE_FLAGS ?=
 
-.PHONY: deps build demo test test-sanitize bench bench-torch install clean
+.PHONY: deps build demo test test-sanitize bench bench-torch fuzz install clean
 
 deps:
 	@bash scripts/install-deps.sh
@@ -15,10 +15,41 @@ build: deps $(BUILD)/CMakeCache.txt
 	cmake --build $(BUILD) -j $(JOBS)
 
 demo: build
-	@if [ -x $(BUILD)/apps/attn ]; then $(BUILD)/apps/attn tour; else $(BUILD)/examples/cat_example; fi
+	@if [ -x $(BUILD)/apps/attn ]; then $(BUILD)/apps/attn tour --heatmap $(BUILD)/attn-tour-heatmap.png; else $(BUILD)/examples/cat_example; fi
 
 test: build
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
+	$(MAKE) test-python
+
+# The Python package, in a virtual environment of its own (build-py/venv):
+# numpy, pytest and the build requirements from PyPI, then `pip install .`.
+# Re-running is cheap: pip skips what is installed and scikit-build-core keeps
+# its CMake build in build-py/, so only changed sources recompile.
+PYTHON ?= python3
+PYTEST_ARGS ?=
+PYVENV ?= build-py/venv
+PIP = $(PYVENV)/bin/python -m pip --disable-pip-version-check -q
+.PHONY: python-install test-python test-torch
+
+$(PYVENV)/bin/python:
+	$(PYTHON) -m venv $(PYVENV)
+
+python-install: deps $(PYVENV)/bin/python
+	$(PIP) install numpy pytest scikit-build-core nanobind
+	CMAKE_ARGS="$(CMAKE_FLAGS)" CMAKE_BUILD_PARALLEL_LEVEL=$(JOBS) $(PIP) install --no-build-isolation .
+
+# pytest exits 5 when it collects no test; that is reported, not a failure.
+PYTEST = rc=0; $(PYVENV)/bin/python -m pytest -q $(1) || rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; rc=0; fi; exit $$rc
+
+test-python: python-install
+	@$(call PYTEST,-rs tests/python $(PYTEST_ARGS))
+
+# The PyTorch parity tests (skipped by test-python when torch is absent).
+# PyPI's torch wheel pulls several GB of CUDA libraries; it runs on the CPU.
+test-torch: python-install
+	$(PIP) install torch
+	@$(call PYTEST,-rs tests/python/test_torch_parity.py)
 
 # AddressSanitizer + UndefinedBehaviorSanitizer build of the test suite.
 test-sanitize: deps
@@ -35,8 +66,15 @@ bench: build
 bench-torch: build
 	python3 bench/compare_torch.py --attn-bench $(BUILD)/bench/attn-bench $(BENCH_ARGS)
 
+# libFuzzer targets for the .npy and safetensors parsers, FUZZ_SECONDS each
+# (needs clang: scripts/install-fuzz-deps.sh).
+FUZZ_SECONDS ?= 60
+fuzz:
+	bash scripts/install-fuzz-deps.sh
+	bash scripts/fuzz.sh $(FUZZ_SECONDS)
+
 install: build
 	cmake --install $(BUILD) --prefix $(or $(PREFIX),/usr/local)
 
 clean:
-	rm -rf build build-asan build-werror
+	rm -rf build build-asan build-werror build-fuzz build-py

@@ -1,0 +1,280 @@
+// `attn sdpa`, `attn experiment`, `attn heatmap` and `attn bench`.
+#include "commands.hpp"
+
+#include <unistd.h>
+
+#include <cerrno>
+#include <cmath>
+#include <cstring>
+#include <sstream>
+#include <filesystem>
+#include <memory>
+
+#include <fmt/format.h>
+
+#include "common.hpp"
+#include "experiments.hpp"
+#include "plot.hpp"
+
+namespace attn::cli {
+namespace {
+
+struct SdpaOpts {
+  std::string q, k, v, mask, out, weights, lse, backend = "auto";
+  double scale = 0;
+  bool causal = false;
+};
+
+// The inputs as rank-4 (B, H, N, F) shapes; ranks 2 and 3 get leading 1s.
+std::array<int64_t, 4> as4(const io::Array<double>& a, const std::string& flag, const std::string& path) {
+  const size_t r = a.shape.size();
+  if (r < 2 || r > 4)
+    throw Error(fmt::format("attn sdpa: {} {} has shape {}; expected (N, F), (H, N, F) or (B, H, N, F)", flag, path,
+                            io::shape_string(a.shape)));
+  std::array<int64_t, 4> s{1, 1, 1, 1};
+  for (size_t i = 0; i < r; ++i) s[4 - r + i] = a.shape[i];
+  return s;
+}
+
+template <class T>
+std::vector<T> convert(const std::vector<double>& v) {
+  return std::vector<T>(v.begin(), v.end());
+}
+
+template <class T>
+void run_sdpa_typed(const SdpaOpts& o, const io::Array<double>& qa, const io::Array<double>& ka,
+                    const io::Array<double>& va, const io::Array<double>* ma) {
+  const auto qs = as4(qa, "--q", o.q), ks = as4(ka, "--k", o.k), vs = as4(va, "--v", o.v);
+  const std::vector<T> q = convert<T>(qa.data), k = convert<T>(ka.data), v = convert<T>(va.data);
+  SdpaArgs<T> args;
+  args.q = View4<const T>(q.data(), qs);
+  args.k = View4<const T>(k.data(), ks);
+  args.v = View4<const T>(v.data(), vs);
+  std::unique_ptr<bool[]> mask;
+  if (ma) {
+    const size_t r = ma->shape.size();
+    if (r < 2 || r > 4 || r > qa.shape.size())
+      throw Error(fmt::format("attn sdpa: --mask {} has shape {}; expected (L, S) or a shape broadcastable to "
+                              "(B, H, L, S) with no more axes than --q",
+                              o.mask, io::shape_string(ma->shape)));
+    std::array<int64_t, 4> ms{1, 1, 1, 1};
+    for (size_t i = 0; i < r; ++i) ms[4 - r + i] = ma->shape[i];
+    mask.reset(new bool[ma->data.size()]);
+    for (size_t i = 0; i < ma->data.size(); ++i) {
+      const double x = ma->data[i];
+      if (x != 0 && x != 1)
+        throw Error(fmt::format("attn sdpa: --mask {} holds {} at flat index {}; a mask holds 1 (may attend) or 0 "
+                                "(blocked)",
+                                o.mask, x, i));
+      mask[i] = x == 1;
+    }
+    args.mask = View4<const bool>(mask.get(), ms);
+  }
+  SdpaOptions opt;
+  if (o.scale != 0) opt.scale = o.scale;
+  opt.causal = o.causal;
+  opt.backend = parse_backend(o.backend);
+  const int64_t B = qs[0], H = qs[1], L = qs[2], S = ks[2], Ev = vs[3];
+  std::vector<T> out(size_t(B * H * L * Ev)), w, lse;
+  View4<T> wv;
+  View3<T> lv;
+  if (!o.weights.empty()) {
+    w.resize(size_t(B * H * L * S));
+    wv = View4<T>::bhnd(w.data(), B, H, L, S);
+  }
+  if (!o.lse.empty()) {
+    lse.resize(size_t(B * H * L));
+    lv = View3<T>(lse.data(), {B, H, L});
+  }
+  Backend used;
+  try {
+    used = resolve_backend(args, opt, !o.weights.empty());
+    scaled_dot_product_attention<T>(args, View4<T>::bhnd(out.data(), B, H, L, Ev), opt, wv, lv);
+  } catch (const io::FileError&) {
+    throw;
+  } catch (const Error& e) {
+    // The library names arguments q, k, v, mask; say which files those are.
+    throw Error(fmt::format("attn sdpa: {} (q = {}, k = {}, v = {}{})", e.what(), o.q, o.k, o.v,
+                            o.mask.empty() ? "" : ", mask = " + o.mask));
+  }
+  // Outputs keep the rank of the query file.
+  const size_t r = qa.shape.size();
+  auto tail = [&](std::vector<int64_t> full) { return std::vector<int64_t>(full.end() - long(r), full.end()); };
+  io::write_npy(o.out, tail({B, H, L, Ev}), out.data());
+  if (!o.weights.empty()) io::write_npy(o.weights, tail({B, H, L, S}), w.data());
+  if (!o.lse.empty()) {
+    const std::vector<int64_t> full = {B, H, L};
+    io::write_npy(o.lse, std::vector<int64_t>(full.end() - long(r - 1), full.end()), lse.data());
+  }
+  fmt::print(stderr, "attn sdpa: {} -> {} ({}, backend {})\n", io::shape_string(qa.shape), o.out,
+             io::dtype_name(std::is_same_v<T, float> ? io::DType::f32 : io::DType::f64), backend_name(used));
+}
+
+void run_sdpa(const SdpaOpts& o) {
+  const auto qa = io::read_npy<double>(o.q), ka = io::read_npy<double>(o.k), va = io::read_npy<double>(o.v);
+  std::unique_ptr<io::Array<double>> ma;
+  if (!o.mask.empty()) ma = std::make_unique<io::Array<double>>(io::read_npy<double>(o.mask));
+  if (qa.shape.size() != ka.shape.size() || qa.shape.size() != va.shape.size())
+    throw Error(fmt::format("attn sdpa: --q {} {}, --k {} {} and --v {} {} must have the same number of axes", o.q,
+                            io::shape_string(qa.shape), o.k, io::shape_string(ka.shape), o.v,
+                            io::shape_string(va.shape)));
+  const size_t r = qa.shape.size();
+  if (r >= 1 && r <= 4) {
+    if (qa.shape[r - 1] != ka.shape[r - 1])
+      throw Error(fmt::format("attn sdpa: --k {} has shape {} but --q {} has shape {}: queries and keys need the "
+                              "same feature size E (last axis)",
+                              o.k, io::shape_string(ka.shape), o.q, io::shape_string(qa.shape)));
+    if (r >= 2 && ka.shape[r - 2] != va.shape[r - 2])
+      throw Error(fmt::format("attn sdpa: --v {} has shape {} but --k {} has shape {}: keys and values need the "
+                              "same length S (second-to-last axis)",
+                              o.v, io::shape_string(va.shape), o.k, io::shape_string(ka.shape)));
+  }
+  const bool f32 = qa.stored == io::DType::f32 && ka.stored == io::DType::f32 && va.stored == io::DType::f32;
+  if (f32) run_sdpa_typed<float>(o, qa, ka, va, ma.get());
+  else run_sdpa_typed<double>(o, qa, ka, va, ma.get());
+}
+
+struct ExperimentOpts {
+  std::string name, plot;
+  bool json = false;
+  uint64_t seed = 0;
+};
+
+struct HeatmapOpts {
+  std::string weights, labels, out, title;
+  int64_t batch = 0;
+};
+
+void run_heatmap(const HeatmapOpts& o) {
+  const auto a = io::read_npy<double>(o.weights);
+  const auto& s = a.shape;
+  int64_t H = 1, L = 0, S = 0, offset = 0;
+  if (s.size() == 2) L = s[0], S = s[1];
+  else if (s.size() == 3) H = s[0], L = s[1], S = s[2];
+  else if (s.size() == 4) {
+    if (o.batch < 0 || o.batch >= s[0])
+      throw Error(fmt::format("attn heatmap: --batch {} is outside the {} batch entries of {}", o.batch, s[0], o.weights));
+    H = s[1], L = s[2], S = s[3];
+    offset = o.batch * H * L * S;
+  } else {
+    throw Error(fmt::format("attn heatmap: --weights {} has shape {}; expected (L, S), (H, L, S) or (B, H, L, S)",
+                            o.weights, io::shape_string(s)));
+  }
+  if (H < 1 || L < 1 || S < 1) throw Error("attn heatmap: --weights " + o.weights + " is empty");
+  if (H > 64 || L > 512 || S > 512)
+    throw Error(fmt::format("attn heatmap: {} heads of {} x {} is too large to draw (at most 64 heads of 512 x 512)",
+                            H, L, S));
+  std::vector<std::string> words;
+  {
+    std::istringstream is(o.labels);
+    for (std::string w; is >> w;) words.push_back(w);
+  }
+  std::vector<std::string> rows, cols;
+  if (!words.empty()) {
+    if (int64_t(words.size()) == S + L && L != S) {
+      rows.assign(words.begin(), words.begin() + L);
+      cols.assign(words.begin() + L, words.end());
+    } else if (int64_t(words.size()) == S && (L == S || L == 1)) {
+      cols = words;
+      rows = L == S ? words : std::vector<std::string>{};
+    } else {
+      throw Error(fmt::format("attn heatmap: --labels has {} words; the weights are {} x {}, so give {} words (or "
+                              "{} query words then {} key words)",
+                              words.size(), L, S, S, L, S));
+    }
+  }
+  std::vector<double> w(a.data.begin() + offset, a.data.begin() + offset + H * L * S);
+  const std::string title = o.title.empty() ? "attention weights from " + std::filesystem::path(o.weights).filename().string() : o.title;
+  draw_heatmap(w, H, L, S, rows, cols, title, o.out);
+  fmt::print(stderr, "attn heatmap: wrote {} ({} head(s) of {} x {})\n", o.out, H, L, S);
+}
+
+}  // namespace
+
+void add_sdpa(CLI::App& app) {
+  auto o = std::make_shared<SdpaOpts>();
+  auto* c = app.add_subcommand("sdpa", "Scaled dot-product attention on .npy files: Y = softmax(Q K^T * scale) V");
+  c->add_option("--q", o->q, "queries (L, E), (H, L, E) or (B, H, L, E), float32/float64 .npy")->required();
+  c->add_option("--k", o->k, "keys (S, E) with the same leading axes (Hkv may divide H)")->required();
+  c->add_option("--v", o->v, "values (S, Ev) with the same leading axes")->required();
+  c->add_option("--mask", o->mask, ".npy of 1 (may attend) / 0 (blocked), (L, S) or broadcastable to (B, H, L, S)");
+  c->add_flag("--causal", o->causal, "query i sees keys j <= i");
+  c->add_option("--scale", o->scale, "score scale (default 1/sqrt(E))")->check(CLI::PositiveNumber);
+  c->add_option("--backend", o->backend, "auto | reference | fused")->capture_default_str();
+  c->add_option("--out", o->out, "output Y (.npy), same leading axes as Q, last axis Ev")->required();
+  c->add_option("--weights", o->weights, "also write the attention weights A (.npy), (.., L, S)");
+  c->add_option("--lse", o->lse, "also write each row's log-sum-exp (.npy), (.., L)");
+  c->footer(std::string("Computation is float32 when every input is float32, else float64; outputs use that type.\n") +
+            kExitCodesHelp);
+  c->callback([o] { run_sdpa(*o); });
+}
+
+void add_experiment(CLI::App& app) {
+  auto o = std::make_shared<ExperimentOpts>();
+  auto* c = app.add_subcommand("experiment", "Measure the seeds' claims about attention and print a table");
+  c->add_option("name", o->name, "variance | saturation | jacobian | equivariance | lookup")
+      ->required()
+      ->check(CLI::IsMember(experiment_names()));
+  c->add_flag("--json", o->json, "print the figures as JSON instead of a table");
+  c->add_option("--plot", o->plot, "also draw a chart as PNG (variance, saturation, lookup)");
+  c->add_option("--seed", o->seed, "random seed")->capture_default_str();
+  c->footer(kExitCodesHelp);
+  c->callback([o] {
+    if (!o->plot.empty() && !experiment_has_plot(o->name))
+      throw UsageError("attn experiment: '" + o->name + "' has no plot (plots: variance, saturation, lookup)");
+    const auto r = run_experiment(o->name, o->seed);
+    if (o->json) fmt::print("{}\n", r.dump(2));
+    else print_experiment(r);
+    if (!o->plot.empty()) {
+      plot_experiment(r, o->plot);
+      fmt::print(stderr, "attn experiment: wrote {}\n", o->plot);
+    }
+  });
+}
+
+void add_heatmap(CLI::App& app) {
+  auto o = std::make_shared<HeatmapOpts>();
+  auto* c = app.add_subcommand("heatmap", "Draw attention weights as a PNG heatmap (one panel per head)");
+  c->add_option("--weights", o->weights, "weights .npy: (L, S), (H, L, S) or (B, H, L, S)")->required();
+  c->add_option("--labels", o->labels, "space-separated tokens: S words (rows too when L = S), or L + S words");
+  c->add_option("--batch", o->batch, "which batch entry of a (B, H, L, S) file")->capture_default_str();
+  c->add_option("--title", o->title, "title above the panels");
+  c->add_option("--out", o->out, "output .png")->required();
+  c->footer(kExitCodesHelp);
+  c->callback([o] { run_heatmap(*o); });
+}
+
+void add_bench(CLI::App& app) {
+  auto* c = app.add_subcommand("bench", "Run the benchmark binary attn-bench, passing every argument (--help too) to it");
+  c->allow_extras();
+  c->prefix_command();
+  c->set_help_flag();  // `attn bench --help` shows attn-bench's own help
+  c->footer(kExitCodesHelp);
+  c->callback([c] {
+    namespace fs = std::filesystem;
+    std::error_code ec;
+    const fs::path self = fs::read_symlink("/proc/self/exe", ec);
+    std::vector<fs::path> candidates;
+    if (!ec) {
+      candidates.push_back(self.parent_path() / "attn-bench");
+      candidates.push_back(self.parent_path().parent_path() / "bench" / "attn-bench");
+    }
+    for (const auto& p : candidates) {
+      if (::access(p.c_str(), X_OK) != 0) continue;
+      std::vector<std::string> args = {p.string()};
+      for (const auto& a : c->remaining()) args.push_back(a);
+      std::vector<char*> argv;
+      for (auto& a : args) argv.push_back(a.data());
+      argv.push_back(nullptr);
+      std::fflush(stdout);
+      ::execv(p.c_str(), argv.data());
+      throw Error(fmt::format("attn bench: cannot run {}: {}", p.string(), std::strerror(errno)));
+    }
+    std::string looked;
+    for (const auto& p : candidates) looked += "\n  " + p.string();
+    throw Unavailable("attn bench: the benchmark binary attn-bench is not built in this tree (looked for:" + looked +
+                        "). Build it with `cmake --build build --target attn-bench` once bench/ exists.");
+  });
+}
+
+}  // namespace attn::cli

@@ -1,0 +1,97 @@
+#include "common.hpp"
+
+#include <unistd.h>
+
+#include <cmath>
+#include <memory>
+
+#include <fmt/format.h>
+
+namespace attn::cli {
+
+Mat matmul(const Mat& x, const Mat& y) {
+  Mat z(x.rows, y.cols);
+  for (int64_t i = 0; i < x.rows; ++i)
+    for (int64_t k = 0; k < x.cols; ++k)
+      for (int64_t j = 0; j < y.cols; ++j) z(i, j) += x(i, k) * y(k, j);
+  return z;
+}
+
+Mat transpose(const Mat& x) {
+  Mat t(x.cols, x.rows);
+  for (int64_t i = 0; i < x.rows; ++i)
+    for (int64_t j = 0; j < x.cols; ++j) t(j, i) = x(i, j);
+  return t;
+}
+
+Mat columns(const Mat& x, int64_t c0, int64_t c1) {
+  Mat s(x.rows, c1 - c0);
+  for (int64_t i = 0; i < x.rows; ++i)
+    for (int64_t j = c0; j < c1; ++j) s(i, j - c0) = x(i, j);
+  return s;
+}
+
+void attention(const Mat& q, const Mat& k, const Mat& v, double scale, Mat& out, Mat* weights,
+               const std::vector<bool>* mask, bool causal) {
+  out = Mat(q.rows, v.cols);
+  SdpaArgs<double> args;
+  args.q = View4<const double>::bhnd(q.a.data(), 1, 1, q.rows, q.cols);
+  args.k = View4<const double>::bhnd(k.a.data(), 1, 1, k.rows, k.cols);
+  args.v = View4<const double>::bhnd(v.a.data(), 1, 1, v.rows, v.cols);
+  std::unique_ptr<bool[]> mb;
+  if (mask) {
+    mb.reset(new bool[mask->size()]);
+    for (size_t i = 0; i < mask->size(); ++i) mb[i] = (*mask)[i];
+    args.mask = View4<const bool>::bhnd(mb.get(), 1, 1, q.rows, k.rows);
+  }
+  SdpaOptions opt;
+  opt.scale = scale;
+  opt.causal = causal;
+  opt.backend = Backend::reference;
+  View4<double> w;
+  if (weights) {
+    *weights = Mat(q.rows, k.rows);
+    w = View4<double>::bhnd(weights->a.data(), 1, 1, q.rows, k.rows);
+  }
+  scaled_dot_product_attention<double>(args, View4<double>::bhnd(out.a.data(), 1, 1, q.rows, v.cols), opt, w);
+}
+
+void print_mat(const std::string& title, const Mat& m, const std::vector<std::string>& labels, int decimals) {
+  fmt::print("{}  ({} x {})\n", title, m.rows, m.cols);
+  size_t lw = 0;
+  for (const auto& l : labels) lw = std::max(lw, l.size());
+  for (int64_t i = 0; i < m.rows; ++i) {
+    fmt::print("  {:<{}}", i < int64_t(labels.size()) ? labels[size_t(i)] : "", lw);
+    for (int64_t j = 0; j < m.cols; ++j) {
+      const double p = std::pow(10.0, decimals), r = std::round(m(i, j) * p) / p;
+      fmt::print(" {:>{}.{}f}", r == 0 ? 0.0 : r, decimals + 5, decimals);  // no "-0.000"
+    }
+    fmt::print("\n");
+  }
+}
+
+bool stdout_is_tty() { return ::isatty(STDOUT_FILENO) == 1; }
+
+Progress::Progress(std::string label, int64_t total) : label_(std::move(label)), total_(total), tty_(stdout_is_tty()) {
+  if (!tty_) fmt::print("  {} ...\n", label_);
+  std::fflush(stdout);
+  tick(0);
+}
+
+void Progress::tick(int64_t done) {
+  if (!tty_) return;
+  const int pct = total_ > 0 ? int(100 * done / total_) : 100;
+  if (pct == last_) return;
+  last_ = pct;
+  const int width = 30, filled = width * pct / 100;
+  fmt::print("\r  [{}{}] {:3d}% {}", std::string(size_t(filled), '#'), std::string(size_t(width - filled), '.'), pct, label_);
+  std::fflush(stdout);
+}
+
+void Progress::finish(const std::string& result) {
+  if (tty_) fmt::print("\r\033[K");
+  fmt::print("  {}: done{}{}\n", label_, result.empty() ? "" : " - ", result);
+  std::fflush(stdout);
+}
+
+}  // namespace attn::cli

@@ -1,0 +1,172 @@
+// `attn explain`: every step of attention on a small input, printed. The two
+// built-in examples are the seeds' worked examples; `random` builds a small
+// multi-head layer and also shows the per-head pieces, the concatenation and
+// the output projection W_O.
+#include <cmath>
+#include <random>
+
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+
+#include "commands.hpp"
+#include "common.hpp"
+
+namespace attn::cli {
+namespace {
+
+struct ExplainOpts {
+  std::string example = "cat";
+  int64_t dk = 0, dim = 8, heads = 2, tokens = 4;
+  bool causal = false;
+  uint64_t seed = 1;
+};
+
+// Scores, scaling, softmax and aggregation for one head, printed. Query i
+// sits at position qpos[i] for the causal rule. Returns (A, Y).
+std::pair<Mat, Mat> explain_head(const Mat& Q, const Mat& K, const Mat& V, const std::vector<std::string>& qlab,
+                                 const std::vector<int64_t>& qpos, bool causal, const std::string& suffix) {
+  const Mat S = matmul(Q, transpose(K));
+  const double dk = double(Q.cols), root = std::sqrt(dk);
+  print_mat("S" + suffix + " = Q" + suffix + " K" + suffix + "^T   (entry i,j: query i . key j)", S, qlab);
+  Mat Ss = S;
+  for (auto& x : Ss.a) x /= root;
+  print_mat(fmt::format("S{} / sqrt(d_k) = S{} / {:.4g}", suffix, suffix, root), Ss, qlab);
+  std::vector<bool> mask(size_t(Q.rows * K.rows), true);
+  if (causal)
+    for (int64_t i = 0; i < Q.rows; ++i)
+      for (int64_t j = 0; j < K.rows; ++j) mask[size_t(i * K.rows + j)] = j <= qpos[size_t(i)];
+  Mat Y, A;
+  attention(Q, K, V, 1 / root, Y, &A, causal ? &mask : nullptr);
+  print_mat("A" + suffix + " = softmax(S" + suffix + " / sqrt(d_k)), row by row" +
+                (causal ? " (causal: key j > query position masked)" : ""),
+            A, qlab);
+  print_mat("Y" + suffix + " = A" + suffix + " V" + suffix + "   (each row a weighted average of V's rows)", Y, qlab);
+  return {A, Y};
+}
+
+std::string row_string(const Mat& m, int64_t r, int decimals) {
+  std::string s;
+  for (int64_t j = 0; j < m.cols; ++j) s += fmt::format("{}{:.{}f}", j ? " " : "", m(r, j), decimals);
+  return s;
+}
+
+void run_builtin(const ExplainOpts& o) {
+  Mat Q, K, V;
+  std::vector<std::string> keys, qlab;
+  std::vector<int64_t> qpos;
+  int wdec = 3, ydec = 2;
+  if (o.example == "cat") {
+    fmt::print("The seeds' example \"the cat was hungry\": the query of \"hungry\" against the four tokens' keys,\n"
+               "d_k = 4 (so sqrt(d_k) = 2), values of width d_v = 2.\n\n");
+    Q = Mat(1, 4, {2, 0, 0, 0});
+    K = Mat(4, 4, {-1, 0, 0, 0, 2, 0, 0, 0, 0, 1, 0, 0, 0, 0, 1, 0});
+    V = Mat(4, 2, {0, 0, 1, 0, 0, 1, 0, 1});
+    keys = {"the", "cat", "was", "hungry"};
+    qlab = {"hungry"};
+    qpos = {3};
+  } else {
+    fmt::print("The seeds' two-token example: token 1's query q1 = [1, 1] against both tokens, d_k = 2.\n\n");
+    Q = Mat(1, 2, {1, 1});
+    K = Mat(2, 2, {1, 1, 1, -1});
+    V = Mat(2, 2, {1, 0, 0, 1});
+    keys = {"token 1", "token 2"};
+    qlab = {"token 1"};
+    qpos = {0};
+    wdec = 2;
+  }
+  print_mat("Q (given)", Q, qlab);
+  print_mat("K (given)", K, keys);
+  print_mat("V (given)", V, keys);
+  const auto [A, Y] = explain_head(Q, K, V, qlab, qpos, o.causal, "");
+  fmt::print("\nResult for \"{}\": weights {}  ->  output {}\n", qlab[0], row_string(A, 0, wdec), row_string(Y, 0, ydec));
+}
+
+void run_random(const ExplainOpts& o) {
+  const int64_t H = o.heads, D = o.dim, n = o.tokens;
+  const int64_t dk = o.dk ? o.dk : D / H;
+  if (H < 1 || D < 1 || n < 1 || n > 16 || D > 64 || H > 8)
+    throw UsageError("attn explain: --tokens must be 1..16, --dim 1..64, --heads 1..8");
+  if (!o.dk && D % H != 0)
+    throw UsageError(fmt::format("attn explain: --dim {} is not divisible by --heads {}; give --dk", D, H));
+  if (dk < 1 || dk > 64) throw UsageError("attn explain: --dk must be 1..64");
+  std::mt19937_64 rng(o.seed);
+  std::normal_distribution<double> nd;
+  // Entries rounded to one decimal so every step can be checked by hand.
+  auto rnd = [&](int64_t r, int64_t c, double sd) {
+    Mat m(r, c);
+    for (auto& x : m.a) x = std::round(nd(rng) * sd * 10) / 10;
+    return m;
+  };
+  static const char* words[] = {"the", "cat", "was", "hungry", "and", "it", "sat", "on",
+                                "a",   "warm", "mat", "by",    "the", "old", "red", "door"};
+  std::vector<std::string> tok;
+  std::vector<int64_t> pos;
+  for (int64_t i = 0; i < n; ++i) tok.push_back(words[i]), pos.push_back(i);
+  fmt::print("A random multi-head self-attention layer: {} tokens, model width D = {}, H = {} head(s) of d_k = d_v = "
+             "{}{} (seed {}).\n\n",
+             n, D, H, dk, o.causal ? ", causal" : "", o.seed);
+  const Mat X = rnd(n, D, 1.0);
+  const double sd = 1 / std::sqrt(double(D));
+  const Mat Wq = rnd(D, H * dk, sd), Wk = rnd(D, H * dk, sd), Wv = rnd(D, H * dk, sd);
+  print_mat("X (token embeddings, one row per token)", X, tok, 1);
+  print_mat("W_Q", Wq, {}, 1);
+  print_mat("W_K", Wk, {}, 1);
+  print_mat("W_V", Wv, {}, 1);
+  const Mat Q = matmul(X, Wq), K = matmul(X, Wk), V = matmul(X, Wv);
+  print_mat("Q = X W_Q", Q, tok);
+  print_mat("K = X W_K", K, tok);
+  print_mat("V = X W_V", V, tok);
+  Mat concat(n, H * dk);
+  for (int64_t h = 0; h < H; ++h) {
+    const std::string sfx = H > 1 ? fmt::format("_{}", h) : "";
+    if (H > 1) {
+      fmt::print("\n-- head {}: columns {}..{} of Q, K and V --\n", h, h * dk, (h + 1) * dk - 1);
+      print_mat("Q" + sfx, columns(Q, h * dk, (h + 1) * dk), tok);
+      print_mat("K" + sfx, columns(K, h * dk, (h + 1) * dk), tok);
+      print_mat("V" + sfx, columns(V, h * dk, (h + 1) * dk), tok);
+    }
+    const auto [A, Y] = explain_head(columns(Q, h * dk, (h + 1) * dk), columns(K, h * dk, (h + 1) * dk),
+                                     columns(V, h * dk, (h + 1) * dk), tok, pos, o.causal, sfx);
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t j = 0; j < dk; ++j) concat(i, h * dk + j) = Y(i, j);
+  }
+  if (H > 1) {
+    fmt::print("\n-- combining the heads --\n");
+    print_mat("O = [Y_0 | Y_1 | ...] (heads side by side)", concat, tok);
+    const Mat Wo = rnd(H * dk, D, 1 / std::sqrt(double(H * dk)));
+    print_mat("W_O", Wo, {}, 1);
+    print_mat("output = O W_O", matmul(concat, Wo), tok);
+  }
+}
+
+}  // namespace
+
+void explain_example(const std::string& name) {
+  ExplainOpts o;
+  o.example = name;
+  if (name == "random") run_random(o);
+  else run_builtin(o);
+}
+
+void add_explain(CLI::App& app) {
+  auto o = std::make_shared<ExplainOpts>();
+  auto* c = app.add_subcommand("explain", "Print every step of attention on a small example");
+  c->add_option("--example", o->example, "cat | two-tokens (the seeds' worked examples) | random")
+      ->check(CLI::IsMember({"cat", "two-tokens", "random"}))
+      ->capture_default_str();
+  c->add_option("--dk", o->dk, "head size d_k for --example random (default dim/heads)");
+  c->add_option("--dim", o->dim, "model width D for --example random")->capture_default_str();
+  c->add_option("--heads", o->heads, "number of heads for --example random")->capture_default_str();
+  c->add_option("--tokens", o->tokens, "number of tokens for --example random")->capture_default_str();
+  c->add_option("--seed", o->seed, "random seed for --example random")->capture_default_str();
+  c->add_flag("--causal", o->causal, "mask keys after each query's position");
+  c->footer(kExitCodesHelp);
+  c->callback([o, c] {
+    if (o->example == "random") return run_random(*o);
+    for (const char* opt : {"--dk", "--dim", "--heads", "--tokens", "--seed"})
+      if (c->count(opt)) throw UsageError(std::string("attn explain: ") + opt + " applies only to --example random");
+    run_builtin(*o);
+  });
+}
+
+}  // namespace attn::cli

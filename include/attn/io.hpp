@@ -1,0 +1,103 @@
+// attn/io.hpp — reading and writing arrays: NumPy .npy and .safetensors.
+//
+// Supported element types: float32 and float64 (little- or big-endian .npy,
+// C or Fortran order; safetensors F32 / F64). Other dtypes are refused with a
+// message that names the dtype found.
+//
+// Reading is defensive: a file is checked against its actual size before any
+// allocation, so a header that lies about lengths, a shape whose element count
+// overflows, data offsets outside the file, or a truncated file all end in
+// attn::io::FileError (an attn::Error) with the path and the problem, never a
+// crash or an allocation larger than the file. `Limits` caps what a reader
+// accepts at all.
+//
+// Writing is atomic: data goes to a temporary file in the destination's
+// directory, is flushed to disk and then renamed over the destination, so an
+// interrupted run never leaves a half-written file behind.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "attn/error.hpp"
+
+namespace attn::io {
+
+// A malformed, unreadable or unwritable file. The message starts with the path.
+class FileError : public Error {
+ public:
+  using Error::Error;
+};
+
+enum class DType { f32, f64 };
+const char* dtype_name(DType d);  // "float32", "float64"
+
+// A dense, C-order (row-major) array of any rank (rank 0 is a scalar).
+template <class T>
+struct Array {
+  std::vector<int64_t> shape;
+  std::vector<T> data;
+  DType stored = DType::f32;  // the element type found in the file
+
+  int64_t numel() const {
+    int64_t n = 1;
+    for (auto s : shape) n *= s;
+    return n;
+  }
+};
+
+// What a reader accepts (defaults suit the CLI).
+struct Limits {
+  uint64_t max_file_bytes = uint64_t(4) << 30;  // 4 GiB
+  uint64_t max_header_bytes = uint64_t(1) << 24;  // 16 MiB (.npy dict / safetensors JSON)
+  int max_rank = 8;
+  int max_tensors = 4096;  // safetensors
+};
+
+// Human-readable shape, "(2, 3)"; "()" for a scalar.
+std::string shape_string(const std::vector<int64_t>& shape);
+
+// ---- .npy ------------------------------------------------------------------
+// Reads a float32/float64 .npy and converts the elements to T.
+template <class T>
+Array<T> read_npy(const std::string& path, const Limits& limits = {});
+// Parses .npy bytes already in memory; `name` is used in error messages.
+template <class T>
+Array<T> parse_npy(const unsigned char* bytes, size_t size, const std::string& name,
+                   const Limits& limits = {});
+// Writes `data` (numel(shape) elements, C order) as little-endian .npy of
+// element type T (format version 1.0), atomically.
+template <class T>
+void write_npy(const std::string& path, const std::vector<int64_t>& shape, const T* data);
+template <class T>
+void write_npy(const std::string& path, const Array<T>& a) {
+  write_npy(path, a.shape, a.data.data());
+}
+// The serialised bytes write_npy would store.
+template <class T>
+std::vector<unsigned char> encode_npy(const std::vector<int64_t>& shape, const T* data);
+
+// ---- .safetensors --------------------------------------------------------------
+// Reads every tensor of a safetensors file (F32/F64), converted to T, by name.
+// The optional "__metadata__" entry is ignored.
+template <class T>
+std::map<std::string, Array<T>> read_safetensors(const std::string& path, const Limits& limits = {});
+template <class T>
+std::map<std::string, Array<T>> parse_safetensors(const unsigned char* bytes, size_t size,
+                                                  const std::string& name, const Limits& limits = {});
+// Writes the tensors as type T (F32 or F64), atomically.
+template <class T>
+void write_safetensors(const std::string& path, const std::map<std::string, Array<T>>& tensors);
+template <class T>
+std::vector<unsigned char> encode_safetensors(const std::map<std::string, Array<T>>& tensors);
+
+// ---- plumbing shared by the writers ----------------------------------------------
+// Reads a whole file (at most max_bytes, else FileError).
+std::vector<unsigned char> read_file(const std::string& path, uint64_t max_bytes);
+// Writes bytes to `path` via a temporary file in the same directory + rename.
+void write_file_atomic(const std::string& path, const void* bytes, size_t size);
+
+}  // namespace attn::io

@@ -1,0 +1,238 @@
+// attn/nn/layers.hpp — the layers of a small transformer, each with an
+// explicit forward and backward (no autograd).
+//
+// Conventions
+// -----------
+// Token activations are contiguous row-major matrices (M, D) with M = B·N
+// rows (batch B, sequence N, row b·N + n); layers that need the sequence
+// structure (positions, attention) take B and N explicitly.
+//
+// A layer's forward(x, ..., y) writes y and keeps in the layer whatever its
+// backward needs beyond x (LayerNorm's row statistics, the MLP's hidden
+// activations, attention's projections and log-sum-exp). backward(x, dy, dx)
+// receives the same x again, ADDS the parameter gradients into the layer's
+// grad tensors (call zero_grad between steps) and OVERWRITES dx (dx may be
+// null when the input gradient is not needed). One forward, then its
+// backward: a second forward replaces the saved state.
+//
+// Every layer is a template on the scalar type; float trains, double is used
+// by the finite-difference gradient checks.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "attn/error.hpp"
+#include "attn/sdpa.hpp"
+#include "attn/tensor.hpp"
+
+namespace attn::nn {
+
+// A small counter-based generator (splitmix64): the same seed gives the same
+// numbers on every platform and standard library, which std::normal_distribution
+// does not promise. Normals come from Box–Muller.
+class Rng {
+ public:
+  explicit Rng(uint64_t seed = 0) : state_(seed) {}
+  uint64_t next();
+  double uniform();                  // [0, 1)
+  double uniform(double a, double b);
+  double normal();                   // N(0, 1)
+  int64_t below(int64_t n);          // uniform integer in [0, n)
+  uint64_t state() const { return state_; }
+
+ private:
+  uint64_t state_;
+};
+
+// Seed of an independent stream `stream` derived from `seed` (for per-step
+// data, per-layer init, ...).
+uint64_t derive_seed(uint64_t seed, uint64_t stream);
+
+// A parameter as the optimizers and checkpoints see it.
+template <class T>
+struct ParamRef {
+  std::string name;
+  Tensor<T>* value = nullptr;
+  Tensor<T>* grad = nullptr;
+  bool decay = false;  // weight decay applies (matrices of linear maps only)
+};
+
+// y = x·Wᵀ + b. weight [out, in], bias [out] (PyTorch layout).
+template <class T>
+class Linear {
+ public:
+  Linear() = default;
+  Linear(int64_t in_features, int64_t out_features, bool bias = true);
+  // PyTorch's default: W, b ~ U(-1/√in, 1/√in).
+  void reset_parameters(Rng& rng);
+  void forward(const Tensor<T>& x, Tensor<T>& y) const;  // (M, in) -> (M, out)
+  void backward(const Tensor<T>& x, const Tensor<T>& dy, Tensor<T>* dx);
+  void zero_grad();
+  void collect(const std::string& prefix, std::vector<ParamRef<T>>& out);
+
+  int64_t in_features = 0, out_features = 0;
+  bool has_bias = true;
+  Tensor<T> weight, bias, dweight, dbias;
+};
+
+// Token embedding: row t of weight [V, D] for token t.
+template <class T>
+class Embedding {
+ public:
+  Embedding() = default;
+  Embedding(int64_t vocab, int64_t dim);
+  void reset_parameters(Rng& rng);  // N(0, 1), as PyTorch
+  // tokens: M ids in [0, V); y (M, D). Throws on an id out of range.
+  void forward(const int32_t* tokens, int64_t M, Tensor<T>& y) const;
+  void backward(const int32_t* tokens, int64_t M, const Tensor<T>& dy);
+  void zero_grad();
+  void collect(const std::string& prefix, std::vector<ParamRef<T>>& out);
+
+  int64_t vocab = 0, dim = 0;
+  Tensor<T> weight, dweight;
+};
+
+// Positional information: none, sinusoidal (added to the embeddings),
+// learned (a trained [max_len, D] table added to the embeddings) or rotary
+// (RoPE: Q and K of every head rotated by a position-dependent angle).
+enum class Positions { none, sinusoidal, learned, rope };
+const char* positions_name(Positions p);
+Positions parse_positions(const std::string& name);  // throws attn::Error
+
+// x (B·N, D) += PE(n, ·) with PE(n, 2i) = sin(n·ω_i), PE(n, 2i+1) = cos(n·ω_i),
+// ω_i = 10000^(-2i/D). Its backward is the identity.
+template <class T>
+void add_sinusoidal_positions(Tensor<T>& x, int64_t B, int64_t N);
+
+// x (B·N, D) += P[n] for a trained table P [max_len, D].
+template <class T>
+class LearnedPositions {
+ public:
+  LearnedPositions() = default;
+  LearnedPositions(int64_t max_len, int64_t dim);
+  void reset_parameters(Rng& rng);  // N(0, 1)
+  void forward(Tensor<T>& x, int64_t B, int64_t N) const;  // in place
+  void backward(const Tensor<T>& dx, int64_t B, int64_t N);
+  void zero_grad();
+  void collect(const std::string& prefix, std::vector<ParamRef<T>>& out);
+
+  int64_t max_len = 0, dim = 0;
+  Tensor<T> weight, dweight;
+};
+
+// Rotary embedding of a (B, H, N, E) view, E even: each feature pair
+// (2i, 2i+1) of position n is rotated by the angle n·θ_i, θ_i = 10000^(-2i/E).
+// The rotation is orthogonal, so the backward is the rotation by -n·θ_i
+// (inverse = true). In place; any strides.
+template <class T>
+void apply_rotary(View4<T> x, bool inverse = false);
+
+// LayerNorm over the last axis: y = (x - mean)/sqrt(var + eps)·γ + β.
+template <class T>
+class LayerNorm {
+ public:
+  LayerNorm() = default;
+  explicit LayerNorm(int64_t dim, double eps = 1e-5);
+  void reset_parameters();  // γ = 1, β = 0
+  void forward(const Tensor<T>& x, Tensor<T>& y);
+  void backward(const Tensor<T>& x, const Tensor<T>& dy, Tensor<T>* dx);
+  void zero_grad();
+  void collect(const std::string& prefix, std::vector<ParamRef<T>>& out);
+
+  int64_t dim = 0;
+  double eps = 1e-5;
+  Tensor<T> weight, bias, dweight, dbias;
+
+ private:
+  std::vector<T> mean_, rstd_;  // per row, saved by forward
+};
+
+// GELU, the exact form x·Φ(x) (Φ the standard normal CDF).
+template <class T>
+void gelu_forward(const T* x, T* y, int64_t n);
+template <class T>
+void gelu_backward(const T* x, const T* dy, T* dx, int64_t n);
+
+// Two-layer perceptron: y = fc2(GELU(fc1(x))), hidden width `hidden`.
+template <class T>
+class Mlp {
+ public:
+  Mlp() = default;
+  Mlp(int64_t dim, int64_t hidden);
+  void reset_parameters(Rng& rng);
+  void forward(const Tensor<T>& x, Tensor<T>& y);
+  void backward(const Tensor<T>& x, const Tensor<T>& dy, Tensor<T>* dx);
+  void zero_grad();
+  void collect(const std::string& prefix, std::vector<ParamRef<T>>& out);
+
+  Linear<T> fc1, fc2;
+
+ private:
+  Tensor<T> pre_, act_;  // fc1 output and its GELU, saved by forward
+};
+
+// Options of the attention inside a transformer block.
+struct AttentionOptions {
+  bool causal = false;
+  std::optional<double> scale;  // default 1/√E; 1.0 is "--scale none"
+  bool rope = false;            // rotate Q and K after the projection
+  Backend backend = Backend::automatic;
+};
+
+// Multi-head self-attention with packed projections, laid out as
+// torch.nn.MultiheadAttention's state_dict (in_proj_weight [3D, D] with rows
+// q, k, v; out_proj.weight [D, D]) and initialised the same way (Xavier-uniform
+// in_proj, zero biases). It calls attn::scaled_dot_product_attention directly
+// on strided views of the packed projection so that rotary embeddings can be
+// applied to Q and K between the projection and the attention.
+template <class T>
+class SelfAttention {
+ public:
+  SelfAttention() = default;
+  SelfAttention(int64_t dim, int64_t heads, AttentionOptions opt = {});
+  void reset_parameters(Rng& rng);
+  // x (B·N, D) -> y (B·N, D). `weights`, when non-empty, receives the
+  // attention matrices (B, H, N, N).
+  void forward(const Tensor<T>& x, int64_t B, int64_t N, Tensor<T>& y, View4<T> weights = {});
+  void backward(const Tensor<T>& x, const Tensor<T>& dy, Tensor<T>* dx);
+  void zero_grad();
+  void collect(const std::string& prefix, std::vector<ParamRef<T>>& out);
+  SdpaOptions sdpa_options() const;
+
+  // Statistics of the last forward's attention, for the scale experiment:
+  // the standard deviation of the scaled scores scale·q·k over all visible
+  // (query, key) pairs, and the mean over query rows of the largest weight.
+  struct ScoreStats {
+    double score_std = 0, mean_top_weight = 0;
+  };
+  ScoreStats score_stats() const;
+
+  int64_t dim = 0, heads = 1, head_dim = 0;
+  AttentionOptions options;
+  Tensor<T> in_proj_weight, in_proj_bias, out_proj_weight, out_proj_bias;
+  Tensor<T> d_in_proj_weight, d_in_proj_bias, d_out_proj_weight, d_out_proj_bias;
+
+ private:
+  View4<T> head_view(Tensor<T>& packed, int which);  // 0 q, 1 k, 2 v of (M, 3D)
+  int64_t B_ = 0, N_ = 0;
+  Tensor<T> qkv_;       // (M, 3D) projections, Q and K after rotation
+  Tensor<T> attn_out_;  // (M, D) concatenated head outputs
+  Tensor<T> lse_;       // (B, H, N)
+};
+
+// Softmax cross-entropy over the rows of logits (M, V) against targets
+// (M ids; a negative target marks a row that does not count). Returns the
+// mean loss over the counted rows and how many argmaxes were right; when
+// dlogits is given it receives d(mean loss)/d(logits) (0 on ignored rows).
+struct CrossEntropyResult {
+  double loss = 0;
+  int64_t count = 0, correct = 0;
+};
+template <class T>
+CrossEntropyResult softmax_cross_entropy(const Tensor<T>& logits, const int32_t* targets,
+                                         Tensor<T>* dlogits);
+
+}  // namespace attn::nn

@@ -1,0 +1,91 @@
+// attn/nn/model.hpp — a small pre-LayerNorm transformer built from the layers
+// in attn/nn/layers.hpp.
+//
+//   h_0 = Embed(tokens) [+ positions]                 (B·N, D)
+//   for each block l:
+//     a   = h + Attn(LN1(h))                          residual 1
+//     h'  = a + MLP(LN2(a))                           residual 2
+//   logits = LN_f(h_L)·W_headᵀ + b_head               (B·N, V)
+//
+// Parameter names (the checkpoint keys) follow PyTorch's nesting:
+//   embed.weight, pos.weight (learned only), blocks.<l>.ln1.{weight,bias},
+//   blocks.<l>.attn.{in_proj_weight,in_proj_bias,out_proj.weight,out_proj.bias},
+//   blocks.<l>.ln2.*, blocks.<l>.mlp.{fc1,fc2}.{weight,bias}, ln_f.*, head.*
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "attn/nn/layers.hpp"
+
+namespace attn::nn {
+
+struct ModelConfig {
+  int64_t vocab = 0;    // V
+  int64_t max_len = 0;  // longest sequence N
+  int64_t dim = 64;     // D
+  int64_t heads = 4;    // H (E = D / H)
+  int64_t layers = 2;
+  int64_t mlp_hidden = 0;  // 0 = 4·D
+  Positions positions = Positions::sinusoidal;
+  bool causal = false;
+  std::optional<double> attn_scale;  // default 1/√E; 1.0 = no scaling
+  Backend backend = Backend::automatic;
+
+  // Throws attn::Error naming the field when a value is out of range.
+  void validate() const;
+};
+
+template <class T>
+struct TransformerBlock {
+  LayerNorm<T> ln1, ln2;
+  SelfAttention<T> attn;
+  Mlp<T> mlp;
+  Tensor<T> x1, a, x2;  // saved: LN1(h), h + attn, LN2(a)
+};
+
+template <class T>
+class Transformer {
+ public:
+  explicit Transformer(const ModelConfig& config, uint64_t seed = 0);
+  const ModelConfig& config() const { return cfg_; }
+
+  // Seeded initialisation: the same seed gives the same parameters bit for bit.
+  void reset_parameters(uint64_t seed);
+
+  // tokens (B·N ids, row-major (B, N)) -> logits (B·N, V). When `attention`
+  // is given it receives one (B, H, N, N) tensor of weights per layer.
+  void forward(const int32_t* tokens, int64_t B, int64_t N, Tensor<T>& logits,
+               std::vector<Tensor<T>>* attention = nullptr);
+  // dlogits (B·N, V) from the loss; ADDS every parameter gradient.
+  void backward(const Tensor<T>& dlogits);
+
+  // forward + cross-entropy (+ backward when `with_grad`); gradients are
+  // added, so call zero_grad() first.
+  CrossEntropyResult loss(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t N,
+                          bool with_grad);
+
+  std::vector<ParamRef<T>> parameters();
+  void zero_grad();
+  int64_t num_parameters();
+
+  std::vector<TransformerBlock<T>>& blocks() { return blocks_; }
+
+ private:
+  ModelConfig cfg_;
+  Embedding<T> embed_;
+  LearnedPositions<T> pos_;
+  std::vector<TransformerBlock<T>> blocks_;
+  LayerNorm<T> ln_f_;
+  Linear<T> head_;
+  // Saved by forward: the tokens, the residual stream entering each block
+  // (hs_[l], with hs_[layers] the last block's output) and LN_f's output.
+  std::vector<int32_t> tokens_;
+  int64_t B_ = 0, N_ = 0;
+  std::vector<Tensor<T>> hs_;
+  Tensor<T> hf_;
+};
+
+}  // namespace attn::nn

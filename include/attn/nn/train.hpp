@@ -1,0 +1,106 @@
+// attn/nn/train.hpp — the training loop behind `attn train` and
+// examples/train.cpp.
+//
+// Every step draws a fresh batch of the task from a generator seeded by
+// (seed, step), so a run is a pure function of its configuration: the same
+// seed gives the same loss curve bit for bit (same machine, same thread
+// count), and a run resumed from a checkpoint written at step k continues
+// exactly the curve of an uninterrupted run. Held-out evaluation uses a
+// separate, fixed stream of examples.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "attn/nn/model.hpp"
+#include "attn/nn/optim.hpp"
+#include "attn/nn/tasks.hpp"
+
+namespace attn::nn {
+
+struct TrainConfig {
+  TaskConfig task;
+  // model
+  int64_t layers = 2, dim = 64, heads = 4;
+  Positions positions = Positions::rope;  // the one encoding that learns both reverse and recall fast
+  bool causal = false;
+  bool scale_none = false;  // scores not divided by √d_k
+  // optimisation
+  std::string optimizer = "adamw";  // "adamw" or "sgd"
+  double lr = 3e-3;
+  double min_lr = 3e-4;  // end of the cosine
+  int64_t warmup = 100;
+  int64_t steps = 2000;  // length of the schedule
+  int64_t batch = 32;
+  double clip = 1.0;  // global gradient-norm clip; 0 = off
+  double weight_decay = 0.01;
+  double momentum = 0.9;  // sgd only
+  uint64_t seed = 0;
+  // run control
+  int64_t stop_at = 0;            // stop after this step (0 = steps); the schedule still spans `steps`
+  double target_accuracy = 0;     // > 0: stop once a held-out evaluation reaches it
+  int64_t eval_every = 0;         // held-out evaluation every n steps (0 = only at the end)
+  int64_t eval_examples = 512;
+  int64_t log_every = 50;         // progress callback period
+  std::string save_path;          // checkpoint written at the end (and every save_every steps)
+  int64_t save_every = 0;
+  std::string resume_path;        // continue from this checkpoint
+  std::string csv_path;           // per-step curve
+
+  void validate() const;  // throws attn::Error naming the field
+};
+
+// The model a configuration trains.
+ModelConfig model_config(const TrainConfig& c);
+
+struct TrainRecord {
+  int64_t step = 0;
+  double lr = 0, loss = 0, token_acc = 0, seq_acc = 0;
+  double grad_norm = 0;               // global, before clipping
+  double grad_norm_q = 0, grad_norm_k = 0;  // the W_Q and W_K rows of every in_proj
+  double tokens_per_s = 0, elapsed_s = 0;
+  double eval_token_acc = -1, eval_seq_acc = -1;  // -1 when not evaluated at this step
+};
+
+struct EvalResult {
+  double loss = 0, token_acc = 0, seq_acc = 0;
+  int64_t examples = 0;
+};
+
+struct TrainResult {
+  std::vector<TrainRecord> curve;
+  EvalResult final_eval;
+  int64_t start_step = 0, steps_done = 0;
+  double seconds = 0;
+  int64_t num_parameters = 0;
+  // at initialisation (or at resume), over the layers, on the first batch
+  double init_score_std = 0, init_top_weight = 0;
+};
+
+using ProgressCallback = std::function<void(const TrainRecord&)>;
+
+TrainResult train(const TrainConfig& config, const ProgressCallback& progress = {});
+
+// Token and exact-sequence accuracy on `examples` held-out examples drawn from
+// the stream `seed`.
+template <class T>
+EvalResult evaluate(Transformer<T>& model, const Task& task, int64_t examples, uint64_t seed);
+
+// Checkpoints of a training run: all parameters, the optimizer state, the
+// step and the configuration (as metadata).
+template <class T>
+void save_training_checkpoint(const std::string& path, Transformer<T>& model, Optimizer<T>* optimizer,
+                              int64_t step, const TrainConfig& config);
+// Loads parameters (and optimizer state when given) and returns the step.
+template <class T>
+int64_t load_training_checkpoint(const std::string& path, Transformer<T>& model, Optimizer<T>* optimizer);
+// The configuration stored in a checkpoint (to rebuild its model).
+TrainConfig checkpoint_config(const std::string& path);
+
+// Writes the curve as CSV (atomically).
+void write_curve_csv(const std::string& path, const std::vector<TrainRecord>& curve);
+
+}  // namespace attn::nn

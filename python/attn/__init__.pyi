@@ -1,0 +1,121 @@
+"""Type stubs for attn (see the docstrings in the package for the details)."""
+
+from typing import Any, Dict, List, Literal, Optional, Tuple, Union
+
+import numpy as np
+import numpy.typing as npt
+
+__version__: str
+
+# NumPy arrays, CPU torch tensors, or anything exporting DLPack.
+ArrayLike = Union[npt.NDArray[np.floating[Any]], Any]
+Backend = Literal["auto", "reference", "fused"]
+
+def scaled_dot_product_attention(
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
+    attn_mask: Optional[ArrayLike] = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+    enable_gqa: bool = False,
+    *,
+    backend: Backend = "auto",
+    return_lse: bool = False,
+    return_weights: bool = False,
+) -> Any:
+    """Attention with torch.nn.functional.scaled_dot_product_attention's arguments.
+
+    Returns out (..., L, Ev), or (out[, lse][, weights]) when return_lse /
+    return_weights are set; NumPy arrays, or torch tensors for tensor inputs."""
+
+def scaled_dot_product_attention_backward(
+    grad_output: ArrayLike,
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
+    attn_mask: Optional[ArrayLike] = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+    enable_gqa: bool = False,
+    *,
+    backend: Backend = "auto",
+    output: Optional[ArrayLike] = None,
+    lse: Optional[ArrayLike] = None,
+) -> Tuple[Any, ...]:
+    """(grad_query, grad_key, grad_value[, grad_attn_mask for a float mask])."""
+
+def resolve_backend(
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
+    attn_mask: Optional[ArrayLike] = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+    enable_gqa: bool = False,
+    *,
+    backend: Backend = "auto",
+    return_weights: bool = False,
+) -> str:
+    """The backend ("reference" or "fused") a call with these arguments runs."""
+
+class MultiheadAttention:
+    """torch.nn.MultiheadAttention's interface, computed by libattn."""
+
+    embed_dim: int
+    num_heads: int
+    head_dim: int
+    kdim: int
+    vdim: int
+    batch_first: bool
+    bias: bool
+    dtype: np.dtype[Any]
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        dropout: float = 0.0,
+        bias: bool = True,
+        add_bias_kv: bool = False,
+        add_zero_attn: bool = False,
+        kdim: Optional[int] = None,
+        vdim: Optional[int] = None,
+        batch_first: bool = False,
+        device: Any = None,
+        dtype: Any = None,
+        *,
+        seed: Optional[int] = None,
+    ) -> None: ...
+    def parameter_names(self) -> List[str]: ...
+    def state_dict(self) -> Dict[str, npt.NDArray[np.floating[Any]]]: ...
+    def load_state_dict(self, state_dict: Dict[str, ArrayLike], strict: bool = True) -> None: ...
+    def forward(
+        self,
+        query: ArrayLike,
+        key: ArrayLike,
+        value: ArrayLike,
+        key_padding_mask: Optional[ArrayLike] = None,
+        need_weights: bool = True,
+        attn_mask: Optional[ArrayLike] = None,
+        average_attn_weights: bool = True,
+        is_causal: bool = False,
+        *,
+        backend: Backend = "auto",
+    ) -> Tuple[Any, Optional[Any]]: ...
+    def __call__(
+        self,
+        query: ArrayLike,
+        key: ArrayLike,
+        value: ArrayLike,
+        key_padding_mask: Optional[ArrayLike] = None,
+        need_weights: bool = True,
+        attn_mask: Optional[ArrayLike] = None,
+        average_attn_weights: bool = True,
+        is_causal: bool = False,
+        *,
+        backend: Backend = "auto",
+    ) -> Tuple[Any, Optional[Any]]: ...

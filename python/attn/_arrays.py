@@ -1,0 +1,131 @@
+"""Array plumbing shared by the attn functions: NumPy / PyTorch inputs,
+broadcasting of leading dimensions, and zero-copy rank-4 views.
+
+Every array that reaches the extension is a NumPy array whose memory is the
+caller's own whenever possible: PyTorch CPU tensors arrive through DLPack,
+and leading dimensions are broadcast and merged with stride arithmetic
+(``as_strided``), not copies. A copy is made only where no strided view can
+describe the data: negative or misaligned strides, non-native byte order, or
+merging broadcast leading dimensions that do not fit one stride.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Optional, Sequence, Tuple
+
+import numpy as np
+from numpy.lib.stride_tricks import as_strided
+
+FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+def is_torch_tensor(x: Any) -> bool:
+    """True for a torch.Tensor, without importing torch."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def to_numpy(x: Any, fn: str, name: str) -> np.ndarray:
+    """A NumPy view of x (an ndarray, a CPU torch tensor, or anything
+    array-like), with non-negative strides that are multiples of the element
+    size. Tensors share memory with the result (DLPack)."""
+    if isinstance(x, np.ndarray):
+        a = x
+    elif is_torch_tensor(x):
+        if x.device.type != "cpu":
+            raise ValueError(f"{fn}: '{name}' is on device '{x.device}', expected a CPU tensor")
+        a = np.from_dlpack(x.detach())
+    elif hasattr(x, "__dlpack__"):
+        a = np.from_dlpack(x)
+    else:
+        a = np.asarray(x)
+    if not a.dtype.isnative:
+        a = a.astype(a.dtype.newbyteorder("="))
+    if any(s < 0 or s % a.itemsize for s in a.strides):
+        a = np.ascontiguousarray(a)
+    return a
+
+
+def float_array(x: Any, fn: str, name: str, dtype: Optional[np.dtype] = None) -> np.ndarray:
+    """to_numpy, then require float32/float64 (and `dtype` when given)."""
+    a = to_numpy(x, fn, name)
+    if a.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{fn}: '{name}' has dtype {a.dtype}, expected float32 or float64")
+    if dtype is not None and a.dtype != dtype:
+        raise ValueError(f"{fn}: '{name}' has dtype {a.dtype}, expected {dtype} (the dtype of 'query')")
+    return a
+
+
+def broadcast_shapes(fn: str, named: Sequence[Tuple[str, Tuple[int, ...]]]) -> Tuple[int, ...]:
+    """np.broadcast_shapes with an error message naming the arguments."""
+    try:
+        return tuple(np.broadcast_shapes(*(s for _, s in named)))
+    except ValueError:
+        desc = ", ".join(f"{n} {tuple(s)}" for n, s in named)
+        raise ValueError(f"{fn}: the leading (batch) dimensions do not broadcast: {desc}") from None
+
+
+def _merge(a: np.ndarray, first: int, last: int) -> Optional[Tuple[int, int]]:
+    """(size, stride in bytes) of axes [first, last) merged into one axis, or
+    None when no single stride describes them."""
+    size = 1
+    for d in a.shape[first:last]:
+        size *= d
+    dims = [(d, s) for d, s in zip(a.shape[first:last], a.strides[first:last]) if d != 1]
+    if not dims:
+        return size, 0
+    for (_, s0), (d1, s1) in zip(dims, dims[1:]):
+        if s0 != s1 * d1:
+            return None
+    return size, dims[-1][1]
+
+
+def view_bh(a: np.ndarray, nlead: int) -> np.ndarray:
+    """Views a (lead..., *tail) array with `nlead` leading axes as
+    (B, H, *tail): H is the last leading axis, B all the others merged.
+    Copies only when the merge has no strided form."""
+    tail_shape, tail_strides = a.shape[nlead:], a.strides[nlead:]
+    if nlead == 0:
+        return as_strided(a, (1, 1) + tail_shape, (0, 0) + tail_strides, writeable=False)
+    merged = _merge(a, 0, nlead - 1)
+    if merged is None:
+        a = np.ascontiguousarray(a)
+        tail_strides = a.strides[nlead:]
+        merged = _merge(a, 0, nlead - 1)
+        assert merged is not None
+    b, bs = merged
+    h, hs = a.shape[nlead - 1], a.strides[nlead - 1]
+    return as_strided(a, (b, h) + tail_shape, (bs, hs) + tail_strides, writeable=False)
+
+
+def expand_operand(a: np.ndarray, lead: Tuple[int, ...], tail: int, keep_ones: bool) -> np.ndarray:
+    """Broadcasts the leading axes of `a` (all but its last `tail` axes) to
+    `lead`. With keep_ones, size-1 axes the extension can broadcast itself
+    stay size 1: the last leading axis (heads) and the tail, and the other
+    leading axes when all of them are 1; the result keeps the shape the
+    gradient of a broadcast operand must be summed back to."""
+    n = len(lead)
+    pad = n - (a.ndim - tail)
+    a = a.reshape((1,) * pad + a.shape)
+    if not keep_ones:
+        return np.broadcast_to(a, lead + a.shape[n:])
+    if n == 0:
+        return a
+    outer = a.shape[: n - 1]
+    if all(d == 1 for d in outer):
+        target = outer + a.shape[n - 1 :]
+    else:
+        target = lead[: n - 1] + a.shape[n - 1 :]
+    return np.broadcast_to(a, target)
+
+
+def sum_to_shape(g: np.ndarray, shape: Tuple[int, ...]) -> np.ndarray:
+    """Sums a broadcast gradient back to the operand's own shape."""
+    extra = g.ndim - len(shape)
+    if extra > 0:
+        g = g.sum(axis=tuple(range(extra)))
+    axes = tuple(i for i, d in enumerate(shape) if d == 1 and g.shape[i] != 1)
+    if axes:
+        g = g.sum(axis=axes, keepdims=True)
+    return np.ascontiguousarray(g.reshape(shape))

@@ -1,0 +1,306 @@
+"""scaled_dot_product_attention and its backward with PyTorch's conventions.
+
+The arguments are shaped like PyTorch's: (..., L, E) queries, (..., S, E)
+keys, (..., S, Ev) values, where the leading axes broadcast against each
+other and against the mask's. The last leading axis is the head axis (the
+one enable_gqa groups); all the others are merged into one batch axis, so
+the extension always sees rank-4 (B, H, N, d) views of the caller's memory.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any, List, Optional, Tuple
+
+import numpy as np
+
+from . import _attn
+from ._arrays import (
+    broadcast_shapes,
+    expand_operand,
+    float_array,
+    is_torch_tensor,
+    sum_to_shape,
+    to_numpy,
+    view_bh,
+)
+
+_FWD = "attn.scaled_dot_product_attention"
+_BWD = "attn.scaled_dot_product_attention_backward"
+
+
+@dataclass
+class _Plan:
+    """One call's arguments, validated and viewed as rank-4 arrays."""
+
+    dtype: np.dtype
+    lead: Tuple[int, ...]  # broadcast leading shape of the result
+    L: int
+    S: int
+    E: int
+    Ev: int
+    q: np.ndarray  # (B, H, L, E)
+    k: np.ndarray  # (B, Hkv, S, E)
+    v: np.ndarray  # (B, Hkv, S, Ev)
+    k_expanded: Tuple[int, ...]  # shape k was broadcast to before merging
+    v_expanded: Tuple[int, ...]
+    q_expanded: Tuple[int, ...]
+    mask: Optional[np.ndarray]  # bool (Bm, Hm, Lm, Sm), True = attend
+    bias: Optional[np.ndarray]  # float, same broadcasting
+    bias_expanded: Tuple[int, ...]
+    bias_shape: Tuple[int, ...]  # the caller's float mask shape
+    shapes: Tuple[Tuple[int, ...], Tuple[int, ...], Tuple[int, ...]]  # q, k, v as given
+    scale: Optional[float]
+    causal: bool
+    backend: str
+    torch_out: bool
+
+
+def _plan(fn: str, query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: float,
+          is_causal: bool, scale: Optional[float], enable_gqa: bool, backend: str) -> _Plan:
+    if dropout_p != 0.0:
+        raise ValueError(f"{fn}: dropout_p is {dropout_p}; attn computes exact attention, "
+                         "so only dropout_p=0.0 is supported")
+    if not isinstance(backend, str):
+        raise ValueError(f"{fn}: backend must be a string (auto, reference or fused), got {backend!r}")
+    _attn.parse_backend(backend)
+    torch_out = any(is_torch_tensor(x) for x in (query, key, value))
+    q = float_array(query, fn, "query")
+    k = float_array(key, fn, "key", q.dtype)
+    v = float_array(value, fn, "value", q.dtype)
+    for name, a, want in (("query", q, "(..., L, E)"), ("key", k, "(..., S, E)"),
+                          ("value", v, "(..., S, Ev)")):
+        if a.ndim < 2:
+            raise ValueError(f"{fn}: '{name}' has shape {a.shape}, expected {want} with at least 2 dimensions")
+    L, E = q.shape[-2:]
+    S, Ek = k.shape[-2:]
+    Sv, Ev = v.shape[-2:]
+    if Ek != E:
+        raise ValueError(f"{fn}: 'key' has shape {k.shape}, expected (..., S, {E}) "
+                         f"(the last dimension of 'query' {q.shape})")
+    if Sv != S:
+        raise ValueError(f"{fn}: 'value' has shape {v.shape}, expected (..., {S}, Ev) "
+                         f"(the sequence length of 'key' {k.shape})")
+
+    mask = bias = None
+    m = None
+    if attn_mask is not None:
+        if is_causal:
+            raise ValueError(f"{fn}: attn_mask must be None when is_causal=True (as in PyTorch); "
+                             "fold the causal rule into the mask instead")
+        m = to_numpy(attn_mask, fn, "attn_mask")
+        if m.dtype == np.bool_:
+            pass
+        elif m.dtype.kind == "f":
+            if m.dtype != q.dtype:
+                m = m.astype(q.dtype)
+        else:
+            raise ValueError(f"{fn}: 'attn_mask' has dtype {m.dtype}, expected bool (True = attend) "
+                             f"or a float dtype (added to the scores)")
+        if m.ndim < 2:
+            m = m.reshape((1,) * (2 - m.ndim) + m.shape)
+
+    q_lead, k_lead, v_lead = q.shape[:-2], k.shape[:-2], v.shape[:-2]
+    named = [("query", q_lead), ("key", k_lead), ("value", v_lead)]
+    if m is not None:
+        named.append(("attn_mask", m.shape[:-2]))
+    gqa = enable_gqa and len(q_lead) >= 1 and len(k_lead) >= 1 and len(v_lead) >= 1
+    if gqa:
+        H, Hk, Hv = q_lead[-1], k_lead[-1], v_lead[-1]
+        if Hk != Hv:
+            raise ValueError(f"{fn}: with enable_gqa, 'key' and 'value' need the same number of heads "
+                             f"(dimension -3), got {k.shape} and {v.shape}")
+        if Hk < 1 or H % Hk != 0:
+            raise ValueError(f"{fn}: with enable_gqa, the heads of 'query' ({H}, dimension -3 of "
+                             f"{q.shape}) must be a multiple of the heads of 'key' ({Hk})")
+        outer = broadcast_shapes(fn, [(n, s[:-1]) for n, s in named])
+        if m is not None and len(m.shape) >= 3 and m.shape[-3] not in (1, H):
+            raise ValueError(f"{fn}: 'attn_mask' has shape {m.shape}; its dimension -3 must be 1 or "
+                             f"the number of query heads {H}")
+        lead = outer + (H,)
+        kv_lead = outer + (Hk,)
+    else:
+        lead = broadcast_shapes(fn, named)
+        kv_lead = lead
+    if m is not None:
+        want = lead + (L, S)
+        try:
+            ok = np.broadcast_shapes(m.shape, want) == want
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ValueError(f"{fn}: 'attn_mask' has shape {m.shape}, which does not broadcast to "
+                             f"the attention shape (..., L, S) = {want}")
+
+    qx = expand_operand(q, lead, 2, keep_ones=False)
+    kx = expand_operand(k, kv_lead, 2, keep_ones=False)
+    vx = expand_operand(v, kv_lead, 2, keep_ones=False)
+    n = len(lead)
+    bias_expanded: Tuple[int, ...] = ()
+    bias_shape: Tuple[int, ...] = ()
+    if m is not None:
+        mx = expand_operand(m, lead, 2, keep_ones=True)
+        if m.dtype == np.bool_:
+            mask = view_bh(mx, n)
+        else:
+            bias = view_bh(mx, n)
+            bias_expanded = mx.shape
+            bias_shape = to_numpy(attn_mask, fn, "attn_mask").shape
+
+    return _Plan(
+        dtype=q.dtype, lead=lead, L=L, S=S, E=E, Ev=Ev,
+        q=view_bh(qx, n), k=view_bh(kx, n), v=view_bh(vx, n),
+        q_expanded=qx.shape, k_expanded=kx.shape, v_expanded=vx.shape,
+        mask=mask, bias=bias, bias_expanded=bias_expanded, bias_shape=bias_shape,
+        shapes=(q.shape, k.shape, v.shape),
+        scale=None if scale is None else float(scale), causal=bool(is_causal), backend=backend,
+        torch_out=torch_out,
+    )
+
+
+def _suffix(dtype: np.dtype) -> str:
+    return "f32" if dtype == np.float32 else "f64"
+
+
+def _bh(p: _Plan) -> Tuple[int, int]:
+    return p.q.shape[0], p.q.shape[1]
+
+
+def _wrap(arrays: List[np.ndarray], torch_out: bool) -> List[Any]:
+    if not torch_out:
+        return arrays
+    torch = sys.modules["torch"]
+    return [torch.from_numpy(a) for a in arrays]
+
+
+def _unwrap_optional(x: Any, fn: str, name: str, p: _Plan, shape: Tuple[int, ...]) -> Optional[np.ndarray]:
+    """An optional saved-state argument (output, lse) as a (B, H, ...) view."""
+    if x is None:
+        return None
+    a = float_array(x, fn, name, p.dtype)
+    if a.shape != shape:
+        raise ValueError(f"{fn}: '{name}' has shape {a.shape}, expected {shape}")
+    return view_bh(a, len(p.lead))
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
+                                 scale=None, enable_gqa=False, *, backend="auto", return_lse=False,
+                                 return_weights=False):
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.is_grad_enabled() and any(
+        is_torch_tensor(x) and x.requires_grad for x in (query, key, value, attn_mask)
+    ):
+        if return_lse or return_weights:
+            raise ValueError(f"{_FWD}: return_lse and return_weights are not differentiable; "
+                             "call it under torch.no_grad() or on detached tensors")
+        from .torch import scaled_dot_product_attention as torch_sdpa
+
+        return torch_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                          backend=backend)
+    p = _plan(_FWD, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend)
+    B, H = _bh(p)
+    out = np.empty((B, H, p.L, p.Ev), p.dtype)
+    lse = np.empty((B, H, p.L), p.dtype) if return_lse else None
+    weights = np.empty((B, H, p.L, p.S), p.dtype) if return_weights else None
+    getattr(_attn, "sdpa_forward_" + _suffix(p.dtype))(
+        p.q, p.k, p.v, p.mask, p.bias, out, weights, lse, p.scale, p.causal, p.backend, 0)
+    results = [out.reshape(p.lead + (p.L, p.Ev))]
+    if lse is not None:
+        results.append(lse.reshape(p.lead + (p.L,)))
+    if weights is not None:
+        results.append(weights.reshape(p.lead + (p.L, p.S)))
+    results = _wrap(results, p.torch_out)
+    return results[0] if len(results) == 1 else tuple(results)
+
+
+def scaled_dot_product_attention_backward(grad_output, query, key, value, attn_mask=None, dropout_p=0.0,
+                                          is_causal=False, scale=None, enable_gqa=False, *,
+                                          backend="auto", output=None, lse=None):
+    p = _plan(_BWD, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend)
+    B, H = _bh(p)
+    n = len(p.lead)
+    out_shape = p.lead + (p.L, p.Ev)
+    g = float_array(grad_output, _BWD, "grad_output", p.dtype)
+    if g.shape != out_shape:
+        raise ValueError(f"{_BWD}: 'grad_output' has shape {g.shape}, expected {out_shape} "
+                         "(the shape of the forward's output)")
+    dout = view_bh(g, n)
+    saved_out = _unwrap_optional(output, _BWD, "output", p, out_shape)
+    saved_lse = _unwrap_optional(lse, _BWD, "lse", p, p.lead + (p.L,))
+    dq = np.empty((B, H, p.L, p.E), p.dtype)
+    dk = np.empty(p.k.shape, p.dtype)
+    dv = np.empty(p.v.shape, p.dtype)
+    dbias = np.empty(p.bias.shape, p.dtype) if p.bias is not None else None
+    getattr(_attn, "sdpa_backward_" + _suffix(p.dtype))(
+        p.q, p.k, p.v, p.mask, p.bias, dout, dq, dk, dv, dbias, saved_out, saved_lse, p.scale,
+        p.causal, p.backend, 0)
+    # Gradients of broadcast operands are summed back to the caller's shapes.
+    grads = [
+        sum_to_shape(dq.reshape(p.q_expanded), p.shapes[0]),
+        sum_to_shape(dk.reshape(p.k_expanded), p.shapes[1]),
+        sum_to_shape(dv.reshape(p.v_expanded), p.shapes[2]),
+    ]
+    if dbias is not None:
+        grads.append(sum_to_shape(dbias.reshape(p.bias_expanded), p.bias_shape))
+    torch_out = p.torch_out or is_torch_tensor(grad_output)
+    return tuple(_wrap(grads, torch_out))
+
+
+def resolve_backend(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                    enable_gqa=False, *, backend="auto", return_weights=False):
+    p = _plan("attn.resolve_backend", query, key, value, attn_mask, dropout_p, is_causal, scale,
+              enable_gqa, backend)
+    return getattr(_attn, "resolve_backend_" + _suffix(p.dtype))(
+        p.q, p.k, p.v, p.mask, p.bias, p.scale, p.causal, p.backend, bool(return_weights))
+
+
+_SDPA_DOC = """Scaled dot-product attention, with torch.nn.functional.scaled_dot_product_attention's
+arguments and meaning.
+
+    out = softmax(query @ key^T * scale + mask) @ value
+
+Arguments
+  query  (..., L, E)   key (..., S, E)   value (..., S, Ev): NumPy arrays or CPU
+         torch tensors, float32 or float64 (all three the same), any strides; used in
+         place (torch tensors through DLPack). A copy is made only for negative or
+         misaligned strides, non-native byte order, or broadcast leading axes that no
+         single stride describes. Leading dimensions broadcast against each other;
+         dimension -3 is the head axis.
+  attn_mask  None, bool (True = the query may attend to the key) or float (added to
+         the scores; -inf masks), broadcastable to (..., L, S).
+  dropout_p  must be 0.0 (kept for PyTorch's positional order; attn has no dropout).
+  is_causal  query i sees keys j <= i (top-left aligned, like PyTorch); attn_mask must
+         then be None.
+  scale  default 1/sqrt(E).
+  enable_gqa  key/value may have fewer heads (dimension -3) than query, dividing it;
+         query head h uses key/value head h // (H / Hkv).
+  backend  "auto" (fastest that supports the call), "reference" or "fused".
+  return_lse, return_weights  also return the log-sum-exp of each score row
+         (..., L) and the attention weights (..., L, S).
+
+Returns out (..., L, Ev), or the tuple (out[, lse][, weights]). NumPy arrays for NumPy
+input, torch tensors if any of query/key/value is a tensor; with torch tensors that
+require grad, the call goes through attn.torch.ScaledDotProductAttention and is
+differentiable.
+
+Differences from PyTorch: a query row that can see no key returns zeros (PyTorch
+gives NaN); dropout is not supported. Bad arguments raise ValueError naming them.
+"""
+
+_BWD_DOC = """Gradients of scaled_dot_product_attention.
+
+Takes grad_output = dLoss/dout (..., L, Ev) and the forward's arguments; returns
+(grad_query, grad_key, grad_value), plus grad_attn_mask when attn_mask is a float mask.
+Each gradient has the shape of its input (summed over the axes the input was
+broadcast along; with enable_gqa, over the query heads sharing a key/value head).
+output and lse, the forward's result and log-sum-exp, may be passed to save the
+fused backend recomputing them.
+"""
+
+_RESOLVE_DOC = """Name of the backend ("reference" or "fused") that scaled_dot_product_attention
+would run for these arguments with the given `backend` request."""
+
+scaled_dot_product_attention.__doc__ = _SDPA_DOC
+scaled_dot_product_attention_backward.__doc__ = _BWD_DOC
+resolve_backend.__doc__ = _RESOLVE_DOC

@@ -1,0 +1,238 @@
+// attn._attn — the nanobind extension behind the Python package.
+//
+// This layer is deliberately thin: it turns already-shaped, rank-4 (or
+// rank-3) NumPy arrays into attn::View's — pointer, shape and element strides,
+// never a copy — calls the library with the GIL released, and lets
+// attn::Error surface as ValueError with the library's own message. The
+// PyTorch argument conventions (leading batch dimensions, mask polarity,
+// enable_gqa, dtype checks) live in the Python package (python/attn/), which
+// also allocates every output array.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/map.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "attn/attn.hpp"
+
+namespace nb = nanobind;
+
+namespace {
+
+template <class T, int R>
+using Arr = nb::ndarray<T, nb::ndim<R>, nb::device::cpu>;
+
+// A strided view of an ndarray. Strides are in elements, as attn expects;
+// negative strides are refused here (the Python layer copies such inputs).
+template <class T, int R, class A>
+attn::View<T, R> view_of(const A& a, const char* name) {
+  std::array<int64_t, R> shape{}, strides{};
+  for (int i = 0; i < R; ++i) {
+    shape[size_t(i)] = int64_t(a.shape(size_t(i)));
+    strides[size_t(i)] = int64_t(a.stride(size_t(i)));
+    if (strides[size_t(i)] < 0)
+      throw attn::Error(std::string("attn._attn: argument '") + name + "' has a negative stride on axis " +
+                        std::to_string(i));
+  }
+  return attn::View<T, R>(static_cast<T*>(a.data()), shape, strides);
+}
+
+template <class T, int R, class A>
+attn::View<T, R> view_of(const std::optional<A>& a, const char* name) {
+  return a ? view_of<T, R>(*a, name) : attn::View<T, R>{};
+}
+
+attn::SdpaOptions sdpa_options(std::optional<double> scale, bool causal, const std::string& backend,
+                               int num_threads) {
+  attn::SdpaOptions opt;
+  opt.scale = scale;
+  opt.causal = causal;
+  opt.backend = attn::parse_backend(backend);
+  opt.num_threads = num_threads;
+  return opt;
+}
+
+template <class T>
+attn::SdpaArgs<T> sdpa_args(const Arr<const T, 4>& q, const Arr<const T, 4>& k, const Arr<const T, 4>& v,
+                            const std::optional<Arr<const bool, 4>>& mask,
+                            const std::optional<Arr<const T, 4>>& bias) {
+  attn::SdpaArgs<T> a;
+  a.q = view_of<const T, 4>(q, "q");
+  a.k = view_of<const T, 4>(k, "k");
+  a.v = view_of<const T, 4>(v, "v");
+  a.mask = view_of<const bool, 4>(mask, "mask");
+  a.bias = view_of<const T, 4>(bias, "bias");
+  return a;
+}
+
+template <class T>
+void sdpa_forward(const Arr<const T, 4>& q, const Arr<const T, 4>& k, const Arr<const T, 4>& v,
+                  const std::optional<Arr<const bool, 4>>& mask, const std::optional<Arr<const T, 4>>& bias,
+                  const Arr<T, 4>& out, const std::optional<Arr<T, 4>>& weights,
+                  const std::optional<Arr<T, 3>>& lse, std::optional<double> scale, bool causal,
+                  const std::string& backend, int num_threads) {
+  const attn::SdpaArgs<T> args = sdpa_args<T>(q, k, v, mask, bias);
+  const attn::SdpaOptions opt = sdpa_options(scale, causal, backend, num_threads);
+  const attn::View4<T> o = view_of<T, 4>(out, "out");
+  const attn::View4<T> w = view_of<T, 4>(weights, "weights");
+  const attn::View3<T> l = view_of<T, 3>(lse, "lse");
+  nb::gil_scoped_release release;
+  attn::scaled_dot_product_attention<T>(args, o, opt, w, l);
+}
+
+template <class T>
+void sdpa_backward(const Arr<const T, 4>& q, const Arr<const T, 4>& k, const Arr<const T, 4>& v,
+                   const std::optional<Arr<const bool, 4>>& mask, const std::optional<Arr<const T, 4>>& bias,
+                   const Arr<const T, 4>& dout, const Arr<T, 4>& dq, const Arr<T, 4>& dk, const Arr<T, 4>& dv,
+                   const std::optional<Arr<T, 4>>& dbias, const std::optional<Arr<const T, 4>>& out,
+                   const std::optional<Arr<const T, 3>>& lse, std::optional<double> scale, bool causal,
+                   const std::string& backend, int num_threads) {
+  const attn::SdpaArgs<T> args = sdpa_args<T>(q, k, v, mask, bias);
+  const attn::SdpaOptions opt = sdpa_options(scale, causal, backend, num_threads);
+  attn::SdpaGrads<T> g;
+  g.dq = view_of<T, 4>(dq, "dq");
+  g.dk = view_of<T, 4>(dk, "dk");
+  g.dv = view_of<T, 4>(dv, "dv");
+  g.dbias = view_of<T, 4>(dbias, "dbias");
+  const attn::View4<const T> d = view_of<const T, 4>(dout, "dout");
+  const attn::View4<const T> o = view_of<const T, 4>(out, "out");
+  const attn::View3<const T> l = view_of<const T, 3>(lse, "lse");
+  nb::gil_scoped_release release;
+  attn::scaled_dot_product_attention_backward<T>(args, d, g, opt, o, l);
+}
+
+template <class T>
+std::string resolve(const Arr<const T, 4>& q, const Arr<const T, 4>& k, const Arr<const T, 4>& v,
+                    const std::optional<Arr<const bool, 4>>& mask, const std::optional<Arr<const T, 4>>& bias,
+                    std::optional<double> scale, bool causal, const std::string& backend, bool want_weights) {
+  const attn::SdpaArgs<T> args = sdpa_args<T>(q, k, v, mask, bias);
+  const attn::SdpaOptions opt = sdpa_options(scale, causal, backend, 0);
+  return attn::backend_name(attn::resolve_backend<T>(args, opt, want_weights));
+}
+
+template <class T>
+void bind_sdpa(nb::module_& m, const char* suffix) {
+  using namespace nb::literals;
+  const std::string s(suffix);
+  m.def(("sdpa_forward_" + s).c_str(), &sdpa_forward<T>, "q"_a.noconvert(), "k"_a.noconvert(),
+        "v"_a.noconvert(), "mask"_a.noconvert().none(), "bias"_a.noconvert().none(), "out"_a.noconvert(),
+        "weights"_a.noconvert().none(), "lse"_a.noconvert().none(), "scale"_a.none(), "causal"_a,
+        "backend"_a, "num_threads"_a,
+        "Forward attention on rank-4 (B, H, N, d) arrays; writes out (and weights, lse).");
+  m.def(("sdpa_backward_" + s).c_str(), &sdpa_backward<T>, "q"_a.noconvert(), "k"_a.noconvert(),
+        "v"_a.noconvert(), "mask"_a.noconvert().none(), "bias"_a.noconvert().none(), "dout"_a.noconvert(),
+        "dq"_a.noconvert(), "dk"_a.noconvert(), "dv"_a.noconvert(), "dbias"_a.noconvert().none(),
+        "out"_a.noconvert().none(), "lse"_a.noconvert().none(), "scale"_a.none(), "causal"_a, "backend"_a,
+        "num_threads"_a, "Backward attention on rank-4 arrays; overwrites dq, dk, dv (and dbias).");
+  m.def(("resolve_backend_" + s).c_str(), &resolve<T>, "q"_a.noconvert(), "k"_a.noconvert(),
+        "v"_a.noconvert(), "mask"_a.noconvert().none(), "bias"_a.noconvert().none(), "scale"_a.none(),
+        "causal"_a, "backend"_a, "want_weights"_a,
+        "Name of the backend a forward call with these arguments would run.");
+}
+
+// A copy of a parameter as a fresh NumPy array (the layer keeps its own).
+template <class T>
+nb::ndarray<nb::numpy, T> numpy_copy(const attn::Tensor<T>& t) {
+  T* buf = new T[t.size() ? t.size() : 1];
+  std::copy(t.data(), t.data() + t.size(), buf);
+  nb::capsule owner(buf, [](void* p) noexcept { delete[] static_cast<T*>(p); });
+  std::vector<size_t> shape(t.shape().begin(), t.shape().end());
+  return nb::ndarray<nb::numpy, T>(buf, shape.size(), shape.data(), owner);
+}
+
+template <class T>
+void bind_multihead(nb::module_& m, const char* name) {
+  using namespace nb::literals;
+  using Layer = attn::MultiheadAttention<T>;
+  nb::class_<Layer>(m, name, "attn::MultiheadAttention; use attn.MultiheadAttention instead.")
+      .def(
+          "__init__",
+          [](Layer* self, int64_t embed_dim, int64_t num_heads, bool bias, int64_t kdim, int64_t vdim,
+             uint64_t seed) {
+            attn::MultiheadConfig c;
+            c.embed_dim = embed_dim;
+            c.num_heads = num_heads;
+            c.bias = bias;
+            c.kdim = kdim;
+            c.vdim = vdim;
+            new (self) Layer(c, seed);
+          },
+          "embed_dim"_a, "num_heads"_a, "bias"_a, "kdim"_a, "vdim"_a, "seed"_a)
+      .def_prop_ro("embed_dim", &Layer::embed_dim)
+      .def_prop_ro("num_heads", &Layer::num_heads)
+      .def_prop_ro("head_dim", &Layer::head_dim)
+      .def_prop_ro("kdim", &Layer::kdim)
+      .def_prop_ro("vdim", &Layer::vdim)
+      .def_prop_ro("packed_in_proj", &Layer::packed_in_proj)
+      .def("parameter_names", &Layer::parameter_names)
+      .def("get_parameter", [](const Layer& l, const std::string& n) { return numpy_copy(l.parameter(n)); },
+           "name"_a)
+      .def(
+          "set_parameter",
+          [](Layer& l, const std::string& n, const nb::ndarray<const T, nb::device::cpu>& a) {
+            if (a.ndim() == 2) return l.load_parameter(n, view_of<const T, 2>(a, "value"));
+            if (a.ndim() == 1) return l.load_parameter(n, view_of<const T, 1>(a, "value"));
+            throw attn::Error("attn::MultiheadAttention::load_parameter: parameter '" + n + "' was given " +
+                              std::to_string(a.ndim()) + " dimensions, expected 1 (bias) or 2 (weight)");
+          },
+          "name"_a, "value"_a.noconvert())
+      .def(
+          "forward",
+          [](const Layer& l, const Arr<const T, 3>& query, const Arr<const T, 3>& key, const Arr<const T, 3>& value,
+             const Arr<T, 3>& out, const std::optional<Arr<const bool, 4>>& attn_mask,
+             const std::optional<Arr<const T, 4>>& attn_bias,
+             const std::optional<Arr<const bool, 2>>& key_padding_mask, bool causal, const std::string& backend,
+             const std::optional<Arr<T, 4>>& head_weights, const std::optional<Arr<T, 3>>& avg_weights,
+             bool self_attention) {
+            attn::MhaMasks<T> masks;
+            masks.attn_mask = view_of<const bool, 4>(attn_mask, "attn_mask");
+            masks.attn_bias = view_of<const T, 4>(attn_bias, "attn_bias");
+            masks.key_padding_mask = view_of<const bool, 2>(key_padding_mask, "key_padding_mask");
+            attn::MhaOptions opt;
+            opt.causal = causal;
+            opt.backend = attn::parse_backend(backend);
+            const attn::View3<const T> q = view_of<const T, 3>(query, "query");
+            const attn::View3<const T> k = view_of<const T, 3>(key, "key");
+            const attn::View3<const T> v = view_of<const T, 3>(value, "value");
+            const attn::View3<T> o = view_of<T, 3>(out, "out");
+            const attn::View4<T> hw = view_of<T, 4>(head_weights, "head_weights");
+            const attn::View3<T> aw = view_of<T, 3>(avg_weights, "avg_weights");
+            nb::gil_scoped_release release;
+            if (self_attention)
+              l.forward_self(q, o, masks, opt, nullptr, hw, aw);
+            else
+              l.forward(q, k, v, o, masks, opt, nullptr, hw, aw);
+          },
+          "query"_a.noconvert(), "key"_a.noconvert(), "value"_a.noconvert(), "out"_a.noconvert(),
+          "attn_mask"_a.noconvert().none(), "attn_bias"_a.noconvert().none(),
+          "key_padding_mask"_a.noconvert().none(), "causal"_a, "backend"_a, "head_weights"_a.noconvert().none(),
+          "avg_weights"_a.noconvert().none(), "self_attention"_a,
+          "Forward on (B, N, width) arrays; writes out (and the weights).");
+}
+
+}  // namespace
+
+NB_MODULE(_attn, m) {
+  m.doc() = "Low-level bindings of libattn; use the functions of the attn package instead.";
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const attn::Error& e) {
+      PyErr_SetString(PyExc_ValueError, e.what());
+    }
+  });
+  bind_sdpa<float>(m, "f32");
+  bind_sdpa<double>(m, "f64");
+  bind_multihead<float>(m, "MultiheadAttentionF32");
+  bind_multihead<double>(m, "MultiheadAttentionF64");
+  m.def("parse_backend", [](const std::string& name) { return std::string(attn::backend_name(attn::parse_backend(name))); },
+        nb::arg("name"), "Validates a backend name; returns it, or raises ValueError.");
+}

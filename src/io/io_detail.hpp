@@ -1,0 +1,57 @@
+// Internal helpers shared by the .npy and safetensors readers: overflow-checked
+// sizes and element decoding from raw little/big-endian bytes.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "attn/io.hpp"
+
+namespace attn::io::detail {
+
+[[noreturn]] inline void fail(const std::string& name, const std::string& msg) {
+  throw FileError(name + ": " + msg);
+}
+
+// Element count of `shape` times `itemsize`, or fail when it overflows 63 bits.
+inline uint64_t checked_bytes(const std::vector<int64_t>& shape, uint64_t itemsize, const std::string& name) {
+  uint64_t n = itemsize;
+  for (auto s : shape) {
+    if (s < 0) fail(name, "negative dimension " + std::to_string(s) + " in shape " + shape_string(shape));
+    uint64_t r = 0;
+    if (__builtin_mul_overflow(n, uint64_t(s), &r) || r > (uint64_t(1) << 62))
+      fail(name, "shape " + shape_string(shape) + " has more elements than any file could hold");
+    n = r;
+  }
+  return n;
+}
+
+// Decodes `count` elements of type S stored with the given byte order into T.
+template <class S, class T>
+void decode(const unsigned char* src, size_t count, bool big_endian, T* dst) {
+  unsigned char buf[sizeof(S)];
+  for (size_t i = 0; i < count; ++i) {
+    std::memcpy(buf, src + i * sizeof(S), sizeof(S));
+    if (big_endian)
+      for (size_t b = 0; b < sizeof(S) / 2; ++b) std::swap(buf[b], buf[sizeof(S) - 1 - b]);
+    S v;
+    std::memcpy(&v, buf, sizeof(S));
+    dst[i] = T(v);
+  }
+}
+
+template <class T>
+void decode_any(DType stored, const unsigned char* src, size_t count, bool big_endian, T* dst) {
+  if (stored == DType::f32)
+    decode<float>(src, count, big_endian, dst);
+  else
+    decode<double>(src, count, big_endian, dst);
+}
+
+template <class T> constexpr DType dtype_of();
+template <> constexpr DType dtype_of<float>() { return DType::f32; }
+template <> constexpr DType dtype_of<double>() { return DType::f64; }
+
+}  // namespace attn::io::detail

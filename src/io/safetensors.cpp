@@ -1,0 +1,190 @@
+// safetensors: an 8-byte little-endian header length N, N bytes of JSON
+// mapping each tensor name to {dtype, shape, data_offsets: [begin, end]}
+// (offsets relative to the byte buffer after the header), then the buffer.
+// The JSON is parsed by nlohmann-json after a cheap nesting-depth scan; every
+// entry is checked (dtype, shape overflow, offsets inside the buffer, size
+// matching the shape, no two tensors overlapping) before any tensor is
+// allocated, so allocations never exceed the file's own size.
+#include <algorithm>
+#include <cstring>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "attn/io.hpp"
+#include "io/io_detail.hpp"
+
+namespace attn::io {
+namespace {
+
+using detail::fail;
+using json = nlohmann::json;
+
+// Rejects JSON nested deeper than `max_depth` (counting brackets outside strings).
+bool nesting_ok(std::string_view s, int max_depth) {
+  int depth = 0;
+  bool in_str = false;
+  for (size_t i = 0; i < s.size(); ++i) {
+    const char c = s[i];
+    if (in_str) {
+      if (c == '\\') ++i;
+      else if (c == '"') in_str = false;
+    } else if (c == '"') {
+      in_str = true;
+    } else if (c == '{' || c == '[') {
+      if (++depth > max_depth) return false;
+    } else if (c == '}' || c == ']') {
+      --depth;
+    }
+  }
+  return true;
+}
+
+uint64_t as_u64(const json& j, const std::string& name, const std::string& what) {
+  if (!j.is_number_unsigned()) fail(name, what + " must be a non-negative integer");
+  return j.get<uint64_t>();
+}
+
+struct Entry {
+  std::string key;
+  DType dtype;
+  std::vector<int64_t> shape;
+  uint64_t begin, end;
+};
+
+}  // namespace
+
+template <class T>
+std::map<std::string, Array<T>> parse_safetensors(const unsigned char* bytes, size_t size, const std::string& name,
+                                                  const Limits& limits) {
+  if (size < 8) fail(name, "not a safetensors file (shorter than its 8-byte header length)");
+  uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = (n << 8) | bytes[i];
+  if (n > limits.max_header_bytes)
+    fail(name, "header length " + std::to_string(n) + " exceeds the limit of " +
+                   std::to_string(limits.max_header_bytes) + " bytes (or this is not a safetensors file)");
+  if (n > size - 8)
+    fail(name, "header length " + std::to_string(n) + " runs past the end of the file (" + std::to_string(size) +
+                   " bytes)");
+  const std::string_view text(reinterpret_cast<const char*>(bytes + 8), size_t(n));
+  if (text.empty() || text.front() != '{') fail(name, "not a safetensors file (the header is not a JSON object)");
+  if (!nesting_ok(text, 8)) fail(name, "the JSON header is nested too deeply");
+  json header = json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
+  if (header.is_discarded()) fail(name, "the JSON header does not parse");
+  if (!header.is_object()) fail(name, "the JSON header is not an object");
+
+  const uint64_t buffer = size - 8 - n;
+  std::vector<Entry> entries;
+  for (auto it = header.begin(); it != header.end(); ++it) {
+    if (it.key() == "__metadata__") continue;
+    if (int(entries.size()) >= limits.max_tensors)
+      fail(name, "more than " + std::to_string(limits.max_tensors) + " tensors");
+    const std::string where = "tensor '" + it.key() + "'";
+    const json& t = it.value();
+    if (!t.is_object()) fail(name, where + " is not a JSON object");
+    if (!t.contains("dtype") || !t.contains("shape") || !t.contains("data_offsets"))
+      fail(name, where + " lacks one of 'dtype', 'shape', 'data_offsets'");
+    Entry e;
+    e.key = it.key();
+    const json& dt = t["dtype"];
+    if (!dt.is_string()) fail(name, where + ": 'dtype' is not a string");
+    const std::string d = dt.get<std::string>();
+    if (d == "F32") e.dtype = DType::f32;
+    else if (d == "F64") e.dtype = DType::f64;
+    else fail(name, where + " has unsupported dtype '" + d + "' (only F32 and F64 are read)");
+    const json& sh = t["shape"];
+    if (!sh.is_array()) fail(name, where + ": 'shape' is not an array");
+    if (int(sh.size()) > limits.max_rank)
+      fail(name, where + ": 'shape' has more than " + std::to_string(limits.max_rank) + " dimensions");
+    for (const auto& s : sh) {
+      const uint64_t v = as_u64(s, name, where + ": each entry of 'shape'");
+      if (v > (uint64_t(1) << 50)) fail(name, where + ": a dimension of 'shape' is absurdly large");
+      e.shape.push_back(int64_t(v));
+    }
+    const json& off = t["data_offsets"];
+    if (!off.is_array() || off.size() != 2) fail(name, where + ": 'data_offsets' must be [begin, end]");
+    e.begin = as_u64(off[0], name, where + ": 'data_offsets'");
+    e.end = as_u64(off[1], name, where + ": 'data_offsets'");
+    if (e.begin > e.end || e.end > buffer)
+      fail(name, where + " has data_offsets [" + std::to_string(e.begin) + ", " + std::to_string(e.end) +
+                     "] outside the " + std::to_string(buffer) + "-byte data buffer");
+    const uint64_t need = detail::checked_bytes(e.shape, e.dtype == DType::f32 ? 4 : 8, name + ": " + where);
+    if (e.end - e.begin != need)
+      fail(name, where + " spans " + std::to_string(e.end - e.begin) + " bytes, but shape " +
+                     shape_string(e.shape) + " of " + dtype_name(e.dtype) + " needs " + std::to_string(need));
+    entries.push_back(std::move(e));
+  }
+  std::vector<const Entry*> order;
+  for (const auto& e : entries)
+    if (e.end > e.begin) order.push_back(&e);  // empty tensors occupy no bytes
+  std::sort(order.begin(), order.end(), [](const Entry* a, const Entry* b) { return a->begin < b->begin; });
+  for (size_t i = 1; i < order.size(); ++i)
+    if (order[i]->begin < order[i - 1]->end)
+      fail(name, "tensors '" + order[i - 1]->key + "' and '" + order[i]->key + "' overlap in the data buffer");
+
+  std::map<std::string, Array<T>> out;
+  const unsigned char* base = bytes + 8 + n;
+  for (const auto& e : entries) {
+    Array<T> a;
+    a.shape = e.shape;
+    a.stored = e.dtype;
+    const size_t count = size_t((e.end - e.begin) / (e.dtype == DType::f32 ? 4 : 8));
+    a.data.resize(count);
+    detail::decode_any(e.dtype, base + e.begin, count, false, a.data.data());
+    out.emplace(e.key, std::move(a));
+  }
+  return out;
+}
+
+template <class T>
+std::map<std::string, Array<T>> read_safetensors(const std::string& path, const Limits& limits) {
+  const std::vector<unsigned char> bytes = read_file(path, limits.max_file_bytes);
+  return parse_safetensors<T>(bytes.data(), bytes.size(), path, limits);
+}
+
+template <class T>
+std::vector<unsigned char> encode_safetensors(const std::map<std::string, Array<T>>& tensors) {
+  json header = json::object();
+  uint64_t offset = 0;
+  for (const auto& [key, a] : tensors) {
+    if (key == "__metadata__") throw FileError("attn::io::write_safetensors: '__metadata__' is not a tensor name");
+    const uint64_t nbytes = detail::checked_bytes(a.shape, sizeof(T), "attn::io::write_safetensors: " + key);
+    if (nbytes != a.data.size() * sizeof(T))
+      throw FileError("attn::io::write_safetensors: tensor '" + key + "' has shape " + shape_string(a.shape) +
+                      " but " + std::to_string(a.data.size()) + " elements");
+    header[key] = {{"dtype", std::is_same_v<T, float> ? "F32" : "F64"},
+                   {"shape", a.shape},
+                   {"data_offsets", {offset, offset + nbytes}}};
+    offset += nbytes;
+  }
+  std::string text = header.dump();
+  text.append((8 - text.size() % 8) % 8, ' ');  // keep the buffer 8-byte aligned
+  std::vector<unsigned char> out(8 + text.size() + offset);
+  uint64_t n = text.size();
+  for (int i = 0; i < 8; ++i) out[size_t(i)] = static_cast<unsigned char>(n >> (8 * i));
+  std::memcpy(out.data() + 8, text.data(), text.size());
+  unsigned char* p = out.data() + 8 + text.size();
+  for (const auto& [key, a] : tensors) {
+    if (!a.data.empty()) std::memcpy(p, a.data.data(), a.data.size() * sizeof(T));
+    p += a.data.size() * sizeof(T);
+  }
+  return out;
+}
+
+template <class T>
+void write_safetensors(const std::string& path, const std::map<std::string, Array<T>>& tensors) {
+  const auto bytes = encode_safetensors(tensors);
+  write_file_atomic(path, bytes.data(), bytes.size());
+}
+
+#define ATTN_IO_ST(T)                                                                                          \
+  template std::map<std::string, Array<T>> parse_safetensors<T>(const unsigned char*, size_t,                 \
+                                                                const std::string&, const Limits&);          \
+  template std::map<std::string, Array<T>> read_safetensors<T>(const std::string&, const Limits&);            \
+  template std::vector<unsigned char> encode_safetensors<T>(const std::map<std::string, Array<T>>&);         \
+  template void write_safetensors<T>(const std::string&, const std::map<std::string, Array<T>>&);
+ATTN_IO_ST(float)
+ATTN_IO_ST(double)
+#undef ATTN_IO_ST
+
+}  // namespace attn::io

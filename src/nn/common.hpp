@@ -1,0 +1,48 @@
+// Internal helpers shared by the nn layer: shape checks with named errors and
+// the small loops every layer needs.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "attn/error.hpp"
+#include "attn/tensor.hpp"
+
+namespace attn::nn {
+
+// Reallocates t (zeroed) unless it already has this shape.
+template <class T>
+void ensure_shape(Tensor<T>& t, const std::vector<int64_t>& shape) {
+  if (t.shape() != shape) t = Tensor<T>(shape);
+}
+
+// Checks that x is a (M, width) matrix and returns M.
+template <class T>
+int64_t rows_of(const Tensor<T>& x, int64_t width, const char* fn, const char* name) {
+  if (x.rank() != 2 || x.dim(1) != width) {
+    std::string got = "(";
+    for (int i = 0; i < x.rank(); ++i) got += (i ? ", " : "") + std::to_string(x.dim(i));
+    throw Error(std::string(fn) + ": argument '" + name + "' has shape " + got + "), expected (M, " +
+                std::to_string(width) + ")");
+  }
+  return x.dim(0);
+}
+
+// out[j] += Σ_m x[m, j] for a (M, n) matrix, accumulated in double.
+template <class T>
+void add_column_sums(const Tensor<T>& x, int64_t M, int64_t n, Tensor<T>& out) {
+  std::vector<double> acc(size_t(n), 0.0);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t j = 0; j < n; ++j) acc[size_t(j)] += double(x[size_t(m * n + j)]);
+  for (int64_t j = 0; j < n; ++j) out[size_t(j)] += T(acc[size_t(j)]);
+}
+
+inline void check_tokens(const int32_t* tokens, int64_t M, int64_t vocab, const char* fn) {
+  for (int64_t m = 0; m < M; ++m)
+    if (tokens[m] < 0 || tokens[m] >= vocab)
+      throw Error(std::string(fn) + ": token id " + std::to_string(tokens[m]) + " at position " +
+                  std::to_string(m) + " is outside [0, vocab = " + std::to_string(vocab) + ")");
+}
+
+}  // namespace attn::nn

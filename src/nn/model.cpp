@@ -1,0 +1,187 @@
+// The pre-LayerNorm transformer: the layers composed, and the backward that
+// walks the same composition in reverse. Residual connections are the two
+// additions in each block; their backward sends the incoming gradient both
+// through the branch and straight on (d(a + f(a)) = da + df).
+#include "attn/nn/model.hpp"
+
+#include <cmath>
+
+#include "nn/common.hpp"
+
+namespace attn::nn {
+
+void ModelConfig::validate() const {
+  auto fail = [](const std::string& m) { throw Error("attn::nn::ModelConfig: " + m); };
+  if (vocab < 1) fail("vocab is " + std::to_string(vocab) + ", expected >= 1");
+  if (max_len < 1) fail("max_len is " + std::to_string(max_len) + ", expected >= 1");
+  if (dim < 1) fail("dim is " + std::to_string(dim) + ", expected >= 1");
+  if (heads < 1 || dim % heads != 0)
+    fail("heads is " + std::to_string(heads) + ", expected a divisor of dim = " + std::to_string(dim));
+  if (layers < 0) fail("layers is " + std::to_string(layers) + ", expected >= 0");
+  if (mlp_hidden < 0) fail("mlp_hidden is " + std::to_string(mlp_hidden) + ", expected >= 0 (0 = 4·dim)");
+  if (positions == Positions::rope && (dim / heads) % 2 != 0)
+    fail("positions 'rope' needs an even head dimension dim/heads, got " + std::to_string(dim / heads));
+  if (attn_scale && !(std::isfinite(*attn_scale) && *attn_scale > 0))
+    fail("attn_scale must be finite and > 0");
+}
+
+template <class T>
+Transformer<T>::Transformer(const ModelConfig& config, uint64_t seed) : cfg_(config) {
+  cfg_.validate();
+  if (cfg_.mlp_hidden == 0) cfg_.mlp_hidden = 4 * cfg_.dim;
+  embed_ = Embedding<T>(cfg_.vocab, cfg_.dim);
+  if (cfg_.positions == Positions::learned) pos_ = LearnedPositions<T>(cfg_.max_len, cfg_.dim);
+  AttentionOptions ao;
+  ao.causal = cfg_.causal;
+  ao.scale = cfg_.attn_scale;
+  ao.rope = cfg_.positions == Positions::rope;
+  ao.backend = cfg_.backend;
+  blocks_.resize(size_t(cfg_.layers));
+  for (auto& blk : blocks_) {
+    blk.ln1 = LayerNorm<T>(cfg_.dim);
+    blk.attn = SelfAttention<T>(cfg_.dim, cfg_.heads, ao);
+    blk.ln2 = LayerNorm<T>(cfg_.dim);
+    blk.mlp = Mlp<T>(cfg_.dim, cfg_.mlp_hidden);
+  }
+  ln_f_ = LayerNorm<T>(cfg_.dim);
+  head_ = Linear<T>(cfg_.dim, cfg_.vocab);
+  reset_parameters(seed);
+}
+
+template <class T>
+void Transformer<T>::reset_parameters(uint64_t seed) {
+  // One stream per component, so adding a layer does not reshuffle the others.
+  Rng r0(derive_seed(seed, 0));
+  embed_.reset_parameters(r0);
+  if (cfg_.positions == Positions::learned) {
+    Rng r(derive_seed(seed, 1));
+    pos_.reset_parameters(r);
+  }
+  for (size_t l = 0; l < blocks_.size(); ++l) {
+    Rng r(derive_seed(seed, 100 + l));
+    blocks_[l].ln1.reset_parameters();
+    blocks_[l].attn.reset_parameters(r);
+    blocks_[l].ln2.reset_parameters();
+    blocks_[l].mlp.reset_parameters(r);
+  }
+  ln_f_.reset_parameters();
+  Rng rh(derive_seed(seed, 2));
+  head_.reset_parameters(rh);
+}
+
+template <class T>
+void Transformer<T>::forward(const int32_t* tokens, int64_t B, int64_t N, Tensor<T>& logits,
+                             std::vector<Tensor<T>>* attention) {
+  if (B < 1 || N < 1)
+    throw Error("attn::nn::Transformer::forward: B and N must be >= 1, got " + std::to_string(B) + " and " +
+                std::to_string(N));
+  if (N > cfg_.max_len)
+    throw Error("attn::nn::Transformer::forward: sequence length N = " + std::to_string(N) +
+                " exceeds the model's max_len = " + std::to_string(cfg_.max_len));
+  const int64_t M = B * N;
+  tokens_.assign(tokens, tokens + M);
+  B_ = B;
+  N_ = N;
+  hs_.resize(blocks_.size() + 1);
+  // h_0 = Embed(tokens) + positions
+  embed_.forward(tokens, M, hs_[0]);
+  if (cfg_.positions == Positions::sinusoidal) add_sinusoidal_positions(hs_[0], B, N);
+  if (cfg_.positions == Positions::learned) pos_.forward(hs_[0], B, N);
+  if (attention) attention->resize(blocks_.size());
+  Tensor<T> tmp;
+  for (size_t l = 0; l < blocks_.size(); ++l) {
+    auto& blk = blocks_[l];
+    const Tensor<T>& h = hs_[l];
+    View4<T> w;
+    if (attention) {
+      (*attention)[l] = Tensor<T>({B, cfg_.heads, N, N});
+      w = (*attention)[l].view4();
+    }
+    // a = h + Attn(LN1(h))
+    blk.ln1.forward(h, blk.x1);
+    blk.attn.forward(blk.x1, B, N, tmp, w);
+    ensure_shape(blk.a, {M, cfg_.dim});
+    for (size_t i = 0; i < blk.a.size(); ++i) blk.a[i] = h[i] + tmp[i];
+    // h' = a + MLP(LN2(a))
+    blk.ln2.forward(blk.a, blk.x2);
+    blk.mlp.forward(blk.x2, tmp);
+    ensure_shape(hs_[l + 1], {M, cfg_.dim});
+    for (size_t i = 0; i < tmp.size(); ++i) hs_[l + 1][i] = blk.a[i] + tmp[i];
+  }
+  // logits = LN_f(h_L)·W_headᵀ + b
+  ln_f_.forward(hs_.back(), hf_);
+  head_.forward(hf_, logits);
+}
+
+template <class T>
+void Transformer<T>::backward(const Tensor<T>& dlogits) {
+  const int64_t M = B_ * N_;
+  if (M == 0) throw Error("attn::nn::Transformer::backward: called before forward");
+  rows_of(dlogits, cfg_.vocab, "attn::nn::Transformer::backward", "dlogits");
+  if (dlogits.dim(0) != M)
+    throw Error("attn::nn::Transformer::backward: dlogits has " + std::to_string(dlogits.dim(0)) +
+                " rows, expected the forward's B·N = " + std::to_string(M));
+  Tensor<T> dhf, dh, dbranch, dln, da;
+  head_.backward(hf_, dlogits, &dhf);
+  ln_f_.backward(hs_.back(), dhf, &dh);
+  for (size_t l = blocks_.size(); l-- > 0;) {
+    auto& blk = blocks_[l];
+    // h' = a + MLP(LN2(a))  ->  da = dh' + LN2ᵀ(MLPᵀ(dh'))
+    blk.mlp.backward(blk.x2, dh, &dbranch);
+    blk.ln2.backward(blk.a, dbranch, &dln);
+    da = dh;
+    for (size_t i = 0; i < da.size(); ++i) da[i] += dln[i];
+    // a = h + Attn(LN1(h))  ->  dh = da + LN1ᵀ(Attnᵀ(da))
+    blk.attn.backward(blk.x1, da, &dbranch);
+    blk.ln1.backward(hs_[l], dbranch, &dln);
+    dh = da;
+    for (size_t i = 0; i < dh.size(); ++i) dh[i] += dln[i];
+  }
+  // h_0 = Embed(tokens) + P: both receive dh_0 (sinusoids have no parameters)
+  if (cfg_.positions == Positions::learned) pos_.backward(dh, B_, N_);
+  embed_.backward(tokens_.data(), M, dh);
+}
+
+template <class T>
+CrossEntropyResult Transformer<T>::loss(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t N,
+                                        bool with_grad) {
+  Tensor<T> logits, dlogits;
+  forward(tokens, B, N, logits);
+  const CrossEntropyResult r = softmax_cross_entropy(logits, targets, with_grad ? &dlogits : nullptr);
+  if (with_grad) backward(dlogits);
+  return r;
+}
+
+template <class T>
+std::vector<ParamRef<T>> Transformer<T>::parameters() {
+  std::vector<ParamRef<T>> p;
+  embed_.collect("embed.", p);
+  if (cfg_.positions == Positions::learned) pos_.collect("pos.", p);
+  for (size_t l = 0; l < blocks_.size(); ++l) {
+    const std::string pre = "blocks." + std::to_string(l) + ".";
+    blocks_[l].ln1.collect(pre + "ln1.", p);
+    blocks_[l].attn.collect(pre + "attn.", p);
+    blocks_[l].ln2.collect(pre + "ln2.", p);
+    blocks_[l].mlp.collect(pre + "mlp.", p);
+  }
+  ln_f_.collect("ln_f.", p);
+  head_.collect("head.", p);
+  return p;
+}
+
+template <class T>
+void Transformer<T>::zero_grad() {
+  for (auto& p : parameters()) p.grad->fill(T(0));
+}
+
+template <class T>
+int64_t Transformer<T>::num_parameters() {
+  int64_t n = 0;
+  for (auto& p : parameters()) n += int64_t(p.value->size());
+  return n;
+}
+
+template class Transformer<float>;
+template class Transformer<double>;
+
+}  // namespace attn::nn

@@ -1,0 +1,342 @@
+// The training loop: seeded data per step, forward/loss/backward, clipping,
+// the optimizer step under the schedule, held-out evaluation, checkpoints
+// and the curve.
+#include "attn/nn/train.hpp"
+
+#include <chrono>
+#include <cmath>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "attn/nn/checkpoint.hpp"
+#include "attn/nn/optim.hpp"
+
+namespace attn::nn {
+
+namespace {
+
+constexpr uint64_t kModelStream = 1, kDataStream = 2, kEvalStream = 3;
+constexpr const char* kFormat = "attn.nn.checkpoint/1";
+
+// Row-wise argmax accuracy of logits (B·N, V) against targets, per token and
+// per sequence (a sequence counts when every scored token is right).
+struct Accuracy {
+  int64_t tokens = 0, tokens_right = 0, seqs = 0, seqs_right = 0;
+};
+template <class T>
+Accuracy accuracy(const Tensor<T>& logits, const int32_t* targets, int64_t B, int64_t N) {
+  Accuracy a;
+  const int64_t V = logits.dim(1);
+  for (int64_t b = 0; b < B; ++b) {
+    bool all = true;
+    for (int64_t n = 0; n < N; ++n) {
+      const int32_t t = targets[b * N + n];
+      if (t < 0) continue;
+      const T* z = logits.data() + (b * N + n) * V;
+      int64_t arg = 0;
+      for (int64_t j = 1; j < V; ++j)
+        if (z[j] > z[arg]) arg = j;
+      ++a.tokens;
+      if (arg == t) ++a.tokens_right;
+      else all = false;
+    }
+    ++a.seqs;
+    if (all) ++a.seqs_right;
+  }
+  return a;
+}
+
+nlohmann::json config_json(const TrainConfig& c) {
+  return {{"task", task_name(c.task.kind)},
+          {"length", c.task.length},
+          {"symbols", c.task.symbols},
+          {"queries", c.task.queries},
+          {"layers", c.layers},
+          {"dim", c.dim},
+          {"heads", c.heads},
+          {"positions", positions_name(c.positions)},
+          {"causal", c.causal},
+          {"scale_none", c.scale_none},
+          {"optimizer", c.optimizer},
+          {"lr", c.lr},
+          {"min_lr", c.min_lr},
+          {"warmup", c.warmup},
+          {"steps", c.steps},
+          {"batch", c.batch},
+          {"clip", c.clip},
+          {"weight_decay", c.weight_decay},
+          {"momentum", c.momentum},
+          {"seed", c.seed}};
+}
+
+TrainConfig config_from_json(const nlohmann::json& j) {
+  TrainConfig c;
+  c.task.kind = parse_task(j.at("task").get<std::string>());
+  c.task.length = j.at("length").get<int64_t>();
+  c.task.symbols = j.at("symbols").get<int64_t>();
+  c.task.queries = j.value("queries", int64_t(0));
+  c.layers = j.at("layers").get<int64_t>();
+  c.dim = j.at("dim").get<int64_t>();
+  c.heads = j.at("heads").get<int64_t>();
+  c.positions = parse_positions(j.at("positions").get<std::string>());
+  c.causal = j.at("causal").get<bool>();
+  c.scale_none = j.at("scale_none").get<bool>();
+  c.optimizer = j.at("optimizer").get<std::string>();
+  c.lr = j.at("lr").get<double>();
+  c.min_lr = j.at("min_lr").get<double>();
+  c.warmup = j.at("warmup").get<int64_t>();
+  c.steps = j.at("steps").get<int64_t>();
+  c.batch = j.at("batch").get<int64_t>();
+  c.clip = j.at("clip").get<double>();
+  c.weight_decay = j.at("weight_decay").get<double>();
+  c.momentum = j.at("momentum").get<double>();
+  c.seed = j.at("seed").get<uint64_t>();
+  return c;
+}
+
+std::unique_ptr<Optimizer<float>> make_optimizer(const TrainConfig& c, std::vector<ParamRef<float>> params) {
+  if (c.optimizer == "adamw") {
+    AdamWConfig a;
+    a.weight_decay = c.weight_decay;
+    return std::make_unique<AdamW<float>>(std::move(params), a);
+  }
+  SgdConfig s;
+  s.momentum = c.momentum;
+  s.weight_decay = c.weight_decay;
+  return std::make_unique<Sgd<float>>(std::move(params), s);
+}
+
+// The in_proj rows that make Q (rows [0, D)) and K (rows [D, 2D)), over all blocks.
+template <class T>
+void qk_grad_norms(Transformer<T>& model, double& q, double& k) {
+  double sq = 0, sk = 0;
+  for (auto& blk : model.blocks()) {
+    const auto& g = blk.attn.d_in_proj_weight;
+    const size_t DD = size_t(blk.attn.dim * blk.attn.dim);
+    for (size_t i = 0; i < DD; ++i) sq += double(g[i]) * double(g[i]);
+    for (size_t i = DD; i < 2 * DD; ++i) sk += double(g[i]) * double(g[i]);
+  }
+  q = std::sqrt(sq);
+  k = std::sqrt(sk);
+}
+
+}  // namespace
+
+void TrainConfig::validate() const {
+  auto fail = [](const std::string& m) { throw Error("attn::nn::TrainConfig: " + m); };
+  task.validate();
+  if (optimizer != "adamw" && optimizer != "sgd") fail("optimizer is '" + optimizer + "', expected adamw or sgd");
+  if (!(lr > 0) || !std::isfinite(lr)) fail("lr must be finite and > 0");
+  if (!(min_lr >= 0) || min_lr > lr) fail("min_lr must be in [0, lr]");
+  if (warmup < 0) fail("warmup must be >= 0");
+  if (steps < 1) fail("steps is " + std::to_string(steps) + ", expected >= 1");
+  if (batch < 1) fail("batch is " + std::to_string(batch) + ", expected >= 1");
+  if (!(clip >= 0)) fail("clip must be >= 0 (0 = off)");
+  if (!(weight_decay >= 0)) fail("weight_decay must be >= 0");
+  if (stop_at < 0) fail("stop_at must be >= 0");
+  if (eval_examples < 1) fail("eval_examples must be >= 1");
+  if (eval_every < 0 || log_every < 0 || save_every < 0) fail("eval_every, log_every and save_every must be >= 0");
+  model_config(*this).validate();
+}
+
+ModelConfig model_config(const TrainConfig& c) {
+  const Task task(c.task);
+  ModelConfig m;
+  m.vocab = task.vocab_size();
+  m.max_len = task.seq_len();
+  m.dim = c.dim;
+  m.heads = c.heads;
+  m.layers = c.layers;
+  m.positions = c.positions;
+  m.causal = c.causal;
+  if (c.scale_none) m.attn_scale = 1.0;
+  return m;
+}
+
+template <class T>
+EvalResult evaluate(Transformer<T>& model, const Task& task, int64_t examples, uint64_t seed) {
+  Rng rng(derive_seed(seed, kEvalStream));
+  EvalResult r;
+  Accuracy total;
+  double loss_sum = 0;
+  Tensor<T> logits;
+  for (int64_t done = 0; done < examples;) {
+    const int64_t B = std::min<int64_t>(128, examples - done);
+    const Batch b = task.sample(B, rng);
+    model.forward(b.tokens.data(), b.B, b.N, logits);
+    const auto ce = softmax_cross_entropy<T>(logits, b.targets.data(), nullptr);
+    const Accuracy a = accuracy(logits, b.targets.data(), b.B, b.N);
+    loss_sum += ce.loss * double(ce.count);
+    total.tokens += a.tokens;
+    total.tokens_right += a.tokens_right;
+    total.seqs += a.seqs;
+    total.seqs_right += a.seqs_right;
+    done += B;
+  }
+  r.examples = examples;
+  r.loss = loss_sum / double(std::max<int64_t>(1, total.tokens));
+  r.token_acc = double(total.tokens_right) / double(std::max<int64_t>(1, total.tokens));
+  r.seq_acc = double(total.seqs_right) / double(std::max<int64_t>(1, total.seqs));
+  return r;
+}
+
+template <class T>
+void save_training_checkpoint(const std::string& path, Transformer<T>& model, Optimizer<T>* optimizer, int64_t step,
+                              const TrainConfig& config) {
+  SafetensorsFile f;
+  for (const auto& p : model.parameters()) f.tensors[p.name] = to_stored(*p.value);
+  if (optimizer) {
+    for (const auto& [name, t] : optimizer->state()) f.tensors[name] = to_stored(*t);
+    f.metadata["optimizer_steps"] = std::to_string(optimizer->steps_taken);
+  }
+  f.metadata["format"] = kFormat;
+  f.metadata["step"] = std::to_string(step);
+  f.metadata["config"] = config_json(config).dump();
+  write_safetensors(path, f);
+}
+
+template <class T>
+int64_t load_training_checkpoint(const std::string& path, Transformer<T>& model, Optimizer<T>* optimizer) {
+  const SafetensorsFile f = read_safetensors(path);
+  auto fail = [&](const std::string& m) { throw Error("attn::nn::load_training_checkpoint: '" + path + "': " + m); };
+  auto meta = [&](const char* key) {
+    auto it = f.metadata.find(key);
+    if (it == f.metadata.end()) fail(std::string("metadata lacks '") + key + "' (not an attn training checkpoint?)");
+    return it->second;
+  };
+  if (meta("format") != kFormat) fail("format '" + meta("format") + "', expected " + kFormat);
+  auto load = [&](const std::string& name, Tensor<T>& dst) {
+    auto it = f.tensors.find(name);
+    if (it == f.tensors.end()) fail("no tensor '" + name + "' (was it written for a different model?)");
+    from_stored(it->second, dst, name);
+  };
+  for (const auto& p : model.parameters()) load(p.name, *p.value);
+  if (optimizer) {
+    for (const auto& [name, t] : optimizer->state()) load(name, *t);
+    optimizer->steps_taken = std::stoll(meta("optimizer_steps"));
+  }
+  return std::stoll(meta("step"));
+}
+
+TrainConfig checkpoint_config(const std::string& path) {
+  const SafetensorsFile f = read_safetensors(path);
+  auto it = f.metadata.find("config");
+  if (it == f.metadata.end())
+    throw Error("attn::nn::checkpoint_config: '" + path + "' has no 'config' metadata (not an attn training checkpoint?)");
+  try {
+    return config_from_json(nlohmann::json::parse(it->second));
+  } catch (const nlohmann::json::exception& e) {
+    throw Error("attn::nn::checkpoint_config: '" + path + "': malformed config metadata: " + e.what());
+  }
+}
+
+void write_curve_csv(const std::string& path, const std::vector<TrainRecord>& curve) {
+  std::ostringstream os;
+  os.precision(9);
+  os << "step,lr,loss,token_acc,seq_acc,grad_norm,grad_norm_q,grad_norm_k,tokens_per_s,elapsed_s,eval_token_acc,"
+        "eval_seq_acc\n";
+  for (const auto& r : curve)
+    os << r.step << ',' << r.lr << ',' << r.loss << ',' << r.token_acc << ',' << r.seq_acc << ',' << r.grad_norm << ','
+       << r.grad_norm_q << ',' << r.grad_norm_k << ',' << r.tokens_per_s << ',' << r.elapsed_s << ','
+       << r.eval_token_acc << ',' << r.eval_seq_acc << '\n';
+  write_file_atomic(path, os.str(), "attn::nn::write_curve_csv");
+}
+
+TrainResult train(const TrainConfig& cfg, const ProgressCallback& progress) {
+  cfg.validate();
+  const Task task(cfg.task);
+  Transformer<float> model(model_config(cfg), derive_seed(cfg.seed, kModelStream));
+  auto params = model.parameters();
+  auto opt = make_optimizer(cfg, params);
+  const LrSchedule sched{cfg.lr, cfg.min_lr, cfg.warmup, cfg.steps};
+
+  TrainResult res;
+  int64_t start = 0;
+  if (!cfg.resume_path.empty()) {
+    const TrainConfig stored = checkpoint_config(cfg.resume_path);
+    const ModelConfig a = model_config(stored), b = model_config(cfg);
+    if (a.vocab != b.vocab || a.max_len != b.max_len || a.dim != b.dim || a.heads != b.heads || a.layers != b.layers ||
+        a.positions != b.positions || a.causal != b.causal || a.attn_scale != b.attn_scale || stored.optimizer != cfg.optimizer)
+      throw Error("attn::nn::train: checkpoint '" + cfg.resume_path +
+                  "' was written for a different model, task or optimizer: " + config_json(stored).dump());
+    start = load_training_checkpoint(cfg.resume_path, model, opt.get());
+  }
+  const int64_t stop = cfg.stop_at > 0 ? std::min(cfg.stop_at, cfg.steps) : cfg.steps;
+  res.start_step = start;
+  res.num_parameters = model.num_parameters();
+
+  const auto t0 = std::chrono::steady_clock::now();
+  Tensor<float> logits, dlogits;
+  bool evaluated_last = false;
+  int64_t step = start;
+  for (; step < stop; ++step) {
+    Rng data(derive_seed(derive_seed(cfg.seed, kDataStream), uint64_t(step)));
+    const Batch batch = task.sample(cfg.batch, data);
+    model.zero_grad();
+    model.forward(batch.tokens.data(), batch.B, batch.N, logits);
+    const auto ce = softmax_cross_entropy<float>(logits, batch.targets.data(), &dlogits);
+    const Accuracy acc = accuracy(logits, batch.targets.data(), batch.B, batch.N);
+    if (step == start) {
+      double sd = 0, top = 0;
+      for (auto& blk : model.blocks()) {
+        const auto st = blk.attn.score_stats();
+        sd += st.score_std;
+        top += st.mean_top_weight;
+      }
+      const double nl = double(std::max<size_t>(1, model.blocks().size()));
+      res.init_score_std = sd / nl;
+      res.init_top_weight = top / nl;
+    }
+    model.backward(dlogits);
+
+    TrainRecord rec;
+    rec.step = step;
+    rec.loss = ce.loss;
+    rec.token_acc = double(acc.tokens_right) / double(std::max<int64_t>(1, acc.tokens));
+    rec.seq_acc = double(acc.seqs_right) / double(acc.seqs);
+    qk_grad_norms(model, rec.grad_norm_q, rec.grad_norm_k);
+    rec.grad_norm = clip_grad_norm(params, cfg.clip);
+    rec.lr = sched.at(step);
+    opt->step(rec.lr);
+
+    const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    rec.elapsed_s = elapsed;
+    rec.tokens_per_s = double((step - start + 1) * batch.B * batch.N) / std::max(elapsed, 1e-9);
+    const bool last = step + 1 == stop;
+    evaluated_last = false;
+    if ((cfg.eval_every > 0 && (step + 1) % cfg.eval_every == 0) || last) {
+      const EvalResult ev = evaluate(model, task, cfg.eval_examples, cfg.seed);
+      rec.eval_token_acc = ev.token_acc;
+      rec.eval_seq_acc = ev.seq_acc;
+      res.final_eval = ev;
+      evaluated_last = true;
+    }
+    res.curve.push_back(rec);
+    if (progress && ((cfg.log_every > 0 && (step + 1) % cfg.log_every == 0) || last || rec.eval_token_acc >= 0))
+      progress(rec);
+    if (!cfg.save_path.empty() && cfg.save_every > 0 && (step + 1) % cfg.save_every == 0)
+      save_training_checkpoint(cfg.save_path, model, opt.get(), step + 1, cfg);
+    if (cfg.target_accuracy > 0 && rec.eval_token_acc >= cfg.target_accuracy) {
+      ++step;
+      break;
+    }
+  }
+  if (!evaluated_last) res.final_eval = evaluate(model, task, cfg.eval_examples, cfg.seed);
+  res.steps_done = step - start;
+  res.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (!cfg.save_path.empty()) save_training_checkpoint(cfg.save_path, model, opt.get(), step, cfg);
+  if (!cfg.csv_path.empty()) write_curve_csv(cfg.csv_path, res.curve);
+  return res;
+}
+
+template EvalResult evaluate<float>(Transformer<float>&, const Task&, int64_t, uint64_t);
+template EvalResult evaluate<double>(Transformer<double>&, const Task&, int64_t, uint64_t);
+template void save_training_checkpoint<float>(const std::string&, Transformer<float>&, Optimizer<float>*, int64_t,
+                                              const TrainConfig&);
+template void save_training_checkpoint<double>(const std::string&, Transformer<double>&, Optimizer<double>*, int64_t,
+                                               const TrainConfig&);
+template int64_t load_training_checkpoint<float>(const std::string&, Transformer<float>&, Optimizer<float>*);
+template int64_t load_training_checkpoint<double>(const std::string&, Transformer<double>&, Optimizer<double>*);
+
+}  // namespace attn::nn

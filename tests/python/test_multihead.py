@@ -1,0 +1,142 @@
+"""attn.MultiheadAttention against the NumPy oracle (npref.mha, written with
+torch.nn.MultiheadAttention's conventions): layouts, packed and separate
+projections, masks of both polarities, weights, state_dict, errors."""
+
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+import attn
+import npref
+
+
+def random_params(layer, rng):
+    sd = {n: rng.standard_normal(a.shape) * 0.5 for n, a in layer.state_dict().items()}
+    layer.load_state_dict(sd)
+    return sd
+
+
+def random_layer_case(rng, dtype, packed, batch_first):
+    D, H = [(8, 2), (12, 3), (6, 1), (16, 4)][int(rng.integers(0, 4))]
+    kdim = vdim = None
+    if not packed:
+        kdim, vdim = int(rng.integers(3, 10)), int(rng.integers(3, 10))
+    layer = attn.MultiheadAttention(D, H, bias=bool(rng.random() < 0.7), kdim=kdim, vdim=vdim,
+                                    batch_first=batch_first, dtype=dtype, seed=1)
+    params = random_params(layer, rng)
+    B, L, S = int(rng.integers(1, 4)), int(rng.integers(1, 8)), int(rng.integers(1, 8))
+    xq = rng.standard_normal((B, L, D)).astype(dtype)
+    xk = rng.standard_normal((B, S, layer.kdim)).astype(dtype)
+    xv = rng.standard_normal((B, S, layer.vdim)).astype(dtype)
+    return layer, params, xq, xk, xv
+
+
+def layout(x, batch_first):
+    """Batch-first (B, N, D) data in the layer's layout (a copy for (N, B, D))."""
+    return x if batch_first else np.ascontiguousarray(x.transpose(1, 0, 2))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("packed", [True, False])
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("masks", ["none", "bool", "float", "kpm", "bool+kpm", "per-head"])
+def test_forward_matches_numpy(dtype, packed, batch_first, masks):
+    rng = np.random.default_rng(npref.seed_of(packed, batch_first, masks))
+    for _ in range(3):
+        layer, params, xq, xk, xv = random_layer_case(rng, dtype, packed, batch_first)
+        B, L, S, H = xq.shape[0], xq.shape[1], xk.shape[1], layer.num_heads
+        attn_mask = kpm = None
+        if masks in ("bool", "bool+kpm"):
+            attn_mask = rng.random((L, S)) < 0.3  # True = blocked (PyTorch's MHA polarity)
+            attn_mask[:, 0] = False
+        elif masks == "float":
+            attn_mask = rng.standard_normal((L, S)).astype(dtype)
+        elif masks == "per-head":
+            attn_mask = rng.random((B * H, L, S)) < 0.3
+            attn_mask[..., 0] = False
+        if masks in ("kpm", "bool+kpm"):
+            kpm = rng.random((B, S)) < 0.3
+            kpm[:, 0] = False
+        out, w = layer(layout(xq, batch_first), layout(xk, batch_first), layout(xv, batch_first),
+                       key_padding_mask=kpm, attn_mask=attn_mask, average_attn_weights=False)
+        want, want_w = npref.mha(params, xq, xk, xv, H, kpm, attn_mask)
+        atol = npref.tol(dtype, layer.embed_dim * S, np.abs(want).max(), factor=50)
+        np.testing.assert_allclose(layout(out, batch_first), want, rtol=0, atol=atol)
+        np.testing.assert_allclose(w, want_w, rtol=0, atol=atol)
+        _, avg = layer(layout(xq, batch_first), layout(xk, batch_first), layout(xv, batch_first),
+                       key_padding_mask=kpm, attn_mask=attn_mask)
+        np.testing.assert_allclose(avg, want_w.mean(axis=1), rtol=0, atol=atol)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_self_attention_causal_and_unbatched(dtype):
+    rng = np.random.default_rng(5)
+    layer = attn.MultiheadAttention(8, 2, dtype=dtype, seed=3)
+    params = layer.state_dict()
+    x = rng.standard_normal((6, 8)).astype(dtype)  # unbatched (L, E)
+    out, w = layer(x, x, x, is_causal=True, need_weights=True)
+    want, want_w = npref.mha(params, x[None], x[None], x[None], 2, is_causal=True)
+    atol = npref.tol(dtype, 48, np.abs(want).max(), factor=50)
+    assert out.shape == (6, 8) and w.shape == (6, 6)
+    np.testing.assert_allclose(out, want[0], rtol=0, atol=atol)
+    np.testing.assert_allclose(w, want_w.mean(axis=1)[0], rtol=0, atol=atol)
+    assert np.all(np.triu(w, 1) == 0)
+    # need_weights=False returns None; a separate key/value copy of x gives the same output.
+    out2, none = layer(x, x.copy(), x.copy(), need_weights=False, is_causal=True)
+    assert none is None
+    np.testing.assert_allclose(out2, out, rtol=0, atol=atol)
+
+
+def test_state_dict_round_trip_and_initialisation():
+    layer = attn.MultiheadAttention(12, 3, seed=7)
+    sd = layer.state_dict()
+    assert sorted(sd) == ["in_proj_bias", "in_proj_weight", "out_proj.bias", "out_proj.weight"]
+    assert sd["in_proj_weight"].shape == (36, 12) and sd["out_proj.weight"].shape == (12, 12)
+    assert sd["in_proj_weight"].dtype == np.float32
+    # Xavier-uniform bound sqrt(6 / (fan_in + fan_out)) for a [3D, D] matrix; zero biases.
+    bound = np.sqrt(6 / (12 + 36))
+    assert np.abs(sd["in_proj_weight"]).max() <= bound and np.abs(sd["in_proj_weight"]).max() > bound / 2
+    assert np.all(sd["in_proj_bias"] == 0) and np.all(sd["out_proj.bias"] == 0)
+    other = attn.MultiheadAttention(12, 3, seed=8)
+    other.load_state_dict(sd)
+    for n, a in other.state_dict().items():
+        np.testing.assert_array_equal(a, sd[n])
+    sep = attn.MultiheadAttention(8, 2, kdim=5, vdim=3, bias=False)
+    assert sorted(sep.state_dict()) == ["k_proj_weight", "out_proj.weight", "q_proj_weight", "v_proj_weight"]
+    assert sep.state_dict()["k_proj_weight"].shape == (8, 5)
+
+
+def test_errors():
+    layer = attn.MultiheadAttention(8, 2)
+    x = np.zeros((3, 2, 8), np.float32)
+    with pytest.raises(ValueError, match=r"missing keys \['out_proj.bias'\]"):
+        sd = layer.state_dict()
+        del sd["out_proj.bias"]
+        layer.load_state_dict(sd)
+    with pytest.raises(ValueError, match="in_proj_weight"):
+        layer.load_state_dict({**layer.state_dict(), "in_proj_weight": np.zeros((8, 8))})
+    with pytest.raises(ValueError, match="dropout"):
+        attn.MultiheadAttention(8, 2, 0.1)
+    with pytest.raises(ValueError, match="divisible|num_heads"):
+        attn.MultiheadAttention(9, 2)
+    with pytest.raises(ValueError, match="expected float32"):
+        layer(x.astype(np.float64), x, x)
+    with pytest.raises(ValueError, match="'attn_mask' has shape"):
+        layer(x, x, x, attn_mask=np.zeros((4, 3), bool))
+    with pytest.raises(ValueError, match="'key_padding_mask' has shape"):
+        layer(x, x, x, key_padding_mask=np.zeros((3, 2), bool))
+    with pytest.raises(ValueError, match="attn::MultiheadAttention::forward"):
+        layer(x, np.zeros((3, 2, 7), np.float32), np.zeros((3, 2, 7), np.float32))
+
+
+def test_threads_match_serial():
+    rng = np.random.default_rng(9)
+    layer = attn.MultiheadAttention(16, 4, dtype=np.float64, seed=2)
+    xs = [rng.standard_normal((10 + i, 2, 16)) for i in range(8)]
+    serial = [layer(x, x, x) for x in xs]
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        got = list(pool.map(lambda x: layer(x, x, x), xs * 3))
+    for i, (o, w) in enumerate(got):
+        np.testing.assert_array_equal(o, serial[i % 8][0])
+        np.testing.assert_array_equal(w, serial[i % 8][1])

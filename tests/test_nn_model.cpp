@@ -1,0 +1,220 @@
+// The whole transformer against finite differences, seeded initialisation,
+// the optimizers against hand-computed steps, clipping and the schedule.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+
+#include "attn/nn.hpp"
+#include "nn_gradcheck.hpp"
+#include "testing.hpp"
+
+namespace {
+
+using attn::Tensor;
+using attn::testing::grad_check;
+namespace nn = attn::nn;
+
+struct ModelCase {
+  const char* name;
+  nn::Positions positions;
+  bool causal;
+  bool unscaled;
+};
+
+class NnTransformerGrad : public ::testing::TestWithParam<ModelCase> {};
+
+TEST_P(NnTransformerGrad, EveryParameterMatchesFiniteDifferences) {
+  const auto& c = GetParam();
+  nn::ModelConfig mc;
+  mc.vocab = 7;
+  mc.max_len = 6;
+  mc.dim = 8;
+  mc.heads = 2;
+  mc.layers = 2;
+  mc.mlp_hidden = 12;
+  mc.positions = c.positions;
+  mc.causal = c.causal;
+  if (c.unscaled) mc.attn_scale = 1.0;
+  nn::Transformer<double> model(mc, 5);
+  // perturb the LayerNorm and bias parameters away from their 1/0 init
+  nn::Rng r(9);
+  for (auto& p : model.parameters())
+    if (p.name.find("ln") != std::string::npos || p.name.find("bias") != std::string::npos)
+      for (size_t i = 0; i < p.value->size(); ++i) (*p.value)[i] += 0.2 * r.normal();
+  const int64_t B = 2, N = 5;
+  std::vector<int32_t> tokens(B * N), targets(B * N);
+  for (int64_t i = 0; i < B * N; ++i) {
+    tokens[size_t(i)] = int32_t(r.below(7));
+    targets[size_t(i)] = i % 3 == 0 ? -1 : int32_t(r.below(7));
+  }
+  model.zero_grad();
+  const auto res = model.loss(tokens.data(), targets.data(), B, N, true);
+  EXPECT_GT(res.loss, 0.5);
+  auto F = [&] { return model.loss(tokens.data(), targets.data(), B, N, false).loss; };
+  for (auto& p : model.parameters()) {
+    const Tensor<double> g = *p.grad;  // F re-runs forward only, grads stay
+    EXPECT_TRUE(grad_check(*p.value, g, F, p.name, 24)) << c.name;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Variants, NnTransformerGrad,
+                         ::testing::Values(ModelCase{"sinusoidal", nn::Positions::sinusoidal, false, false},
+                                           ModelCase{"learned_causal", nn::Positions::learned, true, false},
+                                           ModelCase{"rope", nn::Positions::rope, false, false},
+                                           ModelCase{"none_unscaled", nn::Positions::none, false, true}),
+                         [](const auto& param_info) { return std::string(param_info.param.name); });
+
+TEST(NnTransformer, SeededInitIsReproducible) {
+  nn::ModelConfig mc;
+  mc.vocab = 10;
+  mc.max_len = 8;
+  mc.dim = 16;
+  mc.heads = 2;
+  mc.positions = nn::Positions::learned;
+  nn::Transformer<float> a(mc, 3), b(mc, 3), c(mc, 4);
+  auto pa = a.parameters(), pb = b.parameters(), pc = c.parameters();
+  ASSERT_EQ(pa.size(), pb.size());
+  bool any_diff = false;
+  for (size_t k = 0; k < pa.size(); ++k) {
+    EXPECT_EQ(pa[k].name, pb[k].name);
+    for (size_t i = 0; i < pa[k].value->size(); ++i) {
+      EXPECT_EQ((*pa[k].value)[i], (*pb[k].value)[i]) << pa[k].name;
+      any_diff = any_diff || (*pa[k].value)[i] != (*pc[k].value)[i];
+    }
+  }
+  EXPECT_TRUE(any_diff);
+  // parameter count: embed 160 + pos 128 + 2 blocks·(ln 64 + attn 1088 + mlp 2128) + ln_f 32 + head 170
+  EXPECT_EQ(a.num_parameters(), 160 + 128 + 2 * (64 + 1088 + 2128) + 32 + 170);
+}
+
+TEST(NnTransformer, ReturnsEveryLayersAttention) {
+  // The weights a heatmap draws: one (B, H, N, N) tensor per layer, rows on
+  // the probability simplex, zero above the diagonal when causal.
+  nn::ModelConfig mc;
+  mc.vocab = 6;
+  mc.max_len = 5;
+  mc.dim = 8;
+  mc.heads = 2;
+  mc.layers = 3;
+  mc.causal = true;
+  nn::Transformer<double> model(mc, 2);
+  const int32_t tokens[10] = {1, 2, 3, 4, 5, 0, 1, 2, 3, 4};
+  Tensor<double> logits, again;
+  std::vector<Tensor<double>> att;
+  model.forward(tokens, 2, 5, logits, &att);
+  model.forward(tokens, 2, 5, again);
+  EXPECT_TRUE(attn::testing::all_close(again, logits, 0.0, "logits with and without capture"));
+  ASSERT_EQ(att.size(), 3u);
+  for (const auto& a : att) {
+    ASSERT_EQ(a.shape(), (std::vector<int64_t>{2, 2, 5, 5}));
+    for (int64_t r = 0; r < 2 * 2 * 5; ++r) {
+      const int64_t i = r % 5;
+      double sum = 0;
+      for (int64_t j = 0; j < 5; ++j) {
+        const double w = a[size_t(r * 5 + j)];
+        if (j > i) {
+          EXPECT_EQ(w, 0.0);
+        }
+        EXPECT_GE(w, 0.0);
+        sum += w;
+      }
+      EXPECT_NEAR(sum, 1.0, 1e-12);
+    }
+  }
+}
+
+TEST(NnTransformer, RejectsBadConfigAndInput) {
+  nn::ModelConfig mc;
+  mc.vocab = 5;
+  mc.max_len = 4;
+  mc.dim = 10;
+  mc.heads = 3;
+  EXPECT_TRUE(attn::testing::throws_with([&] { nn::Transformer<float> m(mc); }, {"ModelConfig", "heads is 3", "dim = 10"}));
+  mc.heads = 2;  // E = 5
+  mc.positions = nn::Positions::rope;
+  EXPECT_TRUE(attn::testing::throws_with([&] { nn::Transformer<float> m(mc); }, {"rope", "even"}));
+  mc.positions = nn::Positions::sinusoidal;
+  nn::Transformer<float> m(mc);
+  std::vector<int32_t> tok(10, 1);
+  Tensor<float> logits;
+  EXPECT_TRUE(attn::testing::throws_with([&] { m.forward(tok.data(), 2, 5, logits); }, {"N = 5", "max_len = 4"}));
+  tok[3] = 5;
+  EXPECT_TRUE(attn::testing::throws_with([&] { m.forward(tok.data(), 2, 4, logits); }, {"token id 5", "vocab = 5"}));
+}
+
+TEST(NnOptim, SgdMomentumHandComputed) {
+  Tensor<double> w({1}), g({1});
+  w[0] = 1.0;
+  nn::Sgd<double> sgd({{"w", &w, &g, true}}, {0.9, 0.0});
+  g[0] = 0.5;
+  sgd.step(0.1);  // m = 0.5, w = 1 − 0.05
+  EXPECT_DOUBLE_EQ(w[0], 0.95);
+  sgd.step(0.1);  // m = 0.9·0.5 + 0.5 = 0.95, w = 0.95 − 0.095
+  EXPECT_DOUBLE_EQ(w[0], 0.855);
+  // with weight decay 0.1 the gradient gains 0.1·w: g' = 0.5 + 0.1 = 0.6 at w = 1
+  Tensor<double> w2({1});
+  w2[0] = 1.0;
+  nn::Sgd<double> sgd2({{"w", &w2, &g, true}}, {0.0, 0.1});
+  sgd2.step(0.1);
+  EXPECT_DOUBLE_EQ(w2[0], 0.94);
+}
+
+TEST(NnOptim, AdamWHandComputed) {
+  // lr 0.1, β = (0.9, 0.999), ε = 1e-8, λ = 0.01; gradients 0.5 then −0.25.
+  // step 1: m̂ = 0.5, v̂ = 0.25, so the update is 0.1·0.5/(0.5 + 1e-8) = 0.099999998;
+  //   decayed weight: 1·(1 − 0.001) − 0.099999998 = 0.899000002.
+  // step 2: m = 0.045 − 0.025 = 0.02, v = 0.00024975 + 0.0000625 = 0.00031225,
+  //   m̂ = 0.02/0.19, v̂ = 0.00031225/0.001999, update 0.1·0.105263/0.395225 = 0.0266337...
+  Tensor<double> w({2}), g({2});
+  Tensor<double> b({1}), gb({1});
+  w[0] = 1.0;
+  w[1] = 1.0;
+  b[0] = 1.0;
+  nn::AdamWConfig cfg;
+  cfg.weight_decay = 0.01;
+  nn::AdamW<double> opt({{"w", &w, &g, true}, {"b", &b, &gb, false}}, cfg);
+  g[0] = 0.5;
+  g[1] = 0.0;
+  gb[0] = 0.5;
+  opt.step(0.1);
+  EXPECT_NEAR(w[0], 0.899000002, 1e-15);
+  EXPECT_NEAR(w[1], 0.999, 1e-15);        // zero gradient: decay only
+  EXPECT_NEAR(b[0], 0.900000002, 1e-15);  // not decayed
+  g[0] = -0.25;
+  gb[0] = -0.25;
+  opt.step(0.1);
+  EXPECT_NEAR(w[0], 0.8714672987058463, 1e-13);
+  EXPECT_NEAR(b[0], 0.8733662987078463, 1e-13);
+  EXPECT_EQ(opt.steps_taken, 2);
+  EXPECT_EQ(opt.state().size(), 4u);
+  EXPECT_EQ(opt.state()[0].first, "adamw.m.w");
+}
+
+TEST(NnOptim, ClipGradNorm) {
+  Tensor<double> a({1}), ga({1}), b({1}), gb({1});
+  ga[0] = 3;
+  gb[0] = 4;
+  std::vector<nn::ParamRef<double>> ps{{"a", &a, &ga, true}, {"b", &b, &gb, true}};
+  EXPECT_DOUBLE_EQ(nn::clip_grad_norm(ps, 10.0), 5.0);  // below the limit: untouched
+  EXPECT_EQ(ga[0], 3);
+  EXPECT_DOUBLE_EQ(nn::clip_grad_norm(ps, 1.0), 5.0);
+  EXPECT_NEAR(ga[0], 0.6, 1e-15);
+  EXPECT_NEAR(gb[0], 0.8, 1e-15);
+}
+
+TEST(NnOptim, WarmupCosineSchedule) {
+  const nn::LrSchedule s{1.0, 0.1, 4, 12};
+  EXPECT_DOUBLE_EQ(s.at(0), 0.25);
+  EXPECT_DOUBLE_EQ(s.at(3), 1.0);
+  EXPECT_DOUBLE_EQ(s.at(4), 1.0);                    // cosine starts at lr
+  EXPECT_NEAR(s.at(8), 0.1 + 0.45 * 1.0, 1e-15);     // halfway: (lr + min)/2
+  EXPECT_NEAR(s.at(11), 0.1 + 0.45 * (1 + std::cos(M_PI * 7 / 8)), 1e-15);
+  EXPECT_DOUBLE_EQ(s.at(12), 0.1);
+  EXPECT_DOUBLE_EQ(s.at(1000), 0.1);
+  const nn::LrSchedule flat{0.5, 0.5, 0, 10};
+  EXPECT_DOUBLE_EQ(flat.at(0), 0.5);
+  EXPECT_DOUBLE_EQ(flat.at(7), 0.5);
+}
+
+}  // namespace
