@@ -277,16 +277,21 @@ void PackQ(const Call& c, Scratch& w, int64_t b, int64_t h, int64_t i0, int64_t 
   }
 }
 
+// Transposed copy of nk rows of a (B, Hx, N, F) view: dst[f][jj] =
+// X(b, hx, j0 + jj, f), row length ld; columns nk..ld are zero.
+void PackTransposed(const View4<const float>& X, int64_t b, int64_t hx, int64_t j0, int64_t nk,
+                    float* dst, int64_t ld) {
+  const int64_t F = X.dim(3), sf = X.strides[3];
+  for (int64_t jj = 0; jj < nk; ++jj) {
+    const float* src = &X(b, hx, j0 + jj, 0);
+    for (int64_t f = 0; f < F; ++f) dst[f * ld + jj] = src[f * sf];
+  }
+  for (int64_t f = 0; f < F; ++f) std::fill(dst + f * ld + nk, dst + (f + 1) * ld, 0.0f);
+}
+
 // kt[e][jj] = K(b, hk, j0 + jj, e); columns nk..kbp are zero.
 void PackKt(const Call& c, Scratch& w, int64_t b, int64_t hk, int64_t j0, int64_t nk) {
-  const auto& K = c.a->k;
-  const int64_t E = c.p->E, se = K.strides[3];
-  float* kt = w.kt.get();
-  for (int64_t jj = 0; jj < nk; ++jj) {
-    const float* src = &K(b, hk, j0 + jj, 0);
-    for (int64_t e = 0; e < E; ++e) kt[e * w.kbp + jj] = src[e * se];
-  }
-  for (int64_t e = 0; e < E; ++e) std::fill(kt + e * w.kbp + nk, kt + (e + 1) * w.kbp, 0.0f);
+  PackTransposed(c.a->k, b, hk, j0, nk, w.kt.get(), w.kbp);
 }
 
 // Row-major copy of nk rows of a (B, Hx, N, F) view into dst [nk × ld].
@@ -305,14 +310,7 @@ void PackRows(const View4<const float>& X, int64_t b, int64_t hx, int64_t j0, in
 
 // vt[e][jj] = V(b, hk, j0 + jj, e); columns nk..kbp zero.
 void PackVt(const Call& c, Scratch& w, int64_t b, int64_t hk, int64_t j0, int64_t nk) {
-  const auto& V = c.a->v;
-  const int64_t Ev = c.p->Ev, se = V.strides[3];
-  float* vt = w.vt.get();
-  for (int64_t jj = 0; jj < nk; ++jj) {
-    const float* src = &V(b, hk, j0 + jj, 0);
-    for (int64_t e = 0; e < Ev; ++e) vt[e * w.kbp + jj] = src[e * se];
-  }
-  for (int64_t e = 0; e < Ev; ++e) std::fill(vt + e * w.kbp + nk, vt + (e + 1) * w.kbp, 0.0f);
+  PackTransposed(c.a->v, b, hk, j0, nk, w.vt.get(), w.kbp);
 }
 
 // ---- score tile ------------------------------------------------------------
