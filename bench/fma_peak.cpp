@@ -25,8 +25,12 @@ namespace hn = hwy::HWY_NAMESPACE;
 float FmaChains(int64_t iters, float seed, double* flops) {
   const hn::ScalableTag<float> d;
   const auto a = hn::Set(d, 0.999999f), b = hn::Set(d, 1e-7f * seed);
-  auto c0 = hn::Set(d, seed), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0, c6 = c0, c7 = c0,
-       c8 = c0, c9 = c0, c10 = c0, c11 = c0;
+  // Every chain starts from its own value: chains that start equal compute
+  // equal values, and the compiler folds them into one latency-bound chain.
+  auto c0 = hn::Set(d, seed), c1 = hn::Set(d, seed + 1), c2 = hn::Set(d, seed + 2),
+       c3 = hn::Set(d, seed + 3), c4 = hn::Set(d, seed + 4), c5 = hn::Set(d, seed + 5),
+       c6 = hn::Set(d, seed + 6), c7 = hn::Set(d, seed + 7), c8 = hn::Set(d, seed + 8),
+       c9 = hn::Set(d, seed + 9), c10 = hn::Set(d, seed + 10), c11 = hn::Set(d, seed + 11);
   for (int64_t i = 0; i < iters; ++i) {
     c0 = hn::MulAdd(c0, a, b);
     c1 = hn::MulAdd(c1, a, b);
