@@ -83,6 +83,12 @@ void add_train_flags(CLI::App& app, TrainOpts& o) {
   app.add_option("--eval-examples", c.eval_examples, "held-out examples per evaluation")->capture_default_str();
   app.add_option("--target-accuracy", c.target_accuracy, "stop when held-out token accuracy reaches this")
       ->capture_default_str();
+  app.add_option("--curriculum", c.curriculum,
+                 "start training on examples of this length and lengthen them by one whenever the running "
+                 "training accuracy reaches --curriculum-threshold (0 = off; held-out examples are always full length)")
+      ->capture_default_str();
+  app.add_option("--curriculum-threshold", c.curriculum_threshold, "running training accuracy that lengthens the examples")
+      ->capture_default_str();
   app.add_option("--log-every", c.log_every, "progress line period (steps)")->capture_default_str();
   app.add_option("--save", c.save_path, "write a checkpoint (.safetensors) at the end");
   app.add_option("--save-every", c.save_every, "also checkpoint every n steps (0 = end only)")->capture_default_str();
@@ -103,6 +109,7 @@ void run_train(const TrainOpts& o) {
   auto progress = [&](const nn::TrainRecord& r) {
     std::string s = fmt::format("step {:6}/{}  loss {:.4f}  acc {:.3f}  seq {:.3f}  lr {:.2e}  |g| {:.3f}  {:.0f} tok/s",
                                 r.step + 1, stop, r.loss, r.token_acc, r.seq_acc, r.lr, r.grad_norm, r.tokens_per_s);
+    if (c.curriculum > 0) s += fmt::format("  len {}", r.length);
     if (r.eval_token_acc >= 0) s += fmt::format("  held-out acc {:.4f} seq {:.4f}", r.eval_token_acc, r.eval_seq_acc);
     if (tty) {
       const int width = 20, filled = int(width * double(r.step + 1) / double(stop));

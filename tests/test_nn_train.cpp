@@ -245,6 +245,95 @@ TEST(NnTrain, CheckpointRestoresTheModelExactly) {
   fs::remove(path);
 }
 
+TEST(NnTrain, CurriculumLengthensOnRunningAccuracy) {
+  nn::TrainConfig c;
+  c.task = {nn::TaskKind::recall, 5, 8, 1};
+  c.curriculum = 2;
+  nn::Curriculum cur(c);
+  EXPECT_EQ(cur.length(), 2);
+  EXPECT_EQ(cur.task().length, 2);
+  EXPECT_EQ(cur.task().queries, 1);
+  // below the threshold it never moves: the running accuracy tends to 0.85
+  for (int i = 0; i < 200; ++i) EXPECT_FALSE(cur.record(0.85));
+  EXPECT_EQ(cur.length(), 2);
+  EXPECT_NEAR(cur.running_accuracy(), 0.85, 1e-6);
+  // at 100% it reaches 0.9 after k steps from 0, 1 - 0.9^k >= 0.9: k = 22
+  cur.restore(2, 0.0);
+  for (int64_t len = 2; len < 5; ++len) {
+    for (int i = 1; i < 22; ++i) ASSERT_FALSE(cur.record(1.0)) << "length " << len << " record " << i;
+    EXPECT_TRUE(cur.record(1.0));
+    EXPECT_EQ(cur.length(), len + 1);
+    EXPECT_EQ(cur.running_accuracy(), 0.0);
+  }
+  EXPECT_TRUE(cur.done());
+  EXPECT_FALSE(cur.record(1.0));
+  EXPECT_EQ(cur.task().length, 5);
+  // the multi-query form asks every key of the shorter example
+  c.task.queries = 0;
+  EXPECT_EQ(nn::Task(nn::Curriculum(c).task()).seq_len(), 2 * 2 + 1 + 2);
+  c.task.queries = 4;
+  EXPECT_EQ(nn::Curriculum(c).task().queries, 2);
+  // off: the full length from the start
+  c.curriculum = 0;
+  EXPECT_TRUE(nn::Curriculum(c).done());
+  c.curriculum = 6;
+  EXPECT_TRUE(attn::testing::throws_with([&] { c.validate(); }, {"curriculum is 6", "task.length (5)"}));
+  c.curriculum = 2;
+  c.curriculum_threshold = 0;
+  EXPECT_TRUE(attn::testing::throws_with([&] { c.validate(); }, {"curriculum_threshold"}));
+}
+
+// A curriculum run trains on short examples first, evaluates on full-length
+// ones, and resumes mid-curriculum onto the same curve.
+TEST(NnTrain, CurriculumRunsAndResumes) {
+  nn::TrainConfig c = tiny_config();
+  c.task.length = 5;
+  c.curriculum = 2;
+  c.steps = 200;
+  const auto res = nn::train(c);
+  ASSERT_EQ(res.curve.size(), 200u);
+  EXPECT_EQ(res.curve.front().length, 2);
+  EXPECT_EQ(res.curve.back().length, 5);  // reverse of 2..4 symbols is learnt within the run
+  for (size_t i = 1; i < res.curve.size(); ++i) {
+    EXPECT_GE(res.curve[i].length, res.curve[i - 1].length);
+    EXPECT_LE(res.curve[i].length, res.curve[i - 1].length + 1);
+  }
+  // the held-out set is the full task, whatever length training reached
+  const std::string ckpt = temp_path("curriculum.safetensors");
+  c.steps = 30;
+  c.save_path = ckpt;
+  c.curriculum_threshold = 1.0;  // not reached by a running average started at 0 within 30 steps
+  const auto early = nn::train(c);
+  c.curriculum_threshold = 0.9;
+  EXPECT_EQ(early.curve.back().length, 2);
+  nn::Transformer<float> model(nn::model_config(c), 0);
+  nn::load_training_checkpoint<float>(ckpt, model, nullptr);
+  const auto on_full = nn::evaluate(model, nn::Task(c.task), c.eval_examples, c.seed);
+  nn::TaskConfig short_task = c.task;
+  short_task.length = 2;
+  const auto on_short = nn::evaluate(model, nn::Task(short_task), c.eval_examples, c.seed);
+  EXPECT_EQ(early.final_eval.loss, on_full.loss);
+  EXPECT_NE(early.final_eval.loss, on_short.loss);
+  // resuming in the middle of a length continues the same curve
+  c.save_path = "";
+  c.steps = 60;
+  const auto whole = nn::train(c);
+  ASSERT_GT(whole.curve[59].length, whole.curve[0].length);  // the curriculum moved in these 60 steps
+  c.stop_at = 35;
+  c.save_path = ckpt;
+  nn::train(c);
+  c.stop_at = 0;
+  c.save_path = "";
+  c.resume_path = ckpt;
+  const auto rest = nn::train(c);
+  ASSERT_EQ(rest.curve.size(), 25u);
+  for (size_t i = 0; i < 25; ++i) {
+    EXPECT_EQ(rest.curve[i].length, whole.curve[35 + i].length) << "step " << 35 + i;
+    EXPECT_EQ(rest.curve[i].loss, whole.curve[35 + i].loss) << "step " << 35 + i;
+  }
+  fs::remove(ckpt);
+}
+
 TEST(NnTrain, RejectsBadConfig) {
   nn::TrainConfig c = tiny_config();
   c.optimizer = "adam";

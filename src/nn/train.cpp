@@ -4,6 +4,7 @@
 #include "attn/nn/train.hpp"
 
 #include <chrono>
+#include <cstdio>
 #include <cmath>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -18,6 +19,13 @@ namespace {
 
 constexpr uint64_t kModelStream = 1, kDataStream = 2, kEvalStream = 3;
 constexpr const char* kFormat = "attn.nn.checkpoint/1";
+
+// A double as text that reads back to the same bits.
+std::string fmt_exact(double x) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.17g", x);
+  return buf;
+}
 
 // Row-wise argmax accuracy of logits (B·N, V) against targets, per token and
 // per sequence (a sequence counts when every scored token is right).
@@ -67,7 +75,9 @@ nlohmann::json config_json(const TrainConfig& c) {
           {"clip", c.clip},
           {"weight_decay", c.weight_decay},
           {"momentum", c.momentum},
-          {"seed", c.seed}};
+          {"seed", c.seed},
+          {"curriculum", c.curriculum},
+          {"curriculum_threshold", c.curriculum_threshold}};
 }
 
 TrainConfig config_from_json(const nlohmann::json& j) {
@@ -92,6 +102,8 @@ TrainConfig config_from_json(const nlohmann::json& j) {
   c.weight_decay = j.at("weight_decay").get<double>();
   c.momentum = j.at("momentum").get<double>();
   c.seed = j.at("seed").get<uint64_t>();
+  c.curriculum = j.value("curriculum", int64_t(0));
+  c.curriculum_threshold = j.value("curriculum_threshold", 0.9);
   return c;
 }
 
@@ -137,7 +149,41 @@ void TrainConfig::validate() const {
   if (stop_at < 0) fail("stop_at must be >= 0");
   if (eval_examples < 1) fail("eval_examples must be >= 1");
   if (eval_every < 0 || log_every < 0 || save_every < 0) fail("eval_every, log_every and save_every must be >= 0");
+  if (curriculum < 0 || curriculum > task.length)
+    fail("curriculum is " + std::to_string(curriculum) + ", expected 0 (off) or a starting length 1 to task.length (" +
+         std::to_string(task.length) + ")");
+  if (!(curriculum_threshold > 0 && curriculum_threshold <= 1)) fail("curriculum_threshold must be in (0, 1]");
   model_config(*this).validate();
+}
+
+Curriculum::Curriculum(const TrainConfig& c)
+    : task_(c.task),
+      full_(c.task.length),
+      length_(c.curriculum > 0 ? std::min(c.curriculum, c.task.length) : c.task.length),
+      threshold_(c.curriculum_threshold) {}
+
+bool Curriculum::record(double batch_token_accuracy) {
+  if (done()) return false;
+  running_ = 0.9 * running_ + 0.1 * batch_token_accuracy;
+  if (running_ < threshold_) return false;
+  ++length_;
+  running_ = 0;
+  return true;
+}
+
+TaskConfig Curriculum::task() const {
+  TaskConfig t = task_;
+  t.length = length_;
+  if (t.queries > length_) t.queries = length_;
+  return t;
+}
+
+void Curriculum::restore(int64_t length, double running) {
+  if (length < 1 || length > full_)
+    throw Error("attn::nn::Curriculum::restore: length " + std::to_string(length) + " is outside 1.." +
+                std::to_string(full_));
+  length_ = length;
+  running_ = running;
 }
 
 ModelConfig model_config(const TrainConfig& c) {
@@ -183,7 +229,7 @@ EvalResult evaluate(Transformer<T>& model, const Task& task, int64_t examples, u
 
 template <class T>
 void save_training_checkpoint(const std::string& path, Transformer<T>& model, Optimizer<T>* optimizer, int64_t step,
-                              const TrainConfig& config) {
+                              const TrainConfig& config, const Curriculum* curriculum) {
   SafetensorsFile f;
   for (const auto& p : model.parameters()) f.tensors[p.name] = to_stored(*p.value);
   if (optimizer) {
@@ -193,11 +239,16 @@ void save_training_checkpoint(const std::string& path, Transformer<T>& model, Op
   f.metadata["format"] = kFormat;
   f.metadata["step"] = std::to_string(step);
   f.metadata["config"] = config_json(config).dump();
+  if (curriculum) {
+    f.metadata["curriculum_length"] = std::to_string(curriculum->length());
+    f.metadata["curriculum_running"] = fmt_exact(curriculum->running_accuracy());
+  }
   write_safetensors(path, f);
 }
 
 template <class T>
-int64_t load_training_checkpoint(const std::string& path, Transformer<T>& model, Optimizer<T>* optimizer) {
+int64_t load_training_checkpoint(const std::string& path, Transformer<T>& model, Optimizer<T>* optimizer,
+                                 Curriculum* curriculum) {
   const SafetensorsFile f = read_safetensors(path);
   auto fail = [&](const std::string& m) { throw Error("attn::nn::load_training_checkpoint: '" + path + "': " + m); };
   auto meta = [&](const char* key) {
@@ -216,6 +267,8 @@ int64_t load_training_checkpoint(const std::string& path, Transformer<T>& model,
     for (const auto& [name, t] : optimizer->state()) load(name, *t);
     optimizer->steps_taken = std::stoll(meta("optimizer_steps"));
   }
+  if (curriculum && f.metadata.count("curriculum_length"))
+    curriculum->restore(std::stoll(meta("curriculum_length")), std::stod(meta("curriculum_running")));
   return std::stoll(meta("step"));
 }
 
@@ -235,11 +288,11 @@ void write_curve_csv(const std::string& path, const std::vector<TrainRecord>& cu
   std::ostringstream os;
   os.precision(9);
   os << "step,lr,loss,token_acc,seq_acc,grad_norm,grad_norm_q,grad_norm_k,tokens_per_s,elapsed_s,eval_token_acc,"
-        "eval_seq_acc\n";
+        "eval_seq_acc,length\n";
   for (const auto& r : curve)
     os << r.step << ',' << r.lr << ',' << r.loss << ',' << r.token_acc << ',' << r.seq_acc << ',' << r.grad_norm << ','
        << r.grad_norm_q << ',' << r.grad_norm_k << ',' << r.tokens_per_s << ',' << r.elapsed_s << ','
-       << r.eval_token_acc << ',' << r.eval_seq_acc << '\n';
+       << r.eval_token_acc << ',' << r.eval_seq_acc << ',' << r.length << '\n';
   write_file_atomic(path, os.str(), "attn::nn::write_curve_csv");
 }
 
@@ -251,6 +304,7 @@ TrainResult train(const TrainConfig& cfg, const ProgressCallback& progress) {
   auto opt = make_optimizer(cfg, params);
   const LrSchedule sched{cfg.lr, cfg.min_lr, cfg.warmup, cfg.steps};
 
+  Curriculum curriculum(cfg);
   TrainResult res;
   int64_t start = 0;
   if (!cfg.resume_path.empty()) {
@@ -260,7 +314,7 @@ TrainResult train(const TrainConfig& cfg, const ProgressCallback& progress) {
         a.positions != b.positions || a.causal != b.causal || a.attn_scale != b.attn_scale || stored.optimizer != cfg.optimizer)
       throw Error("attn::nn::train: checkpoint '" + cfg.resume_path +
                   "' was written for a different model, task or optimizer: " + config_json(stored).dump());
-    start = load_training_checkpoint(cfg.resume_path, model, opt.get());
+    start = load_training_checkpoint(cfg.resume_path, model, opt.get(), &curriculum);
   }
   const int64_t stop = cfg.stop_at > 0 ? std::min(cfg.stop_at, cfg.steps) : cfg.steps;
   res.start_step = start;
@@ -269,10 +323,12 @@ TrainResult train(const TrainConfig& cfg, const ProgressCallback& progress) {
   const auto t0 = std::chrono::steady_clock::now();
   Tensor<float> logits, dlogits;
   bool evaluated_last = false;
+  int64_t tokens_seen = 0;
   int64_t step = start;
   for (; step < stop; ++step) {
     Rng data(derive_seed(derive_seed(cfg.seed, kDataStream), uint64_t(step)));
-    const Batch batch = task.sample(cfg.batch, data);
+    const int64_t length = curriculum.length();
+    const Batch batch = curriculum.done() ? task.sample(cfg.batch, data) : Task(curriculum.task()).sample(cfg.batch, data);
     model.zero_grad();
     model.forward(batch.tokens.data(), batch.B, batch.N, logits);
     const auto ce = softmax_cross_entropy<float>(logits, batch.targets.data(), &dlogits);
@@ -295,6 +351,8 @@ TrainResult train(const TrainConfig& cfg, const ProgressCallback& progress) {
     rec.loss = ce.loss;
     rec.token_acc = double(acc.tokens_right) / double(std::max<int64_t>(1, acc.tokens));
     rec.seq_acc = double(acc.seqs_right) / double(acc.seqs);
+    rec.length = length;
+    curriculum.record(rec.token_acc);
     qk_grad_norms(model, rec.grad_norm_q, rec.grad_norm_k);
     rec.grad_norm = clip_grad_norm(params, cfg.clip);
     rec.lr = sched.at(step);
@@ -302,7 +360,8 @@ TrainResult train(const TrainConfig& cfg, const ProgressCallback& progress) {
 
     const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     rec.elapsed_s = elapsed;
-    rec.tokens_per_s = double((step - start + 1) * batch.B * batch.N) / std::max(elapsed, 1e-9);
+    tokens_seen += batch.B * batch.N;
+    rec.tokens_per_s = double(tokens_seen) / std::max(elapsed, 1e-9);
     const bool last = step + 1 == stop;
     evaluated_last = false;
     if ((cfg.eval_every > 0 && (step + 1) % cfg.eval_every == 0) || last) {
@@ -316,7 +375,7 @@ TrainResult train(const TrainConfig& cfg, const ProgressCallback& progress) {
     if (progress && ((cfg.log_every > 0 && (step + 1) % cfg.log_every == 0) || last || rec.eval_token_acc >= 0))
       progress(rec);
     if (!cfg.save_path.empty() && cfg.save_every > 0 && (step + 1) % cfg.save_every == 0)
-      save_training_checkpoint(cfg.save_path, model, opt.get(), step + 1, cfg);
+      save_training_checkpoint(cfg.save_path, model, opt.get(), step + 1, cfg, &curriculum);
     if (cfg.target_accuracy > 0 && rec.eval_token_acc >= cfg.target_accuracy) {
       ++step;
       break;
@@ -325,7 +384,7 @@ TrainResult train(const TrainConfig& cfg, const ProgressCallback& progress) {
   if (!evaluated_last) res.final_eval = evaluate(model, task, cfg.eval_examples, cfg.seed);
   res.steps_done = step - start;
   res.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  if (!cfg.save_path.empty()) save_training_checkpoint(cfg.save_path, model, opt.get(), step, cfg);
+  if (!cfg.save_path.empty()) save_training_checkpoint(cfg.save_path, model, opt.get(), step, cfg, &curriculum);
   if (!cfg.csv_path.empty()) write_curve_csv(cfg.csv_path, res.curve);
   return res;
 }
@@ -333,10 +392,12 @@ TrainResult train(const TrainConfig& cfg, const ProgressCallback& progress) {
 template EvalResult evaluate<float>(Transformer<float>&, const Task&, int64_t, uint64_t);
 template EvalResult evaluate<double>(Transformer<double>&, const Task&, int64_t, uint64_t);
 template void save_training_checkpoint<float>(const std::string&, Transformer<float>&, Optimizer<float>*, int64_t,
-                                              const TrainConfig&);
+                                              const TrainConfig&, const Curriculum*);
 template void save_training_checkpoint<double>(const std::string&, Transformer<double>&, Optimizer<double>*, int64_t,
-                                               const TrainConfig&);
-template int64_t load_training_checkpoint<float>(const std::string&, Transformer<float>&, Optimizer<float>*);
-template int64_t load_training_checkpoint<double>(const std::string&, Transformer<double>&, Optimizer<double>*);
+                                               const TrainConfig&, const Curriculum*);
+template int64_t load_training_checkpoint<float>(const std::string&, Transformer<float>&, Optimizer<float>*,
+                                                 Curriculum*);
+template int64_t load_training_checkpoint<double>(const std::string&, Transformer<double>&, Optimizer<double>*,
+                                                  Curriculum*);
 
 }  // namespace attn::nn

@@ -49,8 +49,37 @@ struct TrainConfig {
   int64_t save_every = 0;
   std::string resume_path;        // continue from this checkpoint
   std::string csv_path;           // per-step curve
+  // curriculum: 0 = off; otherwise training starts on examples of this length
+  // (items, or key-value pairs for recall) and moves up by one each time the
+  // running training accuracy reaches curriculum_threshold, until task.length.
+  // Held-out evaluation always uses the full task.
+  int64_t curriculum = 0;
+  double curriculum_threshold = 0.9;
 
   void validate() const;  // throws attn::Error naming the field
+};
+
+// The length schedule of a curriculum. The running accuracy is an exponential
+// average (factor 0.9) of the batch token accuracy, restarted from 0 at every
+// new length, so a length is kept for at least ~22 steps even at 100%.
+class Curriculum {
+ public:
+  explicit Curriculum(const TrainConfig& c);
+  int64_t length() const { return length_; }
+  double running_accuracy() const { return running_; }
+  bool done() const { return length_ >= full_; }
+  // Records one step's batch token accuracy at the current length; returns
+  // true when that moves the curriculum to the next length.
+  bool record(double batch_token_accuracy);
+  // The task a step trains on: the configured one at the current length.
+  TaskConfig task() const;
+  // Checkpoints store the state so that a resumed run continues exactly.
+  void restore(int64_t length, double running);
+
+ private:
+  TaskConfig task_;
+  int64_t full_ = 0, length_ = 0;
+  double threshold_ = 0, running_ = 0;
 };
 
 // The model a configuration trains.
@@ -63,6 +92,7 @@ struct TrainRecord {
   double grad_norm_q = 0, grad_norm_k = 0;  // the W_Q and W_K rows of every in_proj
   double tokens_per_s = 0, elapsed_s = 0;
   double eval_token_acc = -1, eval_seq_acc = -1;  // -1 when not evaluated at this step
+  int64_t length = 0;  // the example length trained on (below task.length during a curriculum)
 };
 
 struct EvalResult {
@@ -91,12 +121,15 @@ EvalResult evaluate(Transformer<T>& model, const Task& task, int64_t examples, u
 
 // Checkpoints of a training run: all parameters, the optimizer state, the
 // step and the configuration (as metadata).
+// `curriculum`, when given, is stored too.
 template <class T>
 void save_training_checkpoint(const std::string& path, Transformer<T>& model, Optimizer<T>* optimizer,
-                              int64_t step, const TrainConfig& config);
-// Loads parameters (and optimizer state when given) and returns the step.
+                              int64_t step, const TrainConfig& config, const Curriculum* curriculum = nullptr);
+// Loads parameters (and optimizer state when given) and returns the step;
+// restores `curriculum` when given and stored.
 template <class T>
-int64_t load_training_checkpoint(const std::string& path, Transformer<T>& model, Optimizer<T>* optimizer);
+int64_t load_training_checkpoint(const std::string& path, Transformer<T>& model, Optimizer<T>* optimizer,
+                                 Curriculum* curriculum = nullptr);
 // The configuration stored in a checkpoint (to rebuild its model).
 TrainConfig checkpoint_config(const std::string& path);
 
