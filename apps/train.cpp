@@ -57,8 +57,16 @@ void add_train_flags(CLI::App& app, TrainOpts& o) {
       ->capture_default_str();
   app.add_option("--length", c.task.length, "items per example (key-value pairs for recall)")->capture_default_str();
   app.add_option("--symbols", c.task.symbols, "alphabet size")->capture_default_str();
-  app.add_option("--queries", c.task.queries, "recall: queries per example (0 = one per key; 1 = the single-query task)")
-      ->capture_default_str();
+  // --queries, --steps and --curriculum default per task (nn::default_config)
+  const nn::TrainConfig recall = nn::default_config(nn::TaskKind::recall);
+  app.add_option_function<int64_t>(
+         "--queries",
+         [&o](const int64_t& v) {
+           o.config.task.queries = v;
+           o.queries_given = true;
+         },
+         "recall: queries per example (1 = the single-query task, the default; 0 = one per key)")
+      ->default_str(std::to_string(recall.task.queries));
   app.add_option("--layers", c.layers, "transformer blocks")->capture_default_str();
   app.add_option("--dim", c.dim, "model width D")->capture_default_str();
   app.add_option("--heads", c.heads, "attention heads (must divide --dim)")->capture_default_str();
@@ -73,7 +81,14 @@ void add_train_flags(CLI::App& app, TrainOpts& o) {
   app.add_option("--lr", c.lr, "peak learning rate")->capture_default_str();
   app.add_option("--min-lr", c.min_lr, "learning rate at the end of the cosine")->capture_default_str();
   app.add_option("--warmup", c.warmup, "linear warm-up steps")->capture_default_str();
-  app.add_option("--steps", c.steps, "length of the schedule")->capture_default_str();
+  app.add_option_function<int64_t>(
+         "--steps",
+         [&o](const int64_t& v) {
+           o.config.steps = v;
+           o.steps_given = true;
+         },
+         "length of the schedule (default " + std::to_string(c.steps) + "; " + std::to_string(recall.steps) +
+             " for recall)");
   app.add_option("--stop-at", c.stop_at, "stop after this step (0 = --steps)")->capture_default_str();
   app.add_option("--batch", c.batch, "examples per step")->capture_default_str();
   app.add_option("--clip", c.clip, "gradient-norm clip (0 = off)")->capture_default_str();
@@ -83,10 +98,15 @@ void add_train_flags(CLI::App& app, TrainOpts& o) {
   app.add_option("--eval-examples", c.eval_examples, "held-out examples per evaluation")->capture_default_str();
   app.add_option("--target-accuracy", c.target_accuracy, "stop when held-out token accuracy reaches this")
       ->capture_default_str();
-  app.add_option("--curriculum", c.curriculum,
-                 "start training on examples of this length and lengthen them by one whenever the running "
-                 "training accuracy reaches --curriculum-threshold (0 = off; held-out examples are always full length)")
-      ->capture_default_str();
+  app.add_option_function<int64_t>(
+         "--curriculum",
+         [&o](const int64_t& v) {
+           o.config.curriculum = v;
+           o.curriculum_given = true;
+         },
+         "start training on examples of this length and lengthen them by one whenever the running training "
+         "accuracy reaches --curriculum-threshold; 0 = off (the default; " +
+             std::to_string(recall.curriculum) + " for recall). Held-out examples are always full length");
   app.add_option("--curriculum-threshold", c.curriculum_threshold, "running training accuracy that lengthens the examples")
       ->capture_default_str();
   app.add_option("--log-every", c.log_every, "progress line period (steps)")->capture_default_str();
@@ -100,6 +120,10 @@ void add_train_flags(CLI::App& app, TrainOpts& o) {
 void run_train(const TrainOpts& o) {
   nn::TrainConfig c = o.config;
   c.task.kind = nn::parse_task(o.task);
+  const nn::TrainConfig d = nn::default_config(c.task.kind);
+  if (!o.queries_given) c.task.queries = d.task.queries;
+  if (!o.steps_given) c.steps = d.steps;
+  if (!o.curriculum_given) c.curriculum = d.curriculum;
   c.positions = nn::parse_positions(o.positions);
   c.scale_none = o.scale == "none";
   if (!c.resume_path.empty()) require_file(c.resume_path, "--resume");

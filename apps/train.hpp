@@ -16,6 +16,9 @@ namespace attn::cli {
 struct TrainOpts {
   nn::TrainConfig config;
   std::string task = "reverse", positions = "rope", scale = "default", png;
+  // The flags whose default depends on the task (nn::default_config): set
+  // when given on the command line.
+  bool queries_given = false, steps_given = false, curriculum_given = false;
 };
 
 // Registers the training flags on `app` (a subcommand or a whole program).

@@ -156,6 +156,17 @@ void TrainConfig::validate() const {
   model_config(*this).validate();
 }
 
+TrainConfig default_config(TaskKind kind) {
+  TrainConfig c;
+  c.task.kind = kind;
+  if (kind == TaskKind::recall) {
+    c.task.queries = 1;
+    c.curriculum = 3;
+    c.steps = 4000;
+  }
+  return c;
+}
+
 Curriculum::Curriculum(const TrainConfig& c)
     : task_(c.task),
       full_(c.task.length),

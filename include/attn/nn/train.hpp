@@ -82,6 +82,13 @@ class Curriculum {
   double threshold_ = 0, running_ = 0;
 };
 
+// The default configuration for a task: the member defaults above, except for
+// recall, which defaults to the classic single-query form (task.queries = 1)
+// trained with a curriculum from 3 pairs over a 4000-step schedule (without
+// the curriculum that form stays on its plateau; docs/training.md has the
+// measurements).
+TrainConfig default_config(TaskKind kind);
+
 // The model a configuration trains.
 ModelConfig model_config(const TrainConfig& c);
 
