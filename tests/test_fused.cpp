@@ -480,6 +480,32 @@ TEST(Fused, VectorisedExpIsAccurateToAFewUlp) {
   for (float o : out) EXPECT_EQ(o, 0.0f);
 }
 
+TEST(Fused, VectorisedExp2IsAccurateToAFewUlp) {
+  // The forward's exponential (scores in base 2), over its stated range [-126, 127].
+  std::vector<float> x;
+  for (float v = -126.0f; v < 127.0f; v += 0.0191f) x.push_back(v);
+  for (float v = -1.0f; v < 1.0f; v += 0.000731f) x.push_back(v);
+  for (int k = -126; k <= 127; ++k) x.push_back(float(k));  // exact powers of two
+  std::vector<float> y(x.size());
+  attn::detail::fused_exp2(x.data(), y.data(), int64_t(x.size()));
+  double worst_ulp = 0;
+  float worst_x = 0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    const double want = std::exp2(double(x[i]));
+    const float wf = float(want);
+    ASSERT_TRUE(std::isnormal(wf)) << x[i];
+    const double ulp = double(std::nextafter(wf, std::numeric_limits<float>::infinity()) - wf);
+    const double err = std::abs(double(y[i]) - want) / ulp;
+    if (err > worst_ulp) worst_ulp = err, worst_x = x[i];
+  }
+  EXPECT_LE(worst_ulp, 4.0) << "at x = " << worst_x;
+  std::printf("vectorised exp2: worst error %.2f ulp (at %g) over %zu points\n", worst_ulp, double(worst_x), x.size());
+  const float neg[4] = {-std::numeric_limits<float>::infinity(), -1e4f, -200.0f, -126.51f};
+  float out[4] = {1, 1, 1, 1};
+  attn::detail::fused_exp2(neg, out, 4);
+  for (float o : out) EXPECT_EQ(o, 0.0f);
+}
+
 }  // namespace
 
 namespace {
