@@ -13,6 +13,8 @@
 #include <random>
 #include <sstream>
 
+#include <hwy/targets.h>
+
 #include "kernels/fused/fused.hpp"
 #include "testing.hpp"
 
@@ -299,6 +301,41 @@ TEST(Fused, MatchesReferenceOnRandomCases) {
     compare(d, got, want);
     if (::testing::Test::HasFailure()) break;  // one failing case is enough to read
   }
+}
+
+// The kernels are compiled for several SIMD targets and one is picked at run
+// time; this machine runs only the best. Highway can pretend the CPU supports
+// fewer targets, so every compiled target this CPU can execute (down to the
+// portable EMU128 one) runs a smaller sweep here.
+TEST(Fused, EveryCompiledTargetThisCpuRunsMatchesReference) {
+  const std::vector<int64_t> targets = hwy::SupportedAndGeneratedTargets();
+  ASSERT_FALSE(targets.empty());
+  std::string names;
+  for (const int64_t t : targets) {
+    if (t == HWY_SSSE3) continue;  // not compiled into the library (cmake/attn_kernels.cmake)
+    hwy::SetSupportedTargetsForTest(t);
+    hwy::GetChosenTarget().Update(hwy::SupportedTargets());
+    EXPECT_STREQ(attn::detail::fused_target_name(), hwy::TargetName(t));
+    names += std::string(names.empty() ? "" : ", ") + attn::detail::fused_target_name();
+    std::mt19937_64 rng(77 + uint64_t(t));
+    for (int i = 0; i < std::max(3, kCases / 8); ++i) {
+      Case c = random_case(rng, 5000 + uint64_t(i));
+      SCOPED_TRACE(std::string(hwy::TargetName(t)) + " " + c.str());
+      Data d(c);
+      const Results want = run(d, Backend::reference, c.L * c.S <= 300000);
+      const Results got = run(d, Backend::fused, c.L * c.S <= 300000);
+      compare(d, got, want);
+      if (::testing::Test::HasFailure()) break;
+    }
+    std::vector<float> x = {-3.0f, -0.5f, 0.0f}, y(3);
+    attn::detail::fused_exp2(x.data(), y.data(), 3);
+    EXPECT_NEAR(y[0], 0.125f, 1e-7f);
+    EXPECT_NEAR(y[1], 0.70710678f, 1e-7f);
+    EXPECT_EQ(y[2], 1.0f);
+  }
+  hwy::SetSupportedTargetsForTest(0);  // back to what the CPU really has
+  hwy::GetChosenTarget().Update(hwy::SupportedTargets());
+  std::printf("fused targets run: %s\n", names.c_str());
 }
 
 // Hand-picked corners the random sweep may miss.
