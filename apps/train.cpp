@@ -133,7 +133,7 @@ void run_train(const TrainOpts& o) {
   auto progress = [&](const nn::TrainRecord& r) {
     std::string s = fmt::format("step {:6}/{}  loss {:.4f}  acc {:.3f}  seq {:.3f}  lr {:.2e}  |g| {:.3f}  {:.0f} tok/s",
                                 r.step + 1, stop, r.loss, r.token_acc, r.seq_acc, r.lr, r.grad_norm, r.tokens_per_s);
-    if (c.curriculum > 0) s += fmt::format("  len {}", r.length);
+    if (c.curriculum > 0 && c.curriculum < c.task.length) s += fmt::format("  len {}", r.length);
     if (r.eval_token_acc >= 0) s += fmt::format("  held-out acc {:.4f} seq {:.4f}", r.eval_token_acc, r.eval_seq_acc);
     if (tty) {
       const int width = 20, filled = int(width * double(r.step + 1) / double(stop));

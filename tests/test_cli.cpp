@@ -643,6 +643,26 @@ TEST_F(Cli, TrainSavesResumesAndDrawsTheCheckpointsAttention) {
   EXPECT_GT(w, 200u);
 }
 
+// recall defaults to one query and a curriculum from 3 pairs; the flags override both.
+TEST_F(Cli, TrainRecallDefaultsToSingleQueryWithACurriculum) {
+  const std::string cfg =
+      "train --task recall --length 5 --symbols 6 --layers 1 --dim 8 --heads 2 --batch 4 --eval-examples 8 "
+      "--log-every 1 --stop-at 2";
+  Result r = run(cfg + " --save d.safetensors");
+  ASSERT_EQ(r.rc, 0) << r.err << r.out;
+  EXPECT_TRUE(contains(r.out, "len 3")) << r.out;
+  r = run("heatmap --checkpoint d.safetensors --example 0 --out d.png");
+  ASSERT_EQ(r.rc, 0) << r.err << r.out;
+  EXPECT_EQ(words_after(r.out, "input").size(), 12u) << r.out;  // k v x 5, ':', one query
+  EXPECT_EQ(words_after(r.out, "target").size(), 1u) << r.out;
+  r = run(cfg + " --queries 0 --curriculum 0 --save m.safetensors");
+  ASSERT_EQ(r.rc, 0) << r.err << r.out;
+  EXPECT_FALSE(contains(r.out, "len ")) << r.out;
+  r = run("heatmap --checkpoint m.safetensors --example 0 --out m.png");
+  ASSERT_EQ(r.rc, 0) << r.err << r.out;
+  EXPECT_EQ(words_after(r.out, "target").size(), 5u) << r.out;  // every key asked
+}
+
 TEST_F(Cli, TrainAndCheckpointHeatmapErrors) {
   Result r = run("train --task reverses --steps 1");
   EXPECT_EQ(r.rc, 2);

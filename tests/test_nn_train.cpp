@@ -276,11 +276,35 @@ TEST(NnTrain, CurriculumLengthensOnRunningAccuracy) {
   // off: the full length from the start
   c.curriculum = 0;
   EXPECT_TRUE(nn::Curriculum(c).done());
-  c.curriculum = 6;
-  EXPECT_TRUE(attn::testing::throws_with([&] { c.validate(); }, {"curriculum is 6", "task.length (5)"}));
+  c.curriculum = 6;  // starting at or past the full length: no curriculum
+  EXPECT_NO_THROW(c.validate());
+  EXPECT_TRUE(nn::Curriculum(c).done());
+  EXPECT_EQ(nn::Curriculum(c).length(), 5);
+  c.curriculum = -1;
+  EXPECT_TRUE(attn::testing::throws_with([&] { c.validate(); }, {"curriculum is -1"}));
   c.curriculum = 2;
   c.curriculum_threshold = 0;
   EXPECT_TRUE(attn::testing::throws_with([&] { c.validate(); }, {"curriculum_threshold"}));
+}
+
+TEST(NnTrain, DefaultConfigPerTask) {
+  // recall: the single-query task with a curriculum from 3 pairs over 4000 steps
+  const nn::TrainConfig r = nn::default_config(nn::TaskKind::recall), plain;
+  EXPECT_EQ(r.task.kind, nn::TaskKind::recall);
+  EXPECT_EQ(r.task.queries, 1);
+  EXPECT_EQ(r.curriculum, 3);
+  EXPECT_EQ(r.steps, 4000);
+  EXPECT_EQ(r.task.length, plain.task.length);
+  EXPECT_EQ(r.lr, plain.lr);
+  EXPECT_EQ(r.batch, plain.batch);
+  // the other tasks: the member defaults
+  for (auto kind : {nn::TaskKind::copy, nn::TaskKind::reverse, nn::TaskKind::sort}) {
+    const nn::TrainConfig d = nn::default_config(kind);
+    EXPECT_EQ(d.task.kind, kind);
+    EXPECT_EQ(d.task.queries, plain.task.queries);
+    EXPECT_EQ(d.curriculum, 0);
+    EXPECT_EQ(d.steps, plain.steps);
+  }
 }
 
 // A curriculum run trains on short examples first, evaluates on full-length

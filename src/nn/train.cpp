@@ -149,9 +149,7 @@ void TrainConfig::validate() const {
   if (stop_at < 0) fail("stop_at must be >= 0");
   if (eval_examples < 1) fail("eval_examples must be >= 1");
   if (eval_every < 0 || log_every < 0 || save_every < 0) fail("eval_every, log_every and save_every must be >= 0");
-  if (curriculum < 0 || curriculum > task.length)
-    fail("curriculum is " + std::to_string(curriculum) + ", expected 0 (off) or a starting length 1 to task.length (" +
-         std::to_string(task.length) + ")");
+  if (curriculum < 0) fail("curriculum is " + std::to_string(curriculum) + ", expected 0 (off) or a starting length");
   if (!(curriculum_threshold > 0 && curriculum_threshold <= 1)) fail("curriculum_threshold must be in (0, 1]");
   model_config(*this).validate();
 }

@@ -51,8 +51,9 @@ struct TrainConfig {
   std::string csv_path;           // per-step curve
   // curriculum: 0 = off; otherwise training starts on examples of this length
   // (items, or key-value pairs for recall) and moves up by one each time the
-  // running training accuracy reaches curriculum_threshold, until task.length.
-  // Held-out evaluation always uses the full task.
+  // running training accuracy reaches curriculum_threshold, until task.length
+  // (a start >= task.length trains at full length throughout). Held-out
+  // evaluation always uses the full task.
   int64_t curriculum = 0;
   double curriculum_threshold = 0.9;
 
