@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "attn/io.hpp"
@@ -204,10 +205,12 @@ TEST(NnTrain, CheckpointFileHoldsModelStateAndMetadata) {
     c.optimizer = optimizer;
     const nn::ModelConfig mc = nn::model_config(c);
     nn::Transformer<float> model(mc, 1);
+    auto make_optimizer = [&](std::vector<nn::ParamRef<float>> ps) -> std::unique_ptr<nn::Optimizer<float>> {
+      if (optimizer == "adamw") return std::make_unique<nn::AdamW<float>>(std::move(ps), nn::AdamWConfig{});
+      return std::make_unique<nn::Sgd<float>>(std::move(ps), nn::SgdConfig{});
+    };
     auto params = model.parameters();
-    std::unique_ptr<nn::Optimizer<float>> opt;
-    if (optimizer == "adamw") opt = std::make_unique<nn::AdamW<float>>(params, nn::AdamWConfig{});
-    else opt = std::make_unique<nn::Sgd<float>>(params, nn::SgdConfig{});
+    const auto opt = make_optimizer(params);
     take_one_step(model, *opt, c);
     const std::string path = temp_path("state.safetensors"), path64 = temp_path("state64.safetensors");
     nn::save_training_checkpoint<float>(path, model, opt.get(), 7, c);
@@ -233,7 +236,7 @@ TEST(NnTrain, CheckpointFileHoldsModelStateAndMetadata) {
     std::map<std::string, Tensor<float>*> state;
     for (const auto& [name, t] : opt->state()) state[name] = t;
     for (const auto& p : params)
-      for (const std::string prefix : optimizer == "sgd" ? std::vector<std::string>{"sgd.momentum."}
+      for (const std::string& prefix : optimizer == "sgd" ? std::vector<std::string>{"sgd.momentum."}
                                                          : std::vector<std::string>{"adamw.m.", "adamw.v."}) {
         const std::string name = prefix + p.name;
         ASSERT_EQ(state.count(name), 1u) << name;
@@ -252,25 +255,32 @@ TEST(NnTrain, CheckpointFileHoldsModelStateAndMetadata) {
     EXPECT_EQ(attn::io::read_safetensors<float>(path64).at(params[0].name).stored, attn::io::DType::f64);
     nn::Transformer<float> other(mc, 2);
     auto other_params = other.parameters();
-    std::unique_ptr<nn::Optimizer<float>> other_opt;
-    if (optimizer == "adamw") other_opt = std::make_unique<nn::AdamW<float>>(other_params, nn::AdamWConfig{});
-    else other_opt = std::make_unique<nn::Sgd<float>>(other_params, nn::SgdConfig{});
+    const auto other_opt = make_optimizer(other_params);
     EXPECT_EQ(nn::load_training_checkpoint<float>(path64, other, other_opt.get()), 7);
     EXPECT_EQ(other_opt->steps_taken, 1);
     for (size_t i = 0; i < params.size(); ++i)
       EXPECT_EQ(values(*other_params[i].value), values(*params[i].value)) << params[i].name;
     for (const auto& [name, t] : other_opt->state()) EXPECT_EQ(values(*t), values(*state.at(name))) << name;
 
-    // A tensor of another shape: the error names the file, the tensor and both shapes.
+    // A tensor of another shape (the last matrix, so others load before it is
+    // reached): the error names the file, the tensor and both shapes, and the
+    // model is left untouched.
     auto wrong = file;
-    const std::string embed = params[0].name;
-    const auto shape = params[0].value->shape();
-    wrong.at(embed).shape = {shape[1], shape[0]};
+    std::string matrix;
+    for (const auto& p : params)
+      if (p.value->shape().size() == 2) matrix = p.name;
+    const auto shape = file.at(matrix).shape;
+    ASSERT_NE(shape[0], shape[1]) << matrix;
+    wrong.at(matrix).shape = {shape[1], shape[0]};
     attn::io::write_safetensors(path64, wrong, meta);
     const std::string want = "has shape " + attn::io::shape_string({shape[1], shape[0]}) + ", the model expects " +
                              attn::io::shape_string(shape);
-    EXPECT_TRUE(attn::testing::throws_with([&] { nn::load_training_checkpoint<float>(path64, other, nullptr); },
-                                           {path64, "tensor '" + embed + "'", want}));
+    nn::Transformer<float> fresh(mc, 3);
+    const auto before = values(*fresh.parameters()[0].value);
+    EXPECT_TRUE(attn::testing::throws_with([&] { nn::load_training_checkpoint<float>(path64, fresh, nullptr); },
+                                           {path64, "tensor '" + matrix + "'", want}));
+    EXPECT_EQ(values(*fresh.parameters()[0].value), before);
+    EXPECT_NE(before, values(*params[0].value));
     // Metadata that is missing or not a count.
     auto bad = meta;
     bad.erase("format");

@@ -12,6 +12,8 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <type_traits>
+#include <utility>
+#include <vector>
 
 #include "attn/io.hpp"
 #include "attn/nn/optim.hpp"
@@ -242,21 +244,26 @@ int64_t load_training_checkpoint(const std::string& path, Transformer<T>& model,
   const auto tensors = io::read_safetensors<T>(path, checkpoint_limits(), &meta);
   if (metadata_value(meta, "format", who) != kFormat)
     throw Error(who + "format '" + meta.at("format") + "', expected " + kFormat);
-  auto load = [&](const std::string& name, Tensor<T>& dst) {
+  // Check every tensor and count first, so a mismatching file leaves the model untouched.
+  std::vector<std::pair<const io::Array<T>*, Tensor<T>*>> copies;
+  auto check = [&](const std::string& name, Tensor<T>& dst) {
     auto it = tensors.find(name);
     if (it == tensors.end()) throw Error(who + "no tensor '" + name + "' (was it written for a different model?)");
-    const io::Array<T>& a = it->second;
-    if (a.shape != dst.shape())
-      throw Error(who + "tensor '" + name + "' has shape " + io::shape_string(a.shape) + ", the model expects " +
-                  io::shape_string(dst.shape()));
-    std::copy(a.data.begin(), a.data.end(), dst.data());
+    if (it->second.shape != dst.shape())
+      throw Error(who + "tensor '" + name + "' has shape " + io::shape_string(it->second.shape) +
+                  ", the model expects " + io::shape_string(dst.shape()));
+    copies.emplace_back(&it->second, &dst);
   };
-  for (const auto& p : model.parameters()) load(p.name, *p.value);
+  for (const auto& p : model.parameters()) check(p.name, *p.value);
+  int64_t optimizer_steps = 0;
   if (optimizer) {
-    for (const auto& [name, t] : optimizer->state()) load(name, *t);
-    optimizer->steps_taken = metadata_int(meta, "optimizer_steps", who);
+    for (const auto& [name, t] : optimizer->state()) check(name, *t);
+    optimizer_steps = metadata_int(meta, "optimizer_steps", who);
   }
-  return metadata_int(meta, "step", who);
+  const int64_t step = metadata_int(meta, "step", who);
+  for (const auto& [src, dst] : copies) std::copy(src->data.begin(), src->data.end(), dst->data());
+  if (optimizer) optimizer->steps_taken = optimizer_steps;
+  return step;
 }
 
 TrainConfig checkpoint_config(const std::string& path) {
