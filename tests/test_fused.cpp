@@ -13,6 +13,8 @@
 #include <random>
 #include <sstream>
 
+#include <hwy/targets.h>
+
 #include "kernels/fused/fused.hpp"
 #include "testing.hpp"
 
@@ -301,6 +303,41 @@ TEST(Fused, MatchesReferenceOnRandomCases) {
   }
 }
 
+// The kernels are compiled for several SIMD targets and one is picked at run
+// time; this machine runs only the best. Highway can pretend the CPU supports
+// fewer targets, so every compiled target this CPU can execute (down to the
+// portable EMU128 one) runs a smaller sweep here.
+TEST(Fused, EveryCompiledTargetThisCpuRunsMatchesReference) {
+  const std::vector<int64_t> targets = hwy::SupportedAndGeneratedTargets();
+  ASSERT_FALSE(targets.empty());
+  std::string names;
+  for (const int64_t t : targets) {
+    if (t == HWY_SSSE3) continue;  // not compiled into the library (cmake/attn_kernels.cmake)
+    hwy::SetSupportedTargetsForTest(t);
+    hwy::GetChosenTarget().Update(hwy::SupportedTargets());
+    EXPECT_STREQ(attn::detail::fused_target_name(), hwy::TargetName(t));
+    names += std::string(names.empty() ? "" : ", ") + attn::detail::fused_target_name();
+    std::mt19937_64 rng(77 + uint64_t(t));
+    for (int i = 0; i < std::max(3, kCases / 8); ++i) {
+      Case c = random_case(rng, 5000 + uint64_t(i));
+      SCOPED_TRACE(std::string(hwy::TargetName(t)) + " " + c.str());
+      Data d(c);
+      const Results want = run(d, Backend::reference, c.L * c.S <= 300000);
+      const Results got = run(d, Backend::fused, c.L * c.S <= 300000);
+      compare(d, got, want);
+      if (::testing::Test::HasFailure()) break;
+    }
+    std::vector<float> x = {-3.0f, -0.5f, 0.0f}, y(3);
+    attn::detail::fused_exp2(x.data(), y.data(), 3);
+    EXPECT_NEAR(y[0], 0.125f, 1e-7f);
+    EXPECT_NEAR(y[1], 0.70710678f, 1e-7f);
+    EXPECT_EQ(y[2], 1.0f);
+  }
+  hwy::SetSupportedTargetsForTest(0);  // back to what the CPU really has
+  hwy::GetChosenTarget().Update(hwy::SupportedTargets());
+  std::printf("fused targets run: %s\n", names.c_str());
+}
+
 // Hand-picked corners the random sweep may miss.
 TEST(Fused, MatchesReferenceOnCorners) {
   std::vector<Case> cases;
@@ -477,6 +514,32 @@ TEST(Fused, VectorisedExpIsAccurateToAFewUlp) {
   const float neg[5] = {-std::numeric_limits<float>::infinity(), -1e4f, -200.0f, -103.0f, -87.5f};
   float out[5] = {1, 1, 1, 1, 1};
   attn::detail::fused_exp(neg, out, 5);
+  for (float o : out) EXPECT_EQ(o, 0.0f);
+}
+
+TEST(Fused, VectorisedExp2IsAccurateToAFewUlp) {
+  // The forward's exponential (scores in base 2), over its stated range [-126, 127].
+  std::vector<float> x;
+  for (float v = -126.0f; v < 127.0f; v += 0.0191f) x.push_back(v);
+  for (float v = -1.0f; v < 1.0f; v += 0.000731f) x.push_back(v);
+  for (int k = -126; k <= 127; ++k) x.push_back(float(k));  // exact powers of two
+  std::vector<float> y(x.size());
+  attn::detail::fused_exp2(x.data(), y.data(), int64_t(x.size()));
+  double worst_ulp = 0;
+  float worst_x = 0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    const double want = std::exp2(double(x[i]));
+    const float wf = float(want);
+    ASSERT_TRUE(std::isnormal(wf)) << x[i];
+    const double ulp = double(std::nextafter(wf, std::numeric_limits<float>::infinity()) - wf);
+    const double err = std::abs(double(y[i]) - want) / ulp;
+    if (err > worst_ulp) worst_ulp = err, worst_x = x[i];
+  }
+  EXPECT_LE(worst_ulp, 4.0) << "at x = " << worst_x;
+  std::printf("vectorised exp2: worst error %.2f ulp (at %g) over %zu points\n", worst_ulp, double(worst_x), x.size());
+  const float neg[4] = {-std::numeric_limits<float>::infinity(), -1e4f, -200.0f, -126.51f};
+  float out[4] = {1, 1, 1, 1};
+  attn::detail::fused_exp2(neg, out, 4);
   for (float o : out) EXPECT_EQ(o, 0.0f);
 }
 

@@ -100,6 +100,28 @@ TEST(OnlineSoftmax, MergeDoesNotDependOnHowKeysAreSplit) {
   }
 }
 
+TEST(OnlineSoftmax, BaseTwoScoresGiveTheSameProbabilitiesAndLse) {
+  // The fused forward measures scores in base 2 (s·log2 e). Streaming the
+  // same row in base 2, split unevenly, gives the same probabilities, and an
+  // lse that is the natural one divided by ln 2.
+  std::mt19937_64 rng(11);
+  std::normal_distribution<double> nd(0.0, 4.0);
+  std::vector<double> s(37), s2(37), p(37), p2(37);
+  for (size_t j = 0; j < s.size(); ++j) s2[j] = (s[j] = nd(rng)) / std::log(2.0);
+  os::State<double> st, st2;
+  double acc = 0, acc2 = 0;
+  for (int j0 = 0, n = 0; j0 < 37; j0 += n) {
+    n = std::min(37 - j0, 1 + j0 % 7);
+    acc *= os::update(st, &s[size_t(j0)], n, &p[size_t(j0)]);
+    acc2 *= os::update<os::Base2>(st2, &s2[size_t(j0)], n, &p2[size_t(j0)]);
+    for (int j = j0; j < j0 + n; ++j) acc += p[size_t(j)] * j, acc2 += p2[size_t(j)] * j;
+  }
+  const auto f = os::finalize(st), f2 = os::finalize<os::Base2>(st2);
+  EXPECT_NEAR(f2.lse * std::log(2.0), f.lse, 1e-12 * (1 + std::abs(f.lse)));
+  EXPECT_NEAR(acc2 * f2.inv_sum, acc * f.inv_sum, 1e-12 * 37);
+  for (size_t j = 0; j < s.size(); ++j) EXPECT_NEAR(p2[j], p[j], 1e-12 * (1 + p[j])) << j;
+}
+
 TEST(OnlineSoftmax, FullyMaskedRowGivesZeroAndMinusInfinityNeverNaN) {
   std::vector<float> s(5, -std::numeric_limits<float>::infinity()), p(5, 1.0f);
   os::State<float> st;

@@ -190,6 +190,43 @@ HWY_INLINE VF ExpSoftmax(DF d, VF x) {
   return hn::IfThenElseZero(hn::Ge(x, hn::Set(d, -87.33f)), hn::Mul(y, hn::BitCast(d, e)));
 }
 
+// 2^x for the forward's softmax, whose scores are in base 2 (log2(e) is
+// folded into the query scale), so x = s − shift needs no multiply before the
+// split x = n + f, n an integer and |f| <= 1/2 (exact in float). 2^f is a
+// degree-6 polynomial fitted for relative error (about 2e-9, so float
+// rounding dominates: within 2 ulp); 2^n goes into the exponent bits. Valid
+// for x <= 127. Below −126.5, including −∞, n is clamped to −127, whose
+// exponent bits are all zero, so the result is exactly 0 with no compare or
+// select; in [−126.5, −126) the result is a subnormal near 2^x.
+HWY_INLINE VF Exp2Softmax(DF d, VF x) {
+  const hn::RebindToSigned<DF> di;
+  const VF xc = hn::Max(x, hn::Set(d, -127.0f));  // keeps −∞ out of the integer path
+  const VF n = hn::Round(xc);
+  const VF f = hn::Sub(xc, n);
+  VF p = hn::Set(d, 1.534579205326736e-4f);
+  p = hn::MulAdd(p, f, hn::Set(d, 1.3399929739534855e-3f));
+  p = hn::MulAdd(p, f, hn::Set(d, 9.618489071726799e-3f));
+  p = hn::MulAdd(p, f, hn::Set(d, 5.550328642129898e-2f));
+  p = hn::MulAdd(p, f, hn::Set(d, 2.4022646248340607e-1f));
+  p = hn::MulAdd(p, f, hn::Set(d, 6.931471824645996e-1f));
+  p = hn::MulAdd(p, f, hn::Set(d, 1.0f));
+  const auto e = hn::ShiftLeft<23>(hn::Add(hn::ConvertTo(di, n), hn::Set(di, 127)));  // 2^n, 0 for n = −127
+  return hn::Mul(p, hn::BitCast(d, e));
+}
+
+void Exp2Array(const float* x, float* y, int64_t n) {
+  const DF d;
+  const int64_t N = int64_t(hn::Lanes(d));
+  int64_t i = 0;
+  for (; i + N <= n; i += N) hn::StoreU(Exp2Softmax(d, hn::LoadU(d, x + i)), d, y + i);
+  if (i < n) {
+    HWY_ALIGN float buf[64] = {};
+    std::copy(x + i, x + n, buf);
+    hn::Store(Exp2Softmax(d, hn::Load(d, buf)), d, buf);
+    std::copy(buf, buf + (n - i), y + i);
+  }
+}
+
 void ExpArray(const float* x, float* y, int64_t n) {
   const DF d;
   const int64_t N = int64_t(hn::Lanes(d));
@@ -362,19 +399,24 @@ void ScaleRow(float* row, int64_t n, float f) {
 
 // ---- forward ---------------------------------------------------------------
 
-// qt[e][r] = scale · Q(b, h, i0 + r, e); columns nr..qbp are zero.
+// The forward measures scores in base 2: s·log2(e), so exp(s − m) = 2^(s2 − m2).
+constexpr float kLog2e = 1.44269504088896341f;
+constexpr float kLn2 = 0.693147180559945309f;
+
+// qt[e][r] = scale·log2(e) · Q(b, h, i0 + r, e); columns nr..qbp are zero.
 void PackQt(const Call& c, Scratch& w, int64_t b, int64_t h, int64_t i0, int64_t nr) {
   const auto& Q = c.a->q;
   const int64_t E = c.p->E, se = Q.strides[3];
+  const float s2 = c.scale * kLog2e;
   float* qt = w.qt.get();
   for (int64_t r = 0; r < nr; ++r) {
     const float* src = &Q(b, h, i0 + r, 0);
-    for (int64_t e = 0; e < E; ++e) qt[e * w.qbp + r] = c.scale * src[e * se];
+    for (int64_t e = 0; e < E; ++e) qt[e * w.qbp + r] = s2 * src[e * se];
   }
   for (int64_t e = 0; e < E; ++e) std::fill(qt + e * w.qbp + nr, qt + (e + 1) * w.qbp, 0.0f);
 }
 
-// Transposed score tile: st_t[jj][r] = scale·q_r·k_j + bias for keys
+// Transposed score tile, in base 2: st_t[jj][r] = (scale·q_r·k_j + bias)·log2(e) for keys
 // j0..j0+nk against the unit's queries i0..i0+nr; −∞ where masked and in the
 // padding columns up to nrp. K is read in place.
 void ScoreTileT(const Call& c, Scratch& w, int64_t b, int64_t h, int64_t i0, int64_t nr, int64_t nrp,
@@ -397,7 +439,7 @@ void ScoreTileT(const Call& c, Scratch& w, int64_t b, int64_t h, int64_t i0, int
       const float* bj = bias.data + bcast(b, bias.dim(0)) * bias.strides[0] +
                         bcast(h, bias.dim(1)) * bias.strides[1] + bcast(j, bias.dim(3)) * bias.strides[3];
       const int64_t si = bias.dim(2) == 1 ? 0 : bias.strides[2];
-      for (int64_t r = first; r < nr; ++r) row[r] += bj[(i0 + r) * si];
+      for (int64_t r = first; r < nr; ++r) row[r] += kLog2e * bj[(i0 + r) * si];
     }
     if (!mask.empty()) {
       const bool* mj = mask.data + bcast(b, mask.dim(0)) * mask.strides[0] +
@@ -411,7 +453,7 @@ void ScoreTileT(const Call& c, Scratch& w, int64_t b, int64_t h, int64_t i0, int
 }
 
 // Folds a transposed tile into the per-query online softmax: st_t becomes
-// exp(s − shift) and colv[2·qbp ..] holds each query's rescale factor.
+// 2^(s − shift) and colv[2·qbp ..] holds each query's rescale factor.
 void SoftmaxTileT(Scratch& w, int64_t nr, int64_t nrp, int64_t nk) {
   const DF d;
   const int64_t N = int64_t(hn::Lanes(d));
@@ -426,7 +468,7 @@ void SoftmaxTileT(Scratch& w, int64_t nr, int64_t nrp, int64_t nk) {
     hn::Store(m, d, tmax + r);
   }
   for (int64_t r = 0; r < nr; ++r) {
-    const os::Step<float> step = os::begin_tile(w.st[size_t(r)], tmax[r]);
+    const os::Step<float> step = os::begin_tile<os::Base2>(w.st[size_t(r)], tmax[r]);
     alpha[r] = step.alpha;
     shift[r] = step.shift;
   }
@@ -436,7 +478,7 @@ void SoftmaxTileT(Scratch& w, int64_t nr, int64_t nrp, int64_t nk) {
     VF sum = hn::Zero(d);
     for (int64_t jj = 0; jj < nk; ++jj) {
       float* x = w.st_t.get() + jj * w.qbp + r;
-      const VF pj = ExpSoftmax(d, hn::Sub(hn::Load(d, x), shr));  // p = exp(s − max); 0 if masked
+      const VF pj = Exp2Softmax(d, hn::Sub(hn::Load(d, x), shr));  // p = 2^(s − max); 0 if masked
       hn::Store(pj, d, x);
       sum = hn::Add(sum, pj);
     }
@@ -478,13 +520,14 @@ void ForwardUnit(const Call& c, Scratch& w, int64_t b, int64_t h, int64_t i0, in
   }
 
   for (int64_t r = 0; r < nr; ++r) {
-    const os::Final<float> f = os::finalize(w.st[size_t(r)]);
+    const os::Final<float> f = os::finalize<os::Base2>(w.st[size_t(r)]);
+    const float row_lse = f.lse * kLn2;  // back to natural units (−∞ stays −∞)
     const float* o = w.o.get() + r * w.Evp;
     float* dst = &out(b, h, i0 + r, 0);
     const int64_t se = out.strides[3];
     for (int64_t e = 0; e < p.Ev; ++e) dst[e * se] = o[e] * f.inv_sum;  // y = acc / sum
-    w.lse[size_t(r)] = f.lse;
-    if (!lse.empty()) lse(b, h, i0 + r) = f.lse;
+    w.lse[size_t(r)] = row_lse;
+    if (!lse.empty()) lse(b, h, i0 + r) = row_lse;
   }
 
   if (weights.empty()) return;
@@ -495,7 +538,7 @@ void ForwardUnit(const Call& c, Scratch& w, int64_t b, int64_t h, int64_t i0, in
   float* shift = w.colv.get() + w.qbp;
   float* inv = shift + w.qbp;
   for (int64_t r = 0; r < nrp; ++r) {
-    const os::Final<float> f = r < nr ? os::finalize(w.st[size_t(r)]) : os::Final<float>{0.0f, 0.0f};
+    const os::Final<float> f = r < nr ? os::finalize<os::Base2>(w.st[size_t(r)]) : os::Final<float>{0.0f, 0.0f};
     shift[r] = r < nr && f.inv_sum > 0 ? w.st[size_t(r)].max : 0.0f;
     inv[r] = f.inv_sum;
   }
@@ -508,7 +551,7 @@ void ForwardUnit(const Call& c, Scratch& w, int64_t b, int64_t h, int64_t i0, in
       for (int64_t jj = 0; jj < nkv; ++jj)
         for (int64_t r = 0; r < nrp; r += lanes) {
           float* x = w.st_t.get() + jj * w.qbp + r;
-          hn::Store(hn::Mul(ExpSoftmax(d, hn::Sub(hn::Load(d, x), hn::Load(d, shift + r))), hn::Load(d, inv + r)), d, x);
+          hn::Store(hn::Mul(Exp2Softmax(d, hn::Sub(hn::Load(d, x), hn::Load(d, shift + r))), hn::Load(d, inv + r)), d, x);
         }
       for (int64_t jj = nkv; jj < nk; ++jj) std::fill(w.st_t.get() + jj * w.qbp, w.st_t.get() + (jj + 1) * w.qbp, 0.0f);
     } else {
@@ -792,6 +835,7 @@ namespace attn::detail {
 HWY_EXPORT(ForwardImpl);
 HWY_EXPORT(BackwardImpl);
 HWY_EXPORT(ExpArray);
+HWY_EXPORT(Exp2Array);
 HWY_EXPORT(TargetNameImpl);
 HWY_EXPORT(GemmImpl);
 
@@ -866,6 +910,8 @@ void fused_backward(const Problem& p, const SdpaArgs<float>& a, View4<const floa
 const char* fused_target_name() { return HWY_DYNAMIC_DISPATCH(TargetNameImpl)(); }
 
 void fused_exp(const float* x, float* y, int64_t n) { HWY_DYNAMIC_DISPATCH(ExpArray)(x, y, n); }
+
+void fused_exp2(const float* x, float* y, int64_t n) { HWY_DYNAMIC_DISPATCH(Exp2Array)(x, y, n); }
 
 }  // namespace attn::detail
 #endif  // HWY_ONCE

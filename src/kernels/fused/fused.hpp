@@ -49,5 +49,8 @@ void fused_gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t ars, in
 // exp over n floats with the kernels' vectorised exp (for its accuracy test):
 // valid for x <= 88, exactly 0 below -87.33 and for -inf.
 void fused_exp(const float* x, float* y, int64_t n);
+// 2^x over n floats with the forward's base-2 exponential: valid for
+// x <= 127, exactly 0 below -126.5 and for -inf.
+void fused_exp2(const float* x, float* y, int64_t n);
 
 }  // namespace attn::detail

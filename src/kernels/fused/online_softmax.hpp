@@ -11,6 +11,11 @@
 // Two partial results over disjoint key sets merge the same way, so the
 // answer does not depend on how the keys were split (up to rounding).
 //
+// Scores may be measured in either base: natural (exp/log) or base 2
+// (exp2/log2), when the caller has multiplied them by log2(e) so that its
+// exponentials skip a range-reduction multiply; every function takes the base
+// as a template argument and the lse then comes out in that base.
+//
 // The −∞ guards live here and only here: a row that has seen no visible key
 // has max = −∞ and sum = 0; its rescale factor is 0 (not NaN), the shift
 // used for exponentials is 0 (so exp(−∞ − 0) = 0), and it finalises to
@@ -28,6 +33,19 @@ constexpr T neg_inf() {
   return -std::numeric_limits<T>::infinity();
 }
 
+struct Natural {
+  template <class T>
+  static T exp(T x) { return std::exp(x); }
+  template <class T>
+  static T log(T x) { return std::log(x); }
+};
+struct Base2 {
+  template <class T>
+  static T exp(T x) { return std::exp2(x); }
+  template <class T>
+  static T log(T x) { return std::log2(x); }
+};
+
 template <class T>
 struct State {
   T max = neg_inf<T>();  // largest visible score so far
@@ -43,18 +61,18 @@ struct Step {
 };
 
 // exp(from − to) for to >= from, with exp(−∞ − anything) = 0.
-template <class T>
+template <class Base = Natural, class T>
 T rescale_factor(T from, T to) {
-  return from == neg_inf<T>() ? T(0) : std::exp(from - to);
+  return from == neg_inf<T>() ? T(0) : Base::exp(from - to);
 }
 
 // First half of an update: the tile's largest score is `tile_max`. Raises
 // st.max, rescales st.sum, and returns how to rescale the accumulator and
 // which shift to use for the tile's exponentials.
-template <class T>
+template <class Base = Natural, class T>
 Step<T> begin_tile(State<T>& st, T tile_max) {
   const T new_max = std::max(st.max, tile_max);
-  const T alpha = rescale_factor(st.max, new_max);
+  const T alpha = rescale_factor<Base>(st.max, new_max);
   st.max = new_max;
   st.sum *= alpha;  // sum <- sum · exp(old max − new max)
   return {alpha, new_max == neg_inf<T>() ? T(0) : new_max};
@@ -69,14 +87,14 @@ void end_tile(State<T>& st, T tile_sum) {
 // Folds n scores into the state and writes p_j = exp(s_j − shift) (the
 // unnormalised probabilities relative to the new max). Returns the factor the
 // caller's accumulator must be multiplied by before adding p·V.
-template <class T>
+template <class Base = Natural, class T>
 T update(State<T>& st, const T* s, int n, T* p) {
   T tile_max = neg_inf<T>();
   for (int j = 0; j < n; ++j) tile_max = std::max(tile_max, s[j]);
-  const Step<T> step = begin_tile(st, tile_max);
+  const Step<T> step = begin_tile<Base>(st, tile_max);
   T tile_sum = 0;
   for (int j = 0; j < n; ++j) {
-    p[j] = std::exp(s[j] - step.shift);  // exp(−∞) = 0 for masked keys
+    p[j] = Base::exp(s[j] - step.shift);  // exp(−∞) = 0 for masked keys
     tile_sum += p[j];
   }
   end_tile(st, tile_sum);
@@ -90,10 +108,10 @@ struct MergeWeights {
   T wa, wb;
 };
 
-template <class T>
+template <class Base = Natural, class T>
 MergeWeights<T> merge(State<T>& a, const State<T>& b) {
   const T m = std::max(a.max, b.max);
-  const T wa = rescale_factor(a.max, m), wb = rescale_factor(b.max, m);
+  const T wa = rescale_factor<Base>(a.max, m), wb = rescale_factor<Base>(b.max, m);
   a.sum = a.sum * wa + b.sum * wb;  // both sums relative to the common max
   a.max = m;
   return {wa, wb};
@@ -107,10 +125,10 @@ struct Final {
   T lse;
 };
 
-template <class T>
+template <class Base = Natural, class T>
 Final<T> finalize(const State<T>& st) {
   if (st.sum == T(0)) return {T(0), neg_inf<T>()};
-  return {T(1) / st.sum, st.max + std::log(st.sum)};
+  return {T(1) / st.sum, st.max + Base::log(st.sum)};
 }
 
 // The probability of a score given the row's log-sum-exp, as the backward
