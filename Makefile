@@ -62,9 +62,15 @@ BENCH_ARGS ?=
 bench: build
 	$(BUILD)/bench/attn-bench --json $(BUILD)/bench.json $(BENCH_ARGS)
 
-# The same shapes against PyTorch's CPU scaled_dot_product_attention (if installed).
+# The same shapes against PyTorch's CPU scaled_dot_product_attention, run
+# by the build-py venv with torch installed from PyPI (several GB: the CUDA
+# wheel, which runs on the CPU). TORCH_PYTHON=/path/to/python uses an
+# interpreter that already has torch instead.
+TORCH_PYTHON ?= $(PYVENV)/bin/python
 bench-torch: build
-	python3 bench/compare_torch.py --attn-bench $(BUILD)/bench/attn-bench $(BENCH_ARGS)
+	if [ "$(TORCH_PYTHON)" = "$(PYVENV)/bin/python" ]; then \
+	  $(MAKE) --no-print-directory $(PYVENV)/bin/python && $(PIP) install torch; fi
+	$(TORCH_PYTHON) bench/compare_torch.py --attn-bench $(BUILD)/bench/attn-bench $(BENCH_ARGS)
 
 # libFuzzer targets for the .npy and safetensors parsers, FUZZ_SECONDS each
 # (needs clang: scripts/install-fuzz-deps.sh).

@@ -452,38 +452,81 @@ void ScoreTileT(const Call& c, Scratch& w, int64_t b, int64_t h, int64_t i0, int
   }
 }
 
+// Column maxima of C vector-wide column groups of a transposed tile, walking
+// the tile row by row (whole cache lines, C running maxima in registers).
+template <int C>
+HWY_INLINE void TileMaxChunk(const float* st, int64_t ld, int64_t nk, float* tmax) {
+  const DF d;
+  const int64_t N = int64_t(hn::Lanes(d));
+  VF m[C];
+  for (int g = 0; g < C; ++g) m[g] = hn::Set(d, kNegInf);
+  for (int64_t jj = 0; jj < nk; ++jj) {
+    const float* row = st + jj * ld;
+    for (int g = 0; g < C; ++g) m[g] = hn::Max(m[g], hn::Load(d, row + g * N));
+  }
+  for (int g = 0; g < C; ++g) hn::Store(m[g], d, tmax + g * N);
+}
+
+// p = 2^(s − shift) in place over C column groups, row by row, with the
+// column sums in registers (each column summed in key order, as before).
+template <int C>
+HWY_INLINE void TileExpChunk(float* st, int64_t ld, int64_t nk, const float* shift, float* tsum) {
+  const DF d;
+  const int64_t N = int64_t(hn::Lanes(d));
+  VF sh[C], sum[C];
+  for (int g = 0; g < C; ++g) sh[g] = hn::Load(d, shift + g * N), sum[g] = hn::Zero(d);
+  for (int64_t jj = 0; jj < nk; ++jj) {
+    float* row = st + jj * ld;
+    for (int g = 0; g < C; ++g) {
+      const VF pj = Exp2Softmax(d, hn::Sub(hn::Load(d, row + g * N), sh[g]));  // 0 if masked
+      hn::Store(pj, d, row + g * N);
+      sum[g] = hn::Add(sum[g], pj);
+    }
+  }
+  for (int g = 0; g < C; ++g) hn::Store(sum[g], d, tsum + g * N);
+}
+
+// Runs Chunk<C> over the column groups of a tile, C = 4 while enough remain.
+template <template <int> class Op, class... Args>
+HWY_INLINE void ForColumnGroups(int64_t groups, int64_t N, Args... args) {
+  for (int64_t g = 0; g < groups;) {
+    const int64_t left = groups - g;
+    if (left >= 4) Op<4>::run(g * N, args...), g += 4;
+    else if (left == 3) Op<3>::run(g * N, args...), g += 3;
+    else if (left == 2) Op<2>::run(g * N, args...), g += 2;
+    else Op<1>::run(g * N, args...), g += 1;
+  }
+}
+template <int C>
+struct MaxOp {
+  static void run(int64_t r, const float* st, int64_t ld, int64_t nk, float* tmax) {
+    TileMaxChunk<C>(st + r, ld, nk, tmax + r);
+  }
+};
+template <int C>
+struct ExpOp {
+  static void run(int64_t r, float* st, int64_t ld, int64_t nk, const float* shift, float* tsum) {
+    TileExpChunk<C>(st + r, ld, nk, shift + r, tsum + r);
+  }
+};
+
 // Folds a transposed tile into the per-query online softmax: st_t becomes
 // 2^(s − shift) and colv[2·qbp ..] holds each query's rescale factor.
 void SoftmaxTileT(Scratch& w, int64_t nr, int64_t nrp, int64_t nk) {
-  const DF d;
-  const int64_t N = int64_t(hn::Lanes(d));
+  const int64_t N = int64_t(hn::Lanes(DF()));
   float* tmax = w.colv.get();
   float* shift = tmax + w.qbp;
   float* alpha = shift + w.qbp;
   float* tsum = alpha + w.qbp;
-  const float* st = w.st_t.get();
-  for (int64_t r = 0; r < nrp; r += N) {  // column maxima
-    VF m = hn::Set(d, kNegInf);
-    for (int64_t jj = 0; jj < nk; ++jj) m = hn::Max(m, hn::Load(d, st + jj * w.qbp + r));
-    hn::Store(m, d, tmax + r);
-  }
+  float* st = w.st_t.get();
+  ForColumnGroups<MaxOp>(nrp / N, N, static_cast<const float*>(st), w.qbp, nk, tmax);
   for (int64_t r = 0; r < nr; ++r) {
     const os::Step<float> step = os::begin_tile<os::Base2>(w.st[size_t(r)], tmax[r]);
     alpha[r] = step.alpha;
     shift[r] = step.shift;
   }
   std::fill(shift + nr, shift + nrp, 0.0f);
-  for (int64_t r = 0; r < nrp; r += N) {
-    const VF shr = hn::Load(d, shift + r);
-    VF sum = hn::Zero(d);
-    for (int64_t jj = 0; jj < nk; ++jj) {
-      float* x = w.st_t.get() + jj * w.qbp + r;
-      const VF pj = Exp2Softmax(d, hn::Sub(hn::Load(d, x), shr));  // p = 2^(s − max); 0 if masked
-      hn::Store(pj, d, x);
-      sum = hn::Add(sum, pj);
-    }
-    hn::Store(sum, d, tsum + r);
-  }
+  ForColumnGroups<ExpOp>(nrp / N, N, st, w.qbp, nk, static_cast<const float*>(shift), tsum);
   for (int64_t r = 0; r < nr; ++r) os::end_tile(w.st[size_t(r)], tsum[r]);
 }
 
