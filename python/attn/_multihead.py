@@ -198,8 +198,9 @@ class MultiheadAttention:
         if torch_out and sys.modules["torch"].is_grad_enabled() and any(
                 is_torch_tensor(x) and x.requires_grad for x in (query, key, value)):
             raise ValueError(f"{fn}: the inputs require grad, but this layer does not take part in "
-                             "torch autograd; call it under torch.no_grad() or on detached tensors "
-                             "(attn.torch.scaled_dot_product_attention is differentiable)")
+                             "torch autograd; call it under torch.no_grad() or on detached tensors and "
+                             "get gradients from its backward() (or use "
+                             "attn.torch.scaled_dot_product_attention, an autograd Function)")
         q = float_array(query, fn, "query", self.dtype)
         k = float_array(key, fn, "key", self.dtype)
         v = float_array(value, fn, "value", self.dtype)

@@ -328,3 +328,27 @@ def test_backward_errors():
     # The extension refuses a cache that no forward filled.
     with pytest.raises(ValueError, match="argument 'cache' is empty"):
         layer._layer.backward(attn._attn.MhaCacheF32(), dout, None, None, None)
+
+
+def test_sgd_steps_fit_a_target():
+    """The README's training loop: plain gradient descent on the layer's own
+    gradients drives the loss of a reachable target (another layer's output)
+    down by orders of magnitude."""
+    rng = np.random.default_rng(31)
+    teacher = attn.MultiheadAttention(8, 2, batch_first=True, dtype=np.float64, seed=5)
+    randomize(teacher, rng)
+    student = attn.MultiheadAttention(8, 2, batch_first=True, dtype=np.float64, seed=6)
+    x = rng.standard_normal((4, 6, 8))
+    target, _ = teacher(x, x, x, is_causal=True)
+    losses = []
+    for _ in range(300):
+        y, _ = student(x, x, x, is_causal=True, need_weights=False)
+        losses.append(float(np.mean((y - target) ** 2)))
+        student.zero_grad()
+        student.backward(2 * (y - target) / y.size)
+        sd = student.state_dict()
+        for n, g in student.grads().items():
+            sd[n] -= 0.5 * g
+        student.load_state_dict(sd)
+    assert losses[-1] < 0.05 * losses[0], (losses[0], losses[-1])
+    assert all(b <= a * (1 + 1e-9) for a, b in zip(losses[:20], losses[1:21]))  # small steps: monotone at first
