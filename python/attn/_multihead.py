@@ -43,13 +43,16 @@ class _Saved:
     """What backward() needs from one forward() call: the extension's cache
     (which also holds the mask arrays alive) and the call's layout."""
 
-    __slots__ = ("cache", "version", "batched", "torch_out", "self_attention", "out_shape", "in_shapes")
+    __slots__ = ("cache", "version", "batched", "batch_first", "torch_out", "self_attention", "out_shape",
+                 "in_shapes")
 
-    def __init__(self, cache: Any, version: int, batched: bool, torch_out: bool, self_attention: bool,
-                 out_shape: Tuple[int, ...], in_shapes: Tuple[Tuple[int, ...], ...]) -> None:
+    def __init__(self, cache: Any, version: int, batched: bool, batch_first: bool, torch_out: bool,
+                 self_attention: bool, out_shape: Tuple[int, ...],
+                 in_shapes: Tuple[Tuple[int, ...], ...]) -> None:
         self.cache = cache
         self.version = version
         self.batched = batched
+        self.batch_first = batch_first
         self.torch_out = torch_out
         self.self_attention = self_attention
         self.out_shape = tuple(out_shape)
@@ -157,7 +160,7 @@ class MultiheadAttention:
     def grads(self) -> Dict[str, np.ndarray]:
         """Copies of the parameter gradients accumulated by backward(), by
         state_dict name (the keys and shapes of state_dict()). They start at
-        zero and only grow until zero_grad()."""
+        zero, and each backward() adds to them until zero_grad()."""
         with self._grad_lock:
             return {n: self._layer.get_grad(n) for n in self._layer.parameter_names()}
 
@@ -271,7 +274,8 @@ class MultiheadAttention:
         if not batched:
             out_buf = out_buf[0]
             w = None if w is None else w[0]
-        self._saved = _Saved(cache, version, batched, torch_out, same, out_buf.shape, in_shapes)
+        self._saved = _Saved(cache, version, batched, self.batch_first, torch_out, same, out_buf.shape,
+                             in_shapes)
         if torch_out:
             torch = sys.modules["torch"]
             out_buf = torch.from_numpy(out_buf)
@@ -323,7 +327,7 @@ class MultiheadAttention:
         def to_bld(a: np.ndarray) -> np.ndarray:  # the user's layout -> a (B, N, width) view
             if not saved.batched:
                 return a[None]
-            return a if self.batch_first else np.swapaxes(a, 0, 1)
+            return a if saved.batch_first else np.swapaxes(a, 0, 1)
 
         grads = {n: np.empty(shape, self.dtype) for n, shape in zip(("query", "key", "value"), saved.in_shapes)}
         if saved.self_attention:
