@@ -662,7 +662,7 @@ TEST_F(Cli, TrainAndCheckpointHeatmapErrors) {
   EXPECT_FALSE(fs::exists(path("h.png")));
   std::ofstream(path("junk.safetensors")) << "not a checkpoint";
   r = run("heatmap --checkpoint junk.safetensors --out h.png");
-  EXPECT_NE(r.rc, 0);
+  EXPECT_EQ(r.rc, 3);  // not a safetensors file: a file error
   EXPECT_TRUE(contains(r.err, "junk.safetensors")) << r.err;
   EXPECT_EQ(run("heatmap --out h.png").rc, 2);
   EXPECT_EQ(run("heatmap --weights a.npy --checkpoint c.safetensors --out h.png").rc, 2);

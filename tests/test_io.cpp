@@ -6,6 +6,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <random>
 #include <string>
 #include <vector>
@@ -219,6 +220,79 @@ TEST(Safetensors, RoundTripAndForeignLayout) {
   EXPECT_TRUE(e.at("e").data.empty());
 }
 
+// The "__metadata__" entry, written by hand-checked layout and read back.
+TEST(Safetensors, MetadataRoundTripsAndHeaderLayout) {
+  TempDir dir;
+  std::map<std::string, Array<float>> t;
+  t["a"] = {{2, 3}, {-1, -0.5f, 0, 0.5f, 1, 1.5f}, DType::f32};
+  t["b.x"] = {{4}, {1, 0.5f, 0.25f, 0.125f}, DType::f32};
+  const attn::io::Metadata meta = {{"format", "pt"},
+                                   {"config", R"({"dim": 32, "name": "a\"b"})"},
+                                   {"empty", ""},
+                                   {"unicode", "\xc3\xbc\xe2\x86\x92\xe2\x88\x9e"}};
+  const std::string p = dir / "m.safetensors";
+  attn::io::write_safetensors(p, t, meta);
+  // 8-byte little-endian length, the JSON header padded to 8 bytes, the data in name order
+  const Bytes bytes = attn::io::read_file(p, 1 << 20);
+  uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = (n << 8) | bytes[size_t(i)];
+  EXPECT_EQ(n % 8, 0u);
+  ASSERT_EQ(bytes.size(), 8 + n + 40);
+  const auto j = nlohmann::json::parse(std::string(bytes.begin() + 8, bytes.begin() + 8 + long(n)));
+  EXPECT_EQ(j["a"]["dtype"], "F32");
+  EXPECT_EQ(j["a"]["shape"], nlohmann::json({2, 3}));
+  EXPECT_EQ(j["a"]["data_offsets"], nlohmann::json({0, 24}));
+  EXPECT_EQ(j["b.x"]["data_offsets"], nlohmann::json({24, 40}));
+  EXPECT_EQ(j["__metadata__"], nlohmann::json(meta));
+  float second;
+  std::memcpy(&second, bytes.data() + 8 + n + 24 + 4, 4);
+  EXPECT_EQ(second, 0.5f);  // b.x[1]
+  // Read back; whatever the out-parameter held before is replaced.
+  attn::io::Metadata back = {{"stale", "x"}};
+  const auto r = attn::io::read_safetensors<float>(p, {}, &back);
+  EXPECT_EQ(back, meta);
+  EXPECT_EQ(r.at("a").data, t.at("a").data);
+  EXPECT_EQ(r.at("b.x").data, t.at("b.x").data);
+  EXPECT_EQ(r.at("b.x").shape, (std::vector<int64_t>{4}));
+  // Without metadata the file has no "__metadata__" entry and the out-parameter comes back empty.
+  const Bytes plain = attn::io::encode_safetensors(t);
+  EXPECT_EQ(std::string(plain.begin(), plain.end()).find("__metadata__"), std::string::npos);
+  attn::io::parse_safetensors<float>(plain.data(), plain.size(), "plain", {}, &back);
+  EXPECT_TRUE(back.empty());
+}
+
+// The format allows only string values in "__metadata__"; anything else is
+// refused whether or not the caller asks for the metadata.
+TEST(Safetensors, MetadataMustBeAnObjectOfStrings) {
+  const Bytes data = raw(std::vector<float>{1, 2});
+  const std::string w = R"("w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]})";
+  auto file = [&](const std::string& meta) { return st_bytes("{\"__metadata__\":" + meta + "," + w + "}", data); };
+  attn::io::Metadata m;
+  const Bytes good = file(R"({"k":"v"})");
+  EXPECT_EQ(attn::io::parse_safetensors<double>(good.data(), good.size(), "w.safetensors", {}, &m).at("w").data,
+            (std::vector<double>{1, 2}));
+  EXPECT_EQ(m, (attn::io::Metadata{{"k", "v"}}));
+  EXPECT_TRUE(throws_with([&] { parse_st(file(R"({"format":"pt","n":3})")); },
+                          {"w.safetensors", "'__metadata__' entry 'n' is not a string (found number)"}));
+  EXPECT_TRUE(throws_with([&] { parse_st(file(R"({"k":{"a":"b"}})")); }, {"w.safetensors", "entry 'k'", "found object"}));
+  EXPECT_TRUE(throws_with([&] { parse_st(file(R"({"k":null})")); }, {"entry 'k'", "found null"}));
+  EXPECT_TRUE(throws_with([&] { parse_st(file(R"(["k","v"])")); }, {"w.safetensors", "'__metadata__' is not a JSON object"}));
+  EXPECT_TRUE(throws_with([&] { parse_st(file(R"("pt")")); }, {"'__metadata__' is not a JSON object"}));
+  EXPECT_THROW(parse_st(file("3")), attn::io::FileError);
+  // Writing: "__metadata__" is no tensor name, and text must be valid UTF-8.
+  TempDir dir;
+  std::map<std::string, Array<double>> t;
+  t["__metadata__"] = {{1}, {1}, DType::f64};
+  EXPECT_TRUE(throws_with([&] { attn::io::encode_safetensors(t); }, {"'__metadata__' is not a tensor name"}));
+  const std::string p = dir / "x.safetensors";
+  EXPECT_TRUE(throws_with([&] { attn::io::write_safetensors(p, t); }, {p, "'__metadata__' is not a tensor name"}));
+  EXPECT_FALSE(fs::exists(p));
+  t.clear();
+  t["w"] = {{1}, {1}, DType::f64};
+  EXPECT_TRUE(throws_with([&] { attn::io::write_safetensors(p, t, {{"k", "\xff"}}); }, {p, "not valid UTF-8"}));
+  EXPECT_FALSE(fs::exists(p));
+}
+
 TEST(Safetensors, MalformedFilesGetClearErrors) {
   const Bytes data = raw(std::vector<float>{1, 2, 3, 4});
   auto bad = [](const Bytes& b, std::initializer_list<std::string> parts, const attn::io::Limits& lim = {}) {
@@ -281,7 +355,8 @@ TEST(Parsers, SurviveMutatedInputs) {
   std::map<std::string, Array<float>> t;
   t["a"] = {{2, 3}, v, DType::f32};
   t["b"] = {{3}, {7, 8, 9}, DType::f32};
-  const Bytes st = attn::io::encode_safetensors(t);
+  const Bytes st = attn::io::encode_safetensors(t, {{"format", "pt"}, {"step", "12"}});
+  attn::io::Metadata meta;
   int parsed = 0, rejected = 0;
   for (int it = 0; it < 3000; ++it) {
     Bytes b = (it % 2) ? npy : st;
@@ -297,7 +372,7 @@ TEST(Parsers, SurviveMutatedInputs) {
     }
     try {
       if (it % 2) attn::io::parse_npy<float>(b.data(), b.size(), "m");
-      else attn::io::parse_safetensors<float>(b.data(), b.size(), "m");
+      else attn::io::parse_safetensors<float>(b.data(), b.size(), "m", {}, &meta);
       ++parsed;
     } catch (const attn::io::FileError&) {
       ++rejected;

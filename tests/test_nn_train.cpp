@@ -1,6 +1,7 @@
-// Tasks, checkpoints (safetensors) and the training loop: a tiny run must
-// learn, runs are bit-for-bit reproducible, and a resumed run continues the
-// same curve.
+// Tasks, checkpoints and the training loop: a tiny run must learn, runs are
+// bit-for-bit reproducible, a resumed run continues the same curve, and a
+// checkpoint file (read back through attn::io) holds exactly the model and
+// optimizer state. The safetensors format itself is tested in test_io.cpp.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -8,9 +9,15 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <map>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <set>
+#include <string>
+#include <utility>
+#include <vector>
 
+#include "attn/io.hpp"
 #include "attn/nn.hpp"
 #include "testing.hpp"
 
@@ -76,56 +83,6 @@ TEST(NnTasks, SequencesFollowTheirDefinitions) {
   }
   EXPECT_TRUE(attn::testing::throws_with([] { nn::Task t({nn::TaskKind::recall, 9, 8}); }, {"distinct keys", "length (9)"}));
   EXPECT_TRUE(attn::testing::throws_with([] { nn::parse_task("shuffle"); }, {"unknown task 'shuffle'"}));
-}
-
-TEST(NnSafetensors, RoundTripAndHeaderLayout) {
-  const std::string path = temp_path("rt.safetensors");
-  Tensor<float> a({2, 3});
-  Tensor<double> b({4});
-  for (size_t i = 0; i < a.size(); ++i) a[i] = float(i) * 0.5f - 1.f;
-  for (size_t i = 0; i < b.size(); ++i) b[i] = 1.0 / double(i + 1);
-  nn::SafetensorsFile f;
-  f.tensors["a"] = nn::to_stored(a);
-  f.tensors["b.x"] = nn::to_stored(b);
-  f.metadata["k"] = "v";
-  nn::write_safetensors(path, f);
-  // the format by hand: 8-byte length, JSON header, data
-  std::ifstream in(path, std::ios::binary);
-  uint64_t n = 0;
-  in.read(reinterpret_cast<char*>(&n), 8);
-  std::string h(n, '\0');
-  in.read(h.data(), std::streamsize(n));
-  EXPECT_EQ(n % 8, 0u);
-  const auto j = nlohmann::json::parse(h);
-  EXPECT_EQ(j["a"]["dtype"], "F32");
-  EXPECT_EQ(j["a"]["shape"], nlohmann::json({2, 3}));
-  EXPECT_EQ(j["a"]["data_offsets"], nlohmann::json({0, 24}));
-  EXPECT_EQ(j["b.x"]["data_offsets"], nlohmann::json({24, 56}));
-  EXPECT_EQ(j["__metadata__"]["k"], "v");
-  EXPECT_EQ(fs::file_size(path), 8 + n + 56);
-  const auto g = nn::read_safetensors(path);
-  Tensor<float> a2({2, 3});
-  Tensor<double> b2({4});
-  nn::from_stored(g.tensors.at("a"), a2, "a");
-  nn::from_stored(g.tensors.at("b.x"), b2, "b.x");
-  EXPECT_TRUE(attn::testing::all_close(a2, a, 0.0, "a"));
-  EXPECT_TRUE(attn::testing::all_close(b2, b, 0.0, "b"));
-  EXPECT_EQ(g.metadata.at("k"), "v");
-  Tensor<float> wrong({3, 2});
-  EXPECT_TRUE(attn::testing::throws_with([&] { nn::from_stored(g.tensors.at("a"), wrong, "a"); },
-                                         {"tensor 'a'", "(2, 3)", "expected (3, 2)"}));
-  // no temporary file is left next to the target
-  for (const auto& e : fs::directory_iterator(fs::path(path).parent_path()))
-    EXPECT_EQ(e.path().string().find(path + ".tmp"), std::string::npos);
-  // a truncated file is rejected with its path in the message
-  fs::resize_file(path, 8 + n + 10);
-  EXPECT_TRUE(attn::testing::throws_with([&] { nn::read_safetensors(path); }, {path, "data_offsets"}));
-  std::ofstream(path, std::ios::binary) << "abc";
-  EXPECT_TRUE(attn::testing::throws_with([&] { nn::read_safetensors(path); }, {path, "8-byte"}));
-  fs::remove(path);
-  EXPECT_TRUE(attn::testing::throws_with([&] { nn::read_safetensors(path); }, {path, "cannot open"}));
-  EXPECT_TRUE(attn::testing::throws_with([&] { nn::write_safetensors("/nonexistent-dir/x.safetensors", f); },
-                                         {"/nonexistent-dir/x.safetensors"}));
 }
 
 // A tiny configuration that learns `reverse` of 4 symbols in a few seconds.
@@ -220,6 +177,127 @@ TEST(NnTrain, ResumeContinuesTheSameCurve) {
     EXPECT_TRUE(attn::testing::throws_with([&] { nn::train(c); }, {"different model", half_ckpt}));
     fs::remove(full_ckpt);
     fs::remove(half_ckpt);
+  }
+}
+
+// One optimizer step on a batch, so that parameters and state are not at their
+// initial values.
+void take_one_step(nn::Transformer<float>& model, nn::Optimizer<float>& opt, const nn::TrainConfig& c) {
+  nn::Task task(c.task);
+  nn::Rng rng(5);
+  const auto batch = task.sample(4, rng);
+  Tensor<float> logits, dlogits;
+  model.zero_grad();
+  model.forward(batch.tokens.data(), batch.B, batch.N, logits);
+  nn::softmax_cross_entropy<float>(logits, batch.targets.data(), &dlogits);
+  model.backward(dlogits);
+  opt.step(1e-2);
+}
+
+std::vector<double> values(const Tensor<float>& t) { return std::vector<double>(t.data(), t.data() + t.size()); }
+
+// The file as attn::io reads it: every parameter and optimizer state tensor
+// under its name with its exact values, and the run's metadata; an F64 copy
+// loads back; a mismatching file is refused naming the path, tensor and shapes.
+TEST(NnTrain, CheckpointFileHoldsModelStateAndMetadata) {
+  for (const std::string optimizer : {"adamw", "sgd"}) {
+    nn::TrainConfig c = tiny_config();
+    c.optimizer = optimizer;
+    const nn::ModelConfig mc = nn::model_config(c);
+    nn::Transformer<float> model(mc, 1);
+    auto make_optimizer = [&](std::vector<nn::ParamRef<float>> ps) -> std::unique_ptr<nn::Optimizer<float>> {
+      if (optimizer == "adamw") return std::make_unique<nn::AdamW<float>>(std::move(ps), nn::AdamWConfig{});
+      return std::make_unique<nn::Sgd<float>>(std::move(ps), nn::SgdConfig{});
+    };
+    auto params = model.parameters();
+    const auto opt = make_optimizer(params);
+    take_one_step(model, *opt, c);
+    const std::string path = temp_path("state.safetensors"), path64 = temp_path("state64.safetensors");
+    nn::save_training_checkpoint<float>(path, model, opt.get(), 7, c);
+
+    attn::io::Metadata meta;
+    const auto file = attn::io::read_safetensors<double>(path, {}, &meta);
+    EXPECT_EQ(meta.size(), 4u);
+    EXPECT_EQ(meta.at("format"), "attn.nn.checkpoint/1");
+    EXPECT_EQ(meta.at("step"), "7");
+    EXPECT_EQ(meta.at("optimizer_steps"), "1");
+    const auto config = nlohmann::json::parse(meta.at("config"));
+    EXPECT_EQ(config.at("task"), "reverse");
+    EXPECT_EQ(config.at("dim"), 32);
+    EXPECT_EQ(config.at("optimizer"), optimizer);
+    size_t expected = 0, nonzero_state = 0;
+    for (const auto& p : params) {
+      const auto& a = file.at(p.name);
+      EXPECT_EQ(a.stored, attn::io::DType::f32) << p.name;
+      EXPECT_EQ(a.shape, p.value->shape()) << p.name;
+      EXPECT_EQ(a.data, values(*p.value)) << p.name;
+      ++expected;
+    }
+    std::map<std::string, Tensor<float>*> state;
+    for (const auto& [name, t] : opt->state()) state[name] = t;
+    for (const auto& p : params)
+      for (const std::string& prefix : optimizer == "sgd" ? std::vector<std::string>{"sgd.momentum."}
+                                                         : std::vector<std::string>{"adamw.m.", "adamw.v."}) {
+        const std::string name = prefix + p.name;
+        ASSERT_EQ(state.count(name), 1u) << name;
+        const auto& a = file.at(name);
+        EXPECT_EQ(a.shape, p.value->shape()) << name;
+        EXPECT_EQ(a.data, values(*state[name])) << name;
+        for (double v : a.data) nonzero_state += v != 0;
+        ++expected;
+      }
+    EXPECT_EQ(state.size(), expected - params.size());
+    EXPECT_EQ(file.size(), expected);
+    EXPECT_GT(nonzero_state, 0u);
+
+    // The same values stored as F64 load into a fresh float model and optimizer.
+    attn::io::write_safetensors(path64, file, meta);
+    EXPECT_EQ(attn::io::read_safetensors<float>(path64).at(params[0].name).stored, attn::io::DType::f64);
+    nn::Transformer<float> other(mc, 2);
+    auto other_params = other.parameters();
+    const auto other_opt = make_optimizer(other_params);
+    EXPECT_EQ(nn::load_training_checkpoint<float>(path64, other, other_opt.get()), 7);
+    EXPECT_EQ(other_opt->steps_taken, 1);
+    for (size_t i = 0; i < params.size(); ++i)
+      EXPECT_EQ(values(*other_params[i].value), values(*params[i].value)) << params[i].name;
+    for (const auto& [name, t] : other_opt->state()) EXPECT_EQ(values(*t), values(*state.at(name))) << name;
+
+    // A tensor of another shape (the last matrix, so others load before it is
+    // reached): the error names the file, the tensor and both shapes, and the
+    // model is left untouched.
+    auto wrong = file;
+    std::string matrix;
+    for (const auto& p : params)
+      if (p.value->shape().size() == 2) matrix = p.name;
+    const auto shape = file.at(matrix).shape;
+    ASSERT_NE(shape[0], shape[1]) << matrix;
+    wrong.at(matrix).shape = {shape[1], shape[0]};
+    attn::io::write_safetensors(path64, wrong, meta);
+    const std::string want = "has shape " + attn::io::shape_string({shape[1], shape[0]}) + ", the model expects " +
+                             attn::io::shape_string(shape);
+    nn::Transformer<float> fresh(mc, 3);
+    const auto before = values(*fresh.parameters()[0].value);
+    EXPECT_TRUE(attn::testing::throws_with([&] { nn::load_training_checkpoint<float>(path64, fresh, nullptr); },
+                                           {path64, "tensor '" + matrix + "'", want}));
+    EXPECT_EQ(values(*fresh.parameters()[0].value), before);
+    EXPECT_NE(before, values(*params[0].value));
+    // Metadata that is missing or not a count.
+    auto bad = meta;
+    bad.erase("format");
+    attn::io::write_safetensors(path64, file, bad);
+    EXPECT_TRUE(attn::testing::throws_with([&] { nn::load_training_checkpoint<float>(path64, other, nullptr); },
+                                           {path64, "metadata lacks 'format'"}));
+    bad = meta;
+    bad["step"] = "7x";
+    attn::io::write_safetensors(path64, file, bad);
+    EXPECT_TRUE(attn::testing::throws_with([&] { nn::load_training_checkpoint<float>(path64, other, nullptr); },
+                                           {path64, "metadata 'step' is '7x'", "non-negative integer"}));
+    bad = meta;
+    bad["config"] = "{\"task\": 3}";
+    attn::io::write_safetensors(path64, file, bad);
+    EXPECT_TRUE(attn::testing::throws_with([&] { nn::checkpoint_config(path64); }, {path64, "malformed config"}));
+    fs::remove(path);
+    fs::remove(path64);
   }
 }
 

@@ -81,18 +81,29 @@ template <class T>
 std::vector<unsigned char> encode_npy(const std::vector<int64_t>& shape, const T* data);
 
 // ---- .safetensors --------------------------------------------------------------
+// The file's optional "__metadata__" entry: a flat JSON object whose values
+// are all strings (the format allows nothing else).
+using Metadata = std::map<std::string, std::string>;
+
 // Reads every tensor of a safetensors file (F32/F64), converted to T, by name.
-// The optional "__metadata__" entry is ignored.
+// When `metadata` is given it receives the "__metadata__" entry (empty when
+// the file has none). Either way a "__metadata__" that is not an object of
+// strings is refused.
 template <class T>
-std::map<std::string, Array<T>> read_safetensors(const std::string& path, const Limits& limits = {});
+std::map<std::string, Array<T>> read_safetensors(const std::string& path, const Limits& limits = {},
+                                                 Metadata* metadata = nullptr);
 template <class T>
 std::map<std::string, Array<T>> parse_safetensors(const unsigned char* bytes, size_t size,
-                                                  const std::string& name, const Limits& limits = {});
-// Writes the tensors as type T (F32 or F64), atomically.
+                                                  const std::string& name, const Limits& limits = {},
+                                                  Metadata* metadata = nullptr);
+// Writes the tensors as type T (F32 or F64), atomically, with `metadata` as
+// "__metadata__" (omitted when empty). No tensor may be named "__metadata__".
 template <class T>
-void write_safetensors(const std::string& path, const std::map<std::string, Array<T>>& tensors);
+void write_safetensors(const std::string& path, const std::map<std::string, Array<T>>& tensors,
+                       const Metadata& metadata = {});
 template <class T>
-std::vector<unsigned char> encode_safetensors(const std::map<std::string, Array<T>>& tensors);
+std::vector<unsigned char> encode_safetensors(const std::map<std::string, Array<T>>& tensors,
+                                              const Metadata& metadata = {});
 
 // ---- plumbing shared by the writers ----------------------------------------------
 // Reads a whole file (at most max_bytes, else FileError).

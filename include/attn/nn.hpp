@@ -3,7 +3,6 @@
 // checkpoints and the training loop.
 #pragma once
 
-#include "attn/nn/checkpoint.hpp"
 #include "attn/nn/layers.hpp"
 #include "attn/nn/model.hpp"
 #include "attn/nn/optim.hpp"

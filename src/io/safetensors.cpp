@@ -1,6 +1,7 @@
 // safetensors: an 8-byte little-endian header length N, N bytes of JSON
 // mapping each tensor name to {dtype, shape, data_offsets: [begin, end]}
 // (offsets relative to the byte buffer after the header), then the buffer.
+// An optional "__metadata__" entry maps string keys to string values.
 // The JSON is parsed by nlohmann-json after a cheap nesting-depth scan; every
 // entry is checked (dtype, shape overflow, offsets inside the buffer, size
 // matching the shape, no two tensors overlapping) before any tensor is
@@ -45,6 +46,18 @@ uint64_t as_u64(const json& j, const std::string& name, const std::string& what)
   return j.get<uint64_t>();
 }
 
+// The "__metadata__" entry: an object whose values are all strings.
+Metadata read_metadata(const json& m, const std::string& name) {
+  if (!m.is_object()) fail(name, "'__metadata__' is not a JSON object (expected string keys and values)");
+  Metadata out;
+  for (auto it = m.begin(); it != m.end(); ++it) {
+    if (!it.value().is_string())
+      fail(name, "'__metadata__' entry '" + it.key() + "' is not a string (found " + it.value().type_name() + ")");
+    out.emplace(it.key(), it.value().get<std::string>());
+  }
+  return out;
+}
+
 struct Entry {
   std::string key;
   DType dtype;
@@ -56,7 +69,7 @@ struct Entry {
 
 template <class T>
 std::map<std::string, Array<T>> parse_safetensors(const unsigned char* bytes, size_t size, const std::string& name,
-                                                  const Limits& limits) {
+                                                  const Limits& limits, Metadata* metadata) {
   if (size < 8) fail(name, "not a safetensors file (shorter than its 8-byte header length)");
   uint64_t n = 0;
   for (int i = 7; i >= 0; --i) n = (n << 8) | bytes[i];
@@ -75,8 +88,12 @@ std::map<std::string, Array<T>> parse_safetensors(const unsigned char* bytes, si
 
   const uint64_t buffer = size - 8 - n;
   std::vector<Entry> entries;
+  Metadata meta;
   for (auto it = header.begin(); it != header.end(); ++it) {
-    if (it.key() == "__metadata__") continue;
+    if (it.key() == "__metadata__") {
+      meta = read_metadata(it.value(), name);
+      continue;
+    }
     if (int(entries.size()) >= limits.max_tensors)
       fail(name, "more than " + std::to_string(limits.max_tensors) + " tensors");
     const std::string where = "tensor '" + it.key() + "'";
@@ -133,18 +150,21 @@ std::map<std::string, Array<T>> parse_safetensors(const unsigned char* bytes, si
     detail::decode_any(e.dtype, base + e.begin, count, false, a.data.data());
     out.emplace(e.key, std::move(a));
   }
+  if (metadata) *metadata = std::move(meta);
   return out;
 }
 
 template <class T>
-std::map<std::string, Array<T>> read_safetensors(const std::string& path, const Limits& limits) {
+std::map<std::string, Array<T>> read_safetensors(const std::string& path, const Limits& limits, Metadata* metadata) {
   const std::vector<unsigned char> bytes = read_file(path, limits.max_file_bytes);
-  return parse_safetensors<T>(bytes.data(), bytes.size(), path, limits);
+  return parse_safetensors<T>(bytes.data(), bytes.size(), path, limits, metadata);
 }
 
 template <class T>
-std::vector<unsigned char> encode_safetensors(const std::map<std::string, Array<T>>& tensors) {
+std::vector<unsigned char> encode_safetensors(const std::map<std::string, Array<T>>& tensors,
+                                              const Metadata& metadata) {
   json header = json::object();
+  if (!metadata.empty()) header["__metadata__"] = metadata;
   uint64_t offset = 0;
   for (const auto& [key, a] : tensors) {
     if (key == "__metadata__") throw FileError("attn::io::write_safetensors: '__metadata__' is not a tensor name");
@@ -157,7 +177,12 @@ std::vector<unsigned char> encode_safetensors(const std::map<std::string, Array<
                    {"data_offsets", {offset, offset + nbytes}}};
     offset += nbytes;
   }
-  std::string text = header.dump();
+  std::string text;
+  try {
+    text = header.dump();
+  } catch (const json::type_error&) {
+    throw FileError("attn::io::write_safetensors: a tensor name or metadata entry is not valid UTF-8");
+  }
   text.append((8 - text.size() % 8) % 8, ' ');  // keep the buffer 8-byte aligned
   std::vector<unsigned char> out(8 + text.size() + offset);
   uint64_t n = text.size();
@@ -172,17 +197,25 @@ std::vector<unsigned char> encode_safetensors(const std::map<std::string, Array<
 }
 
 template <class T>
-void write_safetensors(const std::string& path, const std::map<std::string, Array<T>>& tensors) {
-  const auto bytes = encode_safetensors(tensors);
+void write_safetensors(const std::string& path, const std::map<std::string, Array<T>>& tensors,
+                       const Metadata& metadata) {
+  std::vector<unsigned char> bytes;
+  try {
+    bytes = encode_safetensors(tensors, metadata);
+  } catch (const FileError& e) {
+    detail::fail(path, e.what());
+  }
   write_file_atomic(path, bytes.data(), bytes.size());
 }
 
 #define ATTN_IO_ST(T)                                                                                          \
   template std::map<std::string, Array<T>> parse_safetensors<T>(const unsigned char*, size_t,                 \
-                                                                const std::string&, const Limits&);          \
-  template std::map<std::string, Array<T>> read_safetensors<T>(const std::string&, const Limits&);            \
-  template std::vector<unsigned char> encode_safetensors<T>(const std::map<std::string, Array<T>>&);         \
-  template void write_safetensors<T>(const std::string&, const std::map<std::string, Array<T>>&);
+                                                                const std::string&, const Limits&, Metadata*); \
+  template std::map<std::string, Array<T>> read_safetensors<T>(const std::string&, const Limits&, Metadata*); \
+  template std::vector<unsigned char> encode_safetensors<T>(const std::map<std::string, Array<T>>&,          \
+                                                            const Metadata&);                                \
+  template void write_safetensors<T>(const std::string&, const std::map<std::string, Array<T>>&,             \
+                                     const Metadata&);
 ATTN_IO_ST(float)
 ATTN_IO_ST(double)
 #undef ATTN_IO_ST

@@ -3,13 +3,19 @@
 // and the curve.
 #include "attn/nn/train.hpp"
 
+#include <algorithm>
+#include <charconv>
 #include <chrono>
 #include <cmath>
+#include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <type_traits>
+#include <utility>
+#include <vector>
 
-#include "attn/nn/checkpoint.hpp"
+#include "attn/io.hpp"
 #include "attn/nn/optim.hpp"
 
 namespace attn::nn {
@@ -121,6 +127,30 @@ void qk_grad_norms(Transformer<T>& model, double& q, double& k) {
   k = std::sqrt(sk);
 }
 
+// Checkpoints hold three tensors per parameter with AdamW; let the header
+// size, not the tensor count, bound what is read.
+io::Limits checkpoint_limits() {
+  io::Limits lim;
+  lim.max_tensors = 1 << 20;
+  return lim;
+}
+
+// A metadata value that must be present; `who` prefixes the error.
+const std::string& metadata_value(const io::Metadata& meta, const char* key, const std::string& who) {
+  auto it = meta.find(key);
+  if (it == meta.end()) throw Error(who + "metadata lacks '" + key + "' (not an attn training checkpoint?)");
+  return it->second;
+}
+
+int64_t metadata_int(const io::Metadata& meta, const char* key, const std::string& who) {
+  const std::string& v = metadata_value(meta, key, who);
+  int64_t out = 0;
+  const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), out);
+  if (ec != std::errc() || end != v.data() + v.size() || out < 0)
+    throw Error(who + "metadata '" + key + "' is '" + v + "', expected a non-negative integer");
+  return out;
+}
+
 }  // namespace
 
 void TrainConfig::validate() const {
@@ -181,53 +211,69 @@ EvalResult evaluate(Transformer<T>& model, const Task& task, int64_t examples, u
   return r;
 }
 
+// Checkpoints are safetensors files written and read by attn::io: every
+// parameter and optimizer state tensor under its name, stored as T (F32 for
+// float); the format tag, step, optimizer step count and configuration go in
+// the metadata. Loading accepts F32 and F64 files into either type.
 template <class T>
 void save_training_checkpoint(const std::string& path, Transformer<T>& model, Optimizer<T>* optimizer, int64_t step,
                               const TrainConfig& config) {
-  SafetensorsFile f;
-  for (const auto& p : model.parameters()) f.tensors[p.name] = to_stored(*p.value);
+  std::map<std::string, io::Array<T>> tensors;
+  auto store = [&](const std::string& name, const Tensor<T>& t) {
+    io::Array<T>& a = tensors[name];
+    a.shape = t.shape();
+    a.data.assign(t.data(), t.data() + t.size());
+    a.stored = std::is_same_v<T, float> ? io::DType::f32 : io::DType::f64;
+  };
+  for (const auto& p : model.parameters()) store(p.name, *p.value);
+  io::Metadata meta;
   if (optimizer) {
-    for (const auto& [name, t] : optimizer->state()) f.tensors[name] = to_stored(*t);
-    f.metadata["optimizer_steps"] = std::to_string(optimizer->steps_taken);
+    for (const auto& [name, t] : optimizer->state()) store(name, *t);
+    meta["optimizer_steps"] = std::to_string(optimizer->steps_taken);
   }
-  f.metadata["format"] = kFormat;
-  f.metadata["step"] = std::to_string(step);
-  f.metadata["config"] = config_json(config).dump();
-  write_safetensors(path, f);
+  meta["format"] = kFormat;
+  meta["step"] = std::to_string(step);
+  meta["config"] = config_json(config).dump();
+  io::write_safetensors(path, tensors, meta);
 }
 
 template <class T>
 int64_t load_training_checkpoint(const std::string& path, Transformer<T>& model, Optimizer<T>* optimizer) {
-  const SafetensorsFile f = read_safetensors(path);
-  auto fail = [&](const std::string& m) { throw Error("attn::nn::load_training_checkpoint: '" + path + "': " + m); };
-  auto meta = [&](const char* key) {
-    auto it = f.metadata.find(key);
-    if (it == f.metadata.end()) fail(std::string("metadata lacks '") + key + "' (not an attn training checkpoint?)");
-    return it->second;
+  const std::string who = "attn::nn::load_training_checkpoint: '" + path + "': ";
+  io::Metadata meta;
+  const auto tensors = io::read_safetensors<T>(path, checkpoint_limits(), &meta);
+  if (metadata_value(meta, "format", who) != kFormat)
+    throw Error(who + "format '" + meta.at("format") + "', expected " + kFormat);
+  // Check every tensor and count first, so a mismatching file leaves the model untouched.
+  std::vector<std::pair<const io::Array<T>*, Tensor<T>*>> copies;
+  auto check = [&](const std::string& name, Tensor<T>& dst) {
+    auto it = tensors.find(name);
+    if (it == tensors.end()) throw Error(who + "no tensor '" + name + "' (was it written for a different model?)");
+    if (it->second.shape != dst.shape())
+      throw Error(who + "tensor '" + name + "' has shape " + io::shape_string(it->second.shape) +
+                  ", the model expects " + io::shape_string(dst.shape()));
+    copies.emplace_back(&it->second, &dst);
   };
-  if (meta("format") != kFormat) fail("format '" + meta("format") + "', expected " + kFormat);
-  auto load = [&](const std::string& name, Tensor<T>& dst) {
-    auto it = f.tensors.find(name);
-    if (it == f.tensors.end()) fail("no tensor '" + name + "' (was it written for a different model?)");
-    from_stored(it->second, dst, name);
-  };
-  for (const auto& p : model.parameters()) load(p.name, *p.value);
+  for (const auto& p : model.parameters()) check(p.name, *p.value);
+  int64_t optimizer_steps = 0;
   if (optimizer) {
-    for (const auto& [name, t] : optimizer->state()) load(name, *t);
-    optimizer->steps_taken = std::stoll(meta("optimizer_steps"));
+    for (const auto& [name, t] : optimizer->state()) check(name, *t);
+    optimizer_steps = metadata_int(meta, "optimizer_steps", who);
   }
-  return std::stoll(meta("step"));
+  const int64_t step = metadata_int(meta, "step", who);
+  for (const auto& [src, dst] : copies) std::copy(src->data.begin(), src->data.end(), dst->data());
+  if (optimizer) optimizer->steps_taken = optimizer_steps;
+  return step;
 }
 
 TrainConfig checkpoint_config(const std::string& path) {
-  const SafetensorsFile f = read_safetensors(path);
-  auto it = f.metadata.find("config");
-  if (it == f.metadata.end())
-    throw Error("attn::nn::checkpoint_config: '" + path + "' has no 'config' metadata (not an attn training checkpoint?)");
+  const std::string who = "attn::nn::checkpoint_config: '" + path + "': ";
+  io::Metadata meta;
+  io::read_safetensors<float>(path, checkpoint_limits(), &meta);
   try {
-    return config_from_json(nlohmann::json::parse(it->second));
+    return config_from_json(nlohmann::json::parse(metadata_value(meta, "config", who)));
   } catch (const nlohmann::json::exception& e) {
-    throw Error("attn::nn::checkpoint_config: '" + path + "': malformed config metadata: " + e.what());
+    throw Error(who + "malformed config metadata: " + e.what());
   }
 }
 
@@ -240,7 +286,8 @@ void write_curve_csv(const std::string& path, const std::vector<TrainRecord>& cu
     os << r.step << ',' << r.lr << ',' << r.loss << ',' << r.token_acc << ',' << r.seq_acc << ',' << r.grad_norm << ','
        << r.grad_norm_q << ',' << r.grad_norm_k << ',' << r.tokens_per_s << ',' << r.elapsed_s << ','
        << r.eval_token_acc << ',' << r.eval_seq_acc << '\n';
-  write_file_atomic(path, os.str(), "attn::nn::write_curve_csv");
+  const std::string text = os.str();
+  io::write_file_atomic(path, text.data(), text.size());
 }
 
 TrainResult train(const TrainConfig& cfg, const ProgressCallback& progress) {

@@ -89,8 +89,9 @@ TrainResult train(const TrainConfig& config, const ProgressCallback& progress = 
 template <class T>
 EvalResult evaluate(Transformer<T>& model, const Task& task, int64_t examples, uint64_t seed);
 
-// Checkpoints of a training run: all parameters, the optimizer state, the
-// step and the configuration (as metadata).
+// Checkpoints of a training run, safetensors files written through attn::io:
+// all parameters, the optimizer state, and the step and configuration as
+// metadata. Errors name the path (and the tensor and shapes on a mismatch).
 template <class T>
 void save_training_checkpoint(const std::string& path, Transformer<T>& model, Optimizer<T>* optimizer,
                               int64_t step, const TrainConfig& config);
