@@ -7,7 +7,8 @@ Functions follow PyTorch's names and argument conventions:
                                       *, backend="auto", return_lse=False,
                                       return_weights=False)
     attn.scaled_dot_product_attention_backward(grad_output, q, k, v, ...)
-    attn.MultiheadAttention(embed_dim, num_heads, ...)   # like torch.nn.MultiheadAttention
+    attn.MultiheadAttention(embed_dim, num_heads, ...)   # like torch.nn.MultiheadAttention,
+                                                         # plus backward(), grads(), zero_grad()
 
 Inputs are NumPy arrays or CPU torch tensors (float32 or float64, any
 strides), used in place. `attn.torch` (importable when PyTorch is installed)

@@ -63,7 +63,9 @@ def resolve_backend(
     """The backend ("reference" or "fused") a call with these arguments runs."""
 
 class MultiheadAttention:
-    """torch.nn.MultiheadAttention's interface, computed by libattn."""
+    """torch.nn.MultiheadAttention's interface, computed by libattn, with a
+    backward pass: forward() saves its state, backward(grad_output) returns the
+    input gradients and accumulates the parameter gradients (grads())."""
 
     embed_dim: int
     num_heads: int
@@ -93,6 +95,19 @@ class MultiheadAttention:
     def parameter_names(self) -> List[str]: ...
     def state_dict(self) -> Dict[str, npt.NDArray[np.floating[Any]]]: ...
     def load_state_dict(self, state_dict: Dict[str, ArrayLike], strict: bool = True) -> None: ...
+    def grads(self) -> Dict[str, npt.NDArray[np.floating[Any]]]:
+        """Copies of the accumulated parameter gradients, by state_dict name."""
+    def zero_grad(self) -> None:
+        """Resets every parameter gradient to zero."""
+    def backward(self, grad_output: ArrayLike, *, retain_graph: bool = False) -> Dict[str, Optional[Any]]:
+        """Backward pass of the most recent forward() call, from grad_output
+        (the shape and dtype of that call's attn_output).
+
+        Returns {'query', 'key', 'value'} gradients in the inputs' shapes and
+        layout (torch tensors if forward returned tensors). After a call with
+        query is key is value, 'query' is the total gradient of that input
+        and 'key' / 'value' are None. Parameter gradients are added to
+        grads(). The saved state is released unless retain_graph=True."""
     def forward(
         self,
         query: ArrayLike,
@@ -105,7 +120,8 @@ class MultiheadAttention:
         is_causal: bool = False,
         *,
         backend: Backend = "auto",
-    ) -> Tuple[Any, Optional[Any]]: ...
+    ) -> Tuple[Any, Optional[Any]]:
+        """(attn_output, attn_weights); also saves what backward() needs."""
     def __call__(
         self,
         query: ArrayLike,

@@ -7,11 +7,17 @@ unbatched (L, E). The (L, N, E) layout reaches the library as a strided view
 converted here: PyTorch's boolean attn_mask is True where attention is NOT
 allowed, the library's is True where it is; key_padding_mask means "True =
 padding" in both.
+
+Training: forward() saves what backward() needs (the library's cache, plus
+the mask arrays it points into) on the layer, as a torch module's autograd
+graph would; backward(grad_output) turns it into input gradients and adds
+the parameter gradients to grads().
 """
 
 from __future__ import annotations
 
 import sys
+import threading
 from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
@@ -33,6 +39,26 @@ def _canon_mask(x: Any, name: str, dtype: np.dtype) -> Optional[np.ndarray]:
     raise ValueError(f"{_FN}.forward: '{name}' has dtype {m.dtype}, expected bool or a float dtype")
 
 
+class _Saved:
+    """What backward() needs from one forward() call: the extension's cache
+    (which also holds the mask arrays alive) and the call's layout."""
+
+    __slots__ = ("cache", "version", "batched", "batch_first", "torch_out", "self_attention", "out_shape",
+                 "in_shapes")
+
+    def __init__(self, cache: Any, version: int, batched: bool, batch_first: bool, torch_out: bool,
+                 self_attention: bool, out_shape: Tuple[int, ...],
+                 in_shapes: Tuple[Tuple[int, ...], ...]) -> None:
+        self.cache = cache
+        self.version = version
+        self.batched = batched
+        self.batch_first = batch_first
+        self.torch_out = torch_out
+        self.self_attention = self_attention
+        self.out_shape = tuple(out_shape)
+        self.in_shapes = in_shapes
+
+
 class MultiheadAttention:
     """Multi-head attention with the constructor, forward() and state_dict names
     of torch.nn.MultiheadAttention, computed by libattn.
@@ -51,6 +77,12 @@ class MultiheadAttention:
 
     Load trained weights with load_state_dict(torch_mha.state_dict()) (tensors
     or arrays); read them with state_dict().
+
+    Training: every forward() call remembers what the backward pass needs, so
+    `out, _ = mha(x, x, x); grads = mha.backward(dout)` gives the input
+    gradients and adds the parameter gradients to mha.grads() (by state_dict
+    name; zero_grad() clears them). Update the parameters (load_state_dict)
+    only after backward.
     """
 
     def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0, bias: bool = True,
@@ -74,8 +106,16 @@ class MultiheadAttention:
             seed = int(np.random.default_rng().integers(0, 2**63))
         cls = _attn.MultiheadAttentionF32 if self.dtype == np.float32 else _attn.MultiheadAttentionF64
         self._layer = cls(self.embed_dim, self.num_heads, self.bias, self.kdim, self.vdim, int(seed))
+        self._cache_cls = _attn.MhaCacheF32 if self.dtype == np.float32 else _attn.MhaCacheF64
         self.head_dim = self._layer.head_dim
         self._qkv_same_embed_dim = self._layer.packed_in_proj
+        # The state of the most recent forward call (None: nothing to
+        # differentiate), the parameters' version (bumped by load_state_dict,
+        # so a backward never mixes old activations with new weights), and a
+        # lock for the gradient buffers, which backward adds to.
+        self._saved: Optional[_Saved] = None
+        self._version = 0
+        self._grad_lock = threading.Lock()
 
     @staticmethod
     def _dtype(dtype: Any) -> np.dtype:
@@ -111,10 +151,23 @@ class MultiheadAttention:
             if missing or unexpected:
                 raise ValueError(f"{_FN}.load_state_dict: missing keys {missing}, unexpected keys "
                                  f"{unexpected}; this layer has {names}")
+        self._version += 1
         for n in names:
             if n in state_dict:
                 a = to_numpy(state_dict[n], _FN + ".load_state_dict", n)
                 self._layer.set_parameter(n, np.ascontiguousarray(a, dtype=self.dtype))
+
+    def grads(self) -> Dict[str, np.ndarray]:
+        """Copies of the parameter gradients accumulated by backward(), by
+        state_dict name (the keys and shapes of state_dict()). They start at
+        zero, and each backward() adds to them until zero_grad()."""
+        with self._grad_lock:
+            return {n: self._layer.get_grad(n) for n in self._layer.parameter_names()}
+
+    def zero_grad(self) -> None:
+        """Sets every parameter gradient to zero (call it between training steps)."""
+        with self._grad_lock:
+            self._layer.zero_grad()
 
     # Forward ------------------------------------------------------------------
 
@@ -130,17 +183,31 @@ class MultiheadAttention:
         sees keys j <= i (applied together with attn_mask when both are given).
         attn_weights: (N, L, S) averaged over heads, (N, num_heads, L, S) with
         average_attn_weights=False, or None when need_weights is False.
+
+        The layer keeps what backward() needs from this call (copies of the
+        inputs and projections, references to the masks) until the next
+        forward call or until backward() consumes it.
         """
+        # A failed call leaves nothing behind to differentiate.
+        self._saved = None
+        return self._forward(query, key, value, key_padding_mask, need_weights, attn_mask,
+                             average_attn_weights, is_causal, backend)
+
+    def _forward(self, query: Any, key: Any, value: Any, key_padding_mask: Any, need_weights: bool,
+                 attn_mask: Any, average_attn_weights: bool, is_causal: bool,
+                 backend: str) -> Tuple[Any, Optional[Any]]:
         fn = _FN + ".forward"
         torch_out = any(is_torch_tensor(x) for x in (query, key, value))
         if torch_out and sys.modules["torch"].is_grad_enabled() and any(
                 is_torch_tensor(x) and x.requires_grad for x in (query, key, value)):
             raise ValueError(f"{fn}: the inputs require grad, but this layer does not take part in "
-                             "torch autograd; call it under torch.no_grad() or on detached tensors "
-                             "(attn.torch.scaled_dot_product_attention is differentiable)")
+                             "torch autograd; call it under torch.no_grad() or on detached tensors and "
+                             "get gradients from its backward() (or use "
+                             "attn.torch.scaled_dot_product_attention, an autograd Function)")
         q = float_array(query, fn, "query", self.dtype)
         k = float_array(key, fn, "key", self.dtype)
         v = float_array(value, fn, "value", self.dtype)
+        in_shapes = (q.shape, k.shape, v.shape)
         same = query is key and key is value and self._qkv_same_embed_dim
         if q.ndim not in (2, 3):
             raise ValueError(f"{fn}: 'query' has shape {q.shape}, expected (L, N, E), (N, L, E) with "
@@ -198,12 +265,17 @@ class MultiheadAttention:
                 avg_w = np.empty((B, L, S), dtype)
             else:
                 head_w = np.empty((B, H, L, S), dtype)
-        self._layer.forward(q, k, v, out, mask, bias, kpm, bool(is_causal), backend, head_w, avg_w, same)
+        cache = self._cache_cls()
+        version = self._version
+        self._layer.forward(q, k, v, out, mask, bias, kpm, bool(is_causal), backend, head_w, avg_w, same,
+                            cache)
 
         w = avg_w if avg_w is not None else head_w
         if not batched:
             out_buf = out_buf[0]
             w = None if w is None else w[0]
+        self._saved = _Saved(cache, version, batched, self.batch_first, torch_out, same, out_buf.shape,
+                             in_shapes)
         if torch_out:
             torch = sys.modules["torch"]
             out_buf = torch.from_numpy(out_buf)
@@ -211,6 +283,64 @@ class MultiheadAttention:
         return out_buf, w
 
     __call__ = forward
+
+    # Backward -----------------------------------------------------------------
+
+    def backward(self, grad_output: Any, *, retain_graph: bool = False) -> Dict[str, Optional[Any]]:
+        """Backward pass of the most recent forward() call.
+
+        grad_output: dL/d(attn_output), with the shape and dtype of the
+        attn_output that call returned ((L, N, E), (N, L, E) with batch_first,
+        or (L, E) unbatched). (The attention weights get no gradient.)
+
+        Returns {'query': dL/dquery, 'key': dL/dkey, 'value': dL/dvalue}, each
+        in the shape and layout of that input, as NumPy arrays (torch tensors
+        when the forward call returned tensors). When forward was given one
+        object as query, key and value (query is key is value, self-attention),
+        'query' holds the whole gradient of that input, the sum over its three
+        uses, and 'key' and 'value' are None; pass copies to get the three
+        parts separately. The gradients of the parameters are ADDED to the
+        buffers grads() returns (zero_grad() resets them).
+
+        The saved state is released afterwards, so a second backward needs a
+        new forward; retain_graph=True keeps it (the next backward then adds
+        its parameter gradients again). Parameters must not change between
+        forward and backward (load_state_dict in between is an error).
+        """
+        fn = _FN + ".backward"
+        saved = self._saved
+        if saved is None:
+            raise ValueError(f"{fn}: there is no forward call to differentiate; call forward() first "
+                             "(each backward() uses up the state of the last forward unless "
+                             "retain_graph=True, and a forward that raised saves none)")
+        if saved.version != self._version:
+            raise ValueError(f"{fn}: the parameters were changed by load_state_dict after the forward "
+                             "call; gradients need the weights that forward used, so run forward again")
+        g = to_numpy(grad_output, fn, "grad_output")
+        if g.dtype != self.dtype:
+            raise ValueError(f"{fn}: 'grad_output' has dtype {g.dtype}, expected {self.dtype} (the layer's "
+                             "dtype)")
+        if g.shape != saved.out_shape:
+            raise ValueError(f"{fn}: 'grad_output' has shape {g.shape}, expected {saved.out_shape} (the shape "
+                             "of attn_output from the last forward call)")
+
+        def to_bld(a: np.ndarray) -> np.ndarray:  # the user's layout -> a (B, N, width) view
+            if not saved.batched:
+                return a[None]
+            return a if saved.batch_first else np.swapaxes(a, 0, 1)
+
+        grads = {n: np.empty(shape, self.dtype) for n, shape in zip(("query", "key", "value"), saved.in_shapes)}
+        if saved.self_attention:
+            grads["key"] = grads["value"] = None
+        views = [None if a is None else to_bld(a) for a in grads.values()]
+        with self._grad_lock:
+            self._layer.backward(saved.cache, to_bld(g), *views)
+        if not retain_graph and self._saved is saved:
+            self._saved = None
+        if saved.torch_out:
+            torch = sys.modules["torch"]
+            return {n: None if a is None else torch.from_numpy(a) for n, a in grads.items()}
+        return grads
 
     def __repr__(self) -> str:
         return (f"attn.MultiheadAttention(embed_dim={self.embed_dim}, num_heads={self.num_heads}, "

@@ -148,10 +148,29 @@ nb::ndarray<nb::numpy, T> numpy_copy(const attn::Tensor<T>& t) {
   return nb::ndarray<nb::numpy, T>(buf, shape.size(), shape.data(), owner);
 }
 
+// What MultiheadAttention::backward needs from one forward call. The library's
+// cache owns copies of the inputs and projections but only views the masks,
+// so the mask arrays are held here too: copying an nb::ndarray takes a
+// reference to the Python object it came from, which then lives as long as
+// this cache does.
 template <class T>
-void bind_multihead(nb::module_& m, const char* name) {
+struct MhaCacheHolder {
+  attn::MhaCache<T> cache;
+  std::optional<Arr<const bool, 4>> attn_mask;
+  std::optional<Arr<const T, 4>> attn_bias;
+  std::optional<Arr<const bool, 2>> key_padding_mask;
+  bool filled = false;
+};
+
+template <class T>
+void bind_multihead(nb::module_& m, const char* name, const char* cache_name) {
   using namespace nb::literals;
   using Layer = attn::MultiheadAttention<T>;
+  using Cache = MhaCacheHolder<T>;
+  nb::class_<Cache>(m, cache_name, "What backward needs from one forward call (inputs, projections, masks).")
+      .def(nb::init<>())
+      .def_prop_ro("filled", [](const Cache& c) { return c.filled; })
+      .def_prop_ro("self_attention", [](const Cache& c) { return c.cache.self_attention; });
   nb::class_<Layer>(m, name, "attn::MultiheadAttention; use attn.MultiheadAttention instead.")
       .def(
           "__init__",
@@ -191,7 +210,7 @@ void bind_multihead(nb::module_& m, const char* name) {
              const std::optional<Arr<const T, 4>>& attn_bias,
              const std::optional<Arr<const bool, 2>>& key_padding_mask, bool causal, const std::string& backend,
              const std::optional<Arr<T, 4>>& head_weights, const std::optional<Arr<T, 3>>& avg_weights,
-             bool self_attention) {
+             bool self_attention, Cache* cache) {
             attn::MhaMasks<T> masks;
             masks.attn_mask = view_of<const bool, 4>(attn_mask, "attn_mask");
             masks.attn_bias = view_of<const T, 4>(attn_bias, "attn_bias");
@@ -205,17 +224,49 @@ void bind_multihead(nb::module_& m, const char* name) {
             const attn::View3<T> o = view_of<T, 3>(out, "out");
             const attn::View4<T> hw = view_of<T, 4>(head_weights, "head_weights");
             const attn::View3<T> aw = view_of<T, 3>(avg_weights, "avg_weights");
-            nb::gil_scoped_release release;
-            if (self_attention)
-              l.forward_self(q, o, masks, opt, nullptr, hw, aw);
-            else
-              l.forward(q, k, v, o, masks, opt, nullptr, hw, aw);
+            // A cache that is refilled drops the old forward's state first,
+            // so it never pairs new tensors with old masks.
+            if (cache) *cache = Cache{};
+            attn::MhaCache<T>* c = cache ? &cache->cache : nullptr;
+            {
+              nb::gil_scoped_release release;
+              if (self_attention)
+                l.forward_self(q, o, masks, opt, c, hw, aw);
+              else
+                l.forward(q, k, v, o, masks, opt, c, hw, aw);
+            }
+            if (cache) {
+              cache->attn_mask = attn_mask;
+              cache->attn_bias = attn_bias;
+              cache->key_padding_mask = key_padding_mask;
+              cache->filled = true;
+            }
           },
           "query"_a.noconvert(), "key"_a.noconvert(), "value"_a.noconvert(), "out"_a.noconvert(),
           "attn_mask"_a.noconvert().none(), "attn_bias"_a.noconvert().none(),
           "key_padding_mask"_a.noconvert().none(), "causal"_a, "backend"_a, "head_weights"_a.noconvert().none(),
-          "avg_weights"_a.noconvert().none(), "self_attention"_a,
-          "Forward on (B, N, width) arrays; writes out (and the weights).");
+          "avg_weights"_a.noconvert().none(), "self_attention"_a, "cache"_a.none() = nb::none(),
+          "Forward on (B, N, width) arrays; writes out (and the weights), and fills cache when given.")
+      .def(
+          "backward",
+          [](Layer& l, const Cache& cache, const Arr<const T, 3>& dout, const std::optional<Arr<T, 3>>& dquery,
+             const std::optional<Arr<T, 3>>& dkey, const std::optional<Arr<T, 3>>& dvalue) {
+            if (!cache.filled)
+              throw attn::Error("attn::MultiheadAttention::backward: argument 'cache' is empty; "
+                                "pass it to forward first");
+            const attn::View3<const T> d = view_of<const T, 3>(dout, "dout");
+            const attn::View3<T> dq = view_of<T, 3>(dquery, "dquery");
+            const attn::View3<T> dk = view_of<T, 3>(dkey, "dkey");
+            const attn::View3<T> dv = view_of<T, 3>(dvalue, "dvalue");
+            nb::gil_scoped_release release;
+            l.backward(cache.cache, d, dq, dk, dv);
+          },
+          "cache"_a, "dout"_a.noconvert(), "dquery"_a.noconvert().none(), "dkey"_a.noconvert().none(),
+          "dvalue"_a.noconvert().none(),
+          "Backward from dout (B, L, D): adds to the parameter gradients, overwrites the input gradients "
+          "given (after a self-attention forward, the gradient of x goes to dquery).")
+      .def("zero_grad", &Layer::zero_grad)
+      .def("get_grad", [](const Layer& l, const std::string& n) { return numpy_copy(l.grad(n)); }, "name"_a);
 }
 
 }  // namespace
@@ -231,8 +282,8 @@ NB_MODULE(_attn, m) {
   });
   bind_sdpa<float>(m, "f32");
   bind_sdpa<double>(m, "f64");
-  bind_multihead<float>(m, "MultiheadAttentionF32");
-  bind_multihead<double>(m, "MultiheadAttentionF64");
+  bind_multihead<float>(m, "MultiheadAttentionF32", "MhaCacheF32");
+  bind_multihead<double>(m, "MultiheadAttentionF64", "MhaCacheF64");
   m.def("parse_backend", [](const std::string& name) { return std::string(attn::backend_name(attn::parse_backend(name))); },
         nb::arg("name"), "Validates a backend name; returns it, or raises ValueError.");
 }

@@ -192,6 +192,77 @@ def test_multihead_matches_torch(dtype, packed, batch_first, masks, parity):
             check(parity, name + (" weights avg" if avg else " weights per-head"), got_w, want_w, dtype)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("packed", [True, False])
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("masks", ["none", "bool", "float", "kpm", "per-head", "causal"])
+def test_multihead_gradients_match_torch(dtype, packed, batch_first, masks, parity):
+    """attn.MultiheadAttention.backward against torch autograd through
+    nn.MultiheadAttention with the same weights: the gradients of query, key
+    and value (self-attention: the one input's total) and of every parameter."""
+    rng = np.random.default_rng(npref.seed_of("grad", packed, batch_first, masks))
+    torch.manual_seed(int(rng.integers(0, 2**31)))
+    name = f"mha grad {np.dtype(dtype).name} {'packed' if packed else 'kdim/vdim'} {masks}"
+    for trial in range(4):
+        D, H = [(8, 2), (12, 3), (6, 1), (16, 4)][trial % 4]
+        kdim, vdim = (None, None) if packed else (int(rng.integers(3, 10)), int(rng.integers(3, 10)))
+        bias = trial % 3 != 2
+        ref = torch.nn.MultiheadAttention(D, H, bias=bias, kdim=kdim, vdim=vdim, batch_first=batch_first,
+                                          dtype=TORCH_DTYPE[dtype])
+        with torch.no_grad():
+            for p in ref.parameters():
+                p.copy_(torch.randn_like(p) * 0.5)
+        ours = attn.MultiheadAttention(D, H, bias=bias, kdim=kdim, vdim=vdim, batch_first=batch_first,
+                                       dtype=dtype)
+        ours.load_state_dict({k: v.numpy() for k, v in ref.state_dict().items()})
+        self_attention = packed and trial % 2 == 0
+        B, L = int(rng.integers(1, 4)), int(rng.integers(1, 9))
+        S = L if self_attention or masks == "causal" else int(rng.integers(1, 9))
+
+        def inp(n, width):
+            shape = (B, n, width) if batch_first else (n, B, width)
+            return torch.from_numpy(rng.standard_normal(shape).astype(dtype)).requires_grad_()
+
+        q = inp(L, D)
+        k, v = (q, q) if self_attention else (inp(S, ours.kdim), inp(S, ours.vdim))
+        kw = {}
+        if masks == "bool":
+            m = rng.random((L, S)) < 0.3
+            m[:, 0] = False
+            kw["attn_mask"] = torch.from_numpy(m)
+        elif masks == "float":
+            kw["attn_mask"] = torch.from_numpy(rng.standard_normal((L, S)).astype(dtype))
+        elif masks == "per-head":
+            m = rng.random((B * H, L, S)) < 0.3
+            m[..., 0] = False
+            kw["attn_mask"] = torch.from_numpy(m)
+        elif masks == "kpm":
+            m = rng.random((B, S)) < 0.3
+            m[:, 0] = False
+            kw["key_padding_mask"] = torch.from_numpy(m)
+        elif masks == "causal":
+            kw["attn_mask"] = torch.triu(torch.ones(L, L, dtype=torch.bool), 1)
+            kw["is_causal"] = True
+        want, _ = ref(q, k, v, need_weights=False, **kw)
+        dout = torch.from_numpy(rng.standard_normal(tuple(want.shape)).astype(dtype))
+        want.backward(dout)
+
+        ins = (q.detach(),) * 3 if self_attention else tuple(x.detach() for x in (q, k, v))
+        got, _ = ours(*ins, need_weights=False, **kw)
+        check(parity, name + " out", got, want, dtype)
+        g = ours.backward(dout)
+        check(parity, name + " dquery", g["query"], q.grad, dtype)
+        if self_attention:
+            assert g["key"] is None and g["value"] is None
+        else:
+            check(parity, name + " dkey", g["key"], k.grad, dtype)
+            check(parity, name + " dvalue", g["value"], v.grad, dtype)
+        grads = ours.grads()
+        assert sorted(grads) == sorted(n for n, _ in ref.named_parameters())
+        for n, p in ref.named_parameters():
+            check(parity, f"{name} d{n}", grads[n], p.grad, dtype)
+
+
 def test_numpy_mask_with_tensors_and_mha_autograd_guard():
     rng = np.random.default_rng(3)
     q, k, v = (torch.from_numpy(rng.standard_normal((1, 2, 4, 3))).requires_grad_() for _ in range(3))
