@@ -19,6 +19,7 @@
 
 #include "attn/io.hpp"
 #include "attn/nn/optim.hpp"
+#include "kernels/gemm/gemm.hpp"
 
 namespace attn::nn {
 
@@ -242,6 +243,7 @@ ModelConfig model_config(const TrainConfig& c) {
 
 template <class T>
 EvalResult evaluate(Transformer<T>& model, const Task& task, int64_t examples, uint64_t seed) {
+  const detail::ScopedBlasThreads one_blas_thread(1);  // as in train(), so both give the same numbers
   Rng rng(derive_seed(seed, kEvalStream));
   EvalResult r;
   Accuracy total;
@@ -364,6 +366,9 @@ void write_curve_csv(const std::string& path, const std::vector<TrainRecord>& cu
 
 TrainResult train(const TrainConfig& cfg, const ProgressCallback& progress) {
   cfg.validate();
+  // The model's products are small: BLAS threads would only fight the OpenMP
+  // threads for the cores (see ScopedBlasThreads).
+  const detail::ScopedBlasThreads one_blas_thread(1);
   const Task task(cfg.task);
   Transformer<float> model(model_config(cfg), derive_seed(cfg.seed, kModelStream));
   auto params = model.parameters();

@@ -38,6 +38,11 @@ void gemm(GemmShape s, bool ta, const T* A, int64_t lda, bool tb, const T* B, in
                 int(ldb), beta, C, int(ldc));
 }
 
+ScopedBlasThreads::ScopedBlasThreads(int threads) : saved_(openblas_get_num_threads()) {
+  openblas_set_num_threads(threads);
+}
+ScopedBlasThreads::~ScopedBlasThreads() { openblas_set_num_threads(saved_); }
+
 template void gemm<float>(GemmShape, bool, const float*, int64_t, bool, const float*, int64_t,
                           float*, int64_t, float, float);
 template void gemm<double>(GemmShape, bool, const double*, int64_t, bool, const double*, int64_t,

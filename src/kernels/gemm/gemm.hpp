@@ -23,4 +23,21 @@ template <class T>
 void gemm_reference(GemmShape s, bool transpose_a, const T* A, int64_t lda, bool transpose_b,
                     const T* B, int64_t ldb, T* C, int64_t ldc, T alpha = T(1), T beta = T(0));
 
+// Sets OpenBLAS's own thread count for the object's lifetime and restores
+// the previous count afterwards. The training loop's products are small,
+// and OpenBLAS's worker threads then only compete for the cores with the
+// OpenMP threads the rest of attn uses (on the 2-core development machine
+// `attn train --task recall` ran 4x slower with both pools active). The
+// setting is process-wide: other threads' BLAS calls see it too.
+class ScopedBlasThreads {
+ public:
+  explicit ScopedBlasThreads(int threads);
+  ~ScopedBlasThreads();
+  ScopedBlasThreads(const ScopedBlasThreads&) = delete;
+  ScopedBlasThreads& operator=(const ScopedBlasThreads&) = delete;
+
+ private:
+  int saved_;
+};
+
 }  // namespace attn::detail
