@@ -485,6 +485,23 @@ TEST(Fused, TileHeuristic) {
     }
 }
 
+// Worst error of y against want(x), in units in the last place of the float
+// nearest to want; all wanted values must be normal floats.
+template <class Want>
+std::pair<double, float> worst_ulp_error(const std::vector<float>& x, const std::vector<float>& y, Want want) {
+  double worst = 0;
+  float at = 0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    const double w = want(double(x[i]));
+    const float wf = float(w);
+    EXPECT_TRUE(std::isnormal(wf)) << x[i];
+    const double ulp = double(std::nextafter(wf, std::numeric_limits<float>::infinity()) - wf);
+    const double err = std::abs(double(y[i]) - w) / ulp;
+    if (err > worst) worst = err, at = x[i];
+  }
+  return {worst, at};
+}
+
 TEST(Fused, VectorisedExpIsAccurateToAFewUlp) {
   // The kernels' exp is for softmax arguments (<= 0, or barely above after
   // rounding); tested over its whole stated range [-87.3, 88].
@@ -497,16 +514,7 @@ TEST(Fused, VectorisedExpIsAccurateToAFewUlp) {
   x.push_back(-1e-30f);
   std::vector<float> y(x.size());
   attn::detail::fused_exp(x.data(), y.data(), int64_t(x.size()));
-  double worst_ulp = 0;
-  float worst_x = 0;
-  for (size_t i = 0; i < x.size(); ++i) {
-    const double want = std::exp(double(x[i]));
-    const float wf = float(want);
-    ASSERT_TRUE(std::isnormal(wf)) << x[i];
-    const double ulp = double(std::nextafter(wf, std::numeric_limits<float>::infinity()) - wf);
-    const double err = std::abs(double(y[i]) - want) / ulp;
-    if (err > worst_ulp) worst_ulp = err, worst_x = x[i];
-  }
+  const auto [worst_ulp, worst_x] = worst_ulp_error(x, y, [](double v) { return std::exp(v); });
   EXPECT_LE(worst_ulp, 4.0) << "at x = " << worst_x;
   EXPECT_EQ(y[x.size() - 4], 1.0f);  // exp(0) is exactly 1
   std::printf("vectorised exp: worst error %.2f ulp (at %g) over %zu points\n", worst_ulp, double(worst_x), x.size());
@@ -525,16 +533,7 @@ TEST(Fused, VectorisedExp2IsAccurateToAFewUlp) {
   for (int k = -126; k <= 127; ++k) x.push_back(float(k));  // exact powers of two
   std::vector<float> y(x.size());
   attn::detail::fused_exp2(x.data(), y.data(), int64_t(x.size()));
-  double worst_ulp = 0;
-  float worst_x = 0;
-  for (size_t i = 0; i < x.size(); ++i) {
-    const double want = std::exp2(double(x[i]));
-    const float wf = float(want);
-    ASSERT_TRUE(std::isnormal(wf)) << x[i];
-    const double ulp = double(std::nextafter(wf, std::numeric_limits<float>::infinity()) - wf);
-    const double err = std::abs(double(y[i]) - want) / ulp;
-    if (err > worst_ulp) worst_ulp = err, worst_x = x[i];
-  }
+  const auto [worst_ulp, worst_x] = worst_ulp_error(x, y, [](double v) { return std::exp2(v); });
   EXPECT_LE(worst_ulp, 4.0) << "at x = " << worst_x;
   std::printf("vectorised exp2: worst error %.2f ulp (at %g) over %zu points\n", worst_ulp, double(worst_x), x.size());
   const float neg[4] = {-std::numeric_limits<float>::infinity(), -1e4f, -200.0f, -126.51f};

@@ -214,31 +214,22 @@ HWY_INLINE VF Exp2Softmax(DF d, VF x) {
   return hn::Mul(p, hn::BitCast(d, e));
 }
 
-void Exp2Array(const float* x, float* y, int64_t n) {
+// f over n floats (the tail through a zero-padded vector), for the tests.
+template <VF (*F)(DF, VF)>
+void ApplyArray(const float* x, float* y, int64_t n) {
   const DF d;
   const int64_t N = int64_t(hn::Lanes(d));
   int64_t i = 0;
-  for (; i + N <= n; i += N) hn::StoreU(Exp2Softmax(d, hn::LoadU(d, x + i)), d, y + i);
-  if (i < n) {
-    HWY_ALIGN float buf[64] = {};
-    std::copy(x + i, x + n, buf);
-    hn::Store(Exp2Softmax(d, hn::Load(d, buf)), d, buf);
-    std::copy(buf, buf + (n - i), y + i);
-  }
-}
-
-void ExpArray(const float* x, float* y, int64_t n) {
-  const DF d;
-  const int64_t N = int64_t(hn::Lanes(d));
-  int64_t i = 0;
-  for (; i + N <= n; i += N) hn::StoreU(ExpSoftmax(d, hn::LoadU(d, x + i)), d, y + i);
+  for (; i + N <= n; i += N) hn::StoreU(F(d, hn::LoadU(d, x + i)), d, y + i);
   if (i < n) {
     HWY_ALIGN float buf[64] = {};  // >= the lane count of any target
     std::copy(x + i, x + n, buf);
-    hn::Store(ExpSoftmax(d, hn::Load(d, buf)), d, buf);
+    hn::Store(F(d, hn::Load(d, buf)), d, buf);
     std::copy(buf, buf + (n - i), y + i);
   }
 }
+void ExpArray(const float* x, float* y, int64_t n) { ApplyArray<ExpSoftmax>(x, y, n); }
+void Exp2Array(const float* x, float* y, int64_t n) { ApplyArray<Exp2Softmax>(x, y, n); }
 
 // Per-thread scratch, allocated once per call per thread. Widths are padded
 // to the lane count with zeros (padding is never read as data, but stays
