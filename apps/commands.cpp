@@ -243,12 +243,19 @@ void add_heatmap(CLI::App& app) {
   auto* ck = c->add_option("--checkpoint", k->checkpoint,
                            "a checkpoint of `attn train` (.safetensors): draw every head of every layer on one example");
   w->excludes(ck);
-  c->add_option("--labels", o->labels, "--weights: space-separated tokens: S words (rows too when L = S), or L + S words");
-  c->add_option("--batch", o->batch, "--weights: which batch entry of a (B, H, L, S) file")->capture_default_str();
+  // Options of one source are refused with the other (a usage error), not silently ignored.
+  c->add_option("--labels", o->labels, "--weights: space-separated tokens: S words (rows too when L = S), or L + S words")
+      ->excludes(ck);
+  c->add_option("--batch", o->batch, "--weights: which batch entry of a (B, H, L, S) file")
+      ->capture_default_str()
+      ->excludes(ck);
   c->add_option("--task", k->task, "--checkpoint: copy | reverse | sort | recall (default: the checkpoint's task)")
-      ->check(CLI::IsMember({"copy", "reverse", "sort", "recall"}));
-  c->add_option("--example", k->example, "--checkpoint: which example of the seeded stream")->capture_default_str();
-  c->add_option("--seed", k->seed, "--checkpoint: seed of the example stream")->capture_default_str();
+      ->check(CLI::IsMember({"copy", "reverse", "sort", "recall"}))
+      ->excludes(w);
+  c->add_option("--example", k->example, "--checkpoint: which example of the seeded stream")
+      ->capture_default_str()
+      ->excludes(w);
+  c->add_option("--seed", k->seed, "--checkpoint: seed of the example stream")->capture_default_str()->excludes(w);
   c->add_option("--title", o->title, "title above the panels");
   c->add_option("--out", o->out, "output .png")->required();
   c->footer(kExitCodesHelp);

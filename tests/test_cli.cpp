@@ -686,6 +686,15 @@ TEST_F(Cli, TrainAndCheckpointHeatmapErrors) {
   EXPECT_TRUE(contains(r.err, "junk.safetensors")) << r.err;
   EXPECT_EQ(run("heatmap --out h.png").rc, 2);
   EXPECT_EQ(run("heatmap --weights a.npy --checkpoint c.safetensors --out h.png").rc, 2);
+  // a source's options are refused with the other source instead of being ignored
+  r = run("heatmap --checkpoint c.safetensors --labels 'a b' --out h.png");
+  EXPECT_EQ(r.rc, 2);
+  EXPECT_NE(r.err.find("--labels"), std::string::npos) << r.err;
+  EXPECT_EQ(run("heatmap --checkpoint c.safetensors --batch 1 --out h.png").rc, 2);
+  r = run("heatmap --weights a.npy --example 3 --out h.png");
+  EXPECT_EQ(r.rc, 2);
+  EXPECT_NE(r.err.find("--example"), std::string::npos) << r.err;
+  EXPECT_EQ(run("heatmap --weights a.npy --task reverse --out h.png").rc, 2);
 }
 
 TEST_F(Cli, BenchRunsAttnBenchOrSaysItIsMissing) {
