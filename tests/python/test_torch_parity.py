@@ -131,6 +131,28 @@ def test_swap_into_a_torch_model_and_train():
         torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=1e-12, msg=n)
 
 
+def _mha_mask_kwargs(rng, masks, B, H, L, S, dtype):
+    """nn.MultiheadAttention.forward keyword arguments for one mask kind
+    (PyTorch polarity: True = blocked); column 0 is never blocked."""
+    if masks == "bool":
+        m = rng.random((L, S)) < 0.3
+        m[:, 0] = False
+        return {"attn_mask": torch.from_numpy(m)}
+    if masks == "float":
+        return {"attn_mask": torch.from_numpy(rng.standard_normal((L, S)).astype(dtype))}
+    if masks == "per-head":
+        m = rng.random((B * H, L, S)) < 0.3
+        m[..., 0] = False
+        return {"attn_mask": torch.from_numpy(m)}
+    if masks == "kpm":
+        m = rng.random((B, S)) < 0.3
+        m[:, 0] = False
+        return {"key_padding_mask": torch.from_numpy(m)}
+    if masks == "causal":
+        return {"attn_mask": torch.triu(torch.ones(L, L, dtype=torch.bool), 1), "is_causal": True}
+    return {}
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("packed", [True, False])
 @pytest.mark.parametrize("batch_first", [True, False])
@@ -165,24 +187,7 @@ def test_multihead_matches_torch(dtype, packed, batch_first, masks, parity):
             k = v = q  # self-attention
         else:
             k, v = inp(S, ours.kdim), inp(S, ours.vdim)
-        kw = {}
-        if masks == "bool":
-            m = rng.random((L, S)) < 0.3
-            m[:, 0] = False
-            kw["attn_mask"] = torch.from_numpy(m)
-        elif masks == "float":
-            kw["attn_mask"] = torch.from_numpy(rng.standard_normal((L, S)).astype(dtype))
-        elif masks == "per-head":
-            m = rng.random((B * H, L, S)) < 0.3
-            m[..., 0] = False
-            kw["attn_mask"] = torch.from_numpy(m)
-        elif masks == "kpm":
-            m = rng.random((B, S)) < 0.3
-            m[:, 0] = False
-            kw["key_padding_mask"] = torch.from_numpy(m)
-        elif masks == "causal":
-            kw["attn_mask"] = torch.triu(torch.ones(L, L, dtype=torch.bool), 1)
-            kw["is_causal"] = True
+        kw = _mha_mask_kwargs(rng, masks, B, H, L, S, dtype)
         for avg in (True, False):
             with torch.no_grad():
                 want, want_w = ref(q, k, v, average_attn_weights=avg, **kw)
@@ -225,24 +230,7 @@ def test_multihead_gradients_match_torch(dtype, packed, batch_first, masks, pari
 
         q = inp(L, D)
         k, v = (q, q) if self_attention else (inp(S, ours.kdim), inp(S, ours.vdim))
-        kw = {}
-        if masks == "bool":
-            m = rng.random((L, S)) < 0.3
-            m[:, 0] = False
-            kw["attn_mask"] = torch.from_numpy(m)
-        elif masks == "float":
-            kw["attn_mask"] = torch.from_numpy(rng.standard_normal((L, S)).astype(dtype))
-        elif masks == "per-head":
-            m = rng.random((B * H, L, S)) < 0.3
-            m[..., 0] = False
-            kw["attn_mask"] = torch.from_numpy(m)
-        elif masks == "kpm":
-            m = rng.random((B, S)) < 0.3
-            m[:, 0] = False
-            kw["key_padding_mask"] = torch.from_numpy(m)
-        elif masks == "causal":
-            kw["attn_mask"] = torch.triu(torch.ones(L, L, dtype=torch.bool), 1)
-            kw["is_causal"] = True
+        kw = _mha_mask_kwargs(rng, masks, B, H, L, S, dtype)
         want, _ = ref(q, k, v, need_weights=False, **kw)
         dout = torch.from_numpy(rng.standard_normal(tuple(want.shape)).astype(dtype))
         want.backward(dout)
