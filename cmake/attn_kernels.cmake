@@ -9,7 +9,8 @@ if(NOT BUILD_SHARED_LIBS)
   target_link_libraries(attn INTERFACE $<INSTALL_INTERFACE:hwy>)
 endif()
 
-set(ATTN_FUSED_SOURCES ${PROJECT_SOURCE_DIR}/src/kernels/fused/fused.cpp)
+set(ATTN_FUSED_SOURCES ${PROJECT_SOURCE_DIR}/src/kernels/fused/fused.cpp
+  ${PROJECT_SOURCE_DIR}/src/kernels/decode/decode.cpp)
 # SSSE3 adds nothing over SSE4 for these kernels; skipping it saves a compile.
 set_property(SOURCE ${ATTN_FUSED_SOURCES} APPEND PROPERTY COMPILE_DEFINITIONS
   "HWY_DISABLED_TARGETS=HWY_SSSE3")
