@@ -3,7 +3,7 @@ BUILD ?= build
 JOBS ?= $(shell nproc)
 CMAKE_FLAGS ?=
 
-.PHONY: deps build demo test test-sanitize bench bench-torch fuzz install clean
+.PHONY: deps build demo test test-sanitize bench bench-decode bench-torch fuzz install clean
 
 deps:
 	@bash scripts/install-deps.sh
@@ -61,6 +61,11 @@ test-sanitize: deps
 BENCH_ARGS ?=
 bench: build
 	$(BUILD)/bench/attn-bench --json $(BUILD)/bench.json $(BENCH_ARGS)
+
+# Decoding over the KV cache against the measured read bandwidth (docs/decode.md);
+# writes $(BUILD)/bench-decode.json.
+bench-decode: build
+	$(BUILD)/bench/attn-decode-bench --json $(BUILD)/bench-decode.json $(BENCH_ARGS)
 
 # The same shapes against PyTorch's CPU scaled_dot_product_attention, run
 # by the build-py venv with torch installed from PyPI (several GB: the CUDA
