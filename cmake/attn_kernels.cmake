@@ -9,6 +9,10 @@ if(NOT BUILD_SHARED_LIBS)
   target_link_libraries(attn INTERFACE $<INSTALL_INTERFACE:hwy>)
 endif()
 
+# The files compiled per target: fused.cpp includes the SIMD bodies
+# (simd-inl.h, attention-inl.h) once per target, and so does the decode
+# kernel (decode.cpp, which reuses simd-inl.h). tiles.cpp is compiled once,
+# like the rest of src/.
 set(ATTN_FUSED_SOURCES ${PROJECT_SOURCE_DIR}/src/kernels/fused/fused.cpp
   ${PROJECT_SOURCE_DIR}/src/kernels/decode/decode.cpp)
 # SSSE3 adds nothing over SSE4 for these kernels; skipping it saves a compile.

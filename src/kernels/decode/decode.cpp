@@ -53,22 +53,24 @@
 #include <vector>
 
 #include "kernels/decode/decode.hpp"
-#include "kernels/fused/fused.hpp"
+#include "kernels/fused/common.hpp"
 #include "kernels/fused/online_softmax.hpp"
+// The fused kernels' SIMD helpers (Exp2Softmax, ScaleRow, Lanes); this
+// kernel uses only some of them, the others would warn as unused here.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wunused-function"
+#include "kernels/fused/simd-inl.h"
+#pragma GCC diagnostic pop
 
 #ifndef ATTN_DECODE_COMMON_ONCE
 #define ATTN_DECODE_COMMON_ONCE
 namespace attn::detail::decode_common {
 
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr float kLog2e = 1.44269504088896341f;
 constexpr float kLn2 = 0.693147180559945309f;
 constexpr int64_t kMaxRows = 128;      // query rows per block (the M of one unit)
 constexpr int64_t kTargetUnits = 32;   // split the keys until about this many units exist
 constexpr int64_t kMinChunk = 256;     // ... but never into chunks shorter than this
-
-inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-inline int64_t round_up(int64_t a, int64_t m) { return ceil_div(a, m) * m; }
 
 // One chunk of keys [c0, c1) for query rows [m0, m0 + nm) of (b, hk).
 struct Unit {
@@ -99,12 +101,7 @@ namespace attn::detail {
 namespace HWY_NAMESPACE {
 namespace {
 
-namespace hn = hwy::HWY_NAMESPACE;
-namespace os = online_softmax;
-using namespace decode_common;
-
-using DF = hn::ScalableTag<float>;
-using VF = hn::Vec<DF>;
+using namespace decode_common;  // hn, os, DF, VF come with simd-inl.h
 
 // ---- loads: N stored elements as float32 ---------------------------------
 
@@ -271,28 +268,34 @@ void PackQueries(const Call& c, Scratch& w, const Unit& u) {
 }
 
 // Folds tile scores s (nk keys from j0) into the rows' states: masks keys a
-// row does not see, turns scores into 2^(s − shift), rescales the rows of acc.
+// row does not see (and the padding up to tilep), turns scores into
+// 2^(s − shift), rescales the rows of acc.
 void SoftmaxTile(const Call& c, Scratch& w, int64_t nm, int64_t j0, int64_t nk, float* acc,
                  os::State<float>* st, uint8_t* nan) {
+  const DF d;
+  const int64_t N = Lanes();
   for (int64_t r = 0; r < nm; ++r) {
     float* row = w.s.get() + r * c.tilep;
     const int64_t vis = std::clamp<int64_t>(w.end[size_t(r)] - j0, 0, nk);
-    std::fill(row + vis, row + nk, kNegInf);
-    float mx = kNegInf;
-    for (int64_t jj = 0; jj < vis; ++jj) {
-      if (std::isnan(row[jj])) nan[r] = 1;
-      mx = std::max(mx, row[jj]);
+    std::fill(row + vis, row + c.tilep, kNegInf);
+    VF vmax = hn::Set(d, kNegInf);
+    auto seen_nan = hn::Lt(vmax, vmax);  // all false
+    for (int64_t jj = 0; jj < c.tilep; jj += N) {
+      const VF x = hn::Load(d, row + jj);
+      vmax = hn::Max(vmax, x);
+      seen_nan = hn::Or(seen_nan, hn::IsNaN(x));  // Max would drop a NaN
     }
-    const os::Step<float> step = os::begin_tile<os::Base2>(st[r], mx);
-    for (int64_t jj = 0; jj < vis; ++jj) row[jj] -= step.shift;
-    fused_exp2(row, row, nk);  // 0 for the masked keys
-    float sum = 0;
-    for (int64_t jj = 0; jj < nk; ++jj) sum += row[jj];
-    os::end_tile(st[r], sum);
-    if (step.alpha != 1.0f) {  // acc <- acc · alpha
-      float* o = acc + r * c.Evp;
-      for (int64_t e = 0; e < c.Evp; ++e) o[e] *= step.alpha;
+    if (!hn::AllFalse(d, seen_nan)) nan[r] = 1;
+    const os::Step<float> step = os::begin_tile<os::Base2>(st[r], hn::GetLane(hn::MaxOfLanes(d, vmax)));
+    const VF shift = hn::Set(d, step.shift);
+    VF sum = hn::Zero(d);
+    for (int64_t jj = 0; jj < c.tilep; jj += N) {
+      const VF pj = Exp2Softmax(d, hn::Sub(hn::Load(d, row + jj), shift));  // 0 where masked
+      hn::Store(pj, d, row + jj);
+      sum = hn::Add(sum, pj);
     }
+    os::end_tile(st[r], hn::GetLane(hn::SumOfLanes(d, sum)));
+    if (step.alpha != 1.0f) ScaleRow(acc + r * c.Evp, c.Evp, step.alpha);  // acc <- acc · alpha
   }
 }
 
@@ -367,7 +370,7 @@ void MergeBlock(const Call& c, const Unit& u, const Block& blk, float* pacc, os:
 
 void ForwardImpl(const DecodeProblem& p, const KVLayout& kv, View4<const float> q, View4<float> out,
                  View3<float> lse, DecodePlan plan) {
-  const int64_t lanes = int64_t(hn::Lanes(DF()));
+  const int64_t lanes = Lanes();
   const Call c{&p, &kv, q, out, lse, plan, round_up(p.E, lanes), round_up(p.Ev, lanes), round_up(plan.tile, lanes)};
   // The units: every (b, hk, row block) cut into chunks of its visible keys.
   const int64_t M = p.group() * p.L;
