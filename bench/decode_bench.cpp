@@ -238,7 +238,7 @@ int main(int argc, char** argv) {
       so.num_threads = threads;
       Tensor<float> dense_out({s.B, s.H, s.L, s.E});
       const double t_dense = median_seconds(
-          [&] { attn::scaled_dot_product_attention(a, dense_out.view4(), so, {}, lse.view<3>()); }, min_seconds, &reps);
+          [&] { attn::scaled_dot_product_attention(a, {dense_out.view4(), {}, lse.view<3>()}, so); }, min_seconds, &reps);
       emit("dense", t_dense, reps, "max |diff| vs decode " + sci(max_abs_diff(dense_out, out)));
       attn::detail::Problem p;
       p.B = s.B, p.H = s.H, p.Hkv = s.Hkv, p.L = s.L, p.S = s.S, p.E = p.Ev = s.E;

@@ -111,8 +111,10 @@ inline void oracle(const DecodeCase& c, const Filled& f, Tensor<float>& out, Ten
     o.backend = Backend::reference;
     o.causal = c.causal;
     o.causal_align = CausalAlign::bottom_right;
-    scaled_dot_product_attention(a, View4<float>(out.data() + b * c.H * c.L * c.Ev, {1, c.H, c.L, c.Ev}), o, {},
-                                 View3<float>(lse.data() + b * c.H * c.L, {1, c.H, c.L}));
+    scaled_dot_product_attention(a,
+                                 {View4<float>(out.data() + b * c.H * c.L * c.Ev, {1, c.H, c.L, c.Ev}), {},
+                                  View3<float>(lse.data() + b * c.H * c.L, {1, c.H, c.L})},
+                                 o);
   }
 }
 

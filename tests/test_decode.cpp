@@ -253,10 +253,10 @@ TEST(Decode, DenseCallWithFewRowsUsesTheKernel) {
     o.causal = i % 2 == 0;
     o.causal_align = i % 4 == 0 ? CausalAlign::top_left : CausalAlign::bottom_right;
     Tensor<float> out({B, H, L, Ev}), lse({B, H, L}), ref({B, H, L, Ev}), ref_lse({B, H, L});
-    scaled_dot_product_attention(a, out.view4(), o, {}, lse.view<3>());
+    scaled_dot_product_attention(a, {out.view4(), {}, lse.view<3>()}, o);
     SdpaOptions ro = o;
     ro.backend = Backend::reference;
-    scaled_dot_product_attention(a, ref.view4(), ro, {}, ref_lse.view<3>());
+    scaled_dot_product_attention(a, {ref.view4(), {}, ref_lse.view<3>()}, ro);
     EXPECT_TRUE(all_close(out, ref, tolerance<float>(S + E, 1.0, 40), "out"));
     EXPECT_TRUE(all_close(lse, ref_lse, tolerance<float>(S + E, max_abs(ref_lse.view<3>()), 40), "lse"));
     // Bitwise the kernel's own result: the dense call went this way.
