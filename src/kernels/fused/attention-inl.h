@@ -30,9 +30,16 @@
 //
 // Scores. Both directions build their score tile in one function each,
 // ScoreTileT (forward: transposed, base 2) and ScoreTile (backward): the
-// block product, then the bias, the boolean mask and the causal / key-length
-// bounds, with −∞ for every key a row must not see. They sit next to each
-// other below; a new rule on scores goes into both.
+// block product, then the NaN poison (forward; see below), the bias (−∞
+// masks), the boolean mask and the causal / key-length bounds, with −∞ for
+// every key a row must not see. They sit next to each other below; a new
+// rule on scores goes into both (and its derivative into BackwardTile's dS).
+// Which key blocks a unit visits at all comes from row_end and
+// first_row_seeing (common.hpp).
+//
+// NaN. Non-finite inputs are flagged and zeroed in the packed operands, and
+// the poison travels as NaN in the scores and probabilities (the section
+// below says how); the block products never see a NaN.
 //
 // Scratch layouts: tiles.hpp. SIMD building blocks: simd-inl.h.
 #if defined(ATTN_KERNELS_FUSED_ATTENTION_INL_H_) == defined(HWY_TARGET_TOGGLE)
