@@ -119,7 +119,7 @@ void run_sdpa_typed(const SdpaOpts& o, const SdpaPaths& paths, const io::Array<d
       lse.resize(output_elements<T>({B, H, L}, "--lse", "B x H x L"));
       lv = View3<T>(lse.data(), {B, H, L});
     }
-    scaled_dot_product_attention<T>(args, View4<T>::bhnd(out.data(), B, H, L, Ev), opt, wv, lv);
+    scaled_dot_product_attention<T>(args, {View4<T>::bhnd(out.data(), B, H, L, Ev), wv, lv}, opt);
   } catch (const io::FileError&) {
     throw;
   } catch (const Error& e) {
