@@ -8,7 +8,7 @@ CMAKE_FLAGS ?=
 # (CCACHE= turns it off; it applies when $(BUILD) is first configured).
 CCACHE ?= $(shell command -v ccache 2>/dev/null)
 
-.PHONY: deps build demo test test-sanitize bench bench-torch fuzz install clean
+.PHONY: deps build demo test test-sanitize bench bench-decode bench-torch fuzz install clean
 
 deps:
 	@bash scripts/install-deps.sh
@@ -79,6 +79,11 @@ test-sanitize: deps
 BENCH_ARGS ?=
 bench: build
 	$(BUILD)/bench/attn-bench --json $(BUILD)/bench.json $(BENCH_ARGS)
+
+# Decoding over the KV cache against the measured read bandwidth (docs/decode.md);
+# writes $(BUILD)/bench-decode.json.
+bench-decode: build
+	$(BUILD)/bench/attn-decode-bench --json $(BUILD)/bench-decode.json $(BENCH_ARGS)
 
 # The same shapes against PyTorch's CPU scaled_dot_product_attention, run
 # by the build-py venv with torch installed from PyPI (several GB: the CUDA

@@ -10,10 +10,12 @@
 find_package(hwy REQUIRED)
 target_link_libraries(attn_core PRIVATE hwy::hwy)  # attnConfig.cmake finds hwy for static consumers
 
-# The one file compiled per target: fused.cpp includes the SIMD bodies
-# (simd-inl.h, attention-inl.h) once per target. tiles.cpp is compiled once,
+# The files compiled per target: fused.cpp includes the SIMD bodies
+# (simd-inl.h, attention-inl.h) once per target, and so does the decode
+# kernel (decode.cpp, which reuses simd-inl.h). tiles.cpp is compiled once,
 # like the rest of src/.
-set(ATTN_FUSED_SOURCES ${PROJECT_SOURCE_DIR}/src/kernels/fused/fused.cpp)
+set(ATTN_FUSED_SOURCES ${PROJECT_SOURCE_DIR}/src/kernels/fused/fused.cpp
+  ${PROJECT_SOURCE_DIR}/src/kernels/decode/decode.cpp)
 # SSSE3 adds nothing over SSE4 for these kernels; skipping it saves a compile.
 set_property(SOURCE ${ATTN_FUSED_SOURCES} APPEND PROPERTY COMPILE_DEFINITIONS
   "HWY_DISABLED_TARGETS=HWY_SSSE3")
