@@ -15,6 +15,7 @@
 namespace attn::detail {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 
 // Everything the units of one call share (read-only).
 struct FusedCall {
@@ -22,6 +23,13 @@ struct FusedCall {
   const SdpaArgs<float>* a;
   FusedPlan t;
   float scale;
+  // Keys whose K or V row holds NaN or ±∞ (mark_bad_keys), and whether any does.
+  const uint8_t* bad_keys = nullptr;
+  bool any_bad_keys = false;
+
+  bool bad_key(int64_t b, int64_t hk, int64_t j) const {
+    return any_bad_keys && bad_keys[(b * p->Hkv + hk) * p->S + j];
+  }
 };
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -40,5 +48,8 @@ inline int64_t first_row_seeing(const Problem& p, int64_t j) {
   const int64_t off = p.align == CausalAlign::top_left ? 0 : p.S - p.L;
   return std::clamp<int64_t>(j - off, 0, p.L);
 }
+
+// Whether a float is NaN or ±∞ (without the library call).
+inline bool non_finite(float x) { return !(x - x == 0.0f); }
 
 }  // namespace attn::detail
