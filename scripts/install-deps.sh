@@ -3,7 +3,8 @@
 # Root on the project's machines; sudo otherwise. Nothing is downloaded at build time.
 set -euo pipefail
 pkgs=(g++ cmake make pkg-config libgtest-dev libgmock-dev libbenchmark-dev libhwy-dev libopenblas-dev
-      libcli11-dev nlohmann-json3-dev libfmt-dev libpng-dev python3-dev python3-venv)
+      libcli11-dev nlohmann-json3-dev libfmt-dev libpng-dev python3-dev python3-venv
+      libopenmpi-dev openmpi-bin)  # Open MPI: the optional attn::dist component and its tests
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
