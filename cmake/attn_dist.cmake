@@ -27,7 +27,7 @@ add_library(attn_dist ${ATTN_DIST_SOURCES})
 add_library(attn::dist ALIAS attn_dist)
 set_target_properties(attn_dist PROPERTIES EXPORT_NAME dist VERSION ${PROJECT_VERSION} SOVERSION 0)
 target_include_directories(attn_dist PRIVATE ${PROJECT_SOURCE_DIR}/src)
-target_link_libraries(attn_dist PUBLIC attn::attn MPI::MPI_CXX PRIVATE $<BUILD_INTERFACE:attn_warnings> OpenMP::OpenMP_CXX)
+target_link_libraries(attn_dist PUBLIC attn::core MPI::MPI_CXX PRIVATE $<BUILD_INTERFACE:attn_warnings> OpenMP::OpenMP_CXX)
 target_compile_definitions(attn_dist INTERFACE ATTN_HAVE_DIST=1)
 
 # mpirun as ctest runs it: root is allowed on the project's machines, and
@@ -36,11 +36,11 @@ set(ATTN_MPIEXEC ${MPIEXEC_EXECUTABLE} --allow-run-as-root --oversubscribe ${MPI
 
 if(ATTN_BUILD_APPS)
   add_executable(ring_example ${PROJECT_SOURCE_DIR}/examples/ring_example.cpp)
-  target_link_libraries(ring_example PRIVATE attn::dist attn_warnings)
+  target_link_libraries(ring_example PRIVATE attn::dist attn_passive_wait attn_warnings)
 endif()
 if(ATTN_BUILD_BENCH)
   add_executable(ring-bench ${PROJECT_SOURCE_DIR}/bench/ring_bench.cpp)
-  target_link_libraries(ring-bench PRIVATE attn::dist attn_warnings)
+  target_link_libraries(ring-bench PRIVATE attn::dist attn_passive_wait attn_warnings)
 endif()
 if(ATTN_BUILD_TESTS)
   # At the end of the top-level file, once the attn binary's target exists.

@@ -26,17 +26,18 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
-#include <random>
 #include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>
 
+#include "attn/rng.hpp"
 #include "kernels/gemm/gemm.hpp"
 
 namespace attn {
 namespace {
 
+using detail::add_column_sums;
 using detail::gemm;
 using detail::GemmShape;
 
@@ -132,23 +133,10 @@ void add_rows(T* C, int64_t m, int64_t n, const T* bias) {
   for (int64_t i = 0; i < m; ++i)
     for (int64_t j = 0; j < n; ++j) C[i * n + j] += bias[j];
 }
-// db[j] += Σ_i C[i, j] for C (m, n).
+// U(-bound, bound) from the library's generator.
 template <class T>
-void add_column_sums(const T* C, int64_t m, int64_t n, T* db) {
-  std::vector<double> s(static_cast<size_t>(n), 0.0);
-  for (int64_t i = 0; i < m; ++i)
-    for (int64_t j = 0; j < n; ++j) s[size_t(j)] += double(C[i * n + j]);
-  for (int64_t j = 0; j < n; ++j) db[j] += T(s[size_t(j)]);
-}
-
-// Portable uniform draw in [lo, hi) from the top 53 bits of the generator
-// (std::uniform_real_distribution's algorithm is not fixed by the standard).
-template <class T>
-void fill_uniform(Tensor<T>& t, double bound, std::mt19937_64& rng) {
-  for (size_t i = 0; i < t.size(); ++i) {
-    const double u = double(rng() >> 11) * (1.0 / 9007199254740992.0);
-    t[i] = T(-bound + 2 * bound * u);
-  }
+void fill_uniform(Tensor<T>& t, double bound, Rng& rng) {
+  for (size_t i = 0; i < t.size(); ++i) t[i] = T(rng.uniform(-bound, bound));
 }
 
 }  // namespace
@@ -266,7 +254,7 @@ void MultiheadAttention<T>::reset_parameters(uint64_t seed) {
   // projections, bound sqrt(6 / (fan_in + fan_out)) over the whole tensor
   // (the packed [3D, D] one included); out_proj keeps nn.Linear's default
   // kaiming_uniform_(a = sqrt(5)), i.e. U(-1/sqrt(in), 1/sqrt(in)); biases 0.
-  std::mt19937_64 rng(seed);
+  Rng rng(seed);
   auto xavier = [&](Tensor<T>& w) {
     fill_uniform(w, std::sqrt(6.0 / double(w.dim(0) + w.dim(1))), rng);
   };
@@ -451,8 +439,8 @@ void forward_impl(const MultiheadAttention<T>& layer, const Checker& c, View3<co
     wscratch = Tensor<T>({B, H, L, S});
     weights = wscratch.view4();
   }
-  scaled_dot_product_attention<T>(args, View4<T>::bnhd(st.attn_out.data(), B, L, H, Ev), so, weights,
-                                  st.lse.template view<3>());
+  scaled_dot_product_attention<T>(
+      args, {View4<T>::bnhd(st.attn_out.data(), B, L, H, Ev), weights, st.lse.template view<3>()}, so);
 
   if (!avg_weights.empty())
     for (int64_t b = 0; b < B; ++b)
@@ -587,9 +575,8 @@ void MultiheadAttention<T>::backward(const MhaCache<T>& cache, View3<const T> do
   g.dq = View4<T>::bnhd(dq.data(), B, L, H, E);
   g.dk = View4<T>::bnhd(dk.data(), B, S, H, E);
   g.dv = View4<T>::bnhd(dv.data(), B, S, H, Ev);
-  scaled_dot_product_attention_backward<T>(args, View4<const T>::bnhd(d_attn.data(), B, L, H, Ev), g, so,
-                                           View4<const T>::bnhd(cache.attn_out.data(), B, L, H, Ev),
-                                           cache.lse.template view<3>());
+  const SdpaSaved<T> saved{View4<const T>::bnhd(cache.attn_out.data(), B, L, H, Ev), cache.lse.template view<3>()};
+  scaled_dot_product_attention_backward<T>(args, View4<const T>::bnhd(d_attn.data(), B, L, H, Ev), saved, g, so);
 
   // x = xq|xk|xv, p = x·Wᵀ + b  ->  dW += dpᵀ·x,  db += Σ_rows dp,  dx = dp·W
   const auto proj = projections<const T>(cfg_, packed_, [&](const char* n) -> const T* { return params_.at(n).data(); });

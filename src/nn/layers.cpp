@@ -19,33 +19,6 @@ namespace attn::nn {
 
 using detail::gemm;
 
-// ---------------------------------------------------------------- Rng ----
-
-uint64_t Rng::next() {
-  // splitmix64 (Steele, Lea, Flood 2014)
-  uint64_t z = (state_ += 0x9E3779B97F4A7C15ull);
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
-double Rng::uniform() { return double(next() >> 11) * 0x1.0p-53; }
-double Rng::uniform(double a, double b) { return a + (b - a) * uniform(); }
-double Rng::normal() {
-  const double u1 = 1.0 - uniform();  // (0, 1]: log is finite
-  const double u2 = uniform();
-  return std::sqrt(-2.0 * std::log(u1)) * std::cos(2.0 * std::numbers::pi * u2);
-}
-int64_t Rng::below(int64_t n) {
-  if (n <= 0) throw Error("attn::nn::Rng::below: argument 'n' is " + std::to_string(n) + ", expected > 0");
-  return int64_t(next() % uint64_t(n));
-}
-
-uint64_t derive_seed(uint64_t seed, uint64_t stream) {
-  Rng r(seed ^ (0xD1B54A32D192ED03ull * (stream + 1)));
-  r.next();
-  return r.next();
-}
-
 // ------------------------------------------------------------- Linear ----
 
 template <class T>
@@ -468,8 +441,9 @@ void SelfAttention<T>::forward(const Tensor<T>& x, int64_t B, int64_t N, Tensor<
   args.q = head_view(qkv_, 0);
   args.k = head_view(qkv_, 1);
   args.v = head_view(qkv_, 2);
-  scaled_dot_product_attention<T>(args, View4<T>::bnhd(attn_out_.data(), B, N, heads, head_dim),
-                                  sdpa_options(), weights, lse_.template view<3>());
+  scaled_dot_product_attention<T>(
+      args, {View4<T>::bnhd(attn_out_.data(), B, N, heads, head_dim), weights, lse_.template view<3>()},
+      sdpa_options());
   // y = O·W_oᵀ + b_o
   ensure_shape(y, {M, dim});
   gemm<T>({M, dim, dim}, false, attn_out_.data(), dim, true, out_proj_weight.data(), dim, y.data(), dim);
@@ -500,10 +474,9 @@ void SelfAttention<T>::backward(const Tensor<T>& x, const Tensor<T>& dy, Tensor<
   g.dq = head_view(dqkv, 0);
   g.dk = head_view(dqkv, 1);
   g.dv = head_view(dqkv, 2);
-  scaled_dot_product_attention_backward<T>(
-      args, View4<const T>(View4<T>::bnhd(dO.data(), B_, N_, heads, head_dim)), g, sdpa_options(),
-      View4<const T>(View4<T>::bnhd(attn_out_.data(), B_, N_, heads, head_dim)),
-      View3<const T>(lse_.template view<3>()));
+  const SdpaSaved<T> saved{View4<T>::bnhd(attn_out_.data(), B_, N_, heads, head_dim), lse_.template view<3>()};
+  scaled_dot_product_attention_backward<T>(args, View4<T>::bnhd(dO.data(), B_, N_, heads, head_dim), saved, g,
+                                           sdpa_options());
   // RoPE is a rotation: its transpose (the inverse rotation) carries dQ, dK back
   if (options.rope) {
     apply_rotary(head_view(dqkv, 0), /*inverse=*/true);
