@@ -126,8 +126,8 @@ void run_sdpa_context_parallel(const ContextParallelSdpa& o) {
   View4<float> ov(out.data(), {B, H, Lr, Ev});
   View3<float> lv(lse.data(), {B, H, Lr});
   try {
-    if (o.strategy == "ring") dist::ring_attention(MPI_COMM_WORLD, args, ov, lv, opt);
-    else dist::ulysses_attention(MPI_COMM_WORLD, args, ov, lv, opt);
+    if (o.strategy == "ring") dist::ring_attention(MPI_COMM_WORLD, args, {ov, {}, lv}, opt);
+    else dist::ulysses_attention(MPI_COMM_WORLD, args, {ov, {}, lv}, opt);
   } catch (const Error& e) {
     throw Error(fmt::format("attn sdpa: {} (q = {}, k = {}, v = {})", e.what(), o.q, o.k, o.v));
   }

@@ -124,20 +124,21 @@ attn::dist::DistOptions options(const Args& a) {
 void step(const Args& a, Problem& p, bool backward, attn::dist::RingStats* f, attn::dist::RingStats* b) {
   const auto o = options(a);
   const auto args = p.args();
-  const attn::View4<const float> dout(p.dout.view4()), out(p.out.view4());
-  const attn::View3<const float> lse(p.lse.view<3>());
+  const attn::View4<const float> dout(p.dout.view4());
+  const attn::SdpaOutputs<float> outputs{p.out.view4(), {}, p.lse.view<3>()};
+  const attn::SdpaSaved<float> saved{attn::View4<const float>(p.out.view4()), attn::View3<const float>(p.lse.view<3>())};
   const attn::SdpaGrads<float> g{p.dq.view4(), p.dk.view4(), p.dv.view4(), {}};
   if (a.mode == "single") {
     attn::SdpaOptions so = o.sdpa;
     so.backend = attn::Backend::fused;
-    attn::scaled_dot_product_attention(args, p.out.view4(), so, {}, p.lse.view<3>());
-    if (backward) attn::scaled_dot_product_attention_backward(args, dout, g, so, out, lse);
+    attn::scaled_dot_product_attention(args, outputs, so);
+    if (backward) attn::scaled_dot_product_attention_backward(args, dout, saved, g, so);
   } else if (a.mode == "ring") {
-    attn::dist::ring_attention(MPI_COMM_WORLD, args, p.out.view4(), p.lse.view<3>(), o, f);
-    if (backward) attn::dist::ring_attention_backward(MPI_COMM_WORLD, args, dout, g, out, lse, o, b);
+    attn::dist::ring_attention(MPI_COMM_WORLD, args, outputs, o, f);
+    if (backward) attn::dist::ring_attention_backward(MPI_COMM_WORLD, args, dout, saved, g, o, b);
   } else {
-    attn::dist::ulysses_attention(MPI_COMM_WORLD, args, p.out.view4(), p.lse.view<3>(), o);
-    if (backward) attn::dist::ulysses_attention_backward(MPI_COMM_WORLD, args, dout, g, out, lse, o);
+    attn::dist::ulysses_attention(MPI_COMM_WORLD, args, outputs, o);
+    if (backward) attn::dist::ulysses_attention_backward(MPI_COMM_WORLD, args, dout, saved, g, o);
   }
 }
 

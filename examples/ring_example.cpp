@@ -62,11 +62,10 @@ int main(int argc, char** argv) {
     const int64_t Lr = q.dim(2);
     attn::Tensor<float> out({1, H, Lr, E}), lse({1, H, Lr}), dq({1, H, Lr, E}), dk({1, H, Lr, E}), dv({1, H, Lr, E});
     attn::dist::RingStats fwd, bwd;
-    attn::dist::ring_attention(MPI_COMM_WORLD, a, out.view4(), lse.view<3>(), opt, &fwd);
+    attn::dist::ring_attention(MPI_COMM_WORLD, a, {out.view4(), {}, lse.view<3>()}, opt, &fwd);
     attn::dist::ring_attention_backward(MPI_COMM_WORLD, a, attn::View4<const float>(dout.view4()),
-                                        {dq.view4(), dk.view4(), dv.view4(), {}},
-                                        attn::View4<const float>(out.view4()), attn::View3<const float>(lse.view<3>()),
-                                        opt, &bwd);
+                                        {attn::View4<const float>(out.view4()), attn::View3<const float>(lse.view<3>())},
+                                        {dq.view4(), dk.view4(), dv.view4(), {}}, opt, &bwd);
     // Rank 0 gathers every shard of the output and unshards it.
     std::vector<int> counts(static_cast<size_t>(P)), displs(static_cast<size_t>(P));
     for (int p = 0; p < P; ++p) counts[size_t(p)] = int(H * attn::dist::shard_length(N, P, p, opt.layout) * E);
@@ -90,7 +89,7 @@ int main(int argc, char** argv) {
       fa.v = fv.view4();
       attn::SdpaOptions so;
       so.causal = true;
-      attn::scaled_dot_product_attention(fa, ref.view4(), so);
+      attn::scaled_dot_product_attention(fa, {ref.view4()}, so);
       double worst = 0;
       for (size_t i = 0; i < ref.size(); ++i) worst = std::max(worst, double(std::abs(full[i] - ref[i])));
       std::printf("ring attention: N = %lld, H = %lld, E = %lld on %d rank(s)\n", (long long)N, (long long)H,

@@ -30,7 +30,7 @@
 // Arguments are the local shards, shaped like the single-process call's
 // (attn/sdpa.hpp) with L and S replaced by the local lengths:
 //   q (B, H, L_r, E)  k (B, Hkv, S_r, E)  v (B, Hkv, S_r, Ev)
-//   out (B, H, L_r, Ev)  lse (B, H, L_r)
+//   outputs / saved: out (B, H, L_r, Ev), lse (B, H, L_r)
 // key_lengths (B) holds GLOBAL lengths (every rank passes the same values).
 // Supported options: scale, causal (top-left; with L = S for the ring),
 // key_lengths, GQA, E ≠ Ev, num_threads (per rank). Not supported (a clear
@@ -89,22 +89,23 @@ struct RingStats {
   int steps = 0;
 };
 
-// Ring attention, forward: writes out (and lse when non-empty) for the local queries.
-void ring_attention(MPI_Comm comm, const SdpaArgs<float>& args, View4<float> out, View3<float> lse = {},
+// Ring attention, forward: writes outputs.out (and outputs.lse when given)
+// for the local queries; outputs.weights must be empty (L×S never exists).
+void ring_attention(MPI_Comm comm, const SdpaArgs<float>& args, const SdpaOutputs<float>& outputs,
                     const DistOptions& opt = {}, RingStats* stats = nullptr);
-// Ring attention, backward: out and lse are the forward's results for the
-// local queries (recomputed by a forward pass when either is empty); writes
-// the local dq, dk, dv (overwritten, not accumulated). dbias is not supported.
+// Ring attention, backward: `saved` is the forward's out and lse for the
+// local queries (recomputed by a forward ring when not given; every rank must
+// give it or none); writes the local dq, dk, dv (overwritten, not
+// accumulated). dbias is not supported.
 void ring_attention_backward(MPI_Comm comm, const SdpaArgs<float>& args, View4<const float> dout,
-                             const SdpaGrads<float>& grads, View4<const float> out = {},
-                             View3<const float> lse = {}, const DistOptions& opt = {},
-                             RingStats* stats = nullptr);
+                             const SdpaSaved<float>& saved, const SdpaGrads<float>& grads,
+                             const DistOptions& opt = {}, RingStats* stats = nullptr);
 
 // All-to-all (Ulysses) attention, forward and backward, same arguments.
-void ulysses_attention(MPI_Comm comm, const SdpaArgs<float>& args, View4<float> out, View3<float> lse = {},
+void ulysses_attention(MPI_Comm comm, const SdpaArgs<float>& args, const SdpaOutputs<float>& outputs,
                        const DistOptions& opt = {});
 void ulysses_attention_backward(MPI_Comm comm, const SdpaArgs<float>& args, View4<const float> dout,
-                                const SdpaGrads<float>& grads, View4<const float> out = {},
-                                View3<const float> lse = {}, const DistOptions& opt = {});
+                                const SdpaSaved<float>& saved, const SdpaGrads<float>& grads,
+                                const DistOptions& opt = {});
 
 }  // namespace attn::dist

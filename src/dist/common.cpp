@@ -297,6 +297,7 @@ Geometry validate(MPI_Comm comm, const char* fn, const Request& req) {
            std::to_string(g.H) + ", Hkv = " + std::to_string(g.Hkv) + " (use the ring)");
   if (c.ok()) {
     if (!backward) {
+      if (req.weights) c.fail("output 'weights' is not supported across processes (the L x S matrix never exists)");
       c.present(req.out, "out");
       c.shape(req.out, "out", {g.B, g.H, Lr, g.Ev}, "(B, H, L_local, Ev)");
       c.writable(req.out, "out");

@@ -39,9 +39,9 @@ struct Request {
   const DistOptions* opt;
   View4<const float> out;   // forward: the output; backward: the saved out (optional)
   View3<const float> lse;   // optional
-  View4<const float> dout;  // backward only
+  bool weights = false;     // forward: attention weights were asked for (refused)
+  View4<const float> dout{};  // backward only
   const SdpaGrads<float>* grads = nullptr;
-  bool out_written = false;  // forward: `out` and `lse` are outputs
 };
 
 // Whether an optional view was given: data, or a shape with no elements

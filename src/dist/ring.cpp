@@ -153,10 +153,12 @@ void add_into(View4<float> dst, View4<const float> src, bool add = true) {
 
 }  // namespace
 
-void ring_attention(MPI_Comm comm, const SdpaArgs<float>& args, View4<float> out, View3<float> lse,
+void ring_attention(MPI_Comm comm, const SdpaArgs<float>& args, const SdpaOutputs<float>& outputs,
                     const DistOptions& opt, RingStats* stats) {
   const double t_start = MPI_Wtime();
-  detail::Request req{detail::Op::ring_forward, &args, &opt, out, lse, {}, nullptr, true};
+  View4<float> out = outputs.out;
+  View3<float> lse = outputs.lse;
+  detail::Request req{detail::Op::ring_forward, &args, &opt, out, lse, !outputs.weights.empty()};
   const Geometry g = detail::validate(comm, "ring_attention", req);
   const detail::CommDup dup(comm);
   const MPI_Comm c = dup.get();
@@ -190,12 +192,12 @@ void ring_attention(MPI_Comm comm, const SdpaArgs<float>& args, View4<float> out
       View4<float> o_rows = rows(out, t.i0, t.n);
       View3<float> l_rows = rows(lse, t.i0, t.n);
       if (!filled[size_t(t.i0)]) {  // the first block these rows see writes them directly
-        scaled_dot_product_attention(bc.args, o_rows, bc.opt, {}, l_rows);
+        scaled_dot_product_attention(bc.args, SdpaOutputs<float>{o_rows, {}, l_rows}, bc.opt);
         filled[size_t(t.i0)] = 1;
       } else {
         View4<float> po(tmp_out.data(), {g.B, g.H, t.n, g.Ev}, {g.H * mr * g.Ev, mr * g.Ev, g.Ev, 1});
         View3<float> pl(tmp_lse.data(), {g.B, g.H, t.n}, {g.H * mr, mr, 1});
-        scaled_dot_product_attention(bc.args, po, bc.opt, {}, pl);
+        scaled_dot_product_attention(bc.args, SdpaOutputs<float>{po, {}, pl}, bc.opt);
         merge_attention(o_rows, l_rows, View4<const float>(po), View3<const float>(pl));
       }
       progress(reqs);
@@ -219,10 +221,12 @@ void ring_attention(MPI_Comm comm, const SdpaArgs<float>& args, View4<float> out
 }
 
 void ring_attention_backward(MPI_Comm comm, const SdpaArgs<float>& args, View4<const float> dout,
-                             const SdpaGrads<float>& grads, View4<const float> out, View3<const float> lse,
-                             const DistOptions& opt, RingStats* stats) {
+                             const SdpaSaved<float>& saved, const SdpaGrads<float>& grads, const DistOptions& opt,
+                             RingStats* stats) {
   const double t_start = MPI_Wtime();
-  detail::Request req{detail::Op::ring_backward, &args, &opt, out, lse, dout, &grads, false};
+  View4<const float> out = saved.out;
+  View3<const float> lse = saved.lse;
+  detail::Request req{detail::Op::ring_backward, &args, &opt, out, lse, false, dout, &grads};
   const Geometry g = detail::validate(comm, "ring_attention_backward", req);
   const int r = g.r, next = (r + 1) % g.P, prev = (r + g.P - 1) % g.P;
   const int64_t Lr = g.Lr[size_t(r)];
@@ -234,7 +238,7 @@ void ring_attention_backward(MPI_Comm comm, const SdpaArgs<float>& args, View4<c
     lse_own = Tensor<float>({g.B, g.H, l1});
     View4<float> ov(out_own.data(), {g.B, g.H, Lr, g.Ev}, {g.H * l1 * g.Ev, l1 * g.Ev, g.Ev, 1});
     View3<float> lv(lse_own.data(), {g.B, g.H, Lr}, {g.H * l1, l1, 1});
-    ring_attention(comm, args, ov, lv, opt);
+    ring_attention(comm, args, SdpaOutputs<float>{ov, {}, lv}, opt);
     out = ov;
     lse = lv;
   }
@@ -276,8 +280,8 @@ void ring_attention_backward(MPI_Comm comm, const SdpaArgs<float>& args, View4<c
       bg.dq = View4<float>(dq_tmp.data(), {g.B, g.H, t.n, g.E}, {g.H * mr * g.E, mr * g.E, g.E, 1});
       bg.dk = rows(shard_k(g, o, tmp.data()), 0, t.s);
       bg.dv = rows(shard_v(g, o, tmp.data()), 0, t.s);
-      scaled_dot_product_attention_backward(bc.args, View4<const float>(rows(dout, t.i0, t.n)), bg, bc.opt,
-                                            View4<const float>(rows(out, t.i0, t.n)), rows(lse, t.i0, t.n));
+      const SdpaSaved<float> sv{View4<const float>(rows(out, t.i0, t.n)), rows(lse, t.i0, t.n)};
+      scaled_dot_product_attention_backward(bc.args, View4<const float>(rows(dout, t.i0, t.n)), sv, bg, bc.opt);
       add_into(rows(dq_all, t.i0, t.n), View4<const float>(bg.dq));  // dQ: summed over steps in order
       add_into(rows(shard_k(g, o, blk.data()), 0, t.s), View4<const float>(bg.dk));
       add_into(rows(shard_v(g, o, blk.data()), 0, t.s), View4<const float>(bg.dv));

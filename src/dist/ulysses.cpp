@@ -160,26 +160,31 @@ SdpaOptions head_options(const Geometry& g, const DistOptions& opt) {
 
 }  // namespace
 
-void ulysses_attention(MPI_Comm comm, const SdpaArgs<float>& args, View4<float> out, View3<float> lse,
+void ulysses_attention(MPI_Comm comm, const SdpaArgs<float>& args, const SdpaOutputs<float>& outputs,
                        const DistOptions& opt) {
-  detail::Request req{detail::Op::ulysses_forward, &args, &opt, out, lse, {}, nullptr, true};
+  const View4<float> out = outputs.out;
+  const View3<float> lse = outputs.lse;
+  detail::Request req{detail::Op::ulysses_forward, &args, &opt, out, lse, !outputs.weights.empty()};
   const Geometry g = detail::validate(comm, "ulysses_attention", req);
   const detail::CommDup dup(comm);
   const int64_t hp = g.H / g.P, hkp = g.Hkv / g.P;
   Tensor<float> q = full_tensor(g, hp, g.L, g.E), k = full_tensor(g, hkp, g.S, g.E), v = full_tensor(g, hkp, g.S, g.Ev);
   to_heads(g, dup.get(), {{mut(args.q), v4(q), false}, {mut(args.k), v4(k), true}, {mut(args.v), v4(v), true}});
   Tensor<float> o = full_tensor(g, hp, g.L, g.Ev), l({g.B, hp, g.L});
-  scaled_dot_product_attention(head_args(g, q, k, v), o.view4(), head_options(g, opt), {},
-                               View3<float>(l.data(), {g.B, hp, g.L}));
+  scaled_dot_product_attention(head_args(g, q, k, v),
+                               SdpaOutputs<float>{o.view4(), {}, View3<float>(l.data(), {g.B, hp, g.L})},
+                               head_options(g, opt));
   std::vector<Piece> back = {{out, v4(o), false}};
   if (g.lse_given) back.push_back({as4(lse), v4_3(l), false});
   from_heads(g, dup.get(), back);
 }
 
 void ulysses_attention_backward(MPI_Comm comm, const SdpaArgs<float>& args, View4<const float> dout,
-                                const SdpaGrads<float>& grads, View4<const float> out, View3<const float> lse,
+                                const SdpaSaved<float>& saved_state, const SdpaGrads<float>& grads,
                                 const DistOptions& opt) {
-  detail::Request req{detail::Op::ulysses_backward, &args, &opt, out, lse, dout, &grads, false};
+  const View4<const float> out = saved_state.out;
+  const View3<const float> lse = saved_state.lse;
+  detail::Request req{detail::Op::ulysses_backward, &args, &opt, out, lse, false, dout, &grads};
   const Geometry g = detail::validate(comm, "ulysses_attention_backward", req);
   const detail::CommDup dup(comm);
   const int64_t hp = g.H / g.P, hkp = g.Hkv / g.P;
@@ -203,10 +208,10 @@ void ulysses_attention_backward(MPI_Comm comm, const SdpaArgs<float>& args, View
   hg.dq = dq.view4();
   hg.dk = dk.view4();
   hg.dv = dv.view4();
-  scaled_dot_product_attention_backward(head_args(g, q, k, v), View4<const float>(dy.view4()), hg,
-                                        head_options(g, opt),
-                                        saved ? View4<const float>(y.view4()) : View4<const float>{},
-                                        saved ? View3<const float>(l.data(), {g.B, hp, g.L}) : View3<const float>{});
+  SdpaSaved<float> hs;
+  if (saved) hs = {View4<const float>(y.view4()), View3<const float>(l.data(), {g.B, hp, g.L})};
+  scaled_dot_product_attention_backward(head_args(g, q, k, v), View4<const float>(dy.view4()), hs, hg,
+                                        head_options(g, opt));
   from_heads(g, dup.get(), {{grads.dq, v4(dq), false}, {grads.dk, v4(dk), true}, {grads.dv, v4(dv), true}});
 }
 

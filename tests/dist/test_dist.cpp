@@ -90,10 +90,10 @@ Full oracle(const Case& c) {
   o.causal = c.causal;
   o.backend = Backend::fused;
   View3<float> lse(f.lse.data(), {c.B, c.H, c.L});
-  attn::scaled_dot_product_attention(a, f.out.view4(), o, {}, lse);
+  attn::scaled_dot_product_attention(a, {f.out.view4(), {}, lse}, o);
   SdpaGrads<float> g{f.dq.view4(), f.dk.view4(), f.dv.view4(), {}};
-  attn::scaled_dot_product_attention_backward(a, View4<const float>(f.dout.view4()), g, o,
-                                              View4<const float>(f.out.view4()), View3<const float>(lse));
+  attn::scaled_dot_product_attention_backward(a, View4<const float>(f.dout.view4()),
+                                              {View4<const float>(f.out.view4()), View3<const float>(lse)}, g, o);
   return f;
 }
 
@@ -142,14 +142,15 @@ Local run(const Case& c, const Full& f, Strategy s, bool saved_state = true) {
   o.layout = c.layout;
   const SdpaArgs<float> a = l.args();
   SdpaGrads<float> g{l.dq.view4(), l.dk.view4(), l.dv.view4(), {}};
-  const View4<const float> out = saved_state ? View4<const float>(l.out.view4()) : View4<const float>{};
-  const View3<const float> lse = saved_state ? View3<const float>(v3(l.lse)) : View3<const float>{};
+  attn::SdpaSaved<float> saved;
+  if (saved_state) saved = {View4<const float>(l.out.view4()), View3<const float>(v3(l.lse))};
+  const attn::SdpaOutputs<float> outputs{l.out.view4(), {}, v3(l.lse)};
   if (s == Strategy::ring) {
-    attn::dist::ring_attention(MPI_COMM_WORLD, a, l.out.view4(), v3(l.lse), o);
-    attn::dist::ring_attention_backward(MPI_COMM_WORLD, a, View4<const float>(l.dout.view4()), g, out, lse, o);
+    attn::dist::ring_attention(MPI_COMM_WORLD, a, outputs, o);
+    attn::dist::ring_attention_backward(MPI_COMM_WORLD, a, View4<const float>(l.dout.view4()), saved, g, o);
   } else {
-    attn::dist::ulysses_attention(MPI_COMM_WORLD, a, l.out.view4(), v3(l.lse), o);
-    attn::dist::ulysses_attention_backward(MPI_COMM_WORLD, a, View4<const float>(l.dout.view4()), g, out, lse, o);
+    attn::dist::ulysses_attention(MPI_COMM_WORLD, a, outputs, o);
+    attn::dist::ulysses_attention_backward(MPI_COMM_WORLD, a, View4<const float>(l.dout.view4()), saved, g, o);
   }
   return l;
 }
@@ -271,7 +272,7 @@ TEST(Dist, MergeIsExactForEmptyPartials) {
   SdpaOptions o;
   o.backend = Backend::fused;
   Tensor<float> out({c.B, c.H, l.q.dim(2), c.Ev}), lse({c.B, c.H, l.q.dim(2)});
-  attn::scaled_dot_product_attention(a, out.view4(), o, {}, lse.view<3>());
+  attn::scaled_dot_product_attention(a, {out.view4(), {}, lse.view<3>()}, o);
   EXPECT_EQ(std::memcmp(out.data(), l.out.data(), out.size() * sizeof(float)), 0) << c.label();
   EXPECT_EQ(std::memcmp(lse.data(), l.lse.data(), lse.size() * sizeof(float)), 0) << c.label();
 }
@@ -359,14 +360,14 @@ TEST(DistErrors, AgreedOnEveryRank) {
   SdpaArgs<float> a = l.args();
   std::unique_ptr<bool[]> m(new bool[1]{true});
   if (r == P - 1) a.mask = View4<const bool>(m.get(), {1, 1, 1, 1});
-  EXPECT_TRUE(attn::testing::throws_with([&] { attn::dist::ring_attention(MPI_COMM_WORLD, a, l.out.view4(), {}, o); },
+  EXPECT_TRUE(attn::testing::throws_with([&] { attn::dist::ring_attention(MPI_COMM_WORLD, a, {l.out.view4()}, o); },
                                          {"attn::dist::ring_attention"}));
   // Options that differ between ranks.
   attn::dist::DistOptions o2;
   o2.sdpa.causal = r == 0;
   if (P > 1) {
     EXPECT_TRUE(attn::testing::throws_with(
-        [&] { attn::dist::ring_attention(MPI_COMM_WORLD, l.args(), l.out.view4(), {}, o2); }, {"disagree", "causal"}));
+        [&] { attn::dist::ring_attention(MPI_COMM_WORLD, l.args(), {l.out.view4()}, o2); }, {"disagree", "causal"}));
   }
   // A shard that does not match the layout: rank 0 holds d query rows too
   // few, with d chosen so that the shorter sequence's layout disagrees.
@@ -377,7 +378,7 @@ TEST(DistErrors, AgreedOnEveryRank) {
     View4<float> short_out = l.out.view4();
     if (r == 0) short_q.q.shape[2] -= d, short_out.shape[2] -= d;
     EXPECT_TRUE(attn::testing::throws_with(
-        [&] { attn::dist::ring_attention(MPI_COMM_WORLD, short_q, short_out, {}, o); }, {"layout"}));
+        [&] { attn::dist::ring_attention(MPI_COMM_WORLD, short_q, {short_out}, o); }, {"layout"}));
   }
   // Causal ring cross-attention, ulysses with heads not divisible by P, reference backend.
   Case x;
@@ -389,15 +390,15 @@ TEST(DistErrors, AgreedOnEveryRank) {
   attn::dist::DistOptions oc;
   oc.sdpa.causal = true;
   EXPECT_TRUE(attn::testing::throws_with(
-      [&] { attn::dist::ring_attention(MPI_COMM_WORLD, lx.args(), lx.out.view4(), {}, oc); }, {"L = S"}));
+      [&] { attn::dist::ring_attention(MPI_COMM_WORLD, lx.args(), {lx.out.view4()}, oc); }, {"L = S"}));
   if (x.H % P != 0) {
     EXPECT_TRUE(attn::testing::throws_with(
-        [&] { attn::dist::ulysses_attention(MPI_COMM_WORLD, lx.args(), lx.out.view4(), {}, {}); }, {"divisible"}));
+        [&] { attn::dist::ulysses_attention(MPI_COMM_WORLD, lx.args(), {lx.out.view4()}, {}); }, {"divisible"}));
   }
   attn::dist::DistOptions orf;
   orf.sdpa.backend = Backend::reference;
   EXPECT_TRUE(attn::testing::throws_with(
-      [&] { attn::dist::ring_attention(MPI_COMM_WORLD, lx.args(), lx.out.view4(), {}, orf); }, {"backend"}));
+      [&] { attn::dist::ring_attention(MPI_COMM_WORLD, lx.args(), {lx.out.view4()}, orf); }, {"backend"}));
   // Still in step after all of that.
   int ok = 1;
   MPI_Allreduce(MPI_IN_PLACE, &ok, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
