@@ -2,12 +2,14 @@
 // reads the same .npy files, keeps its shard of the sequence (zig-zag for
 // causal, contiguous otherwise), runs attn::dist, and rank 0 gathers the
 // output (and lse) and writes the same files the single-process command
-// would (atomically: temporary file, then rename). Computation is float32.
+// would (one output transaction: the paths are checked first, the files
+// renamed into place together at the end). Computation is float32.
 #include <mpi.h>
 
 #include <fmt/format.h>
 
 #include <array>
+#include <optional>
 #include <vector>
 
 #include "attn/dist.hpp"
@@ -90,7 +92,14 @@ void run_sdpa_context_parallel(const ContextParallelSdpa& o) {
   io::Array<float> qa, ka, va;
   std::array<int64_t, 4> qs{}, ks{}, vs{};
   std::vector<float> q, k, v;
+  std::optional<Outputs> outputs;  // rank 0 writes (checked before anything is computed)
+  std::string out_path, lse_path;
   on_every_rank([&] {
+    if (r == 0) {
+      outputs.emplace();
+      out_path = outputs->add("--out", o.out);
+      lse_path = outputs->add("--lse", o.lse);
+    }
     qa = io::read_npy<float>(o.q), ka = io::read_npy<float>(o.k), va = io::read_npy<float>(o.v);
     for (const auto* a : {&qa, &ka, &va})
       if (a->stored != io::DType::f32)
@@ -138,8 +147,9 @@ void run_sdpa_context_parallel(const ContextParallelSdpa& o) {
     if (r != 0) return;
     const size_t rank = qa.shape.size();
     auto tail = [&](std::vector<int64_t> full, size_t n) { return std::vector<int64_t>(full.end() - long(n), full.end()); };
-    io::write_npy(o.out, tail({B, H, L, Ev}, rank), full_out.data());
-    if (!o.lse.empty()) io::write_npy(o.lse, tail({B, H, L}, rank - 1), full_lse.data());
+    io::write_npy(out_path, tail({B, H, L, Ev}, rank), full_out.data());
+    if (!o.lse.empty()) io::write_npy(lse_path, tail({B, H, L}, rank - 1), full_lse.data());
+    outputs->commit();
     fmt::print(stderr, "attn sdpa: {} -> {} (float32, {} over {} process{}, fused)\n", io::shape_string(qa.shape),
                o.out, o.strategy, P, P == 1 ? "" : "es");
   });

@@ -28,7 +28,10 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <string>
 #include <vector>
+
+#include "attn/detail/memory.hpp"
 
 namespace attn::detail {
 namespace {
@@ -122,11 +125,21 @@ void attention_matrix(const Problem& p, const SdpaArgs<T>& a, int64_t b, int64_t
   for (int64_t i = 0; i < p.L; ++i) lse_row[size_t(i)] = softmax_row(&A[size_t(i * p.S)], p.S);
 }
 
+// The L×S matrices (`count` of them, in double) must fit in memory; checked
+// before allocating, so a huge request is an argument error, not bad_alloc.
+void check_matrices_fit(const Problem& p, int64_t count, const char* fn) {
+  check_fits_in_memory(checked_bytes({count, p.L, p.S}, sizeof(double)),
+                       std::string(fn) + ": the reference backend materialises " + std::to_string(count) +
+                           " L x S matrix(es) of doubles for q (L = " + std::to_string(p.L) + ") and k (S = " +
+                           std::to_string(p.S) + "); that");
+}
+
 }  // namespace
 
 template <class T>
 void reference_forward(const Problem& p, const SdpaArgs<T>& a, View4<T> out, View4<T> weights,
                        View3<T> lse) {
+  check_matrices_fit(p, 1, "attn::scaled_dot_product_attention");
   std::vector<double> A(static_cast<size_t>(p.L * p.S));
   std::vector<double> lse_row(static_cast<size_t>(p.L));
   for (int64_t b = 0; b < p.B; ++b) {
@@ -153,6 +166,7 @@ void reference_forward(const Problem& p, const SdpaArgs<T>& a, View4<T> out, Vie
 template <class T>
 void reference_backward(const Problem& p, const SdpaArgs<T>& a, View4<const T> dout,
                         const SdpaGrads<T>& g) {
+  check_matrices_fit(p, 2, "attn::scaled_dot_product_attention_backward");
   const size_t LS = static_cast<size_t>(p.L * p.S);
   std::vector<double> A(LS), dZ(LS), Z(LS);
   std::vector<double> dk(static_cast<size_t>(p.S * p.E)), dv(static_cast<size_t>(p.S * p.Ev));
