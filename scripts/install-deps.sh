@@ -3,6 +3,7 @@
 # Root on the project's machines; sudo otherwise. Nothing is downloaded at build time.
 set -euo pipefail
 pkgs=(g++ cmake make pkg-config libgtest-dev libgmock-dev libbenchmark-dev libhwy-dev libopenblas-dev
+      libopenblas-openmp-dev
       libcli11-dev nlohmann-json3-dev libfmt-dev libpng-dev python3-dev python3-venv)
 missing=()
 for p in "${pkgs[@]}"; do
