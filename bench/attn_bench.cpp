@@ -141,21 +141,29 @@ double flops(const Config& c, int64_t L, bool causal, const std::string& mode) {
 }
 
 // Tile sizes forced for the fused backend (tuning; {0, 0} = the heuristic).
-attn::detail::FusedTiles g_tiles;
+attn::detail::FusedPlan g_tiles;
+
+// The kernels' view of a case (what the library's validation would build).
+attn::detail::Problem problem_of(const Buffers& buf, bool causal, int threads) {
+  attn::detail::Problem p;
+  p.B = buf.B, p.H = p.Hkv = buf.H, p.L = buf.L, p.S = buf.S, p.E = p.Ev = buf.E;
+  p.scale = 1.0 / std::sqrt(double(buf.E));
+  p.causal = causal;
+  p.threads = threads;
+  return p;
+}
 
 // Runs one forward (+ backward) of the case.
 void run_once(Buffers& buf, Backend be, bool causal, int threads, bool bwd) {
   if (be == Backend::fused && g_tiles.q_block > 0) {
-    attn::detail::Problem p;
-    p.B = buf.B, p.H = p.Hkv = buf.H, p.L = buf.L, p.S = buf.S, p.E = p.Ev = buf.E;
-    p.scale = 1.0 / std::sqrt(double(buf.E));
-    p.causal = causal;
-    p.threads = threads;
+    const attn::detail::Problem p = problem_of(buf, causal, threads);
     const auto a = buf.args();
-    attn::detail::fused_forward_tiled(p, a, buf.out.view4(), {}, buf.lse.view<3>(), g_tiles);
+    attn::detail::FusedPlan t = attn::detail::fused_plan(p);  // the backward's split as usual
+    t.q_block = g_tiles.q_block;
+    t.k_block = g_tiles.k_block;
+    attn::detail::fused_forward_tiled(p, a, buf.out.view4(), {}, buf.lse.view<3>(), t);
     if (bwd)
-      attn::detail::fused_backward_tiled(p, a, buf.dout.view4(), buf.grads(), buf.out.view4(), buf.lse.view<3>(),
-                                         g_tiles);
+      attn::detail::fused_backward_tiled(p, a, buf.dout.view4(), buf.grads(), buf.out.view4(), buf.lse.view<3>(), t);
     return;
   }
   attn::SdpaOptions opt;
@@ -163,10 +171,10 @@ void run_once(Buffers& buf, Backend be, bool causal, int threads, bool bwd) {
   opt.causal = causal;
   opt.num_threads = threads;
   const auto a = buf.args();
-  attn::scaled_dot_product_attention<float>(a, buf.out.view4(), opt, {}, buf.lse.view<3>());
+  attn::scaled_dot_product_attention<float>(a, {buf.out.view4(), {}, buf.lse.view<3>()}, opt);
   if (bwd)
-    attn::scaled_dot_product_attention_backward<float>(a, buf.dout.view4(), buf.grads(), opt,
-                                                       buf.out.view4(), buf.lse.view<3>());
+    attn::scaled_dot_product_attention_backward<float>(a, buf.dout.view4(), {buf.out.view4(), buf.lse.view<3>()},
+                                                       buf.grads(), opt);
 }
 
 double max_abs_diff(const float* a, const float* b, size_t n, double* mag) {
@@ -195,7 +203,7 @@ std::string validate(Buffers& buf, Backend be, bool causal, bool bwd, const Conf
   opt.causal = causal;
   opt.causal_align = attn::CausalAlign::bottom_right;  // row r sees keys <= i0 + r
   attn::Tensor<float> out({1, H, R, E}), lse({1, H, R}), dq({1, H, R, E}), dk({1, H, S, E}), dv({1, H, S, E});
-  attn::scaled_dot_product_attention<float>(a, out.view4(), opt, {}, lse.view<3>());
+  attn::scaled_dot_product_attention<float>(a, {out.view4(), {}, lse.view<3>()}, opt);
   double worst = 0, mag = 0, lmag = 0;
   const double eps = 1.2e-7;
   auto tol = [&](int64_t n, double m) { return 20 * eps * std::sqrt(double(n)) * std::max(1.0, m); };
@@ -211,7 +219,7 @@ std::string validate(Buffers& buf, Backend be, bool causal, bool bwd, const Conf
   a.key_lengths = {};
   attn::SdpaArgs<float> ad = a;
   View4<const float> dout(buf.dout.data() + i0 * E, {1, H, R, E}, {H * L * E, L * E, E, 1});
-  attn::scaled_dot_product_attention_backward<float>(ad, dout, {dq.view4(), dk.view4(), dv.view4(), {}}, opt);
+  attn::scaled_dot_product_attention_backward<float>(ad, dout, {}, {dq.view4(), dk.view4(), dv.view4(), {}}, opt);
   mag = 0;
   worst = 0;
   for (int64_t h = 0; h < H; ++h)
@@ -297,15 +305,19 @@ int main(int argc, char** argv) {
     opt.causal = true;
     opt.num_threads = c.threads.front();
     const auto t0 = Clock::now();
-    attn::scaled_dot_product_attention<float>(buf.args(), buf.out.view4(), opt, {}, buf.lse.view<3>());
+    attn::scaled_dot_product_attention<float>(buf.args(), {buf.out.view4(), {}, buf.lse.view<3>()}, opt);
     const double dt = std::chrono::duration<double>(Clock::now() - t0).count();
     const int64_t peak = status_kib("VmHWM:") - base;
+    // What the kernels allocate beyond inputs and outputs: per-thread scratch.
+    const attn::detail::Problem p = problem_of(buf, true, opt.num_threads);
+    const int64_t scratch_kib =
+        opt.num_threads * attn::detail::fused_scratch_bytes(p, attn::detail::fused_plan(p)).forward / 1024;
     say("memory: causal fwd L=S=%lld H=%lld E=%lld threads=%d: %.1f s, peak RSS above start %.1f MiB, "
-        "inputs+outputs %.1f MiB, extra %.1f MiB\n",
+        "inputs+outputs %.1f MiB, extra %.1f MiB (fused scratch %.2f MiB)\n",
         (long long)n, (long long)c.heads, (long long)c.dim, opt.num_threads, dt, mib(peak), mib(io_kib),
-        mib(peak - io_kib));
+        mib(peak - io_kib), mib(scratch_kib));
     doc["memory"] = {{"L", n}, {"seconds", dt}, {"peak_mib", mib(peak)}, {"inputs_outputs_mib", mib(io_kib)},
-                     {"extra_mib", mib(peak - io_kib)}};
+                     {"extra_mib", mib(peak - io_kib)}, {"scratch_mib", mib(scratch_kib)}};
     if (!c.json.empty()) {
       if (quiet) std::cout << doc.dump(2) << "\n";
       else std::ofstream(c.json) << doc.dump(2) << "\n";

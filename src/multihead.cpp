@@ -32,18 +32,20 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <functional>
 #include <map>
-#include <random>
 #include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>
 
+#include "attn/rng.hpp"
 #include "kernels/gemm/gemm.hpp"
 
 namespace attn {
 namespace {
 
+using detail::add_column_sums;
 using detail::gemm;
 using detail::GemmShape;
 
@@ -112,24 +114,38 @@ void scatter(const T* src, View3<T> dst) {
       for (int64_t c = 0; c < dst.dim(2); ++c) dst(a, b, c) = *src++;
 }
 
+// `t` with this shape: kept as it is when it has the shape already (the
+// caller overwrites every element), allocated otherwise.
+template <class T>
+void sized(Tensor<T>& t, std::vector<int64_t> shape) {
+  if (t.shape() != shape) t = Tensor<T>(std::move(shape));
+}
+
 // A dense (rows, width) copy of `src` in `storage`, or src's own data when it
 // is already dense and no copy is wanted.
 template <class T>
 const T* dense(View3<const T> src, Tensor<T>& storage, bool force_copy) {
   if (src.is_contiguous() && !force_copy) return src.data;
-  storage = Tensor<T>({src.dim(0), src.dim(1), src.dim(2)});
-  gather(src, storage.data());
+  sized(storage, {src.dim(0), src.dim(1), src.dim(2)});
+  if (src.is_contiguous())
+    std::copy_n(src.data, storage.size(), storage.data());
+  else
+    gather(src, storage.data());
   return storage.data();
 }
 
-// Portable uniform draw in [lo, hi) from the top 53 bits of the generator
-// (std::uniform_real_distribution's algorithm is not fixed by the standard).
+// True when p points into t's storage.
 template <class T>
-void fill_uniform(Tensor<T>& t, double bound, std::mt19937_64& rng) {
-  for (size_t i = 0; i < t.size(); ++i) {
-    const double u = double(rng() >> 11) * (1.0 / 9007199254740992.0);
-    t[i] = T(-bound + 2 * bound * u);
-  }
+bool inside(const Tensor<T>& t, const void* p) {
+  const auto* b = reinterpret_cast<const unsigned char*>(t.data());
+  const auto* x = static_cast<const unsigned char*>(p);
+  return b && x && std::less_equal<>()(b, x) && std::less<>()(x, b + t.size() * sizeof(T));
+}
+
+// U(-bound, bound) from the library's generator.
+template <class T>
+void fill_uniform(Tensor<T>& t, double bound, Rng& rng) {
+  for (size_t i = 0; i < t.size(); ++i) t[i] = T(rng.uniform(-bound, bound));
 }
 
 }  // namespace
@@ -247,7 +263,7 @@ void MultiheadAttention<T>::reset_parameters(uint64_t seed) {
   // projections, bound sqrt(6 / (fan_in + fan_out)) over the whole tensor
   // (the packed [3D, D] one included); out_proj keeps nn.Linear's default
   // kaiming_uniform_(a = sqrt(5)), i.e. U(-1/sqrt(in), 1/sqrt(in)); biases 0.
-  std::mt19937_64 rng(seed);
+  Rng rng(seed);
   auto xavier = [&](Tensor<T>& w) {
     fill_uniform(w, std::sqrt(6.0 / double(w.dim(0) + w.dim(1))), rng);
   };
@@ -459,6 +475,23 @@ void MultiheadAttention<T>::forward(const MhaArgs<T>& a, const MhaOutputs<T>& o,
   // Filled here and moved into *cache at the end, so that inputs which alias
   // the caller's old cache stay valid while they are read.
   MhaCache<T> st;
+  // A cache refilled call after call (a training loop) lends its buffers to
+  // the new state, unless an argument points into one of them.
+  if (cache) {
+    const void* ptrs[] = {a.query.data,   a.key.data,      a.value.data,         a.attn_mask.data,
+                          a.attn_bias.data, a.key_padding_mask.data, a.key_lengths.data, o.out.data,
+                          o.head_weights.data, o.avg_weights.data};
+    bool aliased = false;
+    for (const void* p : ptrs)
+      for (const Tensor<T>* t : {&cache->query, &cache->key, &cache->value, &cache->proj, &cache->attn_out,
+                                 &cache->lse, &cache->bias})
+        aliased = aliased || inside(*t, p);
+    for (const void* p : ptrs) aliased = aliased || inside(cache->mask, p) || inside(cache->key_lengths, p);
+    if (!aliased) {
+      st.query = std::move(cache->query), st.key = std::move(cache->key), st.value = std::move(cache->value);
+      st.proj = std::move(cache->proj), st.attn_out = std::move(cache->attn_out), st.lse = std::move(cache->lse);
+    }
+  }
   st.B = B, st.L = L, st.S = S, st.H = H, st.E = E, st.Ev = Ev;
   st.self_attention = self;
   st.options = opt;
@@ -466,13 +499,14 @@ void MultiheadAttention<T>::forward(const MhaArgs<T>& a, const MhaOutputs<T>& o,
   // Dense inputs: always copied into the cache (so the caller may reuse its
   // buffers before backward), otherwise only when strided.
   const T* xq = dense(a.query, st.query, cache != nullptr);
+  if (self) st.key = Tensor<T>(), st.value = Tensor<T>();
   const T* xk = self ? xq : dense(a.key, st.key, cache != nullptr);
   const T* xv = self ? xq : dense(a.value, st.value, cache != nullptr);
 
   // [q | k | v] = x·Wᵀ + b: one product for a packed self-attention (the
   // three weight blocks are consecutive rows of in_proj_weight), else three.
   const int64_t HE = H * E, HEv = H * Ev;
-  st.proj = Tensor<T>({(self ? B * L * (2 * HE + HEv) : B * L * HE + B * S * (HE + HEv))});
+  sized(st.proj, {(self ? B * L * (2 * HE + HEv) : B * L * HE + B * S * (HE + HEv))});
   const auto ps = parts<T>(*this, cfg_, packed_, self, B, L, S, xq, xk, xv, st.proj.data(), nullptr);
   if (self && packed_) {
     gemm<T>({B * L, 3 * D, D}, false, xq, D, true, ps[0].w, D, st.proj.data(), 3 * D);
@@ -514,16 +548,16 @@ void MultiheadAttention<T>::forward(const MhaArgs<T>& a, const MhaOutputs<T>& o,
   if (st.bias.rank() == 4) args.bias = st.bias.view4();
   if (st.key_lengths.rank() == 1) args.key_lengths = st.key_lengths.template view<1>();
 
-  st.attn_out = Tensor<T>({B, L, HEv});
-  st.lse = Tensor<T>({B, H, L});
+  sized(st.attn_out, {B, L, HEv});
+  sized(st.lse, {B, H, L});
   Tensor<T> wscratch;
   View4<T> weights = o.head_weights;
   if (weights.empty() && !o.avg_weights.empty()) {
     wscratch = Tensor<T>({B, H, L, S});
     weights = wscratch.view4();
   }
-  scaled_dot_product_attention<T>(args, View4<T>::bnhd(st.attn_out.data(), B, L, H, Ev), opt.sdpa, weights,
-                                  st.lse.template view<3>());
+  scaled_dot_product_attention<T>(
+      args, {View4<T>::bnhd(st.attn_out.data(), B, L, H, Ev), weights, st.lse.template view<3>()}, opt.sdpa);
 
   if (!o.avg_weights.empty())
     for (int64_t b = 0; b < B; ++b)
@@ -612,9 +646,8 @@ void MultiheadAttention<T>::backward(const MhaCache<T>& cache, View3<const T> do
   so.check_finite = false;  // the forward checked its inputs
   SdpaGrads<T> sg;
   sg.dq = heads(ps[0], B, L, H), sg.dk = heads(ps[1], B, S, H), sg.dv = heads(ps[2], B, S, H);
-  scaled_dot_product_attention_backward<T>(args, View4<const T>::bnhd(d_attn.data(), B, L, H, Ev), sg, so,
-                                           View4<const T>::bnhd(cache.attn_out.data(), B, L, H, Ev),
-                                           cache.lse.template view<3>());
+  const SdpaSaved<T> saved{View4<const T>::bnhd(cache.attn_out.data(), B, L, H, Ev), cache.lse.template view<3>()};
+  scaled_dot_product_attention_backward<T>(args, View4<const T>::bnhd(d_attn.data(), B, L, H, Ev), saved, sg, so);
   // The transform's own backward turns dQ', dK' into dQ, dK.
   if (qk_.backward) qk_.backward(sg.dq, sg.dk);
 

@@ -9,6 +9,7 @@
 #include <limits>
 #include <sstream>
 
+#include "kernels/decode/decode.hpp"
 #include "kernels/fused/fused.hpp"
 #include "kernels/problem.hpp"
 #include "kernels/reference/sdpa_reference.hpp"
@@ -175,19 +176,14 @@ Problem validate_inputs(const Checker& c, const SdpaArgs<T>& a, const SdpaOption
 }
 
 template <class T>
-Backend choose(const Checker& c, const Problem& p, const SdpaArgs<T>& a, const SdpaOptions& opt,
-               bool want_weights) {
-  bool fused_ok = false;
-  if constexpr (std::is_same_v<T, float>)
-    fused_ok = detail::fused_available() && detail::fused_supports(p, a, want_weights);
+Backend choose(const Checker& c, const Problem&, const SdpaArgs<T>&, const SdpaOptions& opt, bool) {
+  constexpr bool fused_ok = std::is_same_v<T, float>;  // the fused backend takes every float32 request
   switch (opt.backend) {
     case Backend::reference: return Backend::reference;
     case Backend::automatic: return fused_ok ? Backend::fused : Backend::reference;
     case Backend::fused:
-      if (!std::is_same_v<T, float>)
+      if (!fused_ok)
         c.fail("option 'backend' is fused, which supports float32 only; use reference or auto for double");
-      if (!detail::fused_available()) c.fail("option 'backend' is fused, which is not built into this version");
-      if (!fused_ok) c.fail("option 'backend' is fused, which does not support this request; use auto");
       return Backend::fused;
   }
   c.fail("option 'backend' has an unknown value");
@@ -203,9 +199,10 @@ Backend resolve_backend(const SdpaArgs<T>& args, const SdpaOptions& opt, bool wa
 }
 
 template <class T>
-void scaled_dot_product_attention(const SdpaArgs<T>& args, View4<T> out, const SdpaOptions& opt,
-                                  View4<T> weights, View3<T> lse) {
+void scaled_dot_product_attention(const SdpaArgs<T>& args, const SdpaOutputs<T>& outputs,
+                                  const SdpaOptions& opt) {
   const Checker c{"scaled_dot_product_attention"};
+  const auto& [out, weights, lse] = outputs;
   const Problem p = validate_inputs(c, args, opt);
   c.present(out, "out");
   c.shape(out, "out", {p.B, p.H, p.L, p.Ev});
@@ -219,8 +216,12 @@ void scaled_dot_product_attention(const SdpaArgs<T>& args, View4<T> out, const S
     c.writable(lse, "lse");
   }
   if constexpr (std::is_same_v<T, float>) {
-    if (choose(c, p, args, opt, !weights.empty()) == Backend::fused)
+    if (choose(c, p, args, opt, !weights.empty()) == Backend::fused) {
+      // Few query rows (decoding shapes): the grouped split-KV decode kernel.
+      if (detail::decode_suits_dense(p, args, !weights.empty()))
+        return detail::decode_forward_dense(p, args, out, lse);
       return detail::fused_forward(p, args, out, weights, lse);
+    }
   } else {
     (void)choose(c, p, args, opt, !weights.empty());
   }
@@ -229,9 +230,10 @@ void scaled_dot_product_attention(const SdpaArgs<T>& args, View4<T> out, const S
 
 template <class T>
 void scaled_dot_product_attention_backward(const SdpaArgs<T>& args, View4<const T> dout,
-                                           const SdpaGrads<T>& g, const SdpaOptions& opt,
-                                           View4<const T> out, View3<const T> lse) {
+                                           const SdpaSaved<T>& saved, const SdpaGrads<T>& g,
+                                           const SdpaOptions& opt) {
   const Checker c{"scaled_dot_product_attention_backward"};
+  const auto& [out, lse] = saved;
   const Problem p = validate_inputs(c, args, opt);
   c.present(dout, "dout");
   c.shape(dout, "dout", {p.B, p.H, p.L, p.Ev});
@@ -285,11 +287,11 @@ T softmax(const T* x, T* y, int64_t n) {
 }
 
 #define ATTN_INSTANTIATE(T)                                                                        \
-  template void scaled_dot_product_attention<T>(const SdpaArgs<T>&, View4<T>, const SdpaOptions&, \
-                                                View4<T>, View3<T>);                                \
+  template void scaled_dot_product_attention<T>(const SdpaArgs<T>&, const SdpaOutputs<T>&,         \
+                                                const SdpaOptions&);                                \
   template void scaled_dot_product_attention_backward<T>(const SdpaArgs<T>&, View4<const T>,        \
-                                                         const SdpaGrads<T>&, const SdpaOptions&,   \
-                                                         View4<const T>, View3<const T>);           \
+                                                         const SdpaSaved<T>&, const SdpaGrads<T>&,  \
+                                                         const SdpaOptions&);                       \
   template Backend resolve_backend<T>(const SdpaArgs<T>&, const SdpaOptions&, bool);                \
   template T softmax<T>(const T*, T*, int64_t);
 

@@ -3,6 +3,8 @@
 // PyTorch's initialisation, loading), stability at huge scores and fully
 // masked rows, PyTorch's sequence-first layout through strides, and the
 // permutation symmetry of self-attention.
+#include <tuple>
+
 #include "multihead_reference.hpp"
 
 namespace {
@@ -429,6 +431,34 @@ TEST(MultiheadAttentionLayout, CacheOwnsItsInputs) {
   m.forward(inputs<double>(cache.query.view<3>()), {v3(y_again)}, {}, &cache);
   EXPECT_TRUE(all_close(y_again, y, 0.0, "forward from the cache's own input"));
   EXPECT_TRUE(all_close(cache.query, x_saved, 0.0, "cached input after refill"));
+}
+
+// A cache refilled call after call reuses its buffers; whatever the previous
+// call was (cross- or self-attention, other lengths), the backward equals the
+// one from a fresh cache, bit for bit.
+TEST(MultiheadAttentionLayout, RefilledCacheEqualsAFreshOne) {
+  std::mt19937_64 rng(33);
+  MultiheadAttention<double> m(config(4, 2), 33);
+  randomize(m, rng);
+  MhaCache<double> reused;
+  for (const auto& [L, S, self] : {std::tuple{3, 5, false}, {3, 3, true}, {4, 2, false}, {4, 4, true}, {2, 6, false}}) {
+    SCOPED_TRACE(std::to_string(L) + " " + std::to_string(S) + (self ? " self" : " cross"));
+    Tensor<double> q = random_tensor<double>({2, L, 4}, rng), k = random_tensor<double>({2, S, 4}, rng),
+                   v = random_tensor<double>({2, S, 4}, rng), G = random_tensor<double>({2, L, 4}, rng);
+    const MhaArgs<double> a = self ? inputs<double>(v3(q)) : inputs<double>(v3(q), v3(k), v3(v));
+    Tensor<double> y1({2, L, 4}), y2({2, L, 4}), dq1({2, L, 4}), dq2({2, L, 4});
+    MhaCache<double> fresh;
+    m.forward(a, {v3(y1)}, {}, &fresh);
+    m.forward(a, {v3(y2)}, {}, &reused);
+    EXPECT_TRUE(all_close(y2, y1, 0.0, "out"));
+    m.zero_grad();
+    m.backward(fresh, v3(std::as_const(G)), {v3(dq1)});
+    const Tensor<double> g1 = m.grad("in_proj_weight");
+    m.zero_grad();
+    m.backward(reused, v3(std::as_const(G)), {v3(dq2)});
+    EXPECT_TRUE(all_close(dq2, dq1, 0.0, "dquery"));
+    EXPECT_TRUE(all_close(m.grad("in_proj_weight"), g1, 0.0, "grad in_proj_weight"));
+  }
 }
 
 // ---------------------------------------------------------------------------

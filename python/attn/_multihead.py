@@ -65,7 +65,7 @@ class _Saved:
     (which owns copies of everything, masks included) and the call's layout."""
 
     __slots__ = ("cache", "version", "batched", "batch_first", "torch_out", "self_attention", "out_shape",
-                 "in_shapes")
+                 "in_shapes", "taken")
 
     def __init__(self, cache: Any, version: int, batched: bool, batch_first: bool, torch_out: bool,
                  self_attention: bool, out_shape: Tuple[int, ...],
@@ -78,6 +78,7 @@ class _Saved:
         self.self_attention = self_attention
         self.out_shape = tuple(out_shape)
         self.in_shapes = in_shapes
+        self.taken = False  # a later forward reuses the cache's buffers
 
 
 class MultiheadAttention:
@@ -209,14 +210,21 @@ class MultiheadAttention:
         inputs, projections and masks) until the next forward call or until
         backward() consumes it.
         """
-        # A failed call leaves nothing behind to differentiate.
-        self._saved = None
+        # A failed call leaves nothing behind to differentiate. The previous
+        # call's cache lends its buffers to this one (no new allocation in a
+        # training loop), taken under the lock a backward holds while it
+        # reads a cache.
+        with self._grad_lock:
+            previous, self._saved = self._saved, None
+            if previous is not None:
+                previous.taken = True
+        cache = previous.cache if previous is not None else self._cache_cls()
         return self._forward(query, key, value, key_padding_mask, need_weights, attn_mask,
-                             average_attn_weights, is_causal, backend)
+                             average_attn_weights, is_causal, backend, cache)
 
     def _forward(self, query: Any, key: Any, value: Any, key_padding_mask: Any, need_weights: bool,
                  attn_mask: Any, average_attn_weights: bool, is_causal: bool,
-                 backend: str) -> Tuple[Any, Optional[Any]]:
+                 backend: str, cache: Any) -> Tuple[Any, Optional[Any]]:
         fn = _FN + ".forward"
         torch_out = any(is_torch_tensor(x) for x in (query, key, value))
         if torch_out and _torch().is_grad_enabled() and any(
@@ -286,7 +294,6 @@ class MultiheadAttention:
                 avg_w = np.empty((B, L, S), dtype)
             else:
                 head_w = np.empty((B, H, L, S), dtype)
-        cache = self._cache_cls()
         version = self._version
         self._layer.forward(q, None if same else k, None if same else v, out, attn_mask=mask, attn_bias=bias,
                             key_padding_mask=kpm, head_weights=head_w, avg_weights=avg_w,
@@ -356,6 +363,9 @@ class MultiheadAttention:
             grads["key"] = grads["value"] = None
         dq, dk, dv = (None if a is None else to_bld(a) for a in grads.values())
         with self._grad_lock:
+            if saved.taken:
+                raise ValueError(f"{fn}: a forward call on another thread replaced the saved state while "
+                                 "this backward started; train one layer from one thread at a time")
             self._layer.backward(saved.cache, to_bld(g), dquery=dq, dkey=dk, dvalue=dv)
         if not retain_graph and self._saved is saved:
             self._saved = None

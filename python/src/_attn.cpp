@@ -94,7 +94,7 @@ void bind(nb::module_& m) {
         const attn::View4<T> w = view_of<T, 4>(weights, "weights");
         const attn::View3<T> l = view_of<T, 3>(lse, "lse");
         nb::gil_scoped_release release;
-        attn::scaled_dot_product_attention<T>(args, o, opt, w, l);
+        attn::scaled_dot_product_attention<T>(args, {o, w, l}, opt);
       },
       "q"_a.noconvert(), "k"_a.noconvert(), "v"_a.noconvert(), "out"_a.noconvert(), nb::kw_only(),
       "mask"_a.noconvert().none() = nb::none(), "bias"_a.noconvert().none() = nb::none(),
@@ -121,7 +121,7 @@ void bind(nb::module_& m) {
         const attn::View4<const T> o = view_of<const T, 4>(out, "out");
         const attn::View3<const T> l = view_of<const T, 3>(lse, "lse");
         nb::gil_scoped_release release;
-        attn::scaled_dot_product_attention_backward<T>(args, d, g, opt, o, l);
+        attn::scaled_dot_product_attention_backward<T>(args, d, {o, l}, g, opt);
       },
       "q"_a.noconvert(), "k"_a.noconvert(), "v"_a.noconvert(), "dout"_a.noconvert(), "dq"_a.noconvert(),
       "dk"_a.noconvert(), "dv"_a.noconvert(), nb::kw_only(), "mask"_a.noconvert().none() = nb::none(),
