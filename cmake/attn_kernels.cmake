@@ -9,6 +9,9 @@ if(NOT BUILD_SHARED_LIBS)
   target_link_libraries(attn INTERFACE $<INSTALL_INTERFACE:hwy>)
 endif()
 
+# The one file compiled per target: fused.cpp includes the SIMD bodies
+# (simd-inl.h, attention-inl.h) once per target. tiles.cpp is compiled once,
+# like the rest of src/.
 set(ATTN_FUSED_SOURCES ${PROJECT_SOURCE_DIR}/src/kernels/fused/fused.cpp)
 # SSSE3 adds nothing over SSE4 for these kernels; skipping it saves a compile.
 set_property(SOURCE ${ATTN_FUSED_SOURCES} APPEND PROPERTY COMPILE_DEFINITIONS

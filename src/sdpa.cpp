@@ -213,20 +213,16 @@ Problem validate_inputs(const Checker& c, const SdpaArgs<T>& a, const SdpaOption
 }
 
 template <class T>
-Backend choose(const Checker& c, const Problem& p, const SdpaArgs<T>& a, const SdpaOptions& opt,
-               bool want_weights) {
-  bool fused_ok = false;
-  if constexpr (std::is_same_v<T, float>)
-    fused_ok = detail::fused_available() && detail::fused_supports(p, a, want_weights) &&
-               !p.windowed() && p.softcap == 0 && a.alibi_slopes.empty() && a.sinks.empty();
+Backend choose(const Checker& c, const Problem& p, const SdpaArgs<T>& a, const SdpaOptions& opt, bool) {
+  // the fused backend takes every float32 request (variants: being ported)
+  const bool fused_ok = std::is_same_v<T, float> && !p.windowed() && p.softcap == 0 &&
+                        a.alibi_slopes.empty() && a.sinks.empty();
   switch (opt.backend) {
     case Backend::reference: return Backend::reference;
     case Backend::automatic: return fused_ok ? Backend::fused : Backend::reference;
     case Backend::fused:
-      if (!std::is_same_v<T, float>)
+      if (!fused_ok)
         c.fail("option 'backend' is fused, which supports float32 only; use reference or auto for double");
-      if (!detail::fused_available()) c.fail("option 'backend' is fused, which is not built into this version");
-      if (!fused_ok) c.fail("option 'backend' is fused, which does not support this request; use auto");
       return Backend::fused;
   }
   c.fail("option 'backend' has an unknown value");

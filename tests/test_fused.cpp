@@ -25,7 +25,7 @@ using attn::CausalAlign;
 using attn::View1;
 using attn::View3;
 using attn::View4;
-using attn::detail::FusedTiles;
+using attn::detail::FusedPlan;
 using attn::detail::Problem;
 using attn::testing::max_abs;
 using attn::testing::tolerance;
@@ -83,7 +83,7 @@ struct Case {
   int mask = 0;  // 0 none, 1 bool mask, 2 additive bias (with dbias), 3 both
   bool key_lengths = false;
   int threads = 1;
-  FusedTiles tiles{};  // {0, 0}: the heuristic
+  FusedPlan tiles{};  // q_block 0: fused_plan's choice
   double scale = 0;    // 0: default
   uint64_t seed = 0;
 
@@ -92,7 +92,8 @@ struct Case {
     os << "B=" << B << " H=" << H << " Hkv=" << Hkv << " L=" << L << " S=" << S << " E=" << E
        << " Ev=" << Ev << " " << layout_name(layout) << (causal ? (align == CausalAlign::top_left ? " causal-tl" : " causal-br") : "")
        << " mask=" << mask << (key_lengths ? " key_lengths" : "") << " threads=" << threads
-       << " tiles=" << tiles.q_block << "x" << tiles.k_block << " seed=" << seed;
+       << " tiles=" << tiles.q_block << "x" << tiles.k_block << (tiles.own_heads ? " own-heads" : "")
+       << " seed=" << seed;
     return os.str();
   }
 };
@@ -245,7 +246,7 @@ void compare(Data& d, const Results& got, const Results& want) {
 Case random_case(std::mt19937_64& rng, uint64_t seed) {
   static const int64_t lengths[] = {1, 2, 3, 17, 63, 64, 65, 127, 267, 1030};
   static const int64_t dims[] = {1, 3, 8, 16, 40, 64, 80, 128, 256};
-  static const FusedTiles tiles[] = {{0, 0}, {12, 16}, {7, 13}, {24, 64}, {96, 256}, {1, 1}, {36, 40}};
+  static const FusedPlan tiles[] = {{0, 0}, {12, 16}, {7, 13}, {24, 64}, {96, 256}, {1, 1}, {36, 40}};
   static const int threads[] = {1, 2, 3, 8};
   auto pick = [&](const auto& arr) {
     return arr[std::uniform_int_distribution<size_t>(0, std::size(arr) - 1)(rng)];
@@ -271,12 +272,12 @@ Case random_case(std::mt19937_64& rng, uint64_t seed) {
   c.threads = pick(threads);
   c.tiles = pick(tiles);
   if (c.tiles.q_block == 1 && c.L * c.S > 100000) c.tiles = {5, 7};  // keep 1×1 tiles cheap
+  c.tiles.own_heads = std::bernoulli_distribution(0.5)(rng);  // both backward splits on any shape
   if (std::bernoulli_distribution(0.2)(rng)) c.scale = 0.37;
   return c;
 }
 
 TEST(Fused, IsPickedByAutoForFloatOnly) {
-  ASSERT_TRUE(attn::detail::fused_available());
   Case c;
   c.L = c.S = 5;
   c.E = c.Ev = 4;
@@ -464,25 +465,72 @@ TEST(Fused, BackwardRecomputesMissingSavedState) {
   EXPECT_TRUE(bitwise_equal(dv, with.dv));
 }
 
-TEST(Fused, TileHeuristic) {
-  for (int64_t n : {1, 17, 1030, 65536})
-    for (int64_t e : {1, 64, 256}) {
-      Problem p;
-      p.B = p.H = p.Hkv = 1;
-      p.L = p.S = n;
-      p.E = p.Ev = e;
-      p.threads = 1;
-      const FusedTiles t = attn::detail::fused_tiles(p);
-      EXPECT_GE(t.q_block, 1);
-      EXPECT_GE(t.k_block, 1);
-      EXPECT_LE(t.q_block, std::max<int64_t>(96, n));
-      // Per-thread scratch stays small and does not grow with the sequence.
-      EXPECT_LE(attn::detail::fused_scratch_bytes(p, t), 1 << 20) << n << " " << e;
-      p.threads = 8;
-      const FusedTiles t8 = attn::detail::fused_tiles(p);
-      EXPECT_EQ(t8.q_block, t.q_block);  // never depends on the thread count
-      EXPECT_EQ(t8.k_block, t.k_block);
-    }
+// What fused_plan promises (tiles.hpp), over shapes from tiny to long.
+TEST(Fused, PlanKeepsItsPromises) {
+  using attn::detail::BackwardScratch;
+  using attn::detail::ForwardScratch;
+  using attn::detail::kMaxLanes;
+  using attn::detail::kRowMultiple;
+  using attn::detail::kScratchBudgetBytes;
+  const auto round_up = [](int64_t a, int64_t m) { return (a + m - 1) / m * m; };
+  for (int64_t n : {1, 17, 80, 81, 1030, 65536})
+    for (int64_t e : {1, 3, 64, 100, 256})
+      for (int64_t ev : {1, 64, 256})
+        for (int64_t bhkv : {1, 4, 8, 32}) {
+          SCOPED_TRACE("L=S=" + std::to_string(n) + " E=" + std::to_string(e) + " Ev=" + std::to_string(ev) +
+                       " B*Hkv=" + std::to_string(bhkv));
+          Problem p;
+          p.B = bhkv > 4 ? 2 : 1;
+          p.Hkv = bhkv / p.B;
+          p.H = 2 * p.Hkv;
+          p.L = p.S = n;
+          p.E = e;
+          p.Ev = ev;
+          p.threads = 1;
+          const FusedPlan t = attn::detail::fused_plan(p);
+          EXPECT_EQ(t.q_block % kMaxLanes, 0) << t.q_block;
+          EXPECT_EQ(t.k_block % kRowMultiple, 0) << t.k_block;
+          EXPECT_GE(t.q_block, 1);
+          EXPECT_GE(t.k_block, 1);
+          EXPECT_LE(t.q_block, round_up(n, kMaxLanes));  // no more than the shape needs
+          EXPECT_LE(t.k_block, round_up(n, kRowMultiple));
+          // Enough (b, kv head) pairs for every thread: the backward owns heads.
+          EXPECT_EQ(t.own_heads, bhkv >= 8);
+          for (int64_t lanes : {4, 8, 16}) {  // SSE4, AVX2, AVX-512
+            const int64_t fb = ForwardScratch(p, t, lanes, attn::detail::Alloc::no).bytes();
+            const int64_t bb = BackwardScratch(p, t, lanes, attn::detail::Alloc::no).bytes();
+            EXPECT_LE(fb, kScratchBudgetBytes) << lanes;
+            EXPECT_LE(bb, kScratchBudgetBytes) << lanes;
+            // Scratch holds the arrays tiles.hpp lists: at least the forward's
+            // transposed queries and score tile, the backward's dK/dV blocks.
+            EXPECT_GE(fb, 4 * (e * t.q_block + t.k_block * t.q_block));
+            EXPECT_GE(bb, 4 * t.k_block * (e + ev));
+          }
+          // The reported figure is what the kernels allocate for this target.
+          const auto rep = attn::detail::fused_scratch_bytes(p, t);
+          const ForwardScratch alloc(p, t, 16, attn::detail::Alloc::yes);
+          EXPECT_GE(rep.forward, 4 * (e * t.q_block + t.k_block * t.q_block));
+          EXPECT_LE(rep.forward, alloc.bytes());  // fewer lanes never pad more
+          // The plan depends on the shape only, never on the thread count.
+          for (int threads : {2, 3, 8}) {
+            p.threads = threads;
+            const FusedPlan tt = attn::detail::fused_plan(p);
+            EXPECT_EQ(tt.q_block, t.q_block);
+            EXPECT_EQ(tt.k_block, t.k_block);
+            EXPECT_EQ(tt.own_heads, t.own_heads);
+          }
+        }
+  // Scratch does not grow with the sequence once the blocks are full.
+  Problem a;
+  a.B = a.H = a.Hkv = 1;
+  a.E = a.Ev = 64;
+  a.L = a.S = 1030;
+  Problem b = a;
+  b.L = b.S = 1 << 20;
+  const auto sa = attn::detail::fused_scratch_bytes(a, attn::detail::fused_plan(a));
+  const auto sb = attn::detail::fused_scratch_bytes(b, attn::detail::fused_plan(b));
+  EXPECT_EQ(sa.forward, sb.forward);
+  EXPECT_EQ(sa.backward, sb.backward);
 }
 
 // Worst error of y against want(x), in units in the last place of the float
