@@ -213,10 +213,8 @@ Problem validate_inputs(const Checker& c, const SdpaArgs<T>& a, const SdpaOption
 }
 
 template <class T>
-Backend choose(const Checker& c, const Problem& p, const SdpaArgs<T>& a, const SdpaOptions& opt, bool) {
-  // the fused backend takes every float32 request (variants: being ported)
-  const bool fused_ok = std::is_same_v<T, float> && !p.windowed() && p.softcap == 0 &&
-                        a.alibi_slopes.empty() && a.sinks.empty();
+Backend choose(const Checker& c, const Problem&, const SdpaArgs<T>&, const SdpaOptions& opt, bool) {
+  constexpr bool fused_ok = std::is_same_v<T, float>;  // the fused backend takes every float32 request
   switch (opt.backend) {
     case Backend::reference: return Backend::reference;
     case Backend::automatic: return fused_ok ? Backend::fused : Backend::reference;

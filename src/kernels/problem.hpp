@@ -34,14 +34,6 @@ struct Problem {
   }
   // Whether any rule beyond causal alignment and key lengths narrows the band.
   bool windowed() const { return window_left >= 0 || window_right >= 0 || position_offset.has_value(); }
-
-  // One past the last key query i may see under the causal rule (S if not
-  // causal), clipped to [0, S].
-  int64_t causal_end(int64_t i) const {
-    if (!causal) return S;
-    const int64_t end = align == CausalAlign::top_left ? i + 1 : i + 1 + (S - L);
-    return std::clamp<int64_t>(end, 0, S);
-  }
 };
 
 // Index into a broadcastable axis: size-1 axes always read element 0.

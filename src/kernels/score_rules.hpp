@@ -99,11 +99,12 @@ struct Band {
     return {a.lo, std::max(a.lo, b.hi)};
   }
 
-  // Rows [first, end) of [0, L) that see at least one key of [j0, j1):
-  // hi(i) > j0 holds for a suffix of rows and lo(i) < j1 for a prefix.
-  std::pair<int64_t, int64_t> rows_seeing(int64_t j0, int64_t j1, int64_t L) const {
-    auto first_true = [&](auto pred) {  // smallest i in [0, L] with pred(i), pred monotone
-      int64_t lo = 0, hi = L;
+  // Rows [first, end) of [i_begin, i_end) that see at least one key of
+  // [j0, j1): hi(i) > j0 holds for a suffix of rows and lo(i) < j1 for a
+  // prefix, so both ends are found by bisection.
+  std::pair<int64_t, int64_t> rows_seeing(int64_t j0, int64_t j1, int64_t i_begin, int64_t i_end) const {
+    auto first_true = [&](auto pred) {  // smallest i in [i_begin, i_end] with pred(i), pred monotone
+      int64_t lo = i_begin, hi = i_end;
       while (lo < hi) {
         const int64_t mid = lo + (hi - lo) / 2;
         if (pred(mid)) hi = mid;
