@@ -491,7 +491,6 @@ void DbiasUnit(const FusedCall& c, BackwardScratch& w, const SdpaGrads<float>& g
   const int64_t tj0 = fullS ? kbi * w.kb : 0, tnk = fullS ? std::min(w.kb, p.S - tj0) : 1;
   float* acc = w.acc;  // [tnr × kbp]
   std::fill(acc, acc + w.qb * w.kbp, 0.0f);
-  const int64_t lanes = int64_t(hn::Lanes(DF()));
   for (int64_t b = fullB ? bb : 0; b < (fullB ? bb + 1 : p.B); ++b) {
     for (int64_t h = fullH ? bh : 0; h < (fullH ? bh + 1 : p.H); ++h) {
       const int64_t hk = p.kv_head(h);
@@ -503,14 +502,14 @@ void DbiasUnit(const FusedCall& c, BackwardScratch& w, const SdpaGrads<float>& g
         if (j_lo >= j_hi) continue;
         PackQueryBlock(c, w, b, h, i0, nr, dout, out, lse);
         for (int64_t j0 = j_lo; j0 < j_hi; j0 += w.kb) {
-          const int64_t nk = std::min(w.kb, j_hi - j0), nkp = round_up(nk, lanes);
+          const int64_t nk = std::min(w.kb, j_hi - j0);
           PackKeyBlock(c, w, b, hk, j0, nk, false);
           BackwardTile(c, w, b, h, i0, nr, j0, nk, TileJobs{});
           for (int64_t r = 0; r < nr; ++r) {
             const float* ds = w.dp + r * w.kbp;
             float* arow = acc + (fullL ? r : 0) * w.kbp;
-            if (fullS)
-              for (int64_t jj = 0; jj < nkp; ++jj) arow[jj] += ds[jj];
+            if (fullS)  // the tile's keys start j0 − tj0 into the owned columns
+              for (int64_t jj = 0; jj < nk; ++jj) arow[j0 - tj0 + jj] += ds[jj];
             else
               for (int64_t jj = 0; jj < nk; ++jj) arow[0] += ds[jj];
           }
