@@ -90,7 +90,7 @@ void run_sdpa_typed(const SdpaOpts& o, const io::Array<double>& qa, const io::Ar
   Backend used;
   try {
     used = resolve_backend(args, opt, !o.weights.empty());
-    scaled_dot_product_attention<T>(args, View4<T>::bhnd(out.data(), B, H, L, Ev), opt, wv, lv);
+    scaled_dot_product_attention<T>(args, {View4<T>::bhnd(out.data(), B, H, L, Ev), wv, lv}, opt);
   } catch (const io::FileError&) {
     throw;
   } catch (const Error& e) {

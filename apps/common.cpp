@@ -53,7 +53,7 @@ void attention(const Mat& q, const Mat& k, const Mat& v, double scale, Mat& out,
     *weights = Mat(q.rows, k.rows);
     w = View4<double>::bhnd(weights->a.data(), 1, 1, q.rows, k.rows);
   }
-  scaled_dot_product_attention<double>(args, View4<double>::bhnd(out.a.data(), 1, 1, q.rows, v.cols), opt, w);
+  scaled_dot_product_attention<double>(args, {View4<double>::bhnd(out.a.data(), 1, 1, q.rows, v.cols), w}, opt);
 }
 
 void print_mat(const std::string& title, const Mat& m, const std::vector<std::string>& labels, int decimals) {

@@ -125,13 +125,14 @@ json jacobian(uint64_t seed) {
     opt.scale = scale;
     opt.backend = Backend::reference;
     Mat Y(B * n, dk), A(B * n, n), dQ(B * n, dk), dK(B * n, dk), dV(B * n, dk);
-    scaled_dot_product_attention<double>(args, View4<double>::bhnd(Y.a.data(), B, 1, n, dk), opt,
-                                         View4<double>::bhnd(A.a.data(), B, 1, n, n));
+    scaled_dot_product_attention<double>(
+        args, {View4<double>::bhnd(Y.a.data(), B, 1, n, dk), View4<double>::bhnd(A.a.data(), B, 1, n, n)}, opt);
     SdpaGrads<double> g;
     g.dq = View4<double>::bhnd(dQ.a.data(), B, 1, n, dk);
     g.dk = View4<double>::bhnd(dK.a.data(), B, 1, n, dk);
     g.dv = View4<double>::bhnd(dV.a.data(), B, 1, n, dk);
-    scaled_dot_product_attention_backward<double>(args, View4<const double>::bhnd(G.a.data(), B, 1, n, dk), g, opt);
+    scaled_dot_product_attention_backward<double>(args, View4<const double>::bhnd(G.a.data(), B, 1, n, dk), {}, g,
+                                                  opt);
     // Per query row: Frobenius norm of the softmax Jacobian diag(a) - a aᵀ,
     // the top weight, and |dL/dq_i| (query i's share of dL/dW_Q = Σ_i x_i dq_iᵀ).
     std::vector<double> jn, topw, gq;

@@ -125,7 +125,7 @@ void speed(const TourOpts& o) {
       std::vector<double> ms;
       for (int r = 0; r <= reps; ++r) {  // run 0 is a warm-up and the validation run
         const auto t0 = std::chrono::steady_clock::now();
-        scaled_dot_product_attention<float>(a, View4<float>::bhnd(dst.data(), 1, H, n, E), so);
+        scaled_dot_product_attention<float>(a, {View4<float>::bhnd(dst.data(), 1, H, n, E)}, so);
         const auto t1 = std::chrono::steady_clock::now();
         if (r > 0) ms.push_back(std::chrono::duration<double, std::milli>(t1 - t0).count());
         bar.tick(++done);

@@ -171,10 +171,10 @@ void run_once(Buffers& buf, Backend be, bool causal, int threads, bool bwd) {
   opt.causal = causal;
   opt.num_threads = threads;
   const auto a = buf.args();
-  attn::scaled_dot_product_attention<float>(a, buf.out.view4(), opt, {}, buf.lse.view<3>());
+  attn::scaled_dot_product_attention<float>(a, {buf.out.view4(), {}, buf.lse.view<3>()}, opt);
   if (bwd)
-    attn::scaled_dot_product_attention_backward<float>(a, buf.dout.view4(), buf.grads(), opt,
-                                                       buf.out.view4(), buf.lse.view<3>());
+    attn::scaled_dot_product_attention_backward<float>(a, buf.dout.view4(), {buf.out.view4(), buf.lse.view<3>()},
+                                                       buf.grads(), opt);
 }
 
 double max_abs_diff(const float* a, const float* b, size_t n, double* mag) {
@@ -203,7 +203,7 @@ std::string validate(Buffers& buf, Backend be, bool causal, bool bwd, const Conf
   opt.causal = causal;
   opt.causal_align = attn::CausalAlign::bottom_right;  // row r sees keys <= i0 + r
   attn::Tensor<float> out({1, H, R, E}), lse({1, H, R}), dq({1, H, R, E}), dk({1, H, S, E}), dv({1, H, S, E});
-  attn::scaled_dot_product_attention<float>(a, out.view4(), opt, {}, lse.view<3>());
+  attn::scaled_dot_product_attention<float>(a, {out.view4(), {}, lse.view<3>()}, opt);
   double worst = 0, mag = 0, lmag = 0;
   const double eps = 1.2e-7;
   auto tol = [&](int64_t n, double m) { return 20 * eps * std::sqrt(double(n)) * std::max(1.0, m); };
@@ -219,7 +219,7 @@ std::string validate(Buffers& buf, Backend be, bool causal, bool bwd, const Conf
   a.key_lengths = {};
   attn::SdpaArgs<float> ad = a;
   View4<const float> dout(buf.dout.data() + i0 * E, {1, H, R, E}, {H * L * E, L * E, E, 1});
-  attn::scaled_dot_product_attention_backward<float>(ad, dout, {dq.view4(), dk.view4(), dv.view4(), {}}, opt);
+  attn::scaled_dot_product_attention_backward<float>(ad, dout, {}, {dq.view4(), dk.view4(), dv.view4(), {}}, opt);
   mag = 0;
   worst = 0;
   for (int64_t h = 0; h < H; ++h)
@@ -305,7 +305,7 @@ int main(int argc, char** argv) {
     opt.causal = true;
     opt.num_threads = c.threads.front();
     const auto t0 = Clock::now();
-    attn::scaled_dot_product_attention<float>(buf.args(), buf.out.view4(), opt, {}, buf.lse.view<3>());
+    attn::scaled_dot_product_attention<float>(buf.args(), {buf.out.view4(), {}, buf.lse.view<3>()}, opt);
     const double dt = std::chrono::duration<double>(Clock::now() - t0).count();
     const int64_t peak = status_kib("VmHWM:") - base;
     // What the kernels allocate beyond inputs and outputs: per-thread scratch.

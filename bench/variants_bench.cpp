@@ -80,11 +80,11 @@ struct Dense {
   }
   void run(const attn::SdpaOptions& opt, bool alibi, bool sink, bool bwd) {
     const auto a = args(alibi, sink);
-    attn::scaled_dot_product_attention<float>(a, out.view4(), opt, {}, lse.view<3>());
+    attn::scaled_dot_product_attention<float>(a, {out.view4(), {}, lse.view<3>()}, opt);
     if (bwd) {
       attn::SdpaGrads<float> g{dq.view4(), dk.view4(), dv.view4(), {}, {}};
       if (sink) g.dsinks = dsinks.view<1>();
-      attn::scaled_dot_product_attention_backward<float>(a, dout.view4(), g, opt, out.view4(), lse.view<3>());
+      attn::scaled_dot_product_attention_backward<float>(a, dout.view4(), {out.view4(), lse.view<3>()}, g, opt);
     }
   }
 };

@@ -451,8 +451,8 @@ void forward_impl(const MultiheadAttention<T>& layer, const Checker& c, View3<co
     wscratch = Tensor<T>({B, H, L, S});
     weights = wscratch.view4();
   }
-  scaled_dot_product_attention<T>(args, View4<T>::bnhd(st.attn_out.data(), B, L, H, Ev), so, weights,
-                                  st.lse.template view<3>());
+  scaled_dot_product_attention<T>(
+      args, {View4<T>::bnhd(st.attn_out.data(), B, L, H, Ev), weights, st.lse.template view<3>()}, so);
 
   if (!avg_weights.empty())
     for (int64_t b = 0; b < B; ++b)
@@ -587,9 +587,8 @@ void MultiheadAttention<T>::backward(const MhaCache<T>& cache, View3<const T> do
   g.dq = View4<T>::bnhd(dq.data(), B, L, H, E);
   g.dk = View4<T>::bnhd(dk.data(), B, S, H, E);
   g.dv = View4<T>::bnhd(dv.data(), B, S, H, Ev);
-  scaled_dot_product_attention_backward<T>(args, View4<const T>::bnhd(d_attn.data(), B, L, H, Ev), g, so,
-                                           View4<const T>::bnhd(cache.attn_out.data(), B, L, H, Ev),
-                                           cache.lse.template view<3>());
+  const SdpaSaved<T> saved{View4<const T>::bnhd(cache.attn_out.data(), B, L, H, Ev), cache.lse.template view<3>()};
+  scaled_dot_product_attention_backward<T>(args, View4<const T>::bnhd(d_attn.data(), B, L, H, Ev), saved, g, so);
 
   // x = xq|xk|xv, p = x·Wᵀ + b  ->  dW += dpᵀ·x,  db += Σ_rows dp,  dx = dp·W
   const auto proj = projections<const T>(cfg_, packed_, [&](const char* n) -> const T* { return params_.at(n).data(); });

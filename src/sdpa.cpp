@@ -236,9 +236,10 @@ Backend resolve_backend(const SdpaArgs<T>& args, const SdpaOptions& opt, bool wa
 }
 
 template <class T>
-void scaled_dot_product_attention(const SdpaArgs<T>& args, View4<T> out, const SdpaOptions& opt,
-                                  View4<T> weights, View3<T> lse) {
+void scaled_dot_product_attention(const SdpaArgs<T>& args, const SdpaOutputs<T>& outputs,
+                                  const SdpaOptions& opt) {
   const Checker c{"scaled_dot_product_attention"};
+  const auto& [out, weights, lse] = outputs;
   const Problem p = validate_inputs(c, args, opt);
   c.present(out, "out");
   c.shape(out, "out", {p.B, p.H, p.L, p.Ev});
@@ -262,9 +263,10 @@ void scaled_dot_product_attention(const SdpaArgs<T>& args, View4<T> out, const S
 
 template <class T>
 void scaled_dot_product_attention_backward(const SdpaArgs<T>& args, View4<const T> dout,
-                                           const SdpaGrads<T>& g, const SdpaOptions& opt,
-                                           View4<const T> out, View3<const T> lse) {
+                                           const SdpaSaved<T>& saved, const SdpaGrads<T>& g,
+                                           const SdpaOptions& opt) {
   const Checker c{"scaled_dot_product_attention_backward"};
+  const auto& [out, lse] = saved;
   const Problem p = validate_inputs(c, args, opt);
   c.present(dout, "dout");
   c.shape(dout, "dout", {p.B, p.H, p.L, p.Ev});
@@ -323,11 +325,11 @@ T softmax(const T* x, T* y, int64_t n) {
 }
 
 #define ATTN_INSTANTIATE(T)                                                                        \
-  template void scaled_dot_product_attention<T>(const SdpaArgs<T>&, View4<T>, const SdpaOptions&, \
-                                                View4<T>, View3<T>);                                \
+  template void scaled_dot_product_attention<T>(const SdpaArgs<T>&, const SdpaOutputs<T>&,         \
+                                                const SdpaOptions&);                                \
   template void scaled_dot_product_attention_backward<T>(const SdpaArgs<T>&, View4<const T>,        \
-                                                         const SdpaGrads<T>&, const SdpaOptions&,   \
-                                                         View4<const T>, View3<const T>);           \
+                                                         const SdpaSaved<T>&, const SdpaGrads<T>&,  \
+                                                         const SdpaOptions&);                       \
   template Backend resolve_backend<T>(const SdpaArgs<T>&, const SdpaOptions&, bool);                \
   template T softmax<T>(const T*, T*, int64_t);
 

@@ -152,7 +152,7 @@ void varlen_attention(const VarlenArgs<T>& args, const VarlenOutputs<T>& o, cons
         }
       continue;
     }
-    scaled_dot_product_attention<T>(sequence_args(args, p, b), out, opt, {}, lse);
+    scaled_dot_product_attention<T>(sequence_args(args, p, b), {out, {}, lse}, opt);
   }
 }
 
@@ -196,7 +196,7 @@ void varlen_attention_backward(const VarlenArgs<T>& args, View3<const T> dout, c
     if (!g.dsinks.empty()) gb.dsinks = View1<T>(dsinks_b.data(), {p.H});
     const View4<const T> out = saved.out.empty() ? View4<const T>{} : sequence(saved.out, q0, L);
     const View3<const T> lse = saved.lse.empty() ? View3<const T>{} : lse_columns(saved.lse, q0, L);
-    scaled_dot_product_attention_backward<T>(sequence_args(args, p, b), sequence(dout, q0, L), gb, opt, out, lse);
+    scaled_dot_product_attention_backward<T>(sequence_args(args, p, b), sequence(dout, q0, L), {out, lse}, gb, opt);
     if (!g.dsinks.empty())
       for (int64_t h = 0; h < p.H; ++h) dsinks[size_t(h)] += double(dsinks_b[size_t(h)]);
   }

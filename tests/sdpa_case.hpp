@@ -94,7 +94,7 @@ struct SdpaCase {
       *lse = Tensor<T>({s.B, s.H, s.L});
       l = lse->template view<3>();
     }
-    scaled_dot_product_attention<T>(args, out(), opt, w, l);
+    scaled_dot_product_attention<T>(args, {out(), w, l}, opt);
     // Return the output as a contiguous (B, H, L, Ev) tensor.
     Tensor<T> y({s.B, s.H, s.L, s.Ev});
     auto o = out();
@@ -116,7 +116,7 @@ struct SdpaCase {
       g.dbias = Tensor<T>(bias.shape());
       sg.dbias = g.dbias.view4();
     }
-    scaled_dot_product_attention_backward<T>(args, dout.view4(), sg, opt);
+    scaled_dot_product_attention_backward<T>(args, dout.view4(), {}, sg, opt);
     return g;
   }
 };

@@ -239,9 +239,9 @@ Results run(Data& d, Backend backend, bool with_weights = true) {
     attn::detail::fused_backward_tiled(p, d.args, d.dout.view, g, r.out.view, lse, c.tiles);
     return r;
   }
-  attn::scaled_dot_product_attention<float>(d.args, r.out.view, opt,
-                                            with_weights ? r.weights.view : View4<float>{}, lse);
-  attn::scaled_dot_product_attention_backward<float>(d.args, d.dout.view, g, opt, r.out.view, lse);
+  attn::scaled_dot_product_attention<float>(d.args, {r.out.view, with_weights ? r.weights.view : View4<float>{}, lse},
+                                            opt);
+  attn::scaled_dot_product_attention_backward<float>(d.args, d.dout.view, {r.out.view, lse}, g, opt);
   return r;
 }
 
@@ -505,7 +505,7 @@ TEST(Fused, BackwardRecomputesMissingSavedState) {
   Buffer dq(c.B, c.H, c.L, c.E, c.layout), dk(c.B, c.Hkv, c.S, c.E, c.layout), dv(c.B, c.Hkv, c.S, c.Ev, c.layout);
   attn::SdpaOptions opt = d.opt;
   opt.backend = Backend::fused;
-  attn::scaled_dot_product_attention_backward<float>(d.args, d.dout.view, {dq.view, dk.view, dv.view, {}}, opt);
+  attn::scaled_dot_product_attention_backward<float>(d.args, d.dout.view, {}, {dq.view, dk.view, dv.view, {}}, opt);
   EXPECT_TRUE(bitwise_equal(dq, with.dq));
   EXPECT_TRUE(bitwise_equal(dk, with.dk));
   EXPECT_TRUE(bitwise_equal(dv, with.dv));

@@ -38,7 +38,7 @@ Part attend(const Tensor<double>& q, const Tensor<double>& k, const Tensor<doubl
   a.v = vv;
   SdpaOptions opt;
   opt.backend = attn::Backend::reference;
-  attn::scaled_dot_product_attention(a, p.out.view4(), opt, {}, p.lse.view<3>());
+  attn::scaled_dot_product_attention<double>(a, {p.out.view4(), {}, p.lse.view<3>()}, opt);
   return p;
 }
 

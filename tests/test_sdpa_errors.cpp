@@ -13,7 +13,7 @@ struct Fixture : ::testing::Test {
   std::mt19937_64 rng{42};
   SdpaCase<float> c{{2, 4, 2, 3, 5, 8, 6}, rng};  // B=2 H=4 Hkv=2 L=3 S=5 E=8 Ev=6
   Tensor<float> y{2, 4, 3, 6};
-  void run() { attn::scaled_dot_product_attention<float>(c.args, y.view4(), c.opt); }
+  void run() { attn::scaled_dot_product_attention<float>(c.args, {y.view4()}, c.opt); }
 };
 
 TEST_F(Fixture, MismatchedFeatureDimension) {
@@ -37,16 +37,16 @@ TEST_F(Fixture, ValueMustMatchKey) {
 
 TEST_F(Fixture, OutputShape) {
   Tensor<float> bad({2, 4, 3, 8});
-  EXPECT_TRUE(throws_with([&] { attn::scaled_dot_product_attention<float>(c.args, bad.view4(), c.opt); },
+  EXPECT_TRUE(throws_with([&] { attn::scaled_dot_product_attention<float>(c.args, {bad.view4()}, c.opt); },
                           {"'out'", "(2, 4, 3, 8)", "expected (2, 4, 3, 6)"}));
 }
 
 TEST_F(Fixture, WeightsAndLseShapes) {
   Tensor<float> w({2, 4, 3, 4}), lse({2, 4, 4});
-  EXPECT_TRUE(throws_with([&] { attn::scaled_dot_product_attention<float>(c.args, y.view4(), c.opt, w.view4()); },
+  EXPECT_TRUE(throws_with([&] { attn::scaled_dot_product_attention<float>(c.args, {y.view4(), w.view4()}, c.opt); },
                           {"'weights'", "(2, 4, 3, 4)", "expected (2, 4, 3, 5)"}));
   EXPECT_TRUE(throws_with(
-      [&] { attn::scaled_dot_product_attention<float>(c.args, y.view4(), c.opt, {}, lse.view<3>()); },
+      [&] { attn::scaled_dot_product_attention<float>(c.args, {y.view4(), {}, lse.view<3>()}, c.opt); },
       {"'lse'", "(2, 4, 4)", "expected (2, 4, 3)"}));
 }
 
@@ -109,7 +109,7 @@ TEST_F(Fixture, NonFiniteInputsWhenAsked) {
 TEST_F(Fixture, BroadcastOutputIsRefused) {
   Tensor<float> small({1, 1, 1, 6});
   View4<float> bad(small.data(), {2, 4, 3, 6}, {0, 0, 0, 1});
-  EXPECT_TRUE(throws_with([&] { attn::scaled_dot_product_attention<float>(c.args, bad, c.opt); },
+  EXPECT_TRUE(throws_with([&] { attn::scaled_dot_product_attention<float>(c.args, {bad}, c.opt); },
                           {"'out'", "stride 0"}));
 }
 
@@ -123,7 +123,7 @@ TEST_F(Fixture, FusedBackendRejectsDouble) {
   SdpaCase<double> d({1, 1, 1, 2, 2, 2, 2}, r);
   d.opt.backend = attn::Backend::fused;
   Tensor<double> out({1, 1, 2, 2});
-  EXPECT_TRUE(throws_with([&] { attn::scaled_dot_product_attention<double>(d.args, out.view4(), d.opt); },
+  EXPECT_TRUE(throws_with([&] { attn::scaled_dot_product_attention<double>(d.args, {out.view4()}, d.opt); },
                           {"'backend'", "float32 only"}));
 }
 
@@ -135,23 +135,23 @@ TEST_F(Fixture, UnknownBackendName) {
 TEST_F(Fixture, BackwardShapes) {
   Tensor<float> dout({2, 4, 3, 6}), dq({2, 4, 3, 8}), dk({2, 2, 5, 8}), dv({2, 2, 5, 6});
   attn::SdpaGrads<float> g{dq.view4(), dk.view4(), dv.view4(), {}};
-  EXPECT_NO_THROW(attn::scaled_dot_product_attention_backward<float>(c.args, dout.view4(), g, c.opt));
+  EXPECT_NO_THROW(attn::scaled_dot_product_attention_backward<float>(c.args, dout.view4(), {}, g, c.opt));
   Tensor<float> bad_dk({2, 4, 5, 8});
   g.dk = bad_dk.view4();
-  EXPECT_TRUE(throws_with([&] { attn::scaled_dot_product_attention_backward<float>(c.args, dout.view4(), g, c.opt); },
+  EXPECT_TRUE(throws_with([&] { attn::scaled_dot_product_attention_backward<float>(c.args, dout.view4(), {}, g, c.opt); },
                           {"attn::scaled_dot_product_attention_backward", "'dk'", "(2, 4, 5, 8)", "expected (2, 2, 5, 8)"}));
   g.dk = dk.view4();
   Tensor<float> dbias({1, 1, 3, 5});
   g.dbias = dbias.view4();
-  EXPECT_TRUE(throws_with([&] { attn::scaled_dot_product_attention_backward<float>(c.args, dout.view4(), g, c.opt); },
+  EXPECT_TRUE(throws_with([&] { attn::scaled_dot_product_attention_backward<float>(c.args, dout.view4(), {}, g, c.opt); },
                           {"'dbias'", "no 'bias'"}));
   Tensor<float> bias({2, 1, 3, 5});
   c.args.bias = bias.view4();
-  EXPECT_TRUE(throws_with([&] { attn::scaled_dot_product_attention_backward<float>(c.args, dout.view4(), g, c.opt); },
+  EXPECT_TRUE(throws_with([&] { attn::scaled_dot_product_attention_backward<float>(c.args, dout.view4(), {}, g, c.opt); },
                           {"'dbias'", "(1, 1, 3, 5)", "(2, 1, 3, 5)"}));
   Tensor<float> bad_dout({2, 4, 3, 5});
   g.dbias = {};
-  EXPECT_TRUE(throws_with([&] { attn::scaled_dot_product_attention_backward<float>(c.args, bad_dout.view4(), g, c.opt); },
+  EXPECT_TRUE(throws_with([&] { attn::scaled_dot_product_attention_backward<float>(c.args, bad_dout.view4(), {}, g, c.opt); },
                           {"'dout'", "(2, 4, 3, 5)", "expected (2, 4, 3, 6)"}));
 }
 

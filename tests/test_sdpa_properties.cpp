@@ -58,7 +58,7 @@ struct SelfAttention {
       *A = Tensor<double>({1, 1, X.dim(0), X.dim(0)});
       w = A->view4();
     }
-    attn::scaled_dot_product_attention<double>(args, Y.view4(), opt, w);
+    attn::scaled_dot_product_attention<double>(args, {Y.view4(), w}, opt);
     return Y;
   }
 };

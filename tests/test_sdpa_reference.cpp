@@ -32,8 +32,7 @@ TEST(SeedExamples, TwoTokens) {
   args.q = View4<const double>::bhnd(q, 1, 1, 1, 2);
   args.k = View4<const double>::bhnd(k, 1, 1, 2, 2);
   args.v = View4<const double>::bhnd(v, 1, 1, 2, 2);
-  attn::scaled_dot_product_attention<double>(args, View4<double>::bhnd(y, 1, 1, 1, 2), {},
-                                             View4<double>::bhnd(a, 1, 1, 1, 2));
+  attn::scaled_dot_product_attention<double>(args, {View4<double>::bhnd(y, 1, 1, 1, 2), View4<double>::bhnd(a, 1, 1, 1, 2)});
   EXPECT_NEAR(a[0], 0.80, 0.005);
   EXPECT_NEAR(a[1], 0.20, 0.005);
   EXPECT_NEAR(y[0], 0.80, 0.005);
@@ -49,8 +48,7 @@ TEST(SeedExamples, TheCatWasHungry) {
   args.q = View4<const float>::bhnd(q, 1, 1, 1, 4);
   args.k = View4<const float>::bhnd(k, 1, 1, 4, 4);
   args.v = View4<const float>::bhnd(v, 1, 1, 4, 2);
-  attn::scaled_dot_product_attention<float>(args, View4<float>::bhnd(y, 1, 1, 1, 2), {},
-                                            View4<float>::bhnd(a, 1, 1, 1, 4));
+  attn::scaled_dot_product_attention<float>(args, {View4<float>::bhnd(y, 1, 1, 1, 2), View4<float>::bhnd(a, 1, 1, 1, 4)});
   EXPECT_NEAR(a[0], 0.038, 0.0005);
   EXPECT_NEAR(a[1], 0.757, 0.0005);
   EXPECT_NEAR(a[2], 0.102, 0.0005);

@@ -58,7 +58,7 @@ Grads backward(SdpaCase<double>& c, const Tensor<double>& dout) {
     g.dsinks = Tensor<double>({s.H});
     sg.dsinks = g.dsinks.view<1>();
   }
-  attn::scaled_dot_product_attention_backward<double>(c.args, dout.view4(), sg, c.opt);
+  attn::scaled_dot_product_attention_backward<double>(c.args, dout.view4(), {}, sg, c.opt);
   return g;
 }
 
@@ -458,11 +458,11 @@ TEST(Varlen, IsALoopOfDenseCallsForwardAndBackward) {
       a.alibi_slopes = pk.args.alibi_slopes;
       a.sinks = pk.args.sinks;
       Tensor<double> y({1, 4, L, 2}), l({1, 4, L});
-      attn::scaled_dot_product_attention<double>(a, y.view4(), opt, {}, l.view<3>());
+      attn::scaled_dot_product_attention<double>(a, {y.view4(), {}, l.view<3>()}, opt);
       Tensor<double> gq({1, 4, L, 3}), gk({1, 2, S, 3}), gv({1, 2, S, 2}), gs({4});
       attn::SdpaGrads<double> sg{gq.view4(), gk.view4(), gv.view4(), {}, {}};
       if (o.sinks) sg.dsinks = gs.view<1>();
-      attn::scaled_dot_product_attention_backward<double>(a, dy.view4(), sg, opt);
+      attn::scaled_dot_product_attention_backward<double>(a, dy.view4(), {}, sg, opt);
       for (int64_t h = 0; h < 4; ++h) {
         dsinks_sum[size_t(h)] += gs[size_t(h)];
         for (int64_t i = 0; i < L; ++i) {
@@ -521,7 +521,7 @@ TEST(Variants, BadArgumentsAreRefusedWithTheirNames) {
   EXPECT_TRUE(throws_with(
       [&] {
         attn::scaled_dot_product_attention_backward<double>(
-            c.args, dout.view4(), {dq.view4(), dk.view4(), dv.view4(), {}, ds.view<1>()}, c.opt);
+            c.args, dout.view4(), {}, {dq.view4(), dk.view4(), dv.view4(), {}, ds.view<1>()}, c.opt);
       },
       {"dsinks", "sinks"}));
 }

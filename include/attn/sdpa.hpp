@@ -40,9 +40,15 @@
 // The softmax subtracts the row maximum, so finite scores of any magnitude
 // are safe.
 //
-// Backward contract: the forward's saved state is (out, lse). Backends that
-// need it (fused) use it when given and recompute it otherwise; the
-// reference backend always recomputes the attention matrix from q and k.
+// Forward -> backward contract. The forward's saved state is SdpaSaved
+// {out, lse}: the forward's own output and log-sum-exp, unchanged since the
+// forward, for the same args and options. The backward never needs it to be
+// correct, only to be fast:
+//   reference  ignores it and recomputes the attention matrix from q and k;
+//   fused      uses out (for D_i = dout_i·out_i) and lse (to rebuild each
+//              probability as exp(score - lse) without a second softmax pass)
+//              when given, and recomputes whichever is absent.
+// Results are the same with or without the saved state (bitwise for fused).
 #pragma once
 
 #include <cstdint>
@@ -87,35 +93,55 @@ struct SdpaOptions {
 template <class T>
 struct SdpaArgs {
   View4<const T> q, k, v;
-  View4<const bool> mask;            // optional
-  View4<const T> bias;               // optional
-  View1<const int64_t> key_lengths;  // optional
-  View1<const T> alibi_slopes = {};  // optional, (H); finite
-  View1<const T> sinks = {};         // optional, (H); no NaN or +Inf
+  View4<const bool> mask{};            // optional
+  View4<const T> bias{};               // optional
+  View1<const int64_t> key_lengths{};  // optional
+  View1<const T> alibi_slopes{};       // optional, (H); finite
+  View1<const T> sinks{};              // optional, (H); no NaN or +Inf
 };
 
+// What the forward writes. `out` is required; `weights` (B, H, L, S) and
+// `lse` (B, H, L), the log-sum-exp of each row's scores, are written when
+// given (non-empty).
+template <class T>
+struct SdpaOutputs {
+  View4<T> out;        // (B, H, L, Ev)
+  View4<T> weights{};  // optional
+  View3<T> lse{};      // optional
+};
+
+// What the forward saves for the backward: its own `out` and `lse`, both
+// optional. SdpaSaved<T>{outputs.out, outputs.lse} passes them on.
+template <class T>
+struct SdpaSaved {
+  View4<const T> out{};  // (B, H, L, Ev)
+  View3<const T> lse{};  // (B, H, L)
+};
+
+// What the backward writes: dq, dk, dv required, dbias optional.
 template <class T>
 struct SdpaGrads {
   View4<T> dq;     // (B, H, L, E)
   View4<T> dk;     // (B, Hkv, S, E), summed over the query heads of each group
   View4<T> dv;     // (B, Hkv, S, Ev)
-  View4<T> dbias;  // optional; same shape as args.bias
-  View1<T> dsinks = {};  // optional, (H): the sinks' gradient summed over B and L
+  View4<T> dbias{};  // optional; same shape as args.bias
+  View1<T> dsinks{};  // optional, (H): the sinks' gradient summed over B and L
 };
 
-// Forward. `out` is required; `weights` and `lse` are written when non-empty.
+// Forward: Y = softmax(Q·Kᵀ·scale + bias + mask)·V into outputs.out, and the
+// weights and lse when requested.
 template <class T>
-void scaled_dot_product_attention(const SdpaArgs<T>& args, View4<T> out,
-                                  const SdpaOptions& opt = {}, View4<T> weights = {},
-                                  View3<T> lse = {});
+void scaled_dot_product_attention(const SdpaArgs<T>& args, const SdpaOutputs<T>& outputs,
+                                  const SdpaOptions& opt = {});
 
 // Backward: given dout = dL/dY, writes dq, dk, dv (and dbias when requested).
-// Outputs are overwritten, not accumulated into.
+// `saved` is the forward's saved state for these same args and options (see
+// "Backward contract" above); an empty SdpaSaved is always allowed. Outputs
+// are overwritten, not accumulated into.
 template <class T>
 void scaled_dot_product_attention_backward(const SdpaArgs<T>& args, View4<const T> dout,
-                                           const SdpaGrads<T>& grads,
-                                           const SdpaOptions& opt = {},
-                                           View4<const T> out = {}, View3<const T> lse = {});
+                                           const SdpaSaved<T>& saved, const SdpaGrads<T>& grads,
+                                           const SdpaOptions& opt = {});
 
 // The backend `opt.backend` resolves to for this request (after validation).
 template <class T>

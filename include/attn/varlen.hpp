@@ -53,7 +53,7 @@ struct VarlenGrads {
   View3<T> dq;      // (total_q, H, E)
   View3<T> dk;      // (total_k, Hkv, E)
   View3<T> dv;      // (total_k, Hkv, Ev)
-  View1<T> dsinks = {};  // optional, (H)
+  View1<T> dsinks{};  // optional, (H)
 };
 
 template <class T>

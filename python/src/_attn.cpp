@@ -85,7 +85,7 @@ void sdpa_forward(const Arr<const T, 4>& q, const Arr<const T, 4>& k, const Arr<
   const attn::View4<T> w = view_of<T, 4>(weights, "weights");
   const attn::View3<T> l = view_of<T, 3>(lse, "lse");
   nb::gil_scoped_release release;
-  attn::scaled_dot_product_attention<T>(args, o, opt, w, l);
+  attn::scaled_dot_product_attention<T>(args, {o, w, l}, opt);
 }
 
 template <class T>
@@ -106,7 +106,7 @@ void sdpa_backward(const Arr<const T, 4>& q, const Arr<const T, 4>& k, const Arr
   const attn::View4<const T> o = view_of<const T, 4>(out, "out");
   const attn::View3<const T> l = view_of<const T, 3>(lse, "lse");
   nb::gil_scoped_release release;
-  attn::scaled_dot_product_attention_backward<T>(args, d, g, opt, o, l);
+  attn::scaled_dot_product_attention_backward<T>(args, d, {o, l}, g, opt);
 }
 
 template <class T>

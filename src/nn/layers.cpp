@@ -468,8 +468,9 @@ void SelfAttention<T>::forward(const Tensor<T>& x, int64_t B, int64_t N, Tensor<
   args.q = head_view(qkv_, 0);
   args.k = head_view(qkv_, 1);
   args.v = head_view(qkv_, 2);
-  scaled_dot_product_attention<T>(args, View4<T>::bnhd(attn_out_.data(), B, N, heads, head_dim),
-                                  sdpa_options(), weights, lse_.template view<3>());
+  scaled_dot_product_attention<T>(
+      args, {View4<T>::bnhd(attn_out_.data(), B, N, heads, head_dim), weights, lse_.template view<3>()},
+      sdpa_options());
   // y = O·W_oᵀ + b_o
   ensure_shape(y, {M, dim});
   gemm<T>({M, dim, dim}, false, attn_out_.data(), dim, true, out_proj_weight.data(), dim, y.data(), dim);
@@ -500,10 +501,9 @@ void SelfAttention<T>::backward(const Tensor<T>& x, const Tensor<T>& dy, Tensor<
   g.dq = head_view(dqkv, 0);
   g.dk = head_view(dqkv, 1);
   g.dv = head_view(dqkv, 2);
-  scaled_dot_product_attention_backward<T>(
-      args, View4<const T>(View4<T>::bnhd(dO.data(), B_, N_, heads, head_dim)), g, sdpa_options(),
-      View4<const T>(View4<T>::bnhd(attn_out_.data(), B_, N_, heads, head_dim)),
-      View3<const T>(lse_.template view<3>()));
+  const SdpaSaved<T> saved{View4<T>::bnhd(attn_out_.data(), B_, N_, heads, head_dim), lse_.template view<3>()};
+  scaled_dot_product_attention_backward<T>(args, View4<T>::bnhd(dO.data(), B_, N_, heads, head_dim), saved, g,
+                                           sdpa_options());
   // RoPE is a rotation: its transpose (the inverse rotation) carries dQ, dK back
   if (options.rope) {
     apply_rotary(head_view(dqkv, 0), /*inverse=*/true);

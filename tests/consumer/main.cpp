@@ -11,7 +11,7 @@ int main() {
   args.q = attn::View4<const float>::bhnd(q, 1, 1, 1, 2);
   args.k = attn::View4<const float>::bhnd(k, 1, 1, 2, 2);
   args.v = attn::View4<const float>::bhnd(v, 1, 1, 2, 2);
-  attn::scaled_dot_product_attention<float>(args, attn::View4<float>::bhnd(y, 1, 1, 1, 2));
+  attn::scaled_dot_product_attention<float>(args, {attn::View4<float>::bhnd(y, 1, 1, 1, 2)});
   std::printf("y = [%.2f, %.2f]\n", y[0], y[1]);
   return std::abs(y[0] - 0.80f) < 0.005f && std::abs(y[1] - 0.20f) < 0.005f ? 0 : 1;
 }
