@@ -139,9 +139,10 @@ void ScoreTileT(const FusedCall& c, ForwardScratch& w, int64_t b, int64_t h, int
     // The rows of the block that see key j under the band: [first, end).
     auto [first, end] = band.rows_seeing(j, j + 1, i0, i0 + nr);
     first -= i0, end -= i0;
+    // ALiBi on the whole line (|i0 + r + off − j| for row r): rows outside
+    // the band become −∞ just below.
+    if (alibi) AlibiLine(row, w.qbp, float(i0 + off - j), slope2);
     std::fill(row, row + first, kNegInf);
-    if (alibi)
-      for (int64_t r = first; r < end; ++r) row[r] -= slope2 * float(rules::distance(i0 + r, j, off));
     if (!bias.empty()) {
       const auto bj = rules::query_column(bias, b, h, j);
       for (int64_t r = first; r < end; ++r) row[r] += kLog2e * bj.at(i0 + r);
@@ -189,9 +190,8 @@ void ScoreTile(const FusedCall& c, BackwardScratch& w, int64_t b, int64_t h, int
     // The keys of the tile row i sees under the band: [lo, hi).
     const rules::Keys keys = band.keys(i);
     const int64_t lo = std::clamp<int64_t>(keys.lo - j0, 0, nk), hi = std::clamp<int64_t>(keys.hi - j0, lo, nk);
+    if (alibi) AlibiLine(row, nkp, float(j0 - i - off), slope);  // |j0 + jj − (i + off)|
     std::fill(row, row + lo, kNegInf);
-    if (alibi)
-      for (int64_t jj = lo; jj < hi; ++jj) row[jj] -= slope * float(rules::distance(i, j0 + jj, off));
     if (!bias.empty()) {
       const auto br = rules::key_row(bias, b, h, i);
       for (int64_t jj = lo; jj < hi; ++jj) row[jj] += br.at(j0 + jj);

@@ -195,6 +195,19 @@ void ExpArray(const float* x, float* y, int64_t n) { ApplyArray<ExpSoftmax>(x, y
 void Exp2Array(const float* x, float* y, int64_t n) { ApplyArray<Exp2Softmax>(x, y, n); }
 void TanhArray(const float* x, float* y, int64_t n) { ApplyArray<Tanh>(x, y, n); }
 
+// ALiBi along a tile line of n floats (n a multiple of the lane count):
+// x[t] −= slope·|base + t|, where base + t is the signed distance between
+// the query's position and the key (exact in float below 2^24).
+void AlibiLine(float* x, int64_t n, float base, float slope) {
+  const DF d;
+  const int64_t N = int64_t(hn::Lanes(d));
+  const VF vs = hn::Set(d, slope);
+  VF dist = hn::Iota(d, base);
+  const VF step = hn::Set(d, float(N));
+  for (int64_t t = 0; t < n; t += N, dist = hn::Add(dist, step))
+    hn::Store(hn::NegMulAdd(vs, hn::Abs(dist), hn::Load(d, x + t)), d, x + t);
+}
+
 // Soft-cap of a tile of n floats (n a multiple of the lane count), in place:
 // x <- c·tanh(x / c), and with dcap non-null dcap <- 1 − tanh² (the
 // derivative the backward needs).
