@@ -9,6 +9,7 @@
 #include <limits>
 #include <sstream>
 
+#include "kernels/decode/decode.hpp"
 #include "kernels/fused/fused.hpp"
 #include "kernels/problem.hpp"
 #include "kernels/reference/sdpa_reference.hpp"
@@ -253,8 +254,12 @@ void scaled_dot_product_attention(const SdpaArgs<T>& args, const SdpaOutputs<T>&
     c.writable(lse, "lse");
   }
   if constexpr (std::is_same_v<T, float>) {
-    if (choose(c, p, args, opt, !weights.empty()) == Backend::fused)
+    if (choose(c, p, args, opt, !weights.empty()) == Backend::fused) {
+      // Few query rows (decoding shapes): the grouped split-KV decode kernel.
+      if (detail::decode_suits_dense(p, args, !weights.empty()))
+        return detail::decode_forward_dense(p, args, out, lse);
       return detail::fused_forward(p, args, out, weights, lse);
+    }
   } else {
     (void)choose(c, p, args, opt, !weights.empty());
   }

@@ -38,9 +38,15 @@
 // Scores. Both directions build their score tile in one function each,
 // ScoreTileT (forward: transposed, base 2) and ScoreTile (backward): the
 // block product, then the score rules of kernels/score_rules.hpp in their
-// order (soft-cap, ALiBi, bias, then −∞ outside the band and where the mask
-// says no). They sit next to each other below; a new rule on scores goes
-// into score_rules.hpp and both.
+// order (soft-cap, ALiBi), the NaN poison (forward; see below), the bias
+// (−∞ masks), the boolean mask and −∞ outside the band. They sit next to
+// each other below; a new rule on scores goes into score_rules.hpp and both
+// (and its derivative into BackwardTile's dS). Which key blocks a unit
+// visits at all comes from the band (score_rules.hpp, via common.hpp).
+//
+// NaN. Non-finite inputs are flagged and zeroed in the packed operands, and
+// the poison travels as NaN in the scores and probabilities (the section
+// below says how); the block products never see a NaN.
 //
 // Scratch layouts: tiles.hpp. SIMD building blocks: simd-inl.h.
 #if defined(ATTN_KERNELS_FUSED_ATTENTION_INL_H_) == defined(HWY_TARGET_TOGGLE)
@@ -55,6 +61,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "attn/sdpa.hpp"
 #include "kernels/fused/common.hpp"
@@ -66,6 +73,45 @@ HWY_BEFORE_NAMESPACE();
 namespace attn::detail {
 namespace HWY_NAMESPACE {
 namespace {
+
+// ---- NaN and ±∞ in the inputs ------------------------------------------------
+//
+// The rule (docs/fused.md, "NaN and infinities"): a key a row cannot see
+// (causal, key_lengths, mask, bias −∞) never touches the row. A visible pair
+// (i, j) whose query row, key row or value row holds NaN or ±∞ gets a NaN
+// score; a row with a NaN or +∞ visible score is poisoned: output and lse
+// NaN, weights NaN where visible, gradients NaN wherever the row reaches.
+// The kernels keep the products finite and carry the poison in the scores:
+// bad K/V rows and bad query rows are flagged while packing and replaced by
+// zeros in the packed operands, and NaN is written into the visible scores.
+
+// bad[(b·Hkv + hk)·S + j] = 1 where K or V row j of (b, hk) holds NaN or ±∞;
+// returns whether any does. One pass over K and V per call.
+bool MarkBadKeys(const Problem& p, const SdpaArgs<float>& a, std::vector<uint8_t>& bad) {
+  const int64_t rows = p.B * p.Hkv * p.S;
+  bad.assign(size_t(rows), 0);
+  bool any = false;
+#pragma omp parallel for num_threads(p.threads) schedule(static) reduction(|| : any)
+  for (int64_t u = 0; u < rows; ++u) {
+    const int64_t j = u % p.S, hk = (u / p.S) % p.Hkv, b = u / (p.S * p.Hkv);
+    const float* kr = &a.k(b, hk, j, 0);
+    const float* vr = &a.v(b, hk, j, 0);
+    bool row_bad = false;
+    for (int64_t e = 0; e < p.E; ++e) row_bad |= non_finite(kr[e * a.k.strides[3]]);
+    for (int64_t e = 0; e < p.Ev; ++e) row_bad |= non_finite(vr[e * a.v.strides[3]]);
+    bad[size_t(u)] = row_bad;
+    any = any || row_bad;
+  }
+  return any;
+}
+
+// A call's shared state, with the bad keys marked (kept alive by `bad`).
+FusedCall MakeCall(const Problem& p, const SdpaArgs<float>& a, const FusedPlan& t, std::vector<uint8_t>& bad) {
+  FusedCall c{&p, &a, t, float(p.scale)};
+  c.any_bad_keys = MarkBadKeys(p, a, bad);
+  c.bad_keys = bad.data();
+  return c;
+}
 
 // ---- packing (strided views → dense scratch) -------------------------------
 
@@ -101,15 +147,25 @@ void PackRows(const View4<const float>& X, int64_t b, int64_t hx, int64_t j0, in
 constexpr float kLog2e = 1.44269504088896341f;
 constexpr float kLn2 = 0.693147180559945309f;
 
-// qt[e][r] = scale·log2(e) · Q(b, h, i0 + r, e); columns nr..qbp are zero.
+// qt[e][r] = scale·log2(e) · Q(b, h, i0 + r, e); columns nr..qbp are zero,
+// and so is the column of a query row with NaN or ±∞ (flagged in qbad).
 void PackQt(const FusedCall& c, ForwardScratch& w, int64_t b, int64_t h, int64_t i0, int64_t nr) {
   const auto& Q = c.a->q;
   const int64_t E = c.p->E, se = Q.strides[3];
   const float s2 = c.scale * kLog2e;
   float* qt = w.qt;
+  w.any_qbad = false;
   for (int64_t r = 0; r < nr; ++r) {
     const float* src = &Q(b, h, i0 + r, 0);
-    for (int64_t e = 0; e < E; ++e) qt[e * w.qbp + r] = s2 * src[e * se];
+    bool bad = false;
+    for (int64_t e = 0; e < E; ++e) {
+      bad |= non_finite(src[e * se]);
+      qt[e * w.qbp + r] = s2 * src[e * se];
+    }
+    if (bad)
+      for (int64_t e = 0; e < E; ++e) qt[e * w.qbp + r] = 0.0f;
+    w.qbad[r] = bad;
+    w.any_qbad = w.any_qbad || bad;
   }
   for (int64_t e = 0; e < E; ++e) std::fill(qt + e * w.qbp + nr, qt + (e + 1) * w.qbp, 0.0f);
 }
@@ -143,9 +199,18 @@ void ScoreTileT(const FusedCall& c, ForwardScratch& w, int64_t b, int64_t h, int
     // the band become −∞ just below.
     if (alibi) AlibiLine(row, w.qbp, float(i0 + off - j), slope2);
     std::fill(row, row + first, kNegInf);
+    // Poison: NaN in every visible pair of a bad key or a bad query.
+    if (c.bad_key(b, hk, j))
+      std::fill(row + first, row + end, kNaN);
+    else if (w.any_qbad)
+      for (int64_t r = first; r < end; ++r)
+        if (w.qbad[r]) row[r] = kNaN;
     if (!bias.empty()) {
       const auto bj = rules::query_column(bias, b, h, j);
-      for (int64_t r = first; r < end; ++r) row[r] += kLog2e * bj.at(i0 + r);
+      for (int64_t r = first; r < end; ++r) {
+        const float x = bj.at(i0 + r);
+        row[r] = x == kNegInf ? kNegInf : row[r] + kLog2e * x;  // −∞ masks, even a poisoned pair
+      }
     }
     if (!mask.empty()) {
       const auto mj = rules::query_column(mask, b, h, j);
@@ -156,7 +221,8 @@ void ScoreTileT(const FusedCall& c, ForwardScratch& w, int64_t b, int64_t h, int
   }
 }
 
-// q[r][e] = scale · Q(b, h, i0 + r, e) for r < nr.
+// q[r][e] = scale · Q(b, h, i0 + r, e) for r < nr; a row with NaN or ±∞
+// becomes zeros and is flagged poisoned.
 void PackQ(const FusedCall& c, BackwardScratch& w, int64_t b, int64_t h, int64_t i0, int64_t nr) {
   const auto& Q = c.a->q;
   const int64_t E = c.p->E;
@@ -164,7 +230,13 @@ void PackQ(const FusedCall& c, BackwardScratch& w, int64_t b, int64_t h, int64_t
     const float* src = &Q(b, h, i0 + r, 0);
     float* dst = w.q + r * w.Ep;
     const int64_t se = Q.strides[3];
-    for (int64_t e = 0; e < E; ++e) dst[e] = c.scale * src[e * se];
+    bool bad = false;
+    for (int64_t e = 0; e < E; ++e) {
+      bad |= non_finite(src[e * se]);
+      dst[e] = c.scale * src[e * se];
+    }
+    if (bad) std::fill(dst, dst + E, 0.0f);
+    w.poisoned[r] = bad;
   }
 }
 
@@ -194,7 +266,10 @@ void ScoreTile(const FusedCall& c, BackwardScratch& w, int64_t b, int64_t h, int
     std::fill(row, row + lo, kNegInf);
     if (!bias.empty()) {
       const auto br = rules::key_row(bias, b, h, i);
-      for (int64_t jj = lo; jj < hi; ++jj) row[jj] += br.at(j0 + jj);
+      for (int64_t jj = lo; jj < hi; ++jj) {
+        const float x = br.at(j0 + jj);
+        row[jj] = x == kNegInf ? kNegInf : row[jj] + x;  // −∞ masks
+      }
     }
     if (!mask.empty()) {
       const auto mr = rules::key_row(mask, b, h, i);
@@ -254,11 +329,15 @@ void ForwardUnit(const FusedCall& c, ForwardScratch& w, int64_t b, int64_t h, in
       if (alpha[r] != 1.0f) ScaleRow(w.o + r * w.Evp, w.Evp, alpha[r]);  // acc <- acc · alpha
     const float* vb = w.vb;
     int64_t ldv = w.Evp;
-    if (v_in_place) {
+    bool tile_bad = false;  // a bad value row must not reach rows that mask it (0·NaN)
+    for (int64_t jj = 0; c.any_bad_keys && jj < nk; ++jj) tile_bad = tile_bad || c.bad_key(b, hk, j0 + jj);
+    if (v_in_place && !tile_bad) {
       vb = &V(b, hk, j0, 0);
       ldv = V.strides[2];
     } else {
       PackRows(V, b, hk, j0, nk, w.vb, w.Evp);
+      for (int64_t jj = 0; tile_bad && jj < nk; ++jj)
+        if (c.bad_key(b, hk, j0 + jj)) std::fill(w.vb + jj * w.Evp, w.vb + (jj + 1) * w.Evp, 0.0f);
     }
     // o += P·V, with P(r, jj) = st_t[jj][r]
     Gemm(nr, w.Evp, nk, w.st, 1, w.qbp, vb, ldv, w.o, w.Evp, true);
@@ -296,7 +375,9 @@ void ForwardUnit(const FusedCall& c, ForwardScratch& w, int64_t b, int64_t h, in
     for (int64_t jj = 0; jj < nk; ++jj)
       for (int64_t r = 0; r < nrp; r += lanes) {
         float* x = w.st + jj * w.qbp + r;
-        hn::Store(hn::Mul(Exp2Softmax(d, hn::Sub(hn::Load(d, x), hn::Load(d, shift + r))), hn::Load(d, inv + r)), d, x);
+        const VF s = hn::Load(d, x);
+        const VF pw = hn::Mul(Exp2Softmax(d, hn::Sub(s, hn::Load(d, shift + r))), hn::Load(d, inv + r));
+        hn::Store(hn::IfThenZeroElse(hn::Eq(s, hn::Set(d, kNegInf)), pw), d, x);  // masked: 0, even if poisoned
       }
     for (int64_t r = 0; r < nr; ++r) {
       float* dst = &weights(b, h, i0 + r, j0);
@@ -308,7 +389,8 @@ void ForwardUnit(const FusedCall& c, ForwardScratch& w, int64_t b, int64_t h, in
 
 void ForwardImpl(const Problem& p, const SdpaArgs<float>& a, View4<float> out, View4<float> weights,
                  View3<float> lse, FusedPlan t) {
-  const FusedCall c{&p, &a, t, float(p.scale)};
+  std::vector<uint8_t> bad;
+  const FusedCall c = MakeCall(p, a, t, bad);
   const int64_t nqb = ceil_div(p.L, t.q_block);
   const int64_t units = p.B * p.H * nqb;
 #pragma omp parallel num_threads(p.threads)
@@ -349,11 +431,21 @@ void PackQueryBlock(const FusedCall& c, BackwardScratch& w, int64_t b, int64_t h
   const int64_t Ev = c.p->Ev, se = out.strides[3];
   for (int64_t r = 0; r < nr; ++r) {
     const float* y = &out(b, h, i0 + r, 0);
-    const float* dy = w.dy + r * w.Evp;
+    float* dy = w.dy + r * w.Evp;
+    w.lse[r] = lse(b, h, i0 + r);
+    bool bad = false;
+    for (int64_t e = 0; e < Ev; ++e) bad |= non_finite(dy[e]);
+    // Poisoned: a bad query (PackQ), a bad dY, or a NaN lse (the forward's
+    // poisoned rows). Its dY is zeroed and D = 0; its probabilities carry the NaN.
+    w.poisoned[r] = w.poisoned[r] || bad || w.lse[r] != w.lse[r];
+    if (w.poisoned[r]) {
+      std::fill(dy, dy + Ev, 0.0f);
+      w.D[r] = 0.0f;
+      continue;
+    }
     float acc = 0;
     for (int64_t e = 0; e < Ev; ++e) acc += dy[e] * y[e * se];  // D_i = Σ_e dY_ie·Y_ie
     w.D[r] = acc;
-    w.lse[r] = lse(b, h, i0 + r);
   }
 }
 
@@ -363,6 +455,12 @@ void PackKeyBlock(const FusedCall& c, BackwardScratch& w, int64_t b, int64_t hk,
   PackKt(c, w, b, hk, j0, nk);
   PackVt(c, w, b, hk, j0, nk);
   if (rows) PackRows(c.a->k, b, hk, j0, nk, w.kr, w.Ep);
+  for (int64_t jj = 0; c.any_bad_keys && jj < nk; ++jj) {
+    if (!c.bad_key(b, hk, j0 + jj)) continue;  // a bad key: zeros (its rows are poisoned)
+    for (int64_t e = 0; e < c.p->E; ++e) w.kt[e * w.kbp + jj] = 0.0f;
+    for (int64_t e = 0; e < c.p->Ev; ++e) w.vt[e * w.kbp + jj] = 0.0f;
+    if (rows) std::fill(w.kr + jj * w.Ep, w.kr + jj * w.Ep + c.p->E, 0.0f);
+  }
 }
 
 // One (query block × key block) tile of the backward; needs both blocks packed.
@@ -372,7 +470,7 @@ void BackwardTile(const FusedCall& c, BackwardScratch& w, int64_t b, int64_t h, 
   const int64_t lanes = int64_t(hn::Lanes(DF())), nkp = round_up(nk, lanes);
   const DF d;
   ScoreTile(c, w, b, h, i0, nr, j0, nk, nkp);
-  for (int64_t r = 0; r < nr; ++r) ProbRow(w.s + r * w.kbp, nkp, w.lse[r]);  // P
+  for (int64_t r = 0; r < nr; ++r) ProbRow(w.s + r * w.kbp, nkp, w.lse[r], w.poisoned[r]);  // P
   // dP = dY·Vᵀ
   Gemm(nr, nkp, p.Ev, w.dy, w.Evp, 1, w.vt, w.kbp, w.dp, w.kbp, false);
   for (int64_t r = 0; r < nr; ++r) {
@@ -525,7 +623,8 @@ void DbiasUnit(const FusedCall& c, BackwardScratch& w, const SdpaGrads<float>& g
 void BackwardImpl(const Problem& p, const SdpaArgs<float>& a, View4<const float> dout,
                   const SdpaGrads<float>& g, View4<const float> out, View3<const float> lse,
                   FusedPlan t) {
-  const FusedCall c{&p, &a, t, float(p.scale)};
+  std::vector<uint8_t> bad;
+  const FusedCall c = MakeCall(p, a, t, bad);
   const int64_t nkb = ceil_div(p.S, t.k_block), nqb = ceil_div(p.L, t.q_block);
   #pragma omp parallel num_threads(p.threads)
   {

@@ -16,6 +16,7 @@
 namespace attn::detail {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 
 // Everything the units of one call share (read-only).
 struct FusedCall {
@@ -23,6 +24,13 @@ struct FusedCall {
   const SdpaArgs<float>* a;
   FusedPlan t;
   float scale;
+  // Keys whose K or V row holds NaN or ±∞ (mark_bad_keys), and whether any does.
+  const uint8_t* bad_keys = nullptr;
+  bool any_bad_keys = false;
+
+  bool bad_key(int64_t b, int64_t hk, int64_t j) const {
+    return any_bad_keys && bad_keys[(b * p->Hkv + hk) * p->S + j];
+  }
 };
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -40,5 +48,8 @@ inline float slope_of(const FusedCall& c, int64_t h) { return float(rules::per_h
 inline float sink_of(const FusedCall& c, int64_t h) {
   return float(rules::per_head(c.a->sinks, h, -std::numeric_limits<double>::infinity()));
 }
+
+// Whether a float is NaN or ±∞ (without the library call).
+inline bool non_finite(float x) { return !(x - x == 0.0f); }
 
 }  // namespace attn::detail

@@ -108,6 +108,21 @@ void Gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t ars, int64_t 
   }
 }
 
+// NaN through the exponentials (the one place this is target-specific). A
+// NaN argument must give NaN (a poisoned score must reach the row's sum), so
+// the clamp that keeps −∞ out of the integer path must keep NaN: x86's max
+// returns its second operand when either is NaN, so max(lo, x) is NaN for a
+// NaN x at no cost. Highway's portable Max ignores NaN (and converting NaN to
+// an integer is undefined in C++), so other targets clamp with Max(x, lo)
+// and put a NaN argument back at the end.
+#if HWY_ARCH_X86 && HWY_TARGET != HWY_EMU128 && HWY_TARGET != HWY_SCALAR
+HWY_INLINE VF ClampBelow(DF d, VF x, float lo) { return hn::Max(hn::Set(d, lo), x); }
+HWY_INLINE VF RestoreNaN(VF, VF y) { return y; }
+#else
+HWY_INLINE VF ClampBelow(DF d, VF x, float lo) { return hn::Max(x, hn::Set(d, lo)); }
+HWY_INLINE VF RestoreNaN(VF x, VF y) { return hn::IfThenElse(hn::IsNaN(x), x, y); }
+#endif
+
 // c[0]·x^(N−1) + c[1]·x^(N−2) + … + c[N−1] by Horner's rule.
 template <size_t N>
 HWY_INLINE VF Horner(DF d, VF x, const float (&c)[N]) {
@@ -125,7 +140,7 @@ HWY_INLINE VF Horner(DF d, VF x, const float (&c)[N]) {
 // 18 vector operations against ~25 for Highway's general Exp.
 HWY_INLINE VF ExpSoftmax(DF d, VF x) {
   const hn::RebindToSigned<DF> di;
-  const VF xc = hn::Max(x, hn::Set(d, -88.0f));  // keeps −∞ out of the integer path
+  const VF xc = ClampBelow(d, x, -88.0f);  // keeps −∞ out of the integer path
   const VF n = hn::Round(hn::Mul(xc, hn::Set(d, 1.44269504088896341f)));
   VF r = hn::NegMulAdd(n, hn::Set(d, 0.693359375f), xc);  // r = x − n·ln2, ln2 in two parts
   r = hn::NegMulAdd(n, hn::Set(d, -2.12194440e-4f), r);
@@ -134,7 +149,7 @@ HWY_INLINE VF ExpSoftmax(DF d, VF x) {
   const VF p = Horner(d, r, kPoly);
   const VF y = hn::MulAdd(p, hn::Mul(r, r), hn::Add(r, hn::Set(d, 1.0f)));  // exp(r)
   const auto e = hn::ShiftLeft<23>(hn::Add(hn::ConvertTo(di, n), hn::Set(di, 127)));  // 2^n
-  return hn::IfThenElseZero(hn::Ge(x, hn::Set(d, -87.33f)), hn::Mul(y, hn::BitCast(d, e)));
+  return RestoreNaN(x, hn::IfThenZeroElse(hn::Lt(x, hn::Set(d, -87.33f)), hn::Mul(y, hn::BitCast(d, e))));
 }
 
 // 2^x for the forward's softmax, whose scores are in base 2 (log2(e) is
@@ -147,7 +162,7 @@ HWY_INLINE VF ExpSoftmax(DF d, VF x) {
 // select; in [−126.5, −126) the result is a subnormal near 2^x.
 HWY_INLINE VF Exp2Softmax(DF d, VF x) {
   const hn::RebindToSigned<DF> di;
-  const VF xc = hn::Max(x, hn::Set(d, -127.0f));  // keeps −∞ out of the integer path
+  const VF xc = ClampBelow(d, x, -127.0f);  // keeps −∞ out of the integer path
   const VF n = hn::Round(xc);
   const VF f = hn::Sub(xc, n);
   constexpr float kPoly[] = {1.534579205326736e-4f,  1.3399929739534855e-3f, 9.618489071726799e-3f,
@@ -155,7 +170,7 @@ HWY_INLINE VF Exp2Softmax(DF d, VF x) {
                              1.0f};
   const VF p = Horner(d, f, kPoly);
   const auto e = hn::ShiftLeft<23>(hn::Add(hn::ConvertTo(di, n), hn::Set(di, 127)));  // 2^n, 0 for n = −127
-  return hn::Mul(p, hn::BitCast(d, e));
+  return RestoreNaN(x, hn::Mul(p, hn::BitCast(d, e)));
 }
 
 // f over n floats (the tail through a zero-padded vector), for the tests.
@@ -222,8 +237,15 @@ void SoftcapTile(float* x, int64_t n, float c, float* dcap) {
   }
 }
 
-// Row of s becomes exp(s − lse) (0 everywhere for a fully masked row).
-void ProbRow(float* row, int64_t nkp, float lse) {
+// Row of s becomes exp(s − lse) (0 everywhere for a fully masked row). A
+// poisoned row (NaN lse, or a non-finite dY or query) becomes NaN at every
+// visible score and 0 at the masked ones (−∞), so the NaN reaches exactly the
+// gradients the row touches.
+void ProbRow(float* row, int64_t nkp, float lse, bool poisoned) {
+  if (poisoned) {
+    for (int64_t j = 0; j < nkp; ++j) row[j] = row[j] == kNegInf ? 0.0f : kNaN;
+    return;
+  }
   const DF d;
   const int64_t N = int64_t(hn::Lanes(d));
   const VF shift = hn::Set(d, os::lse_shift(lse));

@@ -78,6 +78,7 @@ ForwardScratch::ForwardScratch(const Problem& p, const FusedPlan& t, int64_t lan
     o = c.take<float>(qb * Evp);
     colv = c.take<float>(4 * qbp);
     rows = c.take<online_softmax::State<float>>(qb);
+    qbad = c.take<uint8_t>(qb);
   });
   if (rows) std::uninitialized_default_construct_n(rows, qb);
 }
@@ -103,6 +104,7 @@ BackwardScratch::BackwardScratch(const Problem& p, const FusedPlan& t, int64_t l
     acc = c.take<float>(qb * kbp);
     lse = c.take<float>(qb);
     D = c.take<float>(qb);
+    poisoned = c.take<uint8_t>(qb);
   });
 }
 

@@ -20,18 +20,41 @@
 //   U  = scale·Q·Kᵀ           ->  dQ = scale·dU·K,  dK = scale·dUᵀ·Q
 // Masked entries have a_ij = 0, so they receive no gradient; a fully masked
 // row has A = 0 and contributes nothing anywhere.
+//
+// NaN and ±∞ (docs/fused.md states the rule; the fused backend follows it
+// identically): a key a row cannot see (causal, key_lengths, mask, bias −∞)
+// never touches the row, whatever its values. A visible pair whose query,
+// key or value row holds NaN or ±∞ has score NaN; a row with a NaN or +∞
+// visible score is poisoned: lse NaN, a NaN at every visible weight (0 at the
+// masked ones), so NaN in its output and in every gradient it reaches. In
+// the backward a NaN or ±∞ in dY poisons its row the same way.
 #include "kernels/reference/sdpa_reference.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
+#include <string>
 #include <vector>
+
+#include "attn/detail/memory.hpp"
 
 namespace attn::detail {
 namespace {
 
 constexpr double kNegInf = -std::numeric_limits<double>::infinity();
+constexpr double kInf = std::numeric_limits<double>::infinity();
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 
-// Scores z_ij for one (b, h) through the score rules, masked entries −∞;
+// Whether row n of a (B, Hx, N, F) view holds NaN or ±∞.
+template <class T>
+bool bad_row(const View4<const T>& x, int64_t b, int64_t hx, int64_t n) {
+  for (int64_t f = 0; f < x.dim(3); ++f)
+    if (!std::isfinite(double(x(b, hx, n, f)))) return true;
+  return false;
+}
+
+// Scores z_ij for one (b, h) through the score rules, masked entries −∞ (a
+// bias of −∞ masks too), NaN for a visible pair with a bad q, k or v row;
 // dcap (when non-null) receives ∂z/∂u for the backward.
 template <class T>
 void scores(const Problem& p, const SdpaArgs<T>& a, int64_t b, int64_t h, std::vector<double>& z,
@@ -39,34 +62,56 @@ void scores(const Problem& p, const SdpaArgs<T>& a, int64_t b, int64_t h, std::v
   const int64_t hk = p.kv_head(h);
   const rules::Band band = p.band(a.key_lengths.empty() ? p.S : a.key_lengths(b));
   const rules::Modifiers<double> mods{p.softcap, rules::per_head(a.alibi_slopes, h, 0.0), p.offset()};
+  std::vector<char> bad_key(static_cast<size_t>(p.S));
+  for (int64_t j = 0; j < p.S; ++j) bad_key[size_t(j)] = bad_row(a.k, b, hk, j) || bad_row(a.v, b, hk, j);
   for (int64_t i = 0; i < p.L; ++i) {
     const rules::Keys keys = band.keys(i);
+    const bool bad_q = bad_row(a.q, b, h, i);
     for (int64_t j = 0; j < p.S; ++j) {
       const size_t at = static_cast<size_t>(i * p.S + j);
       double& zij = z[at];
+      if (dcap) (*dcap)[at] = 0;
       bool visible = j >= keys.lo && j < keys.hi;
       if (visible && !a.mask.empty()) visible = rules::key_row(a.mask, b, h, i).at(j);
+      double bias = 0;
+      if (visible && !a.bias.empty()) {
+        bias = double(rules::key_row(a.bias, b, h, i).at(j));
+        visible = bias != kNegInf;
+      }
       if (!visible) {
         zij = kNegInf;
-        if (dcap) (*dcap)[at] = 0;
+        continue;
+      }
+      if (bad_q || bad_key[size_t(j)]) {
+        zij = kNaN;
         continue;
       }
       double dot = 0;
       for (int64_t e = 0; e < p.E; ++e) dot += double(a.q(b, h, i, e)) * double(a.k(b, hk, j, e));
       const double capped = mods.capped(p.scale * dot);
       if (dcap) (*dcap)[at] = mods.dcapped(capped);
-      zij = capped + mods.alibi(i, j);
-      if (!a.bias.empty()) zij += double(rules::key_row(a.bias, b, h, i).at(j));
+      zij = capped + mods.alibi(i, j) + bias;
     }
   }
 }
 
-// In place: row z becomes exp(z − lse), where lse = log(exp(sink) + Σ_j exp(z_j))
-// is returned (sink = −∞: no sink). A row with no finite entry and no sink
-// becomes all zeros and returns −∞.
+// Marks a poisoned row: NaN at every visible (not −∞) entry, 0 at the masked
+// ones; returns the row's lse, NaN.
+double poison_row(double* z, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) z[j] = z[j] == kNegInf ? 0.0 : kNaN;
+  return kNaN;
+}
+
+// In place: row z becomes exp(z − lse), where lse = log(exp(sink) +
+// Σ_j exp(z_j)) is returned (sink = −∞: no sink). A row with no finite entry
+// and no sink becomes all zeros and returns −∞; a row with a NaN or +∞ entry
+// is poisoned.
 double softmax_row(double* z, int64_t n, double sink) {
   double m = sink;
-  for (int64_t j = 0; j < n; ++j) m = std::max(m, z[j]);
+  for (int64_t j = 0; j < n; ++j) {
+    if (std::isnan(z[j]) || z[j] == kInf) return poison_row(z, n);
+    m = std::max(m, z[j]);
+  }
   if (m == kNegInf) {
     for (int64_t j = 0; j < n; ++j) z[j] = 0;
     return kNegInf;
@@ -76,18 +121,26 @@ double softmax_row(double* z, int64_t n, double sink) {
     z[j] = std::exp(z[j] - m);  // exp(-inf) = 0 for masked keys
     sum += z[j];
   }
-  for (int64_t j = 0; j < n; ++j) z[j] /= sum;
+  for (int64_t j = 0; j < n; ++j) z[j] /= sum;  // masked entries stay 0
   return m + std::log(sum);
 }
 
 // A = softmax_row(scores) for one (b, h); fills lse_row (length L).
 template <class T>
 void attention_matrix(const Problem& p, const SdpaArgs<T>& a, int64_t b, int64_t h,
-                      std::vector<double>& A, std::vector<double>& lse_row,
-                      std::vector<double>* dcap = nullptr) {
-  scores(p, a, b, h, A, dcap);
+                      std::vector<double>& A, std::vector<double>& lse_row) {
+  scores(p, a, b, h, A, nullptr);
   const double sink = rules::per_head(a.sinks, h, kNegInf);
   for (int64_t i = 0; i < p.L; ++i) lse_row[size_t(i)] = softmax_row(&A[size_t(i * p.S)], p.S, sink);
+}
+
+// The L×S matrices (`count` of them, in double) must fit in memory; checked
+// before allocating, so a huge request is an argument error, not bad_alloc.
+void check_matrices_fit(const Problem& p, int64_t count, const char* fn) {
+  check_fits_in_memory(checked_bytes({count, p.L, p.S}, sizeof(double)),
+                       std::string(fn) + ": the reference backend materialises " + std::to_string(count) +
+                           " L x S matrix(es) of doubles for q (L = " + std::to_string(p.L) + ") and k (S = " +
+                           std::to_string(p.S) + "); that");
 }
 
 }  // namespace
@@ -95,6 +148,7 @@ void attention_matrix(const Problem& p, const SdpaArgs<T>& a, int64_t b, int64_t
 template <class T>
 void reference_forward(const Problem& p, const SdpaArgs<T>& a, View4<T> out, View4<T> weights,
                        View3<T> lse) {
+  check_matrices_fit(p, 1, "attn::scaled_dot_product_attention");
   std::vector<double> A(static_cast<size_t>(p.L * p.S));
   std::vector<double> lse_row(static_cast<size_t>(p.L));
   for (int64_t b = 0; b < p.B; ++b) {
@@ -106,7 +160,8 @@ void reference_forward(const Problem& p, const SdpaArgs<T>& a, View4<T> out, Vie
         const double* Ai = &A[size_t(i * p.S)];
         for (int64_t e = 0; e < p.Ev; ++e) {
           double y = 0;
-          for (int64_t j = 0; j < p.S; ++j) y += Ai[j] * double(a.v(b, hk, j, e));
+          for (int64_t j = 0; j < p.S; ++j)
+            if (Ai[j] != 0) y += Ai[j] * double(a.v(b, hk, j, e));  // masked keys never touch y
           out(b, h, i, e) = T(y);
         }
         if (!weights.empty())
@@ -120,8 +175,9 @@ void reference_forward(const Problem& p, const SdpaArgs<T>& a, View4<T> out, Vie
 template <class T>
 void reference_backward(const Problem& p, const SdpaArgs<T>& a, View4<const T> dout,
                         const SdpaGrads<T>& g) {
+  check_matrices_fit(p, 2, "attn::scaled_dot_product_attention_backward");
   const size_t LS = static_cast<size_t>(p.L * p.S);
-  std::vector<double> A(LS), dZ(LS), dcap(LS), lse_row(static_cast<size_t>(p.L));
+  std::vector<double> A(LS), dZ(LS), Z(LS), dcap(LS), lse_row(static_cast<size_t>(p.L));
   std::vector<double> dsinks(static_cast<size_t>(p.H), 0.0);
   std::vector<double> dk(static_cast<size_t>(p.S * p.E)), dv(static_cast<size_t>(p.S * p.Ev));
   // dbias accumulates over every (b, h, i, j) that maps onto one bias element.
@@ -134,11 +190,18 @@ void reference_backward(const Problem& p, const SdpaArgs<T>& a, View4<const T> d
       std::fill(dk.begin(), dk.end(), 0.0);
       std::fill(dv.begin(), dv.end(), 0.0);
       for (int64_t h = hk * p.group(); h < (hk + 1) * p.group(); ++h) {
-        attention_matrix(p, a, b, h, A, lse_row, &dcap);
+        scores(p, a, b, h, Z, &dcap);
+        A = Z;
         const double sink = rules::per_head(a.sinks, h, kNegInf);
+        for (int64_t i = 0; i < p.L; ++i) lse_row[size_t(i)] = softmax_row(&A[size_t(i * p.S)], p.S, sink);
         for (int64_t i = 0; i < p.L; ++i) {
-          const double* Ai = &A[size_t(i * p.S)];
+          double* Ai = &A[size_t(i * p.S)];
           double* dZi = &dZ[size_t(i * p.S)];
+          // A bad dY row poisons its row as a bad input does in the forward.
+          if (bad_row(dout, b, h, i)) {
+            std::copy(&Z[size_t(i * p.S)], &Z[size_t((i + 1) * p.S)], Ai);  // the scores say which keys it sees
+            poison_row(Ai, p.S);
+          }
           // dA_ij = dY_i · V_j, then the softmax Jacobian-vector product.
           double row_dot = 0;  // Σ_l a_il dA_il
           for (int64_t j = 0; j < p.S; ++j) {
@@ -148,10 +211,9 @@ void reference_backward(const Problem& p, const SdpaArgs<T>& a, View4<const T> d
             dZi[j] = dA;
             row_dot += Ai[j] * dA;
           }
-          for (int64_t j = 0; j < p.S; ++j) dZi[j] = Ai[j] * (dZi[j] - row_dot);
+          for (int64_t j = 0; j < p.S; ++j) dZi[j] = Ai[j] == 0 ? 0.0 : Ai[j] * (dZi[j] - row_dot);
           // d(sink) = a_sink · (0 − Σ_l a_il dA_il), a_sink = exp(sink − lse_i)
-          if (sink != kNegInf && lse_row[size_t(i)] != kNegInf)
-            dsinks[size_t(h)] -= std::exp(sink - lse_row[size_t(i)]) * row_dot;
+          if (sink != kNegInf) dsinks[size_t(h)] -= std::exp(sink - lse_row[size_t(i)]) * row_dot;
           // dV_j += a_ij · dY_i
           for (int64_t j = 0; j < p.S; ++j) {
             if (Ai[j] == 0) continue;
@@ -162,7 +224,8 @@ void reference_backward(const Problem& p, const SdpaArgs<T>& a, View4<const T> d
           // dQ_i = scale · Σ_j dU_ij K_j ;  dK_j += scale · dU_ij Q_i
           for (int64_t e = 0; e < p.E; ++e) {
             double dq = 0;
-            for (int64_t j = 0; j < p.S; ++j) dq += dZi[j] * dci[j] * double(a.k(b, hk, j, e));
+            for (int64_t j = 0; j < p.S; ++j)
+              if (dZi[j] != 0) dq += dZi[j] * dci[j] * double(a.k(b, hk, j, e));
             g.dq(b, h, i, e) = T(p.scale * dq);
           }
           for (int64_t j = 0; j < p.S; ++j) {
