@@ -77,7 +77,12 @@ def test_forward_matches_numpy(dtype, backend, seed):
     if backend != "fused":
         out2, w = call(c, backend=backend, return_weights=True)
         assert_close(w, want_p, atol, "weights")
-        np.testing.assert_array_equal(out2, out)
+        if backend == "reference":
+            np.testing.assert_array_equal(out2, out)
+        else:
+            # auto may route a call without weights to the decode kernel (few
+            # query rows), which sums in another order than the fused kernel.
+            assert_close(out2, out, atol, "out with weights")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
