@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cerrno>
 #include <filesystem>
 #include <iostream>
 #include <memory>
@@ -22,7 +23,7 @@ namespace {
 void require_file(const std::string& path, const char* flag) {
   std::error_code ec;
   if (!std::filesystem::is_regular_file(path, ec))
-    throw io::FileError(fmt::format("{} '{}': no such file", flag, path));
+    throw FileError(path, fmt::format("no such file (given as {})", flag), ENOENT);
 }
 
 void plot_curve(const std::vector<nn::TrainRecord>& curve, const std::string& path) {
@@ -171,7 +172,7 @@ void run_checkpoint_heatmap(const CheckpointHeatmapOpts& o) {
   if (o.example < 0 || o.example >= 100000)
     throw UsageError(fmt::format("attn heatmap: --example {} is outside 0..99999", o.example));
   if (mc.layers * mc.heads > 64)
-    throw Error(fmt::format("attn heatmap: {} layers x {} heads is too many panels to draw (at most 64)", mc.layers,
+    throw InvalidArgument(fmt::format("attn heatmap: {} layers x {} heads is too many panels to draw (at most 64)", mc.layers,
                             mc.heads));
   nn::Transformer<float> model(mc);
   const int64_t step = nn::load_training_checkpoint<float>(o.checkpoint, model, nullptr);

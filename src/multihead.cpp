@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "kernels/gemm/gemm.hpp"
+#include "validate.hpp"
 
 namespace attn {
 namespace {
@@ -48,48 +49,7 @@ const char* const kInProjBias = "in_proj_bias";
 const char* const kOutProjWeight = "out_proj.weight";
 const char* const kOutProjBias = "out_proj.bias";
 
-std::string dims_str(const std::vector<int64_t>& s) {
-  std::string out = "(";
-  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
-  return out + ")";
-}
-
-struct Checker {
-  std::string fn;
-  [[noreturn]] void fail(const std::string& msg) const { throw Error("attn::MultiheadAttention::" + fn + ": " + msg); }
-
-  template <class T, int R>
-  void shape(const View<T, R>& v, const char* name, const std::type_identity_t<std::array<int64_t, R>>& want,
-             const std::string& expected_text = "") const {
-    if (v.data == nullptr) fail(std::string("argument '") + name + "' is required but was not given");
-    if (v.shape != want)
-      fail(std::string("argument '") + name + "' has shape " + shape_str(v.shape) + ", expected " +
-           (expected_text.empty() ? shape_str(want) : expected_text));
-  }
-  template <class T, int R>
-  void writable(const View<T, R>& v, const char* name) const {
-    for (int i = 0; i < R; ++i)
-      if (v.shape[size_t(i)] > 1 && v.strides[size_t(i)] == 0)
-        fail(std::string("output '") + name + "' has stride 0 on axis " + std::to_string(i) +
-             " (a broadcast view cannot be written)");
-  }
-  // A (B, H, L, S) mask or bias: each axis 1 (broadcast) or the full size.
-  template <class T>
-  void broadcastable(const View4<T>& v, const char* name, const std::array<int64_t, 4>& full) const {
-    for (int i = 0; i < 4; ++i)
-      if (v.shape[size_t(i)] != 1 && v.shape[size_t(i)] != full[size_t(i)])
-        fail(std::string("argument '") + name + "' has shape " + shape_str(v.shape) +
-             ", expected each axis of (B, H, L, S) = " + shape_str(full) + " or 1 (broadcast)");
-  }
-  template <class T>
-  void finite(const View3<T>& v, const char* name) const {
-    for (int64_t a = 0; a < v.dim(0); ++a)
-      for (int64_t b = 0; b < v.dim(1); ++b)
-        for (int64_t c = 0; c < v.dim(2); ++c)
-          if (!std::isfinite(double(v(a, b, c))))
-            fail(std::string("argument '") + name + "' contains NaN or Inf at " + shape_str({a, b, c}));
-  }
-};
+using detail::Checker;
 
 // Copies a rank-3 view (any strides) into dense row-major storage.
 template <class T>
@@ -158,7 +118,7 @@ void fill_uniform(Tensor<T>& t, double bound, std::mt19937_64& rng) {
 
 template <class T>
 MultiheadAttention<T>::MultiheadAttention(const MultiheadConfig& config, uint64_t seed) : cfg_(config) {
-  const Checker c{"MultiheadAttention"};
+  const Checker c{"MultiheadAttention::MultiheadAttention"};
   auto at_least = [&](int64_t v, const char* name, int64_t lo, const char* note) {
     if (v < lo)
       c.fail(std::string("config '") + name + "' is " + std::to_string(v) + ", expected >= " +
@@ -231,7 +191,7 @@ auto& lookup(Map& m, const std::string& name, const char* fn, const std::vector<
   if (it == m.end()) {
     std::string list;
     for (const auto& n : valid) list += (list.empty() ? "" : ", ") + n;
-    throw Error(std::string("attn::MultiheadAttention::") + fn + ": unknown parameter name '" + name +
+    throw InvalidArgument(std::string("attn::MultiheadAttention::") + fn + ": unknown parameter name '" + name +
                 "', expected one of " + list);
   }
   return it->second;
@@ -288,9 +248,9 @@ void MultiheadAttention<T>::reset_parameters(uint64_t seed) {
 template <class T>
 void MultiheadAttention<T>::load_parameter(const std::string& name, View<const T, 2> w) {
   Tensor<T>& p = lookup(params_, name, "load_parameter", parameter_names());
-  const Checker c{"load_parameter"};
+  const Checker c{"MultiheadAttention::load_parameter"};
   if (p.rank() != 2 || w.shape[0] != p.dim(0) || w.shape[1] != p.dim(1))
-    c.fail("parameter '" + name + "' has shape " + dims_str(p.shape()) + ", got a value of shape " +
+    c.fail("parameter '" + name + "' has shape " + shape_str(p.shape()) + ", got a value of shape " +
            shape_str(w.shape));
   if (w.data == nullptr && w.numel() > 0) c.fail("the value for '" + name + "' has no data (null pointer)");
   for (int64_t i = 0; i < w.shape[0]; ++i)
@@ -300,9 +260,9 @@ void MultiheadAttention<T>::load_parameter(const std::string& name, View<const T
 template <class T>
 void MultiheadAttention<T>::load_parameter(const std::string& name, View<const T, 1> b) {
   Tensor<T>& p = lookup(params_, name, "load_parameter", parameter_names());
-  const Checker c{"load_parameter"};
+  const Checker c{"MultiheadAttention::load_parameter"};
   if (p.rank() != 1 || b.shape[0] != p.dim(0))
-    c.fail("parameter '" + name + "' has shape " + dims_str(p.shape()) + ", got a value of shape " +
+    c.fail("parameter '" + name + "' has shape " + shape_str(p.shape()) + ", got a value of shape " +
            shape_str(b.shape));
   if (b.data == nullptr && b.numel() > 0) c.fail("the value for '" + name + "' has no data (null pointer)");
   for (int64_t i = 0; i < b.shape[0]; ++i) p[size_t(i)] = b(i);
@@ -347,38 +307,37 @@ void forward_impl(const MultiheadAttention<T>& layer, const Checker& c, View3<co
   const std::array<int64_t, 4> full{B, H, L, S};
 
   // Validation of everything else, before any work.
+  c.require(out, "out");
   c.shape(out, "out", {B, L, D});
-  c.writable(out, "out");
-  if (!head_weights.empty()) {
-    c.shape(head_weights, "head_weights", full);
-    c.writable(head_weights, "head_weights");
+  std::vector<detail::Extent> written{c.extent(out, "out")};
+  c.optional(head_weights, "head_weights", full, written);
+  c.optional(avg_weights, "avg_weights", {B, L, S}, written);
+  std::vector<detail::Extent> read{c.extent(query, self ? "x" : "query")};
+  if (!self) {
+    read.push_back(c.extent(key, "key"));
+    read.push_back(c.extent(value, "value"));
   }
-  if (!avg_weights.empty()) {
-    c.shape(avg_weights, "avg_weights", {B, L, S});
-    c.writable(avg_weights, "avg_weights");
+  if (c.given(masks.attn_mask, "attn_mask")) {
+    c.broadcastable(masks.attn_mask, "attn_mask", full);
+    read.push_back(c.extent(masks.attn_mask, "attn_mask"));
   }
-  if (!masks.attn_mask.empty()) c.broadcastable(masks.attn_mask, "attn_mask", full);
-  if (!masks.attn_bias.empty()) {
+  if (c.given(masks.attn_bias, "attn_bias")) {
     c.broadcastable(masks.attn_bias, "attn_bias", full);
-    const auto& ab = masks.attn_bias;
-    for (int64_t b = 0; b < ab.dim(0); ++b)
-      for (int64_t h = 0; h < ab.dim(1); ++h)
-        for (int64_t i = 0; i < ab.dim(2); ++i)
-          for (int64_t j = 0; j < ab.dim(3); ++j)
-            if (const double z = double(ab(b, h, i, j)); std::isnan(z) || (std::isinf(z) && z > 0))
-              c.fail("argument 'attn_bias' contains NaN or +Inf at " + shape_str({b, h, i, j}) +
-                     " (only -Inf is allowed, as a mask)");
+    c.finite(masks.attn_bias, "attn_bias", /*allow_neg_inf=*/true);
+    read.push_back(c.extent(masks.attn_bias, "attn_bias"));
   }
-  if (!masks.key_padding_mask.empty()) c.shape(masks.key_padding_mask, "key_padding_mask", {B, S}, "(B, S) = " + shape_str({B, S}));
-  if (!masks.key_lengths.empty()) {
-    c.shape(masks.key_lengths, "key_lengths", {B}, "(B) = " + shape_str({B}));
+  c.optional(masks.key_padding_mask, "key_padding_mask", {B, S}, read, "(B, S) = " + shape_str({B, S}));
+  if (c.given(masks.key_lengths, "key_lengths")) {
+    c.shape(masks.key_lengths, "key_lengths", {B}, "(B,) = " + shape_str({B}));
     for (int64_t b = 0; b < B; ++b)
       if (masks.key_lengths(b) < 0 || masks.key_lengths(b) > S)
         c.fail("argument 'key_lengths' has value " + std::to_string(masks.key_lengths(b)) + " at batch " +
                std::to_string(b) + ", expected 0 <= key_lengths[b] <= S = " + std::to_string(S));
+    read.push_back(c.extent(masks.key_lengths, "key_lengths"));
   }
-  if (opt.num_threads < 0)
-    c.fail("option 'num_threads' is " + std::to_string(opt.num_threads) + ", expected >= 0 (0 = default)");
+  for (const auto& e : written) c.writable(e);
+  c.disjoint(written, read);
+  (void)c.threads(opt.num_threads);
   if (opt.check_finite) {
     c.finite(query, self ? "x" : "query");
     if (!self) {
@@ -481,11 +440,11 @@ void MultiheadAttention<T>::forward(View3<const T> query, View3<const T> key, Vi
                                     View3<T> out, const MhaMasks<T>& masks, const MhaOptions& opt,
                                     MhaCache<T>* cache, View4<T> head_weights,
                                     View3<T> avg_weights) const {
-  const Checker c{"forward"};
+  const Checker c{"MultiheadAttention::forward"};
   const int64_t D = cfg_.embed_dim;
-  if (query.data == nullptr) c.fail("argument 'query' is required but was not given");
-  if (key.data == nullptr) c.fail("argument 'key' is required but was not given");
-  if (value.data == nullptr) c.fail("argument 'value' is required but was not given");
+  c.require(query, "query");
+  c.require(key, "key");
+  c.require(value, "value");
   const int64_t B = query.dim(0), L = query.dim(1), S = key.dim(1);
   if (B < 1 || L < 1 || query.dim(2) != D)
     c.fail("argument 'query' has shape " + shape_str(query.shape) + ", expected (B, L, " + std::to_string(D) +
@@ -503,9 +462,9 @@ template <class T>
 void MultiheadAttention<T>::forward_self(View3<const T> x, View3<T> out, const MhaMasks<T>& masks,
                                          const MhaOptions& opt, MhaCache<T>* cache, View4<T> head_weights,
                                          View3<T> avg_weights) const {
-  const Checker c{"forward_self"};
+  const Checker c{"MultiheadAttention::forward_self"};
   const int64_t D = cfg_.embed_dim;
-  if (x.data == nullptr) c.fail("argument 'x' is required but was not given");
+  c.require(x, "x");
   if (x.dim(0) < 1 || x.dim(1) < 1 || x.dim(2) != D)
     c.fail("argument 'x' has shape " + shape_str(x.shape) + ", expected (B, N, " + std::to_string(D) +
            ") with B, N >= 1 (embed_dim = " + std::to_string(D) + ")");
@@ -521,7 +480,7 @@ void MultiheadAttention<T>::forward_self(View3<const T> x, View3<T> out, const M
 template <class T>
 void MultiheadAttention<T>::backward(const MhaCache<T>& cache, View3<const T> dout, View3<T> dquery,
                                      View3<T> dkey, View3<T> dvalue) {
-  const Checker c{"backward"};
+  const Checker c{"MultiheadAttention::backward"};
   const int64_t D = cfg_.embed_dim, H = cfg_.num_heads, E = cfg_.head_dim, Ev = cfg_.v_head_dim;
   const bool self = cache.self_attention;
   if (cache.q.rank() != 3 || cache.attn_out.rank() != 3 || cache.query.rank() != 3)
@@ -537,25 +496,20 @@ void MultiheadAttention<T>::backward(const MhaCache<T>& cache, View3<const T> do
             : (cache.key.shape() == std::vector<int64_t>{B, S, cfg_.kdim} &&
                cache.value.shape() == std::vector<int64_t>{B, S, cfg_.vdim}));
   if (!consistent)
-    c.fail("argument 'cache' holds projections of shape q " + dims_str(cache.q.shape()) + ", v " +
-           dims_str(cache.v.shape()) + ", which do not match this layer (num_heads = " + std::to_string(H) +
+    c.fail("argument 'cache' holds projections of shape q " + shape_str(cache.q.shape()) + ", v " +
+           shape_str(cache.v.shape()) + ", which do not match this layer (num_heads = " + std::to_string(H) +
            ", head_dim = " + std::to_string(E) + ", v_head_dim = " + std::to_string(Ev) +
            "); it was filled by a different layer");
+  c.require(dout, "dout");
   c.shape(dout, "dout", {B, L, D});
-  if (self && (!dkey.empty() || !dvalue.empty()))
+  if (self && (c.given(dkey, "dkey") || c.given(dvalue, "dvalue")))
     c.fail("arguments 'dkey' and 'dvalue' must be empty after forward_self; the gradient of x goes to 'dquery'");
-  if (!dquery.empty()) {
-    c.shape(dquery, "dquery", {B, L, D});
-    c.writable(dquery, "dquery");
-  }
-  if (!dkey.empty()) {
-    c.shape(dkey, "dkey", {B, S, cfg_.kdim});
-    c.writable(dkey, "dkey");
-  }
-  if (!dvalue.empty()) {
-    c.shape(dvalue, "dvalue", {B, S, cfg_.vdim});
-    c.writable(dvalue, "dvalue");
-  }
+  std::vector<detail::Extent> written;
+  c.optional(dquery, "dquery", {B, L, D}, written);
+  c.optional(dkey, "dkey", {B, S, cfg_.kdim}, written);
+  c.optional(dvalue, "dvalue", {B, S, cfg_.vdim}, written);
+  for (const auto& e : written) c.writable(e);
+  c.disjoint(written, {c.extent(dout, "dout")});
   if (cache.options.check_finite) c.finite(dout, "dout");
 
   Tensor<T> dy_storage;

@@ -159,21 +159,7 @@ struct Data {
     if (c.scale > 0) opt.scale = c.scale;
   }
 
-  Problem problem() const {
-    Problem p;
-    p.B = c.B;
-    p.H = c.H;
-    p.Hkv = c.Hkv;
-    p.L = c.L;
-    p.S = c.S;
-    p.E = c.E;
-    p.Ev = c.Ev;
-    p.scale = c.scale > 0 ? c.scale : 1.0 / std::sqrt(double(c.E));
-    p.causal = c.causal;
-    p.align = c.align;
-    p.threads = c.threads;
-    return p;
-  }
+  Problem problem() const { return attn::detail::make_problem(args, opt); }
 };
 
 // Everything one backend produces for a case.

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "attn/io.hpp"
+#include "io/io_detail.hpp"  // io::read_file
 #include "testing.hpp"
 
 namespace {

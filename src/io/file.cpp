@@ -17,21 +17,15 @@ namespace attn::io {
 
 const char* dtype_name(DType d) { return d == DType::f32 ? "float32" : "float64"; }
 
-std::string shape_string(const std::vector<int64_t>& shape) {
-  std::string s = "(";
-  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
-  return s + (shape.size() == 1 ? ",)" : ")");
-}
-
 std::vector<unsigned char> read_file(const std::string& path, uint64_t max_bytes) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) detail::fail(path, std::string("cannot open for reading: ") + std::strerror(errno));
+  if (fd < 0) detail::fail_errno(path, "cannot open for reading");
   struct FdCloser {
     int fd;
     ~FdCloser() { ::close(fd); }
   } closer{fd};
   struct stat st {};
-  if (::fstat(fd, &st) != 0) detail::fail(path, std::string("cannot stat: ") + std::strerror(errno));
+  if (::fstat(fd, &st) != 0) detail::fail_errno(path, "cannot stat");
   if (!S_ISREG(st.st_mode)) detail::fail(path, "not a regular file");
   const uint64_t size = uint64_t(st.st_size);
   if (size > max_bytes)
@@ -41,7 +35,7 @@ std::vector<unsigned char> read_file(const std::string& path, uint64_t max_bytes
   while (got < size) {
     const ssize_t r = ::read(fd, bytes.data() + got, size - got);
     if (r < 0 && errno == EINTR) continue;
-    if (r < 0) detail::fail(path, std::string("read failed: ") + std::strerror(errno));
+    if (r < 0) detail::fail_errno(path, "read failed");
     if (r == 0) break;
     got += size_t(r);
   }
@@ -58,13 +52,13 @@ void write_file_atomic(const std::string& path, const void* bytes, size_t size) 
   std::vector<char> name(tmpl.begin(), tmpl.end());
   name.push_back('\0');
   const int fd = ::mkstemp(name.data());
-  if (fd < 0) detail::fail(path, std::string("cannot create a temporary file next to it: ") + std::strerror(errno));
+  if (fd < 0) detail::fail_errno(path, "cannot create a temporary file next to it");
   const std::string tmp(name.data());
   auto abandon = [&](const std::string& what) {
     const int err = errno;
     ::close(fd);
     ::unlink(tmp.c_str());
-    detail::fail(path, what + ": " + std::strerror(err));
+    detail::fail(path, what + ": " + std::strerror(err), err);
   };
   const auto* p = static_cast<const unsigned char*>(bytes);
   size_t done = 0;
@@ -77,13 +71,14 @@ void write_file_atomic(const std::string& path, const void* bytes, size_t size) 
   (void)::fchmod(fd, 0644);  // mkstemp creates 0600; outputs are ordinary files
   if (::fsync(fd) != 0) abandon("fsync failed");
   if (::close(fd) != 0) {
+    const int err = errno;
     ::unlink(tmp.c_str());
-    detail::fail(path, std::string("close failed: ") + std::strerror(errno));
+    detail::fail(path, std::string("close failed: ") + std::strerror(err), err);
   }
   if (::rename(tmp.c_str(), path.c_str()) != 0) {
     const int err = errno;
     ::unlink(tmp.c_str());
-    detail::fail(path, std::string("cannot rename the temporary file into place: ") + std::strerror(err));
+    detail::fail(path, std::string("cannot rename the temporary file into place: ") + std::strerror(err), err);
   }
 }
 

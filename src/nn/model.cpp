@@ -11,7 +11,7 @@
 namespace attn::nn {
 
 void ModelConfig::validate() const {
-  auto fail = [](const std::string& m) { throw Error("attn::nn::ModelConfig: " + m); };
+  auto fail = [](const std::string& m) { throw InvalidArgument("attn::nn::ModelConfig: " + m); };
   if (vocab < 1) fail("vocab is " + std::to_string(vocab) + ", expected >= 1");
   if (max_len < 1) fail("max_len is " + std::to_string(max_len) + ", expected >= 1");
   if (dim < 1) fail("dim is " + std::to_string(dim) + ", expected >= 1");
@@ -73,10 +73,10 @@ template <class T>
 void Transformer<T>::forward(const int32_t* tokens, int64_t B, int64_t N, Tensor<T>& logits,
                              std::vector<Tensor<T>>* attention) {
   if (B < 1 || N < 1)
-    throw Error("attn::nn::Transformer::forward: B and N must be >= 1, got " + std::to_string(B) + " and " +
+    throw InvalidArgument("attn::nn::Transformer::forward: B and N must be >= 1, got " + std::to_string(B) + " and " +
                 std::to_string(N));
   if (N > cfg_.max_len)
-    throw Error("attn::nn::Transformer::forward: sequence length N = " + std::to_string(N) +
+    throw InvalidArgument("attn::nn::Transformer::forward: sequence length N = " + std::to_string(N) +
                 " exceeds the model's max_len = " + std::to_string(cfg_.max_len));
   const int64_t M = B * N;
   tokens_.assign(tokens, tokens + M);
@@ -116,10 +116,10 @@ void Transformer<T>::forward(const int32_t* tokens, int64_t B, int64_t N, Tensor
 template <class T>
 void Transformer<T>::backward(const Tensor<T>& dlogits) {
   const int64_t M = B_ * N_;
-  if (M == 0) throw Error("attn::nn::Transformer::backward: called before forward");
+  if (M == 0) throw InvalidArgument("attn::nn::Transformer::backward: called before forward");
   rows_of(dlogits, cfg_.vocab, "attn::nn::Transformer::backward", "dlogits");
   if (dlogits.dim(0) != M)
-    throw Error("attn::nn::Transformer::backward: dlogits has " + std::to_string(dlogits.dim(0)) +
+    throw InvalidArgument("attn::nn::Transformer::backward: dlogits has " + std::to_string(dlogits.dim(0)) +
                 " rows, expected the forward's B·N = " + std::to_string(M));
   Tensor<T> dhf, dh, dbranch, dln, da;
   head_.backward(hf_, dlogits, &dhf);

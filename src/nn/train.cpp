@@ -152,7 +152,7 @@ io::Limits checkpoint_limits() {
 // A metadata value that must be present; `who` prefixes the error.
 const std::string& metadata_value(const io::Metadata& meta, const char* key, const std::string& who) {
   auto it = meta.find(key);
-  if (it == meta.end()) throw Error(who + "metadata lacks '" + key + "' (not an attn training checkpoint?)");
+  if (it == meta.end()) throw InvalidArgument(who + "metadata lacks '" + key + "' (not an attn training checkpoint?)");
   return it->second;
 }
 
@@ -161,14 +161,14 @@ int64_t metadata_int(const io::Metadata& meta, const char* key, const std::strin
   int64_t out = 0;
   const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), out);
   if (ec != std::errc() || end != v.data() + v.size() || out < 0)
-    throw Error(who + "metadata '" + key + "' is '" + v + "', expected a non-negative integer");
+    throw InvalidArgument(who + "metadata '" + key + "' is '" + v + "', expected a non-negative integer");
   return out;
 }
 
 }  // namespace
 
 void TrainConfig::validate() const {
-  auto fail = [](const std::string& m) { throw Error("attn::nn::TrainConfig: " + m); };
+  auto fail = [](const std::string& m) { throw InvalidArgument("attn::nn::TrainConfig: " + m); };
   task.validate();
   if (optimizer != "adamw" && optimizer != "sgd") fail("optimizer is '" + optimizer + "', expected adamw or sgd");
   if (!(lr > 0) || !std::isfinite(lr)) fail("lr must be finite and > 0");
@@ -221,7 +221,7 @@ TaskConfig Curriculum::task() const {
 
 void Curriculum::restore(int64_t length, double running) {
   if (length < 1 || length > full_)
-    throw Error("attn::nn::Curriculum::restore: length " + std::to_string(length) + " is outside 1.." +
+    throw InvalidArgument("attn::nn::Curriculum::restore: length " + std::to_string(length) + " is outside 1.." +
                 std::to_string(full_));
   length_ = length;
   running_ = running;
@@ -306,15 +306,15 @@ int64_t load_training_checkpoint(const std::string& path, Transformer<T>& model,
   io::Metadata meta;
   const auto tensors = io::read_safetensors<T>(path, checkpoint_limits(), &meta);
   if (metadata_value(meta, "format", who) != kFormat)
-    throw Error(who + "format '" + meta.at("format") + "', expected " + kFormat);
+    throw InvalidArgument(who + "format '" + meta.at("format") + "', expected " + kFormat);
   // Check every tensor and count first, so a mismatching file leaves the model untouched.
   std::vector<std::pair<const io::Array<T>*, Tensor<T>*>> copies;
   auto check = [&](const std::string& name, Tensor<T>& dst) {
     auto it = tensors.find(name);
-    if (it == tensors.end()) throw Error(who + "no tensor '" + name + "' (was it written for a different model?)");
+    if (it == tensors.end()) throw InvalidArgument(who + "no tensor '" + name + "' (was it written for a different model?)");
     if (it->second.shape != dst.shape())
-      throw Error(who + "tensor '" + name + "' has shape " + io::shape_string(it->second.shape) +
-                  ", the model expects " + io::shape_string(dst.shape()));
+      throw InvalidArgument(who + "tensor '" + name + "' has shape " + shape_str(it->second.shape) +
+                  ", the model expects " + shape_str(dst.shape()));
     copies.emplace_back(&it->second, &dst);
   };
   for (const auto& p : model.parameters()) check(p.name, *p.value);
@@ -332,7 +332,7 @@ int64_t load_training_checkpoint(const std::string& path, Transformer<T>& model,
     char* end = nullptr;
     curriculum_running = std::strtod(v.c_str(), &end);
     if (v.empty() || end != v.c_str() + v.size() || !(curriculum_running >= 0 && curriculum_running <= 1))
-      throw Error(who + "metadata 'curriculum_running' is '" + v + "', expected a number in [0, 1]");
+      throw InvalidArgument(who + "metadata 'curriculum_running' is '" + v + "', expected a number in [0, 1]");
   }
   if (has_curriculum) curriculum->restore(curriculum_length, curriculum_running);  // checks the length
   for (const auto& [src, dst] : copies) std::copy(src->data.begin(), src->data.end(), dst->data());
@@ -347,7 +347,7 @@ TrainConfig checkpoint_config(const std::string& path) {
   try {
     return config_from_json(nlohmann::json::parse(metadata_value(meta, "config", who)));
   } catch (const nlohmann::json::exception& e) {
-    throw Error(who + "malformed config metadata: " + e.what());
+    throw InvalidArgument(who + "malformed config metadata: " + e.what());
   }
 }
 
@@ -383,7 +383,7 @@ TrainResult train(const TrainConfig& cfg, const ProgressCallback& progress) {
     const ModelConfig a = model_config(stored), b = model_config(cfg);
     if (a.vocab != b.vocab || a.max_len != b.max_len || a.dim != b.dim || a.heads != b.heads || a.layers != b.layers ||
         a.positions != b.positions || a.causal != b.causal || a.attn_scale != b.attn_scale || stored.optimizer != cfg.optimizer)
-      throw Error("attn::nn::train: checkpoint '" + cfg.resume_path +
+      throw InvalidArgument("attn::nn::train: checkpoint '" + cfg.resume_path +
                   "' was written for a different model, task or optimizer: " + config_json(stored).dump());
     start = load_training_checkpoint(cfg.resume_path, model, opt.get(), &curriculum);
   }

@@ -57,7 +57,7 @@ struct TrainConfig {
   int64_t curriculum = 0;
   double curriculum_threshold = 0.9;
 
-  void validate() const;  // throws attn::Error naming the field
+  void validate() const;  // throws attn::InvalidArgument naming the field
 };
 
 // The length schedule of a curriculum. The running accuracy is an exponential

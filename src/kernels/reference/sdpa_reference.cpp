@@ -21,6 +21,8 @@
 #include <limits>
 #include <vector>
 
+#include "kernels/softmax.hpp"
+
 namespace attn::detail {
 namespace {
 
@@ -57,30 +59,16 @@ void scores(const Problem& p, const SdpaArgs<T>& a, int64_t b, int64_t h,
   }
 }
 
-// In place: row i of z becomes softmax(z_i); returns the row's log-sum-exp.
-// A row with no finite entry becomes all zeros and returns -inf.
-double softmax_row(double* z, int64_t n) {
-  double m = kNegInf;
-  for (int64_t j = 0; j < n; ++j) m = std::max(m, z[j]);
-  if (m == kNegInf) {
-    for (int64_t j = 0; j < n; ++j) z[j] = 0;
-    return kNegInf;
-  }
-  double sum = 0;
-  for (int64_t j = 0; j < n; ++j) {
-    z[j] = std::exp(z[j] - m);  // exp(-inf) = 0 for masked keys
-    sum += z[j];
-  }
-  for (int64_t j = 0; j < n; ++j) z[j] /= sum;
-  return m + std::log(sum);
-}
-
-// A = softmax_row(scores) for one (b, h); fills lse_row (length L).
+// A = softmax_row(scores) for one (b, h), in place (kernels/softmax.hpp);
+// fills lse_row (length L).
 template <class T>
 void attention_matrix(const Problem& p, const SdpaArgs<T>& a, int64_t b, int64_t h,
                       std::vector<double>& A, std::vector<double>& lse_row) {
   scores(p, a, b, h, A);
-  for (int64_t i = 0; i < p.L; ++i) lse_row[size_t(i)] = softmax_row(&A[size_t(i * p.S)], p.S);
+  for (int64_t i = 0; i < p.L; ++i) {
+    double* row = &A[size_t(i * p.S)];
+    lse_row[size_t(i)] = softmax(row, row, p.S);
+  }
 }
 
 }  // namespace

@@ -1,0 +1,45 @@
+// Internal: the one row softmax of the library (the reference backend, the
+// public attn::softmax and the training loss all call it).
+//
+//   y_j = exp(x_j - m) / Σ_k exp(x_k - m),  m = max_k x_k,  returns m + log Σ
+//
+// Accumulates in double whatever the element types. Rows with no finite
+// entry (all -inf, or n = 0) become 0 and return -inf: a fully masked row.
+// A NaN or +inf entry makes the whole row and the result NaN, so a poisoned
+// input is never mistaken for a masked one. y may alias x.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+namespace attn::detail {
+
+template <class In, class Out>
+double softmax(const In* x, Out* y, int64_t n) {
+  constexpr double kNegInf = -std::numeric_limits<double>::infinity();
+  double m = kNegInf;
+  bool poisoned = false;
+  for (int64_t j = 0; j < n; ++j) {
+    const double v = double(x[j]);
+    poisoned |= std::isnan(v) || v == -kNegInf;
+    if (v > m) m = v;
+  }
+  if (poisoned) {
+    for (int64_t j = 0; j < n; ++j) y[j] = Out(std::numeric_limits<double>::quiet_NaN());
+    return std::numeric_limits<double>::quiet_NaN();
+  }
+  if (m == kNegInf) {
+    for (int64_t j = 0; j < n; ++j) y[j] = Out(0);
+    return kNegInf;
+  }
+  double sum = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    y[j] = Out(std::exp(double(x[j]) - m));  // every exponent <= 0; exp(-inf) = 0 for masked keys
+    sum += double(y[j]);
+  }
+  for (int64_t j = 0; j < n; ++j) y[j] = Out(double(y[j]) / sum);
+  return m + std::log(sum);
+}
+
+}  // namespace attn::detail
