@@ -1,21 +1,28 @@
 # The two commands of the quick start: `make demo` and `make test`.
+# Each runs scripts/install-deps.sh first, which returns at once (no apt) when
+# every package is installed.
 BUILD ?= build
 JOBS ?= $(shell nproc)
 CMAKE_FLAGS ?=
+# ccache, when installed, caches compilations across build folders
+# (CCACHE= turns it off; it applies when $(BUILD) is first configured).
+CCACHE ?= $(shell command -v ccache 2>/dev/null)
 
-.PHONY: deps build demo test test-sanitize bench bench-torch fuzz install clean
+.PHONY: deps build demo test test-sanitize bench bench-decode bench-torch fuzz install clean
 
 deps:
 	@bash scripts/install-deps.sh
 
 $(BUILD)/CMakeCache.txt:
-	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release $(CMAKE_FLAGS)
+	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release $(if $(CCACHE),-DCMAKE_CXX_COMPILER_LAUNCHER=$(CCACHE)) $(CMAKE_FLAGS)
 
 build: deps $(BUILD)/CMakeCache.txt
 	cmake --build $(BUILD) -j $(JOBS)
 
-demo: build
-	@if [ -x $(BUILD)/apps/attn ]; then $(BUILD)/apps/attn tour --heatmap $(BUILD)/attn-tour-heatmap.png; else $(BUILD)/examples/cat_example; fi
+# Only the attn binary (and the library under it), not the test suite.
+demo: deps $(BUILD)/CMakeCache.txt
+	cmake --build $(BUILD) -j $(JOBS) --target attn_cli
+	$(BUILD)/apps/attn tour --heatmap $(BUILD)/attn-tour-heatmap.png
 
 test: build
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
@@ -23,20 +30,30 @@ test: build
 
 # The Python package, in a virtual environment of its own (build-py/venv):
 # numpy, pytest and the build requirements from PyPI, then `pip install .`.
-# Re-running is cheap: pip skips what is installed and scikit-build-core keeps
-# its CMake build in build-py/, so only changed sources recompile.
+# The requirements are installed once per list (a stamp file named by the
+# list's hash: editing PY_REQUIREMENTS installs again); re-running is cheap:
+# scikit-build-core keeps its CMake build in build-py/, so only changed
+# sources recompile, and the package itself is installed with --no-index
+# (nothing is fetched; a runtime dependency missing from PY_REQUIREMENTS fails
+# loudly).
 PYTHON ?= python3
 PYTEST_ARGS ?=
 PYVENV ?= build-py/venv
 PIP = $(PYVENV)/bin/python -m pip --disable-pip-version-check -q
+PY_REQUIREMENTS = numpy pytest scikit-build-core nanobind
+PY_STAMP = $(PYVENV)/.requirements-$(shell echo '$(PY_REQUIREMENTS)' | md5sum | cut -c1-12)
 .PHONY: python-install test-python test-torch
 
 $(PYVENV)/bin/python:
 	$(PYTHON) -m venv $(PYVENV)
 
-python-install: deps $(PYVENV)/bin/python
-	$(PIP) install numpy pytest scikit-build-core nanobind
-	CMAKE_ARGS="$(CMAKE_FLAGS)" CMAKE_BUILD_PARALLEL_LEVEL=$(JOBS) $(PIP) install --no-build-isolation .
+$(PY_STAMP): | $(PYVENV)/bin/python
+	$(PIP) install $(PY_REQUIREMENTS)
+	touch $@
+
+python-install: deps $(PY_STAMP)
+	CMAKE_ARGS="$(if $(CCACHE),-DCMAKE_CXX_COMPILER_LAUNCHER=$(CCACHE)) $(CMAKE_FLAGS)" CMAKE_BUILD_PARALLEL_LEVEL=$(JOBS) \
+	  $(PIP) install --no-build-isolation --no-index .
 
 # pytest exits 5 when it collects no test; that is reported, not a failure.
 PYTEST = rc=0; $(PYVENV)/bin/python -m pytest -q $(1) || rc=$$?; \
@@ -48,12 +65,13 @@ test-python: python-install
 # The PyTorch parity tests (skipped by test-python when torch is absent).
 # PyPI's torch wheel pulls several GB of CUDA libraries; it runs on the CPU.
 test-torch: python-install
-	$(PIP) install torch
+	$(PYVENV)/bin/python -c 'import torch' 2>/dev/null || $(PIP) install torch
 	@$(call PYTEST,-rs tests/python/test_torch_parity.py)
 
 # AddressSanitizer + UndefinedBehaviorSanitizer build of the test suite.
 test-sanitize: deps
-	cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DATTN_SANITIZE=ON -DATTN_BUILD_BENCH=OFF $(CMAKE_FLAGS)
+	cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DATTN_SANITIZE=ON -DATTN_BUILD_BENCH=OFF \
+	  $(if $(CCACHE),-DCMAKE_CXX_COMPILER_LAUNCHER=$(CCACHE)) $(CMAKE_FLAGS)
 	cmake --build build-asan -j $(JOBS)
 	cd build-asan && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 ctest --output-on-failure -j $(JOBS)
 
@@ -62,6 +80,11 @@ BENCH_ARGS ?=
 bench: build
 	$(BUILD)/bench/attn-bench --json $(BUILD)/bench.json $(BENCH_ARGS)
 
+# Decoding over the KV cache against the measured read bandwidth (docs/decode.md);
+# writes $(BUILD)/bench-decode.json.
+bench-decode: build
+	$(BUILD)/bench/attn-decode-bench --json $(BUILD)/bench-decode.json $(BENCH_ARGS)
+
 # The same shapes against PyTorch's CPU scaled_dot_product_attention, run
 # by the build-py venv with torch installed from PyPI (several GB: the CUDA
 # wheel, which runs on the CPU). TORCH_PYTHON=/path/to/python uses an
@@ -69,7 +92,8 @@ bench: build
 TORCH_PYTHON ?= $(PYVENV)/bin/python
 bench-torch: build
 	if [ "$(TORCH_PYTHON)" = "$(PYVENV)/bin/python" ]; then \
-	  $(MAKE) --no-print-directory $(PYVENV)/bin/python && $(PIP) install torch; fi
+	  $(MAKE) --no-print-directory $(PYVENV)/bin/python && \
+	  { $(PYVENV)/bin/python -c 'import torch' 2>/dev/null || $(PIP) install torch; }; fi
 	$(TORCH_PYTHON) bench/compare_torch.py --attn-bench $(BUILD)/bench/attn-bench $(BENCH_ARGS)
 
 # libFuzzer targets for the .npy and safetensors parsers, FUZZ_SECONDS each

@@ -12,6 +12,7 @@
 
 #include <fmt/format.h>
 
+#include "attn/detail/memory.hpp"
 #include "common.hpp"
 #include "experiments.hpp"
 #include "plot.hpp"
@@ -26,12 +27,21 @@ struct SdpaOpts {
   bool causal = false;
 };
 
+// An empty input (some axis of length 0) is named as such.
+void require_nonempty(const io::Array<double>& a, const std::string& flag, const std::string& path) {
+  for (size_t i = 0; i < a.shape.size(); ++i)
+    if (a.shape[i] == 0)
+      throw InvalidArgument(fmt::format("attn sdpa: {} {} has shape {}: axis {} has length 0, every axis needs at least 1",
+                              flag, path, shape_str(a.shape), i));
+}
+
 // The inputs as rank-4 (B, H, N, F) shapes; ranks 2 and 3 get leading 1s.
 std::array<int64_t, 4> as4(const io::Array<double>& a, const std::string& flag, const std::string& path) {
   const size_t r = a.shape.size();
   if (r < 2 || r > 4)
     throw InvalidArgument(fmt::format("attn sdpa: {} {} has shape {}; expected (N, F), (H, N, F) or (B, H, N, F)", flag, path,
                             shape_str(a.shape)));
+  require_nonempty(a, flag, path);
   std::array<int64_t, 4> s{1, 1, 1, 1};
   for (size_t i = 0; i < r; ++i) s[4 - r + i] = a.shape[i];
   return s;
@@ -42,9 +52,25 @@ std::vector<T> convert(const std::vector<double>& v) {
   return std::vector<T>(v.begin(), v.end());
 }
 
+// Where the outputs of one `attn sdpa` run are written (Outputs::add).
+struct SdpaPaths {
+  std::string out, weights, lse;
+};
+
+// The bytes an output of `shape` needs, refused up front when more than the machine has.
 template <class T>
-void run_sdpa_typed(const SdpaOpts& o, const io::Array<double>& qa, const io::Array<double>& ka,
-                    const io::Array<double>& va, const io::Array<double>* ma) {
+size_t output_elements(std::initializer_list<int64_t> shape, const char* flag, const char* what) {
+  const uint64_t bytes = attn::detail::checked_bytes(shape, sizeof(T));
+  std::string dims;
+  for (int64_t d : shape) dims += (dims.empty() ? "" : " x ") + std::to_string(d);
+  attn::detail::check_fits_in_memory(bytes, fmt::format("{} ({}: {} {} values)", flag, what, dims,
+                                                         std::is_same_v<T, float> ? "float32" : "float64"));
+  return size_t(bytes / sizeof(T));
+}
+
+template <class T>
+void run_sdpa_typed(const SdpaOpts& o, const SdpaPaths& paths, const io::Array<double>& qa,
+                    const io::Array<double>& ka, const io::Array<double>& va, const io::Array<double>* ma) {
   const auto qs = as4(qa, "--q", o.q), ks = as4(ka, "--k", o.k), vs = as4(va, "--v", o.v);
   const std::vector<T> q = convert<T>(qa.data), k = convert<T>(ka.data), v = convert<T>(va.data);
   SdpaArgs<T> args;
@@ -58,14 +84,15 @@ void run_sdpa_typed(const SdpaOpts& o, const io::Array<double>& qa, const io::Ar
       throw InvalidArgument(fmt::format("attn sdpa: --mask {} has shape {}; expected (L, S) or a shape broadcastable to "
                               "(B, H, L, S) with no more axes than --q",
                               o.mask, shape_str(ma->shape)));
+    require_nonempty(*ma, "--mask", o.mask);
     std::array<int64_t, 4> ms{1, 1, 1, 1};
     for (size_t i = 0; i < r; ++i) ms[4 - r + i] = ma->shape[i];
     mask.reset(new bool[ma->data.size()]);
     for (size_t i = 0; i < ma->data.size(); ++i) {
       const double x = ma->data[i];
       if (x != 0 && x != 1)
-        throw InvalidArgument(fmt::format("attn sdpa: --mask {} holds {} at flat index {}; a mask holds 1 (may attend) or 0 "
-                                "(blocked)",
+        throw InvalidArgument(fmt::format("attn sdpa: --mask {} holds {} at flat index {}; a mask holds 1 or True (may "
+                                "attend) and 0 or False (blocked)",
                                 o.mask, x, i));
       mask[i] = x == 1;
     }
@@ -76,20 +103,22 @@ void run_sdpa_typed(const SdpaOpts& o, const io::Array<double>& qa, const io::Ar
   opt.causal = o.causal;
   opt.backend = parse_backend(o.backend);
   const int64_t B = qs[0], H = qs[1], L = qs[2], S = ks[2], Ev = vs[3];
-  std::vector<T> out(size_t(B * H * L * Ev)), w, lse;
+  Backend used;
+  std::vector<T> out, w, lse;
   View4<T> wv;
   View3<T> lv;
-  if (!o.weights.empty()) {
-    w.resize(size_t(B * H * L * S));
-    wv = View4<T>::bhnd(w.data(), B, H, L, S);
-  }
-  if (!o.lse.empty()) {
-    lse.resize(size_t(B * H * L));
-    lv = View3<T>(lse.data(), {B, H, L});
-  }
-  Backend used;
   try {
+    // Validates the inputs before any output is allocated.
     used = resolve_backend(args, opt, !o.weights.empty());
+    out.resize(output_elements<T>({B, H, L, Ev}, "--out", "B x H x L x Ev"));
+    if (!o.weights.empty()) {
+      w.resize(output_elements<T>({B, H, L, S}, "--weights", "B x H x L x S"));
+      wv = View4<T>::bhnd(w.data(), B, H, L, S);
+    }
+    if (!o.lse.empty()) {
+      lse.resize(output_elements<T>({B, H, L}, "--lse", "B x H x L"));
+      lv = View3<T>(lse.data(), {B, H, L});
+    }
     scaled_dot_product_attention<T>(args, {View4<T>::bhnd(out.data(), B, H, L, Ev), wv, lv}, opt);
   } catch (const InvalidArgument& e) {
     // The library names arguments q, k, v, mask; say which files those are.
@@ -99,18 +128,24 @@ void run_sdpa_typed(const SdpaOpts& o, const io::Array<double>& qa, const io::Ar
   // Outputs keep the rank of the query file.
   const size_t r = qa.shape.size();
   auto tail = [&](std::vector<int64_t> full) { return std::vector<int64_t>(full.end() - long(r), full.end()); };
-  io::write_npy(o.out, tail({B, H, L, Ev}), out.data());
-  if (!o.weights.empty()) io::write_npy(o.weights, tail({B, H, L, S}), w.data());
+  io::write_npy(paths.out, tail({B, H, L, Ev}), out.data());
+  if (!o.weights.empty()) io::write_npy(paths.weights, tail({B, H, L, S}), w.data());
   if (!o.lse.empty()) {
     const std::vector<int64_t> full = {B, H, L};
-    io::write_npy(o.lse, std::vector<int64_t>(full.end() - long(r - 1), full.end()), lse.data());
+    io::write_npy(paths.lse, std::vector<int64_t>(full.end() - long(r - 1), full.end()), lse.data());
   }
   fmt::print(stderr, "attn sdpa: {} -> {} ({}, backend {})\n", shape_str(qa.shape), o.out,
              io::dtype_name(std::is_same_v<T, float> ? io::DType::f32 : io::DType::f64), backend_name(used));
 }
 
 void run_sdpa(const SdpaOpts& o) {
+  // Every output path is checked before anything is read or computed.
+  Outputs outputs;
+  const SdpaPaths paths{outputs.add("--out", o.out), outputs.add("--weights", o.weights), outputs.add("--lse", o.lse)};
   const auto qa = io::read_npy<double>(o.q), ka = io::read_npy<double>(o.k), va = io::read_npy<double>(o.v);
+  require_float(qa, "attn sdpa: --q", o.q);
+  require_float(ka, "attn sdpa: --k", o.k);
+  require_float(va, "attn sdpa: --v", o.v);
   std::unique_ptr<io::Array<double>> ma;
   if (!o.mask.empty()) ma = std::make_unique<io::Array<double>>(io::read_npy<double>(o.mask));
   if (qa.shape.size() != ka.shape.size() || qa.shape.size() != va.shape.size())
@@ -129,8 +164,9 @@ void run_sdpa(const SdpaOpts& o) {
                               o.v, shape_str(va.shape), o.k, shape_str(ka.shape)));
   }
   const bool f32 = qa.stored == io::DType::f32 && ka.stored == io::DType::f32 && va.stored == io::DType::f32;
-  if (f32) run_sdpa_typed<float>(o, qa, ka, va, ma.get());
-  else run_sdpa_typed<double>(o, qa, ka, va, ma.get());
+  if (f32) run_sdpa_typed<float>(o, paths, qa, ka, va, ma.get());
+  else run_sdpa_typed<double>(o, paths, qa, ka, va, ma.get());
+  outputs.commit();
 }
 
 struct ExperimentOpts {
@@ -145,6 +181,8 @@ struct HeatmapOpts {
 };
 
 void run_heatmap(const HeatmapOpts& o) {
+  Outputs outputs;
+  const std::string png = outputs.add("--out", o.out);
   const auto a = io::read_npy<double>(o.weights);
   const auto& s = a.shape;
   int64_t H = 1, L = 0, S = 0, offset = 0;
@@ -184,7 +222,8 @@ void run_heatmap(const HeatmapOpts& o) {
   }
   std::vector<double> w(a.data.begin() + offset, a.data.begin() + offset + H * L * S);
   const std::string title = o.title.empty() ? "attention weights from " + std::filesystem::path(o.weights).filename().string() : o.title;
-  draw_heatmap(w, H, L, S, rows, cols, title, o.out);
+  draw_heatmap(w, H, L, S, rows, cols, title, png);
+  outputs.commit();
   fmt::print(stderr, "attn heatmap: wrote {} ({} head(s) of {} x {})\n", o.out, H, L, S);
 }
 
@@ -196,9 +235,11 @@ void add_sdpa(CLI::App& app) {
   c->add_option("--q", o->q, "queries (L, E), (H, L, E) or (B, H, L, E), float32/float64 .npy")->required();
   c->add_option("--k", o->k, "keys (S, E) with the same leading axes (Hkv may divide H)")->required();
   c->add_option("--v", o->v, "values (S, Ev) with the same leading axes")->required();
-  c->add_option("--mask", o->mask, ".npy of 1 (may attend) / 0 (blocked), (L, S) or broadcastable to (B, H, L, S)");
+  c->add_option("--mask", o->mask,
+                 ".npy of bool (np.save of a NumPy bool array) or 0/1 numbers: True/1 = the query may attend to the "
+                 "key, False/0 = blocked (PyTorch's polarity); (L, S) or broadcastable to (B, H, L, S)");
   c->add_flag("--causal", o->causal, "query i sees keys j <= i");
-  c->add_option("--scale", o->scale, "score scale (default 1/sqrt(E))")->check(CLI::PositiveNumber);
+  c->add_option("--scale", o->scale, "score scale (default 1/sqrt(E))")->check(positive_number());
   c->add_option("--backend", o->backend, "auto | reference | fused")->capture_default_str();
   c->add_option("--out", o->out, "output Y (.npy), same leading axes as Q, last axis Ev")->required();
   c->add_option("--weights", o->weights, "also write the attention weights A (.npy), (.., L, S)");
@@ -221,11 +262,14 @@ void add_experiment(CLI::App& app) {
   c->callback([o] {
     if (!o->plot.empty() && !experiment_has_plot(o->name))
       throw UsageError("attn experiment: '" + o->name + "' has no plot (plots: variance, saturation, lookup)");
+    Outputs outputs;
+    const std::string png = outputs.add("--plot", o->plot);
     const auto r = run_experiment(o->name, o->seed);
     if (o->json) fmt::print("{}\n", r.dump(2));
     else print_experiment(r);
-    if (!o->plot.empty()) {
-      plot_experiment(r, o->plot);
+    if (!png.empty()) {
+      plot_experiment(r, png);
+      outputs.commit();
       fmt::print(stderr, "attn experiment: wrote {}\n", o->plot);
     }
   });

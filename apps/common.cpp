@@ -3,11 +3,51 @@
 #include <unistd.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <memory>
 
 #include <fmt/format.h>
 
 namespace attn::cli {
+
+namespace {
+// The transaction refuses two outputs on one file with attn::InvalidArgument;
+// on the command line that is a usage error. File errors stay file errors.
+template <class F>
+auto duplicates_are_usage_errors(F&& f) {
+  try {
+    return f();
+  } catch (const InvalidArgument& e) {
+    throw UsageError(e.what());
+  }
+}
+}  // namespace
+
+std::string Outputs::add(const std::string& flag, const std::string& path) {
+  if (path.empty()) return "";
+  return duplicates_are_usage_errors([&] { return tx_.add(path, flag); });
+}
+
+void Outputs::check(const std::string& flag, const std::string& path) {
+  if (!path.empty()) duplicates_are_usage_errors([&] { tx_.check(path, flag); });
+}
+
+CLI::Validator positive_number() {
+  return CLI::Validator(
+      [](std::string& s) -> std::string {
+        char* end = nullptr;
+        const double x = std::strtod(s.c_str(), &end);
+        if (s.empty() || end != s.c_str() + s.size() || !std::isfinite(x) || !(x > 0))
+          return "expected a finite number > 0, got '" + s + "'";
+        return "";
+      },
+      "POSITIVE");
+}
+
+void require_float(const io::Array<double>& a, const std::string& flag, const std::string& path) {
+  if (a.stored == io::DType::b1)
+    throw InvalidArgument(fmt::format("{} {} holds bool values; expected float32 or float64", flag, path));
+}
 
 Mat matmul(const Mat& x, const Mat& y) {
   Mat z(x.rows, y.cols);

@@ -2,40 +2,72 @@
 // matrix for the step-by-step printouts, tensor <-> file helpers, progress.
 #pragma once
 
+#include <CLI/CLI.hpp>
+
 #include <cstdint>
 #include <cstdio>
 #include <string>
 #include <vector>
 
 #include "attn/attn.hpp"
+#include "attn/detail/output.hpp"
 #include "attn/io.hpp"
 
 namespace attn::cli {
 
-// Exit codes (documented in `attn --help`).
+// Exit codes (documented in `attn --help` and docs/cli.md).
 enum Exit : int {
   kOk = 0,
-  kBadInput = 1,     // inputs attn rejects: mismatched shapes, bad values
+  kBadInput = 1,     // inputs attn rejects: mismatched shapes, bad values, sizes over the machine's memory
   kUsage = 2,        // command-line usage error
   kFileError = 3,    // unreadable, malformed or unwritable file
   kUnavailable = 4,  // the requested feature is not built (e.g. attn-bench)
   kInternal = 5,     // unexpected internal error (a bug)
+  kOutOfMemory = 6,  // an allocation failed (std::bad_alloc): a resource error, not a bug
+  kDiverged = 7,     // training stopped: the loss became NaN or infinite
 };
 inline constexpr const char* kExitCodesHelp =
-    "Exit codes: 0 success; 1 invalid input (shapes, values); 2 usage error; 3 file error (missing, "
-    "malformed, unwritable); 4 feature not available; 5 internal error.";
+    "Exit codes: 0 success; 1 invalid input (shapes, values, sizes); 2 usage error; 3 file error (missing, "
+    "malformed, unwritable); 4 feature not available; 5 internal error; 6 out of memory; 7 training diverged "
+    "(non-finite loss).";
 
 // A usage problem detected after parsing (exit code 2).
 class UsageError : public Error {
  public:
-  using Error::Error;
+  explicit UsageError(const std::string& what) : Error(what) {}
 };
 
 // A feature that is not built into this tree (exit code 4).
 class Unavailable : public Error {
  public:
-  using Error::Error;
+  explicit Unavailable(const std::string& what) : Error(what) {}
 };
+
+// The output files of one command, written as one transaction
+// (io::detail::OutputTransaction): each path is checked when added, before
+// anything is computed; outputs are written to the names add() returns and
+// renamed into place together by commit(). An error or a signal before
+// commit() leaves every destination as it was and no temporary behind.
+// Two outputs naming one file are a usage error.
+class Outputs {
+ public:
+  // Where to write the output `flag` (e.g. "--out") whose destination is
+  // `path`; "" when `path` is empty (the output was not asked for).
+  std::string add(const std::string& flag, const std::string& path);
+  // Checks `path` (and its distinctness) for a file written by someone else.
+  void check(const std::string& flag, const std::string& path);
+  void commit() { tx_.commit(); }
+
+ private:
+  io::detail::OutputTransaction tx_;
+};
+
+// A CLI11 check for options that take a finite number > 0; its message names
+// the value given ("expected a finite number > 0, got 'abc'").
+CLI::Validator positive_number();
+
+// Refuses a bool .npy where numbers are expected (masks may be bool).
+void require_float(const io::Array<double>& a, const std::string& flag, const std::string& path);
 
 // Row-major dense matrix of doubles (for the explain steps and experiments).
 struct Mat {

@@ -7,6 +7,7 @@
 
 #include <fmt/format.h>
 
+#include "attn/detail/memory.hpp"
 #include "commands.hpp"
 #include "common.hpp"
 
@@ -19,8 +20,13 @@ struct MhaCliOpts {
   bool causal = false;
 };
 
+struct MhaPaths {
+  std::string out, weights_out;  // where to write them (Outputs::add)
+};
+
 template <class T>
-void run_mha_typed(const MhaCliOpts& o, const io::Array<double>& xa, const std::map<std::string, io::Array<double>>& sd) {
+void run_mha_typed(const MhaCliOpts& o, const MhaPaths& paths, const io::Array<double>& xa,
+                   const std::map<std::string, io::Array<double>>& sd) {
   const bool batched = xa.shape.size() == 3;
   const int64_t B = batched ? xa.shape[0] : 1, N = xa.shape[xa.shape.size() - 2], D = xa.shape.back();
   const bool bias = sd.count("in_proj_bias") > 0;
@@ -42,23 +48,29 @@ void run_mha_typed(const MhaCliOpts& o, const io::Array<double>& xa, const std::
   std::vector<T> y(x.size()), w;
   View4<T> wv;
   if (!o.weights_out.empty()) {
-    w.resize(size_t(B * o.heads * N * N));
+    const uint64_t bytes = attn::detail::checked_bytes({B, o.heads, N, N}, sizeof(T));
+    attn::detail::check_fits_in_memory(bytes, fmt::format("attn mha: --weights-out ({} x {} x {} x {} weights)", B,
+                                                           o.heads, N, N));
+    w.resize(size_t(bytes / sizeof(T)));
     wv = View4<T>::bhnd(w.data(), B, o.heads, N, N);
   }
   MhaOptions opt;
   opt.causal = o.causal;
   layer.forward_self(View3<const T>(x.data(), {B, N, D}), View3<T>(y.data(), {B, N, D}), {}, opt, nullptr, wv);
-  io::write_npy(o.out, xa.shape, y.data());
+  io::write_npy(paths.out, xa.shape, y.data());
   if (!o.weights_out.empty()) {
     std::vector<int64_t> ws = {o.heads, N, N};
     if (batched) ws.insert(ws.begin(), B);
-    io::write_npy(o.weights_out, ws, w.data());
+    io::write_npy(paths.weights_out, ws, w.data());
   }
   fmt::print(stderr, "attn mha: {} tokens x {} features, {} head(s) -> {}\n", N, D, o.heads, o.out);
 }
 
 void run_mha(const MhaCliOpts& o) {
+  Outputs outputs;  // checked before anything is read, renamed into place together
+  const MhaPaths paths{outputs.add("--out", o.out), outputs.add("--weights-out", o.weights_out)};
   const auto xa = io::read_npy<double>(o.x);
+  require_float(xa, "attn mha: --x", o.x);
   const auto sd = io::read_safetensors<double>(o.weights);
   if (xa.shape.size() != 2 && xa.shape.size() != 3)
     throw InvalidArgument(fmt::format("attn mha: --x {} has shape {}; expected (N, D) or (B, N, D)", o.x, shape_str(xa.shape)));
@@ -81,8 +93,9 @@ void run_mha(const MhaCliOpts& o) {
                             o.weights));
   bool f32 = xa.stored == io::DType::f32;
   for (const auto& [name, a] : sd) f32 = f32 && a.stored == io::DType::f32;
-  if (f32) run_mha_typed<float>(o, xa, sd);
-  else run_mha_typed<double>(o, xa, sd);
+  if (f32) run_mha_typed<float>(o, paths, xa, sd);
+  else run_mha_typed<double>(o, paths, xa, sd);
+  outputs.commit();
 }
 
 }  // namespace

@@ -129,6 +129,13 @@ void run_train(const TrainOpts& o) {
   c.scale_none = o.scale == "none";
   if (!c.resume_path.empty()) require_file(c.resume_path, "--resume");
   c.validate();  // before any output, so a bad value fails fast with the field's name
+  // Every output is checked before training starts. The checkpoint is written
+  // in place as training goes (--save-every); the curve and the plot are
+  // written at the end and renamed into place together.
+  Outputs outputs;
+  outputs.check("--save", c.save_path);
+  c.csv_path = outputs.add("--csv", c.csv_path);
+  const std::string png = outputs.add("--png", o.png);
   const bool tty = stdout_is_tty();
   const int64_t stop = c.stop_at > 0 ? std::min(c.stop_at, c.steps) : c.steps;
   auto progress = [&](const nn::TrainRecord& r) {
@@ -151,7 +158,8 @@ void run_train(const TrainOpts& o) {
                            res.start_step + res.steps_done, res.seconds);
   std::cout << fmt::format("at start: score std {:.4f}, mean top attention weight {:.4f}\n", res.init_score_std,
                            res.init_top_weight);
-  if (!o.png.empty()) plot_curve(res.curve, o.png);
+  if (!png.empty()) plot_curve(res.curve, png);
+  outputs.commit();
   std::cout << fmt::format("held-out ({} examples): loss {:.4f}, token accuracy {:.4f}, exact-sequence accuracy {:.4f}\n",
                            res.final_eval.examples, res.final_eval.loss, res.final_eval.token_acc,
                            res.final_eval.seq_acc);
@@ -160,8 +168,10 @@ void run_train(const TrainOpts& o) {
 }
 
 void run_checkpoint_heatmap(const CheckpointHeatmapOpts& o) {
+  Outputs outputs;
+  const std::string png = outputs.add("--out", o.out);
   require_file(o.checkpoint, "--checkpoint");
-  nn::TrainConfig c = nn::checkpoint_config(o.checkpoint);
+  nn::TrainConfig c = nn::checkpoint_config(o.checkpoint);  // validated against the tensors stored
   const nn::ModelConfig mc = nn::model_config(c);
   if (!o.task.empty()) c.task.kind = nn::parse_task(o.task);
   const nn::Task task(c.task);
@@ -174,6 +184,10 @@ void run_checkpoint_heatmap(const CheckpointHeatmapOpts& o) {
   if (mc.layers * mc.heads > 64)
     throw InvalidArgument(fmt::format("attn heatmap: {} layers x {} heads is too many panels to draw (at most 64)", mc.layers,
                             mc.heads));
+  if (task.seq_len() > 512)
+    throw InvalidArgument(fmt::format("attn heatmap: the checkpoint's examples are {} tokens long, too many to draw (at most "
+                            "512 x 512 per panel)",
+                            task.seq_len()));
   nn::Transformer<float> model(mc);
   const int64_t step = nn::load_training_checkpoint<float>(o.checkpoint, model, nullptr);
 
@@ -218,7 +232,8 @@ void run_checkpoint_heatmap(const CheckpointHeatmapOpts& o) {
       o.title.empty() ? fmt::format("{}: {} example {}", std::filesystem::path(o.checkpoint).filename().string(),
                                     nn::task_name(c.task.kind), o.example)
                       : o.title;
-  draw_heatmap(w, L * H, N, N, labels, labels, title, o.out, titles, int(std::min<int64_t>(H, 8)));
+  draw_heatmap(w, L * H, N, N, labels, labels, title, png, titles, int(std::min<int64_t>(H, 8)));
+  outputs.commit();
   fmt::print(stderr, "attn heatmap: wrote {} ({} layer(s) x {} head(s) of {} x {})\n", o.out, L, H, N, N);
 }
 

@@ -142,20 +142,27 @@ double flops(const Config& c, int64_t L, bool causal, const std::string& mode) {
 }
 
 // Tile sizes forced for the fused backend (tuning; {0, 0} = the heuristic).
-attn::detail::FusedTiles g_tiles;
+attn::detail::FusedPlan g_tiles;
+
+// The kernels' view of a case (what the library's validation would build).
+attn::detail::Problem problem_of(const Buffers& buf, bool causal, int threads) {
+  attn::SdpaOptions opt;
+  opt.causal = causal;
+  opt.num_threads = threads;
+  return attn::detail::make_problem(buf.args(), opt);
+}
 
 // Runs one forward (+ backward) of the case.
 void run_once(Buffers& buf, Backend be, bool causal, int threads, bool bwd) {
   if (be == Backend::fused && g_tiles.q_block > 0) {
-    attn::SdpaOptions opt;
-    opt.causal = causal;
-    opt.num_threads = threads;
+    const attn::detail::Problem p = problem_of(buf, causal, threads);
     const auto a = buf.args();
-    const attn::detail::Problem p = attn::detail::make_problem(a, opt);
-    attn::detail::fused_forward_tiled(p, a, buf.out.view4(), {}, buf.lse.view<3>(), g_tiles);
+    attn::detail::FusedPlan t = attn::detail::fused_plan(p);  // the backward's split as usual
+    t.q_block = g_tiles.q_block;
+    t.k_block = g_tiles.k_block;
+    attn::detail::fused_forward_tiled(p, a, buf.out.view4(), {}, buf.lse.view<3>(), t);
     if (bwd)
-      attn::detail::fused_backward_tiled(p, a, buf.dout.view4(), buf.grads(), buf.out.view4(), buf.lse.view<3>(),
-                                         g_tiles);
+      attn::detail::fused_backward_tiled(p, a, buf.dout.view4(), buf.grads(), buf.out.view4(), buf.lse.view<3>(), t);
     return;
   }
   attn::SdpaOptions opt;
@@ -300,12 +307,16 @@ int main(int argc, char** argv) {
     attn::scaled_dot_product_attention<float>(buf.args(), {buf.out.view4(), {}, buf.lse.view<3>()}, opt);
     const double dt = std::chrono::duration<double>(Clock::now() - t0).count();
     const int64_t peak = status_kib("VmHWM:") - base;
+    // What the kernels allocate beyond inputs and outputs: per-thread scratch.
+    const attn::detail::Problem p = problem_of(buf, true, opt.num_threads);
+    const int64_t scratch_kib =
+        opt.num_threads * attn::detail::fused_scratch_bytes(p, attn::detail::fused_plan(p)).forward / 1024;
     say("memory: causal fwd L=S=%lld H=%lld E=%lld threads=%d: %.1f s, peak RSS above start %.1f MiB, "
-        "inputs+outputs %.1f MiB, extra %.1f MiB\n",
+        "inputs+outputs %.1f MiB, extra %.1f MiB (fused scratch %.2f MiB)\n",
         (long long)n, (long long)c.heads, (long long)c.dim, opt.num_threads, dt, mib(peak), mib(io_kib),
-        mib(peak - io_kib));
+        mib(peak - io_kib), mib(scratch_kib));
     doc["memory"] = {{"L", n}, {"seconds", dt}, {"peak_mib", mib(peak)}, {"inputs_outputs_mib", mib(io_kib)},
-                     {"extra_mib", mib(peak - io_kib)}};
+                     {"extra_mib", mib(peak - io_kib)}, {"scratch_mib", mib(scratch_kib)}};
     if (!c.json.empty()) {
       if (quiet) std::cout << doc.dump(2) << "\n";
       else std::ofstream(c.json) << doc.dump(2) << "\n";

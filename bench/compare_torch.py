@@ -9,6 +9,19 @@ ratio attn/torch (below 1 means attn is faster).
 
     python3 bench/compare_torch.py [--attn-bench build/bench/attn-bench]
                                    [--lengths 512,1024] [--threads 1,2] [--json out.json]
+
+Decode mode (--decode): the shapes of attn-decode-bench (B, H, Hkv, L, S, E),
+a KV cache of S tokens and L new queries (bottom-right causal). PyTorch SDPA
+is timed twice per shape: with enable_gqa (grouped heads, K/V not copied)
+and with the query heads of a group packed into the query axis (the trick
+inference stacks use: q (B, Hkv, G·L, E) against K/V (B, Hkv, S, E)); attn
+through `attn-decode-bench --json -` (float32, float16 and bfloat16 cache);
+with --ggml-driver, ggml's flash_attn_ext too (a driver built outside this
+repository that prints one JSON line, see docs/decode.md).
+
+    python3 bench/compare_torch.py --decode [--attn-decode-bench build/bench/attn-decode-bench]
+                                   [--shapes "1,32,8,1,4096,128;..."] [--threads 2]
+                                   [--ggml-driver /path/to/fa_bench] [--json out.json]
 """
 import argparse
 import json
@@ -54,6 +67,82 @@ def time_attn(binary, L, causal, mode, threads):
     return row["median_s"], row["validation"]
 
 
+DECODE_SHAPES = ("1,32,8,1,4096,128;1,32,8,1,32768,128;1,8,8,1,16384,64;4,32,8,1,8192,128;"
+                 "1,32,8,1,131072,128;1,32,8,512,8192,128")
+
+
+def median_time(fn, reps):
+    times = []
+    for _ in range(reps + 1):  # the first run is a warm-up
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
+
+
+def time_torch_decode(torch, shape, threads, reps):
+    """(grouped, packed) medians in seconds for one decode shape, float32."""
+    B, H, Hkv, L, S, E = shape
+    G = H // Hkv
+    torch.set_num_threads(threads)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(B, H, L, E, generator=g)
+    k = torch.randn(B, Hkv, S, E, generator=g)
+    v = torch.randn(B, Hkv, S, E, generator=g)
+    # Bottom-right causal: query i sees keys j <= S - L + i (no mask needed for L = 1).
+    mask = None
+    if L > 1:
+        mask = torch.arange(S)[None, :] <= (S - L + torch.arange(L))[:, None]
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    with torch.no_grad():
+        grouped = median_time(lambda: sdpa(q, k, v, attn_mask=mask, enable_gqa=True), reps)
+        # Packed: row m = g·L + i of (B, Hkv, G·L, E) is query i of head hk·G + g.
+        qp = q.view(B, Hkv, G * L, E)
+        mp = None if mask is None else mask.repeat(G, 1)
+        packed = median_time(lambda: sdpa(qp, k, v, attn_mask=mp), reps)
+    return grouped, packed
+
+
+def decode_main(args, torch):
+    shapes = [tuple(int(x) for x in item.split(",")) for item in args.shapes.split(";") if item]
+    threads = parse_list(args.threads)[-1]
+    print(f"torch {torch.__version__} (CPU capability {torch.backends.cpu.get_cpu_capability()}), "
+          f"{threads} threads, attn-decode-bench {args.attn_decode_bench}")
+    head = f"{'B,H,Hkv,L,S,E':22} {'torch gqa':>9} {'torch pk':>9} {'attn f32':>9} {'attn f16':>9} {'attn bf16':>9}"
+    if args.ggml_driver:
+        head += f" {'ggml f32':>9} {'ggml f16':>9}"
+    print(head + "   (ms; GB/s of f32 K/V for attn)")
+    rows = []
+    for shape in shapes:
+        text = ",".join(str(x) for x in shape)
+        g1, p1 = time_torch_decode(torch, shape, threads, args.reps)
+        res = subprocess.run([args.attn_decode_bench, "--json", "-", "--shapes", text, "--threads", str(threads),
+                              "--no-dense", "--bandwidth-mib", "256"], check=True, capture_output=True, text=True)
+        doc = json.loads(res.stdout)
+        attn = {r["dtype"]: r for r in doc["rows"] if r["variant"] == "decode"}
+        g2, p2 = time_torch_decode(torch, shape, threads, args.reps)
+        row = dict(shape=shape, threads=threads, torch_gqa_ms=1e3 * statistics.median([g1, g2]),
+                   torch_packed_ms=1e3 * statistics.median([p1, p2]), read_bandwidth_gbs=doc["read_bandwidth_gbs"],
+                   attn={k: dict(ms=r["ms"], kv_gbs=r["kv_gbs"], check=r["check"]) for k, r in attn.items()})
+        line = (f"{text:22} {row['torch_gqa_ms']:9.2f} {row['torch_packed_ms']:9.2f} "
+                + " ".join(f"{attn[d]['ms']:9.2f}" if d in attn else f"{'-':>9}" for d in ("float32", "float16", "bfloat16")))
+        if args.ggml_driver:
+            row["ggml"] = {}
+            for kv in ("f32", "f16"):
+                out = subprocess.run([args.ggml_driver, *[str(x) for x in shape], kv, str(threads), str(max(args.reps, 5))],
+                                     check=True, capture_output=True, text=True).stdout
+                row["ggml"][kv] = json.loads(out.strip().splitlines()[-1])["ms"]
+            line += f" {row['ggml']['f32']:9.2f} {row['ggml']['f16']:9.2f}"
+        if "float32" in attn:
+            line += f"   {attn['float32']['kv_gbs']:.1f} GB/s of {doc['read_bandwidth_gbs']:.1f}"
+        print(line, flush=True)
+        rows.append(row)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(torch=torch.__version__, mode="decode", results=rows), f, indent=2)
+    return 0
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--attn-bench", default=os.path.join("build", "bench", "attn-bench"))
@@ -63,6 +152,10 @@ def main():
     ap.add_argument("--modes", default="fwd,fwdbwd")
     ap.add_argument("--reps", type=int, default=3, help="torch repetitions per shape (attn-bench picks its own)")
     ap.add_argument("--json", default="", help="write the results here too")
+    ap.add_argument("--decode", action="store_true", help="decode shapes over a KV cache (see above)")
+    ap.add_argument("--attn-decode-bench", default=os.path.join("build", "bench", "attn-decode-bench"))
+    ap.add_argument("--shapes", default=DECODE_SHAPES, help="decode mode: B,H,Hkv,L,S,E;...")
+    ap.add_argument("--ggml-driver", default="", help="decode mode: time ggml flash_attn_ext with this driver")
     args, _ = ap.parse_known_args()
 
     try:
@@ -71,6 +164,11 @@ def main():
         print(f"compare_torch: PyTorch is not installed or cannot be imported ({e}); nothing to compare.\n"
               "Install it (e.g. `pip install torch`) and run again.")
         return 0
+    if args.decode:
+        if not os.path.exists(args.attn_decode_bench):
+            print(f"compare_torch: {args.attn_decode_bench} not found; build first (`make build`).")
+            return 1
+        return decode_main(args, torch)
     if not os.path.exists(args.attn_bench):
         print(f"compare_torch: {args.attn_bench} not found; build first (`make build`).")
         return 1

@@ -5,13 +5,13 @@
 # threads and the positions and scale runs one thread each; the script runs
 # them one after another.
 set -euo pipefail
-BIN=${BIN:-build/examples/train}
+ATTN=${ATTN:-build/apps/attn}
 OUT=${OUT:-build/train-experiments}
 mkdir -p "$OUT"
 run() {  # name, flags...
   local name=$1; shift
-  echo "== $name: $BIN $*" | tee "$OUT/$name.log"
-  "$BIN" "$@" --csv "$OUT/$name.csv" >> "$OUT/$name.log" 2>&1
+  echo "== $name: $ATTN train $*" | tee "$OUT/$name.log"
+  "$ATTN" train "$@" --csv "$OUT/$name.csv" >> "$OUT/$name.log" 2>&1
   tail -3 "$OUT/$name.log"
 }
 case "${1:-all}" in  # headline | recall | positions | scale | all (all but recall)

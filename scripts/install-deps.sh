@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Installs the Debian packages attn builds with, when any is missing.
+# Installs the Debian packages attn builds with, when any is missing; when all
+# are installed it only asks dpkg and returns (no apt-get, no network).
 # Root on the project's machines; sudo otherwise. Nothing is downloaded at build time.
+# Why each package is there: README.md, "Dependencies".
 set -euo pipefail
-pkgs=(g++ cmake make pkg-config libgtest-dev libgmock-dev libbenchmark-dev libhwy-dev libopenblas-dev
+pkgs=(g++ cmake make pkg-config libgtest-dev libhwy-dev libopenblas-dev
       libcli11-dev nlohmann-json3-dev libfmt-dev libpng-dev python3-dev python3-venv)
 missing=()
 for p in "${pkgs[@]}"; do

@@ -26,18 +26,19 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
-#include <random>
 #include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>
 
+#include "attn/rng.hpp"
 #include "kernels/gemm/gemm.hpp"
 #include "validate.hpp"
 
 namespace attn {
 namespace {
 
+using detail::add_column_sums;
 using detail::gemm;
 using detail::GemmShape;
 
@@ -92,23 +93,10 @@ void add_rows(T* C, int64_t m, int64_t n, const T* bias) {
   for (int64_t i = 0; i < m; ++i)
     for (int64_t j = 0; j < n; ++j) C[i * n + j] += bias[j];
 }
-// db[j] += Σ_i C[i, j] for C (m, n).
+// U(-bound, bound) from the library's generator.
 template <class T>
-void add_column_sums(const T* C, int64_t m, int64_t n, T* db) {
-  std::vector<double> s(static_cast<size_t>(n), 0.0);
-  for (int64_t i = 0; i < m; ++i)
-    for (int64_t j = 0; j < n; ++j) s[size_t(j)] += double(C[i * n + j]);
-  for (int64_t j = 0; j < n; ++j) db[j] += T(s[size_t(j)]);
-}
-
-// Portable uniform draw in [lo, hi) from the top 53 bits of the generator
-// (std::uniform_real_distribution's algorithm is not fixed by the standard).
-template <class T>
-void fill_uniform(Tensor<T>& t, double bound, std::mt19937_64& rng) {
-  for (size_t i = 0; i < t.size(); ++i) {
-    const double u = double(rng() >> 11) * (1.0 / 9007199254740992.0);
-    t[i] = T(-bound + 2 * bound * u);
-  }
+void fill_uniform(Tensor<T>& t, double bound, Rng& rng) {
+  for (size_t i = 0; i < t.size(); ++i) t[i] = T(rng.uniform(-bound, bound));
 }
 
 }  // namespace
@@ -226,7 +214,7 @@ void MultiheadAttention<T>::reset_parameters(uint64_t seed) {
   // projections, bound sqrt(6 / (fan_in + fan_out)) over the whole tensor
   // (the packed [3D, D] one included); out_proj keeps nn.Linear's default
   // kaiming_uniform_(a = sqrt(5)), i.e. U(-1/sqrt(in), 1/sqrt(in)); biases 0.
-  std::mt19937_64 rng(seed);
+  Rng rng(seed);
   auto xavier = [&](Tensor<T>& w) {
     fill_uniform(w, std::sqrt(6.0 / double(w.dim(0) + w.dim(1))), rng);
   };

@@ -7,6 +7,7 @@
 #include <limits>
 #include <sstream>
 
+#include "kernels/decode/decode.hpp"
 #include "kernels/fused/fused.hpp"
 #include "kernels/problem.hpp"
 #include "kernels/reference/sdpa_reference.hpp"
@@ -117,19 +118,14 @@ std::vector<detail::Extent> input_extents(const Checker& c, const SdpaArgs<T>& a
 }
 
 template <class T>
-Backend choose(const Checker& c, const Problem& p, const SdpaArgs<T>& a, const SdpaOptions& opt,
-               bool want_weights) {
-  bool fused_ok = false;
-  if constexpr (std::is_same_v<T, float>)
-    fused_ok = detail::fused_available() && detail::fused_supports(p, a, want_weights);
+Backend choose(const Checker& c, const Problem&, const SdpaArgs<T>&, const SdpaOptions& opt, bool) {
+  constexpr bool fused_ok = std::is_same_v<T, float>;  // the fused backend takes every float32 request
   switch (opt.backend) {
     case Backend::reference: return Backend::reference;
     case Backend::automatic: return fused_ok ? Backend::fused : Backend::reference;
     case Backend::fused:
-      if (!std::is_same_v<T, float>)
+      if (!fused_ok)
         c.fail("option 'backend' is fused, which supports float32 only; use reference or auto for double");
-      if (!detail::fused_available()) c.fail("option 'backend' is fused, which is not built into this version");
-      if (!fused_ok) c.fail("option 'backend' is fused, which does not support this request; use auto");
       return Backend::fused;
   }
   c.fail("option 'backend' has an unknown value");
@@ -158,8 +154,12 @@ void scaled_dot_product_attention(const SdpaArgs<T>& args, const SdpaOutputs<T>&
   for (const auto& e : written) c.writable(e);
   c.disjoint(written, input_extents(c, args));
   if constexpr (std::is_same_v<T, float>) {
-    if (choose(c, p, args, opt, !weights.empty()) == Backend::fused)
+    if (choose(c, p, args, opt, !weights.empty()) == Backend::fused) {
+      // Few query rows (decoding shapes): the grouped split-KV decode kernel.
+      if (detail::decode_suits_dense(p, args, !weights.empty()))
+        return detail::decode_forward_dense(p, args, out, lse);
       return detail::fused_forward(p, args, out, weights, lse);
+    }
   } else {
     (void)choose(c, p, args, opt, !weights.empty());
   }

@@ -239,7 +239,9 @@ TEST(Softmax, NaNPoisonsTheRowAndArgumentsAreChecked) {
   double y[3];
   const double masked_nan[3] = {-inf, nan, -inf};  // not a fully masked row
   EXPECT_TRUE(std::isnan(attn::softmax(masked_nan, y, 3)));
-  for (double v : y) EXPECT_TRUE(std::isnan(v));
+  EXPECT_EQ(y[0], 0.0);  // masked entries stay 0, the visible one is poisoned
+  EXPECT_TRUE(std::isnan(y[1]));
+  EXPECT_EQ(y[2], 0.0);
   const double plus_inf[3] = {0, inf, 1};
   EXPECT_TRUE(std::isnan(attn::softmax(plus_inf, y, 3)));
   EXPECT_TRUE(std::isinf(attn::softmax<double>(nullptr, nullptr, 0)));

@@ -2,7 +2,9 @@
 // randomly sampled awkward cases (lengths that are no multiple of any tile,
 // odd head sizes, GQA, layouts and strides, causal both ways, masks with
 // fully masked rows, several tile sizes and thread counts); bitwise
-// determinism across thread counts; huge scores; the vectorised exp.
+// determinism across thread counts; huge scores; NaN and infinities in every
+// input (the rule of docs/fused.md, checked against an oracle of its own);
+// the plan's promises; the vectorised exp.
 //
 // The sweep samples the cross-product rather than enumerating it. Without
 // optimisation (the sanitizer Debug build) the reference is slow, so the
@@ -16,6 +18,7 @@
 #include <hwy/targets.h>
 
 #include "kernels/fused/fused.hpp"
+#include "kernels/reference/sdpa_reference.hpp"
 #include "testing.hpp"
 
 namespace {
@@ -25,7 +28,7 @@ using attn::CausalAlign;
 using attn::View1;
 using attn::View3;
 using attn::View4;
-using attn::detail::FusedTiles;
+using attn::detail::FusedPlan;
 using attn::detail::Problem;
 using attn::testing::max_abs;
 using attn::testing::tolerance;
@@ -83,7 +86,7 @@ struct Case {
   int mask = 0;  // 0 none, 1 bool mask, 2 additive bias (with dbias), 3 both
   bool key_lengths = false;
   int threads = 1;
-  FusedTiles tiles{};  // {0, 0}: the heuristic
+  FusedPlan tiles{};  // q_block 0: fused_plan's choice
   double scale = 0;    // 0: default
   uint64_t seed = 0;
 
@@ -92,7 +95,8 @@ struct Case {
     os << "B=" << B << " H=" << H << " Hkv=" << Hkv << " L=" << L << " S=" << S << " E=" << E
        << " Ev=" << Ev << " " << layout_name(layout) << (causal ? (align == CausalAlign::top_left ? " causal-tl" : " causal-br") : "")
        << " mask=" << mask << (key_lengths ? " key_lengths" : "") << " threads=" << threads
-       << " tiles=" << tiles.q_block << "x" << tiles.k_block << " seed=" << seed;
+       << " tiles=" << tiles.q_block << "x" << tiles.k_block << (tiles.own_heads ? " own-heads" : "")
+       << " seed=" << seed;
     return os.str();
   }
 };
@@ -162,39 +166,46 @@ struct Data {
   Problem problem() const { return attn::detail::make_problem(args, opt); }
 };
 
-// Everything one backend produces for a case.
+// Everything one backend produces for a case (allocated, zeroed).
 struct Results {
   Buffer out, weights, dq, dk, dv, dbias;
   std::vector<float> lse;
+
+  Results() = default;
+  Results(const Data& d, bool with_weights) {
+    const Case& c = d.c;
+    out = Buffer(c.B, c.H, c.L, c.Ev, c.layout);
+    if (with_weights) weights = Buffer(c.B, c.H, c.L, c.S, Layout::bhnd);
+    lse.assign(size_t(c.B * c.H * c.L), 0.0f);
+    dq = Buffer(c.B, c.H, c.L, c.E, c.layout);
+    dk = Buffer(c.B, c.Hkv, c.S, c.E, c.layout);
+    dv = Buffer(c.B, c.Hkv, c.S, c.Ev, c.layout);
+    if (!d.args.bias.empty()) {
+      const auto& s = d.args.bias.shape;
+      dbias = Buffer(s[0], s[1], s[2], s[3], Layout::bhnd);
+    }
+  }
+  View3<float> lse_out() { return View3<float>(lse.data(), {out.view.dim(0), out.view.dim(1), out.view.dim(2)}); }
+  View4<float> weights_out() { return weights.data.empty() ? View4<float>{} : weights.view; }
+  attn::SdpaGrads<float> grads() {
+    return {dq.view, dk.view, dv.view, dbias.data.empty() ? View4<float>{} : dbias.view};
+  }
 };
 
 Results run(Data& d, Backend backend, bool with_weights = true) {
   const Case& c = d.c;
-  Results r;
-  r.out = Buffer(c.B, c.H, c.L, c.Ev, c.layout);
-  if (with_weights) r.weights = Buffer(c.B, c.H, c.L, c.S, Layout::bhnd);
-  r.lse.assign(size_t(c.B * c.H * c.L), 0.0f);
-  View3<float> lse(r.lse.data(), {c.B, c.H, c.L});
-  r.dq = Buffer(c.B, c.H, c.L, c.E, c.layout);
-  r.dk = Buffer(c.B, c.Hkv, c.S, c.E, c.layout);
-  r.dv = Buffer(c.B, c.Hkv, c.S, c.Ev, c.layout);
-  attn::SdpaGrads<float> g{r.dq.view, r.dk.view, r.dv.view, {}};
-  if (!d.args.bias.empty()) {
-    const auto& s = d.args.bias.shape;
-    r.dbias = Buffer(s[0], s[1], s[2], s[3], Layout::bhnd);
-    g.dbias = r.dbias.view;
-  }
+  Results r(d, with_weights);
+  const View3<float> lse = r.lse_out();
+  const attn::SdpaGrads<float> g = r.grads();
   attn::SdpaOptions opt = d.opt;
   opt.backend = backend;
   if (backend == Backend::fused && c.tiles.q_block > 0) {
     const Problem p = d.problem();
-    attn::detail::fused_forward_tiled(p, d.args, r.out.view, with_weights ? r.weights.view : View4<float>{}, lse,
-                                      c.tiles);
+    attn::detail::fused_forward_tiled(p, d.args, r.out.view, r.weights_out(), lse, c.tiles);
     attn::detail::fused_backward_tiled(p, d.args, d.dout.view, g, r.out.view, lse, c.tiles);
     return r;
   }
-  attn::scaled_dot_product_attention<float>(d.args, {r.out.view, with_weights ? r.weights.view : View4<float>{}, lse},
-                                            opt);
+  attn::scaled_dot_product_attention<float>(d.args, {r.out.view, r.weights_out(), lse}, opt);
   attn::scaled_dot_product_attention_backward<float>(d.args, d.dout.view, {r.out.view, lse}, g, opt);
   return r;
 }
@@ -231,7 +242,7 @@ void compare(Data& d, const Results& got, const Results& want) {
 Case random_case(std::mt19937_64& rng, uint64_t seed) {
   static const int64_t lengths[] = {1, 2, 3, 17, 63, 64, 65, 127, 267, 1030};
   static const int64_t dims[] = {1, 3, 8, 16, 40, 64, 80, 128, 256};
-  static const FusedTiles tiles[] = {{0, 0}, {12, 16}, {7, 13}, {24, 64}, {96, 256}, {1, 1}, {36, 40}};
+  static const FusedPlan tiles[] = {{0, 0}, {12, 16}, {7, 13}, {24, 64}, {96, 256}, {1, 1}, {36, 40}};
   static const int threads[] = {1, 2, 3, 8};
   auto pick = [&](const auto& arr) {
     return arr[std::uniform_int_distribution<size_t>(0, std::size(arr) - 1)(rng)];
@@ -257,12 +268,12 @@ Case random_case(std::mt19937_64& rng, uint64_t seed) {
   c.threads = pick(threads);
   c.tiles = pick(tiles);
   if (c.tiles.q_block == 1 && c.L * c.S > 100000) c.tiles = {5, 7};  // keep 1×1 tiles cheap
+  c.tiles.own_heads = std::bernoulli_distribution(0.5)(rng);  // both backward splits on any shape
   if (std::bernoulli_distribution(0.2)(rng)) c.scale = 0.37;
   return c;
 }
 
 TEST(Fused, IsPickedByAutoForFloatOnly) {
-  ASSERT_TRUE(attn::detail::fused_available());
   Case c;
   c.L = c.S = 5;
   c.E = c.Ev = 4;
@@ -291,11 +302,12 @@ TEST(Fused, MatchesReferenceOnRandomCases) {
 
 // The kernels are compiled for several SIMD targets and one is picked at run
 // time; this machine runs only the best. Highway can pretend the CPU supports
-// fewer targets, so every compiled target this CPU can execute (down to the
-// portable EMU128 one) runs a smaller sweep here.
-TEST(Fused, EveryCompiledTargetThisCpuRunsMatchesReference) {
+// fewer targets: runs fn once on every compiled target this CPU can execute
+// (down to the portable EMU128 one) and returns their names.
+template <class Fn>
+std::string for_each_target(Fn fn) {
   const std::vector<int64_t> targets = hwy::SupportedAndGeneratedTargets();
-  ASSERT_FALSE(targets.empty());
+  EXPECT_FALSE(targets.empty());
   std::string names;
   for (const int64_t t : targets) {
     if (t == HWY_SSSE3) continue;  // not compiled into the library (cmake/attn_kernels.cmake)
@@ -303,10 +315,21 @@ TEST(Fused, EveryCompiledTargetThisCpuRunsMatchesReference) {
     hwy::GetChosenTarget().Update(hwy::SupportedTargets());
     EXPECT_STREQ(attn::detail::fused_target_name(), hwy::TargetName(t));
     names += std::string(names.empty() ? "" : ", ") + attn::detail::fused_target_name();
+    SCOPED_TRACE(hwy::TargetName(t));
+    fn(t);
+  }
+  hwy::SetSupportedTargetsForTest(0);  // back to what the CPU really has
+  hwy::GetChosenTarget().Update(hwy::SupportedTargets());
+  return names;
+}
+
+// Every compiled target runs a smaller sweep against the reference.
+TEST(Fused, EveryCompiledTargetThisCpuRunsMatchesReference) {
+  const std::string names = for_each_target([](int64_t t) {
     std::mt19937_64 rng(77 + uint64_t(t));
     for (int i = 0; i < std::max(3, kCases / 8); ++i) {
       Case c = random_case(rng, 5000 + uint64_t(i));
-      SCOPED_TRACE(std::string(hwy::TargetName(t)) + " " + c.str());
+      SCOPED_TRACE(c.str());
       Data d(c);
       const Results want = run(d, Backend::reference, c.L * c.S <= 300000);
       const Results got = run(d, Backend::fused, c.L * c.S <= 300000);
@@ -318,9 +341,7 @@ TEST(Fused, EveryCompiledTargetThisCpuRunsMatchesReference) {
     EXPECT_NEAR(y[0], 0.125f, 1e-7f);
     EXPECT_NEAR(y[1], 0.70710678f, 1e-7f);
     EXPECT_EQ(y[2], 1.0f);
-  }
-  hwy::SetSupportedTargetsForTest(0);  // back to what the CPU really has
-  hwy::GetChosenTarget().Update(hwy::SupportedTargets());
+  });
   std::printf("fused targets run: %s\n", names.c_str());
 }
 
@@ -404,6 +425,275 @@ TEST(Fused, HugeScoresGiveNoNanOrInf) {
   EXPECT_TRUE(attn::testing::all_close(r.out.view, want.out.view, 1e-3, "out"));
 }
 
+// ---- NaN and infinities -----------------------------------------------------
+//
+// The rule (docs/fused.md): masked keys (causal, key_lengths, mask, bias −∞)
+// never touch a row; a visible pair whose q, k or v row holds NaN or ±∞, or
+// whose bias is NaN or +∞, poisons the row: every element of its output, its
+// lse and its visible weights are NaN (masked weights stay 0), and so are its
+// dq row, the dk/dv rows of the keys it sees and its visible dbias entries. A
+// NaN or ±∞ in a dY row poisons that row's gradients the same way. Rows that
+// see no key keep 0 / −∞ / zero gradient.
+
+// Both kernels directly (the public API refuses a NaN bias before either runs).
+Results run_kernels(Data& d, Backend backend) {
+  const Problem p = d.problem();
+  Results r(d, true);
+  const View3<float> lse = r.lse_out();
+  const attn::SdpaGrads<float> g = r.grads();
+  if (backend == Backend::reference) {
+    attn::detail::reference_forward<float>(p, d.args, r.out.view, r.weights.view, lse);
+    attn::detail::reference_backward<float>(p, d.args, d.dout.view, g);
+  } else {
+    const FusedPlan t = d.c.tiles.q_block > 0 ? d.c.tiles : attn::detail::fused_plan(p);
+    attn::detail::fused_forward_tiled(p, d.args, r.out.view, r.weights.view, lse, t);
+    attn::detail::fused_backward_tiled(p, d.args, d.dout.view, g, r.out.view, lse, t);
+  }
+  return r;
+}
+
+bool row_bad(const Buffer& x, int64_t b, int64_t h, int64_t n) {
+  for (int64_t f = 0; f < x.view.dim(3); ++f)
+    if (!std::isfinite(x.view(b, h, n, f))) return true;
+  return false;
+}
+
+// The rule, written out plainly: which rows are poisoned and which pairs are visible.
+struct Oracle {
+  const Data& d;
+  std::vector<char> vis, fwd, bwd, keys;  // visible (b, h, i, j); poisoned rows (forward, backward); keys they see
+
+  bool visible(int64_t b, int64_t h, int64_t i, int64_t j) const {
+    return vis[size_t(((b * d.c.H + h) * d.c.L + i) * d.c.S + j)];
+  }
+  bool visible_by_rule(int64_t b, int64_t h, int64_t i, int64_t j) const {
+    const Case& c = d.c;
+    const Problem p = d.problem();
+    const int64_t len = d.lengths.empty() ? c.S : d.lengths[size_t(b)];
+    if (j >= std::min(p.causal_end(i), len)) return false;
+    const auto& m = d.args.mask;
+    if (!m.empty() && !m(bcast(b, m.dim(0)), bcast(h, m.dim(1)), bcast(i, m.dim(2)), bcast(j, m.dim(3)))) return false;
+    return bias(b, h, i, j) != -std::numeric_limits<float>::infinity();
+  }
+  float bias(int64_t b, int64_t h, int64_t i, int64_t j) const {
+    const auto& x = d.args.bias;
+    return x.empty() ? 0.0f : x(bcast(b, x.dim(0)), bcast(h, x.dim(1)), bcast(i, x.dim(2)), bcast(j, x.dim(3)));
+  }
+  static int64_t bcast(int64_t i, int64_t n) { return n == 1 ? 0 : i; }
+  size_t at(int64_t b, int64_t h, int64_t i) const { return size_t((b * d.c.H + h) * d.c.L + i); }
+
+  explicit Oracle(const Data& data) : d(data) {
+    const Case& c = d.c;
+    vis.assign(size_t(c.B * c.H * c.L * c.S), 0);
+    for (int64_t b = 0; b < c.B; ++b)
+      for (int64_t h = 0; h < c.H; ++h)
+        for (int64_t i = 0; i < c.L; ++i)
+          for (int64_t j = 0; j < c.S; ++j) vis[size_t(((b * c.H + h) * c.L + i) * c.S + j)] = visible_by_rule(b, h, i, j);
+    fwd.assign(size_t(c.B * c.H * c.L), 0);
+    bwd = fwd;
+    for (int64_t b = 0; b < c.B; ++b)
+      for (int64_t h = 0; h < c.H; ++h)
+        for (int64_t i = 0; i < c.L; ++i) {
+          bool sees = false, poisoned = false;
+          for (int64_t j = 0; j < c.S; ++j) {
+            if (!visible(b, h, i, j)) continue;
+            sees = true;
+            const float x = bias(b, h, i, j);
+            poisoned = poisoned || row_bad(d.q, b, h, i) || row_bad(d.k, b, h * c.Hkv / c.H, j) ||
+                       row_bad(d.v, b, h * c.Hkv / c.H, j) || std::isnan(x) || x == std::numeric_limits<float>::infinity();
+          }
+          fwd[at(b, h, i)] = poisoned;
+          bwd[at(b, h, i)] = poisoned || (sees && row_bad(d.dout, b, h, i));
+        }
+    keys.assign(size_t(c.B * c.Hkv * c.S), 0);
+    for (int64_t b = 0; b < c.B; ++b)
+      for (int64_t h = 0; h < c.H; ++h)
+        for (int64_t i = 0; i < c.L; ++i)
+          for (int64_t j = 0; bwd[at(b, h, i)] && j < c.S; ++j)
+            if (visible(b, h, i, j)) keys[size_t((b * c.Hkv + h * c.Hkv / c.H) * c.S + j)] = 1;
+  }
+  // Whether key j of (b, hk) is seen by a row poisoned in the backward.
+  bool key_poisoned(int64_t b, int64_t hk, int64_t j) const { return keys[size_t((b * d.c.Hkv + hk) * d.c.S + j)]; }
+};
+
+// Every element of x is NaN where `nan(b, h, n)` says so and otherwise close to `clean`.
+template <class Nan>
+void expect_nan_exactly(const Buffer& x, const Buffer& clean, Nan nan, const std::string& what) {
+  int64_t wrong = 0;
+  double worst = 0;
+  std::string first;
+  for (int64_t b = 0; b < x.view.dim(0); ++b)
+    for (int64_t h = 0; h < x.view.dim(1); ++h)
+      for (int64_t n = 0; n < x.view.dim(2); ++n)
+        for (int64_t f = 0; f < x.view.dim(3); ++f) {
+          const float g = x.view(b, h, n, f), w = clean.view(b, h, n, f);
+          const bool want_nan = nan(b, h, n, f);
+          if (std::isnan(g) != want_nan && wrong++ == 0)
+            first = "(" + std::to_string(b) + "," + std::to_string(h) + "," + std::to_string(n) + "," +
+                    std::to_string(f) + ") = " + std::to_string(g) + (want_nan ? ", expected NaN" : ", expected a number");
+          if (!want_nan && !std::isnan(g)) worst = std::max(worst, double(std::abs(g - w)));
+        }
+  EXPECT_EQ(wrong, 0) << what << ": first wrong element " << first;
+  EXPECT_LE(worst, 1e-5) << what << ": a row the NaN must not reach changed";
+}
+
+void check_nan_rule(Data& d, const Results& got, const Results& clean, const std::string& what) {
+  const Case& c = d.c;
+  const Oracle o(d);
+  expect_nan_exactly(got.out, clean.out, [&](int64_t b, int64_t h, int64_t i, int64_t) { return bool(o.fwd[o.at(b, h, i)]); },
+                     what + " out");
+  for (int64_t b = 0; b < c.B; ++b)
+    for (int64_t h = 0; h < c.H; ++h)
+      for (int64_t i = 0; i < c.L; ++i) {
+        const float l = got.lse[o.at(b, h, i)], lc = clean.lse[o.at(b, h, i)];
+        if (o.fwd[o.at(b, h, i)]) EXPECT_TRUE(std::isnan(l)) << what << " lse " << b << "," << h << "," << i;
+        else EXPECT_TRUE(l == lc || std::abs(l - lc) <= 1e-5) << what << " lse " << b << "," << h << "," << i << ": " << l << " vs " << lc;
+      }
+  expect_nan_exactly(got.weights, clean.weights,
+                     [&](int64_t b, int64_t h, int64_t i, int64_t j) { return o.fwd[o.at(b, h, i)] && o.visible(b, h, i, j); },
+                     what + " weights");
+  expect_nan_exactly(got.dq, clean.dq, [&](int64_t b, int64_t h, int64_t i, int64_t) { return bool(o.bwd[o.at(b, h, i)]); },
+                     what + " dq");
+  auto key_nan = [&](int64_t b, int64_t hk, int64_t j, int64_t) { return o.key_poisoned(b, hk, j); };
+  expect_nan_exactly(got.dk, clean.dk, key_nan, what + " dk");
+  expect_nan_exactly(got.dv, clean.dv, key_nan, what + " dv");
+  if (!got.dbias.data.empty()) {
+    // A dbias element is NaN iff a poisoned row's visible pair broadcasts onto it.
+    const auto& s = d.args.bias.shape;
+    std::vector<char> want(size_t(s[0] * s[1] * s[2] * s[3]), 0);
+    for (int64_t b = 0; b < c.B; ++b)
+      for (int64_t h = 0; h < c.H; ++h)
+        for (int64_t i = 0; i < c.L; ++i)
+          for (int64_t j = 0; o.bwd[o.at(b, h, i)] && j < c.S; ++j)
+            if (o.visible(b, h, i, j))
+              want[size_t(((Oracle::bcast(b, s[0]) * s[1] + Oracle::bcast(h, s[1])) * s[2] + Oracle::bcast(i, s[2])) * s[3] +
+                          Oracle::bcast(j, s[3]))] = 1;
+    expect_nan_exactly(got.dbias, clean.dbias,
+                       [&](int64_t b, int64_t h, int64_t i, int64_t j) {
+                         return bool(want[size_t(((b * s[1] + h) * s[2] + i) * s[3] + j)]);
+                       },
+                       what + " dbias");
+  }
+}
+
+enum class Spot { q, k, v, bias, dout };
+const char* spot_name(Spot s) {
+  const char* names[] = {"q", "k", "v", "bias", "dout"};
+  return names[int(s)];
+}
+
+// One non-finite value in one input: element 1 of row n of (b, h) (clipped
+// to the input's shape); for the bias, the entry (b, h, 5, n).
+void poison(Data& d, Spot s, int64_t b, int64_t h, int64_t n, float value) {
+  Buffer* buf = s == Spot::q ? &d.q : s == Spot::k ? &d.k : s == Spot::v ? &d.v : s == Spot::bias ? &d.bias : &d.dout;
+  const auto& v = buf->view;
+  std::array<int64_t, 4> at = {b, h, n, 1};
+  if (s == Spot::bias) at = {b, h, 5, n};
+  for (int a = 0; a < 4; ++a) at[size_t(a)] = std::min(at[size_t(a)], v.dim(a) - 1);
+  buf->view(at[0], at[1], at[2], at[3]) = value;
+}
+
+TEST(FusedNaN, EveryInputReachesExactlyTheOutputsItTouchesInBothBackends) {
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  int checked = 0;
+  for (int variant = 0; variant < 4; ++variant) {
+    Case c;
+    c.B = 2, c.H = 4, c.Hkv = 2, c.L = 37, c.S = 45, c.E = 9, c.Ev = 11;  // GQA, no tile multiple
+    c.causal = variant % 2 == 1;
+    c.align = CausalAlign::bottom_right;
+    c.mask = 3;  // a boolean mask (with a fully masked row) and a bias (with −∞ entries)
+    c.key_lengths = variant >= 2;
+    c.layout = variant == 3 ? Layout::strided : Layout::bhnd;
+    c.tiles = variant % 2 == 0 ? FusedPlan{12, 16, variant == 2} : FusedPlan{};
+    c.threads = variant == 3 ? 2 : 1;
+    c.seed = 300 + uint64_t(variant);
+    Data clean_data(c);
+    const Results clean = run_kernels(clean_data, Backend::fused);
+    for (Spot s : {Spot::q, Spot::k, Spot::v, Spot::bias, Spot::dout})
+      for (float value : {nan, inf, -inf}) {
+        if (s == Spot::bias && value == -inf) continue;  // a bias of −∞ is a mask
+        // Rows/keys at the start, the middle and the end (some see the others, some not).
+        for (int64_t n : {int64_t(0), int64_t(20), int64_t(44)}) {
+          Data d(c);
+          const int64_t b = 1, h = s == Spot::k || s == Spot::v ? 1 : 2;
+          poison(d, s, b, h, n, value);
+          const std::string what = std::string(spot_name(s)) + "=" + std::to_string(value) + " at n=" + std::to_string(n) +
+                                   " " + c.str();
+          SCOPED_TRACE(what);
+          const Results fused = run_kernels(d, Backend::fused);
+          const Results ref = run_kernels(d, Backend::reference);
+          check_nan_rule(d, fused, clean, "fused");
+          check_nan_rule(d, ref, clean, "reference");
+          ++checked;
+          if (::testing::Test::HasFailure()) return;
+        }
+      }
+  }
+  std::printf("NaN/Inf placements checked in both backends: %d\n", checked);
+}
+
+// The NaN rule holds on every compiled target (their max and exponentials
+// treat NaN differently), and both exponentials map NaN to NaN, −∞ to 0.
+TEST(FusedNaN, RuleHoldsOnEveryCompiledTarget) {
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  const std::string names = for_each_target([&](int64_t) {
+    Case c;
+    c.B = 2, c.H = 2, c.Hkv = 1, c.L = 29, c.S = 31, c.E = 5, c.Ev = 7, c.causal = true, c.mask = 1, c.seed = 41;
+    Data clean_data(c);
+    const Results clean = run_kernels(clean_data, Backend::fused);
+    Data d(c);
+    poison(d, Spot::k, 0, 0, 13, nan);
+    poison(d, Spot::q, 1, 1, 20, inf);
+    poison(d, Spot::v, 1, 0, 30, -inf);
+    poison(d, Spot::dout, 0, 1, 27, nan);
+    check_nan_rule(d, run_kernels(d, Backend::fused), clean, "fused");
+    const float x[3] = {nan, -inf, 0.0f};
+    float y[3], y2[3];
+    attn::detail::fused_exp(x, y, 3);
+    attn::detail::fused_exp2(x, y2, 3);
+    EXPECT_TRUE(std::isnan(y[0]) && std::isnan(y2[0]));
+    EXPECT_EQ(y[1], 0.0f);
+    EXPECT_EQ(y2[1], 0.0f);
+    EXPECT_EQ(y[2], 1.0f);
+    EXPECT_EQ(y2[2], 1.0f);
+  });
+  std::printf("NaN rule checked on: %s\n", names.c_str());
+}
+
+// Through the public API (auto picks the fused backend) a NaN key that only
+// masked rows could see changes nothing, and one they see poisons only them.
+TEST(FusedNaN, MaskedNaNKeyIsIgnoredAndFullyMaskedRowsStayZero) {
+  Case c;
+  c.B = 1, c.H = 2, c.Hkv = 1, c.L = 17, c.S = 17, c.E = 8, c.Ev = 8, c.causal = true, c.seed = 9;
+  Data clean_data(c);
+  const Results clean = run(clean_data, Backend::automatic);
+  Data d(c);
+  for (int64_t e = 0; e < c.E; ++e) d.k.view(0, 0, 16, e) = std::numeric_limits<float>::quiet_NaN();  // last key: only row 16 sees it
+  const Results r = run(d, Backend::automatic);
+  for (int64_t h = 0; h < c.H; ++h)
+    for (int64_t i = 0; i < c.L; ++i)
+      for (int64_t e = 0; e < c.Ev; ++e) {
+        if (i == 16) EXPECT_TRUE(std::isnan(r.out.view(0, h, i, e))) << h << "," << i;
+        else EXPECT_EQ(r.out.view(0, h, i, e), clean.out.view(0, h, i, e)) << h << "," << i;
+      }
+  // A query row that sees no key (mask) stays 0 / −∞ / zero gradient even with NaN in it.
+  Case m = c;
+  m.causal = false;
+  Data dm(m);
+  std::unique_ptr<bool[]> mask(new bool[size_t(m.L * m.S)]);
+  for (int64_t i = 0; i < m.L * m.S; ++i) mask[size_t(i)] = i / m.S != 3;  // row 3 sees nothing
+  dm.args.mask = View4<const bool>(mask.get(), {1, 1, m.L, m.S});
+  for (int64_t e = 0; e < m.E; ++e) dm.q.view(0, 1, 3, e) = std::numeric_limits<float>::quiet_NaN();
+  for (Backend be : {Backend::fused, Backend::reference}) {
+    const Results rm = run_kernels(dm, be);
+    EXPECT_TRUE(std::isinf(rm.lse[size_t(m.L + 3)]) && rm.lse[size_t(m.L + 3)] < 0);
+    for (int64_t e = 0; e < m.Ev; ++e) EXPECT_EQ(rm.out.view(0, 1, 3, e), 0.0f);
+    for (int64_t e = 0; e < m.E; ++e) EXPECT_EQ(rm.dq.view(0, 1, 3, e), 0.0f);
+    EXPECT_TRUE(attn::testing::all_finite(rm.dk.view));
+    EXPECT_TRUE(attn::testing::all_finite(rm.out.view));
+  }
+}
+
 bool bitwise_equal(const Buffer& a, const Buffer& b) {
   return a.data.size() == b.data.size() &&
          std::memcmp(a.data.data(), b.data.data(), a.data.size() * sizeof(float)) == 0;
@@ -450,25 +740,72 @@ TEST(Fused, BackwardRecomputesMissingSavedState) {
   EXPECT_TRUE(bitwise_equal(dv, with.dv));
 }
 
-TEST(Fused, TileHeuristic) {
-  for (int64_t n : {1, 17, 1030, 65536})
-    for (int64_t e : {1, 64, 256}) {
-      Problem p;
-      p.B = p.H = p.Hkv = 1;
-      p.L = p.S = n;
-      p.E = p.Ev = e;
-      p.threads = 1;
-      const FusedTiles t = attn::detail::fused_tiles(p);
-      EXPECT_GE(t.q_block, 1);
-      EXPECT_GE(t.k_block, 1);
-      EXPECT_LE(t.q_block, std::max<int64_t>(96, n));
-      // Per-thread scratch stays small and does not grow with the sequence.
-      EXPECT_LE(attn::detail::fused_scratch_bytes(p, t), 1 << 20) << n << " " << e;
-      p.threads = 8;
-      const FusedTiles t8 = attn::detail::fused_tiles(p);
-      EXPECT_EQ(t8.q_block, t.q_block);  // never depends on the thread count
-      EXPECT_EQ(t8.k_block, t.k_block);
-    }
+// What fused_plan promises (tiles.hpp), over shapes from tiny to long.
+TEST(Fused, PlanKeepsItsPromises) {
+  using attn::detail::BackwardScratch;
+  using attn::detail::ForwardScratch;
+  using attn::detail::kMaxLanes;
+  using attn::detail::kRowMultiple;
+  using attn::detail::kScratchBudgetBytes;
+  const auto round_up = [](int64_t a, int64_t m) { return (a + m - 1) / m * m; };
+  for (int64_t n : {1, 17, 80, 81, 1030, 65536})
+    for (int64_t e : {1, 3, 64, 100, 256})
+      for (int64_t ev : {1, 64, 256})
+        for (int64_t bhkv : {1, 4, 8, 32}) {
+          SCOPED_TRACE("L=S=" + std::to_string(n) + " E=" + std::to_string(e) + " Ev=" + std::to_string(ev) +
+                       " B*Hkv=" + std::to_string(bhkv));
+          Problem p;
+          p.B = bhkv > 4 ? 2 : 1;
+          p.Hkv = bhkv / p.B;
+          p.H = 2 * p.Hkv;
+          p.L = p.S = n;
+          p.E = e;
+          p.Ev = ev;
+          p.threads = 1;
+          const FusedPlan t = attn::detail::fused_plan(p);
+          EXPECT_EQ(t.q_block % kMaxLanes, 0) << t.q_block;
+          EXPECT_EQ(t.k_block % kRowMultiple, 0) << t.k_block;
+          EXPECT_GE(t.q_block, 1);
+          EXPECT_GE(t.k_block, 1);
+          EXPECT_LE(t.q_block, round_up(n, kMaxLanes));  // no more than the shape needs
+          EXPECT_LE(t.k_block, round_up(n, kRowMultiple));
+          // Enough (b, kv head) pairs for every thread: the backward owns heads.
+          EXPECT_EQ(t.own_heads, bhkv >= 8);
+          for (int64_t lanes : {4, 8, 16}) {  // SSE4, AVX2, AVX-512
+            const int64_t fb = ForwardScratch(p, t, lanes, attn::detail::Alloc::no).bytes();
+            const int64_t bb = BackwardScratch(p, t, lanes, attn::detail::Alloc::no).bytes();
+            EXPECT_LE(fb, kScratchBudgetBytes) << lanes;
+            EXPECT_LE(bb, kScratchBudgetBytes) << lanes;
+            // Scratch holds the arrays tiles.hpp lists: at least the forward's
+            // transposed queries and score tile, the backward's dK/dV blocks.
+            EXPECT_GE(fb, 4 * (e * t.q_block + t.k_block * t.q_block));
+            EXPECT_GE(bb, 4 * t.k_block * (e + ev));
+          }
+          // The reported figure is what the kernels allocate for this target.
+          const auto rep = attn::detail::fused_scratch_bytes(p, t);
+          const ForwardScratch alloc(p, t, 16, attn::detail::Alloc::yes);
+          EXPECT_GE(rep.forward, 4 * (e * t.q_block + t.k_block * t.q_block));
+          EXPECT_LE(rep.forward, alloc.bytes());  // fewer lanes never pad more
+          // The plan depends on the shape only, never on the thread count.
+          for (int threads : {2, 3, 8}) {
+            p.threads = threads;
+            const FusedPlan tt = attn::detail::fused_plan(p);
+            EXPECT_EQ(tt.q_block, t.q_block);
+            EXPECT_EQ(tt.k_block, t.k_block);
+            EXPECT_EQ(tt.own_heads, t.own_heads);
+          }
+        }
+  // Scratch does not grow with the sequence once the blocks are full.
+  Problem a;
+  a.B = a.H = a.Hkv = 1;
+  a.E = a.Ev = 64;
+  a.L = a.S = 1030;
+  Problem b = a;
+  b.L = b.S = 1 << 20;
+  const auto sa = attn::detail::fused_scratch_bytes(a, attn::detail::fused_plan(a));
+  const auto sb = attn::detail::fused_scratch_bytes(b, attn::detail::fused_plan(b));
+  EXPECT_EQ(sa.forward, sb.forward);
+  EXPECT_EQ(sa.backward, sb.backward);
 }
 
 // Worst error of y against want(x), in units in the last place of the float

@@ -2,7 +2,11 @@
 // (big-endian, Fortran order, format 2.0), every class of malformed file, the
 // atomic writer, and a seeded mutation loop (a miniature of the fuzzers).
 #include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
+#include <csignal>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -11,6 +15,8 @@
 #include <string>
 #include <vector>
 
+#include "../fuzz/checks.hpp"
+#include "attn/detail/output.hpp"
 #include "attn/io.hpp"
 #include "io/io_detail.hpp"  // io::read_file
 #include "testing.hpp"
@@ -133,6 +139,19 @@ TEST(Npy, BigEndianFortranOrderAndVersion2) {
   EXPECT_EQ(v2.data, c_order);
 }
 
+// Issue 10 §8.1: masks saved with np.save from a NumPy bool array ('|b1').
+TEST(Npy, BoolArraysReadAsZeroAndOne) {
+  const auto c = parse(npy_bytes("{'descr': '|b1', 'fortran_order': False, 'shape': (2, 3), }", Bytes{1, 0, 1, 1, 0, 0}));
+  EXPECT_EQ(c.stored, DType::b1);
+  EXPECT_EQ(c.data, (std::vector<double>{1, 0, 1, 1, 0, 0}));
+  EXPECT_STREQ(attn::io::dtype_name(c.stored), "bool");
+  // Fortran order: columns first in the file.
+  const auto f = parse(npy_bytes("{'descr': '|b1', 'fortran_order': True, 'shape': (2, 3), }", Bytes{1, 1, 0, 0, 1, 0}));
+  EXPECT_EQ(f.data, (std::vector<double>{1, 0, 1, 1, 0, 0}));
+  EXPECT_TRUE(throws_with([&] { parse(npy_bytes("{'descr': '|b1', 'fortran_order': False, 'shape': (2, 3), }", Bytes{1, 0, 1})); },
+                          {"truncated", "of bool needs 6 data bytes, the file holds 3"}));
+}
+
 TEST(Npy, MalformedFilesGetClearErrors) {
   const std::string good = "{'descr': '<f4', 'fortran_order': False, 'shape': (2, 3), }";
   const Bytes data = raw(std::vector<float>(6, 1.0f));
@@ -154,7 +173,9 @@ TEST(Npy, MalformedFilesGetClearErrors) {
   EXPECT_TRUE(bad(npy_bytes(good, data), {"exceeds the limit"}, small));
   EXPECT_TRUE(bad(npy_bytes("{'descr': '<i4', 'fortran_order': False, 'shape': (2, 3), }", data),
                   {"unsupported dtype '<i4'"}));
-  EXPECT_TRUE(bad(npy_bytes("{'descr': '|b1', 'fortran_order': False, 'shape': (6,), }", data), {"unsupported dtype"}));
+  EXPECT_TRUE(bad(npy_bytes("{'descr': '|u1', 'fortran_order': False, 'shape': (6,), }", data), {"unsupported dtype '|u1'"}));
+  EXPECT_TRUE(bad(npy_bytes("{'descr': '|b1', 'fortran_order': False, 'shape': (3,), }", Bytes{1, 0, 2}),
+                  {"x.npy", "bool element 2 is the byte 2, expected 0 (False) or 1 (True)"}));
   EXPECT_TRUE(bad(npy_bytes("{'descr': [('a', '<f4')], 'fortran_order': False, 'shape': (2,), }", data),
                   {"structured dtypes"}));
   EXPECT_TRUE(bad(npy_bytes("{'descr': '<f4', 'shape': (2, 3), }", data), {"lacks one of"}));
@@ -178,6 +199,29 @@ TEST(Npy, MalformedFilesGetClearErrors) {
   EXPECT_TRUE(bad(trailing, {"1 bytes beyond the data"}));
   EXPECT_TRUE(bad(npy_bytes("{'descr': '<f4', 'fortran_order': False, 'shape': (1,1,1,1,1,1,1,1,1), }", data),
                   {"more than 8 dimensions"}));
+}
+
+// Issue 11.6: an empty array may have huge other axes; the Fortran-order
+// transpose computed C strides from them (signed overflow, caught by UBSan).
+TEST(Npy, EmptyArraysWithHugeAxesInEitherOrder) {
+  for (const char* order : {"True", "False"})
+    for (const std::string shape : {"(0, 1099511627776, 1099511627776)", "(1099511627776, 1099511627776, 0)"}) {
+      const auto a = parse(npy_bytes(std::string("{'descr': '<f4', 'fortran_order': ") + order + ", 'shape': " +
+                                         shape + ", }",
+                                     {}));
+      EXPECT_TRUE(a.data.empty()) << order << " " << shape;
+      ASSERT_EQ(a.shape.size(), 3u);
+      EXPECT_EQ(a.numel(), 0) << shape;  // no overflow in the product either
+    }
+  // Non-empty Fortran order of rank 3 still transposes: element (i, j, k) at i + 2j + 6k in the file.
+  std::vector<float> f(24);
+  for (int i = 0; i < 2; ++i)
+    for (int j = 0; j < 3; ++j)
+      for (int k = 0; k < 4; ++k) f[size_t(i + 2 * j + 6 * k)] = float(100 * i + 10 * j + k);
+  const auto c = parse(npy_bytes("{'descr': '<f4', 'fortran_order': True, 'shape': (2, 3, 4), }", raw(f)));
+  for (int i = 0; i < 2; ++i)
+    for (int j = 0; j < 3; ++j)
+      for (int k = 0; k < 4; ++k) EXPECT_EQ(c.data[size_t(12 * i + 4 * j + k)], double(100 * i + 10 * j + k));
 }
 
 TEST(Npy, FileErrorsNameThePath) {
@@ -329,6 +373,32 @@ TEST(Safetensors, MalformedFilesGetClearErrors) {
                   {"more than 1 tensors"}, lim));
 }
 
+// Issue 11.12: as strict as the format. The header may be padded with
+// spaces (the writers do it), not NULs; the tensors must tile the data buffer.
+TEST(Safetensors, HeaderPaddingHolesAndTrailingBytes) {
+  const Bytes data = raw(std::vector<float>{1, 2, 3, 4});
+  const std::string two = R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[2],"data_offsets":[8,16]}})";
+  EXPECT_EQ(parse_st(st_bytes(two + "      ", data)).at("b").data, (std::vector<double>{3, 4}));
+  EXPECT_TRUE(throws_with([&] { parse_st(st_bytes(two + std::string(6, '\0'), data)); },
+                          {"w.safetensors", "NUL byte at offset " + std::to_string(two.size()), "spaces"}));
+  Bytes trailing = st_bytes(two, data);
+  trailing.insert(trailing.end(), {0, 0, 0, 0});
+  EXPECT_TRUE(throws_with([&] { parse_st(trailing); }, {"w.safetensors", "4 trailing bytes after the last tensor"}));
+  const std::string hole = R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"b":{"dtype":"F32","shape":[2],"data_offsets":[8,16]}})";
+  EXPECT_TRUE(throws_with([&] { parse_st(st_bytes(hole, data)); },
+                          {"bytes [4, 8) of the data buffer belong to no tensor", "'b'"}));
+  const std::string late = R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[8,16]}})";
+  EXPECT_TRUE(throws_with([&] { parse_st(st_bytes(late, data)); }, {"bytes [0, 8)", "no tensor"}));
+  // An empty tensor inside another's range overlaps it; at a boundary it is fine.
+  const std::string inside = R"({"a":{"dtype":"F32","shape":[4],"data_offsets":[0,16]},"e":{"dtype":"F32","shape":[0],"data_offsets":[4,4]}})";
+  EXPECT_TRUE(throws_with([&] { parse_st(st_bytes(inside, data)); }, {"'a' and 'e' overlap"}));
+  const std::string edge = R"({"a":{"dtype":"F32","shape":[4],"data_offsets":[0,16]},"e":{"dtype":"F32","shape":[0],"data_offsets":[16,16]}})";
+  EXPECT_TRUE(parse_st(st_bytes(edge, data)).at("e").data.empty());
+  // No tensors at all: only an empty buffer is valid.
+  EXPECT_TRUE(parse_st(st_bytes("{}", {})).empty());
+  EXPECT_TRUE(throws_with([&] { parse_st(st_bytes("{}", data)); }, {"16 trailing bytes"}));
+}
+
 TEST(AtomicWrite, ReplacesOnlyWithCompleteFilesAndLeavesNoTemporaries) {
   TempDir dir;
   const std::string p = dir / "out.npy";
@@ -337,13 +407,117 @@ TEST(AtomicWrite, ReplacesOnlyWithCompleteFilesAndLeavesNoTemporaries) {
   attn::io::write_npy(p, {4}, b.data());
   EXPECT_EQ(attn::io::read_npy<double>(p).data, b);
   EXPECT_TRUE(throws_with([&] { attn::io::write_npy(dir / "no/such/dir/x.npy", {3}, a.data()); },
-                          {"no/such/dir/x.npy", "cannot create a temporary file"}));
+                          {"no/such/dir/x.npy", "cannot create a file in directory", "No such file or directory"}));
   int files = 0;
   for (const auto& e : fs::directory_iterator(dir.path)) {
     ++files;
     EXPECT_EQ(e.path().filename().string(), "out.npy");
   }
   EXPECT_EQ(files, 1);
+}
+
+// Files in `dir` whose name marks them as temporaries of the writers.
+std::vector<std::string> temporaries(const fs::path& dir) {
+  std::vector<std::string> t;
+  for (const auto& e : fs::directory_iterator(dir))
+    if (e.path().filename().string().find(".attn-tmp.") != std::string::npos) t.push_back(e.path().filename());
+  return t;
+}
+
+// Issue 11.9: nothing is renamed until commit(); an error (the transaction's
+// destructor) leaves every destination as it was and no temporary.
+TEST(OutputTransaction, CommitsAllOrNothing) {
+  TempDir dir;
+  const std::vector<double> a = {1, 2, 3}, b = {4, 5};
+  attn::io::write_npy(dir / "y.npy", {3}, a.data());
+  try {
+    attn::io::detail::OutputTransaction tx;
+    const std::string y = tx.add(dir / "y.npy", "--out"), w = tx.add(dir / "w.npy", "--weights");
+    EXPECT_NE(y, dir / "y.npy");
+    EXPECT_NE(y.find("y.npy.attn-tmp."), std::string::npos) << y;
+    attn::io::write_npy(y, {2}, b.data());
+    EXPECT_EQ(attn::io::read_npy<double>(dir / "y.npy").data, a);  // not yet
+    throw std::runtime_error("the second output failed");
+  } catch (const std::runtime_error&) {
+  }
+  EXPECT_EQ(attn::io::read_npy<double>(dir / "y.npy").data, a);
+  EXPECT_FALSE(fs::exists(dir / "w.npy"));
+  EXPECT_TRUE(temporaries(dir.path).empty());
+  {
+    attn::io::detail::OutputTransaction tx;
+    const std::string y = tx.add(dir / "y.npy", "--out"), w = tx.add(dir / "w.npy", "--weights");
+    attn::io::write_npy(y, {2}, b.data());
+    EXPECT_TRUE(throws_with([&] { tx.commit(); }, {"--weights", "w.npy", "was never written"}));
+    attn::io::write_npy(w, {3}, a.data());
+    tx.commit();
+  }
+  EXPECT_EQ(attn::io::read_npy<double>(dir / "y.npy").data, b);
+  EXPECT_EQ(attn::io::read_npy<double>(dir / "w.npy").data, a);
+  EXPECT_TRUE(temporaries(dir.path).empty());
+  // Checked when added: a missing directory, a directory, the same file twice.
+  attn::io::detail::OutputTransaction tx;
+  EXPECT_TRUE(throws_with([&] { tx.add(dir / "no/x.npy", "--out"); }, {"--out", "cannot create a file in directory"}));
+  EXPECT_TRUE(throws_with([&] { tx.add(dir.path.string(), "--out"); }, {"is a directory"}));
+  tx.add(dir / "y.npy", "--out");
+  EXPECT_TRUE(throws_with([&] { tx.check(dir.path.string() + "/./y.npy", "--save"); },
+                          {"--out and --save both name the file"}));
+}
+
+// Issue 11.10: a new file gets 0666 minus the umask, a replaced one keeps its mode.
+TEST(AtomicWrite, ModesFollowTheUmaskAndSurviveReplacement) {
+  TempDir dir;
+  const std::vector<float> v = {1};
+  auto mode = [&](const std::string& f) { return fs::status(dir / f).permissions() & fs::perms::mask; };
+  const mode_t old = ::umask(027);
+  attn::io::write_npy(dir / "a.npy", {1}, v.data());
+  ::umask(old);
+  EXPECT_EQ(mode("a.npy"), fs::perms(0640));
+  fs::permissions(dir / "a.npy", fs::perms(0600));
+  attn::io::write_npy(dir / "a.npy", {1}, v.data());
+  EXPECT_EQ(mode("a.npy"), fs::perms(0600));
+  attn::io::detail::OutputTransaction tx;
+  attn::io::write_npy(tx.add(dir / "a.npy", "--out"), {1}, v.data());
+  tx.commit();
+  EXPECT_EQ(mode("a.npy"), fs::perms(0600));
+}
+
+// Issue 11.8: SIGTERM (with the CLI's handler) removes a temporary being
+// written; kill -9 leaves the old file intact and one recognisable temporary.
+TEST(AtomicWrite, SignalsRemoveTemporariesAndKill9LeavesTheOldFile) {
+  for (const int sig : {SIGTERM, SIGINT, SIGKILL}) {
+    TempDir dir;
+    const std::vector<double> a = {1, 2, 3}, b = {4, 5};
+    attn::io::write_npy(dir / "y.npy", {3}, a.data());
+    int ready[2];
+    ASSERT_EQ(::pipe(ready), 0);
+    const pid_t pid = ::fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {
+      attn::io::detail::remove_temporaries_on_signal();
+      attn::io::detail::OutputTransaction tx;
+      attn::io::write_npy(tx.add(dir / "y.npy", "--out"), {2}, b.data());  // written, not committed
+      (void)!::write(ready[1], "x", 1);
+      ::pause();
+      ::_exit(0);
+    }
+    char c;
+    ASSERT_EQ(::read(ready[0], &c, 1), 1);
+    ::close(ready[0]);
+    ::close(ready[1]);
+    ::kill(pid, sig);
+    int st = 0;
+    ASSERT_EQ(::waitpid(pid, &st, 0), pid);
+    ASSERT_TRUE(WIFSIGNALED(st));
+    EXPECT_EQ(WTERMSIG(st), sig);
+    EXPECT_EQ(attn::io::read_npy<double>(dir / "y.npy").data, a) << "signal " << sig;
+    const auto left = temporaries(dir.path);
+    if (sig == SIGKILL) {
+      ASSERT_EQ(left.size(), 1u);
+      EXPECT_EQ(left[0].rfind("y.npy.attn-tmp.", 0), 0u) << left[0];
+    } else {
+      EXPECT_TRUE(left.empty()) << "signal " << sig << " left " << left[0];
+    }
+  }
 }
 
 // Random byte flips, truncations and insertions of valid files must either
@@ -381,6 +555,25 @@ TEST(Parsers, SurviveMutatedInputs) {
   }
   EXPECT_GT(rejected, 1000);
   EXPECT_GT(parsed, 10);  // some mutations only change data bytes
+}
+
+// Every entry of the fuzzers' seed corpus, through the fuzzers' own check
+// (fuzz/checks.hpp): inputs that once crashed a parser stay here as
+// regression tests, run under the sanitizers by `make test-sanitize`.
+TEST(Parsers, ReplayTheFuzzCorpus) {
+  const fs::path corpus = ATTN_FUZZ_CORPUS;
+  for (const char* target : {"npy", "safetensors"}) {
+    int files = 0, parsed = 0;
+    for (const auto& e : fs::directory_iterator(corpus / target)) {
+      const Bytes b = attn::io::read_file(e.path().string(), 1 << 20);
+      const bool ok = std::string(target) == "npy" ? attn::fuzz::check_npy(b.data(), b.size())
+                                                   : attn::fuzz::check_safetensors(b.data(), b.size());
+      ++files;
+      parsed += ok;
+    }
+    EXPECT_GE(files, 2) << target;
+    EXPECT_GE(parsed, 1) << target;  // the seeds include valid files
+  }
 }
 
 }  // namespace

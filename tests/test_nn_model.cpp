@@ -124,6 +124,37 @@ TEST(NnTransformer, ReturnsEveryLayersAttention) {
   }
 }
 
+// The shapes checkpoint readers check a file against (before building the
+// model) are the ones the model really has, name for name, in order.
+TEST(NnTransformer, ParameterShapesAreTheModelsWithoutBuildingIt) {
+  for (const auto positions : {nn::Positions::learned, nn::Positions::rope, nn::Positions::sinusoidal})
+    for (const int64_t layers : {0, 1, 3})
+      for (const int64_t hidden : {0, 12}) {
+        nn::ModelConfig mc;
+        mc.vocab = 9;
+        mc.max_len = 5;
+        mc.dim = 8;
+        mc.heads = 2;
+        mc.layers = layers;
+        mc.mlp_hidden = hidden;
+        mc.positions = positions;
+        nn::Transformer<float> model(mc);
+        const auto shapes = nn::parameter_shapes(mc);
+        const auto params = model.parameters();
+        ASSERT_EQ(shapes.size(), params.size()) << layers;
+        for (size_t i = 0; i < params.size(); ++i) {
+          EXPECT_EQ(shapes[i].first, params[i].name);
+          EXPECT_EQ(shapes[i].second, params[i].value->shape()) << params[i].name;
+        }
+      }
+  nn::ModelConfig bad;
+  bad.vocab = 4;
+  bad.max_len = 3;
+  bad.dim = 6;
+  bad.heads = 4;
+  EXPECT_THROW(nn::parameter_shapes(bad), attn::Error);
+}
+
 TEST(NnTransformer, RejectsBadConfigAndInput) {
   nn::ModelConfig mc;
   mc.vocab = 5;

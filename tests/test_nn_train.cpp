@@ -295,6 +295,10 @@ TEST(NnTrain, CheckpointFileHoldsModelStateAndMetadata) {
     bad = meta;
     bad["config"] = "{\"task\": 3}";
     attn::io::write_safetensors(path64, file, bad);
+    EXPECT_TRUE(attn::testing::throws_with([&] { nn::checkpoint_config(path64); },
+                                           {path64, "config 'task' is 3, expected a string"}));
+    bad["config"] = "{\"task\": ";
+    attn::io::write_safetensors(path64, file, bad);
     EXPECT_TRUE(attn::testing::throws_with([&] { nn::checkpoint_config(path64); }, {path64, "malformed config"}));
     fs::remove(path);
     fs::remove(path64);

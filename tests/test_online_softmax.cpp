@@ -1,6 +1,6 @@
 // The online softmax unit on its own: streaming updates and merges of
 // partial results against the plain two-pass softmax, split-independence,
-// and the −∞ guards.
+// the −∞ guards, and NaN (or +∞) scores poisoning the row for good.
 #include <cmath>
 #include <limits>
 #include <random>
@@ -146,6 +146,34 @@ TEST(OnlineSoftmax, FullyMaskedRowGivesZeroAndMinusInfinityNeverNaN) {
   EXPECT_EQ(st.sum, 3.0f);
   // The backward's shift for an lse of −∞ makes every probability exp(s − ∞) = 0.
   EXPECT_EQ(std::exp(1e4f - os::lse_shift(-std::numeric_limits<float>::infinity())), 0.0f);
+}
+
+// A NaN or +∞ score, in any tile, leaves the row NaN however many finite
+// tiles follow; −∞ scores (masked keys) around it change nothing of that.
+TEST(OnlineSoftmax, NanOrPlusInfinityScorePoisonsTheRowForGood) {
+  const float inf = std::numeric_limits<float>::infinity();
+  for (float bad : {std::numeric_limits<float>::quiet_NaN(), inf})
+    for (int where = 0; where < 3; ++where) {  // first, middle or last tile
+      std::vector<float> s = {0.5f, -inf, 2.0f, 1.0f, -inf, -3.0f}, p(6);
+      s[size_t(2 * where)] = bad;
+      os::State<float> st;
+      for (int tile = 0; tile < 3; ++tile) os::update(st, s.data() + 2 * tile, 2, p.data() + 2 * tile);
+      const auto f = os::finalize(st);
+      EXPECT_TRUE(std::isnan(f.lse)) << bad << " in tile " << where;
+      EXPECT_TRUE(std::isnan(f.inv_sum)) << bad << " in tile " << where;
+      // A merge with a clean partial stays poisoned, in either order.
+      os::State<float> clean;
+      os::update(clean, s.data() + 2 * ((where + 1) % 3), 2, p.data());
+      os::State<float> a = st, b = clean;
+      os::merge(a, clean);
+      os::merge(b, st);
+      EXPECT_TRUE(std::isnan(os::finalize(a).lse) && std::isnan(os::finalize(b).lse)) << bad;
+    }
+  // −∞ alone is the masked row, not a poison.
+  std::vector<float> s(4, -inf), p(4);
+  os::State<float> st;
+  os::update(st, s.data(), 4, p.data());
+  EXPECT_FALSE(std::isnan(os::finalize(st).lse));
 }
 
 TEST(OnlineSoftmax, HugeScoresStayFinite) {

@@ -2,6 +2,8 @@
 #pragma once
 
 #include "attn/error.hpp"
+#include "attn/kv_cache.hpp"
+#include "attn/merge.hpp"
 #include "attn/multihead.hpp"
 #include "attn/sdpa.hpp"
 #include "attn/tensor.hpp"

@@ -1,8 +1,9 @@
 // attn/io.hpp — reading and writing arrays: NumPy .npy and .safetensors.
 //
 // Supported element types: float32 and float64 (little- or big-endian .npy,
-// C or Fortran order; safetensors F32 / F64). Other dtypes are refused with a
-// message that names the dtype found.
+// C or Fortran order; safetensors F32 / F64), and NumPy's bool ('|b1', read as
+// 0 and 1; masks are saved that way). Other dtypes are refused with a message
+// that names the dtype found.
 //
 // Reading is defensive: a file is checked against its actual size before any
 // allocation, so a header that lies about lengths, a shape whose element count
@@ -31,8 +32,8 @@ namespace attn::io {
 // The library's file error (attn/error.hpp), under its older name.
 using FileError = attn::FileError;
 
-enum class DType { f32, f64 };
-const char* dtype_name(DType d);  // "float32", "float64"
+enum class DType { f32, f64, b1 };  // b1: NumPy bool, one byte 0 or 1 (.npy only)
+const char* dtype_name(DType d);     // "float32", "float64", "bool"
 
 // A dense, C-order (row-major) array of any rank (rank 0 is a scalar).
 template <class T>
@@ -41,11 +42,14 @@ struct Array {
   std::vector<T> data;
   DType stored = DType::f32;  // the element type found in the file
 
-  int64_t numel() const {  // throws attn::InvalidArgument on a negative or overflowing shape
+  // The product of the shape: 0 when any axis is 0 (the other axes of an
+  // empty array read from a file may be huge), saturated at INT64_MAX.
+  int64_t numel() const {
+    for (auto s : shape)
+      if (s == 0) return 0;
     int64_t n = 1;
     for (auto s : shape)
-      if (s < 0 || __builtin_mul_overflow(n, s, &n))
-        throw InvalidArgument("attn::io::Array::numel: shape " + shape_str(shape) + " has no valid element count");
+      if (__builtin_mul_overflow(n, s, &n)) return INT64_MAX;
     return n;
   }
 };
@@ -59,7 +63,8 @@ struct Limits {
 };
 
 // ---- .npy ------------------------------------------------------------------
-// Reads a float32/float64 .npy and converts the elements to T.
+// Reads a float32/float64/bool .npy and converts the elements to T (a bool
+// becomes 0 or 1; `stored` says which type the file held).
 template <class T>
 Array<T> read_npy(const std::string& path, const Limits& limits = {});
 // Parses .npy bytes already in memory; `name` is used in error messages.

@@ -130,7 +130,7 @@ Backend resolve_backend(const SdpaArgs<T>& args, const SdpaOptions& opt, bool wa
 // and tests compare against it): y = exp(x - max) / sum, numerically stable
 // for finite x of any magnitude; y may alias x; returns the log-sum-exp.
 // All -inf (or n = 0) gives y = 0 and returns -inf; a NaN or +inf entry makes
-// every y and the result NaN. Throws attn::InvalidArgument for n < 0 or a
+// y NaN at every entry that is not -inf (0 at those) and the result NaN. Throws attn::InvalidArgument for n < 0 or a
 // null pointer with n > 0.
 template <class T>
 T softmax(const T* x, T* y, int64_t n);

@@ -30,11 +30,15 @@ namespace attn::io::detail {
   fail(name, what + ": " + std::strerror(err), err);
 }
 
-// Element count of `shape` times `itemsize`, or fail when it overflows 63 bits.
+// Element count of `shape` times `itemsize`, or fail when it overflows 62
+// bits. An empty shape (some axis 0) needs 0 bytes whatever its other axes.
 inline uint64_t checked_bytes(const std::vector<int64_t>& shape, uint64_t itemsize, const std::string& name) {
+  for (auto s : shape)
+    if (s < 0) fail(name, "negative dimension " + std::to_string(s) + " in shape " + shape_str(shape));
+  for (auto s : shape)
+    if (s == 0) return 0;
   uint64_t n = itemsize;
   for (auto s : shape) {
-    if (s < 0) fail(name, "negative dimension " + std::to_string(s) + " in shape " + shape_str(shape));
     uint64_t r = 0;
     if (__builtin_mul_overflow(n, uint64_t(s), &r) || r > (uint64_t(1) << 62))
       fail(name, "shape " + shape_str(shape) + " has more elements than any file could hold");
@@ -57,12 +61,25 @@ void decode(const unsigned char* src, size_t count, bool big_endian, T* dst) {
   }
 }
 
+inline size_t itemsize(DType d) { return d == DType::f32 ? 4 : d == DType::f64 ? 8 : 1; }
+
+// Decodes `count` elements stored as `stored` into T. A bool byte must be 0
+// or 1 (NumPy writes nothing else); `name` names the file when it is not.
 template <class T>
-void decode_any(DType stored, const unsigned char* src, size_t count, bool big_endian, T* dst) {
-  if (stored == DType::f32)
+void decode_any(DType stored, const unsigned char* src, size_t count, bool big_endian, T* dst,
+                const std::string& name) {
+  if (stored == DType::f32) {
     decode<float>(src, count, big_endian, dst);
-  else
+  } else if (stored == DType::f64) {
     decode<double>(src, count, big_endian, dst);
+  } else {
+    for (size_t i = 0; i < count; ++i) {
+      if (src[i] > 1)
+        fail(name, "bool element " + std::to_string(i) + " is the byte " + std::to_string(src[i]) +
+                       ", expected 0 (False) or 1 (True)");
+      dst[i] = T(src[i]);
+    }
+  }
 }
 
 template <class T> constexpr DType dtype_of();

@@ -180,11 +180,13 @@ Array<T> parse_npy(const unsigned char* bytes, size_t size, const std::string& n
     stored = DType::f32;
   } else if (d == "<f8" || d == "=f8" || d == ">f8") {
     stored = DType::f64;
+  } else if (d == "|b1") {
+    stored = DType::b1;
   } else {
-    fail(name, "unsupported dtype '" + d + "' (only float32 '<f4' and float64 '<f8' are read)");
+    fail(name, "unsupported dtype '" + d + "' (only float32 '<f4', float64 '<f8' and bool '|b1' are read)");
   }
   big = d[0] == '>';
-  const uint64_t itemsize = stored == DType::f32 ? 4 : 8;
+  const uint64_t itemsize = detail::itemsize(stored);
   const uint64_t need = detail::checked_bytes(h.shape, itemsize, name);
   const uint64_t have = size - start - header_len;
   if (have < need)
@@ -200,12 +202,14 @@ Array<T> parse_npy(const unsigned char* bytes, size_t size, const std::string& n
   const size_t n = size_t(need / itemsize);
   a.data.resize(n);
   const unsigned char* src = bytes + start + header_len;
+  if (n == 0) return a;  // no elements: nothing to decode, and the other axes may be huge
   if (!h.fortran || h.shape.size() < 2) {
-    detail::decode_any(stored, src, n, big, a.data.data());
+    detail::decode_any(stored, src, n, big, a.data.data(), name);
   } else {
-    // Fortran order: the first axis varies fastest in the file.
+    // Fortran order: the first axis varies fastest in the file. Every axis is
+    // >= 1 here, so each C stride is at most n and the products cannot overflow.
     std::vector<T> f(n);
-    detail::decode_any(stored, src, n, big, f.data());
+    detail::decode_any(stored, src, n, big, f.data(), name);
     const size_t r = h.shape.size();
     std::vector<int64_t> idx(r, 0), cstride(r, 1);
     for (size_t i = r - 1; i > 0; --i) cstride[i - 1] = cstride[i] * h.shape[i];

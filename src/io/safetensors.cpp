@@ -4,8 +4,11 @@
 // An optional "__metadata__" entry maps string keys to string values.
 // The JSON is parsed by nlohmann-json after a cheap nesting-depth scan; every
 // entry is checked (dtype, shape overflow, offsets inside the buffer, size
-// matching the shape, no two tensors overlapping) before any tensor is
-// allocated, so allocations never exceed the file's own size.
+// matching the shape) before any tensor is allocated, so allocations never
+// exceed the file's own size. As strict as the format (and the reference
+// `safetensors` library): the header may be padded with trailing spaces only,
+// and the tensors' byte ranges must tile the buffer exactly: no overlap, no
+// hole, no trailing byte after the last tensor.
 #include <algorithm>
 #include <cstring>
 #include <nlohmann/json.hpp>
@@ -82,6 +85,10 @@ std::map<std::string, Array<T>> parse_safetensors(const unsigned char* bytes, si
                    " bytes)");
   const std::string_view text(reinterpret_cast<const char*>(bytes + 8), size_t(n));
   if (text.empty() || text.front() != '{') fail(name, "not a safetensors file (the header is not a JSON object)");
+  const size_t nul = text.find('\0');
+  if (nul != std::string_view::npos)
+    fail(name, "the JSON header holds a NUL byte at offset " + std::to_string(nul) +
+                   " (the format pads the header with spaces only)");
   if (!nesting_ok(text, 8)) fail(name, "the JSON header is nested too deeply");
   json header = json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
   if (header.is_discarded()) fail(name, "the JSON header does not parse");
@@ -126,19 +133,31 @@ std::map<std::string, Array<T>> parse_safetensors(const unsigned char* bytes, si
     if (e.begin > e.end || e.end > buffer)
       fail(name, where + " has data_offsets [" + std::to_string(e.begin) + ", " + std::to_string(e.end) +
                      "] outside the " + std::to_string(buffer) + "-byte data buffer");
-    const uint64_t need = detail::checked_bytes(e.shape, e.dtype == DType::f32 ? 4 : 8, name + ": " + where);
+    const uint64_t need = detail::checked_bytes(e.shape, detail::itemsize(e.dtype), name + ": " + where);
     if (e.end - e.begin != need)
       fail(name, where + " spans " + std::to_string(e.end - e.begin) + " bytes, but shape " +
                      shape_str(e.shape) + " of " + dtype_name(e.dtype) + " needs " + std::to_string(need));
     entries.push_back(std::move(e));
   }
+  // The byte ranges, in order, must tile [0, buffer): each starts where the
+  // previous one ended (an empty tensor is a range of length 0).
   std::vector<const Entry*> order;
-  for (const auto& e : entries)
-    if (e.end > e.begin) order.push_back(&e);  // empty tensors occupy no bytes
-  std::sort(order.begin(), order.end(), [](const Entry* a, const Entry* b) { return a->begin < b->begin; });
-  for (size_t i = 1; i < order.size(); ++i)
-    if (order[i]->begin < order[i - 1]->end)
-      fail(name, "tensors '" + order[i - 1]->key + "' and '" + order[i]->key + "' overlap in the data buffer");
+  for (const auto& e : entries) order.push_back(&e);
+  std::sort(order.begin(), order.end(),
+            [](const Entry* a, const Entry* b) { return a->begin != b->begin ? a->begin < b->begin : a->end < b->end; });
+  uint64_t covered = 0;
+  const Entry* prev = nullptr;
+  for (const Entry* e : order) {
+    if (e->begin < covered)
+      fail(name, "tensors '" + prev->key + "' and '" + e->key + "' overlap in the data buffer");
+    if (e->begin > covered)
+      fail(name, "bytes [" + std::to_string(covered) + ", " + std::to_string(e->begin) +
+                     ") of the data buffer belong to no tensor (a hole before tensor '" + e->key + "')");
+    covered = e->end;
+    prev = e;
+  }
+  if (covered != buffer)
+    fail(name, "the file holds " + std::to_string(buffer - covered) + " trailing bytes after the last tensor's data");
 
   std::map<std::string, Array<T>> out;
   const unsigned char* base = bytes + 8 + n;
@@ -146,9 +165,9 @@ std::map<std::string, Array<T>> parse_safetensors(const unsigned char* bytes, si
     Array<T> a;
     a.shape = e.shape;
     a.stored = e.dtype;
-    const size_t count = size_t((e.end - e.begin) / (e.dtype == DType::f32 ? 4 : 8));
+    const size_t count = size_t((e.end - e.begin) / detail::itemsize(e.dtype));
     a.data.resize(count);
-    detail::decode_any(e.dtype, base + e.begin, count, false, a.data.data());
+    detail::decode_any(e.dtype, base + e.begin, count, false, a.data.data(), name);
     out.emplace(e.key, std::move(a));
   }
   if (metadata) *metadata = std::move(meta);

@@ -5,8 +5,9 @@
 //
 // Accumulates in double whatever the element types. Rows with no finite
 // entry (all -inf, or n = 0) become 0 and return -inf: a fully masked row.
-// A NaN or +inf entry makes the whole row and the result NaN, so a poisoned
-// input is never mistaken for a masked one. y may alias x.
+// A NaN or +inf entry poisons the row: NaN at every visible (not -inf) entry,
+// 0 at the masked ones, and the result NaN, so a poisoned input is never
+// mistaken for a masked one. y may alias x.
 #pragma once
 
 #include <cmath>
@@ -15,19 +16,23 @@
 
 namespace attn::detail {
 
+// The poisoned row: NaN where x is visible (not -inf), 0 where it is masked;
+// returns NaN. y may alias x.
+template <class In, class Out>
+double poison_row(const In* x, Out* y, int64_t n) {
+  constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+  for (int64_t j = 0; j < n; ++j) y[j] = double(x[j]) == -std::numeric_limits<double>::infinity() ? Out(0) : Out(kNaN);
+  return kNaN;
+}
+
 template <class In, class Out>
 double softmax(const In* x, Out* y, int64_t n) {
   constexpr double kNegInf = -std::numeric_limits<double>::infinity();
   double m = kNegInf;
-  bool poisoned = false;
   for (int64_t j = 0; j < n; ++j) {
     const double v = double(x[j]);
-    poisoned |= std::isnan(v) || v == -kNegInf;
+    if (std::isnan(v) || v == -kNegInf) return poison_row(x, y, n);
     if (v > m) m = v;
-  }
-  if (poisoned) {
-    for (int64_t j = 0; j < n; ++j) y[j] = Out(std::numeric_limits<double>::quiet_NaN());
-    return std::numeric_limits<double>::quiet_NaN();
   }
   if (m == kNegInf) {
     for (int64_t j = 0; j < n; ++j) y[j] = Out(0);

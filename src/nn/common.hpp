@@ -8,6 +8,7 @@
 
 #include "attn/error.hpp"
 #include "attn/tensor.hpp"
+#include "kernels/gemm/gemm.hpp"
 
 namespace attn::nn {
 
@@ -26,13 +27,10 @@ int64_t rows_of(const Tensor<T>& x, int64_t width, const char* fn, const char* n
   return x.dim(0);
 }
 
-// out[j] += Σ_m x[m, j] for a (M, n) matrix, accumulated in double.
+// out[j] += Σ_m x[m, j] for a (M, n) matrix (the GEMM helpers' column sum).
 template <class T>
 void add_column_sums(const Tensor<T>& x, int64_t M, int64_t n, Tensor<T>& out) {
-  std::vector<double> acc(size_t(n), 0.0);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t j = 0; j < n; ++j) acc[size_t(j)] += double(x[size_t(m * n + j)]);
-  for (int64_t j = 0; j < n; ++j) out[size_t(j)] += T(acc[size_t(j)]);
+  attn::detail::add_column_sums(x.data(), M, n, out.data());
 }
 
 inline void check_tokens(const int32_t* tokens, int64_t M, int64_t vocab, const char* fn) {

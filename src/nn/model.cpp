@@ -25,6 +25,34 @@ void ModelConfig::validate() const {
     fail("attn_scale must be finite and > 0");
 }
 
+ParameterShapes parameter_shapes(const ModelConfig& config) {
+  config.validate();
+  const int64_t D = config.dim, V = config.vocab, F = config.mlp_hidden == 0 ? 4 * D : config.mlp_hidden;
+  ParameterShapes p = {{"embed.weight", {V, D}}};
+  if (config.positions == Positions::learned) p.push_back({"pos.weight", {config.max_len, D}});
+  auto norm = [&](const std::string& pre) {
+    p.push_back({pre + "weight", {D}});
+    p.push_back({pre + "bias", {D}});
+  };
+  auto linear = [&](const std::string& pre, int64_t in, int64_t out) {
+    p.push_back({pre + "weight", {out, in}});
+    p.push_back({pre + "bias", {out}});
+  };
+  for (int64_t l = 0; l < config.layers; ++l) {
+    const std::string pre = "blocks." + std::to_string(l) + ".";
+    norm(pre + "ln1.");
+    p.push_back({pre + "attn.in_proj_weight", {3 * D, D}});
+    p.push_back({pre + "attn.in_proj_bias", {3 * D}});
+    linear(pre + "attn.out_proj.", D, D);
+    norm(pre + "ln2.");
+    linear(pre + "mlp.fc1.", D, F);
+    linear(pre + "mlp.fc2.", F, D);
+  }
+  norm("ln_f.");
+  linear("head.", D, V);
+  return p;
+}
+
 template <class T>
 Transformer<T>::Transformer(const ModelConfig& config, uint64_t seed) : cfg_(config) {
   cfg_.validate();

@@ -34,7 +34,7 @@ void TaskConfig::validate() const {
   if (kind == TaskKind::recall && length > symbols)
     throw InvalidArgument("attn::nn::TaskConfig: recall needs distinct keys, so length (" + std::to_string(length) +
                 ") must be <= symbols (" + std::to_string(symbols) + ")");
-  if (kind == TaskKind::recall && (queries < 0 || queries > length))
+  if (queries < 0 || (kind == TaskKind::recall && queries > length))
     throw InvalidArgument("attn::nn::TaskConfig: queries is " + std::to_string(queries) + ", expected 1 to length (" +
                 std::to_string(length) + "), or 0 for length");
 }

@@ -12,11 +12,13 @@
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <sstream>
 #include <type_traits>
 #include <utility>
 #include <vector>
 
+#include "attn/detail/output.hpp"
 #include "attn/io.hpp"
 #include "attn/nn/optim.hpp"
 #include "kernels/gemm/gemm.hpp"
@@ -88,30 +90,72 @@ nlohmann::json config_json(const TrainConfig& c) {
           {"curriculum_threshold", c.curriculum_threshold}};
 }
 
-TrainConfig config_from_json(const nlohmann::json& j) {
+// The fields of a stored configuration, each of exactly its JSON type: a
+// length of 4.5 or "8" is refused, not rounded or converted.
+class ConfigReader {
+ public:
+  ConfigReader(const nlohmann::json& j, std::string who) : j_(j), who_(std::move(who)) {
+    if (!j_.is_object()) throw InvalidArgument(who_ + "the config metadata is not a JSON object");
+  }
+  // The value of `key` as V when `ok` accepts its JSON value; `fallback`
+  // when absent (required when there is none).
+  template <class V>
+  V get(const char* key, bool (nlohmann::json::*ok)() const noexcept, const char* expected,
+        std::optional<V> fallback = std::nullopt) const {
+    auto it = j_.find(key);
+    if (it == j_.end()) {
+      if (fallback) return *fallback;
+      throw InvalidArgument(who_ + "config lacks '" + key + "'");
+    }
+    if (!((*it).*ok)() || (std::is_same_v<V, int64_t> && it->is_number_unsigned() &&
+                           it->template get<uint64_t>() > uint64_t(INT64_MAX)))
+      throw InvalidArgument(who_ + "config '" + key + "' is " + it->dump() + ", expected " + expected);
+    return it->template get<V>();
+  }
+  int64_t integer(const char* key, std::optional<int64_t> fallback = std::nullopt) const {
+    return get<int64_t>(key, &nlohmann::json::is_number_integer, "an integer", fallback);
+  }
+  double number(const char* key, std::optional<double> fallback = std::nullopt) const {
+    return get<double>(key, &nlohmann::json::is_number, "a number", fallback);
+  }
+  uint64_t unsigned_integer(const char* key) const {
+    return get<uint64_t>(key, &nlohmann::json::is_number_unsigned, "an integer >= 0");
+  }
+  bool boolean(const char* key) const { return get<bool>(key, &nlohmann::json::is_boolean, "true or false"); }
+  std::string string(const char* key) const {
+    return get<std::string>(key, &nlohmann::json::is_string, "a string");
+  }
+
+ private:
+  const nlohmann::json& j_;
+  std::string who_;
+};
+
+TrainConfig config_from_json(const nlohmann::json& j, const std::string& who) {
+  const ConfigReader r(j, who);
   TrainConfig c;
-  c.task.kind = parse_task(j.at("task").get<std::string>());
-  c.task.length = j.at("length").get<int64_t>();
-  c.task.symbols = j.at("symbols").get<int64_t>();
-  c.task.queries = j.value("queries", int64_t(0));
-  c.layers = j.at("layers").get<int64_t>();
-  c.dim = j.at("dim").get<int64_t>();
-  c.heads = j.at("heads").get<int64_t>();
-  c.positions = parse_positions(j.at("positions").get<std::string>());
-  c.causal = j.at("causal").get<bool>();
-  c.scale_none = j.at("scale_none").get<bool>();
-  c.optimizer = j.at("optimizer").get<std::string>();
-  c.lr = j.at("lr").get<double>();
-  c.min_lr = j.at("min_lr").get<double>();
-  c.warmup = j.at("warmup").get<int64_t>();
-  c.steps = j.at("steps").get<int64_t>();
-  c.batch = j.at("batch").get<int64_t>();
-  c.clip = j.at("clip").get<double>();
-  c.weight_decay = j.at("weight_decay").get<double>();
-  c.momentum = j.at("momentum").get<double>();
-  c.seed = j.at("seed").get<uint64_t>();
-  c.curriculum = j.value("curriculum", int64_t(0));
-  c.curriculum_threshold = j.value("curriculum_threshold", 0.9);
+  c.task.kind = parse_task(r.string("task"));
+  c.task.length = r.integer("length");
+  c.task.symbols = r.integer("symbols");
+  c.task.queries = r.integer("queries", 0);
+  c.layers = r.integer("layers");
+  c.dim = r.integer("dim");
+  c.heads = r.integer("heads");
+  c.positions = parse_positions(r.string("positions"));
+  c.causal = r.boolean("causal");
+  c.scale_none = r.boolean("scale_none");
+  c.optimizer = r.string("optimizer");
+  c.lr = r.number("lr");
+  c.min_lr = r.number("min_lr");
+  c.warmup = r.integer("warmup");
+  c.steps = r.integer("steps");
+  c.batch = r.integer("batch");
+  c.clip = r.number("clip");
+  c.weight_decay = r.number("weight_decay");
+  c.momentum = r.number("momentum");
+  c.seed = r.unsigned_integer("seed");
+  c.curriculum = r.integer("curriculum", 0);
+  c.curriculum_threshold = r.number("curriculum_threshold", 0.9);
   return c;
 }
 
@@ -149,6 +193,9 @@ io::Limits checkpoint_limits() {
   return lim;
 }
 
+// "nan", "inf" or "-inf" (std::to_string may print "-nan").
+std::string non_finite_name(double x) { return std::isnan(x) ? "nan" : x > 0 ? "inf" : "-inf"; }
+
 // A metadata value that must be present; `who` prefixes the error.
 const std::string& metadata_value(const io::Metadata& meta, const char* key, const std::string& who) {
   auto it = meta.find(key);
@@ -169,17 +216,26 @@ int64_t metadata_int(const io::Metadata& meta, const char* key, const std::strin
 
 void TrainConfig::validate() const {
   auto fail = [](const std::string& m) { throw InvalidArgument("attn::nn::TrainConfig: " + m); };
+  auto bounded = [&](const char* field, int64_t v, int64_t lo, int64_t hi, const char* why = "") {
+    if (v < lo || v > hi)
+      fail(std::string(field) + " is " + std::to_string(v) + ", expected " + std::to_string(lo) + " to " +
+           std::to_string(hi) + why);
+  };
   task.validate();
+  bounded("length", task.length, 1, TrainLimits::max_length);
+  bounded("layers", layers, 1, TrainLimits::max_layers, " (a model needs at least one attention layer)");
+  bounded("dim", dim, 1, TrainLimits::max_dim);
+  bounded("batch", batch, 1, TrainLimits::max_batch);
+  bounded("steps", steps, 1, TrainLimits::max_steps);
+  bounded("eval_examples", eval_examples, 1, TrainLimits::max_eval_examples);
   if (optimizer != "adamw" && optimizer != "sgd") fail("optimizer is '" + optimizer + "', expected adamw or sgd");
   if (!(lr > 0) || !std::isfinite(lr)) fail("lr must be finite and > 0");
   if (!(min_lr >= 0) || min_lr > lr) fail("min_lr must be in [0, lr]");
   if (warmup < 0) fail("warmup must be >= 0");
-  if (steps < 1) fail("steps is " + std::to_string(steps) + ", expected >= 1");
-  if (batch < 1) fail("batch is " + std::to_string(batch) + ", expected >= 1");
-  if (!(clip >= 0)) fail("clip must be >= 0 (0 = off)");
-  if (!(weight_decay >= 0)) fail("weight_decay must be >= 0");
+  if (!(clip >= 0) || !std::isfinite(clip)) fail("clip must be finite and >= 0 (0 = off)");
+  if (!(weight_decay >= 0) || !std::isfinite(weight_decay)) fail("weight_decay must be finite and >= 0");
+  if (!(momentum >= 0 && momentum < 1)) fail("momentum must be in [0, 1)");
   if (stop_at < 0) fail("stop_at must be >= 0");
-  if (eval_examples < 1) fail("eval_examples must be >= 1");
   if (eval_every < 0 || log_every < 0 || save_every < 0) fail("eval_every, log_every and save_every must be >= 0");
   if (curriculum < 0) fail("curriculum is " + std::to_string(curriculum) + ", expected 0 (off) or a starting length");
   if (!(curriculum_threshold > 0 && curriculum_threshold <= 1)) fail("curriculum_threshold must be in (0, 1]");
@@ -315,6 +371,12 @@ int64_t load_training_checkpoint(const std::string& path, Transformer<T>& model,
     if (it->second.shape != dst.shape())
       throw InvalidArgument(who + "tensor '" + name + "' has shape " + shape_str(it->second.shape) +
                   ", the model expects " + shape_str(dst.shape()));
+    const auto& d = it->second.data;
+    const auto bad = std::find_if(d.begin(), d.end(), [](T x) { return !std::isfinite(x); });
+    if (bad != d.end())
+      throw InvalidArgument(who + "tensor '" + name + "' holds " + non_finite_name(double(*bad)) + " at flat index " +
+                  std::to_string(bad - d.begin()) + " (training never writes a non-finite value: the file is "
+                  "corrupted)");
     copies.emplace_back(&it->second, &dst);
   };
   for (const auto& p : model.parameters()) check(p.name, *p.value);
@@ -343,12 +405,31 @@ int64_t load_training_checkpoint(const std::string& path, Transformer<T>& model,
 TrainConfig checkpoint_config(const std::string& path) {
   const std::string who = "attn::nn::checkpoint_config: '" + path + "': ";
   io::Metadata meta;
-  io::read_safetensors<float>(path, checkpoint_limits(), &meta);
+  const auto tensors = io::read_safetensors<float>(path, checkpoint_limits(), &meta);
+  TrainConfig c;
+  nlohmann::json j;
   try {
-    return config_from_json(nlohmann::json::parse(metadata_value(meta, "config", who)));
+    j = nlohmann::json::parse(metadata_value(meta, "config", who));
   } catch (const nlohmann::json::exception& e) {
     throw InvalidArgument(who + "malformed config metadata: " + e.what());
   }
+  c = config_from_json(j, who);
+  try {
+    c.validate();
+  } catch (const InvalidArgument& e) {
+    throw InvalidArgument(who + e.what());
+  }
+  // The model this configuration builds must be the one whose tensors are stored.
+  for (const auto& [name, shape] : parameter_shapes(model_config(c))) {
+    auto it = tensors.find(name);
+    if (it == tensors.end())
+      throw InvalidArgument(who + "the config describes a model with a tensor '" + name + "' " + shape_str(shape) +
+                  ", which the file does not hold: " + config_json(c).dump());
+    if (it->second.shape != shape)
+      throw InvalidArgument(who + "the config describes a model whose tensor '" + name + "' is " + shape_str(shape) +
+                  ", the file holds " + shape_str(it->second.shape) + ": " + config_json(c).dump());
+  }
+  return c;
 }
 
 void write_curve_csv(const std::string& path, const std::vector<TrainRecord>& curve) {
@@ -366,6 +447,12 @@ void write_curve_csv(const std::string& path, const std::vector<TrainRecord>& cu
 
 TrainResult train(const TrainConfig& cfg, const ProgressCallback& progress) {
   cfg.validate();
+  {
+    // Outputs are checked before training, not found unwritable at the end.
+    io::detail::OutputTransaction outputs;
+    if (!cfg.save_path.empty()) outputs.check(cfg.save_path, "save_path");
+    if (!cfg.csv_path.empty()) outputs.check(cfg.csv_path, "csv_path");
+  }
   // The model's products are small: BLAS threads would only fight the OpenMP
   // threads for the cores (see ScopedBlasThreads).
   const detail::ScopedBlasThreads one_blas_thread(1);
@@ -391,6 +478,16 @@ TrainResult train(const TrainConfig& cfg, const ProgressCallback& progress) {
   res.start_step = start;
   res.num_parameters = model.num_parameters();
 
+  // A non-finite loss or gradient ends the run before the optimizer applies
+  // it, so no checkpoint with NaN parameters is ever written.
+  int64_t saved_step = -1;
+  auto diverged = [&](const std::string& what, int64_t at) {
+    std::string kept;
+    if (saved_step >= 0) kept = "; the checkpoint of step " + std::to_string(saved_step) + " in '" + cfg.save_path + "' is kept";
+    else if (!cfg.resume_path.empty()) kept = "; '" + cfg.resume_path + "' is unchanged";
+    throw TrainingDiverged("attn::nn::train: training diverged at step " + std::to_string(at + 1) + ": " + what +
+                           " (lower lr, or clip the gradient)" + kept);
+  };
   const auto t0 = std::chrono::steady_clock::now();
   Tensor<float> logits, dlogits;
   bool evaluated_last = false;
@@ -403,6 +500,7 @@ TrainResult train(const TrainConfig& cfg, const ProgressCallback& progress) {
     model.zero_grad();
     model.forward(batch.tokens.data(), batch.B, batch.N, logits);
     const auto ce = softmax_cross_entropy<float>(logits, batch.targets.data(), &dlogits);
+    if (!std::isfinite(ce.loss)) diverged("the loss is " + non_finite_name(ce.loss), step);
     const Accuracy acc = accuracy(logits, batch.targets.data(), batch.B, batch.N);
     if (step == start) {
       double sd = 0, top = 0;
@@ -426,6 +524,7 @@ TrainResult train(const TrainConfig& cfg, const ProgressCallback& progress) {
     curriculum.record(rec.token_acc);
     qk_grad_norms(model, rec.grad_norm_q, rec.grad_norm_k);
     rec.grad_norm = clip_grad_norm(params, cfg.clip);
+    if (!std::isfinite(rec.grad_norm)) diverged("the gradient norm is " + non_finite_name(rec.grad_norm), step);
     rec.lr = sched.at(step);
     opt->step(rec.lr);
 
@@ -445,8 +544,10 @@ TrainResult train(const TrainConfig& cfg, const ProgressCallback& progress) {
     res.curve.push_back(rec);
     if (progress && ((cfg.log_every > 0 && (step + 1) % cfg.log_every == 0) || last || rec.eval_token_acc >= 0))
       progress(rec);
-    if (!cfg.save_path.empty() && cfg.save_every > 0 && (step + 1) % cfg.save_every == 0)
+    if (!cfg.save_path.empty() && cfg.save_every > 0 && (step + 1) % cfg.save_every == 0) {
       save_training_checkpoint(cfg.save_path, model, opt.get(), step + 1, cfg, &curriculum);
+      saved_step = step + 1;
+    }
     if (cfg.target_accuracy > 0 && rec.eval_token_acc >= cfg.target_accuracy) {
       ++step;
       break;

@@ -25,31 +25,15 @@
 #include <vector>
 
 #include "attn/error.hpp"
+#include "attn/rng.hpp"
 #include "attn/sdpa.hpp"
 #include "attn/tensor.hpp"
 
 namespace attn::nn {
 
-// A small counter-based generator (splitmix64): the same seed gives the same
-// numbers on every platform and standard library, which std::normal_distribution
-// does not promise. Normals come from Box–Muller.
-class Rng {
- public:
-  explicit Rng(uint64_t seed = 0) : state_(seed) {}
-  uint64_t next();
-  double uniform();                  // [0, 1)
-  double uniform(double a, double b);
-  double normal();                   // N(0, 1)
-  int64_t below(int64_t n);          // uniform integer in [0, n)
-  uint64_t state() const { return state_; }
-
- private:
-  uint64_t state_;
-};
-
-// Seed of an independent stream `stream` derived from `seed` (for per-step
-// data, per-layer init, ...).
-uint64_t derive_seed(uint64_t seed, uint64_t stream);
+// The library's generator (attn/rng.hpp), under the names the layers use.
+using attn::derive_seed;
+using attn::Rng;
 
 // A parameter as the optimizers and checkpoints see it.
 template <class T>

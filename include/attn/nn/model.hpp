@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "attn/nn/layers.hpp"
@@ -37,6 +38,12 @@ struct ModelConfig {
   // Throws attn::InvalidArgument naming the field when a value is out of range.
   void validate() const;
 };
+
+// The names and shapes Transformer::parameters() lists for a model of this
+// configuration, computed without building it: a checkpoint is checked
+// against them before anything is allocated.
+using ParameterShapes = std::vector<std::pair<std::string, std::vector<int64_t>>>;
+ParameterShapes parameter_shapes(const ModelConfig& config);
 
 template <class T>
 struct TransformerBlock {

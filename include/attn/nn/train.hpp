@@ -21,6 +21,27 @@
 
 namespace attn::nn {
 
+// Thrown by train() when the loss or the gradient norm becomes NaN or
+// infinite. Training stops before the optimizer applies that step, so the
+// checkpoints already written (periodic ones, or the one resumed from) are
+// left as they were.
+class TrainingDiverged : public Error {
+ public:
+  explicit TrainingDiverged(const std::string& what) : Error(what) {}
+};
+
+// Limits on the sizes a configuration (or a checkpoint's) may ask for: small
+// models on synthetic tasks are what this trainer is for, and a hostile
+// checkpoint must not make it allocate without bound.
+struct TrainLimits {
+  static constexpr int64_t max_length = 4096;   // task.length
+  static constexpr int64_t max_layers = 64;
+  static constexpr int64_t max_dim = 8192;
+  static constexpr int64_t max_batch = 65536;
+  static constexpr int64_t max_steps = int64_t(1) << 40;
+  static constexpr int64_t max_eval_examples = 1 << 24;
+};
+
 struct TrainConfig {
   TaskConfig task;
   // model
@@ -57,7 +78,7 @@ struct TrainConfig {
   int64_t curriculum = 0;
   double curriculum_threshold = 0.9;
 
-  void validate() const;  // throws attn::InvalidArgument naming the field
+  void validate() const;  // throws attn::InvalidArgument naming the field (TrainLimits bound the sizes)
 };
 
 // The length schedule of a curriculum. The running accuracy is an exponential
@@ -135,11 +156,16 @@ template <class T>
 void save_training_checkpoint(const std::string& path, Transformer<T>& model, Optimizer<T>* optimizer,
                               int64_t step, const TrainConfig& config, const Curriculum* curriculum = nullptr);
 // Loads parameters (and optimizer state when given) and returns the step;
-// restores `curriculum` when given and stored.
+// restores `curriculum` when given and stored. A NaN or infinite value in a
+// stored tensor is refused (training never writes one: it stops first).
 template <class T>
 int64_t load_training_checkpoint(const std::string& path, Transformer<T>& model, Optimizer<T>* optimizer,
                                  Curriculum* curriculum = nullptr);
-// The configuration stored in a checkpoint (to rebuild its model).
+// The configuration stored in a checkpoint (to rebuild its model), validated
+// (TrainConfig::validate; integers must be JSON integers) and checked against
+// the tensors stored: every parameter of the model it describes is there with
+// its shape (parameter_shapes), so building that model allocates no more than
+// the file holds. Throws attn::InvalidArgument naming the path and the field or tensor.
 TrainConfig checkpoint_config(const std::string& path);
 
 // Writes the curve as CSV (atomically).

@@ -1,17 +1,16 @@
-// Internal: the entry points of the fused CPU backend (float32), called only
-// from the dispatch in src/sdpa.cpp after validation.
+// Internal: the entry points of the fused CPU backend (float32), called from
+// the dispatch in src/sdpa.cpp after validation (and from tests and the
+// benchmark). No SIMD types here: the kernels are compiled per target in
+// fused.cpp and picked at run time.
 #pragma once
 
 #include <cstdint>
 
 #include "attn/sdpa.hpp"
+#include "kernels/fused/tiles.hpp"
 #include "kernels/problem.hpp"
 
 namespace attn::detail {
-
-// Whether the fused backend is compiled in, and whether it handles this request.
-bool fused_available();
-bool fused_supports(const Problem& p, const SdpaArgs<float>& a, bool want_weights);
 
 void fused_forward(const Problem& p, const SdpaArgs<float>& a, View4<float> out,
                    View4<float> weights, View3<float> lse);
@@ -20,24 +19,22 @@ void fused_forward(const Problem& p, const SdpaArgs<float>& a, View4<float> out,
 void fused_backward(const Problem& p, const SdpaArgs<float>& a, View4<const float> dout,
                     const SdpaGrads<float>& g, View4<const float> out, View3<const float> lse);
 
-// Tile sizes of the fused kernel: `q_block` query rows are processed against
-// `k_block` keys at a time. They depend only on the problem's shape (never on
-// the thread count), so results are the same for any number of threads.
-struct FusedTiles {
-  int64_t q_block = 0;
-  int64_t k_block = 0;
-};
-// The block-size heuristic (the one place tile sizes are chosen).
-FusedTiles fused_tiles(const Problem& p);
-// Bytes of per-thread scratch the kernels allocate for these tiles.
-int64_t fused_scratch_bytes(const Problem& p, FusedTiles t);
-
-// The same entry points with explicit tiles (for tests and benchmarks).
+// The same entry points with an explicit plan instead of fused_plan(p) (for
+// tests and tuning). Any block sizes >= 1 work; fused_plan's promises
+// (tiles.hpp) are about speed and scratch size, not correctness.
 void fused_forward_tiled(const Problem& p, const SdpaArgs<float>& a, View4<float> out,
-                         View4<float> weights, View3<float> lse, FusedTiles t);
+                         View4<float> weights, View3<float> lse, const FusedPlan& t);
 void fused_backward_tiled(const Problem& p, const SdpaArgs<float>& a, View4<const float> dout,
                           const SdpaGrads<float>& g, View4<const float> out,
-                          View3<const float> lse, FusedTiles t);
+                          View3<const float> lse, const FusedPlan& t);
+
+// Bytes of scratch each thread allocates for this plan on the SIMD target in
+// use (the same ForwardScratch/BackwardScratch::bytes() the kernels allocate).
+struct FusedScratchBytes {
+  int64_t forward = 0;
+  int64_t backward = 0;
+};
+FusedScratchBytes fused_scratch_bytes(const Problem& p, const FusedPlan& t);
 
 // The SIMD target the kernels dispatch to on this machine (e.g. "AVX2").
 const char* fused_target_name();

@@ -20,6 +20,11 @@
 // has max = −∞ and sum = 0; its rescale factor is 0 (not NaN), the shift
 // used for exponentials is 0 (so exp(−∞ − 0) = 0), and it finalises to
 // lse = −∞ with a zero output.
+//
+// NaN is the opposite case and is not guarded against: a NaN score, or a +∞
+// one (exp(+∞ − +∞) is NaN), makes the tile's sum NaN, every later step keeps
+// it, and the row finalises to a NaN lse and factor, so the whole output row
+// is NaN. (The running max alone would lose a NaN: max ignores it.)
 #pragma once
 
 #include <algorithm>
@@ -118,7 +123,7 @@ MergeWeights<T> merge(State<T>& a, const State<T>& b) {
 }
 
 // The final factor for the accumulator (1/sum, or 0 for a row that saw no
-// visible key) and the row's log-sum-exp (−∞ for such a row).
+// visible key, NaN for a poisoned row) and the row's log-sum-exp (−∞, NaN).
 template <class T>
 struct Final {
   T inv_sum;
@@ -127,6 +132,7 @@ struct Final {
 
 template <class Base = Natural, class T>
 Final<T> finalize(const State<T>& st) {
+  if (st.sum != st.sum) return {st.sum, st.sum};  // poisoned by a NaN or +∞ score
   if (st.sum == T(0)) return {T(0), neg_inf<T>()};
   return {T(1) / st.sum, st.max + Base::log(st.sum)};
 }

@@ -15,27 +15,51 @@
 //                                 dbias = dZ summed over broadcast axes
 // Masked entries have a_ij = 0, so they receive no gradient; a fully masked
 // row has A = 0 and contributes nothing anywhere.
+//
+// NaN and ±∞ (docs/fused.md states the rule; the fused backend follows it
+// identically): a key a row cannot see (causal, key_lengths, mask, bias −∞)
+// never touches the row, whatever its values. A visible pair whose query,
+// key or value row holds NaN or ±∞ has score NaN; a row with a NaN or +∞
+// visible score is poisoned: lse NaN, a NaN at every visible weight (0 at the
+// masked ones), so NaN in its output and in every gradient it reaches. In
+// the backward a NaN or ±∞ in dY poisons its row the same way.
 #include "kernels/reference/sdpa_reference.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
+#include <string>
 #include <vector>
 
+#include "attn/detail/memory.hpp"
 #include "kernels/softmax.hpp"
 
 namespace attn::detail {
 namespace {
 
 constexpr double kNegInf = -std::numeric_limits<double>::infinity();
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 
-// Scores z_ij = scale·q_i·k_j + bias_ij for one (b, h), masked entries -inf.
+// Whether row n of a (B, Hx, N, F) view holds NaN or ±∞.
+template <class T>
+bool bad_row(const View4<const T>& x, int64_t b, int64_t hx, int64_t n) {
+  for (int64_t f = 0; f < x.dim(3); ++f)
+    if (!std::isfinite(double(x(b, hx, n, f)))) return true;
+  return false;
+}
+
+// Scores z_ij = scale·q_i·k_j + bias_ij for one (b, h), masked entries -inf
+// (a bias of -inf masks too), NaN for a visible pair with a bad q, k or v row.
 template <class T>
 void scores(const Problem& p, const SdpaArgs<T>& a, int64_t b, int64_t h,
             std::vector<double>& z) {
   const int64_t hk = p.kv_head(h);
   const int64_t key_len = a.key_lengths.empty() ? p.S : a.key_lengths(b);
+  std::vector<char> bad_key(static_cast<size_t>(p.S));
+  for (int64_t j = 0; j < p.S; ++j) bad_key[size_t(j)] = bad_row(a.k, b, hk, j) || bad_row(a.v, b, hk, j);
   for (int64_t i = 0; i < p.L; ++i) {
     const int64_t end = std::min(p.causal_end(i), key_len);
+    const bool bad_q = bad_row(a.q, b, h, i);
     for (int64_t j = 0; j < p.S; ++j) {
       double& zij = z[static_cast<size_t>(i * p.S + j)];
       bool visible = j < end;
@@ -43,18 +67,23 @@ void scores(const Problem& p, const SdpaArgs<T>& a, int64_t b, int64_t h,
         const auto& m = a.mask;
         visible = m(bcast(b, m.dim(0)), bcast(h, m.dim(1)), bcast(i, m.dim(2)), bcast(j, m.dim(3)));
       }
+      double bias = 0;
+      if (visible && !a.bias.empty()) {
+        const auto& bi = a.bias;
+        bias = double(bi(bcast(b, bi.dim(0)), bcast(h, bi.dim(1)), bcast(i, bi.dim(2)), bcast(j, bi.dim(3))));
+        visible = bias != kNegInf;
+      }
       if (!visible) {
         zij = kNegInf;
         continue;
       }
+      if (bad_q || bad_key[size_t(j)]) {
+        zij = kNaN;
+        continue;
+      }
       double dot = 0;
       for (int64_t e = 0; e < p.E; ++e) dot += double(a.q(b, h, i, e)) * double(a.k(b, hk, j, e));
-      zij = p.scale * dot;
-      if (!a.bias.empty()) {
-        const auto& bi = a.bias;
-        zij += double(bi(bcast(b, bi.dim(0)), bcast(h, bi.dim(1)), bcast(i, bi.dim(2)),
-                         bcast(j, bi.dim(3))));
-      }
+      zij = p.scale * dot + bias;
     }
   }
 }
@@ -71,11 +100,21 @@ void attention_matrix(const Problem& p, const SdpaArgs<T>& a, int64_t b, int64_t
   }
 }
 
+// The L×S matrices (`count` of them, in double) must fit in memory; checked
+// before allocating, so a huge request is an argument error, not bad_alloc.
+void check_matrices_fit(const Problem& p, int64_t count, const char* fn) {
+  check_fits_in_memory(checked_bytes({count, p.L, p.S}, sizeof(double)),
+                       std::string(fn) + ": the reference backend materialises " + std::to_string(count) +
+                           " L x S matrix(es) of doubles for q (L = " + std::to_string(p.L) + ") and k (S = " +
+                           std::to_string(p.S) + "); that");
+}
+
 }  // namespace
 
 template <class T>
 void reference_forward(const Problem& p, const SdpaArgs<T>& a, View4<T> out, View4<T> weights,
                        View3<T> lse) {
+  check_matrices_fit(p, 1, "attn::scaled_dot_product_attention");
   std::vector<double> A(static_cast<size_t>(p.L * p.S));
   std::vector<double> lse_row(static_cast<size_t>(p.L));
   for (int64_t b = 0; b < p.B; ++b) {
@@ -87,7 +126,8 @@ void reference_forward(const Problem& p, const SdpaArgs<T>& a, View4<T> out, Vie
         const double* Ai = &A[size_t(i * p.S)];
         for (int64_t e = 0; e < p.Ev; ++e) {
           double y = 0;
-          for (int64_t j = 0; j < p.S; ++j) y += Ai[j] * double(a.v(b, hk, j, e));
+          for (int64_t j = 0; j < p.S; ++j)
+            if (Ai[j] != 0) y += Ai[j] * double(a.v(b, hk, j, e));  // masked keys never touch y
           out(b, h, i, e) = T(y);
         }
         if (!weights.empty())
@@ -101,8 +141,9 @@ void reference_forward(const Problem& p, const SdpaArgs<T>& a, View4<T> out, Vie
 template <class T>
 void reference_backward(const Problem& p, const SdpaArgs<T>& a, View4<const T> dout,
                         const SdpaGrads<T>& g) {
+  check_matrices_fit(p, 2, "attn::scaled_dot_product_attention_backward");
   const size_t LS = static_cast<size_t>(p.L * p.S);
-  std::vector<double> A(LS), dZ(LS), lse_row(static_cast<size_t>(p.L));
+  std::vector<double> A(LS), dZ(LS), Z(LS);
   std::vector<double> dk(static_cast<size_t>(p.S * p.E)), dv(static_cast<size_t>(p.S * p.Ev));
   // dbias accumulates over every (b, h, i, j) that maps onto one bias element.
   std::vector<double> dbias;
@@ -114,10 +155,17 @@ void reference_backward(const Problem& p, const SdpaArgs<T>& a, View4<const T> d
       std::fill(dk.begin(), dk.end(), 0.0);
       std::fill(dv.begin(), dv.end(), 0.0);
       for (int64_t h = hk * p.group(); h < (hk + 1) * p.group(); ++h) {
-        attention_matrix(p, a, b, h, A, lse_row);
+        scores(p, a, b, h, Z);
+        A = Z;
+        for (int64_t i = 0; i < p.L; ++i) softmax(&A[size_t(i * p.S)], &A[size_t(i * p.S)], p.S);
         for (int64_t i = 0; i < p.L; ++i) {
-          const double* Ai = &A[size_t(i * p.S)];
+          double* Ai = &A[size_t(i * p.S)];
           double* dZi = &dZ[size_t(i * p.S)];
+          // A bad dY row poisons its row as a bad input does in the forward.
+          if (bad_row(dout, b, h, i)) {
+            std::copy(&Z[size_t(i * p.S)], &Z[size_t((i + 1) * p.S)], Ai);  // the scores say which keys it sees
+            poison_row(Ai, Ai, p.S);
+          }
           // dA_ij = dY_i · V_j, then the softmax Jacobian-vector product.
           double row_dot = 0;  // Σ_l a_il dA_il
           for (int64_t j = 0; j < p.S; ++j) {
@@ -127,7 +175,7 @@ void reference_backward(const Problem& p, const SdpaArgs<T>& a, View4<const T> d
             dZi[j] = dA;
             row_dot += Ai[j] * dA;
           }
-          for (int64_t j = 0; j < p.S; ++j) dZi[j] = Ai[j] * (dZi[j] - row_dot);
+          for (int64_t j = 0; j < p.S; ++j) dZi[j] = Ai[j] == 0 ? 0.0 : Ai[j] * (dZi[j] - row_dot);
           // dV_j += a_ij · dY_i
           for (int64_t j = 0; j < p.S; ++j) {
             if (Ai[j] == 0) continue;
@@ -136,7 +184,8 @@ void reference_backward(const Problem& p, const SdpaArgs<T>& a, View4<const T> d
           // dQ_i = scale · Σ_j dZ_ij K_j ;  dK_j += scale · dZ_ij Q_i
           for (int64_t e = 0; e < p.E; ++e) {
             double dq = 0;
-            for (int64_t j = 0; j < p.S; ++j) dq += dZi[j] * double(a.k(b, hk, j, e));
+            for (int64_t j = 0; j < p.S; ++j)
+              if (dZi[j] != 0) dq += dZi[j] * double(a.k(b, hk, j, e));
             g.dq(b, h, i, e) = T(p.scale * dq);
           }
           for (int64_t j = 0; j < p.S; ++j) {

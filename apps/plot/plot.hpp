@@ -1,8 +1,10 @@
-// Small raster drawing for the CLI: an RGB canvas with lines, rectangles and
-// text from an embedded 5x7 bitmap font, written as PNG with libpng. Enough
-// for line charts (the experiments) and attention heatmaps, nothing more.
+// Small raster drawing for the CLI and the example programs (target
+// attn_plot): an RGB canvas with lines, rectangles and text from an embedded
+// 5x7 bitmap font, written as PNG with libpng. Enough for line charts (the
+// experiments, training curves) and attention heatmaps, nothing more.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -40,6 +42,8 @@ class Canvas {
 
 // A perceptually ordered colour map (viridis-like) for t in [0, 1].
 Rgb colormap(double t);
+// Distinct colours for the series of a chart (matplotlib's tab10), cycling.
+Rgb palette(size_t k);
 
 struct Series {
   std::string name;

@@ -201,6 +201,12 @@ Rgb colormap(double t) {
   return {mix(0), mix(1), mix(2)};
 }
 
+Rgb palette(size_t k) {
+  static const Rgb kTab10[10] = {{31, 119, 180}, {255, 127, 14}, {44, 160, 44},  {214, 39, 40},  {148, 103, 189},
+                                 {140, 86, 75},  {227, 119, 194}, {127, 127, 127}, {188, 189, 34}, {23, 190, 207}};
+  return kTab10[k % 10];
+}
+
 void draw_chart(const Chart& ch, const std::string& path) {
   Canvas cv(ch.width, ch.height);
   const int left = 110, right = ch.width - 30, top = 60, bottom = ch.height - 80;

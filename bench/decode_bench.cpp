@@ -1,0 +1,259 @@
+// attn-decode-bench: decoding over a KV cache, validated, then timed, side by
+// side with the dense call and the per-head fused kernel on the same keys and
+// values, against the machine's memory read bandwidth measured in the same
+// run.
+//
+// For each shape (B, H, Hkv, L, S, E) and storage type: a cache of S tokens
+// per sequence (the L queries are its last L tokens, bottom-right causal),
+// then
+//   decode     attn::decode_attention (the grouped split-KV kernel)
+//   dense      attn::scaled_dot_product_attention on the cache's float32
+//              storage viewed as dense (B, Hkv, S, E) tensors (auto backend;
+//              few query rows take the same kernel), float32 only
+//   per-head   the fused kernel called directly, one unit per query head (the
+//              path the dense call took before the decode kernel), float32
+// GB/s counts the K and V bytes once (B·Hkv·S·(E + Ev)·element size), the
+// minimum any exact kernel must read; "% bw" relates it to the measured read
+// bandwidth. GFLOP/s counts 4·E flops per visible (query, key) pair.
+#include <omp.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "attn/attn.hpp"
+#include "attn/kv_cache.hpp"
+#include "fma_peak.hpp"
+#include "kernels/decode/decode.hpp"
+#include "kernels/fused/fused.hpp"
+#include "read_bandwidth.hpp"
+
+namespace {
+
+using attn::KVDtype;
+using attn::Tensor;
+using attn::View3;
+using attn::View4;
+
+struct Shape {
+  int64_t B, H, Hkv, L, S, E;
+  std::string str() const {
+    std::ostringstream os;
+    os << B << "," << H << "," << Hkv << "," << L << "," << S << "," << E;
+    return os.str();
+  }
+};
+
+std::vector<Shape> parse_shapes(const std::string& text) {
+  std::vector<Shape> out;
+  std::stringstream ss(text);
+  std::string item;
+  while (std::getline(ss, item, ';')) {
+    Shape s{};
+    if (std::sscanf(item.c_str(), "%ld,%ld,%ld,%ld,%ld,%ld", &s.B, &s.H, &s.Hkv, &s.L, &s.S, &s.E) != 6)
+      throw attn::InvalidArgument("--shapes: '" + item + "' is not B,H,Hkv,L,S,E");
+    out.push_back(s);
+  }
+  return out;
+}
+
+// Deterministic values in [-1, 1) without the cost of a normal generator
+// (the largest cache holds a quarter of a billion numbers).
+float hash_value(uint64_t i) {
+  i ^= i >> 33;
+  i *= 0xff51afd7ed558ccdULL;
+  i ^= i >> 33;
+  i *= 0xc4ceb9fe1a85ec53ULL;
+  i ^= i >> 33;
+  return float(double(i >> 11) * 0x1.0p-52 - 1.0);
+}
+
+void fill_cache(attn::KVCache& cache, const Shape& s) {
+  const int64_t block = 1024;
+  Tensor<float> k({s.Hkv, block, s.E}), v({s.Hkv, block, s.E});
+  for (int64_t b = 0; b < s.B; ++b)
+    for (int64_t t0 = 0; t0 < s.S; t0 += block) {
+      const int64_t n = std::min(block, s.S - t0);
+      for (size_t i = 0; i < k.size(); ++i) {
+        k[i] = hash_value(uint64_t((b * s.S + t0) * s.Hkv * s.E) * 2 + i);
+        v[i] = hash_value(uint64_t((b * s.S + t0) * s.Hkv * s.E) * 2 + i + (uint64_t(1) << 60));
+      }
+      cache.append(b, View3<const float>(k.data(), {s.Hkv, n, s.E}, {block * s.E, s.E, 1}),
+                   View3<const float>(v.data(), {s.Hkv, n, s.E}, {block * s.E, s.E, 1}));
+    }
+}
+
+template <class F>
+double median_seconds(F&& f, double min_seconds, int* reps_out) {
+  f();  // warm-up (page faults, caches)
+  std::vector<double> t;
+  const auto start = std::chrono::steady_clock::now();
+  while (t.size() < 3 || std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() < min_seconds) {
+    const auto t0 = std::chrono::steady_clock::now();
+    f();
+    t.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    if (t.size() >= 200) break;
+  }
+  std::sort(t.begin(), t.end());
+  *reps_out = int(t.size());
+  return t[t.size() / 2];
+}
+
+double max_abs_diff(const Tensor<float>& a, const Tensor<float>& b) {
+  double d = 0;
+  for (size_t i = 0; i < a.size(); ++i) d = std::max(d, std::abs(double(a[i]) - double(b[i])));
+  return d;
+}
+
+std::string sci(double x) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.1e", x);
+  return buf;
+}
+
+double visible_pairs(const Shape& s) {
+  // Bottom-right causal: query i sees S − L + i + 1 keys.
+  return double(s.B) * double(s.H) * (double(s.L) * double(s.S - s.L) + double(s.L) * double(s.L + 1) / 2);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"attn-decode-bench: decoding over a KV cache against memory bandwidth, PyTorch and ggml"};
+  std::string shapes_text =
+      "1,32,8,1,4096,128;1,32,8,1,32768,128;1,8,8,1,16384,64;4,32,8,1,8192,128;1,32,8,1,131072,128;1,32,8,512,8192,128";
+  std::vector<std::string> dtypes{"float32", "float16", "bfloat16"};
+  int threads = omp_get_max_threads();
+  int64_t page = 0;
+  double min_seconds = 1.0;
+  int64_t bw_mib = 1024;
+  std::string json;
+  bool no_dense = false;
+  app.add_option("--shapes", shapes_text, "B,H,Hkv,L,S,E;... (E = Ev)");
+  app.add_option("--dtypes", dtypes, "cache storage: float32, float16, bfloat16")->delimiter(',');
+  app.add_option("--threads", threads, "threads for every variant");
+  app.add_option("--page", page, "paged cache with pages of this many tokens (0 = contiguous)");
+  app.add_option("--min-seconds", min_seconds, "time each variant for at least this long (median of the runs)");
+  app.add_option("--bandwidth-mib", bw_mib, "buffer size of the read-bandwidth measurement");
+  app.add_option("--json", json, "also write the results as JSON to this file ('-' = stdout only)");
+  app.add_flag("--no-dense", no_dense, "skip the dense-call and per-head variants");
+  CLI11_PARSE(app, argc, argv);
+  const bool quiet = json == "-";
+  std::vector<Shape> shapes;
+  try {
+    shapes = parse_shapes(shapes_text);
+    for (auto& d : dtypes) (void)attn::parse_kv_dtype(d);
+  } catch (const attn::Error& e) {
+    std::fprintf(stderr, "%s\n", e.what());
+    return 2;
+  }
+
+  const double bw = attn_bench::read_bandwidth_gbs(threads, bw_mib << 20);
+  const double peak = attn_bench::fma_peak_gflops(threads, 0.3);
+  nlohmann::json doc;
+  doc["threads"] = threads;
+  doc["read_bandwidth_gbs"] = bw;
+  doc["fma_peak_gflops"] = peak;
+  doc["target"] = attn::detail::decode_target_name();
+  doc["page"] = page;
+  doc["rows"] = nlohmann::json::array();
+  if (!quiet) {
+    std::printf("attn-decode-bench: %d threads, %s, read bandwidth %.1f GB/s, FMA peak %.0f GFLOP/s, %s cache\n",
+                threads, attn::detail::decode_target_name(), bw, peak,
+                page ? ("paged (" + std::to_string(page) + " tokens/page)").c_str() : "contiguous");
+    std::printf("%-22s %-8s %-9s %9s %8s %6s %8s %8s  %s\n", "B,H,Hkv,L,S,E", "dtype", "variant", "ms", "GB/s",
+                "% bw", "GFLOP/s", "vs dec", "check");
+  }
+  int status = 0;
+  for (const Shape& s : shapes) {
+    Tensor<float> q({s.B, s.H, s.L, s.E});
+    for (size_t i = 0; i < q.size(); ++i) q[i] = hash_value(i + (uint64_t(3) << 58));
+    Tensor<float> out_f32;
+    for (const std::string& dt : dtypes) {
+      const KVDtype dtype = attn::parse_kv_dtype(dt);
+      attn::KVCacheConfig cfg;
+      cfg.batch = s.B, cfg.kv_heads = s.Hkv, cfg.capacity = s.S, cfg.head_dim = s.E;
+      cfg.dtype = dtype;
+      cfg.page_size = page;
+      attn::KVCache cache(cfg);
+      fill_cache(cache, s);
+      const double elem = dtype == KVDtype::float32 ? 4 : 2;
+      const double kv_bytes = double(s.B) * double(s.Hkv) * double(s.S) * double(2 * s.E) * elem;
+      const double fl = 4.0 * double(s.E) * visible_pairs(s);
+      Tensor<float> out({s.B, s.H, s.L, s.E}), lse({s.B, s.H, s.L});
+      attn::DecodeOptions opt;
+      opt.num_threads = threads;
+      attn::decode_attention(q.view4(), cache, out.view4(), opt, lse.view<3>());
+      // Validate: the reference on the stored values where affordable,
+      // otherwise agreement with the float32 cache's result.
+      std::string check;
+      const bool small = double(s.H) * double(s.L) * double(s.S) * double(s.B) <= double(1 << 22);
+      if (small) {
+        attn::DecodeOptions ro = opt;
+        ro.backend = attn::Backend::reference;
+        Tensor<float> ref({s.B, s.H, s.L, s.E});
+        attn::decode_attention(q.view4(), cache, ref.view4(), ro);
+        const double d = max_abs_diff(out, ref);
+        check = (d < 1e-4 ? "ok vs reference " : "MISMATCH vs reference ") + sci(d);
+        if (d >= 1e-4) status = 1;
+      } else if (!out_f32.size()) {
+        check = "not checked (large; float32 runs first to check the others)";
+      } else {
+        const double d = max_abs_diff(out, out_f32), tol = dtype == KVDtype::float16 ? 5e-3 : 4e-2;
+        check = (d < tol ? "ok vs float32 " : "MISMATCH vs float32 ") + sci(d);
+        if (d >= tol) status = 1;
+      }
+      if (dtype == KVDtype::float32) out_f32 = out;
+      int reps = 0;
+      const double t_dec = median_seconds([&] { attn::decode_attention(q.view4(), cache, out.view4(), opt, lse.view<3>()); },
+                                          min_seconds, &reps);
+      auto emit = [&](const char* variant, double t, int n, const std::string& chk) {
+        const double gbs = kv_bytes / t * 1e-9;
+        if (!quiet)
+          std::printf("%-22s %-8s %-9s %9.3f %8.1f %5.0f%% %8.1f %7.2fx  %s\n", s.str().c_str(), dt.c_str(), variant,
+                      t * 1e3, gbs, 100 * gbs / bw, fl / t * 1e-9, t / t_dec, chk.c_str());
+        std::fflush(stdout);
+        doc["rows"].push_back({{"shape", {s.B, s.H, s.Hkv, s.L, s.S, s.E}}, {"dtype", dt}, {"variant", variant},
+                               {"ms", t * 1e3}, {"kv_gbs", gbs}, {"pct_bandwidth", 100 * gbs / bw},
+                               {"gflops", fl / t * 1e-9}, {"reps", n}, {"check", chk}});
+      };
+      emit("decode", t_dec, reps, check);
+      if (no_dense || dtype != KVDtype::float32 || page != 0) continue;
+      // The same keys and values as dense tensors: the contiguous cache's storage, viewed.
+      const attn::detail::KVLayout kv = attn::detail::KVCacheAccess::layout(cache);
+      attn::SdpaArgs<float> a;
+      a.q = q.view4();
+      a.k = View4<const float>(static_cast<const float*>(kv.k), {s.B, s.Hkv, s.S, s.E}, {kv.k_page, kv.k_head, kv.k_row, 1});
+      a.v = View4<const float>(static_cast<const float*>(kv.v), {s.B, s.Hkv, s.S, s.E}, {kv.v_page, kv.v_head, kv.v_row, 1});
+      attn::SdpaOptions so;
+      so.causal = true;
+      so.causal_align = attn::CausalAlign::bottom_right;
+      so.num_threads = threads;
+      Tensor<float> dense_out({s.B, s.H, s.L, s.E});
+      const double t_dense = median_seconds(
+          [&] { attn::scaled_dot_product_attention(a, {dense_out.view4(), {}, lse.view<3>()}, so); }, min_seconds, &reps);
+      emit("dense", t_dense, reps, "max |diff| vs decode " + sci(max_abs_diff(dense_out, out)));
+      attn::detail::Problem p;
+      p.B = s.B, p.H = s.H, p.Hkv = s.Hkv, p.L = s.L, p.S = s.S, p.E = p.Ev = s.E;
+      p.scale = 1.0 / std::sqrt(double(s.E));
+      p.causal = true;
+      p.align = attn::CausalAlign::bottom_right;
+      p.threads = threads;
+      const double t_fused = median_seconds(
+          [&] { attn::detail::fused_forward(p, a, dense_out.view4(), {}, lse.view<3>()); }, min_seconds, &reps);
+      emit("per-head", t_fused, reps, "max |diff| vs decode " + sci(max_abs_diff(dense_out, out)));
+    }
+  }
+  if (!json.empty()) {
+    if (json == "-") std::printf("%s\n", doc.dump(2).c_str());
+    else std::ofstream(json) << doc.dump(2) << "\n";
+  }
+  return status;
+}

@@ -1,0 +1,71 @@
+// The machine's memory read bandwidth, measured: every thread sums its slice
+// of a large buffer with several independent vector accumulators (enough
+// loads in flight to keep the memory system busy), on the widest vectors
+// the CPU has (Highway's run-time dispatch). Decoding reads the KV cache
+// once per step; this is the rate it can at best read it at.
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "read_bandwidth.cpp"
+#include <hwy/foreach_target.h>  // IWYU pragma: keep
+// Must come after foreach_target.h.
+#include <hwy/aligned_allocator.h>
+#include <hwy/highway.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+
+#include "read_bandwidth.hpp"
+
+HWY_BEFORE_NAMESPACE();
+namespace attn_bench {
+namespace HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+// Σ p[0..n) with four accumulators; n a multiple of 4 lanes.
+float SumFloats(const float* HWY_RESTRICT p, int64_t n) {
+  const hn::ScalableTag<float> d;
+  const int64_t N = int64_t(hn::Lanes(d));
+  auto a0 = hn::Zero(d), a1 = a0, a2 = a0, a3 = a0;
+  for (int64_t i = 0; i + 4 * N <= n; i += 4 * N) {
+    a0 = hn::Add(a0, hn::Load(d, p + i));
+    a1 = hn::Add(a1, hn::Load(d, p + i + N));
+    a2 = hn::Add(a2, hn::Load(d, p + i + 2 * N));
+    a3 = hn::Add(a3, hn::Load(d, p + i + 3 * N));
+  }
+  return hn::GetLane(hn::SumOfLanes(d, hn::Add(hn::Add(a0, a1), hn::Add(a2, a3))));
+}
+
+}  // namespace HWY_NAMESPACE
+}  // namespace attn_bench
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace attn_bench {
+HWY_EXPORT(SumFloats);
+
+double read_bandwidth_gbs(int threads, int64_t bytes, int reps) {
+  const int64_t n = bytes / 4 / 1024 * 1024;
+  auto buf = hwy::AllocateAligned<float>(size_t(n));
+  const int64_t slice = n / threads / 64 * 64;  // 256-byte aligned slices
+  // Each thread touches (first-touch places pages near it) its own slice.
+#pragma omp parallel num_threads(threads)
+  {
+    float* s = buf.get() + int64_t(omp_get_thread_num()) * slice;
+    std::fill(s, s + slice, 1.0f);
+  }
+  double best = 0;
+  for (int rep = 0; rep < reps; ++rep) {
+    float total = 0;
+    const auto t0 = std::chrono::steady_clock::now();
+#pragma omp parallel num_threads(threads) reduction(+ : total)
+    total += HWY_DYNAMIC_DISPATCH(SumFloats)(buf.get() + int64_t(omp_get_thread_num()) * slice, slice);
+    const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    volatile float sink = total;
+    (void)sink;
+    best = std::max(best, double(slice) * threads * 4 / dt * 1e-9);
+  }
+  return best;
+}
+
+}  // namespace attn_bench
+#endif

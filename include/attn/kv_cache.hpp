@@ -1,0 +1,137 @@
+// attn/kv_cache.hpp — a key/value cache for incremental decoding, and
+// attention of new queries over it.
+//
+// The cache holds, for B sequences and Hkv key/value heads, the keys (E
+// features) and values (Ev features) of every token appended so far. Each
+// sequence has its own length (0 <= length(b) <= capacity). Keys and values
+// are stored in float32, float16 or bfloat16 (converted on append, rounding
+// to nearest even); attention is computed in float32 on the stored values, so
+// results are exact for the stored precision.
+//
+// Layouts
+// -------
+//   contiguous  one block of `capacity` tokens per sequence:
+//               K storage (B, Hkv, capacity, E), V (B, Hkv, capacity, Ev).
+//   paged       a pool of `num_pages` pages of `page_size` tokens each:
+//               K pool (num_pages, Hkv, page_size, E), V (.., Ev), plus a
+//               block table per sequence (the layout of vLLM's and
+//               FlashAttention's `block_table`): token t of sequence b lives
+//               in page block_table(b)[t / page_size], slot t % page_size.
+//               Pages are taken from the pool as a sequence grows (lowest
+//               free page first), so nothing is reallocated or copied.
+//               Sequences may share pages holding a common prefix
+//               (set_block_table); a shared page is read-only.
+// Within a page (or block) the rows of one head are contiguous, so attention
+// for one key/value head streams page_size·E consecutive elements.
+//
+// Block-table rules (checked by set_block_table, argument errors otherwise):
+// every page id is in [0, num_pages); no page appears twice in one table; a
+// page a sequence may still write (the one holding position length(b) and
+// every later one) belongs to that sequence alone; a page shared between
+// sequences is full (entirely below the length) in every table using it.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string_view>
+#include <vector>
+
+#include "attn/error.hpp"
+#include "attn/sdpa.hpp"
+#include "attn/tensor.hpp"
+
+namespace attn {
+
+namespace detail {
+struct KVCacheAccess;  // the kernels' read access to the storage
+}
+
+enum class KVDtype { float32, float16, bfloat16 };
+const char* kv_dtype_name(KVDtype t);           // "float32", "float16", "bfloat16"
+KVDtype parse_kv_dtype(std::string_view name);  // also "f32", "f16", "bf16"; throws attn::InvalidArgument
+
+struct KVCacheConfig {
+  int64_t batch = 1;       // B sequences
+  int64_t kv_heads = 1;    // Hkv
+  int64_t capacity = 0;    // most tokens one sequence can hold
+  int64_t head_dim = 0;    // E
+  int64_t value_dim = 0;   // Ev (0 = E)
+  KVDtype dtype = KVDtype::float32;
+  int64_t page_size = 0;   // 0 = contiguous; > 0 = paged with pages of this many tokens
+  int64_t num_pages = 0;   // paged: pool size (0 = B · ceil(capacity / page_size))
+};
+
+class KVCache {
+ public:
+  explicit KVCache(const KVCacheConfig& config);
+
+  const KVCacheConfig& config() const { return cfg_; }
+  int64_t batch() const { return cfg_.batch; }
+  int64_t kv_heads() const { return cfg_.kv_heads; }
+  int64_t capacity() const { return cfg_.capacity; }
+  int64_t head_dim() const { return cfg_.head_dim; }
+  int64_t value_dim() const { return cfg_.value_dim; }
+  KVDtype dtype() const { return cfg_.dtype; }
+  bool paged() const { return cfg_.page_size > 0; }
+  int64_t page_size() const { return page_size_; }  // capacity when contiguous
+  int64_t num_pages() const { return num_pages_; }  // B when contiguous
+  int64_t length(int64_t b) const;
+  int64_t max_length() const;
+  int64_t free_pages() const;  // pages no sequence uses
+  size_t storage_bytes() const { return kstore_.size() + vstore_.size(); }
+
+  // Appends n tokens to sequence b: k (Hkv, n, E), v (Hkv, n, Ev), any strides.
+  void append(int64_t b, View3<const float> k, View3<const float> v);
+  // Appends n tokens to every sequence: k (B, Hkv, n, E), v (B, Hkv, n, Ev).
+  void append(View4<const float> k, View4<const float> v);
+  // Length of sequence b back to 0 (its pages return to the pool), or of all.
+  void reset(int64_t b);
+  void clear();
+
+  // Paged layout only. The pages of sequence b in token order (ceil(length /
+  // page_size) entries, more when set_block_table gave more).
+  std::vector<int32_t> block_table(int64_t b) const;
+  // Replaces sequence b's table and length (see the rules above); e.g. a
+  // second sequence reusing the first one's full prefix pages.
+  void set_block_table(int64_t b, std::span<const int32_t> pages, int64_t length);
+
+  // The stored keys and values of sequence b as float32 (the rounded values):
+  // k (Hkv, length(b), E), v (Hkv, length(b), Ev).
+  void read(int64_t b, View3<float> k, View3<float> v) const;
+
+ private:
+  friend struct detail::KVCacheAccess;
+  void check_seq(const char* fn, int64_t b) const;
+  void write(int64_t b, int64_t t, int64_t n, const View3<const float>& k, const View3<const float>& v);
+  KVCacheConfig cfg_;
+  int64_t page_size_ = 0, num_pages_ = 0, table_width_ = 0, elem_ = 4;
+  std::vector<std::byte> kstore_, vstore_;
+  std::vector<int64_t> len_;
+  std::vector<int32_t> table_;  // B × table_width_, −1 = no page yet
+  std::vector<int32_t> refs_;   // per page: how many table entries name it
+};
+
+struct DecodeOptions {
+  std::optional<double> scale;  // default 1/sqrt(E); finite and > 0
+  // Bottom-right causal: new query i (of L) of sequence b sees keys
+  // j <= length(b) − L + i, i.e. the L queries are the last L tokens appended.
+  // false: every query sees all length(b) keys.
+  bool causal = true;
+  // reference: the cache is read back as float32 and each sequence runs the
+  // reference backend (for testing); fused/automatic: the decode kernel.
+  Backend backend = Backend::automatic;
+  bool split_kv = true;  // chunks of one sequence's keys may run on different threads
+  int num_threads = 0;   // 0 = the library default
+};
+
+// Attention of L new queries per sequence over the cache.
+//   q (B, H, L, E) with Hkv dividing H (query head h reads cache head
+//   h / (H / Hkv)); out (B, H, L, Ev); lse (B, H, L) when given.
+// A sequence of length 0 (or a query that sees no key) gets output 0 and
+// lse −inf. Results do not depend on the thread count or on split_kv (the
+// chunks are fixed by the shape and merged in the same order either way).
+void decode_attention(View4<const float> q, const KVCache& cache, View4<float> out,
+                      const DecodeOptions& opt = {}, View3<float> lse = {});
+
+}  // namespace attn

@@ -1,0 +1,556 @@
+// The decode kernel: attention of a few new query rows per sequence over a
+// long key/value history (a KV cache, or the dense K/V of a call with few
+// query rows), float32 arithmetic on float32, float16 or bfloat16 storage.
+//
+// Memory traffic is the whole story. With L new queries and S cached keys,
+// the work is O(L·S·E) flops against O(S·(E + Ev)) bytes of K and V, so for
+// small L the kernel is bound by the read bandwidth, and the only goal is to
+// read each K and V byte once, at full speed, from every core.
+//
+//  * Grouped heads. The G = H / Hkv query heads that share a key/value head,
+//    times the L new rows, form one block of M = G·L query rows (row
+//    m = i·G + g: query i of head hk·G + g). Each K/V tile is loaded once
+//    and used by all M rows, instead of once per query head.
+//  * Split-KV. A (sequence, kv head, row block) has few units compared to
+//    the threads when B·Hkv is small, so its keys are cut into chunks of
+//    `chunk` keys; each chunk yields a partial output with its running max
+//    and sum (the online-softmax state), and the chunks of a block are
+//    merged in chunk order by the online softmax's merge. The chunk size is
+//    a function of the shape only (decode_plan), and the same chunks are
+//    merged in the same order whether they ran on one thread or many, so the
+//    result is bitwise the same for any thread count, split or not.
+//  * Tiles. A chunk is walked in tiles of at most `tile` keys that never
+//    cross a page, so a tile of one head is one contiguous run of
+//    tile·E (and tile·Ev) elements. Scores of a tile: a register block of
+//    up to 4 rows × 2 keys, E accumulated in vectors (the key vector is
+//    converted once and used by the 4 rows), reduced across lanes at the
+//    end; then the online-softmax step per row (in base 2: the queries are
+//    pre-multiplied by scale·log2(e)); then acc += P·V with a register block
+//    of up to 4 rows × 2 value vectors, each value vector converted once.
+//  * Storage types: float16 and bfloat16 are widened in registers
+//    (F16C / AVX-512 conversions, a shift for bfloat16, portable code on
+//    other targets); the data never exists as float32 in memory.
+//
+// NaN in q or k makes a score NaN; a flag carries that to the row's output
+// and lse (the vector max would drop it). NaN in v reaches the output through
+// the accumulation. A row that sees no key finalises to output 0, lse −inf.
+//
+// Written once with Highway, compiled per target (AVX-512, AVX2, SSE4,
+// portable), dispatched at run time like the fused kernel.
+
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "kernels/decode/decode.cpp"
+#include <hwy/foreach_target.h>  // IWYU pragma: keep
+// Must come after foreach_target.h.
+#include <hwy/aligned_allocator.h>
+#include <hwy/highway.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "kernels/decode/decode.hpp"
+#include "kernels/fused/common.hpp"
+#include "kernels/fused/online_softmax.hpp"
+// The fused kernels' SIMD helpers (Exp2Softmax, ScaleRow, Lanes); this
+// kernel uses only some of them, the others would warn as unused here.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wunused-function"
+#include "kernels/fused/simd-inl.h"
+#pragma GCC diagnostic pop
+
+#ifndef ATTN_DECODE_COMMON_ONCE
+#define ATTN_DECODE_COMMON_ONCE
+namespace attn::detail::decode_common {
+
+constexpr float kLog2e = 1.44269504088896341f;
+constexpr float kLn2 = 0.693147180559945309f;
+constexpr int64_t kMaxRows = 128;      // query rows per block (the M of one unit)
+constexpr int64_t kTargetUnits = 32;   // split the keys until about this many units exist
+constexpr int64_t kMinChunk = 256;     // ... but never into chunks shorter than this
+
+// One chunk of keys [c0, c1) for query rows [m0, m0 + nm) of (b, hk).
+struct Unit {
+  int64_t b, hk, m0, nm, c0, c1;
+};
+// The chunks of one row block: units [first, first + count); when count > 1
+// their partials live in slots [slot, slot + count).
+struct Block {
+  int64_t first, count, slot;
+};
+
+// Everything the units of one call share.
+struct Call {
+  const DecodeProblem* p;
+  const KVLayout* kv;
+  View4<const float> q;
+  View4<float> out;
+  View3<float> lse;
+  DecodePlan plan;
+  int64_t Ep, Evp, tilep;
+};
+
+}  // namespace attn::detail::decode_common
+#endif
+
+HWY_BEFORE_NAMESPACE();
+namespace attn::detail {
+namespace HWY_NAMESPACE {
+namespace {
+
+using namespace decode_common;  // hn, os, DF, VF come with simd-inl.h
+
+// ---- loads: N stored elements as float32 ---------------------------------
+
+HWY_INLINE VF LoadF(DF d, const float* HWY_RESTRICT p) { return hn::LoadU(d, p); }
+HWY_INLINE VF LoadF(DF d, const hwy::float16_t* HWY_RESTRICT p) {
+  const hn::Rebind<hwy::float16_t, DF> dh;
+  return hn::PromoteTo(d, hn::LoadU(dh, p));
+}
+HWY_INLINE VF LoadF(DF d, const hwy::bfloat16_t* HWY_RESTRICT p) {
+  const hn::Rebind<hwy::bfloat16_t, DF> db;
+  return hn::PromoteTo(d, hn::LoadU(db, p));
+}
+// The first n (< N) elements, zeros after them; never reads past p + n.
+template <class T>
+HWY_INLINE VF LoadTail(DF d, const T* p, int64_t n) {
+  HWY_ALIGN T buf[64];  // >= the lane count of any target
+  std::memset(static_cast<void*>(buf), 0, sizeof(buf));
+  std::memcpy(static_cast<void*>(buf), p, size_t(n) * sizeof(T));
+  return LoadF(d, buf);
+}
+
+// ---- per-thread scratch ------------------------------------------------------
+//   q    [rows × Ep]     the block's queries × scale·log2(e), zero padded
+//   s    [rows × tilep]  scores of a tile → probabilities
+//   acc  [rows × Evp]    accumulator of a chunk that is finalised directly
+//   end  [rows]          one past the last key each row sees
+//   st, nan [rows]       online-softmax state and NaN flag (direct chunks)
+struct Scratch {
+  hwy::AlignedFreeUniquePtr<float[]> q, s, acc;
+  std::vector<int64_t> end;
+  std::vector<os::State<float>> st;
+  std::vector<uint8_t> nan;
+  explicit Scratch(const Call& c) {
+    const int64_t rows = c.plan.rows;
+    q = hwy::AllocateAligned<float>(size_t(rows * c.Ep));
+    s = hwy::AllocateAligned<float>(size_t(rows * c.tilep));
+    acc = hwy::AllocateAligned<float>(size_t(rows * c.Evp));
+    std::fill(q.get(), q.get() + rows * c.Ep, 0.0f);
+    end.resize(size_t(rows));
+    st.resize(size_t(rows));
+    nan.resize(size_t(rows));
+  }
+};
+
+// ---- scores: s[r][jj] = q_r · k_jj ----------------------------------------
+
+template <int R, int C, class T>
+HWY_INLINE void ScoreBlock(const float* HWY_RESTRICT q, int64_t ldq, const T* HWY_RESTRICT k, int64_t krow,
+                           int64_t E, float* HWY_RESTRICT s, int64_t lds) {
+  const DF d;
+  const int64_t N = int64_t(hn::Lanes(d));
+  VF acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = hn::Zero(d);
+  int64_t e = 0;
+  for (; e + N <= E; e += N) {
+    VF kv[C];
+    for (int c = 0; c < C; ++c) kv[c] = LoadF(d, k + c * krow + e);  // converted once, used by R rows
+    for (int r = 0; r < R; ++r) {
+      const VF qv = hn::Load(d, q + r * ldq + e);
+      for (int c = 0; c < C; ++c) acc[r][c] = hn::MulAdd(qv, kv[c], acc[r][c]);
+    }
+  }
+  if (e < E) {  // the padded queries are zero beyond E
+    VF kv[C];
+    for (int c = 0; c < C; ++c) kv[c] = LoadTail(d, k + c * krow + e, E - e);
+    for (int r = 0; r < R; ++r) {
+      const VF qv = hn::Load(d, q + r * ldq + e);
+      for (int c = 0; c < C; ++c) acc[r][c] = hn::MulAdd(qv, kv[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) s[r * lds + c] = hn::GetLane(hn::SumOfLanes(d, acc[r][c]));
+}
+
+template <int R, class T>
+HWY_INLINE void ScoreRows(const float* q, int64_t ldq, const T* k, int64_t krow, int64_t nk, int64_t E,
+                          float* s, int64_t lds) {
+  int64_t jj = 0;
+  for (; jj + 2 <= nk; jj += 2) ScoreBlock<R, 2>(q, ldq, k + jj * krow, krow, E, s + jj, lds);
+  if (jj < nk) ScoreBlock<R, 1>(q, ldq, k + jj * krow, krow, E, s + jj, lds);
+}
+
+template <class T>
+void ScoreTile(const Call& c, Scratch& w, int64_t nm, const T* k, int64_t krow, int64_t nk) {
+  const int64_t E = c.p->E;
+  for (int64_t r0 = 0; r0 < nm; r0 += 4) {
+    const float* q = w.q.get() + r0 * c.Ep;
+    float* s = w.s.get() + r0 * c.tilep;
+    switch (std::min<int64_t>(4, nm - r0)) {
+      case 4: ScoreRows<4>(q, c.Ep, k, krow, nk, E, s, c.tilep); break;
+      case 3: ScoreRows<3>(q, c.Ep, k, krow, nk, E, s, c.tilep); break;
+      case 2: ScoreRows<2>(q, c.Ep, k, krow, nk, E, s, c.tilep); break;
+      default: ScoreRows<1>(q, c.Ep, k, krow, nk, E, s, c.tilep); break;
+    }
+  }
+}
+
+// ---- values: acc[r][:] += Σ_jj p[r][jj] · v_jj -------------------------------
+
+// One strip of NV vectors starting at feature e0; TAIL: the strip is one
+// partial vector of Ev − e0 features.
+template <int R, int NV, bool TAIL, class T>
+HWY_INLINE void ValueStrip(const float* HWY_RESTRICT p, int64_t ldp, int64_t nk, const T* HWY_RESTRICT v,
+                           int64_t vrow, int64_t e0, int64_t Ev, float* HWY_RESTRICT o, int64_t ldo) {
+  const DF d;
+  const int64_t N = int64_t(hn::Lanes(d));
+  VF acc[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < NV; ++c) acc[r][c] = hn::Load(d, o + r * ldo + e0 + c * N);
+  for (int64_t jj = 0; jj < nk; ++jj) {
+    const T* vj = v + jj * vrow + e0;
+    VF vv[NV];
+    for (int c = 0; c < NV; ++c) vv[c] = TAIL ? LoadTail(d, vj, Ev - e0) : LoadF(d, vj + c * N);
+    for (int r = 0; r < R; ++r) {
+      const VF pr = hn::Set(d, p[r * ldp + jj]);
+      for (int c = 0; c < NV; ++c) acc[r][c] = hn::MulAdd(pr, vv[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < NV; ++c) hn::Store(acc[r][c], d, o + r * ldo + e0 + c * N);
+}
+
+template <int R, class T>
+HWY_INLINE void ValueRows(const float* p, int64_t ldp, int64_t nk, const T* v, int64_t vrow, int64_t Ev,
+                          float* o, int64_t ldo) {
+  const int64_t N = int64_t(hn::Lanes(DF()));
+  int64_t e0 = 0;
+  for (; e0 + 2 * N <= Ev; e0 += 2 * N) ValueStrip<R, 2, false>(p, ldp, nk, v, vrow, e0, Ev, o, ldo);
+  for (; e0 + N <= Ev; e0 += N) ValueStrip<R, 1, false>(p, ldp, nk, v, vrow, e0, Ev, o, ldo);
+  if (e0 < Ev) ValueStrip<R, 1, true>(p, ldp, nk, v, vrow, e0, Ev, o, ldo);
+}
+
+template <class T>
+void ValueTile(const Call& c, Scratch& w, int64_t nm, const T* v, int64_t vrow, int64_t nk, float* acc) {
+  const int64_t Ev = c.p->Ev;
+  for (int64_t r0 = 0; r0 < nm; r0 += 4) {
+    const float* p = w.s.get() + r0 * c.tilep;
+    float* o = acc + r0 * c.Evp;
+    switch (std::min<int64_t>(4, nm - r0)) {
+      case 4: ValueRows<4>(p, c.tilep, nk, v, vrow, Ev, o, c.Evp); break;
+      case 3: ValueRows<3>(p, c.tilep, nk, v, vrow, Ev, o, c.Evp); break;
+      case 2: ValueRows<2>(p, c.tilep, nk, v, vrow, Ev, o, c.Evp); break;
+      default: ValueRows<1>(p, c.tilep, nk, v, vrow, Ev, o, c.Evp); break;
+    }
+  }
+}
+
+// ---- one chunk --------------------------------------------------------------
+
+// q[r][e] = scale·log2(e)·Q(b, hk·G + g, i, e) for the block's rows m = i·G + g,
+// and each row's key end.
+void PackQueries(const Call& c, Scratch& w, const Unit& u) {
+  const DecodeProblem& p = *c.p;
+  const int64_t G = p.group(), E = p.E, se = c.q.strides[3];
+  const float s2 = float(p.scale) * kLog2e;
+  for (int64_t r = 0; r < u.nm; ++r) {
+    const int64_t m = u.m0 + r, i = m / G, h = u.hk * G + m % G;
+    const float* src = &c.q(u.b, h, i, 0);
+    float* dst = w.q.get() + r * c.Ep;
+    for (int64_t e = 0; e < E; ++e) dst[e] = s2 * src[e * se];
+    w.end[size_t(r)] = p.row_end(u.b, i);
+  }
+}
+
+// Folds tile scores s (nk keys from j0) into the rows' states: masks keys a
+// row does not see (and the padding up to tilep), turns scores into
+// 2^(s − shift), rescales the rows of acc.
+void SoftmaxTile(const Call& c, Scratch& w, int64_t nm, int64_t j0, int64_t nk, float* acc,
+                 os::State<float>* st, uint8_t* nan) {
+  const DF d;
+  const int64_t N = Lanes();
+  for (int64_t r = 0; r < nm; ++r) {
+    float* row = w.s.get() + r * c.tilep;
+    const int64_t vis = std::clamp<int64_t>(w.end[size_t(r)] - j0, 0, nk);
+    std::fill(row + vis, row + c.tilep, kNegInf);
+    VF vmax = hn::Set(d, kNegInf);
+    auto seen_nan = hn::Lt(vmax, vmax);  // all false
+    for (int64_t jj = 0; jj < c.tilep; jj += N) {
+      const VF x = hn::Load(d, row + jj);
+      vmax = hn::Max(vmax, x);
+      seen_nan = hn::Or(seen_nan, hn::IsNaN(x));  // Max would drop a NaN
+    }
+    if (!hn::AllFalse(d, seen_nan)) nan[r] = 1;
+    const os::Step<float> step = os::begin_tile<os::Base2>(st[r], hn::GetLane(hn::MaxOfLanes(d, vmax)));
+    const VF shift = hn::Set(d, step.shift);
+    VF sum = hn::Zero(d);
+    for (int64_t jj = 0; jj < c.tilep; jj += N) {
+      const VF pj = Exp2Softmax(d, hn::Sub(hn::Load(d, row + jj), shift));  // 0 where masked
+      hn::Store(pj, d, row + jj);
+      sum = hn::Add(sum, pj);
+    }
+    os::end_tile(st[r], hn::GetLane(hn::SumOfLanes(d, sum)));
+    if (step.alpha != 1.0f) ScaleRow(acc + r * c.Evp, c.Evp, step.alpha);  // acc <- acc · alpha
+  }
+}
+
+// The chunk u into (acc, st, nan) for its nm rows (acc zeroed here).
+template <class T>
+void ChunkT(const Call& c, Scratch& w, const Unit& u, float* acc, os::State<float>* st, uint8_t* nan) {
+  const KVLayout& kv = *c.kv;
+  PackQueries(c, w, u);
+  std::fill(acc, acc + u.nm * c.Evp, 0.0f);
+  for (int64_t r = 0; r < u.nm; ++r) st[r] = os::State<float>{}, nan[r] = 0;
+  const int64_t kend = std::min(u.c1, w.end[size_t(u.nm - 1)]);  // rows are in query order
+  const T* kbase = static_cast<const T*>(kv.k);
+  const T* vbase = static_cast<const T*>(kv.v);
+  for (int64_t j0 = u.c0; j0 < kend;) {
+    const int64_t slot = j0 / kv.page_size, off = j0 % kv.page_size;
+    const int64_t page = kv.table ? kv.table[u.b * kv.table_stride + slot] : u.b;
+    const int64_t nk = std::min({c.plan.tile, kend - j0, kv.page_size - off});
+    const T* k = kbase + page * kv.k_page + u.hk * kv.k_head + off * kv.k_row;
+    const T* v = vbase + page * kv.v_page + u.hk * kv.v_head + off * kv.v_row;
+    ScoreTile(c, w, u.nm, k, kv.k_row, nk);
+    SoftmaxTile(c, w, u.nm, j0, nk, acc, st, nan);
+    ValueTile(c, w, u.nm, v, kv.v_row, nk, acc);
+    j0 += nk;
+  }
+}
+
+void Chunk(const Call& c, Scratch& w, const Unit& u, float* acc, os::State<float>* st, uint8_t* nan) {
+  switch (c.kv->type) {
+    case KVStorage::f32: return ChunkT<float>(c, w, u, acc, st, nan);
+    case KVStorage::f16: return ChunkT<hwy::float16_t>(c, w, u, acc, st, nan);
+    case KVStorage::bf16: return ChunkT<hwy::bfloat16_t>(c, w, u, acc, st, nan);
+  }
+}
+
+// out = acc / sum and lse for the block's rows (NaN rows stay NaN).
+void Finalize(const Call& c, const Unit& u, const float* acc, const os::State<float>* st, const uint8_t* nan) {
+  const DecodeProblem& p = *c.p;
+  const int64_t G = p.group(), se = c.out.strides[3];
+  const float qnan = std::numeric_limits<float>::quiet_NaN();
+  for (int64_t r = 0; r < u.nm; ++r) {
+    const int64_t m = u.m0 + r, i = m / G, h = u.hk * G + m % G;
+    const os::Final<float> f = os::finalize<os::Base2>(st[r]);
+    const float inv = nan[r] ? qnan : f.inv_sum;
+    const float* o = acc + r * c.Evp;
+    float* dst = &c.out(u.b, h, i, 0);
+    for (int64_t e = 0; e < p.Ev; ++e) dst[e * se] = o[e] * inv;  // y = acc / sum
+    if (!c.lse.empty()) c.lse(u.b, h, i) = nan[r] ? qnan : f.lse * kLn2;  // natural units
+  }
+}
+
+// Merges the partial slots of a block in chunk order into the first, then finalises.
+void MergeBlock(const Call& c, const Unit& u, const Block& blk, float* pacc, os::State<float>* pst,
+                uint8_t* pnan) {
+  const int64_t rows = c.plan.rows, Evp = c.Evp;
+  float* acc0 = pacc + blk.slot * rows * Evp;
+  os::State<float>* st0 = pst + blk.slot * rows;
+  uint8_t* nan0 = pnan + blk.slot * rows;
+  for (int64_t k = 1; k < blk.count; ++k) {
+    const float* acck = pacc + (blk.slot + k) * rows * Evp;
+    const os::State<float>* stk = pst + (blk.slot + k) * rows;
+    const uint8_t* nank = pnan + (blk.slot + k) * rows;
+    for (int64_t r = 0; r < u.nm; ++r) {
+      const os::MergeWeights<float> mw = os::merge<os::Base2>(st0[r], stk[r]);
+      float* o = acc0 + r * Evp;
+      const float* ok = acck + r * Evp;
+      for (int64_t e = 0; e < Evp; ++e) o[e] = mw.wa * o[e] + mw.wb * ok[e];  // acc = wa·acc_a + wb·acc_b
+      nan0[r] |= nank[r];
+    }
+  }
+  Finalize(c, u, acc0, st0, nan0);
+}
+
+void ForwardImpl(const DecodeProblem& p, const KVLayout& kv, View4<const float> q, View4<float> out,
+                 View3<float> lse, DecodePlan plan) {
+  const int64_t lanes = Lanes();
+  const Call c{&p, &kv, q, out, lse, plan, round_up(p.E, lanes), round_up(p.Ev, lanes), round_up(plan.tile, lanes)};
+  // The units: every (b, hk, row block) cut into chunks of its visible keys.
+  const int64_t M = p.group() * p.L;
+  std::vector<Unit> units;
+  std::vector<Block> blocks;
+  int64_t slots = 0;
+  for (int64_t b = 0; b < p.B; ++b)
+    for (int64_t hk = 0; hk < p.Hkv; ++hk)
+      for (int64_t m0 = 0; m0 < M; m0 += plan.rows) {
+        const int64_t nm = std::min(plan.rows, M - m0);
+        const int64_t kend = p.row_end(b, (m0 + nm - 1) / p.group());
+        const int64_t count = std::max<int64_t>(1, ceil_div(kend, plan.chunk));
+        blocks.push_back({int64_t(units.size()), count, count > 1 ? slots : -1});
+        if (count > 1) slots += count;
+        for (int64_t k = 0; k < count; ++k)
+          units.push_back({b, hk, m0, nm, k * plan.chunk, std::min(kend, (k + 1) * plan.chunk)});
+      }
+  // Partials of the chunks of split blocks, slot by slot (layout as in Scratch).
+  const int64_t rows = plan.rows;
+  hwy::AlignedFreeUniquePtr<float[]> pacc = hwy::AllocateAligned<float>(size_t(std::max<int64_t>(1, slots * rows * c.Evp)));
+  std::vector<os::State<float>> pst(size_t(slots * rows));
+  std::vector<uint8_t> pnan(size_t(slots * rows));
+  // Unit u of block k computes into slot (k.slot + its index), or straight
+  // into the scratch accumulator and the output when the block has one chunk.
+  auto run_unit = [&](Scratch& w, const Block& blk, int64_t k) {
+    const Unit& u = units[size_t(blk.first + k)];
+    if (blk.count == 1) {
+      Chunk(c, w, u, w.acc.get(), w.st.data(), w.nan.data());
+      Finalize(c, u, w.acc.get(), w.st.data(), w.nan.data());
+    } else {
+      const int64_t s = blk.slot + k;
+      Chunk(c, w, u, pacc.get() + s * rows * c.Evp, pst.data() + s * rows, pnan.data() + s * rows);
+    }
+  };
+  std::vector<int64_t> unit_block(units.size());
+  for (size_t k = 0; k < blocks.size(); ++k)
+    for (int64_t i = 0; i < blocks[k].count; ++i) unit_block[size_t(blocks[k].first + i)] = int64_t(k);
+  const int64_t nunits = int64_t(units.size()), nblocks = int64_t(blocks.size());
+  const int threads = int(std::min<int64_t>(p.threads, p.split ? nunits : nblocks));
+#pragma omp parallel num_threads(std::max(threads, 1))
+  {
+    Scratch w(c);
+    if (p.split) {
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t i = 0; i < nunits; ++i) {
+        const Block& blk = blocks[size_t(unit_block[size_t(i)])];
+        run_unit(w, blk, i - blk.first);
+      }
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t k = 0; k < nblocks; ++k)
+        if (blocks[size_t(k)].count > 1)
+          MergeBlock(c, units[size_t(blocks[size_t(k)].first)], blocks[size_t(k)], pacc.get(), pst.data(), pnan.data());
+    } else {
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t k = 0; k < nblocks; ++k) {
+        const Block& blk = blocks[size_t(k)];
+        for (int64_t i = 0; i < blk.count; ++i) run_unit(w, blk, i);
+        if (blk.count > 1) MergeBlock(c, units[size_t(blk.first)], blk, pacc.get(), pst.data(), pnan.data());
+      }
+    }
+  }
+}
+
+const char* TargetNameImpl() { return hwy::TargetName(HWY_TARGET); }
+
+}  // namespace
+}  // namespace HWY_NAMESPACE
+}  // namespace attn::detail
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace attn::detail {
+
+HWY_EXPORT(ForwardImpl);
+HWY_EXPORT(TargetNameImpl);
+
+DecodePlan decode_plan(const DecodeProblem& p) {
+  using namespace decode_common;
+  DecodePlan plan;
+  const int64_t M = p.group() * p.L;
+  const int64_t nrb = ceil_div(M, kMaxRows);
+  plan.rows = ceil_div(M, nrb);  // balanced row blocks of at most kMaxRows
+  // A tile of values (tile × Ev floats) stays within about 16 KiB.
+  plan.tile = std::clamp<int64_t>(4096 / std::max<int64_t>({p.E, p.Ev, 1}) / 8 * 8, 8, 64);
+  int64_t smax = 1;
+  for (int64_t n : p.length) smax = std::max(smax, n);
+  const int64_t nsplit = std::max<int64_t>(1, ceil_div(kTargetUnits, p.B * p.Hkv * nrb));
+  plan.chunk = std::max(kMinChunk, round_up(ceil_div(smax, nsplit), plan.tile));
+  return plan;
+}
+
+void decode_forward_planned(const DecodeProblem& p, const KVLayout& kv, View4<const float> q, View4<float> out,
+                            View3<float> lse, DecodePlan plan) {
+  HWY_DYNAMIC_DISPATCH(ForwardImpl)(p, kv, q, out, lse, plan);
+}
+
+void decode_forward(const DecodeProblem& p, const KVLayout& kv, View4<const float> q, View4<float> out,
+                    View3<float> lse) {
+  decode_forward_planned(p, kv, q, out, lse, decode_plan(p));
+}
+
+bool decode_suits_dense(const Problem& p, const SdpaArgs<float>& a, bool want_weights) {
+  return !want_weights && a.mask.empty() && a.bias.empty() && p.L <= 32 &&
+         p.group() * p.L <= decode_common::kMaxRows && a.k.strides[3] == 1 && a.v.strides[3] == 1;
+}
+
+void decode_forward_dense(const Problem& p, const SdpaArgs<float>& a, View4<float> out, View3<float> lse) {
+  DecodeProblem d;
+  d.B = p.B, d.H = p.H, d.Hkv = p.Hkv, d.L = p.L, d.E = p.E, d.Ev = p.Ev;
+  d.scale = p.scale;
+  d.causal = p.causal;
+  d.threads = p.threads;
+  d.length.resize(size_t(p.B));
+  d.offset.assign(size_t(p.B), p.align == CausalAlign::bottom_right ? p.S - p.L : 0);
+  for (int64_t b = 0; b < p.B; ++b) d.length[size_t(b)] = a.key_lengths.empty() ? p.S : a.key_lengths(b);
+  KVLayout kv;
+  kv.k = a.k.data;
+  kv.v = a.v.data;
+  kv.page_size = p.S;  // one page per sequence: the page of sequence b is b
+  kv.k_page = a.k.strides[0], kv.k_head = a.k.strides[1], kv.k_row = a.k.strides[2];
+  kv.v_page = a.v.strides[0], kv.v_head = a.v.strides[1], kv.v_row = a.v.strides[2];
+  decode_forward(d, kv, a.q, out, lse);
+}
+
+const char* decode_target_name() { return HWY_DYNAMIC_DISPATCH(TargetNameImpl)(); }
+
+// ---- storage conversions ----------------------------------------------------
+
+void convert_to_storage(KVStorage t, const float* x, int64_t stride, int64_t n, void* dst) {
+  switch (t) {
+    case KVStorage::f32: {
+      float* y = static_cast<float*>(dst);
+      for (int64_t i = 0; i < n; ++i) y[i] = x[i * stride];
+      return;
+    }
+    case KVStorage::f16: {
+      uint16_t* y = static_cast<uint16_t*>(dst);
+      for (int64_t i = 0; i < n; ++i) {
+        const _Float16 h = static_cast<_Float16>(x[i * stride]);  // round to nearest even
+        std::memcpy(&y[i], &h, 2);
+      }
+      return;
+    }
+    case KVStorage::bf16: {
+      uint16_t* y = static_cast<uint16_t*>(dst);
+      for (int64_t i = 0; i < n; ++i) {
+        uint32_t bits;
+        std::memcpy(&bits, &x[i * stride], 4);
+        if (std::isnan(x[i * stride]))
+          y[i] = uint16_t((bits >> 16) | 0x0040);  // stays a (quiet) NaN
+        else
+          y[i] = uint16_t((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);  // round to nearest even
+      }
+      return;
+    }
+  }
+}
+
+void convert_from_storage(KVStorage t, const void* src, int64_t n, float* y) {
+  switch (t) {
+    case KVStorage::f32: std::memcpy(y, src, size_t(n) * 4); return;
+    case KVStorage::f16: {
+      const uint16_t* x = static_cast<const uint16_t*>(src);
+      for (int64_t i = 0; i < n; ++i) {
+        _Float16 h;
+        std::memcpy(&h, &x[i], 2);
+        y[i] = float(h);
+      }
+      return;
+    }
+    case KVStorage::bf16: {
+      const uint16_t* x = static_cast<const uint16_t*>(src);
+      for (int64_t i = 0; i < n; ++i) {
+        const uint32_t bits = uint32_t(x[i]) << 16;
+        std::memcpy(&y[i], &bits, 4);
+      }
+      return;
+    }
+  }
+}
+
+}  // namespace attn::detail
+#endif  // HWY_ONCE

@@ -1,0 +1,84 @@
+// Internal: the grouped-query, split-KV decode kernel (decode.cpp) and the
+// description of where its keys and values live. Called after validation by
+// decode_attention (src/kv_cache.cpp) and by the dense dispatch in
+// src/sdpa.cpp for calls with few query rows.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "attn/kv_cache.hpp"
+#include "attn/sdpa.hpp"
+#include "kernels/problem.hpp"
+
+namespace attn::detail {
+
+enum class KVStorage { f32, f16, bf16 };
+
+// Key j of sequence b, head hk starts at element
+//   page·k_page + hk·k_head + (j % page_size)·k_row      of k,
+// page = table ? table[b·table_stride + j / page_size] : b; its E features
+// are contiguous. The same for v. A dense (B, Hkv, S, E) view is one page
+// of S keys per sequence.
+struct KVLayout {
+  KVStorage type = KVStorage::f32;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  int64_t page_size = 0;
+  const int32_t* table = nullptr;
+  int64_t table_stride = 0;
+  int64_t k_page = 0, k_head = 0, k_row = 0;
+  int64_t v_page = 0, v_head = 0, v_row = 0;
+};
+
+struct DecodeProblem {
+  int64_t B = 0, H = 0, Hkv = 0, L = 0, E = 0, Ev = 0;
+  double scale = 1.0;
+  bool causal = false;
+  std::vector<int64_t> length;  // keys of sequence b
+  std::vector<int64_t> offset;  // causal: query i sees keys j < i + 1 + offset[b]
+  int threads = 1;
+  bool split = true;  // chunks of one (sequence, head) may run on different threads
+
+  int64_t group() const { return H / Hkv; }
+  // One past the last key query i of sequence b sees.
+  int64_t row_end(int64_t b, int64_t i) const {
+    const int64_t n = length[size_t(b)];
+    return causal ? std::clamp<int64_t>(i + 1 + offset[size_t(b)], 0, n) : n;
+  }
+};
+
+// How the work is cut; depends only on the shape (never on the threads).
+// The G·L query rows of a (sequence, kv head) are split into blocks of at
+// most `rows`; the keys of each block into chunks of `chunk` keys (merged by
+// log-sum-exp); a chunk is walked in tiles of at most `tile` keys.
+struct DecodePlan {
+  int64_t rows = 0, chunk = 0, tile = 0;
+};
+DecodePlan decode_plan(const DecodeProblem& p);
+
+void decode_forward(const DecodeProblem& p, const KVLayout& kv, View4<const float> q, View4<float> out,
+                    View3<float> lse);
+void decode_forward_planned(const DecodeProblem& p, const KVLayout& kv, View4<const float> q,
+                            View4<float> out, View3<float> lse, DecodePlan plan);
+
+// The dense call's use of the kernel: whether a validated request goes this
+// way (few query rows, no mask or bias, unit feature strides, no weights),
+// and the call itself.
+bool decode_suits_dense(const Problem& p, const SdpaArgs<float>& a, bool want_weights);
+void decode_forward_dense(const Problem& p, const SdpaArgs<float>& a, View4<float> out, View3<float> lse);
+
+// The SIMD target the kernel dispatches to (e.g. "AVX2").
+const char* decode_target_name();
+
+// Storage conversions (round to nearest even; NaN stays NaN), n elements.
+void convert_to_storage(KVStorage t, const float* x, int64_t stride, int64_t n, void* dst);
+void convert_from_storage(KVStorage t, const void* src, int64_t n, float* y);
+
+// The cache's storage as the kernel reads it.
+struct KVCacheAccess {
+  static KVLayout layout(const KVCache& c);
+};
+
+}  // namespace attn::detail

@@ -1,0 +1,646 @@
+// The fused attention kernels, forward and backward side by side, for one
+// SIMD target (included once per target by fused.cpp; no ordinary include
+// guard). FlashAttention's algorithm on the CPU, float32.
+//
+// Forward. Work is split into units (batch b, head h, block of q_block query
+// rows). A unit packs its queries transposed and pre-multiplied by the scale
+// and log2(e), then streams the keys in blocks of k_block: the score tile
+// S = K·Qᵀ (keys × queries, K read in place) comes from the block product,
+// the masks are applied, each query's running max and sum are updated
+// (online_softmax.hpp, in base 2), the output accumulator is rescaled and
+// P·V added (V read in place when its rows are dense). At the end each row
+// is divided once by its sum; the log-sum-exp is the only extra state saved.
+// Memory traffic per unit: Q and the output once, K and V once per query
+// block (re-read L / q_block times from cache or memory); the L×S matrices
+// never exist. Causal units stop at the last key their last row can see, so
+// fully masked tiles cost nothing. Attention weights, when asked for, are a
+// second pass per unit: exp(S − max) / sum, tile by tile.
+//
+// Backward. With P = exp(S − lse) recomputed per tile (scores in natural
+// units, query rows × keys) and D_i = Σ_e dY_ie·Y_ie:
+//   dV = Pᵀ·dY,  dP = dY·Vᵀ,  dS = P∘(dP − D),  dQ = scale·dS·K,
+//   dK = scale·dSᵀ·Q,  dbias = dS summed over the bias's broadcast axes.
+// No atomics: with plan.own_heads a unit owns one (b, kv head) pair and walks
+// its key blocks in order, accumulating dK/dV for the block in scratch and dQ
+// directly in the (zeroed) output, which no other unit touches. Otherwise two
+// passes: units over key blocks write dK/dV, then units over query blocks
+// recompute the tiles and write dQ. dbias, when requested, is a third pass
+// whose units own tiles of dbias. Every output element is summed in a fixed
+// order, so the results are bitwise identical for any thread count.
+//
+// Scores. Both directions build their score tile in one function each,
+// ScoreTileT (forward: transposed, base 2) and ScoreTile (backward): the
+// block product, then the NaN poison (forward; see below), the bias (−∞
+// masks), the boolean mask and the causal / key-length bounds, with −∞ for
+// every key a row must not see. They sit next to each other below; a new
+// rule on scores goes into both (and its derivative into BackwardTile's dS).
+// Which key blocks a unit visits at all comes from row_end and
+// first_row_seeing (common.hpp).
+//
+// NaN. Non-finite inputs are flagged and zeroed in the packed operands, and
+// the poison travels as NaN in the scores and probabilities (the section
+// below says how); the block products never see a NaN.
+//
+// Scratch layouts: tiles.hpp. SIMD building blocks: simd-inl.h.
+#if defined(ATTN_KERNELS_FUSED_ATTENTION_INL_H_) == defined(HWY_TARGET_TOGGLE)
+#ifdef ATTN_KERNELS_FUSED_ATTENTION_INL_H_
+#undef ATTN_KERNELS_FUSED_ATTENTION_INL_H_
+#else
+#define ATTN_KERNELS_FUSED_ATTENTION_INL_H_
+#endif
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "attn/sdpa.hpp"
+#include "kernels/fused/common.hpp"
+#include "kernels/fused/online_softmax.hpp"
+#include "kernels/fused/simd-inl.h"
+#include "kernels/fused/tiles.hpp"
+
+HWY_BEFORE_NAMESPACE();
+namespace attn::detail {
+namespace HWY_NAMESPACE {
+namespace {
+
+// ---- NaN and ±∞ in the inputs ------------------------------------------------
+//
+// The rule (docs/fused.md, "NaN and infinities"): a key a row cannot see
+// (causal, key_lengths, mask, bias −∞) never touches the row. A visible pair
+// (i, j) whose query row, key row or value row holds NaN or ±∞ gets a NaN
+// score; a row with a NaN or +∞ visible score is poisoned: output and lse
+// NaN, weights NaN where visible, gradients NaN wherever the row reaches.
+// The kernels keep the products finite and carry the poison in the scores:
+// bad K/V rows and bad query rows are flagged while packing and replaced by
+// zeros in the packed operands, and NaN is written into the visible scores.
+
+// bad[(b·Hkv + hk)·S + j] = 1 where K or V row j of (b, hk) holds NaN or ±∞;
+// returns whether any does. One pass over K and V per call.
+bool MarkBadKeys(const Problem& p, const SdpaArgs<float>& a, std::vector<uint8_t>& bad) {
+  const int64_t rows = p.B * p.Hkv * p.S;
+  bad.assign(size_t(rows), 0);
+  bool any = false;
+#pragma omp parallel for num_threads(p.threads) schedule(static) reduction(|| : any)
+  for (int64_t u = 0; u < rows; ++u) {
+    const int64_t j = u % p.S, hk = (u / p.S) % p.Hkv, b = u / (p.S * p.Hkv);
+    const float* kr = &a.k(b, hk, j, 0);
+    const float* vr = &a.v(b, hk, j, 0);
+    bool row_bad = false;
+    for (int64_t e = 0; e < p.E; ++e) row_bad |= non_finite(kr[e * a.k.strides[3]]);
+    for (int64_t e = 0; e < p.Ev; ++e) row_bad |= non_finite(vr[e * a.v.strides[3]]);
+    bad[size_t(u)] = row_bad;
+    any = any || row_bad;
+  }
+  return any;
+}
+
+// A call's shared state, with the bad keys marked (kept alive by `bad`).
+FusedCall MakeCall(const Problem& p, const SdpaArgs<float>& a, const FusedPlan& t, std::vector<uint8_t>& bad) {
+  FusedCall c{&p, &a, t, float(p.scale)};
+  c.any_bad_keys = MarkBadKeys(p, a, bad);
+  c.bad_keys = bad.data();
+  return c;
+}
+
+// ---- packing (strided views → dense scratch) -------------------------------
+
+// Transposed copy of nk rows of a (B, Hx, N, F) view: dst[f][jj] =
+// X(b, hx, j0 + jj, f), row length ld; columns nk..ld are zero.
+void PackTransposed(const View4<const float>& X, int64_t b, int64_t hx, int64_t j0, int64_t nk,
+                    float* dst, int64_t ld) {
+  const int64_t F = X.dim(3), sf = X.strides[3];
+  for (int64_t jj = 0; jj < nk; ++jj) {
+    const float* src = &X(b, hx, j0 + jj, 0);
+    for (int64_t f = 0; f < F; ++f) dst[f * ld + jj] = src[f * sf];
+  }
+  for (int64_t f = 0; f < F; ++f) std::fill(dst + f * ld + nk, dst + (f + 1) * ld, 0.0f);
+}
+
+// Row-major copy of nk rows of a (B, Hx, N, F) view into dst [nk × ld].
+void PackRows(const View4<const float>& X, int64_t b, int64_t hx, int64_t j0, int64_t nk,
+              float* dst, int64_t ld) {
+  const int64_t F = X.dim(3), sf = X.strides[3];
+  for (int64_t jj = 0; jj < nk; ++jj) {
+    const float* src = &X(b, hx, j0 + jj, 0);
+    float* row = dst + jj * ld;
+    if (sf == 1)
+      std::memcpy(row, src, size_t(F) * sizeof(float));
+    else
+      for (int64_t f = 0; f < F; ++f) row[f] = src[f * sf];
+  }
+}
+
+// ---- score tiles: the forward's (transposed) and the backward's ----------
+
+// The forward measures scores in base 2: s·log2(e), so exp(s − m) = 2^(s2 − m2).
+constexpr float kLog2e = 1.44269504088896341f;
+constexpr float kLn2 = 0.693147180559945309f;
+
+// qt[e][r] = scale·log2(e) · Q(b, h, i0 + r, e); columns nr..qbp are zero,
+// and so is the column of a query row with NaN or ±∞ (flagged in qbad).
+void PackQt(const FusedCall& c, ForwardScratch& w, int64_t b, int64_t h, int64_t i0, int64_t nr) {
+  const auto& Q = c.a->q;
+  const int64_t E = c.p->E, se = Q.strides[3];
+  const float s2 = c.scale * kLog2e;
+  float* qt = w.qt;
+  w.any_qbad = false;
+  for (int64_t r = 0; r < nr; ++r) {
+    const float* src = &Q(b, h, i0 + r, 0);
+    bool bad = false;
+    for (int64_t e = 0; e < E; ++e) {
+      bad |= non_finite(src[e * se]);
+      qt[e * w.qbp + r] = s2 * src[e * se];
+    }
+    if (bad)
+      for (int64_t e = 0; e < E; ++e) qt[e * w.qbp + r] = 0.0f;
+    w.qbad[r] = bad;
+    w.any_qbad = w.any_qbad || bad;
+  }
+  for (int64_t e = 0; e < E; ++e) std::fill(qt + e * w.qbp + nr, qt + (e + 1) * w.qbp, 0.0f);
+}
+
+// Transposed score tile, in base 2: st_t[jj][r] = (scale·q_r·k_j + bias)·log2(e) for keys
+// j0..j0+nk against the unit's queries i0..i0+nr; −∞ where masked and in the
+// padding columns up to nrp. K is read in place.
+void ScoreTileT(const FusedCall& c, ForwardScratch& w, int64_t b, int64_t h, int64_t i0, int64_t nr, int64_t nrp,
+                int64_t j0, int64_t nk) {
+  const Problem& p = *c.p;
+  const auto& K = c.a->k;
+  const int64_t hk = p.kv_head(h);
+  Gemm(nk, nrp, p.E, &K(b, hk, j0, 0), K.strides[2], K.strides[3], w.qt, w.qbp, w.st, w.qbp,
+       false);
+  const auto& bias = c.a->bias;
+  const auto& mask = c.a->mask;
+  for (int64_t jj = 0; jj < nk; ++jj) {
+    const int64_t j = j0 + jj;
+    float* row = w.st + jj * w.qbp;
+    // Query i sees key j iff i >= first_row_seeing(j) (and j < key length,
+    // which the caller's key range already ensures).
+    const int64_t first = std::clamp<int64_t>(first_row_seeing(p, j) - i0, 0, nr);
+    std::fill(row, row + first, kNegInf);
+    // Poison: NaN in every visible pair of a bad key or a bad query.
+    if (c.bad_key(b, hk, j))
+      std::fill(row + first, row + nr, kNaN);
+    else if (w.any_qbad)
+      for (int64_t r = first; r < nr; ++r)
+        if (w.qbad[r]) row[r] = kNaN;
+    if (!bias.empty()) {
+      const float* bj = bias.data + bcast(b, bias.dim(0)) * bias.strides[0] +
+                        bcast(h, bias.dim(1)) * bias.strides[1] + bcast(j, bias.dim(3)) * bias.strides[3];
+      const int64_t si = bias.dim(2) == 1 ? 0 : bias.strides[2];
+      for (int64_t r = first; r < nr; ++r) {
+        const float x = bj[(i0 + r) * si];
+        row[r] = x == kNegInf ? kNegInf : row[r] + kLog2e * x;  // −∞ masks, even a poisoned pair
+      }
+    }
+    if (!mask.empty()) {
+      const bool* mj = mask.data + bcast(b, mask.dim(0)) * mask.strides[0] +
+                       bcast(h, mask.dim(1)) * mask.strides[1] + bcast(j, mask.dim(3)) * mask.strides[3];
+      const int64_t si = mask.dim(2) == 1 ? 0 : mask.strides[2];
+      for (int64_t r = first; r < nr; ++r)
+        if (!mj[(i0 + r) * si]) row[r] = kNegInf;
+    }
+    std::fill(row + nr, row + nrp, kNegInf);
+  }
+}
+
+// q[r][e] = scale · Q(b, h, i0 + r, e) for r < nr; a row with NaN or ±∞
+// becomes zeros and is flagged poisoned.
+void PackQ(const FusedCall& c, BackwardScratch& w, int64_t b, int64_t h, int64_t i0, int64_t nr) {
+  const auto& Q = c.a->q;
+  const int64_t E = c.p->E;
+  for (int64_t r = 0; r < nr; ++r) {
+    const float* src = &Q(b, h, i0 + r, 0);
+    float* dst = w.q + r * w.Ep;
+    const int64_t se = Q.strides[3];
+    bool bad = false;
+    for (int64_t e = 0; e < E; ++e) {
+      bad |= non_finite(src[e * se]);
+      dst[e] = c.scale * src[e * se];
+    }
+    if (bad) std::fill(dst, dst + E, 0.0f);
+    w.poisoned[r] = bad;
+  }
+}
+
+// s[r][jj] = scale·q·k + bias for the visible keys of rows i0..i0+nr against
+// keys j0..j0+nk; −∞ for masked keys and for padding up to nkp. Needs q and
+// kt packed.
+void ScoreTile(const FusedCall& c, BackwardScratch& w, int64_t b, int64_t h, int64_t i0, int64_t nr,
+               int64_t j0, int64_t nk, int64_t nkp) {
+  Gemm(nr, nkp, c.p->E, w.q, w.Ep, 1, w.kt, w.kbp, w.s, w.kbp, false);
+  const auto& bias = c.a->bias;
+  const auto& mask = c.a->mask;
+  for (int64_t r = 0; r < nr; ++r) {
+    const int64_t i = i0 + r;
+    float* row = w.s + r * w.kbp;
+    const int64_t vis = std::clamp<int64_t>(row_end(c, b, i) - j0, 0, nk);
+    if (!bias.empty()) {
+      const float* br = bias.data + bcast(b, bias.dim(0)) * bias.strides[0] +
+                        bcast(h, bias.dim(1)) * bias.strides[1] + bcast(i, bias.dim(2)) * bias.strides[2];
+      const int64_t sj = bias.dim(3) == 1 ? 0 : bias.strides[3];
+      for (int64_t jj = 0; jj < vis; ++jj) {
+        const float x = br[(j0 + jj) * sj];
+        row[jj] = x == kNegInf ? kNegInf : row[jj] + x;  // −∞ masks
+      }
+    }
+    if (!mask.empty()) {
+      const bool* mr = mask.data + bcast(b, mask.dim(0)) * mask.strides[0] +
+                       bcast(h, mask.dim(1)) * mask.strides[1] + bcast(i, mask.dim(2)) * mask.strides[2];
+      const int64_t sj = mask.dim(3) == 1 ? 0 : mask.strides[3];
+      for (int64_t jj = 0; jj < vis; ++jj)
+        if (!mr[(j0 + jj) * sj]) row[jj] = kNegInf;
+    }
+    std::fill(row + vis, row + nkp, kNegInf);
+  }
+}
+
+// ---- forward ---------------------------------------------------------------
+
+// Folds a transposed tile into the per-query online softmax: st_t becomes
+// 2^(s − shift) and colv[2·qbp ..] holds each query's rescale factor.
+void SoftmaxTileT(ForwardScratch& w, int64_t nr, int64_t nrp, int64_t nk) {
+  const int64_t N = int64_t(hn::Lanes(DF()));
+  float* tmax = w.colv;
+  float* shift = tmax + w.qbp;
+  float* alpha = shift + w.qbp;
+  float* tsum = alpha + w.qbp;
+  float* st = w.st;
+  ForColumnGroups<MaxOp>(nrp / N, N, static_cast<const float*>(st), w.qbp, nk, tmax);
+  for (int64_t r = 0; r < nr; ++r) {
+    const os::Step<float> step = os::begin_tile<os::Base2>(w.rows[r], tmax[r]);
+    alpha[r] = step.alpha;
+    shift[r] = step.shift;
+  }
+  std::fill(shift + nr, shift + nrp, 0.0f);
+  ForColumnGroups<ExpOp>(nrp / N, N, st, w.qbp, nk, static_cast<const float*>(shift), tsum);
+  for (int64_t r = 0; r < nr; ++r) os::end_tile(w.rows[r], tsum[r]);
+}
+
+void ForwardUnit(const FusedCall& c, ForwardScratch& w, int64_t b, int64_t h, int64_t i0, int64_t nr,
+                 View4<float> out, View4<float> weights, View3<float> lse) {
+  const Problem& p = *c.p;
+  const auto& V = c.a->v;
+  const int64_t hk = p.kv_head(h), lanes = int64_t(hn::Lanes(DF()));
+  const int64_t nrp = round_up(nr, lanes);
+  const int64_t kend = row_end(c, b, i0 + nr - 1);  // no row of the block sees keys beyond
+  // V is used in place when its rows are dense and a whole number of vectors.
+  const bool v_in_place = V.strides[3] == 1 && p.Ev == w.Evp && V.strides[2] % lanes == 0;
+  PackQt(c, w, b, h, i0, nr);
+  std::fill(w.o, w.o + nr * w.Evp, 0.0f);
+  for (int64_t r = 0; r < nr; ++r) w.rows[r] = os::State<float>{};
+
+  for (int64_t j0 = 0; j0 < kend; j0 += w.kb) {
+    const int64_t nk = std::min(w.kb, kend - j0);
+    ScoreTileT(c, w, b, h, i0, nr, nrp, j0, nk);
+    SoftmaxTileT(w, nr, nrp, nk);
+    const float* alpha = w.colv + 2 * w.qbp;
+    for (int64_t r = 0; r < nr; ++r)
+      if (alpha[r] != 1.0f) ScaleRow(w.o + r * w.Evp, w.Evp, alpha[r]);  // acc <- acc · alpha
+    const float* vb = w.vb;
+    int64_t ldv = w.Evp;
+    bool tile_bad = false;  // a bad value row must not reach rows that mask it (0·NaN)
+    for (int64_t jj = 0; c.any_bad_keys && jj < nk; ++jj) tile_bad = tile_bad || c.bad_key(b, hk, j0 + jj);
+    if (v_in_place && !tile_bad) {
+      vb = &V(b, hk, j0, 0);
+      ldv = V.strides[2];
+    } else {
+      PackRows(V, b, hk, j0, nk, w.vb, w.Evp);
+      for (int64_t jj = 0; tile_bad && jj < nk; ++jj)
+        if (c.bad_key(b, hk, j0 + jj)) std::fill(w.vb + jj * w.Evp, w.vb + (jj + 1) * w.Evp, 0.0f);
+    }
+    // o += P·V, with P(r, jj) = st_t[jj][r]
+    Gemm(nr, w.Evp, nk, w.st, 1, w.qbp, vb, ldv, w.o, w.Evp, true);
+  }
+
+  for (int64_t r = 0; r < nr; ++r) {
+    const os::Final<float> f = os::finalize<os::Base2>(w.rows[r]);
+    const float row_lse = f.lse * kLn2;  // back to natural units (−∞ stays −∞)
+    const float* o = w.o + r * w.Evp;
+    float* dst = &out(b, h, i0 + r, 0);
+    const int64_t se = out.strides[3];
+    for (int64_t e = 0; e < p.Ev; ++e) dst[e * se] = o[e] * f.inv_sum;  // y = acc / sum
+    if (!lse.empty()) lse(b, h, i0 + r) = row_lse;
+  }
+
+  if (weights.empty()) return;
+  // Second pass: weights = exp(S − max) / sum, zero beyond the visible keys.
+  // (The row's max and sum rather than its lse: max is one of the scores, so
+  // S − max carries no rounding of a large lse.)
+  const DF d;
+  float* shift = w.colv + w.qbp;
+  float* inv = shift + w.qbp;
+  for (int64_t r = 0; r < nrp; ++r) {
+    const os::Final<float> f = r < nr ? os::finalize<os::Base2>(w.rows[r]) : os::Final<float>{0.0f, 0.0f};
+    shift[r] = r < nr && f.inv_sum > 0 ? w.rows[r].max : 0.0f;
+    inv[r] = f.inv_sum;
+  }
+  const int64_t sj = weights.strides[3];
+  for (int64_t j0 = 0; j0 < p.S; j0 += w.kb) {
+    const int64_t nk = std::min(w.kb, p.S - j0);
+    if (j0 < kend) {
+      const int64_t nkv = std::min(nk, kend - j0);
+      ScoreTileT(c, w, b, h, i0, nr, nrp, j0, nkv);
+      for (int64_t jj = 0; jj < nkv; ++jj)
+        for (int64_t r = 0; r < nrp; r += lanes) {
+          float* x = w.st + jj * w.qbp + r;
+          const VF s = hn::Load(d, x);
+          const VF pw = hn::Mul(Exp2Softmax(d, hn::Sub(s, hn::Load(d, shift + r))), hn::Load(d, inv + r));
+          hn::Store(hn::IfThenZeroElse(hn::Eq(s, hn::Set(d, kNegInf)), pw), d, x);  // masked: 0, even if poisoned
+        }
+      for (int64_t jj = nkv; jj < nk; ++jj) std::fill(w.st + jj * w.qbp, w.st + (jj + 1) * w.qbp, 0.0f);
+    } else {
+      std::fill(w.st, w.st + nk * w.qbp, 0.0f);
+    }
+    for (int64_t r = 0; r < nr; ++r) {
+      float* dst = &weights(b, h, i0 + r, j0);
+      const float* src = w.st + r;
+      for (int64_t jj = 0; jj < nk; ++jj) dst[jj * sj] = src[jj * w.qbp];
+    }
+  }
+}
+
+void ForwardImpl(const Problem& p, const SdpaArgs<float>& a, View4<float> out, View4<float> weights,
+                 View3<float> lse, FusedPlan t) {
+  std::vector<uint8_t> bad;
+  const FusedCall c = MakeCall(p, a, t, bad);
+  const int64_t nqb = ceil_div(p.L, t.q_block);
+  const int64_t units = p.B * p.H * nqb;
+#pragma omp parallel num_threads(p.threads)
+  {
+    ForwardScratch w(p, t, Lanes());
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t u = 0; u < units; ++u) {
+      const int64_t qbi = u % nqb, h = (u / nqb) % p.H, b = u / (nqb * p.H);
+      const int64_t i0 = qbi * t.q_block, nr = std::min(t.q_block, p.L - i0);
+      ForwardUnit(c, w, b, h, i0, nr, out, weights, lse);
+    }
+  }
+}
+
+// ---- backward --------------------------------------------------------------
+
+// kt[e][jj] = K(b, hk, j0 + jj, e); columns nk..kbp are zero.
+void PackKt(const FusedCall& c, BackwardScratch& w, int64_t b, int64_t hk, int64_t j0, int64_t nk) {
+  PackTransposed(c.a->k, b, hk, j0, nk, w.kt, w.kbp);
+}
+
+// vt[e][jj] = V(b, hk, j0 + jj, e); columns nk..kbp zero.
+void PackVt(const FusedCall& c, BackwardScratch& w, int64_t b, int64_t hk, int64_t j0, int64_t nk) {
+  PackTransposed(c.a->v, b, hk, j0, nk, w.vt, w.kbp);
+}
+// What one backward tile accumulates.
+struct TileJobs {
+  bool dkdv = false;  // dk/dv (scratch, k-block rows) += ...
+  bool dq = false;    // dq scratch (q-block rows) += dS·K (unscaled)
+};  // dS is always left in w.dp (the dbias pass reads it)
+
+// Backward state of a query block: q (scaled), dY, lse and D for its rows.
+void PackQueryBlock(const FusedCall& c, BackwardScratch& w, int64_t b, int64_t h, int64_t i0, int64_t nr,
+                    const View4<const float>& dout, const View4<const float>& out,
+                    const View3<const float>& lse) {
+  PackQ(c, w, b, h, i0, nr);
+  PackRows(dout, b, h, i0, nr, w.dy, w.Evp);
+  const int64_t Ev = c.p->Ev, se = out.strides[3];
+  for (int64_t r = 0; r < nr; ++r) {
+    const float* y = &out(b, h, i0 + r, 0);
+    float* dy = w.dy + r * w.Evp;
+    w.lse[r] = lse(b, h, i0 + r);
+    bool bad = false;
+    for (int64_t e = 0; e < Ev; ++e) bad |= non_finite(dy[e]);
+    // Poisoned: a bad query (PackQ), a bad dY, or a NaN lse (the forward's
+    // poisoned rows). Its dY is zeroed and D = 0; its probabilities carry the NaN.
+    w.poisoned[r] = w.poisoned[r] || bad || w.lse[r] != w.lse[r];
+    if (w.poisoned[r]) {
+      std::fill(dy, dy + Ev, 0.0f);
+      w.D[r] = 0.0f;
+      continue;
+    }
+    float acc = 0;
+    for (int64_t e = 0; e < Ev; ++e) acc += dy[e] * y[e * se];  // D_i = Σ_e dY_ie·Y_ie
+    w.D[r] = acc;
+  }
+}
+
+// Key-side state of a key block: kt, vt (and kb_rows when dQ is wanted).
+void PackKeyBlock(const FusedCall& c, BackwardScratch& w, int64_t b, int64_t hk, int64_t j0, int64_t nk,
+                  bool rows) {
+  PackKt(c, w, b, hk, j0, nk);
+  PackVt(c, w, b, hk, j0, nk);
+  if (rows) PackRows(c.a->k, b, hk, j0, nk, w.kr, w.Ep);
+  for (int64_t jj = 0; c.any_bad_keys && jj < nk; ++jj) {
+    if (!c.bad_key(b, hk, j0 + jj)) continue;  // a bad key: zeros (its rows are poisoned)
+    for (int64_t e = 0; e < c.p->E; ++e) w.kt[e * w.kbp + jj] = 0.0f;
+    for (int64_t e = 0; e < c.p->Ev; ++e) w.vt[e * w.kbp + jj] = 0.0f;
+    if (rows) std::fill(w.kr + jj * w.Ep, w.kr + jj * w.Ep + c.p->E, 0.0f);
+  }
+}
+
+// One (query block × key block) tile of the backward; needs both blocks packed.
+void BackwardTile(const FusedCall& c, BackwardScratch& w, int64_t b, int64_t h, int64_t i0, int64_t nr,
+                  int64_t j0, int64_t nk, TileJobs jobs) {
+  const Problem& p = *c.p;
+  const int64_t lanes = int64_t(hn::Lanes(DF())), nkp = round_up(nk, lanes);
+  const DF d;
+  ScoreTile(c, w, b, h, i0, nr, j0, nk, nkp);
+  for (int64_t r = 0; r < nr; ++r) ProbRow(w.s + r * w.kbp, nkp, w.lse[r], w.poisoned[r]);  // P
+  // dP = dY·Vᵀ
+  Gemm(nr, nkp, p.Ev, w.dy, w.Evp, 1, w.vt, w.kbp, w.dp, w.kbp, false);
+  for (int64_t r = 0; r < nr; ++r) {
+    float* dpr = w.dp + r * w.kbp;
+    const float* pr = w.s + r * w.kbp;
+    const VF Dr = hn::Set(d, w.D[r]);
+    for (int64_t j = 0; j < nkp; j += int64_t(hn::Lanes(d)))  // dS = P∘(dP − D)
+      hn::Store(hn::Mul(hn::Load(d, pr + j), hn::Sub(hn::Load(d, dpr + j), Dr)), d, dpr + j);
+  }
+  if (jobs.dkdv) {
+    // dV += Pᵀ·dY ; dK += dSᵀ·(scale·Q)
+    Gemm(nk, w.Evp, nr, w.s, 1, w.kbp, w.dy, w.Evp, w.dv, w.Evp, true);
+    Gemm(nk, w.Ep, nr, w.dp, 1, w.kbp, w.q, w.Ep, w.dk, w.Ep, true);
+  }
+  if (jobs.dq)  // dQ += dS·K (the scale is applied when written out)
+    Gemm(nr, w.Ep, nk, w.dp, w.kbp, 1, w.kr, w.Ep, w.dq, w.Ep, true);
+}
+
+// Range of query blocks that can see some key of [j0, j0 + nk) (causal).
+int64_t FirstQueryBlock(const FusedCall& c, int64_t j0) {
+  return first_row_seeing(*c.p, j0) / c.t.q_block;
+}
+
+// Writes the dK/dV accumulators of a key block (zero where nothing reached).
+void StoreKeyGrads(const FusedCall& c, BackwardScratch& w, const SdpaGrads<float>& g, int64_t b, int64_t hk,
+                   int64_t j0, int64_t nk) {
+  const Problem& p = *c.p;
+  for (int64_t jj = 0; jj < nk; ++jj) {
+    float* dk = &g.dk(b, hk, j0 + jj, 0);
+    float* dv = &g.dv(b, hk, j0 + jj, 0);
+    const float* sk = w.dk + jj * w.Ep;
+    const float* sv = w.dv + jj * w.Evp;
+    for (int64_t e = 0; e < p.E; ++e) dk[e * g.dk.strides[3]] = sk[e];
+    for (int64_t e = 0; e < p.Ev; ++e) dv[e * g.dv.strides[3]] = sv[e];
+  }
+}
+
+// dK/dV of one key block of (b, hk), summed over the query heads of the group
+// and all query blocks in order. With `dq_into_output`, also adds each tile's
+// scale·dS·K into g.dq (which the caller zeroed and owns for this (b, hk)).
+void KeyBlockUnit(const FusedCall& c, BackwardScratch& w, const SdpaGrads<float>& g,
+                  const View4<const float>& dout, const View4<const float>& out,
+                  const View3<const float>& lse, int64_t b, int64_t hk, int64_t j0,
+                  bool dq_into_output) {
+  const Problem& p = *c.p;
+  const int64_t nk = std::min(w.kb, p.S - j0);
+  std::fill(w.dk, w.dk + w.kb * w.Ep, 0.0f);
+  std::fill(w.dv, w.dv + w.kb * w.Evp, 0.0f);
+  if (j0 < key_len(c, b)) {
+    PackKeyBlock(c, w, b, hk, j0, nk, dq_into_output);
+    const int64_t nqb = ceil_div(p.L, w.qb);
+    for (int64_t h = hk * p.group(); h < (hk + 1) * p.group(); ++h) {
+      for (int64_t qbi = FirstQueryBlock(c, j0); qbi < nqb; ++qbi) {
+        const int64_t i0 = qbi * w.qb, nr = std::min(w.qb, p.L - i0);
+        PackQueryBlock(c, w, b, h, i0, nr, dout, out, lse);
+        TileJobs jobs;
+        jobs.dkdv = true;
+        jobs.dq = dq_into_output;
+        if (jobs.dq) std::fill(w.dq, w.dq + nr * w.Ep, 0.0f);
+        BackwardTile(c, w, b, h, i0, nr, j0, nk, jobs);
+        if (jobs.dq) {
+          for (int64_t r = 0; r < nr; ++r) {
+            float* dst = &g.dq(b, h, i0 + r, 0);
+            const float* src = w.dq + r * w.Ep;
+            for (int64_t e = 0; e < p.E; ++e) dst[e * g.dq.strides[3]] += c.scale * src[e];
+          }
+        }
+      }
+    }
+  }
+  // dK = scale·dSᵀ·Q is already scaled through the packed (scaled) queries.
+  StoreKeyGrads(c, w, g, b, hk, j0, nk);
+}
+
+// dQ of one query block: Σ over key blocks in order of scale·dS·K.
+void QueryBlockUnit(const FusedCall& c, BackwardScratch& w, const SdpaGrads<float>& g,
+                    const View4<const float>& dout, const View4<const float>& out,
+                    const View3<const float>& lse, int64_t b, int64_t h, int64_t i0, int64_t nr) {
+  const Problem& p = *c.p;
+  const int64_t hk = p.kv_head(h);
+  const int64_t kend = row_end(c, b, i0 + nr - 1);
+  std::fill(w.dq, w.dq + nr * w.Ep, 0.0f);
+  PackQueryBlock(c, w, b, h, i0, nr, dout, out, lse);
+  for (int64_t j0 = 0; j0 < kend; j0 += w.kb) {
+    const int64_t nk = std::min(w.kb, kend - j0);
+    PackKeyBlock(c, w, b, hk, j0, nk, true);
+    TileJobs jobs;
+    jobs.dq = true;
+    BackwardTile(c, w, b, h, i0, nr, j0, nk, jobs);
+  }
+  for (int64_t r = 0; r < nr; ++r) {
+    float* dst = &g.dq(b, h, i0 + r, 0);
+    const float* src = w.dq + r * w.Ep;
+    for (int64_t e = 0; e < p.E; ++e) dst[e * g.dq.strides[3]] = c.scale * src[e];
+  }
+}
+
+// One tile of dbias: the element block owned by this unit, summed over all
+// (b, h, i, j) that broadcast onto it, in a fixed order.
+void DbiasUnit(const FusedCall& c, BackwardScratch& w, const SdpaGrads<float>& g,
+               const View4<const float>& dout, const View4<const float>& out,
+               const View3<const float>& lse, int64_t bb, int64_t bh, int64_t qbi, int64_t kbi) {
+  const Problem& p = *c.p;
+  const auto& db = g.dbias;
+  const bool fullB = db.dim(0) == p.B && p.B > 1, fullH = db.dim(1) == p.H && p.H > 1;
+  const bool fullL = db.dim(2) == p.L && p.L > 1, fullS = db.dim(3) == p.S && p.S > 1;
+  // Rows/columns of the dbias tile this unit owns.
+  const int64_t ti0 = fullL ? qbi * w.qb : 0, tnr = fullL ? std::min(w.qb, p.L - ti0) : 1;
+  const int64_t tj0 = fullS ? kbi * w.kb : 0, tnk = fullS ? std::min(w.kb, p.S - tj0) : 1;
+  float* acc = w.acc;  // [tnr × kbp]
+  std::fill(acc, acc + w.qb * w.kbp, 0.0f);
+  const int64_t lanes = int64_t(hn::Lanes(DF()));
+  for (int64_t b = fullB ? bb : 0; b < (fullB ? bb + 1 : p.B); ++b) {
+    for (int64_t h = fullH ? bh : 0; h < (fullH ? bh + 1 : p.H); ++h) {
+      const int64_t hk = p.kv_head(h);
+      const int64_t i_lo = fullL ? ti0 : 0, i_hi = fullL ? ti0 + tnr : p.L;
+      for (int64_t i0 = i_lo; i0 < i_hi; i0 += w.qb) {
+        const int64_t nr = std::min(w.qb, i_hi - i0);
+        const int64_t kend = row_end(c, b, i0 + nr - 1);
+        const int64_t j_lo = fullS ? tj0 : 0, j_hi = std::min(fullS ? tj0 + tnk : p.S, kend);
+        if (j_lo >= j_hi) continue;
+        PackQueryBlock(c, w, b, h, i0, nr, dout, out, lse);
+        for (int64_t j0 = j_lo; j0 < j_hi; j0 += w.kb) {
+          const int64_t nk = std::min(w.kb, j_hi - j0), nkp = round_up(nk, lanes);
+          PackKeyBlock(c, w, b, hk, j0, nk, false);
+          BackwardTile(c, w, b, h, i0, nr, j0, nk, TileJobs{});
+          for (int64_t r = 0; r < nr; ++r) {
+            const float* ds = w.dp + r * w.kbp;
+            float* arow = acc + (fullL ? r : 0) * w.kbp;
+            if (fullS)
+              for (int64_t jj = 0; jj < nkp; ++jj) arow[jj] += ds[jj];
+            else
+              for (int64_t jj = 0; jj < nk; ++jj) arow[0] += ds[jj];
+          }
+        }
+      }
+    }
+  }
+  for (int64_t r = 0; r < tnr; ++r)
+    for (int64_t jj = 0; jj < tnk; ++jj)
+      db(bb, bh, fullL ? ti0 + r : 0, fullS ? tj0 + jj : 0) = acc[r * w.kbp + jj];
+}
+
+void BackwardImpl(const Problem& p, const SdpaArgs<float>& a, View4<const float> dout,
+                  const SdpaGrads<float>& g, View4<const float> out, View3<const float> lse,
+                  FusedPlan t) {
+  std::vector<uint8_t> bad;
+  const FusedCall c = MakeCall(p, a, t, bad);
+  const int64_t nkb = ceil_div(p.S, t.k_block), nqb = ceil_div(p.L, t.q_block);
+  #pragma omp parallel num_threads(p.threads)
+  {
+    BackwardScratch w(p, t, Lanes());
+    if (t.own_heads) {
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t u = 0; u < p.B * p.Hkv; ++u) {
+        const int64_t b = u / p.Hkv, hk = u % p.Hkv;
+        for (int64_t h = hk * p.group(); h < (hk + 1) * p.group(); ++h)
+          for (int64_t i = 0; i < p.L; ++i)
+            for (int64_t e = 0; e < p.E; ++e) g.dq(b, h, i, e) = 0.0f;
+        for (int64_t kbi = 0; kbi < nkb; ++kbi)
+          KeyBlockUnit(c, w, g, dout, out, lse, b, hk, kbi * t.k_block, true);
+      }
+    } else {
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t u = 0; u < p.B * p.Hkv * nkb; ++u) {
+        const int64_t kbi = u % nkb, hk = (u / nkb) % p.Hkv, b = u / (nkb * p.Hkv);
+        KeyBlockUnit(c, w, g, dout, out, lse, b, hk, kbi * t.k_block, false);
+      }
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t u = 0; u < p.B * p.H * nqb; ++u) {
+        const int64_t qbi = u % nqb, h = (u / nqb) % p.H, b = u / (nqb * p.H);
+        const int64_t i0 = qbi * t.q_block;
+        QueryBlockUnit(c, w, g, dout, out, lse, b, h, i0, std::min(t.q_block, p.L - i0));
+      }
+    }
+    if (!g.dbias.empty()) {
+      const auto& db = g.dbias;
+      const int64_t nb = db.dim(0), nh = db.dim(1);
+      const int64_t nq = db.dim(2) == p.L && p.L > 1 ? nqb : 1;
+      const int64_t nks = db.dim(3) == p.S && p.S > 1 ? nkb : 1;
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t u = 0; u < nb * nh * nq * nks; ++u) {
+        const int64_t kbi = u % nks, qbi = (u / nks) % nq, bh = (u / (nks * nq)) % nh,
+                      bb = u / (nks * nq * nh);
+        DbiasUnit(c, w, g, dout, out, lse, bb, bh, qbi, kbi);
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace HWY_NAMESPACE
+}  // namespace attn::detail
+HWY_AFTER_NAMESPACE();
+
+#endif  // ATTN_KERNELS_FUSED_ATTENTION_INL_H_

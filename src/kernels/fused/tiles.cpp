@@ -1,0 +1,110 @@
+// The fused kernels' plan (tile sizes, the backward's work split) and the
+// layout of their per-thread scratch. Compiled once; see tiles.hpp.
+#include "kernels/fused/tiles.hpp"
+
+#include <algorithm>
+#include <cstring>
+#include <memory>
+
+#include "kernels/fused/common.hpp"
+
+namespace attn::detail {
+
+FusedPlan fused_plan(const Problem& p) {
+  // q_block: the queries of a unit, and the vector dimension of the
+  // transposed score tile; larger blocks re-read K and V less often, smaller
+  // ones waste less on the causal diagonal and give more units. k_block: as
+  // large as keeps the key/value tiles and the score tile within about
+  // 256 KiB (half of a typical L2).
+  FusedPlan t;
+  t.q_block = p.L <= 80 ? round_up(p.L, kMaxLanes) : 96;
+  const int64_t budget = 256 * 1024 / 4;  // floats
+  int64_t kb = 240;
+  while (kb > kRowMultiple && kb * (p.E + p.Ev) * 2 + t.q_block * kb * 2 > budget) kb -= 48;
+  t.k_block = std::min(std::max(kb, kRowMultiple), round_up(p.S, kRowMultiple));
+  // Enough (b, kv head) pairs keep every thread busy with whole heads.
+  t.own_heads = p.B * p.Hkv >= 8;
+  return t;
+}
+
+namespace {
+
+// Hands out consecutive 64-byte aligned arrays from one block; with a null
+// base it only measures (every pointer it returns is then null).
+class Carver {
+ public:
+  explicit Carver(std::byte* base) : base_(base) {}
+  template <class T>
+  T* take(int64_t n) {
+    off_ = round_up(off_, 64);
+    T* ptr = base_ ? reinterpret_cast<T*>(base_ + off_) : nullptr;
+    off_ += std::max<int64_t>(n, 1) * int64_t(sizeof(T));
+    return ptr;
+  }
+  int64_t size() const { return off_; }
+
+ private:
+  std::byte* base_;
+  int64_t off_ = 0;
+};
+
+// Measures the layout, allocates and zeroes it (with Alloc::yes), and carves
+// it: `lay(carver)` assigns the arrays. Returns the size in bytes.
+template <class Lay>
+int64_t build(Alloc alloc, hwy::AlignedFreeUniquePtr<std::byte[]>& mem, Lay lay) {
+  Carver measure(nullptr);
+  lay(measure);
+  const int64_t n = measure.size();
+  if (alloc == Alloc::yes) {
+    mem = hwy::AllocateAligned<std::byte>(size_t(n));
+    std::memset(mem.get(), 0, size_t(n));
+    Carver carve(mem.get());
+    lay(carve);
+  }
+  return n;
+}
+
+}  // namespace
+
+ForwardScratch::ForwardScratch(const Problem& p, const FusedPlan& t, int64_t lanes, Alloc alloc) {
+  qb = t.q_block;
+  kb = t.k_block;
+  qbp = round_up(qb, lanes);
+  Evp = round_up(p.Ev, lanes);
+  bytes_ = build(alloc, mem_, [&](Carver& c) {
+    qt = c.take<float>(p.E * qbp);
+    st = c.take<float>(kb * qbp);
+    vb = c.take<float>(kb * Evp);
+    o = c.take<float>(qb * Evp);
+    colv = c.take<float>(4 * qbp);
+    rows = c.take<online_softmax::State<float>>(qb);
+    qbad = c.take<uint8_t>(qb);
+  });
+  if (rows) std::uninitialized_default_construct_n(rows, qb);
+}
+
+BackwardScratch::BackwardScratch(const Problem& p, const FusedPlan& t, int64_t lanes, Alloc alloc) {
+  qb = t.q_block;
+  kb = t.k_block;
+  kbp = round_up(kb, lanes);
+  Ep = round_up(p.E, lanes);
+  Evp = round_up(p.Ev, lanes);
+  bytes_ = build(alloc, mem_, [&](Carver& c) {
+    q = c.take<float>(qb * Ep);
+    kt = c.take<float>(p.E * kbp);
+    dy = c.take<float>(qb * Evp);
+    vt = c.take<float>(p.Ev * kbp);
+    s = c.take<float>(qb * kbp);
+    kr = c.take<float>(kb * Ep);
+    dp = c.take<float>(qb * kbp);
+    dk = c.take<float>(kb * Ep);
+    dq = c.take<float>(qb * Ep);
+    dv = c.take<float>(kb * Evp);
+    acc = c.take<float>(qb * kbp);
+    lse = c.take<float>(qb);
+    D = c.take<float>(qb);
+    poisoned = c.take<uint8_t>(qb);
+  });
+}
+
+}  // namespace attn::detail

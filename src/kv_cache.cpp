@@ -1,0 +1,395 @@
+// The KV cache (storage, appends, block tables) and decode_attention:
+// validation at the boundary, then the decode kernel (kernels/decode) or,
+// for testing, the reference backend on the cache read back as float32.
+#include "attn/kv_cache.hpp"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <sstream>
+#include <string>
+
+#include "kernels/decode/decode.hpp"
+#include "kernels/reference/sdpa_reference.hpp"
+
+namespace attn {
+
+const char* kv_dtype_name(KVDtype t) {
+  switch (t) {
+    case KVDtype::float32: return "float32";
+    case KVDtype::float16: return "float16";
+    case KVDtype::bfloat16: return "bfloat16";
+  }
+  return "?";
+}
+
+KVDtype parse_kv_dtype(std::string_view name) {
+  if (name == "float32" || name == "f32") return KVDtype::float32;
+  if (name == "float16" || name == "f16") return KVDtype::float16;
+  if (name == "bfloat16" || name == "bf16") return KVDtype::bfloat16;
+  throw InvalidArgument("attn::parse_kv_dtype: unknown dtype '" + std::string(name) +
+              "', expected one of float32, float16, bfloat16");
+}
+
+namespace {
+
+[[noreturn]] void fail(const char* fn, const std::string& msg) {
+  throw InvalidArgument(std::string("attn::") + fn + ": " + msg);
+}
+
+detail::KVStorage storage_of(KVDtype t) {
+  switch (t) {
+    case KVDtype::float16: return detail::KVStorage::f16;
+    case KVDtype::bfloat16: return detail::KVStorage::bf16;
+    case KVDtype::float32: break;
+  }
+  return detail::KVStorage::f32;
+}
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+}  // namespace
+
+KVCache::KVCache(const KVCacheConfig& config) : cfg_(config) {
+  const char* fn = "KVCache";
+  auto positive = [&](int64_t v, const char* name) {
+    if (v < 1) fail(fn, std::string("config '") + name + "' is " + std::to_string(v) + ", expected >= 1");
+  };
+  positive(cfg_.batch, "batch");
+  positive(cfg_.kv_heads, "kv_heads");
+  positive(cfg_.capacity, "capacity");
+  positive(cfg_.head_dim, "head_dim");
+  if (cfg_.value_dim == 0) cfg_.value_dim = cfg_.head_dim;
+  positive(cfg_.value_dim, "value_dim");
+  if (cfg_.page_size < 0) fail(fn, "config 'page_size' is " + std::to_string(cfg_.page_size) + ", expected >= 0 (0 = contiguous)");
+  if (cfg_.num_pages < 0) fail(fn, "config 'num_pages' is " + std::to_string(cfg_.num_pages) + ", expected >= 0");
+  if (cfg_.page_size == 0 && cfg_.num_pages != 0)
+    fail(fn, "config 'num_pages' is " + std::to_string(cfg_.num_pages) + " but the layout is contiguous (page_size = 0)");
+  elem_ = cfg_.dtype == KVDtype::float32 ? 4 : 2;
+  if (cfg_.page_size == 0) {
+    page_size_ = cfg_.capacity;
+    num_pages_ = cfg_.batch;
+    table_width_ = 1;
+  } else {
+    page_size_ = cfg_.page_size;
+    table_width_ = ceil_div(cfg_.capacity, page_size_);
+    num_pages_ = cfg_.num_pages ? cfg_.num_pages : cfg_.batch * table_width_;
+  }
+  // Refuse sizes whose byte count overflows or that are absurd (> 2^46 bytes).
+  const double bytes = double(num_pages_) * double(page_size_) * double(cfg_.kv_heads) *
+                       double(cfg_.head_dim + cfg_.value_dim) * double(elem_);
+  if (bytes > double(int64_t(1) << 46) || num_pages_ > std::numeric_limits<int32_t>::max())
+    fail(fn, "the cache would need " + std::to_string(bytes) + " bytes; reduce batch, capacity or num_pages");
+  const int64_t page_k = cfg_.kv_heads * page_size_ * cfg_.head_dim;
+  const int64_t page_v = cfg_.kv_heads * page_size_ * cfg_.value_dim;
+  kstore_.assign(size_t(num_pages_ * page_k * elem_), std::byte{0});
+  vstore_.assign(size_t(num_pages_ * page_v * elem_), std::byte{0});
+  len_.assign(size_t(cfg_.batch), 0);
+  table_.assign(size_t(cfg_.batch * table_width_), -1);
+  refs_.assign(size_t(num_pages_), 0);
+  if (!paged())
+    for (int64_t b = 0; b < cfg_.batch; ++b) table_[size_t(b)] = int32_t(b), refs_[size_t(b)] = 1;
+}
+
+void KVCache::check_seq(const char* fn, int64_t b) const {
+  if (b < 0 || b >= cfg_.batch)
+    fail(fn, "argument 'b' is " + std::to_string(b) + ", expected 0 <= b < batch = " + std::to_string(cfg_.batch));
+}
+
+int64_t KVCache::length(int64_t b) const {
+  check_seq("KVCache::length", b);
+  return len_[size_t(b)];
+}
+
+int64_t KVCache::max_length() const { return *std::max_element(len_.begin(), len_.end()); }
+
+int64_t KVCache::free_pages() const {
+  return int64_t(std::count(refs_.begin(), refs_.end(), 0));
+}
+
+// Copies n tokens (positions t..t+n) of k/v into sequence b's pages, taking
+// fresh pages from the pool where the table has none yet.
+void KVCache::write(int64_t b, int64_t t, int64_t n, const View3<const float>& k, const View3<const float>& v) {
+  const auto st = storage_of(cfg_.dtype);
+  const int64_t Hkv = cfg_.kv_heads, E = cfg_.head_dim, Ev = cfg_.value_dim;
+  for (int64_t i = 0; i < n;) {
+    const int64_t pos = t + i, slot = pos / page_size_, off = pos % page_size_;
+    int32_t& page = table_[size_t(b * table_width_ + slot)];
+    if (page < 0) {
+      const auto it = std::find(refs_.begin(), refs_.end(), 0);
+      if (it == refs_.end())
+        fail("KVCache::append", "the page pool is exhausted (" + std::to_string(num_pages_) +
+                                    " pages of " + std::to_string(page_size_) + " tokens all in use)");
+      page = int32_t(it - refs_.begin());
+      ++*it;
+    } else if (refs_[size_t(page)] > 1) {
+      fail("KVCache::append", "sequence " + std::to_string(b) + " would write page " + std::to_string(page) +
+                                  ", which is shared with another sequence");
+    }
+    const int64_t run = std::min(n - i, page_size_ - off);
+    for (int64_t hk = 0; hk < Hkv; ++hk)
+      for (int64_t r = 0; r < run; ++r) {
+        const int64_t kofs = ((int64_t(page) * Hkv + hk) * page_size_ + off + r) * E;
+        const int64_t vofs = ((int64_t(page) * Hkv + hk) * page_size_ + off + r) * Ev;
+        detail::convert_to_storage(st, &k(hk, i + r, 0), k.strides[2], E, kstore_.data() + kofs * elem_);
+        detail::convert_to_storage(st, &v(hk, i + r, 0), v.strides[2], Ev, vstore_.data() + vofs * elem_);
+      }
+    i += run;
+  }
+}
+
+void KVCache::append(int64_t b, View3<const float> k, View3<const float> v) {
+  const char* fn = "KVCache::append";
+  check_seq(fn, b);
+  if (k.data == nullptr || v.data == nullptr) fail(fn, "arguments 'k' and 'v' are required");
+  const int64_t n = k.dim(1);
+  if (k.dim(0) != cfg_.kv_heads || k.dim(2) != cfg_.head_dim || n < 0)
+    fail(fn, "argument 'k' has shape " + shape_str(k.shape) + ", expected (Hkv, n, E) = (" +
+                 std::to_string(cfg_.kv_heads) + ", n, " + std::to_string(cfg_.head_dim) + ")");
+  if (v.shape != std::array<int64_t, 3>{cfg_.kv_heads, n, cfg_.value_dim})
+    fail(fn, "argument 'v' has shape " + shape_str(v.shape) + ", expected (Hkv, n, Ev) = " +
+                 shape_str({cfg_.kv_heads, n, cfg_.value_dim}));
+  const int64_t len = len_[size_t(b)];
+  if (len + n > cfg_.capacity)
+    fail(fn, "sequence " + std::to_string(b) + " holds " + std::to_string(len) + " tokens; appending " +
+                 std::to_string(n) + " exceeds the capacity " + std::to_string(cfg_.capacity));
+  // Feature strides other than 1 go through the conversion's stride; the
+  // conversion writes one row at a time, so any view layout works.
+  write(b, len, n, k, v);
+  len_[size_t(b)] = len + n;
+}
+
+void KVCache::append(View4<const float> k, View4<const float> v) {
+  const char* fn = "KVCache::append";
+  if (k.data == nullptr || v.data == nullptr) fail(fn, "arguments 'k' and 'v' are required");
+  if (k.dim(0) != cfg_.batch)
+    fail(fn, "argument 'k' has shape " + shape_str(k.shape) + ", expected (B, Hkv, n, E) with B = " +
+                 std::to_string(cfg_.batch));
+  if (v.dim(0) != cfg_.batch)
+    fail(fn, "argument 'v' has shape " + shape_str(v.shape) + ", expected (B, Hkv, n, Ev) with B = " +
+                 std::to_string(cfg_.batch));
+  // Check every sequence before writing any, so an error leaves the cache unchanged.
+  for (int64_t b = 0; b < cfg_.batch; ++b)
+    if (len_[size_t(b)] + k.dim(2) > cfg_.capacity)
+      fail(fn, "sequence " + std::to_string(b) + " holds " + std::to_string(len_[size_t(b)]) +
+                   " tokens; appending " + std::to_string(k.dim(2)) + " exceeds the capacity " +
+                   std::to_string(cfg_.capacity));
+  for (int64_t b = 0; b < cfg_.batch; ++b) {
+    const View3<const float> kb(k.data + b * k.strides[0], {k.dim(1), k.dim(2), k.dim(3)},
+                                {k.strides[1], k.strides[2], k.strides[3]});
+    const View3<const float> vb(v.data + b * v.strides[0], {v.dim(1), v.dim(2), v.dim(3)},
+                                {v.strides[1], v.strides[2], v.strides[3]});
+    append(b, kb, vb);
+  }
+}
+
+void KVCache::reset(int64_t b) {
+  check_seq("KVCache::reset", b);
+  len_[size_t(b)] = 0;
+  if (!paged()) return;
+  for (int64_t s = 0; s < table_width_; ++s) {
+    int32_t& page = table_[size_t(b * table_width_ + s)];
+    if (page >= 0) --refs_[size_t(page)];
+    page = -1;
+  }
+}
+
+void KVCache::clear() {
+  for (int64_t b = 0; b < cfg_.batch; ++b) reset(b);
+}
+
+std::vector<int32_t> KVCache::block_table(int64_t b) const {
+  check_seq("KVCache::block_table", b);
+  if (!paged()) fail("KVCache::block_table", "the cache is contiguous (page_size = 0); it has no block table");
+  std::vector<int32_t> t;
+  for (int64_t s = 0; s < table_width_; ++s) {
+    const int32_t page = table_[size_t(b * table_width_ + s)];
+    if (page < 0) break;
+    t.push_back(page);
+  }
+  return t;
+}
+
+void KVCache::set_block_table(int64_t b, std::span<const int32_t> pages, int64_t length) {
+  const char* fn = "KVCache::set_block_table";
+  check_seq(fn, b);
+  if (!paged()) fail(fn, "the cache is contiguous (page_size = 0); it has no block table");
+  const int64_t n = int64_t(pages.size());
+  if (n > table_width_)
+    fail(fn, "argument 'pages' has " + std::to_string(n) + " entries, expected at most ceil(capacity / page_size) = " +
+                 std::to_string(table_width_));
+  if (length < 0 || length > n * page_size_ || length > cfg_.capacity)
+    fail(fn, "argument 'length' is " + std::to_string(length) + ", expected 0 <= length <= min(" +
+                 std::to_string(n) + " pages · " + std::to_string(page_size_) + ", capacity " +
+                 std::to_string(cfg_.capacity) + ")");
+  const int64_t full = length / page_size_;  // entries below this are read-only
+  // Who uses each page, leaving sequence b's current table out.
+  std::vector<int32_t> other(size_t(num_pages_), 0);
+  std::vector<char> other_writable(size_t(num_pages_), 0);
+  for (int64_t c = 0; c < cfg_.batch; ++c) {
+    if (c == b) continue;
+    for (int64_t s = 0; s < table_width_; ++s) {
+      const int32_t page = table_[size_t(c * table_width_ + s)];
+      if (page < 0) continue;
+      ++other[size_t(page)];
+      if (s >= len_[size_t(c)] / page_size_) other_writable[size_t(page)] = 1;
+    }
+  }
+  std::vector<char> seen(size_t(num_pages_), 0);
+  for (int64_t s = 0; s < n; ++s) {
+    const int32_t page = pages[size_t(s)];
+    const std::string at = "argument 'pages' entry " + std::to_string(s) + " is page " + std::to_string(page);
+    if (page < 0 || page >= num_pages_)
+      fail(fn, at + ", expected 0 <= page < num_pages = " + std::to_string(num_pages_));
+    if (seen[size_t(page)]) fail(fn, at + ", which appears earlier in the same table");
+    seen[size_t(page)] = 1;
+    if (other[size_t(page)] > 0 && s >= full)
+      fail(fn, at + ", which another sequence uses; a page this sequence may still write (entry >= length / page_size = " +
+                   std::to_string(full) + ") cannot be shared");
+    if (other_writable[size_t(page)])
+      fail(fn, at + ", which another sequence may still write (it is not full there); only full pages can be shared");
+  }
+  reset(b);
+  for (int64_t s = 0; s < n; ++s) {
+    table_[size_t(b * table_width_ + s)] = pages[size_t(s)];
+    ++refs_[size_t(pages[size_t(s)])];
+  }
+  len_[size_t(b)] = length;
+}
+
+void KVCache::read(int64_t b, View3<float> k, View3<float> v) const {
+  const char* fn = "KVCache::read";
+  check_seq(fn, b);
+  const int64_t len = len_[size_t(b)], Hkv = cfg_.kv_heads, E = cfg_.head_dim, Ev = cfg_.value_dim;
+  if (k.shape != std::array<int64_t, 3>{Hkv, len, E} || k.data == nullptr)
+    fail(fn, "argument 'k' has shape " + shape_str(k.shape) + ", expected (Hkv, length, E) = " + shape_str({Hkv, len, E}));
+  if (v.shape != std::array<int64_t, 3>{Hkv, len, Ev} || v.data == nullptr)
+    fail(fn, "argument 'v' has shape " + shape_str(v.shape) + ", expected (Hkv, length, Ev) = " + shape_str({Hkv, len, Ev}));
+  const auto st = storage_of(cfg_.dtype);
+  std::vector<float> row(size_t(std::max(E, Ev)));
+  for (int64_t t = 0; t < len; ++t) {
+    const int64_t page = table_[size_t(b * table_width_ + t / page_size_)], off = t % page_size_;
+    for (int64_t hk = 0; hk < Hkv; ++hk) {
+      const int64_t slot = (page * Hkv + hk) * page_size_ + off;
+      detail::convert_from_storage(st, kstore_.data() + slot * E * elem_, E, row.data());
+      for (int64_t e = 0; e < E; ++e) k(hk, t, e) = row[size_t(e)];
+      detail::convert_from_storage(st, vstore_.data() + slot * Ev * elem_, Ev, row.data());
+      for (int64_t e = 0; e < Ev; ++e) v(hk, t, e) = row[size_t(e)];
+    }
+  }
+}
+
+namespace detail {
+
+KVLayout KVCacheAccess::layout(const KVCache& c) {
+  KVLayout kv;
+  kv.type = storage_of(c.cfg_.dtype);
+  kv.k = c.kstore_.data();
+  kv.v = c.vstore_.data();
+  kv.page_size = c.page_size_;
+  kv.table = c.table_.data();
+  kv.table_stride = c.table_width_;
+  const int64_t Hkv = c.cfg_.kv_heads, P = c.page_size_;
+  kv.k_row = c.cfg_.head_dim;
+  kv.k_head = P * kv.k_row;
+  kv.k_page = Hkv * kv.k_head;
+  kv.v_row = c.cfg_.value_dim;
+  kv.v_head = P * kv.v_row;
+  kv.v_page = Hkv * kv.v_head;
+  return kv;
+}
+
+}  // namespace detail
+
+// ---- decode_attention ------------------------------------------------------
+
+namespace {
+
+// Each sequence through the reference backend on its keys read back as float32.
+void decode_reference(const detail::DecodeProblem& p, View4<const float> q, const KVCache& cache,
+                      View4<float> out, View3<float> lse) {
+  for (int64_t b = 0; b < p.B; ++b) {
+    const int64_t S = p.length[size_t(b)];
+    if (S == 0) {  // nothing to see: output 0, lse −inf
+      for (int64_t h = 0; h < p.H; ++h)
+        for (int64_t i = 0; i < p.L; ++i) {
+          for (int64_t e = 0; e < p.Ev; ++e) out(b, h, i, e) = 0.0f;
+          if (!lse.empty()) lse(b, h, i) = -std::numeric_limits<float>::infinity();
+        }
+      continue;
+    }
+    Tensor<float> k({1, p.Hkv, S, p.E}), v({1, p.Hkv, S, p.Ev});
+    cache.read(b, View3<float>(k.data(), {p.Hkv, S, p.E}), View3<float>(v.data(), {p.Hkv, S, p.Ev}));
+    detail::Problem rp;
+    rp.B = 1, rp.H = p.H, rp.Hkv = p.Hkv, rp.L = p.L, rp.S = S, rp.E = p.E, rp.Ev = p.Ev;
+    rp.scale = p.scale;
+    rp.causal = p.causal;
+    rp.align = CausalAlign::bottom_right;
+    SdpaArgs<float> a;
+    a.q = View4<const float>(q.data + b * q.strides[0], {1, p.H, p.L, p.E},
+                             {q.strides[0], q.strides[1], q.strides[2], q.strides[3]});
+    a.k = k.view4();
+    a.v = v.view4();
+    View4<float> ob(out.data + b * out.strides[0], {1, p.H, p.L, p.Ev},
+                    {out.strides[0], out.strides[1], out.strides[2], out.strides[3]});
+    View3<float> lb;
+    if (!lse.empty())
+      lb = View3<float>(lse.data + b * lse.strides[0], {1, p.H, p.L}, {lse.strides[0], lse.strides[1], lse.strides[2]});
+    detail::reference_forward(rp, a, ob, {}, lb);
+  }
+}
+
+}  // namespace
+
+void decode_attention(View4<const float> q, const KVCache& cache, View4<float> out, const DecodeOptions& opt,
+                      View3<float> lse) {
+  const char* fn = "decode_attention";
+  if (q.data == nullptr) fail(fn, "argument 'q' is required but was not given");
+  if (out.data == nullptr) fail(fn, "argument 'out' is required but was not given");
+  detail::DecodeProblem p;
+  p.B = cache.batch();
+  p.Hkv = cache.kv_heads();
+  p.E = cache.head_dim();
+  p.Ev = cache.value_dim();
+  p.H = q.dim(1);
+  p.L = q.dim(2);
+  if (q.dim(0) != p.B || q.dim(3) != p.E || p.H < 1 || p.L < 1 || p.H % p.Hkv != 0)
+    fail(fn, "argument 'q' has shape " + shape_str(q.shape) + ", expected (B, H, L, E) = (" + std::to_string(p.B) +
+                 ", H, L, " + std::to_string(p.E) + ") with H a multiple of the cache's Hkv = " +
+                 std::to_string(p.Hkv) + " and L >= 1");
+  if (out.shape != std::array<int64_t, 4>{p.B, p.H, p.L, p.Ev})
+    fail(fn, "argument 'out' has shape " + shape_str(out.shape) + ", expected (B, H, L, Ev) = " +
+                 shape_str({p.B, p.H, p.L, p.Ev}));
+  if (!lse.empty() && lse.shape != std::array<int64_t, 3>{p.B, p.H, p.L})
+    fail(fn, "argument 'lse' has shape " + shape_str(lse.shape) + ", expected (B, H, L) = " + shape_str({p.B, p.H, p.L}));
+  for (int i = 0; i < 4; ++i)
+    if (out.shape[size_t(i)] > 1 && out.strides[size_t(i)] == 0)
+      fail(fn, "output 'out' has stride 0 on axis " + std::to_string(i) + " (a broadcast view cannot be written)");
+  for (int i = 0; i < 3; ++i)
+    if (!lse.empty() && lse.shape[size_t(i)] > 1 && lse.strides[size_t(i)] == 0)
+      fail(fn, "output 'lse' has stride 0 on axis " + std::to_string(i) + " (a broadcast view cannot be written)");
+  if (opt.scale && (!std::isfinite(*opt.scale) || *opt.scale <= 0)) {
+    std::ostringstream os;
+    os << "option 'scale' is " << *opt.scale << ", expected a finite value > 0";
+    fail(fn, os.str());
+  }
+  if (opt.num_threads < 0)
+    fail(fn, "option 'num_threads' is " + std::to_string(opt.num_threads) + ", expected >= 0 (0 = default)");
+  p.scale = opt.scale ? *opt.scale : 1.0 / std::sqrt(double(p.E));
+  p.causal = opt.causal;
+  p.threads = opt.num_threads > 0 ? opt.num_threads : omp_get_max_threads();
+  p.split = opt.split_kv;
+  p.length.resize(size_t(p.B));
+  p.offset.resize(size_t(p.B));
+  for (int64_t b = 0; b < p.B; ++b) {
+    p.length[size_t(b)] = cache.length(b);
+    p.offset[size_t(b)] = cache.length(b) - p.L;  // the queries are the last L tokens
+  }
+  if (opt.backend == Backend::reference) return decode_reference(p, q, cache, out, lse);
+  detail::decode_forward(p, detail::KVCacheAccess::layout(cache), q, out, lse);
+}
+
+}  // namespace attn

@@ -1,0 +1,83 @@
+// `attn sdpa`: .npy files in and out, against the library and against a
+// plain computation written out here.
+#include "cli_test.hpp"
+
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "attn/attn.hpp"
+#include "testing.hpp"
+
+namespace attn_cli_test {
+namespace {
+
+using attn::io::DType;
+
+// ---- sdpa: files in, files out, compared with the library -------------------------
+
+TEST_F(Cli, SdpaOnNpyFilesAgreesWithTheLibrary) {
+  std::mt19937_64 rng(3);
+  const int64_t B = 2, H = 2, L = 5, S = 7, E = 3, Ev = 4;
+  const auto q = write_random<double>("q.npy", {B, H, L, E}, rng);
+  const auto k = write_random<double>("k.npy", {B, H, S, E}, rng);
+  const auto v = write_random<double>("v.npy", {B, H, S, Ev}, rng);
+  const Result r = run("sdpa --q q.npy --k k.npy --v v.npy --causal --scale 0.7 --out y.npy --weights a.npy --lse lse.npy");
+  ASSERT_EQ(r.rc, 0) << r.err;
+  attn::SdpaArgs<double> args;
+  args.q = attn::View4<const double>::bhnd(q.data(), B, H, L, E);
+  args.k = attn::View4<const double>::bhnd(k.data(), B, H, S, E);
+  args.v = attn::View4<const double>::bhnd(v.data(), B, H, S, Ev);
+  attn::SdpaOptions opt;
+  opt.causal = true;
+  opt.scale = 0.7;
+  attn::Tensor<double> y({B, H, L, Ev}), a({B, H, L, S}), lse({B, H, L});
+  attn::scaled_dot_product_attention<double>(args, y.view4(), opt, a.view4(), lse.view<3>());
+  const auto fy = attn::io::read_npy<double>(path("y.npy"));
+  const auto fa = attn::io::read_npy<double>(path("a.npy"));
+  const auto fl = attn::io::read_npy<double>(path("lse.npy"));
+  EXPECT_EQ(fy.shape, (std::vector<int64_t>{B, H, L, Ev}));
+  EXPECT_EQ(fa.shape, (std::vector<int64_t>{B, H, L, S}));
+  EXPECT_EQ(fl.shape, (std::vector<int64_t>{B, H, L}));
+  EXPECT_EQ(fy.stored, DType::f64);
+  for (size_t i = 0; i < y.size(); ++i) EXPECT_EQ(fy.data[i], y[i]) << i;
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(fa.data[i], a[i]) << i;
+  for (size_t i = 0; i < lse.size(); ++i) EXPECT_EQ(fl.data[i], lse[i]) << i;
+}
+
+TEST_F(Cli, SdpaRank2Float32WithMaskMatchesAPlainComputation) {
+  std::mt19937_64 rng(4);
+  const int64_t L = 4, S = 6, E = 5, Ev = 3;
+  const auto q = write_random<float>("q.npy", {L, E}, rng);
+  const auto k = write_random<float>("k.npy", {S, E}, rng);
+  const auto v = write_random<float>("v.npy", {S, Ev}, rng);
+  std::vector<float> m(static_cast<size_t>(L * S));
+  for (int64_t i = 0; i < L; ++i)
+    for (int64_t j = 0; j < S; ++j) m[size_t(i * S + j)] = (i + j) % 3 != 0 ? 1.f : 0.f;
+  attn::io::write_npy(path("m.npy"), {L, S}, m.data());
+  const Result r = run("sdpa --q q.npy --k k.npy --v v.npy --mask m.npy --out y.npy");
+  ASSERT_EQ(r.rc, 0) << r.err;
+  const auto fy = attn::io::read_npy<double>(path("y.npy"));
+  EXPECT_EQ(fy.stored, DType::f32);
+  ASSERT_EQ(fy.shape, (std::vector<int64_t>{L, Ev}));
+  // softmax(q kᵀ / sqrt(E)) v over the allowed keys, in double.
+  for (int64_t i = 0; i < L; ++i) {
+    std::vector<double> s(static_cast<size_t>(S));
+    double mx = -1e300, sum = 0;
+    for (int64_t j = 0; j < S; ++j) {
+      double d = 0;
+      for (int64_t e = 0; e < E; ++e) d += double(q[size_t(i * E + e)]) * double(k[size_t(j * E + e)]);
+      s[size_t(j)] = m[size_t(i * S + j)] != 0 ? d / std::sqrt(double(E)) : -INFINITY;
+      mx = std::max(mx, s[size_t(j)]);
+    }
+    for (auto& x : s) sum += (x = std::exp(x - mx));
+    for (int64_t c = 0; c < Ev; ++c) {
+      double y = 0;
+      for (int64_t j = 0; j < S; ++j) y += s[size_t(j)] / sum * double(v[size_t(j * Ev + c)]);
+      EXPECT_NEAR(fy.data[size_t(i * Ev + c)], y, attn::testing::tolerance<float>(S * E, 3.0)) << i << "," << c;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace attn_cli_test

@@ -1,0 +1,276 @@
+// The decode kernel against the reference on the values the cache holds:
+// every L from 1 to 17, lengths from 1 to several pages plus a partial page,
+// page sizes that do not divide the lengths, GQA ratios 1, 2, 4, 8 and MQA,
+// mixed and empty sequences, float16/bfloat16 storage; bitwise equality over
+// thread counts and split-KV on/off; NaN; every compiled SIMD target; and
+// the dense call's use of the same kernel for few query rows.
+#include <gtest/gtest.h>
+#include <hwy/targets.h>
+
+#include <cstring>
+#include <random>
+
+#include "decode_case.hpp"
+#include "kernels/decode/decode.hpp"
+#include "testing.hpp"
+
+namespace {
+
+using namespace attn;
+using namespace attn::testing;
+
+struct Result {
+  Tensor<float> out, lse;
+};
+
+Result run(const DecodeCase& c, const Filled& f, DecodeOptions o = {}) {
+  Result r{Tensor<float>({c.B, c.H, c.L, c.Ev}), Tensor<float>({c.B, c.H, c.L})};
+  o.causal = c.causal;
+  decode_attention(f.q.view4(), f.cache, r.out.view4(), o, r.lse.view<3>());
+  return r;
+}
+
+// Tolerances from the reduction length (keys plus features) and magnitudes.
+void expect_matches_oracle(const DecodeCase& c, const Filled& f, const Result& got) {
+  Tensor<float> out, lse;
+  oracle(c, f, out, lse);
+  const int64_t n = c.capacity() + c.E;
+  EXPECT_TRUE(all_close(got.out, out, tolerance<float>(n, 1.0, 40), "out " + c.str()));
+  EXPECT_TRUE(all_close(got.lse, lse, tolerance<float>(n, max_abs(lse.view<3>()), 40), "lse " + c.str()));
+}
+
+bool bitwise_equal(const Tensor<float>& a, const Tensor<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+DecodeCase random_case(std::mt19937_64& rng) {
+  const int64_t ratios[] = {1, 2, 4, 8};
+  std::uniform_int_distribution<int> pick(0, 3);
+  DecodeCase c;
+  c.Hkv = std::uniform_int_distribution<int64_t>(1, 3)(rng);
+  c.H = c.Hkv * ratios[pick(rng)];
+  c.B = std::uniform_int_distribution<int64_t>(1, 3)(rng);
+  c.L = std::uniform_int_distribution<int64_t>(1, 17)(rng);
+  const int64_t dims[] = {1, 7, 16, 33, 64};
+  c.E = dims[std::uniform_int_distribution<int>(0, 4)(rng)];
+  c.Ev = dims[std::uniform_int_distribution<int>(0, 4)(rng)];
+  const int64_t pages[] = {0, 5, 16, 24};
+  c.page = pages[pick(rng)];
+  c.causal = pick(rng) != 0;
+  const int64_t maxlen = std::uniform_int_distribution<int64_t>(1, 120)(rng);
+  for (int64_t b = 0; b < c.B; ++b) c.lens.push_back(std::uniform_int_distribution<int64_t>(0, maxlen)(rng));
+  return c;
+}
+
+TEST(Decode, EveryQueryCountMatchesReference) {
+  std::mt19937_64 rng(1);
+  for (int64_t L = 1; L <= 17; ++L) {
+    DecodeCase c;
+    c.B = 2, c.H = 8, c.Hkv = 2, c.L = L, c.E = 24, c.Ev = 20, c.page = 16;
+    c.lens = {L + 37, 3 * 16 + 5};  // several pages plus a partial one
+    const Filled f = fill(c, rng);
+    expect_matches_oracle(c, f, run(c, f));
+  }
+}
+
+TEST(Decode, RandomShapesMatchReference) {
+  std::mt19937_64 rng(2);
+  for (int i = 0; i < 120; ++i) {
+    const DecodeCase c = random_case(rng);
+    SCOPED_TRACE(c.str());
+    const Filled f = fill(c, rng);
+    expect_matches_oracle(c, f, run(c, f));
+    if (::testing::Test::HasFailure()) break;
+  }
+}
+
+TEST(Decode, GroupRatiosAndMultiQuery) {
+  std::mt19937_64 rng(3);
+  for (const int64_t H : {8, 16, 32, 64}) {  // ratios 8 / Hkv for Hkv = 8 ... and MQA below
+    for (const int64_t Hkv : {int64_t(1), H / 8, H / 4, H / 2, H}) {
+      DecodeCase c;
+      c.H = H, c.Hkv = Hkv, c.E = c.Ev = 32, c.page = 24, c.lens = {200};
+      const Filled f = fill(c, rng);
+      expect_matches_oracle(c, f, run(c, f));
+    }
+  }
+}
+
+TEST(Decode, LengthsFromOneToSeveralPages) {
+  std::mt19937_64 rng(4);
+  for (int64_t S = 1; S <= 75; S += 3) {
+    DecodeCase c;
+    c.B = 3, c.H = 4, c.Hkv = 2, c.L = 1 + S % 5, c.E = c.Ev = 16, c.page = 7;
+    c.lens = {S, 0, S / 2 + 1};  // an empty sequence in the middle
+    const Filled f = fill(c, rng);
+    const Result r = run(c, f);
+    expect_matches_oracle(c, f, r);
+    for (int64_t i = 0; i < c.H * c.L; ++i) {  // the empty sequence: output 0, lse −inf
+      EXPECT_EQ(r.lse[size_t(c.H * c.L + i)], -std::numeric_limits<float>::infinity());
+      for (int64_t e = 0; e < c.Ev; ++e) EXPECT_EQ(r.out[size_t((c.H * c.L + i) * c.Ev + e)], 0.0f);
+    }
+  }
+}
+
+TEST(Decode, HalfPrecisionStorageMatchesReferenceOnRoundedValues) {
+  std::mt19937_64 rng(5);
+  for (const KVDtype t : {KVDtype::float16, KVDtype::bfloat16}) {
+    for (int i = 0; i < 30; ++i) {
+      DecodeCase c = random_case(rng);
+      c.dtype = t;
+      SCOPED_TRACE(c.str());
+      const Filled f = fill(c, rng);
+      expect_matches_oracle(c, f, run(c, f));
+    }
+  }
+}
+
+// The chunks are fixed by the shape and merged in one order, so neither the
+// thread count nor running the chunks of a sequence in parallel changes a bit.
+TEST(Decode, BitwiseSameForAnyThreadCountSplitOrNot) {
+  std::mt19937_64 rng(6);
+  for (const KVDtype t : {KVDtype::float32, KVDtype::float16}) {
+    DecodeCase c;
+    c.B = 2, c.H = 8, c.Hkv = 2, c.L = 3, c.E = c.Ev = 64, c.page = 48, c.dtype = t;
+    c.lens = {1500, 777};  // several chunks each
+    const Filled f = fill(c, rng);
+    detail::DecodeProblem p;
+    p.B = c.B, p.H = c.H, p.Hkv = c.Hkv, p.L = c.L, p.E = c.E, p.Ev = c.Ev, p.length = c.lens;
+    ASSERT_GT(c.lens[0], 2 * detail::decode_plan(p).chunk) << "the case must split";
+    DecodeOptions o;
+    o.num_threads = 1;
+    o.split_kv = false;
+    const Result base = run(c, f, o);
+    expect_matches_oracle(c, f, base);
+    for (const int threads : {1, 2, 3, 8})
+      for (const bool split : {false, true}) {
+        o.num_threads = threads;
+        o.split_kv = split;
+        const Result r = run(c, f, o);
+        EXPECT_TRUE(bitwise_equal(r.out, base.out)) << threads << " threads, split " << split;
+        EXPECT_TRUE(bitwise_equal(r.lse, base.lse)) << threads << " threads, split " << split;
+      }
+  }
+}
+
+TEST(Decode, NaNReachesTheRowsThatSeeIt) {
+  std::mt19937_64 rng(7);
+  DecodeCase c;
+  c.B = 2, c.H = 4, c.Hkv = 2, c.L = 2, c.E = c.Ev = 8, c.page = 4, c.lens = {600, 10};
+  Filled f = fill(c, rng);
+  // q: NaN in sequence 0, head 1, row 0; only that row becomes NaN.
+  f.q[size_t(((0 * c.H + 1) * c.L + 0) * c.E + 3)] = std::numeric_limits<float>::quiet_NaN();
+  const Result r = run(c, f);
+  for (int64_t h = 0; h < c.H; ++h)
+    for (int64_t i = 0; i < c.L; ++i) {
+      const bool poisoned = h == 1 && i == 0;
+      EXPECT_EQ(std::isnan(r.lse[size_t(h * c.L + i)]), poisoned) << h << " " << i;
+      EXPECT_EQ(std::isnan(r.out[size_t((h * c.L + i) * c.Ev)]), poisoned) << h << " " << i;
+    }
+  // A key of sequence 1, kv head 0, seen by every row: heads 0 and 1 become NaN.
+  KVCache cache(config_of(c));
+  Tensor<float> k = random_tensor<float>({c.Hkv, 1, c.E}, rng), v = random_tensor<float>({c.Hkv, 1, c.Ev}, rng);
+  for (int64_t b = 0; b < c.B; ++b)
+    for (int64_t t = 0; t < 5; ++t) {
+      k[0] = b == 1 && t == 2 ? std::numeric_limits<float>::quiet_NaN() : 0.5f;
+      cache.append(b, k.view<3>(), v.view<3>());
+    }
+  Tensor<float> out({c.B, c.H, c.L, c.Ev}), lse({c.B, c.H, c.L});
+  decode_attention(f.q.view4(), cache, out.view4(), {}, lse.view<3>());
+  for (int64_t h = 0; h < c.H; ++h)
+    for (int64_t i = 0; i < c.L; ++i) {
+      const size_t row = size_t((1 * c.H + h) * c.L + i);
+      EXPECT_EQ(std::isnan(lse[row]), h < 2) << h << " " << i;
+      EXPECT_EQ(std::isnan(out[row * size_t(c.Ev)]), h < 2) << h << " " << i;
+    }
+}
+
+TEST(Decode, ArgumentErrors) {
+  KVCacheConfig cfg;
+  cfg.batch = 2, cfg.kv_heads = 2, cfg.capacity = 8, cfg.head_dim = 4;
+  KVCache cache(cfg);
+  Tensor<float> q({2, 3, 1, 4}), out({2, 3, 1, 4});
+  EXPECT_TRUE(throws_with([&] { decode_attention(q.view4(), cache, out.view4()); }, {"decode_attention", "'q'", "Hkv = 2"}));
+  Tensor<float> q2({2, 4, 1, 4}), out2({2, 4, 2, 4});
+  EXPECT_TRUE(throws_with([&] { decode_attention(q2.view4(), cache, out2.view4()); }, {"'out'", "(2, 4, 1, 4)"}));
+  Tensor<float> out3({2, 4, 1, 4});
+  DecodeOptions o;
+  o.scale = -1.0;
+  EXPECT_TRUE(throws_with([&] { decode_attention(q2.view4(), cache, out3.view4(), o); }, {"'scale'"}));
+}
+
+// The kernel is compiled for several SIMD targets; Highway can pretend the
+// CPU supports fewer, so each target this CPU can run is checked here
+// (including the portable one and the float16/bfloat16 widening of each).
+TEST(Decode, EveryCompiledTargetThisCpuRunsMatchesReference) {
+  const std::vector<int64_t> targets = hwy::SupportedAndGeneratedTargets();
+  std::string names;
+  for (const int64_t t : targets) {
+    if (t == HWY_SSSE3) continue;  // not compiled into the library (cmake/attn_kernels.cmake)
+    hwy::SetSupportedTargetsForTest(t);
+    hwy::GetChosenTarget().Update(hwy::SupportedTargets());
+    EXPECT_STREQ(detail::decode_target_name(), hwy::TargetName(t));
+    names += std::string(names.empty() ? "" : ", ") + detail::decode_target_name();
+    std::mt19937_64 rng(100 + uint64_t(t));
+    for (int i = 0; i < 24; ++i) {
+      DecodeCase c = random_case(rng);
+      c.dtype = KVDtype(i % 3);
+      SCOPED_TRACE(std::string(hwy::TargetName(t)) + " " + c.str());
+      const Filled f = fill(c, rng);
+      expect_matches_oracle(c, f, run(c, f));
+      if (::testing::Test::HasFailure()) break;
+    }
+  }
+  hwy::SetSupportedTargetsForTest(0);
+  hwy::GetChosenTarget().Update(hwy::SupportedTargets());
+  std::printf("decode targets run: %s\n", names.c_str());
+}
+
+// ---- the dense call ---------------------------------------------------------
+
+struct Dense {
+  Tensor<float> q, k, v, out, lse;
+};
+
+// scaled_dot_product_attention with few query rows takes the decode kernel:
+// its output is bitwise the kernel's, and matches the reference.
+TEST(Decode, DenseCallWithFewRowsUsesTheKernel) {
+  std::mt19937_64 rng(8);
+  for (int i = 0; i < 40; ++i) {
+    const int64_t Hkv = 1 + i % 3, H = Hkv * (int64_t(1) << (i % 4)), B = 1 + i % 2;
+    const int64_t L = 1 + i % 9, S = 1 + (i * 37) % 700, E = 8 + i % 5 * 8, Ev = E + (i % 2) * 8;
+    const bool bnhd = i % 3 == 0;  // (B, S, H, E) memory, viewed as (B, H, S, E)
+    Tensor<float> q = random_tensor<float>({B, H, L, E}, rng);
+    Tensor<float> k = random_tensor<float>({B, S, Hkv, E}, rng), v = random_tensor<float>({B, S, Hkv, Ev}, rng);
+    Tensor<int64_t> kl({B});
+    for (int64_t b = 0; b < B; ++b) kl[size_t(b)] = std::uniform_int_distribution<int64_t>(0, S)(rng);
+    SdpaArgs<float> a;
+    a.q = q.view4();
+    a.k = bnhd ? View4<const float>::bnhd(k.data(), B, S, Hkv, E) : View4<const float>(k.data(), {B, Hkv, S, E});
+    a.v = bnhd ? View4<const float>::bnhd(v.data(), B, S, Hkv, Ev) : View4<const float>(v.data(), {B, Hkv, S, Ev});
+    if (i % 4 == 1) a.key_lengths = kl.view<1>();
+    SdpaOptions o;
+    o.causal = i % 2 == 0;
+    o.causal_align = i % 4 == 0 ? CausalAlign::top_left : CausalAlign::bottom_right;
+    Tensor<float> out({B, H, L, Ev}), lse({B, H, L}), ref({B, H, L, Ev}), ref_lse({B, H, L});
+    scaled_dot_product_attention(a, {out.view4(), {}, lse.view<3>()}, o);
+    SdpaOptions ro = o;
+    ro.backend = Backend::reference;
+    scaled_dot_product_attention(a, {ref.view4(), {}, ref_lse.view<3>()}, ro);
+    EXPECT_TRUE(all_close(out, ref, tolerance<float>(S + E, 1.0, 40), "out"));
+    EXPECT_TRUE(all_close(lse, ref_lse, tolerance<float>(S + E, max_abs(ref_lse.view<3>()), 40), "lse"));
+    // Bitwise the kernel's own result: the dense call went this way.
+    detail::Problem p;
+    p.B = B, p.H = H, p.Hkv = Hkv, p.L = L, p.S = S, p.E = E, p.Ev = Ev;
+    p.scale = 1.0 / std::sqrt(double(E));
+    p.causal = o.causal;
+    p.align = o.causal_align;
+    p.threads = 2;
+    ASSERT_TRUE(detail::decode_suits_dense(p, a, false));
+    Tensor<float> direct({B, H, L, Ev});
+    detail::decode_forward_dense(p, a, direct.view4(), {});
+    EXPECT_TRUE(bitwise_equal(direct, out)) << "case " << i;
+  }
+}
+
+}  // namespace

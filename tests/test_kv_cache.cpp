@@ -1,0 +1,188 @@
+// The KV cache: appends (in pieces, across page boundaries) read back
+// exactly; float16/bfloat16 rounding to nearest even; pages taken from and
+// returned to the pool; block tables: sharing a prefix, and the argument
+// errors for bad tables, capacities and shapes.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <random>
+
+#include "decode_case.hpp"
+#include "testing.hpp"
+
+namespace {
+
+using namespace attn;
+using namespace attn::testing;
+
+// read(b) gives back exactly the (rounded) values appended.
+void expect_reads_back(const DecodeCase& c, const Filled& f) {
+  for (int64_t b = 0; b < c.B; ++b) {
+    const int64_t n = c.lens[size_t(b)];
+    ASSERT_EQ(f.cache.length(b), n);
+    Tensor<float> k({c.Hkv, std::max<int64_t>(n, 1), c.E}), v({c.Hkv, std::max<int64_t>(n, 1), c.Ev});
+    f.cache.read(b, View3<float>(k.data(), {c.Hkv, n, c.E}, {n * c.E, c.E, 1}),
+                 View3<float>(v.data(), {c.Hkv, n, c.Ev}, {n * c.Ev, c.Ev, 1}));
+    const int64_t ks = f.k[size_t(b)].dim(1);
+    for (int64_t h = 0; h < c.Hkv; ++h)
+      for (int64_t t = 0; t < n; ++t) {
+        ASSERT_EQ(std::memcmp(&k[size_t((h * n + t) * c.E)], &f.k[size_t(b)][size_t((h * ks + t) * c.E)], size_t(c.E) * 4), 0)
+            << c.str() << " b " << b << " head " << h << " token " << t;
+        ASSERT_EQ(std::memcmp(&v[size_t((h * n + t) * c.Ev)], &f.v[size_t(b)][size_t((h * ks + t) * c.Ev)], size_t(c.Ev) * 4), 0)
+            << c.str() << " b " << b << " head " << h << " token " << t;
+      }
+  }
+}
+
+TEST(KVCache, AppendsAcrossPagesReadBackExactly) {
+  std::mt19937_64 rng(11);
+  for (const KVDtype t : {KVDtype::float32, KVDtype::float16, KVDtype::bfloat16})
+    for (const int64_t page : {0, 1, 3, 16})
+      for (int i = 0; i < 4; ++i) {
+        DecodeCase c;
+        c.B = 3, c.Hkv = 2, c.E = 5 + i, c.Ev = 9 - i, c.page = page, c.dtype = t;
+        c.lens = {int64_t(1 + 17 * i), 0, int64_t(40 + i)};
+        const Filled f = fill(c, rng);
+        expect_reads_back(c, f);
+      }
+}
+
+TEST(KVCache, HalfPrecisionRoundsToNearestEven) {
+  const float f16_tie = 1.0f + 1.0f / 2048;         // halfway between 1 and 1 + 2^-10
+  const float bf16_tie_up = 1.0f + 3.0f / 256;      // halfway between 1 + 2^-7 and 1 + 2^-6
+  const float specials[] = {0.0f, -0.0f, 1.0f, f16_tie, bf16_tie_up, 65504.0f, 1e-7f, -3.3e-5f,
+                            std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN()};
+  for (const KVDtype t : {KVDtype::float16, KVDtype::bfloat16}) {
+    KVCacheConfig cfg;
+    cfg.capacity = 1, cfg.head_dim = 10, cfg.dtype = t;
+    KVCache cache(cfg);
+    Tensor<float> k({1, 1, 10}), back({1, 1, 10}), vb({1, 1, 10});
+    std::copy(std::begin(specials), std::end(specials), k.data());
+    cache.append(0, k.view<3>(), k.view<3>());
+    cache.read(0, back.view<3>(), vb.view<3>());
+    for (int e = 0; e < 10; ++e) {
+      if (std::isnan(specials[e])) {
+        EXPECT_TRUE(std::isnan(back[size_t(e)]));
+        continue;
+      }
+      EXPECT_EQ(back[size_t(e)], round_to(t, specials[e])) << kv_dtype_name(t) << " " << specials[e];
+    }
+  }
+  EXPECT_EQ(round_to(KVDtype::float16, 1.0f + 1.0f / 2048), 1.0f);  // the oracle's ties go to even
+  EXPECT_EQ(round_to(KVDtype::bfloat16, 1.0f + 3.0f / 256), 1.0f + 4.0f / 256);
+}
+
+KVCacheConfig paged(int64_t B, int64_t capacity, int64_t page, int64_t pages = 0) {
+  KVCacheConfig cfg;
+  cfg.batch = B, cfg.kv_heads = 1, cfg.capacity = capacity, cfg.head_dim = 2, cfg.page_size = page;
+  cfg.num_pages = pages;
+  return cfg;
+}
+
+void append_tokens(KVCache& c, int64_t b, int64_t n, float value) {
+  Tensor<float> k({1, n, 2});
+  k.fill(value);
+  c.append(b, k.view<3>(), k.view<3>());
+}
+
+TEST(KVCache, PagesComeFromThePoolAndReturnToIt) {
+  KVCache c(paged(2, 10, 4, 5));
+  EXPECT_EQ(c.free_pages(), 5);
+  append_tokens(c, 0, 5, 1.0f);  // pages 0, 1
+  append_tokens(c, 1, 3, 2.0f);  // page 2
+  append_tokens(c, 0, 3, 3.0f);  // page 1 filled, then page 3
+  EXPECT_EQ(c.block_table(0), (std::vector<int32_t>{0, 1}));
+  EXPECT_EQ(c.block_table(1), (std::vector<int32_t>{2}));
+  EXPECT_EQ(c.length(0), 8);
+  append_tokens(c, 0, 1, 3.0f);
+  EXPECT_EQ(c.block_table(0), (std::vector<int32_t>{0, 1, 3}));
+  EXPECT_EQ(c.free_pages(), 1);
+  append_tokens(c, 1, 2, 2.0f);  // fills page 2 (4 tokens), takes page 4
+  EXPECT_EQ(c.free_pages(), 0);
+  EXPECT_TRUE(throws_with([&] { append_tokens(c, 1, 4, 0.0f); }, {"KVCache::append", "exhausted"}));
+  EXPECT_TRUE(throws_with([&] { append_tokens(c, 0, 2, 0.0f); }, {"capacity 10"}));
+  c.reset(0);
+  EXPECT_EQ(c.free_pages(), 3);
+  EXPECT_EQ(c.length(0), 0);
+}
+
+TEST(KVCache, SharedPrefixPagesAreReadOnlyAndGiveTheSameAttention) {
+  std::mt19937_64 rng(12);
+  DecodeCase c;
+  c.B = 2, c.H = 4, c.Hkv = 2, c.L = 3, c.E = c.Ev = 8, c.page = 4, c.causal = true;
+  c.lens = {10, 0};
+  KVCacheConfig cfg = config_of(c, 20);
+  KVCache cache(cfg);
+  Tensor<float> k = random_tensor<float>({c.Hkv, 16, c.E}, rng), v = random_tensor<float>({c.Hkv, 16, c.Ev}, rng);
+  cache.append(0, View3<const float>(k.data(), {c.Hkv, 10, c.E}, {16 * c.E, c.E, 1}),
+               View3<const float>(v.data(), {c.Hkv, 10, c.Ev}, {16 * c.Ev, c.Ev, 1}));
+  // Sequence 1 reuses the two full pages (8 tokens) of sequence 0 and goes on with its own.
+  const std::vector<int32_t> t0 = cache.block_table(0);
+  ASSERT_EQ(t0.size(), 3u);
+  cache.set_block_table(1, std::span<const int32_t>(t0.data(), 2), 8);
+  cache.append(1, View3<const float>(k.data() + 8 * c.E, {c.Hkv, 8, c.E}, {16 * c.E, c.E, 1}),
+               View3<const float>(v.data() + 8 * c.Ev, {c.Hkv, 8, c.Ev}, {16 * c.Ev, c.Ev, 1}));
+  EXPECT_EQ(cache.length(1), 16);
+  EXPECT_EQ(cache.block_table(1)[0], t0[0]);
+  EXPECT_NE(cache.block_table(1)[2], t0[2]);
+  // Sequence 1 now holds tokens 0..15 of k/v; its attention equals the dense reference.
+  Tensor<float> q = random_tensor<float>({c.B, c.H, c.L, c.E}, rng);
+  Tensor<float> out({c.B, c.H, c.L, c.Ev}), ref({c.B, c.H, c.L, c.Ev});
+  decode_attention(q.view4(), cache, out.view4());
+  DecodeOptions ro;
+  ro.backend = Backend::reference;
+  decode_attention(q.view4(), cache, ref.view4(), ro);
+  EXPECT_TRUE(all_close(out, ref, tolerance<float>(30, 1.0, 40), "shared prefix"));
+  Filled f{KVCache(cfg), {}, {}, std::move(q)};
+  DecodeCase c1 = c;
+  c1.lens = {10, 16};
+  f.k = {k, k};
+  f.v = {v, v};
+  Tensor<float> want, want_lse;
+  oracle(c1, f, want, want_lse);
+  EXPECT_TRUE(all_close(out, want, tolerance<float>(30, 1.0, 40), "shared prefix vs dense"));
+  // Sequence 0 can still write its partial page (page 2); a third table may not take it.
+  cache.append(0, View3<const float>(k.data() + 10 * c.E, {c.Hkv, 1, c.E}, {16 * c.E, c.E, 1}),
+               View3<const float>(v.data() + 10 * c.Ev, {c.Hkv, 1, c.Ev}, {16 * c.Ev, c.Ev, 1}));
+  EXPECT_EQ(cache.length(0), 11);
+}
+
+TEST(KVCache, BadBlockTablesAreArgumentErrors) {
+  KVCache c(paged(3, 12, 4, 8));
+  append_tokens(c, 0, 6, 1.0f);  // pages 0 (full), 1 (partial)
+  const auto set = [&](int64_t b, std::vector<int32_t> t, int64_t len) {
+    return [&c, b, t, len] { c.set_block_table(b, std::span<const int32_t>(t), len); };
+  };
+  EXPECT_TRUE(throws_with(set(1, {8}, 2), {"set_block_table", "entry 0 is page 8", "num_pages = 8"}));
+  EXPECT_TRUE(throws_with(set(1, {-1}, 2), {"page -1"}));
+  EXPECT_TRUE(throws_with(set(1, {3, 3}, 6), {"entry 1 is page 3", "appears earlier"}));
+  EXPECT_TRUE(throws_with(set(1, {0}, 2), {"entry 0 is page 0", "cannot be shared"}));  // 0 would be writable here
+  EXPECT_TRUE(throws_with(set(1, {0, 1}, 8), {"entry 1 is page 1", "may still write"}));  // 1 is seq 0's partial page
+  EXPECT_TRUE(throws_with(set(1, {4}, 5), {"'length' is 5"}));
+  EXPECT_TRUE(throws_with(set(1, {4, 5, 6, 7}, 4), {"at most", "3"}));
+  EXPECT_NO_THROW(set(1, {0, 5}, 4)());  // page 0 full in both tables: shared
+  EXPECT_TRUE(throws_with(set(2, {5}, 0), {"entry 0 is page 5", "cannot be shared"}));
+  KVCacheConfig contiguous = paged(1, 4, 0);
+  KVCache cc(contiguous);
+  EXPECT_TRUE(throws_with([&] { cc.block_table(0); }, {"contiguous"}));
+}
+
+TEST(KVCache, ConfigAndAppendErrors) {
+  KVCacheConfig cfg;
+  cfg.capacity = 4, cfg.head_dim = 0;
+  EXPECT_TRUE(throws_with([&] { KVCache c(cfg); }, {"KVCache", "'head_dim' is 0"}));
+  cfg.head_dim = 2, cfg.page_size = -1;
+  EXPECT_TRUE(throws_with([&] { KVCache c(cfg); }, {"'page_size' is -1"}));
+  cfg.page_size = 0, cfg.capacity = int64_t(1) << 50;
+  EXPECT_TRUE(throws_with([&] { KVCache c(cfg); }, {"bytes"}));
+  cfg.capacity = 4;
+  KVCache c(cfg);
+  Tensor<float> k({1, 2, 3});
+  EXPECT_TRUE(throws_with([&] { c.append(0, k.view<3>(), k.view<3>()); }, {"argument 'k'", "(1, n, 2)"}));
+  Tensor<float> k2({1, 2, 2});
+  EXPECT_TRUE(throws_with([&] { c.append(1, k2.view<3>(), k2.view<3>()); }, {"argument 'b' is 1"}));
+  EXPECT_TRUE(throws_with([] { parse_kv_dtype("fp8"); }, {"fp8"}));
+  EXPECT_EQ(parse_kv_dtype("bf16"), KVDtype::bfloat16);
+}
+
+}  // namespace
