@@ -13,11 +13,15 @@ namespace attn::detail {
 void Checker::fail(const std::string& msg) const { throw InvalidArgument("attn::" + fn + ": " + msg); }
 
 int64_t Checker::count(const int64_t* shape, int rank, const char* name) const {
+  const std::span<const int64_t> s(shape, size_t(rank));
+  if (std::any_of(s.begin(), s.end(), [](int64_t d) { return d < 0; }))
+    fail(std::string("argument '") + name + "' has shape " + shape_str(s) + ", expected dimensions >= 0");
+  if (std::find(s.begin(), s.end(), 0) != s.end()) return 0;  // empty, whatever the other axes
   int64_t n = 1;
-  for (int i = 0; i < rank; ++i)
-    if (shape[i] < 0 || !checked_mul(n, shape[i], &n))
-      fail(std::string("argument '") + name + "' has shape " + shape_str(std::span(shape, size_t(rank))) +
-           (shape[i] < 0 ? ", expected dimensions >= 0" : ", too large: its element count does not fit in 64 bits"));
+  for (int64_t d : s)
+    if (!checked_mul(n, d, &n))
+      fail(std::string("argument '") + name + "' has shape " + shape_str(s) +
+           ", too large: its element count does not fit in 64 bits");
   return n;
 }
 

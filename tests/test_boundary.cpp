@@ -95,7 +95,8 @@ TEST(Sizes, ViewAndTensorCountsAreChecked) {
   EXPECT_TRUE(throws_with<InvalidArgument>([&] { (void)v.numel(); }, {"attn::View::numel", "(1099511627776, "}));
   EXPECT_TRUE(throws_with<InvalidArgument>([] { Tensor<float> t({kHuge, kHuge}); }, {"attn::Tensor", "too large"}));
   EXPECT_TRUE(throws_with<InvalidArgument>([] { Tensor<float> t({int64_t(1) << 61}); }, {"too large"}));
-  EXPECT_EQ(View4<const float>(nullptr, {kHuge, 0, 1, 1}).numel(), 0);
+  EXPECT_EQ(View4<const float>(nullptr, {kHuge, kHuge, 0, 1}).numel(), 0);  // empty, whatever the other axes
+  EXPECT_EQ(Tensor<float>({kHuge, kHuge, 0}).size(), 0u);
 }
 
 TEST_F(Boundary, HugeBroadcastInputsAreRefusedNotRun) {

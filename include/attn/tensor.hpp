@@ -23,6 +23,7 @@
 // ([out, in], PyTorch's convention) and rank-1 for biases.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <cstddef>
 #include <cstdint>
@@ -73,14 +74,19 @@ struct View {
   View(const View<U, R>& o) : data(o.data), shape(o.shape), strides(o.strides) {}
 
   bool empty() const { return data == nullptr; }
-  // The element count; throws attn::InvalidArgument when a dimension is
-  // negative or the count does not fit in int64 (never overflows).
+  // The element count (0 when an axis is 0, whatever the others); throws
+  // attn::InvalidArgument when a dimension is negative or the count does not
+  // fit in int64 (never overflows).
   int64_t numel() const {
+    for (auto s : shape)
+      if (s <= 0) {
+        if (s < 0) throw InvalidArgument("attn::View::numel: shape " + shape_str(shape) + " has a negative dimension");
+        return 0;
+      }
     int64_t n = 1;
     for (auto s : shape)
-      if (s < 0 || __builtin_mul_overflow(n, s, &n))
-        throw InvalidArgument("attn::View::numel: shape " + shape_str(shape) +
-                              (s < 0 ? " has a negative dimension" : " has more elements than int64 can count"));
+      if (__builtin_mul_overflow(n, s, &n))
+        throw InvalidArgument("attn::View::numel: shape " + shape_str(shape) + " has more elements than int64 can count");
     return n;
   }
   int64_t dim(int i) const { return shape[i]; }
@@ -139,8 +145,13 @@ class Tensor {
     if (shape_.empty() || shape_.size() > 4)
       throw InvalidArgument("attn::Tensor: rank must be 1 to 4, got " + std::to_string(shape_.size()));
     size_ = 1;
-    for (auto s : shape_) {
+    for (auto s : shape_)
       if (s < 0) throw InvalidArgument("attn::Tensor: negative dimension " + std::to_string(s));
+    for (auto s : shape_) {
+      if (std::find(shape_.begin(), shape_.end(), 0) != shape_.end()) {
+        size_ = 0;  // empty, whatever the other axes
+        break;
+      }
       if (__builtin_mul_overflow(size_, static_cast<size_t>(s), &size_) || size_ > (size_t(1) << 62) / sizeof(T))
         throw InvalidArgument("attn::Tensor: shape " + shape_str(shape_) + " is too large to allocate");
     }
