@@ -32,7 +32,7 @@ TEST_F(Cli, SdpaOnNpyFilesAgreesWithTheLibrary) {
   opt.causal = true;
   opt.scale = 0.7;
   attn::Tensor<double> y({B, H, L, Ev}), a({B, H, L, S}), lse({B, H, L});
-  attn::scaled_dot_product_attention<double>(args, y.view4(), opt, a.view4(), lse.view<3>());
+  attn::scaled_dot_product_attention<double>(args, {y.view4(), a.view4(), lse.view<3>()}, opt);
   const auto fy = attn::io::read_npy<double>(path("y.npy"));
   const auto fa = attn::io::read_npy<double>(path("a.npy"));
   const auto fl = attn::io::read_npy<double>(path("lse.npy"));
