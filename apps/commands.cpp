@@ -9,11 +9,13 @@
 #include <sstream>
 #include <filesystem>
 #include <memory>
+#include <optional>
 
 #include <fmt/format.h>
 
 #include "attn/detail/memory.hpp"
 #include "common.hpp"
+#include "dist.hpp"
 #include "experiments.hpp"
 #include "plot.hpp"
 #include "train.hpp"
@@ -22,10 +24,27 @@ namespace attn::cli {
 namespace {
 
 struct SdpaOpts {
-  std::string q, k, v, mask, out, weights, lse, backend = "auto";
+  std::string q, k, v, mask, out, weights, lse, backend = "auto", context_parallel;
   double scale = 0;
   bool causal = false;
+  // The variants (docs/variants.md).
+  std::vector<int64_t> window;             // left, right
+  double softcap = 0;
+  bool alibi = false;                      // the ALiBi paper's slopes 2^(-8(h+1)/H)
+  std::vector<double> alibi_slopes, sinks;  // H values (one value: every head)
+  std::optional<int64_t> position_offset;
+  int64_t offset_value = 0;  // what --position-offset parsed
 };
+
+// A per-head list from the command line: H values, or one for every head.
+template <class T>
+std::vector<T> per_head(const std::vector<double>& v, int64_t H, const char* flag) {
+  if (v.size() != 1 && int64_t(v.size()) != H)
+    throw Error(fmt::format("attn sdpa: {} has {} values; expected 1 (every head) or H = {}", flag, v.size(), H));
+  std::vector<T> out(static_cast<size_t>(H));
+  for (int64_t h = 0; h < H; ++h) out[size_t(h)] = T(v[v.size() == 1 ? 0 : size_t(h)]);
+  return out;
+}
 
 // An empty input (some axis of length 0) is named as such.
 void require_nonempty(const io::Array<double>& a, const std::string& flag, const std::string& path) {
@@ -103,6 +122,20 @@ void run_sdpa_typed(const SdpaOpts& o, const SdpaPaths& paths, const io::Array<d
   opt.causal = o.causal;
   opt.backend = parse_backend(o.backend);
   const int64_t B = qs[0], H = qs[1], L = qs[2], S = ks[2], Ev = vs[3];
+  if (!o.window.empty()) opt.window = {o.window[0], o.window[1]};
+  opt.softcap = o.softcap;
+  opt.position_offset = o.position_offset;
+  std::vector<T> slopes, sinks;
+  if (o.alibi) {
+    for (int64_t h = 0; h < H; ++h) slopes.push_back(T(std::exp2(-8.0 * double(h + 1) / double(H))));
+  } else if (!o.alibi_slopes.empty()) {
+    slopes = per_head<T>(o.alibi_slopes, H, "--alibi-slopes");
+  }
+  if (!slopes.empty()) args.alibi_slopes = View1<const T>(slopes.data(), {H});
+  if (!o.sinks.empty()) {
+    sinks = per_head<T>(o.sinks, H, "--sinks");
+    args.sinks = View1<const T>(sinks.data(), {H});
+  }
   Backend used;
   std::vector<T> out, w, lse;
   View4<T> wv;
@@ -141,6 +174,9 @@ void run_sdpa_typed(const SdpaOpts& o, const SdpaPaths& paths, const io::Array<d
 }
 
 void run_sdpa(const SdpaOpts& o) {
+  if (!o.context_parallel.empty())
+    return run_sdpa_context_parallel({o.q, o.k, o.v, o.out, o.lse, o.context_parallel, o.backend, o.scale, o.causal,
+                                      !o.mask.empty(), !o.weights.empty()});
   // Every output path is checked before anything is read or computed.
   Outputs outputs;
   const SdpaPaths paths{outputs.add("--out", o.out), outputs.add("--weights", o.weights), outputs.add("--lse", o.lse)};
@@ -241,14 +277,30 @@ void add_sdpa(CLI::App& app) {
                  ".npy of bool (np.save of a NumPy bool array) or 0/1 numbers: True/1 = the query may attend to the "
                  "key, False/0 = blocked (PyTorch's polarity); (L, S) or broadcastable to (B, H, L, S)");
   c->add_flag("--causal", o->causal, "query i sees keys j <= i");
+  c->add_option("--window", o->window, "sliding window LEFT,RIGHT: keys p-LEFT..p+RIGHT, -1 = unbounded")
+      ->delimiter(',')->expected(2);
+  c->add_option("--softcap", o->softcap, "soft-cap the scores: c*tanh(s/c) (0 = off)")->check(CLI::NonNegativeNumber);
+  auto* alibi = c->add_flag("--alibi", o->alibi, "ALiBi with the slopes 2^(-8(h+1)/H)");
+  c->add_option("--alibi-slopes", o->alibi_slopes, "ALiBi with these slopes (H values, or one for all)")
+      ->delimiter(',')->excludes(alibi);
+  c->add_option("--sinks", o->sinks, "attention sinks: one logit per head (H values, or one for all)")->delimiter(',');
+  auto* offset = c->add_option("--position-offset", o->offset_value,
+                               "query row i sits at key position i + N (replaces the causal alignment)");
   c->add_option("--scale", o->scale, "score scale (default 1/sqrt(E))")->check(positive_number());
   c->add_option("--backend", o->backend, "auto | reference | fused")->capture_default_str();
   c->add_option("--out", o->out, "output Y (.npy), same leading axes as Q, last axis Ev")->required();
   c->add_option("--weights", o->weights, "also write the attention weights A (.npy), (.., L, S)");
   c->add_option("--lse", o->lse, "also write each row's log-sum-exp (.npy), (.., L)");
+  c->add_option("--context-parallel", o->context_parallel,
+                "ring | ulysses: split the sequence over the processes of `mpirun -np P attn sdpa ...` "
+                "(float32; docs/distributed.md)")
+      ->check(CLI::IsMember({"ring", "ulysses"}));
   c->footer(std::string("Computation is float32 when every input is float32, else float64; outputs use that type.\n") +
             kExitCodesHelp);
-  c->callback([o] { run_sdpa(*o); });
+  c->callback([o, offset] {
+    if (offset->count() > 0) o->position_offset = o->offset_value;
+    run_sdpa(*o);
+  });
 }
 
 void add_experiment(CLI::App& app) {

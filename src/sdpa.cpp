@@ -103,8 +103,8 @@ void for_each(const View<T, R>& v, F&& f) {
   }
 }
 
-template <class T>
-void check_finite(const Checker& c, const View4<const T>& v, const char* name, bool allow_neg_inf) {
+template <class T, int R>
+void check_finite(const Checker& c, const View<const T, R>& v, const char* name, bool allow_neg_inf) {
   bool bad = false;
   for_each(v, [&](T x) {
     if (std::isnan(x) || (std::isinf(x) && !(allow_neg_inf && x < 0))) bad = true;
@@ -112,6 +112,43 @@ void check_finite(const Checker& c, const View4<const T>& v, const char* name, b
   if (bad)
     c.fail(std::string("argument '") + name + "' contains " +
            (allow_neg_inf ? "NaN or +Inf (only -Inf is allowed, as a mask)" : "NaN or Inf"));
+}
+
+// Positions and window sides beyond this are refused (offset) or clamped
+// (window: a side this long is unbounded), so position arithmetic never
+// overflows.
+constexpr int64_t kMaxPosition = int64_t(1) << 52;
+
+// The variants' options and per-head arguments (shared with the varlen entry
+// points); fills their part of the problem.
+template <class T>
+void validate_variants(const Checker& c, const View1<const T>& alibi, const View1<const T>& sinks,
+                       const SdpaOptions& opt, Problem& p) {
+  for (const auto& [side, name] : {std::pair{opt.window.left, "window.left"}, {opt.window.right, "window.right"}})
+    if (side < -1)
+      c.fail(std::string("option '") + name + "' is " + std::to_string(side) +
+             ", expected >= 0 or -1 (unbounded)");
+  p.window_left = std::min(opt.window.left, kMaxPosition);
+  p.window_right = std::min(opt.window.right, kMaxPosition);
+  if (!std::isfinite(opt.softcap) || opt.softcap < 0) {
+    std::ostringstream os;
+    os << "option 'softcap' is " << opt.softcap << ", expected a finite value > 0 (or 0 = off)";
+    c.fail(os.str());
+  }
+  p.softcap = opt.softcap;
+  if (opt.position_offset) {
+    if (*opt.position_offset > kMaxPosition || *opt.position_offset < -kMaxPosition)
+      c.fail("option 'position_offset' is " + std::to_string(*opt.position_offset) + ", expected |offset| <= 2^52");
+    p.position_offset = opt.position_offset;
+  }
+  if (!alibi.empty()) {
+    c.shape(alibi, "alibi_slopes", {p.H}, "(H) = (" + std::to_string(p.H) + "), one slope per query head");
+    check_finite(c, alibi, "alibi_slopes", false);
+  }
+  if (!sinks.empty()) {
+    c.shape(sinks, "sinks", {p.H}, "(H) = (" + std::to_string(p.H) + "), one logit per query head");
+    check_finite(c, sinks, "sinks", /*allow_neg_inf=*/true);
+  }
 }
 
 // Validates the inputs shared by forward and backward; returns the problem.
@@ -167,6 +204,7 @@ Problem validate_inputs(const Checker& c, const SdpaArgs<T>& a, const SdpaOption
   p.threads = opt.num_threads > 0 ? opt.num_threads : omp_get_max_threads();
   p.causal = opt.causal;
   p.align = opt.causal_align;
+  validate_variants(c, a.alibi_slopes, a.sinks, opt, p);
   if (opt.check_finite) {
     check_finite(c, a.q, "q", false);
     check_finite(c, a.k, "k", false);
@@ -250,6 +288,11 @@ void scaled_dot_product_attention_backward(const SdpaArgs<T>& args, View4<const 
     if (args.bias.empty()) c.fail("output 'dbias' was requested but no 'bias' was given");
     c.shape(g.dbias, "dbias", args.bias.shape, shape_str(args.bias.shape) + " (the shape of 'bias')");
     c.writable(g.dbias, "dbias");
+  }
+  if (!g.dsinks.empty()) {
+    if (args.sinks.empty()) c.fail("output 'dsinks' was requested but no 'sinks' were given");
+    c.shape(g.dsinks, "dsinks", {p.H}, "(H) = (" + std::to_string(p.H) + "), the shape of 'sinks'");
+    c.writable(g.dsinks, "dsinks");
   }
   if (!out.empty()) c.shape(out, "out", {p.B, p.H, p.L, p.Ev});
   if (!lse.empty()) c.shape(lse, "lse", {p.B, p.H, p.L});

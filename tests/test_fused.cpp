@@ -88,6 +88,11 @@ struct Case {
   int threads = 1;
   FusedPlan tiles{};  // q_block 0: fused_plan's choice
   double scale = 0;    // 0: default
+  // The variants (tests/test_variants.cpp holds their reference to account).
+  attn::Window window{};
+  std::optional<int64_t> offset;
+  double softcap = 0;
+  bool alibi = false, sinks = false;
   uint64_t seed = 0;
 
   std::string str() const {
@@ -97,6 +102,11 @@ struct Case {
        << " mask=" << mask << (key_lengths ? " key_lengths" : "") << " threads=" << threads
        << " tiles=" << tiles.q_block << "x" << tiles.k_block << (tiles.own_heads ? " own-heads" : "")
        << " seed=" << seed;
+    if (window.left >= 0 || window.right >= 0) os << " window=(" << window.left << "," << window.right << ")";
+    if (offset) os << " offset=" << *offset;
+    if (softcap > 0) os << " softcap=" << softcap;
+    if (alibi) os << " alibi";
+    if (sinks) os << " sinks";
     return os.str();
   }
 };
@@ -109,6 +119,7 @@ struct Data {
   View4<const bool> mask;
   Buffer bias;
   std::vector<int64_t> lengths;
+  std::vector<float> slopes, sinks;
   attn::SdpaArgs<float> args;
   attn::SdpaOptions opt;
 
@@ -161,6 +172,18 @@ struct Data {
     opt.causal_align = c.align;
     opt.num_threads = c.threads;
     if (c.scale > 0) opt.scale = c.scale;
+    opt.window = c.window;
+    opt.position_offset = c.offset;
+    opt.softcap = c.softcap;
+    std::uniform_real_distribution<float> slope(0.0f, 0.5f), sink(-2.0f, 3.0f);
+    if (c.alibi) {
+      for (int64_t h = 0; h < c.H; ++h) slopes.push_back(slope(rng));
+      args.alibi_slopes = View1<const float>(slopes.data(), {c.H});
+    }
+    if (c.sinks) {
+      for (int64_t h = 0; h < c.H; ++h) sinks.push_back(h == 1 ? -std::numeric_limits<float>::infinity() : sink(rng));
+      args.sinks = View1<const float>(sinks.data(), {c.H});
+    }
   }
 
   Problem problem() const {
@@ -176,6 +199,10 @@ struct Data {
     p.causal = c.causal;
     p.align = c.align;
     p.threads = c.threads;
+    p.window_left = c.window.left;
+    p.window_right = c.window.right;
+    p.position_offset = c.offset;
+    p.softcap = c.softcap;
     return p;
   }
 };
@@ -183,7 +210,7 @@ struct Data {
 // Everything one backend produces for a case (allocated, zeroed).
 struct Results {
   Buffer out, weights, dq, dk, dv, dbias;
-  std::vector<float> lse;
+  std::vector<float> lse, dsinks;
 
   Results() = default;
   Results(const Data& d, bool with_weights) {
@@ -198,11 +225,13 @@ struct Results {
       const auto& s = d.args.bias.shape;
       dbias = Buffer(s[0], s[1], s[2], s[3], Layout::bhnd);
     }
+    if (!d.args.sinks.empty()) dsinks.assign(size_t(c.H), 0.0f);
   }
   View3<float> lse_out() { return View3<float>(lse.data(), {out.view.dim(0), out.view.dim(1), out.view.dim(2)}); }
   View4<float> weights_out() { return weights.data.empty() ? View4<float>{} : weights.view; }
   attn::SdpaGrads<float> grads() {
-    return {dq.view, dk.view, dv.view, dbias.data.empty() ? View4<float>{} : dbias.view};
+    return {dq.view, dk.view, dv.view, dbias.data.empty() ? View4<float>{} : dbias.view,
+            dsinks.empty() ? View1<float>{} : View1<float>(dsinks.data(), {int64_t(dsinks.size())})};
   }
 };
 
@@ -251,9 +280,15 @@ void compare(Data& d, const Results& got, const Results& want) {
     EXPECT_TRUE(attn::testing::all_close(got.dbias.view, want.dbias.view,
                                          tolerance<float>(nb, max_abs(want.dbias.view)), "dbias " + at));
   }
+  if (!got.dsinks.empty()) {
+    const View1<const float> gs(got.dsinks.data(), {c.H}), ws(want.dsinks.data(), {c.H});
+    EXPECT_TRUE(attn::testing::all_close(gs, ws, tolerance<float>(c.B * c.L * c.Ev, max_abs(ws)), "dsinks " + at));
+  }
 }
 
-Case random_case(std::mt19937_64& rng, uint64_t seed) {
+// With `variants`, every case also draws windows, offsets, soft-caps, ALiBi
+// and sinks (each on about half the time).
+Case random_case(std::mt19937_64& rng, uint64_t seed, bool variants = false) {
   static const int64_t lengths[] = {1, 2, 3, 17, 63, 64, 65, 127, 267, 1030};
   static const int64_t dims[] = {1, 3, 8, 16, 40, 64, 80, 128, 256};
   static const FusedPlan tiles[] = {{0, 0}, {12, 16}, {7, 13}, {24, 64}, {96, 256}, {1, 1}, {36, 40}};
@@ -284,6 +319,15 @@ Case random_case(std::mt19937_64& rng, uint64_t seed) {
   if (c.tiles.q_block == 1 && c.L * c.S > 100000) c.tiles = {5, 7};  // keep 1×1 tiles cheap
   c.tiles.own_heads = std::bernoulli_distribution(0.5)(rng);  // both backward splits on any shape
   if (std::bernoulli_distribution(0.2)(rng)) c.scale = 0.37;
+  if (variants) {
+    static const int64_t sides[] = {-1, -1, 0, 1, 5, 17, 100};
+    std::bernoulli_distribution half(0.5);
+    if (half(rng)) c.window = {pick(sides), pick(sides)};
+    if (std::bernoulli_distribution(0.3)(rng)) c.offset = std::uniform_int_distribution<int64_t>(-c.L, c.S + 3)(rng);
+    if (half(rng)) c.softcap = std::uniform_real_distribution<double>(0.5, 20.0)(rng);
+    c.alibi = half(rng);
+    c.sinks = half(rng);
+  }
   return c;
 }
 
@@ -484,7 +528,7 @@ struct Oracle {
     const Case& c = d.c;
     const Problem p = d.problem();
     const int64_t len = d.lengths.empty() ? c.S : d.lengths[size_t(b)];
-    if (j >= std::min(p.causal_end(i), len)) return false;
+    if (!p.band(len).visible(i, j)) return false;  // causal, window, key length
     const auto& m = d.args.mask;
     if (!m.empty() && !m(bcast(b, m.dim(0)), bcast(h, m.dim(1)), bcast(i, m.dim(2)), bcast(j, m.dim(3)))) return false;
     return bias(b, h, i, j) != -std::numeric_limits<float>::infinity();
@@ -909,6 +953,253 @@ TEST(Fused, BlockProductMatchesPlainLoop) {
             for (size_t i = 0; i < C.size(); ++i) worst = std::max(worst, std::abs(C[i] - want[i]));
             EXPECT_LE(worst, tolerance<float>(K + 1, 4.0)) << M << "x" << N << "x" << K << " t=" << transposed;
           }
+}
+
+}  // namespace
+
+namespace {
+
+// The variants and their combinations, fused against reference, on the
+// awkward shapes of the sweep above.
+TEST(FusedVariants, MatchReferenceOnRandomCases) {
+  std::mt19937_64 rng(20261201);
+  for (int i = 0; i < kCases; ++i) {
+    const Case c = random_case(rng, 3000 + uint64_t(i), /*variants=*/true);
+    SCOPED_TRACE(c.str());
+    Data d(c);
+    const bool weights = c.L * c.S <= 300000;
+    compare(d, run(d, Backend::fused, weights), run(d, Backend::reference, weights));
+    if (::testing::Test::HasFailure()) break;
+  }
+}
+
+// The combinations the issue names, on fixed awkward shapes.
+TEST(FusedVariants, MatchReferenceOnNamedCombinations) {
+  std::vector<Case> cases;
+  Case c;
+  c.B = 2, c.H = 6, c.Hkv = 2, c.L = 67, c.S = 130, c.E = 24, c.Ev = 40, c.causal = true;
+  c.window = {21, -1}, c.sinks = true, c.layout = Layout::bnhd, c.threads = 3;
+  cases.push_back(c);  // window + causal + GQA + sinks
+  c.align = CausalAlign::bottom_right, c.tiles = {12, 16};
+  cases.push_back(c);
+  c = Case{};
+  c.B = 2, c.H = 2, c.Hkv = 1, c.L = 65, c.S = 63, c.E = 16, c.Ev = 8, c.alibi = true, c.softcap = 5.0;
+  c.mask = 2, c.layout = Layout::strided, c.threads = 2;
+  cases.push_back(c);  // ALiBi + soft-cap + bias (and dbias)
+  c.mask = 3, c.key_lengths = true, c.window = {7, 3}, c.offset = -10, c.sinks = true, c.tiles = {7, 13, true};
+  cases.push_back(c);  // everything at once, with fully masked rows
+  uint64_t seed = 70;
+  for (auto& cs : cases) {
+    cs.seed = seed++;
+    SCOPED_TRACE(cs.str());
+    Data d(cs);
+    compare(d, run(d, Backend::fused), run(d, Backend::reference));
+  }
+}
+
+// Windows whose edges fall at every offset inside a tile (q_block 16,
+// k_block 12), on both sides, with positions shifted both ways.
+TEST(FusedVariants, WindowsCuttingTilesAtEveryOffset) {
+  for (int64_t side = 0; side <= 12; ++side)
+    for (int kind = 0; kind < 3; ++kind) {
+      Case c;
+      c.H = 2, c.L = 45, c.S = 50, c.E = 8, c.Ev = 8, c.tiles = {16, 12, kind == 1};
+      c.seed = uint64_t(100 + side * 3 + kind);
+      if (kind == 0) c.window = {side, -1}, c.causal = true;
+      if (kind == 1) c.window = {3, side};
+      if (kind == 2) c.window = {side, side}, c.offset = side - 6;
+      SCOPED_TRACE(c.str());
+      Data d(c);
+      compare(d, run(d, Backend::fused), run(d, Backend::reference));
+      if (::testing::Test::HasFailure()) return;
+    }
+}
+
+// A window skips the tiles outside it: with a window of w keys, the fused
+// forward's time does not grow with S (measured as work: the tiles the band
+// classifies as visited, which is what the kernel runs).
+TEST(FusedVariants, WindowTilesVisitedGrowWithTheWindowNotS) {
+  for (int64_t S : {1024, 4096}) {
+    Problem p;
+    p.B = p.H = p.Hkv = 1;
+    p.L = p.S = S;
+    p.E = p.Ev = 64;
+    p.causal = true;
+    p.window_left = 128;
+    const FusedPlan t = attn::detail::fused_plan(p);
+    const attn::detail::rules::Band band = p.band(S);
+    int64_t visited = 0, scores = 0;
+    for (int64_t i0 = 0; i0 < S; i0 += t.q_block) {
+      const int64_t nr = std::min(t.q_block, S - i0);
+      const auto keys = band.keys_of_rows(i0, i0 + nr);
+      for (int64_t j0 = keys.lo; j0 < keys.hi; j0 += t.k_block)
+        if (band.classify(i0, nr, j0, std::min(t.k_block, keys.hi - j0)) != attn::detail::rules::Tile::empty)
+          visited += nr * std::min(t.k_block, keys.hi - j0);
+      for (int64_t i = i0; i < i0 + nr; ++i) scores += band.keys(i).hi - band.keys(i).lo;
+    }
+    // Every visible score is computed once; the waste is at most one tile
+    // of keys per query block on top of the window.
+    EXPECT_LE(visited, scores + S * (t.q_block + t.k_block)) << S;
+    EXPECT_LE(double(visited), double(S) * double(129 + t.q_block + t.k_block)) << S;
+  }
+}
+
+TEST(FusedVariants, VectorisedTanhIsAccurateToAFewUlp) {
+  std::vector<float> x;
+  for (float v = -12.0f; v < 12.0f; v += 0.00731f)
+    if (v != 0.0f) x.push_back(v);
+  for (float v = 1e-30f; v < 1.0f; v *= 1.37f) x.push_back(v), x.push_back(-v);
+  for (float v : {0.625f, -0.625f, 0.62499994f, 8.9f})
+    x.push_back(v);
+  std::vector<float> y(x.size());
+  attn::detail::fused_tanh(x.data(), y.data(), int64_t(x.size()));
+  const auto [worst_ulp, worst_x] = worst_ulp_error(x, y, [](double v) { return std::tanh(v); });
+  EXPECT_LE(worst_ulp, 4.0) << "at x = " << worst_x;
+  std::printf("vectorised tanh: worst error %.2f ulp (at %g) over %zu points\n", worst_ulp, double(worst_x), x.size());
+  const float inf = std::numeric_limits<float>::infinity();
+  const float special[6] = {0.0f, inf, -inf, 50.0f, -1e30f, std::numeric_limits<float>::quiet_NaN()};
+  float out[6];
+  attn::detail::fused_tanh(special, out, 6);
+  EXPECT_EQ(out[0], 0.0f);
+  EXPECT_EQ(out[1], 1.0f);
+  EXPECT_EQ(out[2], -1.0f);
+  EXPECT_EQ(out[3], 1.0f);
+  EXPECT_EQ(out[4], -1.0f);
+  EXPECT_TRUE(std::isnan(out[5]));
+}
+
+// Sinks: a fully masked row puts all its weight on the sink in the fused
+// backend too (output 0, lse = the sink, zero gradient).
+TEST(FusedVariants, SinkTakesFullyMaskedRows) {
+  Case c;
+  c.H = 2, c.L = 9, c.S = 20, c.E = 8, c.Ev = 8, c.sinks = true, c.window = {0, 0}, c.offset = 15;
+  Data d(c);  // rows 5.. see keys 20.. : none
+  const Results r = run(d, Backend::fused);
+  for (int64_t i = 5; i < c.L; ++i) {
+    EXPECT_FLOAT_EQ(r.lse[size_t(i)], d.sinks[0]) << i;
+    for (int64_t e = 0; e < c.Ev; ++e) EXPECT_EQ(r.out.view(0, 0, i, e), 0.0f);
+    for (int64_t e = 0; e < c.E; ++e) EXPECT_EQ(r.dq.view(0, 0, i, e), 0.0f);
+  }
+  compare(d, r, run(d, Backend::reference));
+}
+
+}  // namespace
+
+namespace {
+
+TEST(FusedVariants, BitwiseDeterministicAcrossThreadCounts) {
+  for (bool own : {false, true}) {
+    Case c;
+    c.B = 2, c.H = 4, c.Hkv = 2, c.L = 131, c.S = 140, c.E = 16, c.Ev = 24, c.causal = true, c.mask = 2;
+    c.window = {40, -1}, c.softcap = 6.0, c.alibi = true, c.sinks = true, c.tiles = {16, 24, own}, c.seed = 9;
+    Results first;
+    for (int t : {1, 3}) {
+      c.threads = t;
+      Data d(c);
+      Results r = run(d, Backend::fused);
+      if (t == 1) {
+        first = std::move(r);
+        continue;
+      }
+      SCOPED_TRACE(c.str());
+      EXPECT_TRUE(bitwise_equal(r.out, first.out));
+      EXPECT_TRUE(bitwise_equal(r.dq, first.dq));
+      EXPECT_TRUE(bitwise_equal(r.dk, first.dk));
+      EXPECT_TRUE(bitwise_equal(r.dv, first.dv));
+      EXPECT_TRUE(bitwise_equal(r.dbias, first.dbias));
+      EXPECT_EQ(std::memcmp(r.dsinks.data(), first.dsinks.data(), r.dsinks.size() * sizeof(float)), 0);
+    }
+  }
+}
+
+}  // namespace
+
+namespace {
+
+// Varlen + causal + window (+ sinks, ALiBi, GQA) through the packed entry
+// points, fused against reference, forward and backward.
+TEST(FusedVariants, VarlenMatchesReference) {
+  std::mt19937_64 rng(404);
+  const std::vector<int64_t> lq = {1, 130, 0, 67, 33}, lk = {5, 130, 3, 20, 0};
+  std::vector<int64_t> cq{0}, ck{0};
+  for (size_t b = 0; b < lq.size(); ++b) cq.push_back(cq.back() + lq[b]), ck.push_back(ck.back() + lk[b]);
+  const int64_t H = 4, Hkv = 2, E = 24, Ev = 16, tq = cq.back(), tk = ck.back();
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  auto fill = [&](std::vector<float>& x, int64_t n) {
+    x.resize(size_t(n));
+    for (auto& y : x) y = nd(rng);
+  };
+  std::vector<float> q, k, v, dout, slopes = {0.1f, 0.2f, 0.3f, 0.4f}, sinks = {0.5f, -1.0f, 2.0f, 0.0f};
+  fill(q, tq * H * E), fill(k, tk * Hkv * E), fill(v, tk * Hkv * Ev), fill(dout, tq * H * Ev);
+  attn::VarlenArgs<float> a;
+  a.q = View3<const float>(q.data(), {tq, H, E});
+  a.k = View3<const float>(k.data(), {tk, Hkv, E});
+  a.v = View3<const float>(v.data(), {tk, Hkv, Ev});
+  a.cu_seqlens_q = View1<const int64_t>(cq.data(), {int64_t(cq.size())});
+  a.cu_seqlens_k = View1<const int64_t>(ck.data(), {int64_t(ck.size())});
+  a.max_seqlen_q = a.max_seqlen_k = 130;
+  a.alibi_slopes = View1<const float>(slopes.data(), {H});
+  a.sinks = View1<const float>(sinks.data(), {H});
+  struct Out {
+    std::vector<float> out, lse, dq, dk, dv, dsinks;
+  };
+  auto run_varlen = [&](Backend be, CausalAlign align) {
+    attn::SdpaOptions opt;
+    opt.backend = be;
+    opt.causal = true;
+    opt.causal_align = align;
+    opt.window = {9, -1};
+    opt.num_threads = 2;
+    Out o;
+    o.out.resize(size_t(tq * H * Ev)), o.lse.resize(size_t(H * tq));
+    o.dq.resize(size_t(tq * H * E)), o.dk.resize(size_t(tk * Hkv * E)), o.dv.resize(size_t(tk * Hkv * Ev));
+    o.dsinks.resize(size_t(H));
+    const View3<float> out(o.out.data(), {tq, H, Ev});
+    const attn::View2<float> lse(o.lse.data(), {H, tq});
+    attn::varlen_attention<float>(a, {out, lse}, opt);
+    attn::varlen_attention_backward<float>(
+        a, View3<const float>(dout.data(), {tq, H, Ev}), {out, lse},
+        {View3<float>(o.dq.data(), {tq, H, E}), View3<float>(o.dk.data(), {tk, Hkv, E}),
+         View3<float>(o.dv.data(), {tk, Hkv, Ev}), View1<float>(o.dsinks.data(), {H})},
+        opt);
+    return o;
+  };
+  for (CausalAlign align : {CausalAlign::top_left, CausalAlign::bottom_right}) {
+    const Out f = run_varlen(Backend::fused, align), r = run_varlen(Backend::reference, align);
+    auto close = [](const std::vector<float>& x, const std::vector<float>& y, int64_t n, const char* what) {
+      const View1<const float> vx(x.data(), {int64_t(x.size())}), vy(y.data(), {int64_t(y.size())});
+      EXPECT_TRUE(attn::testing::all_close(vx, vy, tolerance<float>(n, max_abs(vy)), what));
+    };
+    close(f.out, r.out, 200, "out");
+    close(f.lse, r.lse, 200, "lse");
+    close(f.dq, r.dq, 400, "dq");
+    close(f.dk, r.dk, 400, "dk");
+    close(f.dv, r.dv, 400, "dv");
+    close(f.dsinks, r.dsinks, 4000, "dsinks");
+  }
+}
+
+}  // namespace
+
+namespace {
+
+// Decoding shapes (a few query rows, no weights) with the variants: the
+// dense call must not hand them to a kernel without the rules.
+TEST(FusedVariants, DecodingShapesKeepTheRules) {
+  for (int64_t L : {1, 3, 32}) {
+    Case c;
+    c.B = 2, c.H = 4, c.Hkv = 2, c.L = L, c.S = 300, c.E = 16, c.Ev = 16, c.causal = true;
+    c.align = CausalAlign::bottom_right, c.window = {50, -1}, c.softcap = 8.0, c.alibi = true, c.sinks = true;
+    c.seed = uint64_t(500 + L);
+    SCOPED_TRACE(c.str());
+    Data d(c);
+    compare(d, run(d, Backend::fused, /*with_weights=*/false), run(d, Backend::reference, false));
+    Case o = c;
+    o.window = {}, o.softcap = 0, o.alibi = false, o.sinks = false, o.offset = 100;  // the offset alone
+    SCOPED_TRACE(o.str());
+    Data dd(o);
+    compare(dd, run(dd, Backend::fused, false), run(dd, Backend::reference, false));
+  }
 }
 
 }  // namespace

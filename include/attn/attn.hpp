@@ -7,3 +7,4 @@
 #include "attn/multihead.hpp"
 #include "attn/sdpa.hpp"
 #include "attn/tensor.hpp"
+#include "attn/varlen.hpp"

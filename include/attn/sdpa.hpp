@@ -19,8 +19,23 @@
 //               j <= i + (S - L) (bottom_right, the alignment used when new
 //               queries are appended after a cache of S - L keys).
 //
+// Variants (all optional, all combinable; formulas and examples in
+// docs/variants.md, the one statement of the rules in
+// src/kernels/score_rules.hpp):
+//   window          (left, right): query at position p sees keys
+//                   p - left <= j <= p + right; -1 = unbounded on that side.
+//   softcap         c > 0: scores become c·tanh(s / c) after scaling, before
+//                   masks and biases (Gemma 2).
+//   alibi_slopes    (H): adds -slope_h·|p - j| (FlashAttention 2's ALiBi).
+//   sinks           (H): one logit per head that joins every row's softmax
+//                   denominator and contributes no value (gpt-oss).
+//   position_offset query row i sits at key position p = i + offset. When not
+//                   given, offset is 0 (top_left) or S - L (bottom_right); it
+//                   is the one rule causal, window and ALiBi use.
+//
 // A query row that can see no key at all ("fully masked") gets output 0,
-// weights 0, lse = -inf, and contributes zero gradient. Never NaN.
+// weights 0, lse = -inf, and contributes zero gradient. Never NaN. With
+// sinks, such a row puts all its weight on the sink: output 0, lse = sink_h.
 //
 // The softmax subtracts the row maximum, so finite scores of any magnitude
 // are safe.
@@ -56,10 +71,20 @@ enum class CausalAlign { top_left, bottom_right };
 const char* backend_name(Backend b);                // "auto", "reference", "fused"
 Backend parse_backend(std::string_view name);       // throws attn::Error on unknown
 
+// A sliding window, FlashAttention's window_size: keys at most `left`
+// positions before and `right` after the query's position; -1 = unbounded.
+struct Window {
+  int64_t left = -1;
+  int64_t right = -1;
+};
+
 struct SdpaOptions {
   std::optional<double> scale;  // default 1/sqrt(E); must be finite and > 0
-  bool causal = false;
+  bool causal = false;          // same as window.right = 0 (both may be given)
   CausalAlign causal_align = CausalAlign::top_left;
+  Window window;                // default: unbounded
+  double softcap = 0;           // 0 = off; else finite and > 0
+  std::optional<int64_t> position_offset;  // replaces causal_align when given
   Backend backend = Backend::automatic;
   bool check_finite = false;    // reject NaN/Inf in the inputs (costs one pass)
   int num_threads = 0;          // 0 = the library default
@@ -71,6 +96,8 @@ struct SdpaArgs {
   View4<const bool> mask{};            // optional
   View4<const T> bias{};               // optional
   View1<const int64_t> key_lengths{};  // optional
+  View1<const T> alibi_slopes{};       // optional, (H); finite
+  View1<const T> sinks{};              // optional, (H); no NaN or +Inf
 };
 
 // What the forward writes. `out` is required; `weights` (B, H, L, S) and
@@ -98,6 +125,7 @@ struct SdpaGrads {
   View4<T> dk;     // (B, Hkv, S, E), summed over the query heads of each group
   View4<T> dv;     // (B, Hkv, S, Ev)
   View4<T> dbias{};  // optional; same shape as args.bias
+  View1<T> dsinks{};  // optional, (H): the sinks' gradient summed over B and L
 };
 
 // Forward: Y = softmax(Q·Kᵀ·scale + bias + mask)·V into outputs.out, and the

@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "attn/sdpa.hpp"
+#include "kernels/score_rules.hpp"
 
 namespace attn::detail {
 
@@ -14,18 +15,25 @@ struct Problem {
   double scale = 1.0;
   bool causal = false;
   CausalAlign align = CausalAlign::top_left;
+  std::optional<int64_t> position_offset;    // replaces the alignment when given
+  int64_t window_left = -1, window_right = -1;  // −1: unbounded
+  double softcap = 0;                          // 0: off
   int threads = 1;
 
   int64_t group() const { return H / Hkv; }  // query heads per key/value head
   int64_t kv_head(int64_t h) const { return h / group(); }
 
-  // One past the last key query i may see under the causal rule (S if not
-  // causal), clipped to [0, S].
-  int64_t causal_end(int64_t i) const {
-    if (!causal) return S;
-    const int64_t end = align == CausalAlign::top_left ? i + 1 : i + 1 + (S - L);
-    return std::clamp<int64_t>(end, 0, S);
+  // The position of query row 0 on the key axis (see score_rules.hpp).
+  int64_t offset() const {
+    return rules::query_offset(position_offset ? &*position_offset : nullptr,
+                               align == CausalAlign::bottom_right, L, S);
   }
+  // The band rule of a (batch, head) slice whose keys end at key_end.
+  rules::Band band(int64_t key_end) const {
+    return rules::Band::make(offset(), window_left, window_right, causal, key_end);
+  }
+  // Whether any rule beyond causal alignment and key lengths narrows the band.
+  bool windowed() const { return window_left >= 0 || window_right >= 0 || position_offset.has_value(); }
 };
 
 // Index into a broadcastable axis: size-1 axes always read element 0.

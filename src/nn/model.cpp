@@ -60,18 +60,15 @@ Transformer<T>::Transformer(const ModelConfig& config, uint64_t seed) : cfg_(con
   if (cfg_.mlp_hidden == 0) cfg_.mlp_hidden = 4 * cfg_.dim;
   embed_ = Embedding<T>(cfg_.vocab, cfg_.dim);
   if (cfg_.positions == Positions::learned) pos_ = LearnedPositions<T>(cfg_.max_len, cfg_.dim);
-  AttentionOptions ao;
-  ao.causal = cfg_.causal;
-  ao.scale = cfg_.attn_scale;
-  ao.rope = cfg_.positions == Positions::rope;
-  ao.backend = cfg_.backend;
-  blocks_.resize(size_t(cfg_.layers));
-  for (auto& blk : blocks_) {
-    blk.ln1 = LayerNorm<T>(cfg_.dim);
-    blk.attn = SelfAttention<T>(cfg_.dim, cfg_.heads, ao);
-    blk.ln2 = LayerNorm<T>(cfg_.dim);
-    blk.mlp = Mlp<T>(cfg_.dim, cfg_.mlp_hidden);
-  }
+  MhaOptions ao;
+  ao.sdpa.causal = cfg_.causal;
+  ao.sdpa.scale = cfg_.attn_scale;
+  ao.sdpa.backend = cfg_.backend;
+  const bool rope = cfg_.positions == Positions::rope;
+  blocks_.reserve(size_t(cfg_.layers));
+  for (int64_t l = 0; l < cfg_.layers; ++l)
+    blocks_.push_back({LayerNorm<T>(cfg_.dim), LayerNorm<T>(cfg_.dim), SelfAttention<T>(cfg_.dim, cfg_.heads, ao, rope),
+                       Mlp<T>(cfg_.dim, cfg_.mlp_hidden), {}, {}, {}});
   ln_f_ = LayerNorm<T>(cfg_.dim);
   head_ = Linear<T>(cfg_.dim, cfg_.vocab);
   reset_parameters(seed);

@@ -32,7 +32,7 @@ TEST_F(Cli, SdpaOnNpyFilesAgreesWithTheLibrary) {
   opt.causal = true;
   opt.scale = 0.7;
   attn::Tensor<double> y({B, H, L, Ev}), a({B, H, L, S}), lse({B, H, L});
-  attn::scaled_dot_product_attention<double>(args, y.view4(), opt, a.view4(), lse.view<3>());
+  attn::scaled_dot_product_attention<double>(args, {y.view4(), a.view4(), lse.view<3>()}, opt);
   const auto fy = attn::io::read_npy<double>(path("y.npy"));
   const auto fa = attn::io::read_npy<double>(path("a.npy"));
   const auto fl = attn::io::read_npy<double>(path("lse.npy"));
@@ -77,6 +77,39 @@ TEST_F(Cli, SdpaRank2Float32WithMaskMatchesAPlainComputation) {
       EXPECT_NEAR(fy.data[size_t(i * Ev + c)], y, attn::testing::tolerance<float>(S * E, 3.0)) << i << "," << c;
     }
   }
+}
+
+// The variant flags reach the library's options and arguments.
+TEST_F(Cli, SdpaVariantFlagsAgreeWithTheLibrary) {
+  std::mt19937_64 rng(13);
+  const int64_t H = 2, L = 6, S = 9, E = 3, Ev = 2;
+  const auto q = write_random<double>("q.npy", {H, L, E}, rng);
+  const auto k = write_random<double>("k.npy", {H, S, E}, rng);
+  const auto v = write_random<double>("v.npy", {H, S, Ev}, rng);
+  const Result r = run("sdpa --q q.npy --k k.npy --v v.npy --causal --window 2,-1 --softcap 1.5 --alibi "
+                       "--sinks 0.25,-1 --position-offset 2 --out y.npy --lse lse.npy");
+  ASSERT_EQ(r.rc, 0) << r.err;
+  attn::SdpaArgs<double> args;
+  args.q = attn::View4<const double>::bhnd(q.data(), 1, H, L, E);
+  args.k = attn::View4<const double>::bhnd(k.data(), 1, H, S, E);
+  args.v = attn::View4<const double>::bhnd(v.data(), 1, H, S, Ev);
+  const std::vector<double> slopes = {std::exp2(-4.0), std::exp2(-8.0)}, sinks = {0.25, -1};
+  args.alibi_slopes = attn::View1<const double>(slopes.data(), {H});
+  args.sinks = attn::View1<const double>(sinks.data(), {H});
+  attn::SdpaOptions opt;
+  opt.causal = true;
+  opt.window = {2, -1};
+  opt.softcap = 1.5;
+  opt.position_offset = 2;
+  attn::Tensor<double> y({1, H, L, Ev}), lse({1, H, L});
+  attn::scaled_dot_product_attention<double>(args, {y.view4(), {}, lse.view<3>()}, opt);
+  const auto fy = attn::io::read_npy<double>(path("y.npy"));
+  const auto fl = attn::io::read_npy<double>(path("lse.npy"));
+  ASSERT_EQ(fy.data.size(), y.size());
+  for (size_t i = 0; i < y.size(); ++i) EXPECT_EQ(fy.data[i], y[i]) << i;
+  for (size_t i = 0; i < lse.size(); ++i) EXPECT_EQ(fl.data[i], lse[i]) << i;
+  EXPECT_EQ(run("sdpa --q q.npy --k k.npy --v v.npy --sinks 1,2,3 --out y.npy").rc, 1);  // H = 2
+  EXPECT_EQ(run("sdpa --q q.npy --k k.npy --v v.npy --window 3 --out y.npy").rc, 2);
 }
 
 }  // namespace

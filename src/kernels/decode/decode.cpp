@@ -489,7 +489,10 @@ void decode_forward(const DecodeProblem& p, const KVLayout& kv, View4<const floa
 }
 
 bool decode_suits_dense(const Problem& p, const SdpaArgs<float>& a, bool want_weights) {
-  return !want_weights && a.mask.empty() && a.bias.empty() && p.L <= 32 &&
+  // The score-rule variants (window, position offset, soft-cap, ALiBi, sinks)
+  // are not in the decode kernel yet: those calls stay with the fused one.
+  const bool variants = p.windowed() || p.softcap > 0 || !a.alibi_slopes.empty() || !a.sinks.empty();
+  return !variants && !want_weights && a.mask.empty() && a.bias.empty() && p.L <= 32 &&
          p.group() * p.L <= decode_common::kMaxRows && a.k.strides[3] == 1 && a.v.strides[3] == 1;
 }
 

@@ -12,14 +12,21 @@
 // is divided once by its sum; the log-sum-exp is the only extra state saved.
 // Memory traffic per unit: Q and the output once, K and V once per query
 // block (re-read L / q_block times from cache or memory); the L×S matrices
-// never exist. Causal units stop at the last key their last row can see, so
-// fully masked tiles cost nothing. Attention weights, when asked for, are a
+// never exist. A unit visits only the keys its rows see under the band rule
+// (causal, window, key lengths: kernels/score_rules.hpp) and skips tiles the
+// rule classifies empty, so the cost grows with the visible band, not with
+// S. A head's sink enters as the initial state of each row's softmax (one
+// seen logit, no value), so it is in the sum and the lse and takes its
+// weight. Attention weights, when asked for, are a
 // second pass per unit: exp(S − max) / sum, tile by tile.
 //
 // Backward. With P = exp(S − lse) recomputed per tile (scores in natural
 // units, query rows × keys) and D_i = Σ_e dY_ie·Y_ie:
-//   dV = Pᵀ·dY,  dP = dY·Vᵀ,  dS = P∘(dP − D),  dQ = scale·dS·K,
-//   dK = scale·dSᵀ·Q,  dbias = dS summed over the bias's broadcast axes.
+//   dV = Pᵀ·dY,  dP = dY·Vᵀ,  dS = P∘(dP − D),  dU = dS∘capped'(U),
+//   dQ = scale·dU·K,  dK = scale·dUᵀ·Q,  dbias = dS summed over the bias's
+//   broadcast axes,  d(sink_h) = −Σ_{b,i} exp(sink_h − lse_i)·D_i.
+// The key blocks of a query block and the query blocks of a key block are
+// the band rule's intervals; empty tiles are skipped as in the forward.
 // No atomics: with plan.own_heads a unit owns one (b, kv head) pair and walks
 // its key blocks in order, accumulating dK/dV for the block in scratch and dQ
 // directly in the (zeroed) output, which no other unit touches. Otherwise two
@@ -30,12 +37,12 @@
 //
 // Scores. Both directions build their score tile in one function each,
 // ScoreTileT (forward: transposed, base 2) and ScoreTile (backward): the
-// block product, then the NaN poison (forward; see below), the bias (−∞
-// masks), the boolean mask and the causal / key-length bounds, with −∞ for
-// every key a row must not see. They sit next to each other below; a new
-// rule on scores goes into both (and its derivative into BackwardTile's dS).
-// Which key blocks a unit visits at all comes from row_end and
-// first_row_seeing (common.hpp).
+// block product, then the score rules of kernels/score_rules.hpp in their
+// order (soft-cap, ALiBi), the NaN poison (forward; see below), the bias
+// (−∞ masks), the boolean mask and −∞ outside the band. They sit next to
+// each other below; a new rule on scores goes into score_rules.hpp and both
+// (and its derivative into BackwardTile's dS). Which key blocks a unit
+// visits at all comes from the band (score_rules.hpp, via common.hpp).
 //
 // NaN. Non-finite inputs are flagged and zeroed in the packed operands, and
 // the poison travels as NaN in the scores and probabilities (the section
@@ -163,9 +170,11 @@ void PackQt(const FusedCall& c, ForwardScratch& w, int64_t b, int64_t h, int64_t
   for (int64_t e = 0; e < E; ++e) std::fill(qt + e * w.qbp + nr, qt + (e + 1) * w.qbp, 0.0f);
 }
 
-// Transposed score tile, in base 2: st_t[jj][r] = (scale·q_r·k_j + bias)·log2(e) for keys
-// j0..j0+nk against the unit's queries i0..i0+nr; −∞ where masked and in the
-// padding columns up to nrp. K is read in place.
+// Transposed score tile, in base 2: st_t[jj][r] = s(q_r, k_j)·log2(e) for keys
+// j0..j0+nk against the unit's queries i0..i0+nr, through the score rules
+// (soft-cap, ALiBi, bias; −∞ outside the band, where the mask says no, and in
+// the padding columns up to nrp). K is read in place. In base 2 the soft-cap
+// c·tanh(u/c) is the same formula with c·log2(e).
 void ScoreTileT(const FusedCall& c, ForwardScratch& w, int64_t b, int64_t h, int64_t i0, int64_t nr, int64_t nrp,
                 int64_t j0, int64_t nk) {
   const Problem& p = *c.p;
@@ -173,38 +182,42 @@ void ScoreTileT(const FusedCall& c, ForwardScratch& w, int64_t b, int64_t h, int
   const int64_t hk = p.kv_head(h);
   Gemm(nk, nrp, p.E, &K(b, hk, j0, 0), K.strides[2], K.strides[3], w.qt, w.qbp, w.st, w.qbp,
        false);
+  if (p.softcap > 0) SoftcapTile(w.st, nk * w.qbp, float(p.softcap) * kLog2e, nullptr);
+  const rules::Band band = band_of(c, b);
+  const bool alibi = has_alibi(c);
+  const float slope2 = slope_of(c, h) * kLog2e;
+  const int64_t off = p.offset();
   const auto& bias = c.a->bias;
   const auto& mask = c.a->mask;
   for (int64_t jj = 0; jj < nk; ++jj) {
     const int64_t j = j0 + jj;
     float* row = w.st + jj * w.qbp;
-    // Query i sees key j iff i >= first_row_seeing(j) (and j < key length,
-    // which the caller's key range already ensures).
-    const int64_t first = std::clamp<int64_t>(first_row_seeing(p, j) - i0, 0, nr);
+    // The rows of the block that see key j under the band: [first, end).
+    auto [first, end] = band.rows_seeing(j, j + 1, i0, i0 + nr);
+    first -= i0, end -= i0;
+    // ALiBi on the whole line (|i0 + r + off − j| for row r): rows outside
+    // the band become −∞ just below.
+    if (alibi) AlibiLine(row, w.qbp, float(i0 + off - j), slope2);
     std::fill(row, row + first, kNegInf);
     // Poison: NaN in every visible pair of a bad key or a bad query.
     if (c.bad_key(b, hk, j))
-      std::fill(row + first, row + nr, kNaN);
+      std::fill(row + first, row + end, kNaN);
     else if (w.any_qbad)
-      for (int64_t r = first; r < nr; ++r)
+      for (int64_t r = first; r < end; ++r)
         if (w.qbad[r]) row[r] = kNaN;
     if (!bias.empty()) {
-      const float* bj = bias.data + bcast(b, bias.dim(0)) * bias.strides[0] +
-                        bcast(h, bias.dim(1)) * bias.strides[1] + bcast(j, bias.dim(3)) * bias.strides[3];
-      const int64_t si = bias.dim(2) == 1 ? 0 : bias.strides[2];
-      for (int64_t r = first; r < nr; ++r) {
-        const float x = bj[(i0 + r) * si];
+      const auto bj = rules::query_column(bias, b, h, j);
+      for (int64_t r = first; r < end; ++r) {
+        const float x = bj.at(i0 + r);
         row[r] = x == kNegInf ? kNegInf : row[r] + kLog2e * x;  // −∞ masks, even a poisoned pair
       }
     }
     if (!mask.empty()) {
-      const bool* mj = mask.data + bcast(b, mask.dim(0)) * mask.strides[0] +
-                       bcast(h, mask.dim(1)) * mask.strides[1] + bcast(j, mask.dim(3)) * mask.strides[3];
-      const int64_t si = mask.dim(2) == 1 ? 0 : mask.strides[2];
-      for (int64_t r = first; r < nr; ++r)
-        if (!mj[(i0 + r) * si]) row[r] = kNegInf;
+      const auto mj = rules::query_column(mask, b, h, j);
+      for (int64_t r = first; r < end; ++r)
+        if (!mj.at(i0 + r)) row[r] = kNegInf;
     }
-    std::fill(row + nr, row + nrp, kNegInf);
+    std::fill(row + end, row + nrp, kNegInf);
   }
 }
 
@@ -227,35 +240,43 @@ void PackQ(const FusedCall& c, BackwardScratch& w, int64_t b, int64_t h, int64_t
   }
 }
 
-// s[r][jj] = scale·q·k + bias for the visible keys of rows i0..i0+nr against
-// keys j0..j0+nk; −∞ for masked keys and for padding up to nkp. Needs q and
-// kt packed.
+// s[r][jj] = s(q_r, k_j) through the score rules for rows i0..i0+nr against
+// keys j0..j0+nk (soft-cap, ALiBi, bias; −∞ outside the band, where the mask
+// says no, and for padding up to nkp); with a soft-cap, dcap receives its
+// derivative. Needs q and kt packed.
 void ScoreTile(const FusedCall& c, BackwardScratch& w, int64_t b, int64_t h, int64_t i0, int64_t nr,
                int64_t j0, int64_t nk, int64_t nkp) {
-  Gemm(nr, nkp, c.p->E, w.q, w.Ep, 1, w.kt, w.kbp, w.s, w.kbp, false);
+  const Problem& p = *c.p;
+  Gemm(nr, nkp, p.E, w.q, w.Ep, 1, w.kt, w.kbp, w.s, w.kbp, false);
+  if (p.softcap > 0)
+    for (int64_t r = 0; r < nr; ++r) SoftcapTile(w.s + r * w.kbp, nkp, float(p.softcap), w.dcap + r * w.kbp);
+  const rules::Band band = band_of(c, b);
+  const bool alibi = has_alibi(c);
+  const float slope = slope_of(c, h);
+  const int64_t off = p.offset();
   const auto& bias = c.a->bias;
   const auto& mask = c.a->mask;
   for (int64_t r = 0; r < nr; ++r) {
     const int64_t i = i0 + r;
     float* row = w.s + r * w.kbp;
-    const int64_t vis = std::clamp<int64_t>(row_end(c, b, i) - j0, 0, nk);
+    // The keys of the tile row i sees under the band: [lo, hi).
+    const rules::Keys keys = band.keys(i);
+    const int64_t lo = std::clamp<int64_t>(keys.lo - j0, 0, nk), hi = std::clamp<int64_t>(keys.hi - j0, lo, nk);
+    if (alibi) AlibiLine(row, nkp, float(j0 - i - off), slope);  // |j0 + jj − (i + off)|
+    std::fill(row, row + lo, kNegInf);
     if (!bias.empty()) {
-      const float* br = bias.data + bcast(b, bias.dim(0)) * bias.strides[0] +
-                        bcast(h, bias.dim(1)) * bias.strides[1] + bcast(i, bias.dim(2)) * bias.strides[2];
-      const int64_t sj = bias.dim(3) == 1 ? 0 : bias.strides[3];
-      for (int64_t jj = 0; jj < vis; ++jj) {
-        const float x = br[(j0 + jj) * sj];
+      const auto br = rules::key_row(bias, b, h, i);
+      for (int64_t jj = lo; jj < hi; ++jj) {
+        const float x = br.at(j0 + jj);
         row[jj] = x == kNegInf ? kNegInf : row[jj] + x;  // −∞ masks
       }
     }
     if (!mask.empty()) {
-      const bool* mr = mask.data + bcast(b, mask.dim(0)) * mask.strides[0] +
-                       bcast(h, mask.dim(1)) * mask.strides[1] + bcast(i, mask.dim(2)) * mask.strides[2];
-      const int64_t sj = mask.dim(3) == 1 ? 0 : mask.strides[3];
-      for (int64_t jj = 0; jj < vis; ++jj)
-        if (!mr[(j0 + jj) * sj]) row[jj] = kNegInf;
+      const auto mr = rules::key_row(mask, b, h, i);
+      for (int64_t jj = lo; jj < hi; ++jj)
+        if (!mr.at(j0 + jj)) row[jj] = kNegInf;
     }
-    std::fill(row + vis, row + nkp, kNegInf);
+    std::fill(row + hi, row + nkp, kNegInf);
   }
 }
 
@@ -287,15 +308,20 @@ void ForwardUnit(const FusedCall& c, ForwardScratch& w, int64_t b, int64_t h, in
   const auto& V = c.a->v;
   const int64_t hk = p.kv_head(h), lanes = int64_t(hn::Lanes(DF()));
   const int64_t nrp = round_up(nr, lanes);
-  const int64_t kend = row_end(c, b, i0 + nr - 1);  // no row of the block sees keys beyond
+  // The keys any row of the block sees (the band is monotone in the row).
+  const rules::Band band = band_of(c, b);
+  const rules::Keys keys = band.keys_of_rows(i0, i0 + nr);
   // V is used in place when its rows are dense and a whole number of vectors.
   const bool v_in_place = V.strides[3] == 1 && p.Ev == w.Evp && V.strides[2] % lanes == 0;
   PackQt(c, w, b, h, i0, nr);
   std::fill(w.o, w.o + nr * w.Evp, 0.0f);
-  for (int64_t r = 0; r < nr; ++r) w.rows[r] = os::State<float>{};
+  // A sink starts every row's softmax as one seen logit with no value.
+  const float sink2 = sink_of(c, h) * kLog2e;
+  for (int64_t r = 0; r < nr; ++r) w.rows[r] = os::State<float>{sink2, sink2 == kNegInf ? 0.0f : 1.0f};
 
-  for (int64_t j0 = 0; j0 < kend; j0 += w.kb) {
-    const int64_t nk = std::min(w.kb, kend - j0);
+  for (int64_t j0 = keys.lo; j0 < keys.hi; j0 += w.kb) {
+    const int64_t nk = std::min(w.kb, keys.hi - j0);
+    if (band.classify(i0, nr, j0, nk) == rules::Tile::empty) continue;
     ScoreTileT(c, w, b, h, i0, nr, nrp, j0, nk);
     SoftmaxTileT(w, nr, nrp, nk);
     const float* alpha = w.colv + 2 * w.qbp;
@@ -340,22 +366,19 @@ void ForwardUnit(const FusedCall& c, ForwardScratch& w, int64_t b, int64_t h, in
     inv[r] = f.inv_sum;
   }
   const int64_t sj = weights.strides[3];
-  for (int64_t j0 = 0; j0 < p.S; j0 += w.kb) {
-    const int64_t nk = std::min(w.kb, p.S - j0);
-    if (j0 < kend) {
-      const int64_t nkv = std::min(nk, kend - j0);
-      ScoreTileT(c, w, b, h, i0, nr, nrp, j0, nkv);
-      for (int64_t jj = 0; jj < nkv; ++jj)
-        for (int64_t r = 0; r < nrp; r += lanes) {
-          float* x = w.st + jj * w.qbp + r;
-          const VF s = hn::Load(d, x);
-          const VF pw = hn::Mul(Exp2Softmax(d, hn::Sub(s, hn::Load(d, shift + r))), hn::Load(d, inv + r));
-          hn::Store(hn::IfThenZeroElse(hn::Eq(s, hn::Set(d, kNegInf)), pw), d, x);  // masked: 0, even if poisoned
-        }
-      for (int64_t jj = nkv; jj < nk; ++jj) std::fill(w.st + jj * w.qbp, w.st + (jj + 1) * w.qbp, 0.0f);
-    } else {
-      std::fill(w.st, w.st + nk * w.qbp, 0.0f);
-    }
+  for (int64_t r = 0; r < nr; ++r)  // zero outside the keys the block sees
+    for (int64_t j = 0; j < p.S; ++j)
+      if (j < keys.lo || j >= keys.hi) weights(b, h, i0 + r, j) = 0.0f;
+  for (int64_t j0 = keys.lo; j0 < keys.hi; j0 += w.kb) {
+    const int64_t nk = std::min(w.kb, keys.hi - j0);
+    ScoreTileT(c, w, b, h, i0, nr, nrp, j0, nk);
+    for (int64_t jj = 0; jj < nk; ++jj)
+      for (int64_t r = 0; r < nrp; r += lanes) {
+        float* x = w.st + jj * w.qbp + r;
+        const VF s = hn::Load(d, x);
+        const VF pw = hn::Mul(Exp2Softmax(d, hn::Sub(s, hn::Load(d, shift + r))), hn::Load(d, inv + r));
+        hn::Store(hn::IfThenZeroElse(hn::Eq(s, hn::Set(d, kNegInf)), pw), d, x);  // masked: 0, even if poisoned
+      }
     for (int64_t r = 0; r < nr; ++r) {
       float* dst = &weights(b, h, i0 + r, j0);
       const float* src = w.st + r;
@@ -457,18 +480,20 @@ void BackwardTile(const FusedCall& c, BackwardScratch& w, int64_t b, int64_t h, 
     for (int64_t j = 0; j < nkp; j += int64_t(hn::Lanes(d)))  // dS = P∘(dP − D)
       hn::Store(hn::Mul(hn::Load(d, pr + j), hn::Sub(hn::Load(d, dpr + j), Dr)), d, dpr + j);
   }
+  if (p.softcap > 0 && (jobs.dkdv || jobs.dq))  // dU = dS ∘ ∂s/∂u (the dbias pass keeps dS)
+    for (int64_t r = 0; r < nr; ++r) {
+      float* dpr = w.dp + r * w.kbp;
+      const float* gr = w.dcap + r * w.kbp;
+      for (int64_t j = 0; j < nkp; j += int64_t(hn::Lanes(d)))
+        hn::Store(hn::Mul(hn::Load(d, dpr + j), hn::Load(d, gr + j)), d, dpr + j);
+    }
   if (jobs.dkdv) {
-    // dV += Pᵀ·dY ; dK += dSᵀ·(scale·Q)
+    // dV += Pᵀ·dY ; dK += dUᵀ·(scale·Q)
     Gemm(nk, w.Evp, nr, w.s, 1, w.kbp, w.dy, w.Evp, w.dv, w.Evp, true);
     Gemm(nk, w.Ep, nr, w.dp, 1, w.kbp, w.q, w.Ep, w.dk, w.Ep, true);
   }
-  if (jobs.dq)  // dQ += dS·K (the scale is applied when written out)
+  if (jobs.dq)  // dQ += dU·K (the scale is applied when written out)
     Gemm(nr, w.Ep, nk, w.dp, w.kbp, 1, w.kr, w.Ep, w.dq, w.Ep, true);
-}
-
-// Range of query blocks that can see some key of [j0, j0 + nk) (causal).
-int64_t FirstQueryBlock(const FusedCall& c, int64_t j0) {
-  return first_row_seeing(*c.p, j0) / c.t.q_block;
 }
 
 // Writes the dK/dV accumulators of a key block (zero where nothing reached).
@@ -496,12 +521,15 @@ void KeyBlockUnit(const FusedCall& c, BackwardScratch& w, const SdpaGrads<float>
   const int64_t nk = std::min(w.kb, p.S - j0);
   std::fill(w.dk, w.dk + w.kb * w.Ep, 0.0f);
   std::fill(w.dv, w.dv + w.kb * w.Evp, 0.0f);
-  if (j0 < key_len(c, b)) {
+  // The query rows that see some key of the block: [r0, r1) (band rule).
+  const rules::Band band = band_of(c, b);
+  const auto [r0, r1] = band.rows_seeing(j0, j0 + nk, 0, p.L);
+  if (r0 < r1) {
     PackKeyBlock(c, w, b, hk, j0, nk, dq_into_output);
-    const int64_t nqb = ceil_div(p.L, w.qb);
     for (int64_t h = hk * p.group(); h < (hk + 1) * p.group(); ++h) {
-      for (int64_t qbi = FirstQueryBlock(c, j0); qbi < nqb; ++qbi) {
+      for (int64_t qbi = r0 / w.qb; qbi < ceil_div(r1, w.qb); ++qbi) {
         const int64_t i0 = qbi * w.qb, nr = std::min(w.qb, p.L - i0);
+        if (band.classify(i0, nr, j0, nk) == rules::Tile::empty) continue;
         PackQueryBlock(c, w, b, h, i0, nr, dout, out, lse);
         TileJobs jobs;
         jobs.dkdv = true;
@@ -528,11 +556,13 @@ void QueryBlockUnit(const FusedCall& c, BackwardScratch& w, const SdpaGrads<floa
                     const View3<const float>& lse, int64_t b, int64_t h, int64_t i0, int64_t nr) {
   const Problem& p = *c.p;
   const int64_t hk = p.kv_head(h);
-  const int64_t kend = row_end(c, b, i0 + nr - 1);
+  const rules::Band band = band_of(c, b);
+  const rules::Keys keys = band.keys_of_rows(i0, i0 + nr);
   std::fill(w.dq, w.dq + nr * w.Ep, 0.0f);
   PackQueryBlock(c, w, b, h, i0, nr, dout, out, lse);
-  for (int64_t j0 = 0; j0 < kend; j0 += w.kb) {
-    const int64_t nk = std::min(w.kb, kend - j0);
+  for (int64_t j0 = keys.lo; j0 < keys.hi; j0 += w.kb) {
+    const int64_t nk = std::min(w.kb, keys.hi - j0);
+    if (band.classify(i0, nr, j0, nk) == rules::Tile::empty) continue;
     PackKeyBlock(c, w, b, hk, j0, nk, true);
     TileJobs jobs;
     jobs.dq = true;
@@ -559,26 +589,25 @@ void DbiasUnit(const FusedCall& c, BackwardScratch& w, const SdpaGrads<float>& g
   const int64_t tj0 = fullS ? kbi * w.kb : 0, tnk = fullS ? std::min(w.kb, p.S - tj0) : 1;
   float* acc = w.acc;  // [tnr × kbp]
   std::fill(acc, acc + w.qb * w.kbp, 0.0f);
-  const int64_t lanes = int64_t(hn::Lanes(DF()));
   for (int64_t b = fullB ? bb : 0; b < (fullB ? bb + 1 : p.B); ++b) {
     for (int64_t h = fullH ? bh : 0; h < (fullH ? bh + 1 : p.H); ++h) {
       const int64_t hk = p.kv_head(h);
       const int64_t i_lo = fullL ? ti0 : 0, i_hi = fullL ? ti0 + tnr : p.L;
       for (int64_t i0 = i_lo; i0 < i_hi; i0 += w.qb) {
         const int64_t nr = std::min(w.qb, i_hi - i0);
-        const int64_t kend = row_end(c, b, i0 + nr - 1);
-        const int64_t j_lo = fullS ? tj0 : 0, j_hi = std::min(fullS ? tj0 + tnk : p.S, kend);
+        const rules::Keys keys = band_of(c, b).keys_of_rows(i0, i0 + nr);
+        const int64_t j_lo = std::max(fullS ? tj0 : 0, keys.lo), j_hi = std::min(fullS ? tj0 + tnk : p.S, keys.hi);
         if (j_lo >= j_hi) continue;
         PackQueryBlock(c, w, b, h, i0, nr, dout, out, lse);
         for (int64_t j0 = j_lo; j0 < j_hi; j0 += w.kb) {
-          const int64_t nk = std::min(w.kb, j_hi - j0), nkp = round_up(nk, lanes);
+          const int64_t nk = std::min(w.kb, j_hi - j0);
           PackKeyBlock(c, w, b, hk, j0, nk, false);
           BackwardTile(c, w, b, h, i0, nr, j0, nk, TileJobs{});
           for (int64_t r = 0; r < nr; ++r) {
             const float* ds = w.dp + r * w.kbp;
             float* arow = acc + (fullL ? r : 0) * w.kbp;
-            if (fullS)
-              for (int64_t jj = 0; jj < nkp; ++jj) arow[jj] += ds[jj];
+            if (fullS)  // the tile's keys start j0 − tj0 into the owned columns
+              for (int64_t jj = 0; jj < nk; ++jj) arow[j0 - tj0 + jj] += ds[jj];
             else
               for (int64_t jj = 0; jj < nk; ++jj) arow[0] += ds[jj];
           }
@@ -633,6 +662,22 @@ void BackwardImpl(const Problem& p, const SdpaArgs<float>& a, View4<const float>
         const int64_t kbi = u % nks, qbi = (u / nks) % nq, bh = (u / (nks * nq)) % nh,
                       bb = u / (nks * nq * nh);
         DbiasUnit(c, w, g, dout, out, lse, bb, bh, qbi, kbi);
+      }
+    }
+    if (!g.dsinks.empty()) {
+      // d(sink_h) = −Σ_{b,i} exp(sink_h − lse_i)·D_i, D_i = Σ_e dY_ie·Y_ie;
+      // one head per unit, summed in (b, i) order in double.
+#pragma omp for schedule(static)
+      for (int64_t h = 0; h < p.H; ++h) {
+        const float sink = sink_of(c, h);
+        double acc = 0;
+        for (int64_t b = 0; sink != kNegInf && b < p.B; ++b)
+          for (int64_t i = 0; i < p.L; ++i) {
+            double D = 0;
+            for (int64_t e = 0; e < p.Ev; ++e) D += double(dout(b, h, i, e)) * double(out(b, h, i, e));
+            acc -= std::exp(double(sink) - double(lse(b, h, i))) * D;
+          }
+        g.dsinks(h) = float(acc);
       }
     }
   }

@@ -1,5 +1,6 @@
 // Internal: the plain (non-SIMD) helpers every part of the fused kernels
-// shares: what one call's units read, and the visibility rules of a row.
+// shares: what one call's units read, and their access to the score rules
+// (kernels/score_rules.hpp).
 // Included by the per-target SIMD bodies and by code compiled once alike, so
 // it holds no Highway types.
 #pragma once
@@ -38,15 +39,14 @@ inline int64_t round_up(int64_t a, int64_t m) { return ceil_div(a, m) * m; }
 inline int64_t key_len(const FusedCall& c, int64_t b) {
   return c.a->key_lengths.empty() ? c.p->S : c.a->key_lengths(b);
 }
-// One past the last key row i sees (causal rule and key length).
-inline int64_t row_end(const FusedCall& c, int64_t b, int64_t i) {
-  return std::min(c.p->causal_end(i), key_len(c, b));
-}
-// The first query row that sees key j under the causal rule (L if none).
-inline int64_t first_row_seeing(const Problem& p, int64_t j) {
-  if (!p.causal) return 0;
-  const int64_t off = p.align == CausalAlign::top_left ? 0 : p.S - p.L;
-  return std::clamp<int64_t>(j - off, 0, p.L);
+// The band rule of batch b (score_rules.hpp: causal, window, key length).
+inline rules::Band band_of(const FusedCall& c, int64_t b) { return c.p->band(key_len(c, b)); }
+// Whether the call has an ALiBi slope per head, and head h's slope.
+inline bool has_alibi(const FusedCall& c) { return !c.a->alibi_slopes.empty(); }
+inline float slope_of(const FusedCall& c, int64_t h) { return float(rules::per_head(c.a->alibi_slopes, h, 0.0)); }
+// Head h's sink logit (−∞: none).
+inline float sink_of(const FusedCall& c, int64_t h) {
+  return float(rules::per_head(c.a->sinks, h, -std::numeric_limits<double>::infinity()));
 }
 
 // Whether a float is NaN or ±∞ (without the library call).

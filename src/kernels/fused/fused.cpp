@@ -45,6 +45,7 @@ HWY_EXPORT(ForwardImpl);
 HWY_EXPORT(BackwardImpl);
 HWY_EXPORT(ExpArray);
 HWY_EXPORT(Exp2Array);
+HWY_EXPORT(TanhArray);
 HWY_EXPORT(TargetNameImpl);
 HWY_EXPORT(LanesImpl);
 HWY_EXPORT(GemmImpl);
@@ -96,6 +97,8 @@ void fused_gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t ars, in
 void fused_exp(const float* x, float* y, int64_t n) { HWY_DYNAMIC_DISPATCH(ExpArray)(x, y, n); }
 
 void fused_exp2(const float* x, float* y, int64_t n) { HWY_DYNAMIC_DISPATCH(Exp2Array)(x, y, n); }
+
+void fused_tanh(const float* x, float* y, int64_t n) { HWY_DYNAMIC_DISPATCH(TanhArray)(x, y, n); }
 
 }  // namespace attn::detail
 #endif  // HWY_ONCE

@@ -49,5 +49,8 @@ void fused_exp(const float* x, float* y, int64_t n);
 // 2^x over n floats with the forward's base-2 exponential: valid for
 // x <= 127, exactly 0 below -126.5 and for -inf.
 void fused_exp2(const float* x, float* y, int64_t n);
+// tanh over n floats with the soft-cap's vectorised tanh: every float
+// (±∞ give ±1, NaN stays NaN).
+void fused_tanh(const float* x, float* y, int64_t n);
 
 }  // namespace attn::detail

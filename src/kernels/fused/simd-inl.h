@@ -187,8 +187,55 @@ void ApplyArray(const float* x, float* y, int64_t n) {
     std::copy(buf, buf + (n - i), y + i);
   }
 }
+// tanh for the soft-cap, for every float. Near 0 (|x| < 0.625) an odd
+// polynomial x + x³·P(x²) (Cephes's tanhf coefficients), where the exp form
+// would cancel; elsewhere sign(x)·(1 − 2/(exp(2|x|) + 1)), whose subtraction
+// loses nothing because 2/(exp(2|x|) + 1) < 0.46 there. exp's argument is
+// clamped at 88 (tanh is 1 in float long before), so ±∞ give ±1; NaN stays
+// NaN. Within a few ulp (tests/test_fused.cpp measures it).
+HWY_INLINE VF Tanh(DF d, VF x) {
+  const VF ax = hn::Abs(x);
+  const VF z = hn::Mul(x, x);
+  constexpr float kPoly[] = {-5.70498872745e-3f, 2.06390887954e-2f, -5.37397155531e-2f, 1.33314422036e-1f,
+                             -3.33332819422e-1f};
+  const VF small = hn::MulAdd(hn::Mul(Horner(d, z, kPoly), z), x, x);
+  const VF e = ExpSoftmax(d, hn::Min(hn::Add(ax, ax), hn::Set(d, 88.0f)));
+  const VF one = hn::Set(d, 1.0f);
+  const VF big = hn::CopySignToAbs(hn::Sub(one, hn::Div(hn::Set(d, 2.0f), hn::Add(e, one))), x);
+  const VF y = hn::IfThenElse(hn::Lt(ax, hn::Set(d, 0.625f)), small, big);
+  return hn::IfThenElse(hn::IsNaN(x), x, y);
+}
+
 void ExpArray(const float* x, float* y, int64_t n) { ApplyArray<ExpSoftmax>(x, y, n); }
 void Exp2Array(const float* x, float* y, int64_t n) { ApplyArray<Exp2Softmax>(x, y, n); }
+void TanhArray(const float* x, float* y, int64_t n) { ApplyArray<Tanh>(x, y, n); }
+
+// ALiBi along a tile line of n floats (n a multiple of the lane count):
+// x[t] −= slope·|base + t|, where base + t is the signed distance between
+// the query's position and the key (exact in float below 2^24).
+void AlibiLine(float* x, int64_t n, float base, float slope) {
+  const DF d;
+  const int64_t N = int64_t(hn::Lanes(d));
+  const VF vs = hn::Set(d, slope);
+  VF dist = hn::Iota(d, base);
+  const VF step = hn::Set(d, float(N));
+  for (int64_t t = 0; t < n; t += N, dist = hn::Add(dist, step))
+    hn::Store(hn::NegMulAdd(vs, hn::Abs(dist), hn::Load(d, x + t)), d, x + t);
+}
+
+// Soft-cap of a tile of n floats (n a multiple of the lane count), in place:
+// x <- c·tanh(x / c), and with dcap non-null dcap <- 1 − tanh² (the
+// derivative the backward needs).
+void SoftcapTile(float* x, int64_t n, float c, float* dcap) {
+  const DF d;
+  const int64_t N = int64_t(hn::Lanes(d));
+  const VF vc = hn::Set(d, c), inv = hn::Set(d, 1.0f / c), one = hn::Set(d, 1.0f);
+  for (int64_t i = 0; i < n; i += N) {
+    const VF t = Tanh(d, hn::Mul(hn::Load(d, x + i), inv));
+    hn::Store(hn::Mul(vc, t), d, x + i);
+    if (dcap) hn::Store(hn::NegMulAdd(t, t, one), d, dcap + i);
+  }
+}
 
 // Row of s becomes exp(s − lse) (0 everywhere for a fully masked row). A
 // poisoned row (NaN lse, or a non-finite dY or query) becomes NaN at every

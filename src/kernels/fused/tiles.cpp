@@ -99,6 +99,7 @@ BackwardScratch::BackwardScratch(const Problem& p, const FusedPlan& t, int64_t l
     dp = c.take<float>(qb * kbp);
     dk = c.take<float>(kb * Ep);
     dq = c.take<float>(qb * Ep);
+    dcap = p.softcap > 0 ? c.take<float>(qb * kbp) : nullptr;
     dv = c.take<float>(kb * Evp);
     acc = c.take<float>(qb * kbp);
     lse = c.take<float>(qb);

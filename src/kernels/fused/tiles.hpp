@@ -79,13 +79,13 @@ struct ForwardScratch {
 //   s   [qb × kbp]  scores → P               kr [kb × Ep]   keys (for dQ)
 //   dp  [qb × kbp]  dP → dS                  dk [kb × Ep]   dK accumulator
 //   dq  [qb × Ep]   dQ tile                  dv [kb × Evp]  dV accumulator
-//   acc [qb × kbp]  dbias tile
+//   acc [qb × kbp]  dbias tile               dcap [qb × kbp] soft-cap derivative (with a soft-cap)
 //   lse [qb], D [qb]  per query: log-sum-exp, Σ_e dY·Y
 //   poisoned [qb]     per query: NaN reaches it (bad q or dY, NaN lse)
 struct BackwardScratch {
   int64_t qb = 0, kb = 0, kbp = 0, Ep = 0, Evp = 0;
   float *q = nullptr, *kt = nullptr, *dy = nullptr, *vt = nullptr, *s = nullptr, *kr = nullptr,
-        *dp = nullptr, *dk = nullptr, *dq = nullptr, *dv = nullptr, *acc = nullptr, *lse = nullptr,
+        *dp = nullptr, *dk = nullptr, *dq = nullptr, *dv = nullptr, *acc = nullptr, *dcap = nullptr, *lse = nullptr,
         *D = nullptr;
   uint8_t* poisoned = nullptr;
 

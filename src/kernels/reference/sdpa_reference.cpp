@@ -1,8 +1,10 @@
 // The reference backend: scaled dot-product attention written for clarity.
 //
-// For each (batch b, query head h) it materialises the whole L×S score matrix,
-// applies the masks, takes a numerically stable row softmax and multiplies by
-// V. Every sum is accumulated in double, so the float instantiation is also a
+// For each (batch b, query head h) it materialises the whole L×S score matrix
+// through the score rules (kernels/score_rules.hpp: band, soft-cap, ALiBi,
+// bias, mask), takes a numerically stable row softmax, with the head's sink
+// as one more logit in the denominator when given, and multiplies by V.
+// Every sum is accumulated in double, so the float instantiation is also a
 // good oracle for the fast backends. Memory: O(L·S) per call; time: O(L·S·E).
 //
 // The backward recomputes the attention matrix A from q and k (it needs no
@@ -10,9 +12,12 @@
 //   Y  = A·V                  ->  dV = Aᵀ·dY,   dA = dY·Vᵀ
 //   A  = softmax_row(Z)       ->  dZ_ij = Σ_l dA_il · ∂a_il/∂z_ij
 //                                       = a_ij (dA_ij − Σ_l a_il dA_il)
-//        (the Jacobian a_l(δ_lj − a_j) applied row by row, never built)
-//   Z  = scale·Q·Kᵀ + bias    ->  dQ = scale·dZ·K,  dK = scale·dZᵀ·Q,
-//                                 dbias = dZ summed over broadcast axes
+//        (the Jacobian a_l(δ_lj − a_j) applied row by row, never built; the
+//        sink is one more entry of the row with dA = 0, so its gradient is
+//        −a_sink·Σ_l a_il dA_il)
+//   Z  = capped(U) + alibi + bias  ->  dU = dZ ∘ capped'(U),  dbias = dZ
+//        summed over broadcast axes
+//   U  = scale·Q·Kᵀ           ->  dQ = scale·dU·K,  dK = scale·dUᵀ·Q
 // Masked entries have a_ij = 0, so they receive no gradient; a fully masked
 // row has A = 0 and contributes nothing anywhere.
 //
@@ -48,29 +53,29 @@ bool bad_row(const View4<const T>& x, int64_t b, int64_t hx, int64_t n) {
   return false;
 }
 
-// Scores z_ij = scale·q_i·k_j + bias_ij for one (b, h), masked entries -inf
-// (a bias of -inf masks too), NaN for a visible pair with a bad q, k or v row.
+// Scores z_ij for one (b, h) through the score rules, masked entries −∞ (a
+// bias of −∞ masks too), NaN for a visible pair with a bad q, k or v row;
+// dcap (when non-null) receives ∂z/∂u for the backward.
 template <class T>
-void scores(const Problem& p, const SdpaArgs<T>& a, int64_t b, int64_t h,
-            std::vector<double>& z) {
+void scores(const Problem& p, const SdpaArgs<T>& a, int64_t b, int64_t h, std::vector<double>& z,
+            std::vector<double>* dcap) {
   const int64_t hk = p.kv_head(h);
-  const int64_t key_len = a.key_lengths.empty() ? p.S : a.key_lengths(b);
+  const rules::Band band = p.band(a.key_lengths.empty() ? p.S : a.key_lengths(b));
+  const rules::Modifiers<double> mods{p.softcap, rules::per_head(a.alibi_slopes, h, 0.0), p.offset()};
   std::vector<char> bad_key(static_cast<size_t>(p.S));
   for (int64_t j = 0; j < p.S; ++j) bad_key[size_t(j)] = bad_row(a.k, b, hk, j) || bad_row(a.v, b, hk, j);
   for (int64_t i = 0; i < p.L; ++i) {
-    const int64_t end = std::min(p.causal_end(i), key_len);
+    const rules::Keys keys = band.keys(i);
     const bool bad_q = bad_row(a.q, b, h, i);
     for (int64_t j = 0; j < p.S; ++j) {
-      double& zij = z[static_cast<size_t>(i * p.S + j)];
-      bool visible = j < end;
-      if (visible && !a.mask.empty()) {
-        const auto& m = a.mask;
-        visible = m(bcast(b, m.dim(0)), bcast(h, m.dim(1)), bcast(i, m.dim(2)), bcast(j, m.dim(3)));
-      }
+      const size_t at = static_cast<size_t>(i * p.S + j);
+      double& zij = z[at];
+      if (dcap) (*dcap)[at] = 0;
+      bool visible = j >= keys.lo && j < keys.hi;
+      if (visible && !a.mask.empty()) visible = rules::key_row(a.mask, b, h, i).at(j);
       double bias = 0;
       if (visible && !a.bias.empty()) {
-        const auto& bi = a.bias;
-        bias = double(bi(bcast(b, bi.dim(0)), bcast(h, bi.dim(1)), bcast(i, bi.dim(2)), bcast(j, bi.dim(3))));
+        bias = double(rules::key_row(a.bias, b, h, i).at(j));
         visible = bias != kNegInf;
       }
       if (!visible) {
@@ -83,7 +88,9 @@ void scores(const Problem& p, const SdpaArgs<T>& a, int64_t b, int64_t h,
       }
       double dot = 0;
       for (int64_t e = 0; e < p.E; ++e) dot += double(a.q(b, h, i, e)) * double(a.k(b, hk, j, e));
-      zij = p.scale * dot + bias;
+      const double capped = mods.capped(p.scale * dot);
+      if (dcap) (*dcap)[at] = mods.dcapped(capped);
+      zij = capped + mods.alibi(i, j) + bias;
     }
   }
 }
@@ -95,11 +102,12 @@ double poison_row(double* z, int64_t n) {
   return kNaN;
 }
 
-// In place: row i of z becomes softmax(z_i); returns the row's log-sum-exp.
-// A row with no finite entry becomes all zeros and returns -inf; a row with a
-// NaN or +inf entry is poisoned.
-double softmax_row(double* z, int64_t n) {
-  double m = kNegInf;
+// In place: row z becomes exp(z − lse), where lse = log(exp(sink) +
+// Σ_j exp(z_j)) is returned (sink = −∞: no sink). A row with no finite entry
+// and no sink becomes all zeros and returns −∞; a row with a NaN or +∞ entry
+// is poisoned.
+double softmax_row(double* z, int64_t n, double sink) {
+  double m = sink;
   for (int64_t j = 0; j < n; ++j) {
     if (std::isnan(z[j]) || z[j] == kInf) return poison_row(z, n);
     m = std::max(m, z[j]);
@@ -108,7 +116,7 @@ double softmax_row(double* z, int64_t n) {
     for (int64_t j = 0; j < n; ++j) z[j] = 0;
     return kNegInf;
   }
-  double sum = 0;
+  double sum = sink == kNegInf ? 0.0 : std::exp(sink - m);
   for (int64_t j = 0; j < n; ++j) {
     z[j] = std::exp(z[j] - m);  // exp(-inf) = 0 for masked keys
     sum += z[j];
@@ -121,8 +129,9 @@ double softmax_row(double* z, int64_t n) {
 template <class T>
 void attention_matrix(const Problem& p, const SdpaArgs<T>& a, int64_t b, int64_t h,
                       std::vector<double>& A, std::vector<double>& lse_row) {
-  scores(p, a, b, h, A);
-  for (int64_t i = 0; i < p.L; ++i) lse_row[size_t(i)] = softmax_row(&A[size_t(i * p.S)], p.S);
+  scores(p, a, b, h, A, nullptr);
+  const double sink = rules::per_head(a.sinks, h, kNegInf);
+  for (int64_t i = 0; i < p.L; ++i) lse_row[size_t(i)] = softmax_row(&A[size_t(i * p.S)], p.S, sink);
 }
 
 // The L×S matrices (`count` of them, in double) must fit in memory; checked
@@ -168,7 +177,8 @@ void reference_backward(const Problem& p, const SdpaArgs<T>& a, View4<const T> d
                         const SdpaGrads<T>& g) {
   check_matrices_fit(p, 2, "attn::scaled_dot_product_attention_backward");
   const size_t LS = static_cast<size_t>(p.L * p.S);
-  std::vector<double> A(LS), dZ(LS), Z(LS);
+  std::vector<double> A(LS), dZ(LS), Z(LS), dcap(LS), lse_row(static_cast<size_t>(p.L));
+  std::vector<double> dsinks(static_cast<size_t>(p.H), 0.0);
   std::vector<double> dk(static_cast<size_t>(p.S * p.E)), dv(static_cast<size_t>(p.S * p.Ev));
   // dbias accumulates over every (b, h, i, j) that maps onto one bias element.
   std::vector<double> dbias;
@@ -180,9 +190,10 @@ void reference_backward(const Problem& p, const SdpaArgs<T>& a, View4<const T> d
       std::fill(dk.begin(), dk.end(), 0.0);
       std::fill(dv.begin(), dv.end(), 0.0);
       for (int64_t h = hk * p.group(); h < (hk + 1) * p.group(); ++h) {
-        scores(p, a, b, h, Z);
+        scores(p, a, b, h, Z, &dcap);
         A = Z;
-        for (int64_t i = 0; i < p.L; ++i) softmax_row(&A[size_t(i * p.S)], p.S);
+        const double sink = rules::per_head(a.sinks, h, kNegInf);
+        for (int64_t i = 0; i < p.L; ++i) lse_row[size_t(i)] = softmax_row(&A[size_t(i * p.S)], p.S, sink);
         for (int64_t i = 0; i < p.L; ++i) {
           double* Ai = &A[size_t(i * p.S)];
           double* dZi = &dZ[size_t(i * p.S)];
@@ -201,22 +212,26 @@ void reference_backward(const Problem& p, const SdpaArgs<T>& a, View4<const T> d
             row_dot += Ai[j] * dA;
           }
           for (int64_t j = 0; j < p.S; ++j) dZi[j] = Ai[j] == 0 ? 0.0 : Ai[j] * (dZi[j] - row_dot);
+          // d(sink) = a_sink · (0 − Σ_l a_il dA_il), a_sink = exp(sink − lse_i)
+          if (sink != kNegInf) dsinks[size_t(h)] -= std::exp(sink - lse_row[size_t(i)]) * row_dot;
           // dV_j += a_ij · dY_i
           for (int64_t j = 0; j < p.S; ++j) {
             if (Ai[j] == 0) continue;
             for (int64_t e = 0; e < p.Ev; ++e) dv[size_t(j * p.Ev + e)] += Ai[j] * double(dout(b, h, i, e));
           }
-          // dQ_i = scale · Σ_j dZ_ij K_j ;  dK_j += scale · dZ_ij Q_i
+          // dU_ij = dZ_ij · ∂z/∂u (the soft-cap's derivative; 1 without)
+          const double* dci = &dcap[size_t(i * p.S)];
+          // dQ_i = scale · Σ_j dU_ij K_j ;  dK_j += scale · dU_ij Q_i
           for (int64_t e = 0; e < p.E; ++e) {
             double dq = 0;
             for (int64_t j = 0; j < p.S; ++j)
-              if (dZi[j] != 0) dq += dZi[j] * double(a.k(b, hk, j, e));
+              if (dZi[j] != 0) dq += dZi[j] * dci[j] * double(a.k(b, hk, j, e));
             g.dq(b, h, i, e) = T(p.scale * dq);
           }
           for (int64_t j = 0; j < p.S; ++j) {
             if (dZi[j] == 0) continue;
             for (int64_t e = 0; e < p.E; ++e)
-              dk[size_t(j * p.E + e)] += p.scale * dZi[j] * double(a.q(b, h, i, e));
+              dk[size_t(j * p.E + e)] += p.scale * dZi[j] * dci[j] * double(a.q(b, h, i, e));
           }
           if (!dbias.empty()) {
             // dbias has the bias's shape; flat index in row-major order.
@@ -241,6 +256,8 @@ void reference_backward(const Problem& p, const SdpaArgs<T>& a, View4<const T> d
         for (int64_t i2 = 0; i2 < bs[2]; ++i2)
           for (int64_t i3 = 0; i3 < bs[3]; ++i3) g.dbias(i0, i1, i2, i3) = T(dbias[n++]);
   }
+  if (!g.dsinks.empty())
+    for (int64_t h = 0; h < p.H; ++h) g.dsinks(h) = T(dsinks[size_t(h)]);
 }
 
 template void reference_forward<float>(const Problem&, const SdpaArgs<float>&, View4<float>,

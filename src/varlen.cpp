@@ -1,0 +1,216 @@
+// The packed variable-length entry points: validation of the packed layout
+// and cu_seqlens, then one dense call per sequence on views into the packed
+// tensors (no copies, no padding). Each sequence is an ordinary
+// (1, H, L_b, E) problem, so every option, every backend and the backend
+// choice apply to it unchanged; only the gradient of the sinks, which sums
+// over all rows of all sequences, is gathered here (in a fixed order, in
+// double).
+#include "attn/varlen.hpp"
+
+#include <cmath>
+#include <limits>
+#include <string>
+#include <vector>
+
+namespace attn {
+namespace {
+
+struct VarlenChecker {
+  const char* fn;
+  [[noreturn]] void fail(const std::string& msg) const { throw Error(std::string("attn::") + fn + ": " + msg); }
+
+  template <class T, int R>
+  void shape(const View<T, R>& v, const char* name, const std::array<int64_t, R>& want, const char* text) const {
+    if (v.data == nullptr) fail(std::string("argument '") + name + "' is required but was not given");
+    if (v.shape != want)
+      fail(std::string("argument '") + name + "' has shape " + shape_str(v.shape) + ", expected " + text + " = " +
+           shape_str(want));
+  }
+  template <class T, int R>
+  void writable(const View<T, R>& v, const char* name) const {
+    for (int i = 0; i < R; ++i)
+      if (v.shape[size_t(i)] > 1 && v.strides[size_t(i)] == 0)
+        fail(std::string("output '") + name + "' has stride 0 on axis " + std::to_string(i) +
+             " (a broadcast view cannot be written)");
+  }
+};
+
+// The sizes of a packed batch, checked once.
+struct Packed {
+  int64_t B = 0, total_q = 0, total_k = 0, H = 0, Hkv = 0, E = 0, Ev = 0;
+  std::vector<int64_t> cq, ck;  // cu_seqlens, B + 1 each
+  int64_t L(int64_t b) const { return cq[size_t(b + 1)] - cq[size_t(b)]; }
+  int64_t S(int64_t b) const { return ck[size_t(b + 1)] - ck[size_t(b)]; }
+};
+
+void check_cu(const VarlenChecker& c, const View1<const int64_t>& cu, const char* name, int64_t total,
+              int64_t max_seqlen, const char* max_name, std::vector<int64_t>& out) {
+  if (cu.data == nullptr) c.fail(std::string("argument '") + name + "' is required but was not given");
+  if (cu.dim(0) < 2)
+    c.fail(std::string("argument '") + name + "' has shape " + shape_str(cu.shape) +
+           ", expected (B + 1) with B >= 1 sequences");
+  out.resize(size_t(cu.dim(0)));
+  int64_t longest = 0;
+  for (int64_t b = 0; b < cu.dim(0); ++b) {
+    out[size_t(b)] = cu(b);
+    if (b == 0 && cu(b) != 0) c.fail(std::string("argument '") + name + "' starts at " + std::to_string(cu(b)) + ", expected 0");
+    if (b > 0) {
+      const int64_t n = cu(b) - cu(b - 1);
+      if (n < 0)
+        c.fail(std::string("argument '") + name + "' decreases at index " + std::to_string(b) + " (" +
+               std::to_string(cu(b - 1)) + " -> " + std::to_string(cu(b)) + "), expected non-decreasing offsets");
+      longest = std::max(longest, n);
+    }
+  }
+  if (out.back() != total)
+    c.fail(std::string("argument '") + name + "' ends at " + std::to_string(out.back()) +
+           ", expected the packed token count " + std::to_string(total));
+  if (max_seqlen < longest)
+    c.fail(std::string("argument '") + max_name + "' is " + std::to_string(max_seqlen) +
+           ", expected at least the longest sequence in '" + name + "', " + std::to_string(longest));
+}
+
+template <class T>
+Packed validate(const VarlenChecker& c, const VarlenArgs<T>& a) {
+  for (const auto& [v, name] : {std::pair{&a.q, "q"}, {&a.k, "k"}, {&a.v, "v"}}) {
+    if (v->data == nullptr) c.fail(std::string("argument '") + name + "' is required but was not given");
+    for (int i = 0; i < 3; ++i)
+      if (v->shape[size_t(i)] < 1)
+        c.fail(std::string("argument '") + name + "' has shape " + shape_str(v->shape) + "; every dimension must be >= 1");
+  }
+  Packed p;
+  p.total_q = a.q.dim(0);
+  p.H = a.q.dim(1);
+  p.E = a.q.dim(2);
+  p.total_k = a.k.dim(0);
+  p.Hkv = a.k.dim(1);
+  p.Ev = a.v.dim(2);
+  if (a.k.dim(2) != p.E || p.H % p.Hkv != 0)
+    c.fail("argument 'k' has shape " + shape_str(a.k.shape) + ", expected (total_k, Hkv, " + std::to_string(p.E) +
+           ") with Hkv dividing H = " + std::to_string(p.H));
+  if (a.v.dim(0) != p.total_k || a.v.dim(1) != p.Hkv)
+    c.fail("argument 'v' has shape " + shape_str(a.v.shape) + ", expected (" + std::to_string(p.total_k) + ", " +
+           std::to_string(p.Hkv) + ", Ev), matching k in total_k and Hkv");
+  check_cu(c, a.cu_seqlens_q, "cu_seqlens_q", p.total_q, a.max_seqlen_q, "max_seqlen_q", p.cq);
+  check_cu(c, a.cu_seqlens_k, "cu_seqlens_k", p.total_k, a.max_seqlen_k, "max_seqlen_k", p.ck);
+  if (p.cq.size() != p.ck.size())
+    c.fail("arguments 'cu_seqlens_q' and 'cu_seqlens_k' have " + std::to_string(p.cq.size()) + " and " +
+           std::to_string(p.ck.size()) + " entries, expected the same B + 1");
+  p.B = int64_t(p.cq.size()) - 1;
+  // (Their values are checked by the dense call of each sequence.)
+  if (!a.alibi_slopes.empty()) c.shape(a.alibi_slopes, "alibi_slopes", {p.H}, "(H), one slope per query head");
+  if (!a.sinks.empty()) c.shape(a.sinks, "sinks", {p.H}, "(H), one logit per query head");
+  return p;
+}
+
+// Sequence b of a packed (total, Hx, F) view as a dense (1, Hx, n, F) view.
+template <class T>
+View4<T> sequence(const View3<T>& x, int64_t start, int64_t n) {
+  return View4<T>(x.data + start * x.strides[0], {1, x.dim(1), n, x.dim(2)}, {0, x.strides[1], x.strides[0], x.strides[2]});
+}
+// Columns [start, start + n) of a (H, total) view as a dense (1, H, n) view.
+template <class T>
+View3<T> lse_columns(const View2<T>& x, int64_t start, int64_t n) {
+  return View3<T>(x.data + start * x.strides[1], {1, x.dim(0), n}, {0, x.strides[0], x.strides[1]});
+}
+
+template <class T>
+SdpaArgs<T> sequence_args(const VarlenArgs<T>& a, const Packed& p, int64_t b) {
+  SdpaArgs<T> s;
+  s.q = sequence(a.q, p.cq[size_t(b)], p.L(b));
+  s.k = sequence(a.k, p.ck[size_t(b)], p.S(b));
+  s.v = sequence(a.v, p.ck[size_t(b)], p.S(b));
+  s.alibi_slopes = a.alibi_slopes;
+  s.sinks = a.sinks;
+  return s;
+}
+
+}  // namespace
+
+template <class T>
+void varlen_attention(const VarlenArgs<T>& args, const VarlenOutputs<T>& o, const SdpaOptions& opt) {
+  const VarlenChecker c{"varlen_attention"};
+  const Packed p = validate(c, args);
+  c.shape(o.out, "out", {p.total_q, p.H, p.Ev}, "(total_q, H, Ev)");
+  c.writable(o.out, "out");
+  if (!o.lse.empty()) {
+    c.shape(o.lse, "lse", {p.H, p.total_q}, "(H, total_q)");
+    c.writable(o.lse, "lse");
+  }
+  for (int64_t b = 0; b < p.B; ++b) {
+    const int64_t L = p.L(b), S = p.S(b);
+    if (L == 0) continue;
+    View4<T> out = sequence(o.out, p.cq[size_t(b)], L);
+    View3<T> lse = o.lse.empty() ? View3<T>{} : lse_columns(o.lse, p.cq[size_t(b)], L);
+    if (S == 0) {
+      // No keys: every row is fully masked (all its weight on the sink, if any).
+      for (int64_t h = 0; h < p.H; ++h)
+        for (int64_t i = 0; i < L; ++i) {
+          for (int64_t e = 0; e < p.Ev; ++e) out(0, h, i, e) = T(0);
+          if (!lse.empty())
+            lse(0, h, i) = args.sinks.empty() ? -std::numeric_limits<T>::infinity() : args.sinks(h);
+        }
+      continue;
+    }
+    scaled_dot_product_attention<T>(sequence_args(args, p, b), {out, {}, lse}, opt);
+  }
+}
+
+template <class T>
+void varlen_attention_backward(const VarlenArgs<T>& args, View3<const T> dout, const VarlenSaved<T>& saved,
+                               const VarlenGrads<T>& g, const SdpaOptions& opt) {
+  const VarlenChecker c{"varlen_attention_backward"};
+  const Packed p = validate(c, args);
+  c.shape(dout, "dout", {p.total_q, p.H, p.Ev}, "(total_q, H, Ev)");
+  c.shape(g.dq, "dq", {p.total_q, p.H, p.E}, "(total_q, H, E)");
+  c.shape(g.dk, "dk", {p.total_k, p.Hkv, p.E}, "(total_k, Hkv, E)");
+  c.shape(g.dv, "dv", {p.total_k, p.Hkv, p.Ev}, "(total_k, Hkv, Ev)");
+  c.writable(g.dq, "dq");
+  c.writable(g.dk, "dk");
+  c.writable(g.dv, "dv");
+  if (!g.dsinks.empty()) {
+    if (args.sinks.empty()) c.fail("output 'dsinks' was requested but no 'sinks' were given");
+    c.shape(g.dsinks, "dsinks", {p.H}, "(H)");
+    c.writable(g.dsinks, "dsinks");
+  }
+  if (!saved.out.empty()) c.shape(saved.out, "out", {p.total_q, p.H, p.Ev}, "(total_q, H, Ev)");
+  if (!saved.lse.empty()) c.shape(saved.lse, "lse", {p.H, p.total_q}, "(H, total_q)");
+  std::vector<double> dsinks(size_t(p.H), 0.0);
+  std::vector<T> dsinks_b(size_t(p.H));
+  for (int64_t b = 0; b < p.B; ++b) {
+    const int64_t L = p.L(b), S = p.S(b), q0 = p.cq[size_t(b)], k0 = p.ck[size_t(b)];
+    if (L == 0 || S == 0) {
+      // Keys no query sees get zero gradient; queries that see no key too
+      // (and a sink's gradient is −p_sink·(dY·Y) = 0 for them: Y = 0).
+      auto zero = [](View4<T> x) {
+        for (int64_t h = 0; h < x.dim(1); ++h)
+          for (int64_t n = 0; n < x.dim(2); ++n)
+            for (int64_t e = 0; e < x.dim(3); ++e) x(0, h, n, e) = T(0);
+      };
+      zero(sequence(g.dq, q0, L));
+      zero(sequence(g.dk, k0, S));
+      zero(sequence(g.dv, k0, S));
+      continue;
+    }
+    SdpaGrads<T> gb{sequence(g.dq, q0, L), sequence(g.dk, k0, S), sequence(g.dv, k0, S), {}, {}};
+    if (!g.dsinks.empty()) gb.dsinks = View1<T>(dsinks_b.data(), {p.H});
+    const View4<const T> out = saved.out.empty() ? View4<const T>{} : sequence(saved.out, q0, L);
+    const View3<const T> lse = saved.lse.empty() ? View3<const T>{} : lse_columns(saved.lse, q0, L);
+    scaled_dot_product_attention_backward<T>(sequence_args(args, p, b), sequence(dout, q0, L), {out, lse}, gb, opt);
+    if (!g.dsinks.empty())
+      for (int64_t h = 0; h < p.H; ++h) dsinks[size_t(h)] += double(dsinks_b[size_t(h)]);
+  }
+  if (!g.dsinks.empty())
+    for (int64_t h = 0; h < p.H; ++h) g.dsinks(h) = T(dsinks[size_t(h)]);
+}
+
+#define ATTN_INSTANTIATE(T)                                                                                  \
+  template void varlen_attention<T>(const VarlenArgs<T>&, const VarlenOutputs<T>&, const SdpaOptions&);     \
+  template void varlen_attention_backward<T>(const VarlenArgs<T>&, View3<const T>, const VarlenSaved<T>&,   \
+                                             const VarlenGrads<T>&, const SdpaOptions&);
+
+ATTN_INSTANTIATE(float)
+ATTN_INSTANTIATE(double)
+#undef ATTN_INSTANTIATE
+
+}  // namespace attn
