@@ -109,8 +109,8 @@ void run_sdpa_context_parallel(const ContextParallelSdpa& o) {
     const size_t rank = qa.shape.size();
     if (rank < 2 || rank > 4 || ka.shape.size() != rank || va.shape.size() != rank)
       throw InvalidArgument(fmt::format("attn sdpa: --q {} {}, --k {} {} and --v {} {} must have the same number of axes, 2 to 4",
-                              o.q, io::shape_string(qa.shape), o.k, io::shape_string(ka.shape), o.v,
-                              io::shape_string(va.shape)));
+                              o.q, attn::shape_str(qa.shape), o.k, attn::shape_str(ka.shape), o.v,
+                              attn::shape_str(va.shape)));
     qs = as4(qa.shape), ks = as4(ka.shape), vs = as4(va.shape);
     // This rank's rows of each input.
     auto mine = [&](const io::Array<float>& a, const std::array<int64_t, 4>& s) {
@@ -150,7 +150,7 @@ void run_sdpa_context_parallel(const ContextParallelSdpa& o) {
     io::write_npy(out_path, tail({B, H, L, Ev}, rank), full_out.data());
     if (!o.lse.empty()) io::write_npy(lse_path, tail({B, H, L}, rank - 1), full_lse.data());
     outputs->commit();
-    fmt::print(stderr, "attn sdpa: {} -> {} (float32, {} over {} process{}, fused)\n", io::shape_string(qa.shape),
+    fmt::print(stderr, "attn sdpa: {} -> {} (float32, {} over {} process{}, fused)\n", attn::shape_str(qa.shape),
                o.out, o.strategy, P, P == 1 ? "" : "es");
   });
 }

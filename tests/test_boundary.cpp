@@ -259,25 +259,33 @@ TEST(LayerBoundary, MasksWithoutDataAndAliasedOutputsAreRefused) {
   attn::MultiheadAttention<float> m(cfg, 1);
   std::mt19937_64 rng(5);
   Tensor<float> x = random_tensor<float>({2, 3, 4}, rng), y({2, 3, 4});
-  const char* fn = "attn::MultiheadAttention::forward_self";
-  attn::MhaMasks<float> masks;
-  masks.attn_mask = View4<const bool>(nullptr, {1, 1, 3, 3});
-  EXPECT_TRUE(throws_with<InvalidArgument>([&] { m.forward_self(x.view<3>(), y.view<3>(), masks); },
+  const char* fn = "attn::MultiheadAttention::forward";
+  // Self-attention: key and value left empty.
+  auto self = [&] {
+    attn::MhaArgs<float> a;
+    a.query = x.view<3>();
+    return a;
+  };
+  attn::MhaArgs<float> a = self();
+  a.attn_mask = View4<const bool>(nullptr, {1, 1, 3, 3});
+  EXPECT_TRUE(throws_with<InvalidArgument>([&] { m.forward(a, {y.view<3>()}); },
                                            {fn, "'attn_mask' has shape (1, 1, 3, 3) but no data"}));
-  masks = {};
-  masks.key_padding_mask = attn::View2<const bool>(nullptr, {2, 3});
-  EXPECT_TRUE(throws_with<InvalidArgument>([&] { m.forward_self(x.view<3>(), y.view<3>(), masks); },
+  a = self();
+  a.key_padding_mask = attn::View2<const bool>(nullptr, {2, 3});
+  EXPECT_TRUE(throws_with<InvalidArgument>([&] { m.forward(a, {y.view<3>()}); },
                                            {fn, "'key_padding_mask'", "no data"}));
-  EXPECT_TRUE(throws_with<InvalidArgument>([&] { m.forward_self(x.view<3>(), x.view<3>()); },
-                                           {fn, "output 'out' overlaps input 'x'"}));
+  EXPECT_TRUE(throws_with<InvalidArgument>([&] { m.forward(self(), {x.view<3>()}); },
+                                           {fn, "output 'out' overlaps input 'query'"}));
   attn::MhaCache<float> cache;
-  m.forward_self(x.view<3>(), y.view<3>(), {}, {}, &cache);
+  m.forward(self(), {y.view<3>()}, {}, &cache);
   Tensor<float> dy = random_tensor<float>({2, 3, 4}, rng);
-  EXPECT_TRUE(throws_with<InvalidArgument>([&] { m.backward(cache, dy.view<3>(), dy.view<3>()); },
+  attn::MhaGrads<float> g;
+  g.dquery = dy.view<3>();
+  EXPECT_TRUE(throws_with<InvalidArgument>([&] { m.backward(cache, dy.view<3>(), g); },
                                            {"attn::MultiheadAttention::backward", "'dquery' overlaps input 'dout'"}));
   attn::MhaOptions opt;
-  opt.num_threads = 100000;
-  EXPECT_TRUE(throws_with<InvalidArgument>([&] { m.forward_self(x.view<3>(), y.view<3>(), {}, opt); },
+  opt.sdpa.num_threads = 100000;
+  EXPECT_TRUE(throws_with<InvalidArgument>([&] { m.forward(self(), {y.view<3>()}, opt); },
                                            {fn, "'num_threads' is 100000"}));
 }
 
