@@ -426,3 +426,29 @@ def test_torch_training_step_moves_the_sinks():
     torch.testing.assert_close(sinks.detach(), -0.5 * ref.grad, atol=1e-6, rtol=1e-5)
     with torch.no_grad():
         assert loss_of(ours, sinks) < before
+
+
+@pytest.mark.parametrize("backend", ["reference", "fused"])
+def test_nan_in_a_query_reaches_its_row_only(backend):
+    q, k, v, dout, slopes, sinks = draw(np.random.default_rng(9), np.float32)
+    q[0, 1, 2, 3] = np.nan
+    kw = dict(enable_gqa=True, window=(1, 1), alibi_slopes=slopes, softcap=4.0, sinks=sinks, backend=backend)
+    out = attn.scaled_dot_product_attention(q, k, v, **kw)
+    assert np.isnan(out[0, 1, 2]).all()
+    keep = np.ones(out.shape[:3], bool)
+    keep[0, 1, 2] = False
+    assert np.isfinite(out[keep]).all()
+    dq, dk, dv, dsinks = attn.scaled_dot_product_attention_backward(dout, q, k, v, **kw)
+    assert np.isnan(dq[0, 1, 2]).all() and np.isfinite(dq[keep]).all()
+    assert np.isnan(dsinks[1]) and np.isfinite(dsinks[[0, 2, 3]]).all()
+
+
+def test_resolve_backend_takes_the_variants():
+    q, k, v, dout, slopes, sinks = _small()
+    got = attn.resolve_backend(q, k, v, enable_gqa=True, window=(2, 0), alibi_slopes=slopes, softcap=3.0,
+                               sinks=sinks, position_offset=1)
+    assert got in ("reference", "fused")
+    assert attn.resolve_backend(q, k, v, enable_gqa=True, window=(2, 0), sinks=sinks,
+                                backend="reference") == "reference"
+    with pytest.raises(ValueError, match="sinks"):
+        attn.resolve_backend(q, k, v, enable_gqa=True, sinks=sinks[:2])
