@@ -23,7 +23,12 @@ from . import _sdpa, _varlen
 __all__ = ["ScaledDotProductAttention", "scaled_dot_product_attention", "VarlenAttention", "varlen_attention"]
 
 
-def _needs_graph(*xs):
+def _needs_graph(fn, alibi_slopes, *xs):
+    """True when the call must go through the autograd Function. ALiBi slopes get no
+    gradient, so slopes that require one are refused rather than silently left at zero."""
+    if _torch.is_grad_enabled() and isinstance(alibi_slopes, _torch.Tensor) and alibi_slopes.requires_grad:
+        raise ValueError(f"{fn}: 'alibi_slopes' requires grad, but attn computes no gradient for the "
+                         "ALiBi slopes; pass them detached (a buffer, not a Parameter)")
     return _torch.is_grad_enabled() and any(isinstance(x, _torch.Tensor) and x.requires_grad for x in xs)
 
 
@@ -87,7 +92,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     keywords included). Returns a torch tensor; when an input (or the sinks)
     requires grad (and grad mode is on) the call goes through
     ScaledDotProductAttention, so it is differentiable."""
-    if _needs_graph(query, key, value, attn_mask, sinks):
+    if _needs_graph("attn.torch.scaled_dot_product_attention", alibi_slopes, query, key, value, attn_mask,
+                    sinks):
         return ScaledDotProductAttention.apply(query, key, value, attn_mask, dropout_p, is_causal, scale,
                                                enable_gqa, backend, window, alibi_slopes, softcap, sinks,
                                                position_offset)
@@ -136,7 +142,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                      position_offset=None, backend="auto"):
     """attn.varlen_attention on torch tensors, differentiable (through VarlenAttention)
     when q, k, v or the sinks require grad."""
-    if _needs_graph(q, k, v, sinks):
+    if _needs_graph("attn.torch.varlen_attention", alibi_slopes, q, k, v, sinks):
         return VarlenAttention.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
                                      is_causal, window, alibi_slopes, softcap, sinks, position_offset, backend)
     return _varlen.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale=scale,

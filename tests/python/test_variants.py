@@ -452,3 +452,18 @@ def test_resolve_backend_takes_the_variants():
                                 backend="reference") == "reference"
     with pytest.raises(ValueError, match="sinks"):
         attn.resolve_backend(q, k, v, enable_gqa=True, sinks=sinks[:2])
+
+
+def test_torch_refuses_slopes_that_require_grad():
+    torch = _torch()
+    import attn.torch as at
+
+    q, k, v = torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4)
+    slopes = torch.nn.Parameter(torch.ones(2))
+    with pytest.raises(ValueError, match="alibi_slopes"):
+        at.scaled_dot_product_attention(q, k, v, alibi_slopes=slopes)
+    with pytest.raises(ValueError, match="alibi_slopes"):
+        at.varlen_attention(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1),
+                            torch.tensor([0, 3]), torch.tensor([0, 3]), 3, 3, alibi_slopes=slopes)
+    with torch.no_grad():
+        assert at.scaled_dot_product_attention(q, k, v, alibi_slopes=slopes).shape == (1, 2, 3, 4)
