@@ -40,7 +40,7 @@ struct SdpaOpts {
 template <class T>
 std::vector<T> per_head(const std::vector<double>& v, int64_t H, const char* flag) {
   if (v.size() != 1 && int64_t(v.size()) != H)
-    throw Error(fmt::format("attn sdpa: {} has {} values; expected 1 (every head) or H = {}", flag, v.size(), H));
+    throw InvalidArgument(fmt::format("attn sdpa: {} has {} values; expected 1 (every head) or H = {}", flag, v.size(), H));
   std::vector<T> out(static_cast<size_t>(H));
   for (int64_t h = 0; h < H; ++h) out[size_t(h)] = T(v[v.size() == 1 ? 0 : size_t(h)]);
   return out;
@@ -50,16 +50,16 @@ std::vector<T> per_head(const std::vector<double>& v, int64_t H, const char* fla
 void require_nonempty(const io::Array<double>& a, const std::string& flag, const std::string& path) {
   for (size_t i = 0; i < a.shape.size(); ++i)
     if (a.shape[i] == 0)
-      throw Error(fmt::format("attn sdpa: {} {} has shape {}: axis {} has length 0, every axis needs at least 1",
-                              flag, path, io::shape_string(a.shape), i));
+      throw InvalidArgument(fmt::format("attn sdpa: {} {} has shape {}: axis {} has length 0, every axis needs at least 1",
+                              flag, path, shape_str(a.shape), i));
 }
 
 // The inputs as rank-4 (B, H, N, F) shapes; ranks 2 and 3 get leading 1s.
 std::array<int64_t, 4> as4(const io::Array<double>& a, const std::string& flag, const std::string& path) {
   const size_t r = a.shape.size();
   if (r < 2 || r > 4)
-    throw Error(fmt::format("attn sdpa: {} {} has shape {}; expected (N, F), (H, N, F) or (B, H, N, F)", flag, path,
-                            io::shape_string(a.shape)));
+    throw InvalidArgument(fmt::format("attn sdpa: {} {} has shape {}; expected (N, F), (H, N, F) or (B, H, N, F)", flag, path,
+                            shape_str(a.shape)));
   require_nonempty(a, flag, path);
   std::array<int64_t, 4> s{1, 1, 1, 1};
   for (size_t i = 0; i < r; ++i) s[4 - r + i] = a.shape[i];
@@ -100,9 +100,9 @@ void run_sdpa_typed(const SdpaOpts& o, const SdpaPaths& paths, const io::Array<d
   if (ma) {
     const size_t r = ma->shape.size();
     if (r < 2 || r > 4 || r > qa.shape.size())
-      throw Error(fmt::format("attn sdpa: --mask {} has shape {}; expected (L, S) or a shape broadcastable to "
+      throw InvalidArgument(fmt::format("attn sdpa: --mask {} has shape {}; expected (L, S) or a shape broadcastable to "
                               "(B, H, L, S) with no more axes than --q",
-                              o.mask, io::shape_string(ma->shape)));
+                              o.mask, shape_str(ma->shape)));
     require_nonempty(*ma, "--mask", o.mask);
     std::array<int64_t, 4> ms{1, 1, 1, 1};
     for (size_t i = 0; i < r; ++i) ms[4 - r + i] = ma->shape[i];
@@ -110,7 +110,7 @@ void run_sdpa_typed(const SdpaOpts& o, const SdpaPaths& paths, const io::Array<d
     for (size_t i = 0; i < ma->data.size(); ++i) {
       const double x = ma->data[i];
       if (x != 0 && x != 1)
-        throw Error(fmt::format("attn sdpa: --mask {} holds {} at flat index {}; a mask holds 1 or True (may "
+        throw InvalidArgument(fmt::format("attn sdpa: --mask {} holds {} at flat index {}; a mask holds 1 or True (may "
                                 "attend) and 0 or False (blocked)",
                                 o.mask, x, i));
       mask[i] = x == 1;
@@ -153,11 +153,9 @@ void run_sdpa_typed(const SdpaOpts& o, const SdpaPaths& paths, const io::Array<d
       lv = View3<T>(lse.data(), {B, H, L});
     }
     scaled_dot_product_attention<T>(args, {View4<T>::bhnd(out.data(), B, H, L, Ev), wv, lv}, opt);
-  } catch (const io::FileError&) {
-    throw;
-  } catch (const Error& e) {
+  } catch (const InvalidArgument& e) {
     // The library names arguments q, k, v, mask; say which files those are.
-    throw Error(fmt::format("attn sdpa: {} (q = {}, k = {}, v = {}{})", e.what(), o.q, o.k, o.v,
+    throw InvalidArgument(fmt::format("attn sdpa: {} (q = {}, k = {}, v = {}{})", e.what(), o.q, o.k, o.v,
                             o.mask.empty() ? "" : ", mask = " + o.mask));
   }
   // Outputs keep the rank of the query file.
@@ -169,7 +167,7 @@ void run_sdpa_typed(const SdpaOpts& o, const SdpaPaths& paths, const io::Array<d
     const std::vector<int64_t> full = {B, H, L};
     io::write_npy(paths.lse, std::vector<int64_t>(full.end() - long(r - 1), full.end()), lse.data());
   }
-  fmt::print(stderr, "attn sdpa: {} -> {} ({}, backend {})\n", io::shape_string(qa.shape), o.out,
+  fmt::print(stderr, "attn sdpa: {} -> {} ({}, backend {})\n", shape_str(qa.shape), o.out,
              io::dtype_name(std::is_same_v<T, float> ? io::DType::f32 : io::DType::f64), backend_name(used));
 }
 
@@ -187,19 +185,19 @@ void run_sdpa(const SdpaOpts& o) {
   std::unique_ptr<io::Array<double>> ma;
   if (!o.mask.empty()) ma = std::make_unique<io::Array<double>>(io::read_npy<double>(o.mask));
   if (qa.shape.size() != ka.shape.size() || qa.shape.size() != va.shape.size())
-    throw Error(fmt::format("attn sdpa: --q {} {}, --k {} {} and --v {} {} must have the same number of axes", o.q,
-                            io::shape_string(qa.shape), o.k, io::shape_string(ka.shape), o.v,
-                            io::shape_string(va.shape)));
+    throw InvalidArgument(fmt::format("attn sdpa: --q {} {}, --k {} {} and --v {} {} must have the same number of axes", o.q,
+                            shape_str(qa.shape), o.k, shape_str(ka.shape), o.v,
+                            shape_str(va.shape)));
   const size_t r = qa.shape.size();
   if (r >= 1 && r <= 4) {
     if (qa.shape[r - 1] != ka.shape[r - 1])
-      throw Error(fmt::format("attn sdpa: --k {} has shape {} but --q {} has shape {}: queries and keys need the "
+      throw InvalidArgument(fmt::format("attn sdpa: --k {} has shape {} but --q {} has shape {}: queries and keys need the "
                               "same feature size E (last axis)",
-                              o.k, io::shape_string(ka.shape), o.q, io::shape_string(qa.shape)));
+                              o.k, shape_str(ka.shape), o.q, shape_str(qa.shape)));
     if (r >= 2 && ka.shape[r - 2] != va.shape[r - 2])
-      throw Error(fmt::format("attn sdpa: --v {} has shape {} but --k {} has shape {}: keys and values need the "
+      throw InvalidArgument(fmt::format("attn sdpa: --v {} has shape {} but --k {} has shape {}: keys and values need the "
                               "same length S (second-to-last axis)",
-                              o.v, io::shape_string(va.shape), o.k, io::shape_string(ka.shape)));
+                              o.v, shape_str(va.shape), o.k, shape_str(ka.shape)));
   }
   const bool f32 = qa.stored == io::DType::f32 && ka.stored == io::DType::f32 && va.stored == io::DType::f32;
   if (f32) run_sdpa_typed<float>(o, paths, qa, ka, va, ma.get());
@@ -228,16 +226,16 @@ void run_heatmap(const HeatmapOpts& o) {
   else if (s.size() == 3) H = s[0], L = s[1], S = s[2];
   else if (s.size() == 4) {
     if (o.batch < 0 || o.batch >= s[0])
-      throw Error(fmt::format("attn heatmap: --batch {} is outside the {} batch entries of {}", o.batch, s[0], o.weights));
+      throw InvalidArgument(fmt::format("attn heatmap: --batch {} is outside the {} batch entries of {}", o.batch, s[0], o.weights));
     H = s[1], L = s[2], S = s[3];
     offset = o.batch * H * L * S;
   } else {
-    throw Error(fmt::format("attn heatmap: --weights {} has shape {}; expected (L, S), (H, L, S) or (B, H, L, S)",
-                            o.weights, io::shape_string(s)));
+    throw InvalidArgument(fmt::format("attn heatmap: --weights {} has shape {}; expected (L, S), (H, L, S) or (B, H, L, S)",
+                            o.weights, shape_str(s)));
   }
-  if (H < 1 || L < 1 || S < 1) throw Error("attn heatmap: --weights " + o.weights + " is empty");
+  if (H < 1 || L < 1 || S < 1) throw InvalidArgument("attn heatmap: --weights " + o.weights + " is empty");
   if (H > 64 || L > 512 || S > 512)
-    throw Error(fmt::format("attn heatmap: {} heads of {} x {} is too large to draw (at most 64 heads of 512 x 512)",
+    throw InvalidArgument(fmt::format("attn heatmap: {} heads of {} x {} is too large to draw (at most 64 heads of 512 x 512)",
                             H, L, S));
   std::vector<std::string> words;
   {
@@ -253,7 +251,7 @@ void run_heatmap(const HeatmapOpts& o) {
       cols = words;
       rows = L == S ? words : std::vector<std::string>{};
     } else {
-      throw Error(fmt::format("attn heatmap: --labels has {} words; the weights are {} x {}, so give {} words (or "
+      throw InvalidArgument(fmt::format("attn heatmap: --labels has {} words; the weights are {} x {}, so give {} words (or "
                               "{} query words then {} key words)",
                               words.size(), L, S, S, L, S));
     }
@@ -392,7 +390,7 @@ void add_bench(CLI::App& app) {
       argv.push_back(nullptr);
       std::fflush(stdout);
       ::execv(p.c_str(), argv.data());
-      throw Error(fmt::format("attn bench: cannot run {}: {}", p.string(), std::strerror(errno)));
+      throw InvalidArgument(fmt::format("attn bench: cannot run {}: {}", p.string(), std::strerror(errno)));
     }
     std::string looked;
     for (const auto& p : candidates) looked += "\n  " + p.string();

@@ -11,15 +11,13 @@
 namespace attn::cli {
 
 namespace {
-// The transaction refuses two outputs on one file with attn::Error; on the
-// command line that is a usage error. File errors stay file errors.
+// The transaction refuses two outputs on one file with attn::InvalidArgument;
+// on the command line that is a usage error. File errors stay file errors.
 template <class F>
 auto duplicates_are_usage_errors(F&& f) {
   try {
     return f();
-  } catch (const io::FileError&) {
-    throw;
-  } catch (const Error& e) {
+  } catch (const InvalidArgument& e) {
     throw UsageError(e.what());
   }
 }
@@ -48,7 +46,7 @@ CLI::Validator positive_number() {
 
 void require_float(const io::Array<double>& a, const std::string& flag, const std::string& path) {
   if (a.stored == io::DType::b1)
-    throw Error(fmt::format("{} {} holds bool values; expected float32 or float64", flag, path));
+    throw InvalidArgument(fmt::format("{} {} holds bool values; expected float32 or float64", flag, path));
 }
 
 Mat matmul(const Mat& x, const Mat& y) {

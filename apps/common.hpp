@@ -34,13 +34,13 @@ inline constexpr const char* kExitCodesHelp =
 // A usage problem detected after parsing (exit code 2).
 class UsageError : public Error {
  public:
-  using Error::Error;
+  explicit UsageError(const std::string& what) : Error(what) {}
 };
 
 // A feature that is not built into this tree (exit code 4).
 class Unavailable : public Error {
  public:
-  using Error::Error;
+  explicit Unavailable(const std::string& what) : Error(what) {}
 };
 
 // The output files of one command, written as one transaction

@@ -49,7 +49,7 @@ void on_every_rank(F&& f) {
   int bad = err ? 1 : 0;
   MPI_Allreduce(MPI_IN_PLACE, &bad, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
   if (err) std::rethrow_exception(err);
-  if (bad) throw Error("attn sdpa: another rank rejected the inputs (see its message)");
+  if (bad) throw InvalidArgument("attn sdpa: another rank rejected the inputs (see its message)");
 }
 
 std::array<int64_t, 4> as4(const std::vector<int64_t>& s) {
@@ -64,7 +64,7 @@ void gather(const std::vector<float>& local, View4<float> full, int P, int r, di
   std::vector<int> counts(static_cast<size_t>(P)), displs(static_cast<size_t>(P));
   for (int p = 0; p < P; ++p) {
     const int64_t n = B * H * dist::shard_length(N, P, p, lay) * F;
-    if (n > INT32_MAX) throw Error("attn sdpa: a rank's output shard exceeds 2^31 elements (gather limit)");
+    if (n > INT32_MAX) throw InvalidArgument("attn sdpa: a rank's output shard exceeds 2^31 elements (gather limit)");
     counts[size_t(p)] = int(n);
     if (p > 0) displs[size_t(p)] = displs[size_t(p - 1)] + counts[size_t(p - 1)];
   }
@@ -103,12 +103,12 @@ void run_sdpa_context_parallel(const ContextParallelSdpa& o) {
     qa = io::read_npy<float>(o.q), ka = io::read_npy<float>(o.k), va = io::read_npy<float>(o.v);
     for (const auto* a : {&qa, &ka, &va})
       if (a->stored != io::DType::f32)
-        throw Error(fmt::format("attn sdpa: --context-parallel computes in float32; --q {}, --k {} and --v {} must "
+        throw InvalidArgument(fmt::format("attn sdpa: --context-parallel computes in float32; --q {}, --k {} and --v {} must "
                                 "all be float32 .npy files",
                                 o.q, o.k, o.v));
     const size_t rank = qa.shape.size();
     if (rank < 2 || rank > 4 || ka.shape.size() != rank || va.shape.size() != rank)
-      throw Error(fmt::format("attn sdpa: --q {} {}, --k {} {} and --v {} {} must have the same number of axes, 2 to 4",
+      throw InvalidArgument(fmt::format("attn sdpa: --q {} {}, --k {} {} and --v {} {} must have the same number of axes, 2 to 4",
                               o.q, io::shape_string(qa.shape), o.k, io::shape_string(ka.shape), o.v,
                               io::shape_string(va.shape)));
     qs = as4(qa.shape), ks = as4(ka.shape), vs = as4(va.shape);
@@ -138,7 +138,7 @@ void run_sdpa_context_parallel(const ContextParallelSdpa& o) {
     if (o.strategy == "ring") dist::ring_attention(MPI_COMM_WORLD, args, {ov, {}, lv}, opt);
     else dist::ulysses_attention(MPI_COMM_WORLD, args, {ov, {}, lv}, opt);
   } catch (const Error& e) {
-    throw Error(fmt::format("attn sdpa: {} (q = {}, k = {}, v = {})", e.what(), o.q, o.k, o.v));
+    throw InvalidArgument(fmt::format("attn sdpa: {} (q = {}, k = {}, v = {})", e.what(), o.q, o.k, o.v));
   }
   std::vector<float> full_out(r == 0 ? size_t(B * H * L * Ev) : 0), full_lse(r == 0 && !o.lse.empty() ? size_t(B * H * L) : 0);
   gather(out, View4<float>(full_out.data(), {B, H, L, Ev}), P, r, lay);

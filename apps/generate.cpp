@@ -87,7 +87,7 @@ void run_generate(const GenerateOpts& o) {
         first = i;
         break;
       }
-    if (first == 0 || first == N) throw Error("attn generate: the task's examples have no prompt or no answer");
+    if (first == 0 || first == N) throw InvalidArgument("attn generate: the task's examples have no prompt or no answer");
   }
 
   nn::DecodeState st = model.start_decoding(B, dtype, o.page);

@@ -91,13 +91,13 @@ int main(int argc, char** argv) {
   } catch (const Unavailable& e) {
     fmt::print(stderr, "error: {}\n", e.what());
     return kUnavailable;
-  } catch (const attn::io::FileError& e) {
+  } catch (const attn::FileError& e) {
     fmt::print(stderr, "error: {}\n", e.what());
     return kFileError;
   } catch (const attn::nn::TrainingDiverged& e) {
     fmt::print(stderr, "error: {}\n", e.what());
     return kDiverged;
-  } catch (const attn::Error& e) {
+  } catch (const attn::InvalidArgument& e) {
     fmt::print(stderr, "error: {}\n", e.what());
     return kBadInput;
   } catch (const std::bad_alloc&) {

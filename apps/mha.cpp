@@ -39,8 +39,8 @@ void run_mha_typed(const MhaCliOpts& o, const MhaPaths& paths, const io::Array<d
     const std::vector<T> v(a.data.begin(), a.data.end());
     const Tensor<T>& want = layer.parameter(name);
     if (std::vector<int64_t>(a.shape) != want.shape())
-      throw Error(fmt::format("attn mha: tensor '{}' in {} has shape {}, expected {} for embed_dim {} (from --x {})",
-                              name, o.weights, io::shape_string(a.shape), io::shape_string(want.shape()), D, o.x));
+      throw InvalidArgument(fmt::format("attn mha: tensor '{}' in {} has shape {}, expected {} for embed_dim {} (from --x {})",
+                              name, o.weights, shape_str(a.shape), shape_str(want.shape()), D, o.x));
     if (a.shape.size() == 2) layer.load_parameter(name, View2<const T>(v.data(), {a.shape[0], a.shape[1]}));
     else layer.load_parameter(name, View1<const T>(v.data(), {a.shape[0]}));
   }
@@ -75,23 +75,23 @@ void run_mha(const MhaCliOpts& o) {
   require_float(xa, "attn mha: --x", o.x);
   const auto sd = io::read_safetensors<double>(o.weights);
   if (xa.shape.size() != 2 && xa.shape.size() != 3)
-    throw Error(fmt::format("attn mha: --x {} has shape {}; expected (N, D) or (B, N, D)", o.x, io::shape_string(xa.shape)));
+    throw InvalidArgument(fmt::format("attn mha: --x {} has shape {}; expected (N, D) or (B, N, D)", o.x, shape_str(xa.shape)));
   const int64_t D = xa.shape.back();
-  if (D < 1 || xa.shape[xa.shape.size() - 2] < 1) throw Error("attn mha: --x " + o.x + " is empty");
+  if (D < 1 || xa.shape[xa.shape.size() - 2] < 1) throw InvalidArgument("attn mha: --x " + o.x + " is empty");
   if (o.heads < 1 || D % o.heads != 0)
-    throw Error(fmt::format("attn mha: --heads {} must be >= 1 and divide the model width D = {} (last axis of {})",
+    throw InvalidArgument(fmt::format("attn mha: --heads {} must be >= 1 and divide the model width D = {} (last axis of {})",
                             o.heads, D, o.x));
   const std::set<std::string> allowed = {"in_proj_weight", "in_proj_bias", "out_proj.weight", "out_proj.bias"};
   for (const auto& [name, a] : sd)
     if (!allowed.count(name))
-      throw Error(fmt::format("attn mha: {} holds tensor '{}'; expected only in_proj_weight, in_proj_bias, "
+      throw InvalidArgument(fmt::format("attn mha: {} holds tensor '{}'; expected only in_proj_weight, in_proj_bias, "
                               "out_proj.weight, out_proj.bias (nn.MultiheadAttention's state_dict with packed "
                               "projections)",
                               o.weights, name));
   for (const char* need : {"in_proj_weight", "out_proj.weight"})
-    if (!sd.count(need)) throw Error(fmt::format("attn mha: {} lacks tensor '{}'", o.weights, need));
+    if (!sd.count(need)) throw InvalidArgument(fmt::format("attn mha: {} lacks tensor '{}'", o.weights, need));
   if (sd.count("in_proj_bias") != sd.count("out_proj.bias"))
-    throw Error(fmt::format("attn mha: {} has only one of in_proj_bias and out_proj.bias; give both or neither",
+    throw InvalidArgument(fmt::format("attn mha: {} has only one of in_proj_bias and out_proj.bias; give both or neither",
                             o.weights));
   bool f32 = xa.stored == io::DType::f32;
   for (const auto& [name, a] : sd) f32 = f32 && a.stored == io::DType::f32;

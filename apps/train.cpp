@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cerrno>
 #include <filesystem>
 #include <iostream>
 #include <memory>
@@ -19,7 +20,7 @@ namespace attn::cli {
 void require_file(const std::string& path, const char* flag) {
   std::error_code ec;
   if (!std::filesystem::is_regular_file(path, ec))
-    throw io::FileError(fmt::format("{} '{}': no such file", flag, path));
+    throw FileError(path, fmt::format("no such file (given as {})", flag), ENOENT);
 }
 
 namespace {
@@ -180,10 +181,10 @@ void run_checkpoint_heatmap(const CheckpointHeatmapOpts& o) {
   if (o.example < 0 || o.example >= 100000)
     throw UsageError(fmt::format("attn heatmap: --example {} is outside 0..99999", o.example));
   if (mc.layers * mc.heads > 64)
-    throw Error(fmt::format("attn heatmap: {} layers x {} heads is too many panels to draw (at most 64)", mc.layers,
+    throw InvalidArgument(fmt::format("attn heatmap: {} layers x {} heads is too many panels to draw (at most 64)", mc.layers,
                             mc.heads));
   if (task.seq_len() > 512)
-    throw Error(fmt::format("attn heatmap: the checkpoint's examples are {} tokens long, too many to draw (at most "
+    throw InvalidArgument(fmt::format("attn heatmap: the checkpoint's examples are {} tokens long, too many to draw (at most "
                             "512 x 512 per panel)",
                             task.seq_len()));
   nn::Transformer<float> model(mc);

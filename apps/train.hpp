@@ -27,8 +27,8 @@ struct TrainOpts {
 void add_train_flags(CLI::App& app, TrainOpts& o);
 
 // Maps the names onto the configuration, trains with progress on stdout and
-// writes the optional CSV, PNG and checkpoint. Throws attn::Error (bad
-// configuration) or attn::io::FileError (a missing --resume checkpoint).
+// writes the optional CSV, PNG and checkpoint. Throws attn::InvalidArgument
+// (bad configuration) or attn::FileError (a missing --resume checkpoint).
 void run_train(const TrainOpts& o);
 
 struct CheckpointHeatmapOpts {

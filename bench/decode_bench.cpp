@@ -59,7 +59,7 @@ std::vector<Shape> parse_shapes(const std::string& text) {
   while (std::getline(ss, item, ';')) {
     Shape s{};
     if (std::sscanf(item.c_str(), "%ld,%ld,%ld,%ld,%ld,%ld", &s.B, &s.H, &s.Hkv, &s.L, &s.S, &s.E) != 6)
-      throw attn::Error("--shapes: '" + item + "' is not B,H,Hkv,L,S,E");
+      throw attn::InvalidArgument("--shapes: '" + item + "' is not B,H,Hkv,L,S,E");
     out.push_back(s);
   }
   return out;

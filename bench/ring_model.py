@@ -32,14 +32,14 @@ import math
 import sys
 
 
-def ring_times(N, P, B, H, Hkv, E, Ev, causal, R, beta, alpha):
+def ring_times(N, P, B, H, Hkv, E, Ev, causal, R, beta, alpha, kb=2.5):
     n = N / P
     f_step = 4 * B * H * n * n * E * (0.5 if causal else 1.0)
     Tc = f_step / R
     m = 4 * B * Hkv * n * (E + Ev)
     Tm = alpha + m / beta
     fwd = P * Tc + (P - 1) * max(0.0, Tm - Tc)
-    Tcb = 2.5 * Tc
+    Tcb = kb * Tc
     bwd = P * Tcb + (P - 1) * max(0.0, 2 * Tm - Tcb) + (Tm if P > 1 else 0.0)
     return fwd, fwd + bwd, Tc, Tm
 
@@ -70,22 +70,28 @@ def fmt_s(t):
 
 
 def validate(path):
+    """The model against the measured P = 2 ring. Its parameters come from the
+    same run file: R from the single-process run on as many threads as the
+    ring has ranks (the throughput this machine gives that many workers while
+    it is shared), kb from that run's backward/forward ratio, beta from the
+    transfers alone."""
     runs = [json.loads(l) for l in open(path) if l.startswith("{")]
     get = lambda m, P, t: next(r for r in runs if r["mode"] == m and r["P"] == P and r["threads"] == t)
-    s1, r2 = get("single", 1, 1), get("ring", 2, 1)
-    B, H, Hkv, N, E = s1["B"], s1["H"], s1["Hkv"], s1["N"], s1["E"]
-    causal = s1["causal"]
+    s2, r2 = get("single", 1, 2), get("ring", 2, 1)
+    B, H, Hkv, N, E = s2["B"], s2["H"], s2["Hkv"], s2["N"], s2["E"]
+    causal = s2["causal"]
     F = 4 * B * H * N * N * E * (0.5 if causal else 1.0)
-    R = F / s1["forward_s"]  # one rank = one thread here
-    # The transfers alone: P - 1 shifts of one K/V shard (forward).
-    m = 4 * B * Hkv * (N / 2) * (2 * E)
+    R = F / s2["forward_s"] / 2  # per rank: two workers share the measured rate
+    kb = (s2["fwd_bwd_s"] - s2["forward_s"]) / s2["forward_s"]
+    m = 4 * B * Hkv * (N / 2) * (2 * E)  # one K/V shard, the forward's one shift
     beta = m / r2["forward_transfers_alone_s"] if r2["forward_transfers_alone_s"] > 0 else float("inf")
-    print(f"measured on this machine: R = {R / 1e9:.1f} GFLOP/s per rank (single-process, 1 thread), "
+    print(f"parameters measured here: R = {R / 1e9:.2f} GFLOP/s per rank, backward/forward = {kb:.2f}, "
           f"beta = {beta / 1e9:.2f} GB/s (shared memory, transfers alone)")
-    fwd, fb, Tc, Tm = ring_times(N, 2, B, H, Hkv, E, E, causal, R, beta, 0.0)
-    print(f"  P = 2 ring forward: predicted {fwd:.3f} s, measured {r2['forward_s']:.3f} s "
-          f"(Tc {Tc:.3f} s per step, Tm {Tm * 1e3:.1f} ms)")
-    print(f"  P = 2 ring forward+backward: predicted {fb:.3f} s, measured {r2['fwd_bwd_s']:.3f} s")
+    fwd, fb, Tc, Tm = ring_times(N, 2, B, H, Hkv, E, E, causal, R, beta, 0.0, kb)
+    print(f"  P = 2 ring forward:          predicted {fwd:.2f} s, measured {r2['forward_s']:.2f} s "
+          f"({(r2['forward_s'] / fwd - 1) * 100:+.1f}%; Tc {Tc:.2f} s per step, Tm {Tm * 1e3:.0f} ms)")
+    print(f"  P = 2 ring forward+backward: predicted {fb:.2f} s, measured {r2['fwd_bwd_s']:.2f} s "
+          f"({(r2['fwd_bwd_s'] / fb - 1) * 100:+.1f}%)")
     return R, beta
 
 

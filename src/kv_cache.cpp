@@ -30,14 +30,14 @@ KVDtype parse_kv_dtype(std::string_view name) {
   if (name == "float32" || name == "f32") return KVDtype::float32;
   if (name == "float16" || name == "f16") return KVDtype::float16;
   if (name == "bfloat16" || name == "bf16") return KVDtype::bfloat16;
-  throw Error("attn::parse_kv_dtype: unknown dtype '" + std::string(name) +
+  throw InvalidArgument("attn::parse_kv_dtype: unknown dtype '" + std::string(name) +
               "', expected one of float32, float16, bfloat16");
 }
 
 namespace {
 
 [[noreturn]] void fail(const char* fn, const std::string& msg) {
-  throw Error(std::string("attn::") + fn + ": " + msg);
+  throw InvalidArgument(std::string("attn::") + fn + ": " + msg);
 }
 
 detail::KVStorage storage_of(KVDtype t) {

@@ -39,7 +39,7 @@ void check_fits_in_memory(uint64_t bytes, const std::string& what) {
   const uint64_t phys = physical_memory_bytes();
   if (phys == 0 || bytes <= phys) return;
   const std::string need = bytes == UINT64_MAX ? format_bytes(bytes) : std::to_string(bytes) + " bytes (" + format_bytes(bytes) + ")";
-  throw Error(what + " would need " + need + ", more than the " + format_bytes(phys) + " of memory of this machine");
+  throw InvalidArgument(what + " would need " + need + ", more than the " + format_bytes(phys) + " of memory of this machine");
 }
 
 }  // namespace attn::detail

@@ -13,7 +13,7 @@
 namespace attn {
 namespace {
 
-[[noreturn]] void fail(const std::string& msg) { throw Error("attn::merge_attention: " + msg); }
+[[noreturn]] void fail(const std::string& msg) { throw InvalidArgument("attn::merge_attention: " + msg); }
 
 template <class V>
 void check_present(const V& v, const char* name) {

@@ -41,6 +41,7 @@
 
 #include "attn/rng.hpp"
 #include "kernels/gemm/gemm.hpp"
+#include "validate.hpp"
 
 namespace attn {
 namespace {
@@ -57,48 +58,7 @@ const char* const kInProjBias = "in_proj_bias";
 const char* const kOutProjWeight = "out_proj.weight";
 const char* const kOutProjBias = "out_proj.bias";
 
-std::string dims_str(const std::vector<int64_t>& s) {
-  std::string out = "(";
-  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
-  return out + ")";
-}
-
-struct Checker {
-  std::string fn;
-  [[noreturn]] void fail(const std::string& msg) const { throw Error("attn::MultiheadAttention::" + fn + ": " + msg); }
-
-  template <class T, int R>
-  void shape(const View<T, R>& v, const char* name, const std::type_identity_t<std::array<int64_t, R>>& want,
-             const std::string& expected_text = "") const {
-    if (v.data == nullptr) fail(std::string("argument '") + name + "' is required but was not given");
-    if (v.shape != want)
-      fail(std::string("argument '") + name + "' has shape " + shape_str(v.shape) + ", expected " +
-           (expected_text.empty() ? shape_str(want) : expected_text));
-  }
-  template <class T, int R>
-  void writable(const View<T, R>& v, const char* name) const {
-    for (int i = 0; i < R; ++i)
-      if (v.shape[size_t(i)] > 1 && v.strides[size_t(i)] == 0)
-        fail(std::string("output '") + name + "' has stride 0 on axis " + std::to_string(i) +
-             " (a broadcast view cannot be written)");
-  }
-  // A (B, H, L, S) mask or bias: each axis 1 (broadcast) or the full size.
-  template <class T>
-  void broadcastable(const View4<T>& v, const char* name, const std::array<int64_t, 4>& full) const {
-    for (int i = 0; i < 4; ++i)
-      if (v.shape[size_t(i)] != 1 && v.shape[size_t(i)] != full[size_t(i)])
-        fail(std::string("argument '") + name + "' has shape " + shape_str(v.shape) +
-             ", expected each axis of (B, H, L, S) = " + shape_str(full) + " or 1 (broadcast)");
-  }
-  template <class T>
-  void finite(const View3<T>& v, const char* name) const {
-    for (int64_t a = 0; a < v.dim(0); ++a)
-      for (int64_t b = 0; b < v.dim(1); ++b)
-        for (int64_t c = 0; c < v.dim(2); ++c)
-          if (!std::isfinite(double(v(a, b, c))))
-            fail(std::string("argument '") + name + "' contains NaN or Inf at " + shape_str({a, b, c}));
-  }
-};
+using detail::Checker;
 
 // Copies a rank-3 view (any strides) into dense row-major storage.
 template <class T>
@@ -155,7 +115,7 @@ void fill_uniform(Tensor<T>& t, double bound, Rng& rng) {
 
 template <class T>
 MultiheadAttention<T>::MultiheadAttention(const MultiheadConfig& config, uint64_t seed) : cfg_(config) {
-  const Checker c{"MultiheadAttention"};
+  const Checker c{"MultiheadAttention::MultiheadAttention"};
   auto at_least = [&](int64_t v, const char* name, int64_t lo, const char* note) {
     if (v < lo)
       c.fail(std::string("config '") + name + "' is " + std::to_string(v) + ", expected >= " +
@@ -228,7 +188,7 @@ auto& lookup(Map& m, const std::string& name, const char* fn, const std::vector<
   if (it == m.end()) {
     std::string list;
     for (const auto& n : valid) list += (list.empty() ? "" : ", ") + n;
-    throw Error(std::string("attn::MultiheadAttention::") + fn + ": unknown parameter name '" + name +
+    throw InvalidArgument(std::string("attn::MultiheadAttention::") + fn + ": unknown parameter name '" + name +
                 "', expected one of " + list);
   }
   return it->second;
@@ -285,9 +245,9 @@ void MultiheadAttention<T>::reset_parameters(uint64_t seed) {
 template <class T>
 void MultiheadAttention<T>::load_parameter(const std::string& name, View<const T, 2> w) {
   Tensor<T>& p = lookup(params_, name, "load_parameter", parameter_names());
-  const Checker c{"load_parameter"};
+  const Checker c{"MultiheadAttention::load_parameter"};
   if (p.rank() != 2 || w.shape[0] != p.dim(0) || w.shape[1] != p.dim(1))
-    c.fail("parameter '" + name + "' has shape " + dims_str(p.shape()) + ", got a value of shape " +
+    c.fail("parameter '" + name + "' has shape " + shape_str(p.shape()) + ", got a value of shape " +
            shape_str(w.shape));
   if (w.data == nullptr && w.numel() > 0) c.fail("the value for '" + name + "' has no data (null pointer)");
   for (int64_t i = 0; i < w.shape[0]; ++i)
@@ -297,9 +257,9 @@ void MultiheadAttention<T>::load_parameter(const std::string& name, View<const T
 template <class T>
 void MultiheadAttention<T>::load_parameter(const std::string& name, View<const T, 1> b) {
   Tensor<T>& p = lookup(params_, name, "load_parameter", parameter_names());
-  const Checker c{"load_parameter"};
+  const Checker c{"MultiheadAttention::load_parameter"};
   if (p.rank() != 1 || b.shape[0] != p.dim(0))
-    c.fail("parameter '" + name + "' has shape " + dims_str(p.shape()) + ", got a value of shape " +
+    c.fail("parameter '" + name + "' has shape " + shape_str(p.shape()) + ", got a value of shape " +
            shape_str(b.shape));
   if (b.data == nullptr && b.numel() > 0) c.fail("the value for '" + name + "' has no data (null pointer)");
   for (int64_t i = 0; i < b.shape[0]; ++i) p[size_t(i)] = b(i);
@@ -404,7 +364,7 @@ Tensor<T> copy_of(View<const T, R> v) {
 template <class T>
 void MultiheadAttention<T>::forward(const MhaArgs<T>& a, const MhaOutputs<T>& o, const MhaOptions& opt,
                                     MhaCache<T>* cache) const {
-  const Checker c{"forward"};
+  const Checker c{"MultiheadAttention::forward"};
   const int64_t D = cfg_.embed_dim, H = cfg_.num_heads, E = cfg_.head_dim, Ev = cfg_.v_head_dim;
   const bool self = a.key.empty() && a.value.empty();
   if (a.query.empty()) c.fail("argument 'query' is required but was not given");
@@ -431,39 +391,38 @@ void MultiheadAttention<T>::forward(const MhaArgs<T>& a, const MhaOutputs<T>& o,
                 ") (batch of 'query', S of 'key', vdim = " + std::to_string(cfg_.vdim) + ")");
   }
   const std::array<int64_t, 4> full{B, H, L, S};
+  // Validation of everything else, before any work.
+  c.require(o.out, "out");
   c.shape(o.out, "out", {B, L, D});
-  c.writable(o.out, "out");
-  if (!o.head_weights.empty()) {
-    c.shape(o.head_weights, "head_weights", full);
-    c.writable(o.head_weights, "head_weights");
+  std::vector<detail::Extent> written{c.extent(o.out, "out")};
+  c.optional(o.head_weights, "head_weights", full, written);
+  c.optional(o.avg_weights, "avg_weights", {B, L, S}, written);
+  std::vector<detail::Extent> read{c.extent(a.query, "query")};
+  if (!self) {
+    read.push_back(c.extent(a.key, "key"));
+    read.push_back(c.extent(a.value, "value"));
   }
-  if (!o.avg_weights.empty()) {
-    c.shape(o.avg_weights, "avg_weights", {B, L, S});
-    c.writable(o.avg_weights, "avg_weights");
+  if (c.given(a.attn_mask, "attn_mask")) {
+    c.broadcastable(a.attn_mask, "attn_mask", full);
+    read.push_back(c.extent(a.attn_mask, "attn_mask"));
   }
-  if (!a.attn_mask.empty()) c.broadcastable(a.attn_mask, "attn_mask", full);
-  if (!a.attn_bias.empty()) {
+  if (c.given(a.attn_bias, "attn_bias")) {
     c.broadcastable(a.attn_bias, "attn_bias", full);
-    const auto& ab = a.attn_bias;
-    for (int64_t b = 0; b < ab.dim(0); ++b)
-      for (int64_t h = 0; h < ab.dim(1); ++h)
-        for (int64_t i = 0; i < ab.dim(2); ++i)
-          for (int64_t j = 0; j < ab.dim(3); ++j)
-            if (const double z = double(ab(b, h, i, j)); std::isnan(z) || (std::isinf(z) && z > 0))
-              c.fail("argument 'attn_bias' contains NaN or +Inf at " + shape_str({b, h, i, j}) +
-                     " (only -Inf is allowed, as a mask)");
+    c.finite(a.attn_bias, "attn_bias", /*allow_neg_inf=*/true);
+    read.push_back(c.extent(a.attn_bias, "attn_bias"));
   }
-  if (!a.key_padding_mask.empty())
-    c.shape(a.key_padding_mask, "key_padding_mask", {B, S}, "(B, S) = " + shape_str({B, S}));
-  if (!a.key_lengths.empty()) {
-    c.shape(a.key_lengths, "key_lengths", {B}, "(B) = " + shape_str({B}));
+  c.optional(a.key_padding_mask, "key_padding_mask", {B, S}, read, "(B, S) = " + shape_str({B, S}));
+  if (c.given(a.key_lengths, "key_lengths")) {
+    c.shape(a.key_lengths, "key_lengths", {B}, "(B,) = " + shape_str({B}));
     for (int64_t b = 0; b < B; ++b)
       if (a.key_lengths(b) < 0 || a.key_lengths(b) > S)
         c.fail("argument 'key_lengths' has value " + std::to_string(a.key_lengths(b)) + " at batch " +
                std::to_string(b) + ", expected 0 <= key_lengths[b] <= S = " + std::to_string(S));
+    read.push_back(c.extent(a.key_lengths, "key_lengths"));
   }
-  if (opt.sdpa.num_threads < 0)
-    c.fail("option 'num_threads' is " + std::to_string(opt.sdpa.num_threads) + ", expected >= 0 (0 = default)");
+  for (const auto& e : written) c.writable(e);
+  c.disjoint(written, read);
+  (void)c.threads(opt.sdpa.num_threads);
   if (opt.sdpa.check_finite) {
     c.finite(a.query, "query");
     if (!self) {
@@ -581,7 +540,7 @@ void MultiheadAttention<T>::forward(const MhaArgs<T>& a, const MhaOutputs<T>& o,
 
 template <class T>
 void MultiheadAttention<T>::backward(const MhaCache<T>& cache, View3<const T> dout, const MhaGrads<T>& g) {
-  const Checker c{"backward"};
+  const Checker c{"MultiheadAttention::backward"};
   const int64_t D = cfg_.embed_dim, H = cfg_.num_heads, E = cfg_.head_dim, Ev = cfg_.v_head_dim;
   const bool self = cache.self_attention;
   if (!cache.filled()) c.fail("argument 'cache' is empty; pass the same cache to forward first");
@@ -602,22 +561,17 @@ void MultiheadAttention<T>::backward(const MhaCache<T>& cache, View3<const T> do
            ", which do not match this layer (num_heads = " + std::to_string(H) + ", head_dim = " +
            std::to_string(E) + ", v_head_dim = " + std::to_string(Ev) + ", embed_dim = " + std::to_string(D) +
            "); it was filled by a different layer");
+  c.require(dout, "dout");
   c.shape(dout, "dout", {B, L, D});
-  if (self && (!g.dkey.empty() || !g.dvalue.empty()))
+  if (self && (c.given(g.dkey, "dkey") || c.given(g.dvalue, "dvalue")))
     c.fail("arguments 'dkey' and 'dvalue' must be empty after a self-attention forward; the gradient of the "
            "input goes to 'dquery'");
-  if (!g.dquery.empty()) {
-    c.shape(g.dquery, "dquery", {B, L, D});
-    c.writable(g.dquery, "dquery");
-  }
-  if (!g.dkey.empty()) {
-    c.shape(g.dkey, "dkey", {B, S, cfg_.kdim});
-    c.writable(g.dkey, "dkey");
-  }
-  if (!g.dvalue.empty()) {
-    c.shape(g.dvalue, "dvalue", {B, S, cfg_.vdim});
-    c.writable(g.dvalue, "dvalue");
-  }
+  std::vector<detail::Extent> written;
+  c.optional(g.dquery, "dquery", {B, L, D}, written);
+  c.optional(g.dkey, "dkey", {B, S, cfg_.kdim}, written);
+  c.optional(g.dvalue, "dvalue", {B, S, cfg_.vdim}, written);
+  for (const auto& e : written) c.writable(e);
+  c.disjoint(written, {c.extent(dout, "dout")});
   if (cache.options.sdpa.check_finite) c.finite(dout, "dout");
 
   Tensor<T> dy_storage;

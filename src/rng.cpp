@@ -24,7 +24,7 @@ double Rng::normal() {
   return std::sqrt(-2.0 * std::log(u1)) * std::cos(2.0 * std::numbers::pi * u2);
 }
 int64_t Rng::below(int64_t n) {
-  if (n <= 0) throw Error("attn::Rng::below: argument 'n' is " + std::to_string(n) + ", expected > 0");
+  if (n <= 0) throw InvalidArgument("attn::Rng::below: argument 'n' is " + std::to_string(n) + ", expected > 0");
   return int64_t(next() % uint64_t(n));
 }
 

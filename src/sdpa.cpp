@@ -3,8 +3,6 @@
 // backends. Kernels behind this file assume valid arguments.
 #include "attn/sdpa.hpp"
 
-#include <omp.h>
-
 #include <cmath>
 #include <limits>
 #include <sstream>
@@ -13,6 +11,8 @@
 #include "kernels/fused/fused.hpp"
 #include "kernels/problem.hpp"
 #include "kernels/reference/sdpa_reference.hpp"
+#include "kernels/softmax.hpp"
+#include "validate.hpp"
 
 namespace attn {
 
@@ -29,137 +29,19 @@ Backend parse_backend(std::string_view name) {
   if (name == "auto") return Backend::automatic;
   if (name == "reference") return Backend::reference;
   if (name == "fused") return Backend::fused;
-  throw Error("attn::parse_backend: unknown backend '" + std::string(name) +
+  throw InvalidArgument("attn::parse_backend: unknown backend '" + std::string(name) +
               "', expected one of auto, reference, fused");
 }
 
-namespace {
-
-using detail::Problem;
-
-// Collects the context for error messages: "attn::<fn>: argument '<name>' ...".
-struct Checker {
-  const char* fn;
-
-  [[noreturn]] void fail(const std::string& msg) const {
-    throw Error(std::string("attn::") + fn + ": " + msg);
-  }
-
-  template <class T, int R>
-  void present(const View<T, R>& v, const char* name) const {
-    if (v.data == nullptr && v.numel() != 0) fail(std::string("argument '") + name + "' has no data (null pointer)");
-    if (v.data == nullptr) fail(std::string("argument '") + name + "' is required but was not given");
-  }
-
-  // Exact shape check; `expected_text` explains symbolic entries.
-  template <class T, int R>
-  void shape(const View<T, R>& v, const char* name, const std::type_identity_t<std::array<int64_t, R>>& want,
-             const std::string& expected_text = "") const {
-    if (v.shape != want)
-      fail(std::string("argument '") + name + "' has shape " + shape_str(v.shape) + ", expected " +
-           (expected_text.empty() ? shape_str(want) : expected_text));
-  }
-
-  template <class T, int R>
-  void positive_dims(const View<T, R>& v, const char* name, const char* axes) const {
-    for (int i = 0; i < R; ++i)
-      if (v.shape[size_t(i)] < 1)
-        fail(std::string("argument '") + name + "' has shape " + shape_str(v.shape) +
-             "; every dimension " + axes + " must be >= 1");
-  }
-
-  // Output views must not broadcast (two elements sharing one address).
-  template <class T, int R>
-  void writable(const View<T, R>& v, const char* name) const {
-    for (int i = 0; i < R; ++i)
-      if (v.shape[size_t(i)] > 1 && v.strides[size_t(i)] == 0)
-        fail(std::string("output '") + name + "' has stride 0 on axis " + std::to_string(i) +
-             " (a broadcast view cannot be written)");
-  }
-
-  // A broadcastable (B, H, L, S) operand: each axis is 1 or the full size.
-  template <class T>
-  void broadcastable(const View4<T>& v, const char* name, const Problem& p) const {
-    const std::array<int64_t, 4> full{p.B, p.H, p.L, p.S};
-    for (int i = 0; i < 4; ++i)
-      if (v.shape[size_t(i)] != 1 && v.shape[size_t(i)] != full[size_t(i)])
-        fail(std::string("argument '") + name + "' has shape " + shape_str(v.shape) +
-             ", expected each axis of (B, H, L, S) = " + shape_str(full) + " or 1 (broadcast)");
-  }
-};
-
-template <class T, int R, class F>
-void for_each(const View<T, R>& v, F&& f) {
-  std::array<int64_t, R> idx{};
-  const int64_t n = v.numel();
-  for (int64_t flat = 0; flat < n; ++flat) {
-    int64_t off = 0;
-    for (int i = 0; i < R; ++i) off += idx[size_t(i)] * v.strides[size_t(i)];
-    f(v.data[off]);
-    for (int i = R - 1; i >= 0; --i) {
-      if (++idx[size_t(i)] < v.shape[size_t(i)]) break;
-      idx[size_t(i)] = 0;
-    }
-  }
-}
-
-template <class T, int R>
-void check_finite(const Checker& c, const View<const T, R>& v, const char* name, bool allow_neg_inf) {
-  bool bad = false;
-  for_each(v, [&](T x) {
-    if (std::isnan(x) || (std::isinf(x) && !(allow_neg_inf && x < 0))) bad = true;
-  });
-  if (bad)
-    c.fail(std::string("argument '") + name + "' contains " +
-           (allow_neg_inf ? "NaN or +Inf (only -Inf is allowed, as a mask)" : "NaN or Inf"));
-}
+namespace detail {
 
 // Positions and window sides beyond this are refused (offset) or clamped
 // (window: a side this long is unbounded), so position arithmetic never
 // overflows.
 constexpr int64_t kMaxPosition = int64_t(1) << 52;
 
-// The variants' options and per-head arguments (shared with the varlen entry
-// points); fills their part of the problem.
 template <class T>
-void validate_variants(const Checker& c, const View1<const T>& alibi, const View1<const T>& sinks,
-                       const SdpaOptions& opt, Problem& p) {
-  for (const auto& [side, name] : {std::pair{opt.window.left, "window.left"}, {opt.window.right, "window.right"}})
-    if (side < -1)
-      c.fail(std::string("option '") + name + "' is " + std::to_string(side) +
-             ", expected >= 0 or -1 (unbounded)");
-  p.window_left = std::min(opt.window.left, kMaxPosition);
-  p.window_right = std::min(opt.window.right, kMaxPosition);
-  if (!std::isfinite(opt.softcap) || opt.softcap < 0) {
-    std::ostringstream os;
-    os << "option 'softcap' is " << opt.softcap << ", expected a finite value > 0 (or 0 = off)";
-    c.fail(os.str());
-  }
-  p.softcap = opt.softcap;
-  if (opt.position_offset) {
-    if (*opt.position_offset > kMaxPosition || *opt.position_offset < -kMaxPosition)
-      c.fail("option 'position_offset' is " + std::to_string(*opt.position_offset) + ", expected |offset| <= 2^52");
-    p.position_offset = opt.position_offset;
-  }
-  if (!alibi.empty()) {
-    c.shape(alibi, "alibi_slopes", {p.H}, "(H) = (" + std::to_string(p.H) + "), one slope per query head");
-    check_finite(c, alibi, "alibi_slopes", false);
-  }
-  if (!sinks.empty()) {
-    c.shape(sinks, "sinks", {p.H}, "(H) = (" + std::to_string(p.H) + "), one logit per query head");
-    check_finite(c, sinks, "sinks", /*allow_neg_inf=*/true);
-  }
-}
-
-// Validates the inputs shared by forward and backward; returns the problem.
-template <class T>
-Problem validate_inputs(const Checker& c, const SdpaArgs<T>& a, const SdpaOptions& opt) {
-  c.present(a.q, "q");
-  c.present(a.k, "k");
-  c.present(a.v, "v");
-  c.positive_dims(a.q, "q", "of (B, H, L, E)");
-  c.positive_dims(a.k, "k", "of (B, Hkv, S, E)");
-  c.positive_dims(a.v, "v", "of (B, Hkv, S, Ev)");
+Problem make_problem(const SdpaArgs<T>& a, const SdpaOptions& opt) {
   Problem p;
   p.B = a.q.dim(0);
   p.H = a.q.dim(1);
@@ -168,49 +50,110 @@ Problem validate_inputs(const Checker& c, const SdpaArgs<T>& a, const SdpaOption
   p.Hkv = a.k.dim(1);
   p.S = a.k.dim(2);
   p.Ev = a.v.dim(3);
-  if (a.k.dim(0) != p.B || a.k.dim(3) != p.E || p.H % p.Hkv != 0)
-    c.fail("argument 'k' has shape " + shape_str(a.k.shape) + ", expected (" + std::to_string(p.B) +
-           ", Hkv, S, " + std::to_string(p.E) + ") with Hkv dividing H = " + std::to_string(p.H) +
-           " (q has shape " + shape_str(a.q.shape) + ")");
-  c.shape(a.v, "v", {p.B, p.Hkv, p.S, a.v.dim(3)},
-          "(" + std::to_string(p.B) + ", " + std::to_string(p.Hkv) + ", " + std::to_string(p.S) +
-              ", Ev), matching k " + shape_str(a.k.shape) + " in B, Hkv and S");
-  if (!a.mask.empty()) c.broadcastable(a.mask, "mask", p);
-  if (!a.bias.empty()) {
-    c.broadcastable(a.bias, "bias", p);
-    check_finite(c, a.bias, "bias", /*allow_neg_inf=*/true);
-  }
-  if (!a.key_lengths.empty()) {
-    c.shape(a.key_lengths, "key_lengths", {p.B});
-    for (int64_t b = 0; b < p.B; ++b) {
-      const int64_t n = a.key_lengths(b);
-      if (n < 0 || n > p.S)
-        c.fail("argument 'key_lengths' has value " + std::to_string(n) + " at batch " + std::to_string(b) +
-               ", expected 0 <= key_lengths[b] <= S = " + std::to_string(p.S));
-    }
-  }
-  if (opt.scale) {
-    if (!std::isfinite(*opt.scale) || *opt.scale <= 0) {
-      std::ostringstream os;
-      os << "option 'scale' is " << *opt.scale << ", expected a finite value > 0";
-      c.fail(os.str());
-    }
-    p.scale = *opt.scale;
-  } else {
-    p.scale = 1.0 / std::sqrt(double(p.E));
-  }
-  if (opt.num_threads < 0)
-    c.fail("option 'num_threads' is " + std::to_string(opt.num_threads) + ", expected >= 0 (0 = default)");
-  p.threads = opt.num_threads > 0 ? opt.num_threads : omp_get_max_threads();
+  p.scale = opt.scale ? *opt.scale : 1.0 / std::sqrt(double(p.E));
   p.causal = opt.causal;
   p.align = opt.causal_align;
-  validate_variants(c, a.alibi_slopes, a.sinks, opt, p);
-  if (opt.check_finite) {
-    check_finite(c, a.q, "q", false);
-    check_finite(c, a.k, "k", false);
-    check_finite(c, a.v, "v", false);
-  }
+  p.window_left = std::min(opt.window.left, kMaxPosition);
+  p.window_right = std::min(opt.window.right, kMaxPosition);
+  p.softcap = opt.softcap;
+  p.position_offset = opt.position_offset;
+  p.threads = Checker{"make_problem"}.threads(opt.num_threads);
   return p;
+}
+
+}  // namespace detail
+
+namespace {
+
+using detail::Checker;
+using detail::Problem;
+
+// The variants' options and per-head arguments (make_problem copies the
+// options into the problem).
+template <class T>
+void validate_variants(const Checker& c, const View1<const T>& alibi, const View1<const T>& sinks,
+                       const SdpaOptions& opt, int64_t H) {
+  for (const auto& [side, name] : {std::pair{opt.window.left, "window.left"}, {opt.window.right, "window.right"}})
+    if (side < -1)
+      c.fail(std::string("option '") + name + "' is " + std::to_string(side) +
+             ", expected >= 0 or -1 (unbounded)");
+  if (!std::isfinite(opt.softcap) || opt.softcap < 0) {
+    std::ostringstream os;
+    os << "option 'softcap' is " << opt.softcap << ", expected a finite value > 0 (or 0 = off)";
+    c.fail(os.str());
+  }
+  if (opt.position_offset &&
+      (*opt.position_offset > detail::kMaxPosition || *opt.position_offset < -detail::kMaxPosition))
+    c.fail("option 'position_offset' is " + std::to_string(*opt.position_offset) + ", expected |offset| <= 2^52");
+  if (c.given(alibi, "alibi_slopes")) {
+    c.shape(alibi, "alibi_slopes", {H}, "(H) = (" + std::to_string(H) + "), one slope per query head");
+    c.finite(alibi, "alibi_slopes");
+  }
+  if (c.given(sinks, "sinks")) {
+    c.shape(sinks, "sinks", {H}, "(H) = (" + std::to_string(H) + "), one logit per query head");
+    c.finite(sinks, "sinks", /*allow_neg_inf=*/true);
+  }
+}
+
+// Validates the inputs shared by forward and backward; returns the problem.
+template <class T>
+Problem validate_inputs(const Checker& c, const SdpaArgs<T>& a, const SdpaOptions& opt) {
+  c.present(a.q, "q", "of (B, H, L, E)");
+  c.present(a.k, "k", "of (B, Hkv, S, E)");
+  c.present(a.v, "v", "of (B, Hkv, S, Ev)");
+  const int64_t B = a.q.dim(0), H = a.q.dim(1), E = a.q.dim(3), Hkv = a.k.dim(1), S = a.k.dim(2);
+  if (a.k.dim(0) != B || a.k.dim(3) != E || H % Hkv != 0)
+    c.fail("argument 'k' has shape " + shape_str(a.k.shape) + ", expected (" + std::to_string(B) +
+           ", Hkv, S, " + std::to_string(E) + ") with Hkv dividing H = " + std::to_string(H) +
+           " (q has shape " + shape_str(a.q.shape) + ")");
+  c.shape(a.v, "v", {B, Hkv, S, a.v.dim(3)},
+          "(" + std::to_string(B) + ", " + std::to_string(Hkv) + ", " + std::to_string(S) +
+              ", Ev), matching k " + shape_str(a.k.shape) + " in B, Hkv and S");
+  const std::array<int64_t, 4> full{B, H, a.q.dim(2), S};
+  // The (B, H, L, S) score matrix must be countable (the weights output and
+  // the reference backend materialise it).
+  for (int64_t i = 0, n = 1; i < 4; ++i)
+    if (!detail::checked_mul(n, full[size_t(i)], &n))
+      c.fail("the score matrix (B, H, L, S) = " + shape_str(full) + " has more elements than int64 can count");
+  if (c.given(a.mask, "mask")) c.broadcastable(a.mask, "mask", full);
+  if (c.given(a.bias, "bias")) {
+    c.broadcastable(a.bias, "bias", full);
+    c.finite(a.bias, "bias", /*allow_neg_inf=*/true);
+  }
+  if (c.given(a.key_lengths, "key_lengths")) {
+    c.shape(a.key_lengths, "key_lengths", {B});
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t n = a.key_lengths(b);
+      if (n < 0 || n > S)
+        c.fail("argument 'key_lengths' has value " + std::to_string(n) + " at batch " + std::to_string(b) +
+               ", expected 0 <= key_lengths[b] <= S = " + std::to_string(S));
+    }
+  }
+  if (opt.scale && (!std::isfinite(*opt.scale) || *opt.scale <= 0)) {
+    std::ostringstream os;
+    os << "option 'scale' is " << *opt.scale << ", expected a finite value > 0";
+    c.fail(os.str());
+  }
+  (void)c.threads(opt.num_threads);
+  if (opt.check_finite) {
+    c.finite(a.q, "q");
+    c.finite(a.k, "k");
+    c.finite(a.v, "v");
+  }
+  validate_variants(c, a.alibi_slopes, a.sinks, opt, H);
+  return detail::make_problem(a, opt);
+}
+
+// The memory extents of the inputs, for the outputs' overlap check.
+template <class T>
+std::vector<detail::Extent> input_extents(const Checker& c, const SdpaArgs<T>& a) {
+  std::vector<detail::Extent> in{c.extent(a.q, "q"), c.extent(a.k, "k"), c.extent(a.v, "v")};
+  if (!a.mask.empty()) in.push_back(c.extent(a.mask, "mask"));
+  if (!a.bias.empty()) in.push_back(c.extent(a.bias, "bias"));
+  if (!a.key_lengths.empty()) in.push_back(c.extent(a.key_lengths, "key_lengths"));
+  if (!a.alibi_slopes.empty()) in.push_back(c.extent(a.alibi_slopes, "alibi_slopes"));
+  if (!a.sinks.empty()) in.push_back(c.extent(a.sinks, "sinks"));
+  return in;
 }
 
 template <class T>
@@ -242,17 +185,13 @@ void scaled_dot_product_attention(const SdpaArgs<T>& args, const SdpaOutputs<T>&
   const Checker c{"scaled_dot_product_attention"};
   const auto& [out, weights, lse] = outputs;
   const Problem p = validate_inputs(c, args, opt);
-  c.present(out, "out");
+  c.present(out, "out", "of (B, H, L, Ev)");
   c.shape(out, "out", {p.B, p.H, p.L, p.Ev});
-  c.writable(out, "out");
-  if (!weights.empty()) {
-    c.shape(weights, "weights", {p.B, p.H, p.L, p.S});
-    c.writable(weights, "weights");
-  }
-  if (!lse.empty()) {
-    c.shape(lse, "lse", {p.B, p.H, p.L});
-    c.writable(lse, "lse");
-  }
+  std::vector<detail::Extent> written{c.extent(out, "out")};
+  c.optional(weights, "weights", {p.B, p.H, p.L, p.S}, written);
+  c.optional(lse, "lse", {p.B, p.H, p.L}, written);
+  for (const auto& e : written) c.writable(e);
+  c.disjoint(written, input_extents(c, args));
   if constexpr (std::is_same_v<T, float>) {
     if (choose(c, p, args, opt, !weights.empty()) == Backend::fused) {
       // Few query rows (decoding shapes): the grouped split-KV decode kernel.
@@ -273,30 +212,32 @@ void scaled_dot_product_attention_backward(const SdpaArgs<T>& args, View4<const 
   const Checker c{"scaled_dot_product_attention_backward"};
   const auto& [out, lse] = saved;
   const Problem p = validate_inputs(c, args, opt);
-  c.present(dout, "dout");
+  c.present(dout, "dout", "of (B, H, L, Ev)");
   c.shape(dout, "dout", {p.B, p.H, p.L, p.Ev});
-  c.present(g.dq, "dq");
-  c.present(g.dk, "dk");
-  c.present(g.dv, "dv");
+  c.present(g.dq, "dq", "of (B, H, L, E)");
+  c.present(g.dk, "dk", "of (B, Hkv, S, E)");
+  c.present(g.dv, "dv", "of (B, Hkv, S, Ev)");
   c.shape(g.dq, "dq", {p.B, p.H, p.L, p.E});
   c.shape(g.dk, "dk", {p.B, p.Hkv, p.S, p.E});
   c.shape(g.dv, "dv", {p.B, p.Hkv, p.S, p.Ev});
-  c.writable(g.dq, "dq");
-  c.writable(g.dk, "dk");
-  c.writable(g.dv, "dv");
-  if (!g.dbias.empty()) {
+  std::vector<detail::Extent> written{c.extent(g.dq, "dq"), c.extent(g.dk, "dk"), c.extent(g.dv, "dv")};
+  if (c.given(g.dbias, "dbias")) {
     if (args.bias.empty()) c.fail("output 'dbias' was requested but no 'bias' was given");
     c.shape(g.dbias, "dbias", args.bias.shape, shape_str(args.bias.shape) + " (the shape of 'bias')");
-    c.writable(g.dbias, "dbias");
+    written.push_back(c.extent(g.dbias, "dbias"));
   }
-  if (!g.dsinks.empty()) {
+  if (c.given(g.dsinks, "dsinks")) {
     if (args.sinks.empty()) c.fail("output 'dsinks' was requested but no 'sinks' were given");
     c.shape(g.dsinks, "dsinks", {p.H}, "(H) = (" + std::to_string(p.H) + "), the shape of 'sinks'");
-    c.writable(g.dsinks, "dsinks");
+    written.push_back(c.extent(g.dsinks, "dsinks"));
   }
-  if (!out.empty()) c.shape(out, "out", {p.B, p.H, p.L, p.Ev});
-  if (!lse.empty()) c.shape(lse, "lse", {p.B, p.H, p.L});
-  if (opt.check_finite) check_finite(c, dout, "dout", false);
+  for (const auto& e : written) c.writable(e);
+  std::vector<detail::Extent> read = input_extents(c, args);
+  read.push_back(c.extent(dout, "dout"));
+  c.optional(out, "out", {p.B, p.H, p.L, p.Ev}, read);
+  c.optional(lse, "lse", {p.B, p.H, p.L}, read);
+  c.disjoint(written, read);
+  if (opt.check_finite) c.finite(dout, "dout");
   if constexpr (std::is_same_v<T, float>) {
     if (choose(c, p, args, opt, false) == Backend::fused)
       return detail::fused_backward(p, args, dout, g, out, lse);
@@ -308,25 +249,10 @@ void scaled_dot_product_attention_backward(const SdpaArgs<T>& args, View4<const 
 
 template <class T>
 T softmax(const T* x, T* y, int64_t n) {
-  if (n < 0) throw Error("attn::softmax: argument 'n' is " + std::to_string(n) + ", expected >= 0");
-  if (n > 0 && (x == nullptr || y == nullptr)) throw Error("attn::softmax: null input or output pointer");
-  T m = -std::numeric_limits<T>::infinity();
-  for (int64_t j = 0; j < n; ++j) {
-    if (std::isnan(x[j]) || (std::isinf(x[j]) && x[j] > 0))
-      throw Error("attn::softmax: argument 'x' contains NaN or +Inf at index " + std::to_string(j));
-    m = std::max(m, x[j]);
-  }
-  if (m == -std::numeric_limits<T>::infinity()) {
-    for (int64_t j = 0; j < n; ++j) y[j] = T(0);
-    return m;
-  }
-  double sum = 0;
-  for (int64_t j = 0; j < n; ++j) {
-    y[j] = std::exp(x[j] - m);  // subtracting the max keeps every exponent <= 0
-    sum += double(y[j]);
-  }
-  for (int64_t j = 0; j < n; ++j) y[j] = T(double(y[j]) / sum);
-  return T(double(m) + std::log(sum));
+  const Checker c{"softmax"};
+  if (n < 0) c.fail("argument 'n' is " + std::to_string(n) + ", expected >= 0");
+  if (n > 0 && (x == nullptr || y == nullptr)) c.fail("argument 'x' or 'y' is a null pointer with n = " + std::to_string(n));
+  return T(detail::softmax(x, y, n));
 }
 
 #define ATTN_INSTANTIATE(T)                                                                        \
@@ -336,7 +262,8 @@ T softmax(const T* x, T* y, int64_t n) {
                                                          const SdpaSaved<T>&, const SdpaGrads<T>&,  \
                                                          const SdpaOptions&);                       \
   template Backend resolve_backend<T>(const SdpaArgs<T>&, const SdpaOptions&, bool);                \
-  template T softmax<T>(const T*, T*, int64_t);
+  template T softmax<T>(const T*, T*, int64_t);                                                     \
+  template detail::Problem detail::make_problem<T>(const SdpaArgs<T>&, const SdpaOptions&);
 
 ATTN_INSTANTIATE(float)
 ATTN_INSTANTIATE(double)

@@ -17,7 +17,7 @@ namespace {
 
 struct VarlenChecker {
   const char* fn;
-  [[noreturn]] void fail(const std::string& msg) const { throw Error(std::string("attn::") + fn + ": " + msg); }
+  [[noreturn]] void fail(const std::string& msg) const { throw InvalidArgument(std::string("attn::") + fn + ": " + msg); }
 
   template <class T, int R>
   void shape(const View<T, R>& v, const char* name, const std::array<int64_t, R>& want, const char* text) const {

@@ -186,25 +186,7 @@ struct Data {
     }
   }
 
-  Problem problem() const {
-    Problem p;
-    p.B = c.B;
-    p.H = c.H;
-    p.Hkv = c.Hkv;
-    p.L = c.L;
-    p.S = c.S;
-    p.E = c.E;
-    p.Ev = c.Ev;
-    p.scale = c.scale > 0 ? c.scale : 1.0 / std::sqrt(double(c.E));
-    p.causal = c.causal;
-    p.align = c.align;
-    p.threads = c.threads;
-    p.window_left = c.window.left;
-    p.window_right = c.window.right;
-    p.position_offset = c.offset;
-    p.softcap = c.softcap;
-    return p;
-  }
+  Problem problem() const { return attn::detail::make_problem(args, opt); }
 };
 
 // Everything one backend produces for a case (allocated, zeroed).

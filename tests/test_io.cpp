@@ -18,6 +18,7 @@
 #include "../fuzz/checks.hpp"
 #include "attn/detail/output.hpp"
 #include "attn/io.hpp"
+#include "io/io_detail.hpp"  // io::read_file
 #include "testing.hpp"
 
 namespace {

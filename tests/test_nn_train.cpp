@@ -273,8 +273,8 @@ TEST(NnTrain, CheckpointFileHoldsModelStateAndMetadata) {
     ASSERT_NE(shape[0], shape[1]) << matrix;
     wrong.at(matrix).shape = {shape[1], shape[0]};
     attn::io::write_safetensors(path64, wrong, meta);
-    const std::string want = "has shape " + attn::io::shape_string({shape[1], shape[0]}) + ", the model expects " +
-                             attn::io::shape_string(shape);
+    const std::string want = "has shape " + attn::shape_str({shape[1], shape[0]}) + ", the model expects " +
+                             attn::shape_str(shape);
     nn::Transformer<float> fresh(mc, 3);
     const auto before = values(*fresh.parameters()[0].value);
     EXPECT_TRUE(attn::testing::throws_with([&] { nn::load_training_checkpoint<float>(path64, fresh, nullptr); },

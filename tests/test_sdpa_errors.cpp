@@ -19,33 +19,33 @@ struct Fixture : ::testing::Test {
 TEST_F(Fixture, MismatchedFeatureDimension) {
   Tensor<float> k({2, 2, 5, 7});
   c.args.k = k.view4();
-  EXPECT_TRUE(throws_with([&] { run(); }, {"attn::scaled_dot_product_attention", "'k'", "(2, 2, 5, 7)",
+  EXPECT_TRUE(throws_with<attn::InvalidArgument>([&] { run(); }, {"attn::scaled_dot_product_attention", "'k'", "(2, 2, 5, 7)",
                                            "expected (2, Hkv, S, 8)"}));
 }
 
 TEST_F(Fixture, KeyHeadsMustDivideQueryHeads) {
   Tensor<float> k({2, 3, 5, 8});
   c.args.k = k.view4();
-  EXPECT_TRUE(throws_with([&] { run(); }, {"'k'", "(2, 3, 5, 8)", "Hkv dividing H = 4"}));
+  EXPECT_TRUE(throws_with<attn::InvalidArgument>([&] { run(); }, {"'k'", "(2, 3, 5, 8)", "Hkv dividing H = 4"}));
 }
 
 TEST_F(Fixture, ValueMustMatchKey) {
   Tensor<float> v({2, 2, 4, 6});
   c.args.v = v.view4();
-  EXPECT_TRUE(throws_with([&] { run(); }, {"'v'", "(2, 2, 4, 6)", "(2, 2, 5, Ev)"}));
+  EXPECT_TRUE(throws_with<attn::InvalidArgument>([&] { run(); }, {"'v'", "(2, 2, 4, 6)", "(2, 2, 5, Ev)"}));
 }
 
 TEST_F(Fixture, OutputShape) {
   Tensor<float> bad({2, 4, 3, 8});
-  EXPECT_TRUE(throws_with([&] { attn::scaled_dot_product_attention<float>(c.args, {bad.view4()}, c.opt); },
+  EXPECT_TRUE(throws_with<attn::InvalidArgument>([&] { attn::scaled_dot_product_attention<float>(c.args, {bad.view4()}, c.opt); },
                           {"'out'", "(2, 4, 3, 8)", "expected (2, 4, 3, 6)"}));
 }
 
 TEST_F(Fixture, WeightsAndLseShapes) {
   Tensor<float> w({2, 4, 3, 4}), lse({2, 4, 4});
-  EXPECT_TRUE(throws_with([&] { attn::scaled_dot_product_attention<float>(c.args, {y.view4(), w.view4()}, c.opt); },
+  EXPECT_TRUE(throws_with<attn::InvalidArgument>([&] { attn::scaled_dot_product_attention<float>(c.args, {y.view4(), w.view4()}, c.opt); },
                           {"'weights'", "(2, 4, 3, 4)", "expected (2, 4, 3, 5)"}));
-  EXPECT_TRUE(throws_with(
+  EXPECT_TRUE(throws_with<attn::InvalidArgument>(
       [&] { attn::scaled_dot_product_attention<float>(c.args, {y.view4(), {}, lse.view<3>()}, c.opt); },
       {"'lse'", "(2, 4, 4)", "expected (2, 4, 3)"}));
 }
@@ -53,36 +53,36 @@ TEST_F(Fixture, WeightsAndLseShapes) {
 TEST_F(Fixture, MaskOfTheWrongShape) {
   Tensor<bool> m({2, 3, 3, 5});
   c.args.mask = m.view4();
-  EXPECT_TRUE(throws_with([&] { run(); }, {"'mask'", "(2, 3, 3, 5)", "(B, H, L, S) = (2, 4, 3, 5) or 1"}));
+  EXPECT_TRUE(throws_with<attn::InvalidArgument>([&] { run(); }, {"'mask'", "(2, 3, 3, 5)", "(B, H, L, S) = (2, 4, 3, 5) or 1"}));
   c.args.mask = {};
   Tensor<float> bias({1, 1, 3, 4});
   c.args.bias = bias.view4();
-  EXPECT_TRUE(throws_with([&] { run(); }, {"'bias'", "(1, 1, 3, 4)"}));
+  EXPECT_TRUE(throws_with<attn::InvalidArgument>([&] { run(); }, {"'bias'", "(1, 1, 3, 4)"}));
 }
 
 TEST_F(Fixture, BiasMustNotContainNaNOrPositiveInfinity) {
   Tensor<float> bias({1, 1, 3, 5});
   bias[3] = std::numeric_limits<float>::quiet_NaN();
   c.args.bias = bias.view4();
-  EXPECT_TRUE(throws_with([&] { run(); }, {"'bias'", "NaN or +Inf"}));
+  EXPECT_TRUE(throws_with<attn::InvalidArgument>([&] { run(); }, {"'bias'", "NaN or +Inf"}));
   bias[3] = -std::numeric_limits<float>::infinity();  // -inf is a mask: fine
   EXPECT_NO_THROW(run());
 }
 
 TEST_F(Fixture, ZeroSizedDimensions) {
   c.args.q = View4<const float>(c.qbuf.data(), {2, 4, 0, 8});
-  EXPECT_TRUE(throws_with([&] { run(); }, {"'q'", "(2, 4, 0, 8)", ">= 1"}));
+  EXPECT_TRUE(throws_with<attn::InvalidArgument>([&] { run(); }, {"'q'", "(2, 4, 0, 8)", ">= 1"}));
 }
 
 TEST_F(Fixture, MissingInputs) {
   c.args.v = {};
-  EXPECT_TRUE(throws_with([&] { run(); }, {"'v'", "required"}));
+  EXPECT_TRUE(throws_with<attn::InvalidArgument>([&] { run(); }, {"'v'", "required"}));
 }
 
 TEST_F(Fixture, NonPositiveOrNonFiniteScale) {
   for (double s : {0.0, -1.0, std::numeric_limits<double>::infinity(), std::numeric_limits<double>::quiet_NaN()}) {
     c.opt.scale = s;
-    EXPECT_TRUE(throws_with([&] { run(); }, {"'scale'", "expected a finite value > 0"}));
+    EXPECT_TRUE(throws_with<attn::InvalidArgument>([&] { run(); }, {"'scale'", "expected a finite value > 0"}));
   }
   c.opt.scale = 1.0;  // unscaled is allowed
   EXPECT_NO_THROW(run());
@@ -93,29 +93,29 @@ TEST_F(Fixture, KeyLengthsOutOfRange) {
   kl[0] = 2;
   kl[1] = 6;
   c.args.key_lengths = attn::View1<const int64_t>(kl.data(), {2});
-  EXPECT_TRUE(throws_with([&] { run(); }, {"'key_lengths'", "value 6 at batch 1", "<= S = 5"}));
+  EXPECT_TRUE(throws_with<attn::InvalidArgument>([&] { run(); }, {"'key_lengths'", "value 6 at batch 1", "<= S = 5"}));
   Tensor<int64_t> kl3({3});
   c.args.key_lengths = attn::View1<const int64_t>(kl3.data(), {3});
-  EXPECT_TRUE(throws_with([&] { run(); }, {"'key_lengths'", "(3)", "expected (2)"}));
+  EXPECT_TRUE(throws_with<attn::InvalidArgument>([&] { run(); }, {"'key_lengths'", "(3,)", "expected (2,)"}));
 }
 
 TEST_F(Fixture, NonFiniteInputsWhenAsked) {
   c.qbuf[5] = std::numeric_limits<float>::infinity();
   EXPECT_NO_THROW(run());  // not checked unless asked
   c.opt.check_finite = true;
-  EXPECT_TRUE(throws_with([&] { run(); }, {"'q'", "NaN or Inf"}));
+  EXPECT_TRUE(throws_with<attn::InvalidArgument>([&] { run(); }, {"'q'", "NaN or Inf"}));
 }
 
 TEST_F(Fixture, BroadcastOutputIsRefused) {
   Tensor<float> small({1, 1, 1, 6});
   View4<float> bad(small.data(), {2, 4, 3, 6}, {0, 0, 0, 1});
-  EXPECT_TRUE(throws_with([&] { attn::scaled_dot_product_attention<float>(c.args, {bad}, c.opt); },
+  EXPECT_TRUE(throws_with<attn::InvalidArgument>([&] { attn::scaled_dot_product_attention<float>(c.args, {bad}, c.opt); },
                           {"'out'", "stride 0"}));
 }
 
 TEST_F(Fixture, NegativeThreadCount) {
   c.opt.num_threads = -2;
-  EXPECT_TRUE(throws_with([&] { run(); }, {"'num_threads'", "-2"}));
+  EXPECT_TRUE(throws_with<attn::InvalidArgument>([&] { run(); }, {"'num_threads'", "-2"}));
 }
 
 TEST_F(Fixture, FusedBackendRejectsDouble) {
@@ -123,12 +123,12 @@ TEST_F(Fixture, FusedBackendRejectsDouble) {
   SdpaCase<double> d({1, 1, 1, 2, 2, 2, 2}, r);
   d.opt.backend = attn::Backend::fused;
   Tensor<double> out({1, 1, 2, 2});
-  EXPECT_TRUE(throws_with([&] { attn::scaled_dot_product_attention<double>(d.args, {out.view4()}, d.opt); },
+  EXPECT_TRUE(throws_with<attn::InvalidArgument>([&] { attn::scaled_dot_product_attention<double>(d.args, {out.view4()}, d.opt); },
                           {"'backend'", "float32 only"}));
 }
 
 TEST_F(Fixture, UnknownBackendName) {
-  EXPECT_TRUE(throws_with([] { attn::parse_backend("cuda"); }, {"unknown backend 'cuda'", "auto, reference, fused"}));
+  EXPECT_TRUE(throws_with<attn::InvalidArgument>([] { attn::parse_backend("cuda"); }, {"unknown backend 'cuda'", "auto, reference, fused"}));
   EXPECT_EQ(attn::parse_backend("reference"), attn::Backend::reference);
 }
 
@@ -138,27 +138,27 @@ TEST_F(Fixture, BackwardShapes) {
   EXPECT_NO_THROW(attn::scaled_dot_product_attention_backward<float>(c.args, dout.view4(), {}, g, c.opt));
   Tensor<float> bad_dk({2, 4, 5, 8});
   g.dk = bad_dk.view4();
-  EXPECT_TRUE(throws_with([&] { attn::scaled_dot_product_attention_backward<float>(c.args, dout.view4(), {}, g, c.opt); },
+  EXPECT_TRUE(throws_with<attn::InvalidArgument>([&] { attn::scaled_dot_product_attention_backward<float>(c.args, dout.view4(), {}, g, c.opt); },
                           {"attn::scaled_dot_product_attention_backward", "'dk'", "(2, 4, 5, 8)", "expected (2, 2, 5, 8)"}));
   g.dk = dk.view4();
   Tensor<float> dbias({1, 1, 3, 5});
   g.dbias = dbias.view4();
-  EXPECT_TRUE(throws_with([&] { attn::scaled_dot_product_attention_backward<float>(c.args, dout.view4(), {}, g, c.opt); },
+  EXPECT_TRUE(throws_with<attn::InvalidArgument>([&] { attn::scaled_dot_product_attention_backward<float>(c.args, dout.view4(), {}, g, c.opt); },
                           {"'dbias'", "no 'bias'"}));
   Tensor<float> bias({2, 1, 3, 5});
   c.args.bias = bias.view4();
-  EXPECT_TRUE(throws_with([&] { attn::scaled_dot_product_attention_backward<float>(c.args, dout.view4(), {}, g, c.opt); },
+  EXPECT_TRUE(throws_with<attn::InvalidArgument>([&] { attn::scaled_dot_product_attention_backward<float>(c.args, dout.view4(), {}, g, c.opt); },
                           {"'dbias'", "(1, 1, 3, 5)", "(2, 1, 3, 5)"}));
   Tensor<float> bad_dout({2, 4, 3, 5});
   g.dbias = {};
-  EXPECT_TRUE(throws_with([&] { attn::scaled_dot_product_attention_backward<float>(c.args, bad_dout.view4(), {}, g, c.opt); },
+  EXPECT_TRUE(throws_with<attn::InvalidArgument>([&] { attn::scaled_dot_product_attention_backward<float>(c.args, bad_dout.view4(), {}, g, c.opt); },
                           {"'dout'", "(2, 4, 3, 5)", "expected (2, 4, 3, 6)"}));
 }
 
 TEST(TensorErrors, RankMismatchAndBadShape) {
   Tensor<float> t({2, 3});
-  EXPECT_TRUE(throws_with([&] { (void)t.view4(); }, {"attn::Tensor::view", "rank 2", "rank-4"}));
-  EXPECT_TRUE(throws_with([] { Tensor<float> bad({2, -1}); }, {"attn::Tensor", "negative"}));
+  EXPECT_TRUE(throws_with<attn::InvalidArgument>([&] { (void)t.view4(); }, {"attn::Tensor::view", "rank 2", "rank-4"}));
+  EXPECT_TRUE(throws_with<attn::InvalidArgument>([] { Tensor<float> bad({2, -1}); }, {"attn::Tensor", "negative"}));
 }
 
 }  // namespace

@@ -227,20 +227,21 @@ inline double dot(const Tensor<double>& r, const Tensor<double>& y) {
   return s;
 }
 
-// Runs `fn` and checks that it throws attn::Error whose message contains
-// every one of `parts`.
-template <class F>
+// Runs `fn` and checks that it throws an E (an attn::Error by default; ask
+// for attn::InvalidArgument or attn::FileError to pin the kind) whose message
+// contains every one of `parts`.
+template <class E = attn::Error, class F>
 ::testing::AssertionResult throws_with(F&& fn, std::initializer_list<std::string> parts) {
   try {
     fn();
-  } catch (const attn::Error& e) {
+  } catch (const E& e) {
     const std::string msg = e.what();
     for (const auto& p : parts)
       if (msg.find(p) == std::string::npos)
         return ::testing::AssertionFailure() << "message \"" << msg << "\" lacks \"" << p << "\"";
     return ::testing::AssertionSuccess();
   } catch (const std::exception& e) {
-    return ::testing::AssertionFailure() << "threw a non-attn exception: " << e.what();
+    return ::testing::AssertionFailure() << "threw another kind of exception: " << e.what();
   }
   return ::testing::AssertionFailure() << "did not throw";
 }

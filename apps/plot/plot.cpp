@@ -167,12 +167,12 @@ void Canvas::text_up(int x, int y, const std::string& s, Rgb c, int scale) {
 
 void Canvas::write_png(const std::string& path) const {
   png_structp png = png_create_write_struct(PNG_LIBPNG_VER_STRING, nullptr, nullptr, nullptr);
-  if (!png) throw io::FileError(path + ": cannot initialise libpng");
+  if (!png) throw FileError(path, "cannot initialise libpng");
   png_infop info = png_create_info_struct(png);
   std::vector<unsigned char> out;
   if (!info || setjmp(png_jmpbuf(png))) {
     png_destroy_write_struct(&png, info ? &info : nullptr);
-    throw io::FileError(path + ": PNG encoding failed");
+    throw FileError(path, "PNG encoding failed");
   }
   png_set_write_fn(
       png, &out,
@@ -304,7 +304,7 @@ void draw_heatmap(const std::vector<double>& w, int64_t H, int64_t L, int64_t S,
   const int grid_rows = int((H + per_row - 1) / per_row);
   const int bar_w = 120;
   const int width = std::max(20 + per_row * panel_w + bar_w, 560), height = std::max(50 + grid_rows * panel_h, 300);
-  if (int64_t(width) * height > 40'000'000) throw Error("attn heatmap: the image would be too large; use fewer heads or tokens");
+  if (int64_t(width) * height > 40'000'000) throw InvalidArgument("attn heatmap: the image would be too large; use fewer heads or tokens");
   Canvas cv(width, height);
   cv.text(20, 8, title, kBlack);
   cv.text(20, 28, "rows: queries, columns: keys; each row sums to 1", kDark);

@@ -8,9 +8,10 @@
 // Reading is defensive: a file is checked against its actual size before any
 // allocation, so a header that lies about lengths, a shape whose element count
 // overflows, data offsets outside the file, or a truncated file all end in
-// attn::io::FileError (an attn::Error) with the path and the problem, never a
-// crash or an allocation larger than the file. `Limits` caps what a reader
-// accepts at all.
+// attn::FileError with the path and the problem, never a crash or an
+// allocation larger than the file. `Limits` caps what a reader accepts at all.
+// Invalid arguments to a writer (a null data pointer, a shape that does not
+// match the data) are attn::InvalidArgument.
 //
 // Writing is atomic: data goes to a temporary file in the destination's
 // directory (<destination>.attn-tmp.XXXXXX), is flushed to disk and then
@@ -27,14 +28,12 @@
 #include <vector>
 
 #include "attn/error.hpp"
+#include "attn/tensor.hpp"
 
 namespace attn::io {
 
-// A malformed, unreadable or unwritable file. The message starts with the path.
-class FileError : public Error {
- public:
-  using Error::Error;
-};
+// The library's file error (attn/error.hpp), under its older name.
+using FileError = attn::FileError;
 
 enum class DType { f32, f64, b1 };  // b1: NumPy bool, one byte 0 or 1 (.npy only)
 const char* dtype_name(DType d);     // "float32", "float64", "bool"
@@ -66,9 +65,6 @@ struct Limits {
   int max_tensors = 4096;  // safetensors
 };
 
-// Human-readable shape, "(2, 3)"; "()" for a scalar.
-std::string shape_string(const std::vector<int64_t>& shape);
-
 // ---- .npy ------------------------------------------------------------------
 // Reads a float32/float64/bool .npy and converts the elements to T (a bool
 // becomes 0 or 1; `stored` says which type the file held).
@@ -79,11 +75,15 @@ template <class T>
 Array<T> parse_npy(const unsigned char* bytes, size_t size, const std::string& name,
                    const Limits& limits = {});
 // Writes `data` (numel(shape) elements, C order) as little-endian .npy of
-// element type T (format version 1.0), atomically.
+// element type T (format version 1.0), atomically. `data` may be null only
+// when the shape has no elements.
 template <class T>
 void write_npy(const std::string& path, const std::vector<int64_t>& shape, const T* data);
 template <class T>
 void write_npy(const std::string& path, const Array<T>& a) {
+  if (a.numel() != int64_t(a.data.size()))
+    throw InvalidArgument("attn::io::write_npy: argument 'a' has shape " + shape_str(a.shape) + " but " +
+                          std::to_string(a.data.size()) + " elements");
   write_npy(path, a.shape, a.data.data());
 }
 // The serialised bytes write_npy would store.
@@ -115,10 +115,11 @@ template <class T>
 std::vector<unsigned char> encode_safetensors(const std::map<std::string, Array<T>>& tensors,
                                               const Metadata& metadata = {});
 
-// ---- plumbing shared by the writers ----------------------------------------------
-// Reads a whole file (at most max_bytes, else FileError).
-std::vector<unsigned char> read_file(const std::string& path, uint64_t max_bytes);
-// Writes bytes to `path` via a temporary file in the same directory + rename.
+// ---- atomic writes -------------------------------------------------------------
+// Writes bytes to `path` via a temporary file in the same directory + rename:
+// the guarantee every attn writer gives (above), public so that front ends
+// writing other formats (the CLI's PNG and CSV files) give it too.
+// Throws attn::FileError.
 void write_file_atomic(const std::string& path, const void* bytes, size_t size);
 
 }  // namespace attn::io

@@ -49,7 +49,7 @@ struct KVCacheAccess;  // the kernels' read access to the storage
 
 enum class KVDtype { float32, float16, bfloat16 };
 const char* kv_dtype_name(KVDtype t);           // "float32", "float16", "bfloat16"
-KVDtype parse_kv_dtype(std::string_view name);  // also "f32", "f16", "bf16"; throws attn::Error
+KVDtype parse_kv_dtype(std::string_view name);  // also "f32", "f16", "bf16"; throws attn::InvalidArgument
 
 struct KVCacheConfig {
   int64_t batch = 1;       // B sequences

@@ -23,7 +23,7 @@
 namespace attn {
 
 // (out_a, lse_a) ← merge of (out_a, lse_a) and (out_b, lse_b), row by row.
-// Throws attn::Error when shapes disagree or an output broadcasts.
+// Throws attn::InvalidArgument when shapes disagree or an output broadcasts.
 template <class T>
 void merge_attention(View4<T> out_a, View3<T> lse_a, View4<const T> out_b, View3<const T> lse_b);
 

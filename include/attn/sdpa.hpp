@@ -69,7 +69,10 @@ enum class Backend {
 enum class CausalAlign { top_left, bottom_right };
 
 const char* backend_name(Backend b);                // "auto", "reference", "fused"
-Backend parse_backend(std::string_view name);       // throws attn::Error on unknown
+Backend parse_backend(std::string_view name);       // throws attn::InvalidArgument on unknown
+
+// The largest num_threads accepted; larger values are an argument error.
+inline constexpr int kMaxThreads = 1024;
 
 // A sliding window, FlashAttention's window_size: keys at most `left`
 // positions before and `right` after the query's position; -1 = unbounded.
@@ -87,7 +90,11 @@ struct SdpaOptions {
   std::optional<int64_t> position_offset;  // replaces causal_align when given
   Backend backend = Backend::automatic;
   bool check_finite = false;    // reject NaN/Inf in the inputs (costs one pass)
-  int num_threads = 0;          // 0 = the library default
+  // 0 = the OpenMP default (omp_get_max_threads()). 1 to kMaxThreads are
+  // accepted and clamped to 4 x omp_get_num_procs() (more threads than that
+  // only oversubscribe; results are the same for any count). Negative or
+  // above kMaxThreads: attn::InvalidArgument.
+  int num_threads = 0;
 };
 
 template <class T>
@@ -147,8 +154,12 @@ void scaled_dot_product_attention_backward(const SdpaArgs<T>& args, View4<const 
 template <class T>
 Backend resolve_backend(const SdpaArgs<T>& args, const SdpaOptions& opt, bool want_weights);
 
-// Numerically stable softmax of n values (y may alias x); returns the
-// log-sum-exp. All -inf input gives y = 0 and returns -inf.
+// The softmax every attn backend and layer uses, public on purpose (tools
+// and tests compare against it): y = exp(x - max) / sum, numerically stable
+// for finite x of any magnitude; y may alias x; returns the log-sum-exp.
+// All -inf (or n = 0) gives y = 0 and returns -inf; a NaN or +inf entry makes
+// y NaN at every entry that is not -inf (0 at those) and the result NaN. Throws attn::InvalidArgument for n < 0 or a
+// null pointer with n > 0.
 template <class T>
 T softmax(const T* x, T* y, int64_t n);
 

@@ -23,6 +23,7 @@
 // ([out, in], PyTorch's convention) and rank-1 for biases.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <cstddef>
 #include <cstdint>
@@ -30,6 +31,7 @@
 #include <initializer_list>
 #include <memory>
 #include <new>
+#include <span>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -37,6 +39,15 @@
 #include "attn/error.hpp"
 
 namespace attn {
+
+// Human-readable shape as NumPy prints it: "(2, 4, 16, 64)", "(5,)", "()".
+// The one shape formatter of the library's messages.
+inline std::string shape_str(std::span<const int64_t> s) {
+  std::string out = "(";
+  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
+  return out + (s.size() == 1 ? ",)" : ")");
+}
+inline std::string shape_str(std::initializer_list<int64_t> s) { return shape_str(std::span(s.begin(), s.size())); }
 
 // A non-owning view of R-dimensional strided data. T may be const.
 template <class T, int R>
@@ -63,9 +74,19 @@ struct View {
   View(const View<U, R>& o) : data(o.data), shape(o.shape), strides(o.strides) {}
 
   bool empty() const { return data == nullptr; }
+  // The element count (0 when an axis is 0, whatever the others); throws
+  // attn::InvalidArgument when a dimension is negative or the count does not
+  // fit in int64 (never overflows).
   int64_t numel() const {
+    for (auto s : shape)
+      if (s <= 0) {
+        if (s < 0) throw InvalidArgument("attn::View::numel: shape " + shape_str(shape) + " has a negative dimension");
+        return 0;
+      }
     int64_t n = 1;
-    for (auto s : shape) n *= s;
+    for (auto s : shape)
+      if (__builtin_mul_overflow(n, s, &n))
+        throw InvalidArgument("attn::View::numel: shape " + shape_str(shape) + " has more elements than int64 can count");
     return n;
   }
   int64_t dim(int i) const { return shape[i]; }
@@ -113,27 +134,6 @@ template <class T> using View3 = View<T, 3>;
 template <class T> using View2 = View<T, 2>;
 template <class T> using View1 = View<T, 1>;
 
-// Human-readable shape, e.g. "(2, 4, 16, 64)", used in error messages.
-template <size_t R>
-std::string shape_str(const std::array<int64_t, R>& s) {
-  std::string out = "(";
-  for (size_t i = 0; i < R; ++i) {
-    if (i) out += ", ";
-    out += std::to_string(s[i]);
-  }
-  return out + ")";
-}
-inline std::string shape_str(std::initializer_list<int64_t> s) {
-  std::string out = "(";
-  bool first = true;
-  for (auto v : s) {
-    if (!first) out += ", ";
-    first = false;
-    out += std::to_string(v);
-  }
-  return out + ")";
-}
-
 // Owning, contiguous, 64-byte aligned tensor of rank 1..4, zero-initialised.
 template <class T>
 class Tensor {
@@ -143,11 +143,17 @@ class Tensor {
   Tensor() = default;
   explicit Tensor(std::vector<int64_t> shape) : shape_(std::move(shape)) {
     if (shape_.empty() || shape_.size() > 4)
-      throw Error("attn::Tensor: rank must be 1 to 4, got " + std::to_string(shape_.size()));
+      throw InvalidArgument("attn::Tensor: rank must be 1 to 4, got " + std::to_string(shape_.size()));
     size_ = 1;
+    for (auto s : shape_)
+      if (s < 0) throw InvalidArgument("attn::Tensor: negative dimension " + std::to_string(s));
     for (auto s : shape_) {
-      if (s < 0) throw Error("attn::Tensor: negative dimension " + std::to_string(s));
-      size_ *= static_cast<size_t>(s);
+      if (std::find(shape_.begin(), shape_.end(), 0) != shape_.end()) {
+        size_ = 0;  // empty, whatever the other axes
+        break;
+      }
+      if (__builtin_mul_overflow(size_, static_cast<size_t>(s), &size_) || size_ > (size_t(1) << 62) / sizeof(T))
+        throw InvalidArgument("attn::Tensor: shape " + shape_str(shape_) + " is too large to allocate");
     }
     if (size_ > 0) {
       const size_t bytes = ((size_ * sizeof(T) + kAlign - 1) / kAlign) * kAlign;
@@ -197,7 +203,7 @@ class Tensor {
   template <int R>
   std::array<int64_t, R> dims() const {
     if (static_cast<int>(shape_.size()) != R)
-      throw Error("attn::Tensor::view: tensor has rank " + std::to_string(shape_.size()) +
+      throw InvalidArgument("attn::Tensor::view: tensor has rank " + std::to_string(shape_.size()) +
                   ", requested a rank-" + std::to_string(R) + " view");
     std::array<int64_t, R> a{};
     for (int i = 0; i < R; ++i) a[i] = shape_[static_cast<size_t>(i)];

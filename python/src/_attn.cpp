@@ -3,11 +3,13 @@
 // This layer is deliberately thin: it turns already-shaped, rank-4 (or
 // rank-3) NumPy arrays into attn::View's — pointer, shape and element strides,
 // never a copy — calls the library with the GIL released, and lets
-// attn::Error surface as ValueError with the library's own message. Each
-// operation is one function, overloaded for float32 and float64 arrays, with
-// keyword arguments. The PyTorch argument conventions (leading batch
-// dimensions, mask polarity, enable_gqa, dtype checks) live in the Python
-// package (python/attn/), which also allocates every output array.
+// the library's errors surface with its own message: attn::InvalidArgument as
+// ValueError, attn::FileError as OSError (FileNotFoundError and the other
+// errno subclasses where the errno says so). Each operation is one function,
+// overloaded for float32 and float64 arrays, with keyword arguments. The
+// PyTorch argument conventions (leading batch dimensions, mask polarity,
+// enable_gqa, dtype checks) live in the Python package (python/attn/), which
+// also allocates every output array.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/map.h>
@@ -41,7 +43,7 @@ attn::View<T, R> view_of(const A& a, const char* name) {
     shape[size_t(i)] = int64_t(a.shape(size_t(i)));
     strides[size_t(i)] = int64_t(a.stride(size_t(i)));
     if (strides[size_t(i)] < 0)
-      throw attn::Error(std::string("attn._attn: argument '") + name + "' has a negative stride on axis " +
+      throw attn::InvalidArgument(std::string("attn._attn: argument '") + name + "' has a negative stride on axis " +
                         std::to_string(i));
   }
   return attn::View<T, R>(static_cast<T*>(a.data()), shape, strides);
@@ -304,7 +306,7 @@ void bind_multihead(nb::module_& m, const char* name, const char* cache_name) {
           [](Layer& l, const std::string& n, const nb::ndarray<const T, nb::device::cpu>& a) {
             if (a.ndim() == 2) return l.load_parameter(n, view_of<const T, 2>(a, "value"));
             if (a.ndim() == 1) return l.load_parameter(n, view_of<const T, 1>(a, "value"));
-            throw attn::Error("attn::MultiheadAttention::load_parameter: parameter '" + n + "' was given " +
+            throw attn::InvalidArgument("attn::MultiheadAttention::load_parameter: parameter '" + n + "' was given " +
                               std::to_string(a.ndim()) + " dimensions, expected 1 (bias) or 2 (weight)");
           },
           "name"_a, "value"_a.noconvert(), "Copies `value` (the parameter's exact shape) into the layer.")
@@ -442,8 +444,17 @@ NB_MODULE(_attn, m) {
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {
     try {
       std::rethrow_exception(p);
-    } catch (const attn::Error& e) {
+    } catch (const attn::InvalidArgument& e) {
       PyErr_SetString(PyExc_ValueError, e.what());
+    } catch (const attn::FileError& e) {
+      // OSError(errno, message, filename) is FileNotFoundError for ENOENT,
+      // PermissionError for EACCES, ...; a malformed file (errno 0) is a plain OSError.
+      if (e.error_code() != 0) {
+        nb::object err = nb::borrow<nb::object>(PyExc_OSError)(e.error_code(), e.what(), e.path());
+        PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(err.ptr())), err.ptr());
+      } else {
+        PyErr_SetString(PyExc_OSError, e.what());
+      }
     }
   });
   bind<float>(m);

@@ -25,9 +25,9 @@ const char* layout_name(Layout l) { return l == Layout::zigzag ? "zigzag" : "con
 
 std::vector<Chunk> chunk_layout(int64_t n, int P, int r, Layout layout) {
   if (P < 1 || r < 0 || r >= P)
-    throw Error("attn::dist::chunk_layout: rank " + std::to_string(r) + " of " + std::to_string(P) +
+    throw InvalidArgument("attn::dist::chunk_layout: rank " + std::to_string(r) + " of " + std::to_string(P) +
                 " processes, expected 0 <= rank < P");
-  if (n < 0) throw Error("attn::dist::chunk_layout: length " + std::to_string(n) + ", expected >= 0");
+  if (n < 0) throw InvalidArgument("attn::dist::chunk_layout: length " + std::to_string(n) + ", expected >= 0");
   const int64_t C = layout == Layout::zigzag ? 2 * int64_t(P) : int64_t(P);
   auto chunk = [&](int64_t c) {
     // the first n mod C chunks are one row longer
@@ -52,11 +52,11 @@ void check_shard_shapes(const char* fn, const V& full, const V& local, int P, in
   auto s = full.shape;
   s[2] = want;
   if (local.shape != s)
-    throw Error(std::string("attn::dist::") + fn + ": the shard has shape " + shape_str(local.shape) + ", expected " +
+    throw InvalidArgument(std::string("attn::dist::") + fn + ": the shard has shape " + shape_str(local.shape) + ", expected " +
                 shape_str(s) + " (rank " + std::to_string(r) + " of " + std::to_string(P) + ", " +
                 layout_name(layout) + " layout of " + std::to_string(full.shape[2]) + " rows)");
   if ((full.data == nullptr && full.numel() > 0) || (local.data == nullptr && local.numel() > 0))
-    throw Error(std::string("attn::dist::") + fn + ": a view has no data (null pointer)");
+    throw InvalidArgument(std::string("attn::dist::") + fn + ": a view has no data (null pointer)");
 }
 
 // Copies between global rows of `full` and local rows of `local`, chunk by chunk.
@@ -241,8 +241,8 @@ void agree(MPI_Comm comm, const char* fn, const std::string& err) {
   int first_bad = err.empty() ? P : rank;
   MPI_Allreduce(MPI_IN_PLACE, &first_bad, 1, MPI_INT, MPI_MIN, comm);
   if (first_bad == P) return;
-  if (!err.empty()) throw Error(err + (P > 1 ? " (on rank " + std::to_string(rank) + ")" : ""));
-  throw Error(std::string("attn::dist::") + fn + ": rank " + std::to_string(first_bad) +
+  if (!err.empty()) throw InvalidArgument(err + (P > 1 ? " (on rank " + std::to_string(rank) + ")" : ""));
+  throw InvalidArgument(std::string("attn::dist::") + fn + ": rank " + std::to_string(first_bad) +
               " rejected its arguments (its message names the problem)");
 }
 
@@ -251,8 +251,8 @@ void agree(MPI_Comm comm, const char* fn, const std::string& err) {
 Geometry validate(MPI_Comm comm, const char* fn, const Request& req) {
   int initialized = 0;
   MPI_Initialized(&initialized);
-  if (!initialized) throw Error(std::string("attn::dist::") + fn + ": MPI is not initialised (call MPI_Init first)");
-  if (comm == MPI_COMM_NULL) throw Error(std::string("attn::dist::") + fn + ": argument 'comm' is MPI_COMM_NULL");
+  if (!initialized) throw InvalidArgument(std::string("attn::dist::") + fn + ": MPI is not initialised (call MPI_Init first)");
+  if (comm == MPI_COMM_NULL) throw InvalidArgument(std::string("attn::dist::") + fn + ": argument 'comm' is MPI_COMM_NULL");
   Geometry g;
   MPI_Comm_size(comm, &g.P);
   MPI_Comm_rank(comm, &g.r);
@@ -354,7 +354,7 @@ Geometry validate(MPI_Comm comm, const char* fn, const Request& req) {
     const int64_t* o = &all[size_t(p) * kFields];
     for (int f = 0; f < kFields; ++f)
       if (f != 5 && f != 6 && o[f] != all[size_t(f)])
-        throw Error(std::string("attn::dist::") + fn + ": ranks disagree on " + names[f] + " (rank " +
+        throw InvalidArgument(std::string("attn::dist::") + fn + ": ranks disagree on " + names[f] + " (rank " +
                     std::to_string(p) + " differs from rank 0); every rank must pass the same shapes and options");
     g.Lr.push_back(o[5]);
     g.Sr.push_back(o[6]);
@@ -365,17 +365,17 @@ Geometry validate(MPI_Comm comm, const char* fn, const Request& req) {
     g.kc.push_back(chunk_layout(g.S, g.P, p, opt.layout));
     const int64_t wl = shard_length(g.L, g.P, p, opt.layout), ws = shard_length(g.S, g.P, p, opt.layout);
     if (g.Lr[size_t(p)] != wl || g.Sr[size_t(p)] != ws)
-      throw Error(std::string("attn::dist::") + fn + ": rank " + std::to_string(p) + " holds " +
+      throw InvalidArgument(std::string("attn::dist::") + fn + ": rank " + std::to_string(p) + " holds " +
                   std::to_string(g.Lr[size_t(p)]) + " queries and " + std::to_string(g.Sr[size_t(p)]) +
                   " keys; the " + layout_name(opt.layout) + " layout of L = " + std::to_string(g.L) + ", S = " +
                   std::to_string(g.S) + " over " + std::to_string(g.P) + " ranks gives it " + std::to_string(wl) +
                   " and " + std::to_string(ws) + " (see attn::dist::shard)");
   }
   if (g.L < 1 || g.S < 1)
-    throw Error(std::string("attn::dist::") + fn + ": the global lengths are L = " + std::to_string(g.L) +
+    throw InvalidArgument(std::string("attn::dist::") + fn + ": the global lengths are L = " + std::to_string(g.L) +
                 ", S = " + std::to_string(g.S) + ", expected both >= 1");
   if (ring && opt.sdpa.causal && g.L != g.S)
-    throw Error(std::string("attn::dist::") + fn + ": causal ring attention needs L = S (self-attention), got L = " +
+    throw InvalidArgument(std::string("attn::dist::") + fn + ": causal ring attention needs L = S (self-attention), got L = " +
                 std::to_string(g.L) + ", S = " + std::to_string(g.S));
   if (!a.key_lengths.empty()) {
     std::vector<int64_t> kl(size_t(g.B)), klall(size_t(g.B) * size_t(g.P));
@@ -384,11 +384,11 @@ Geometry validate(MPI_Comm comm, const char* fn, const Request& req) {
     for (int p = 0; p < g.P; ++p)
       for (int64_t b = 0; b < g.B; ++b)
         if (klall[size_t(p * g.B + b)] != klall[size_t(b)])
-          throw Error(std::string("attn::dist::") + fn + ": ranks disagree on key_lengths[" + std::to_string(b) +
+          throw InvalidArgument(std::string("attn::dist::") + fn + ": ranks disagree on key_lengths[" + std::to_string(b) +
                       "] (rank " + std::to_string(p) + " differs from rank 0); pass the global lengths everywhere");
     for (int64_t b = 0; b < g.B; ++b)
       if (kl[size_t(b)] < 0 || kl[size_t(b)] > g.S)
-        throw Error(std::string("attn::dist::") + fn + ": argument 'key_lengths' has value " +
+        throw InvalidArgument(std::string("attn::dist::") + fn + ": argument 'key_lengths' has value " +
                     std::to_string(kl[size_t(b)]) + " at batch " + std::to_string(b) +
                     ", expected 0 <= key_lengths[b] <= S = " + std::to_string(g.S) + " (global)");
     g.key_lengths = kl;

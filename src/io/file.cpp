@@ -32,21 +32,15 @@ const char* dtype_name(DType d) {
   return "?";
 }
 
-std::string shape_string(const std::vector<int64_t>& shape) {
-  std::string s = "(";
-  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
-  return s + (shape.size() == 1 ? ",)" : ")");
-}
-
 std::vector<unsigned char> read_file(const std::string& path, uint64_t max_bytes) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) detail::fail(path, std::string("cannot open for reading: ") + std::strerror(errno));
+  if (fd < 0) detail::fail_errno(path, "cannot open for reading");
   struct FdCloser {
     int fd;
     ~FdCloser() { ::close(fd); }
   } closer{fd};
   struct stat st {};
-  if (::fstat(fd, &st) != 0) detail::fail(path, std::string("cannot stat: ") + std::strerror(errno));
+  if (::fstat(fd, &st) != 0) detail::fail_errno(path, "cannot stat");
   if (!S_ISREG(st.st_mode)) detail::fail(path, "not a regular file");
   const uint64_t size = uint64_t(st.st_size);
   if (size > max_bytes)
@@ -56,7 +50,7 @@ std::vector<unsigned char> read_file(const std::string& path, uint64_t max_bytes
   while (got < size) {
     const ssize_t r = ::read(fd, bytes.data() + got, size - got);
     if (r < 0 && errno == EINTR) continue;
-    if (r < 0) detail::fail(path, std::string("read failed: ") + std::strerror(errno));
+    if (r < 0) detail::fail_errno(path, "read failed");
     if (r == 0) break;
     got += size_t(r);
   }
@@ -150,8 +144,7 @@ CreatedTemp create_temporary(const std::string& path, const std::string& who) {
   std::vector<char> name(tmpl.begin(), tmpl.end());
   name.push_back('\0');
   const int fd = ::mkstemp(name.data());
-  if (fd < 0)
-    detail::fail(who, "cannot create a file in directory '" + directory_of(path).string() + "': " + std::strerror(errno));
+  if (fd < 0) detail::fail_errno(who, "cannot create a file in directory '" + directory_of(path).string() + "'");
   return {fd, std::string(name.data())};
 }
 
@@ -163,7 +156,7 @@ void write_and_close(int fd, const std::string& name, const std::string& who, co
     const int err = errno;
     ::close(fd);
     ::unlink(name.c_str());
-    detail::fail(who, what + ": " + std::strerror(err));
+    detail::fail(who, what + ": " + std::strerror(err), err);
   };
   const auto* p = static_cast<const unsigned char*>(bytes);
   size_t done = 0;
@@ -178,7 +171,7 @@ void write_and_close(int fd, const std::string& name, const std::string& who, co
   if (::close(fd) != 0) {
     const int err = errno;
     ::unlink(name.c_str());
-    detail::fail(who, std::string("close failed: ") + std::strerror(err));
+    detail::fail(who, std::string("close failed: ") + std::strerror(err), err);
   }
 }
 
@@ -194,7 +187,7 @@ void rename_into_place(const std::string& tmp, const std::string& path) {
   if (::rename(tmp.c_str(), path.c_str()) != 0) {
     const int err = errno;
     ::unlink(tmp.c_str());
-    detail::fail(path, std::string("cannot rename the temporary file into place: ") + std::strerror(err));
+    detail::fail(path, std::string("cannot rename the temporary file into place: ") + std::strerror(err), err);
   }
   sync_directory(path);
 }
@@ -248,7 +241,7 @@ void write_file_atomic(const std::string& path, const void* bytes, size_t size) 
       const std::string dest = it->second.dest;
       lock.unlock();
       const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, 0600);
-      if (fd < 0) detail::fail(dest, std::string("cannot create the temporary file '") + path + "': " + std::strerror(errno));
+      if (fd < 0) detail::fail_errno(dest, "cannot create the temporary file '" + path + "'");
       write_and_close(fd, path, dest, bytes, size, mode_for(dest));
       lock.lock();
       it = g_staged.find(path);
@@ -273,7 +266,7 @@ void check_output_path(const std::string& path, const std::string& what) { (void
 void OutputTransaction::claim(const std::string& path, const std::string& what) {
   for (const auto& o : outputs_)
     if (same_file(o.path, path))
-      throw Error(o.what + " and " + what + " both name the file '" + path + "'; give each output its own path");
+      throw InvalidArgument(o.what + " and " + what + " both name the file '" + path + "'; give each output its own path");
 }
 
 std::string OutputTransaction::add(const std::string& path, const std::string& what) {

@@ -1,7 +1,9 @@
-// Internal helpers shared by the .npy and safetensors readers: overflow-checked
-// sizes and element decoding from raw little/big-endian bytes.
+// Internal helpers shared by the .npy and safetensors readers: whole-file
+// reads, overflow-checked sizes and element decoding from raw little/big-endian
+// bytes.
 #pragma once
 
+#include <cerrno>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -9,24 +11,37 @@
 
 #include "attn/io.hpp"
 
+namespace attn::io {
+
+// Reads a whole file (at most max_bytes, else FileError).
+std::vector<unsigned char> read_file(const std::string& path, uint64_t max_bytes);
+
+}  // namespace attn::io
+
 namespace attn::io::detail {
 
-[[noreturn]] inline void fail(const std::string& name, const std::string& msg) {
-  throw FileError(name + ": " + msg);
+// A file error: "<name>: <msg>", with the errno of the failed call if any.
+[[noreturn]] inline void fail(const std::string& name, const std::string& msg, int error_code = 0) {
+  throw FileError(name, msg, error_code);
+}
+// The same for a failed system call: "<name>: <what>: <strerror(errno)>".
+[[noreturn]] inline void fail_errno(const std::string& name, const std::string& what) {
+  const int err = errno;
+  fail(name, what + ": " + std::strerror(err), err);
 }
 
 // Element count of `shape` times `itemsize`, or fail when it overflows 62
 // bits. An empty shape (some axis 0) needs 0 bytes whatever its other axes.
 inline uint64_t checked_bytes(const std::vector<int64_t>& shape, uint64_t itemsize, const std::string& name) {
   for (auto s : shape)
-    if (s < 0) fail(name, "negative dimension " + std::to_string(s) + " in shape " + shape_string(shape));
+    if (s < 0) fail(name, "negative dimension " + std::to_string(s) + " in shape " + shape_str(shape));
   for (auto s : shape)
     if (s == 0) return 0;
   uint64_t n = itemsize;
   for (auto s : shape) {
     uint64_t r = 0;
     if (__builtin_mul_overflow(n, uint64_t(s), &r) || r > (uint64_t(1) << 62))
-      fail(name, "shape " + shape_string(shape) + " has more elements than any file could hold");
+      fail(name, "shape " + shape_str(shape) + " has more elements than any file could hold");
     n = r;
   }
   return n;

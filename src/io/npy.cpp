@@ -12,6 +12,7 @@
 
 #include "attn/io.hpp"
 #include "io/io_detail.hpp"
+#include "validate.hpp"
 
 namespace attn::io {
 namespace {
@@ -189,11 +190,11 @@ Array<T> parse_npy(const unsigned char* bytes, size_t size, const std::string& n
   const uint64_t need = detail::checked_bytes(h.shape, itemsize, name);
   const uint64_t have = size - start - header_len;
   if (have < need)
-    fail(name, "truncated: shape " + shape_string(h.shape) + " of " + dtype_name(stored) + " needs " +
+    fail(name, "truncated: shape " + shape_str(h.shape) + " of " + dtype_name(stored) + " needs " +
                    std::to_string(need) + " data bytes, the file holds " + std::to_string(have));
   if (have > need)
     fail(name, "the file holds " + std::to_string(have - need) + " bytes beyond the data that shape " +
-                   shape_string(h.shape) + " describes");
+                   shape_str(h.shape) + " describes");
 
   Array<T> a;
   a.shape = h.shape;
@@ -233,14 +234,21 @@ Array<T> read_npy(const std::string& path, const Limits& limits) {
 
 template <class T>
 std::vector<unsigned char> encode_npy(const std::vector<int64_t>& shape, const T* data) {
+  const attn::detail::Checker c{"io::write_npy"};
+  const int64_t n = c.count(shape, "shape");
+  if (n > 0 && data == nullptr)
+    c.fail("argument 'data' is a null pointer, but shape " + shape_str(shape) + " has " + std::to_string(n) +
+           " elements");
   std::string header = std::string("{'descr': '") + (std::is_same_v<T, float> ? "<f4" : "<f8") +
-                       "', 'fortran_order': False, 'shape': " + shape_string(shape) + ", }";
+                       "', 'fortran_order': False, 'shape': " + shape_str(shape) + ", }";
   // Pad with spaces and end with '\n' so the data starts on a 64-byte boundary.
   const size_t unpadded = 10 + header.size() + 1;
   header.append((64 - unpadded % 64) % 64, ' ');
   header += '\n';
-  const uint64_t nbytes = detail::checked_bytes(shape, sizeof(T), "attn::io::write_npy");
-  if (header.size() > 65535) throw FileError("attn::io::write_npy: header too long");
+  uint64_t nbytes = 0;
+  if (__builtin_mul_overflow(uint64_t(n), uint64_t(sizeof(T)), &nbytes))
+    c.fail("argument 'shape' " + shape_str(shape) + " has more bytes than memory can hold");
+  if (header.size() > 65535) c.fail("argument 'shape' has " + std::to_string(shape.size()) + " dimensions, too many for a .npy header");
   std::vector<unsigned char> out(10 + header.size() + nbytes);
   std::memcpy(out.data(), kMagic, 6);
   out[6] = 1;

@@ -17,6 +17,7 @@
 
 #include "attn/io.hpp"
 #include "io/io_detail.hpp"
+#include "validate.hpp"
 
 namespace attn::io {
 namespace {
@@ -135,7 +136,7 @@ std::map<std::string, Array<T>> parse_safetensors(const unsigned char* bytes, si
     const uint64_t need = detail::checked_bytes(e.shape, detail::itemsize(e.dtype), name + ": " + where);
     if (e.end - e.begin != need)
       fail(name, where + " spans " + std::to_string(e.end - e.begin) + " bytes, but shape " +
-                     shape_string(e.shape) + " of " + dtype_name(e.dtype) + " needs " + std::to_string(need));
+                     shape_str(e.shape) + " of " + dtype_name(e.dtype) + " needs " + std::to_string(need));
     entries.push_back(std::move(e));
   }
   // The byte ranges, in order, must tile [0, buffer): each starts where the
@@ -184,13 +185,15 @@ std::vector<unsigned char> encode_safetensors(const std::map<std::string, Array<
                                               const Metadata& metadata) {
   json header = json::object();
   if (!metadata.empty()) header["__metadata__"] = metadata;
+  const attn::detail::Checker c{"io::write_safetensors"};
   uint64_t offset = 0;
   for (const auto& [key, a] : tensors) {
-    if (key == "__metadata__") throw FileError("attn::io::write_safetensors: '__metadata__' is not a tensor name");
-    const uint64_t nbytes = detail::checked_bytes(a.shape, sizeof(T), "attn::io::write_safetensors: " + key);
-    if (nbytes != a.data.size() * sizeof(T))
-      throw FileError("attn::io::write_safetensors: tensor '" + key + "' has shape " + shape_string(a.shape) +
-                      " but " + std::to_string(a.data.size()) + " elements");
+    if (key == "__metadata__") c.fail("'__metadata__' is not a tensor name");
+    const std::string name = "tensors['" + key + "']";
+    if (c.count(a.shape, name.c_str()) != int64_t(a.data.size()))
+      c.fail("tensor '" + key + "' has shape " + shape_str(a.shape) + " but " + std::to_string(a.data.size()) +
+             " elements");
+    const uint64_t nbytes = a.data.size() * sizeof(T);
     header[key] = {{"dtype", std::is_same_v<T, float> ? "F32" : "F64"},
                    {"shape", a.shape},
                    {"data_offsets", {offset, offset + nbytes}}};
@@ -200,7 +203,7 @@ std::vector<unsigned char> encode_safetensors(const std::map<std::string, Array<
   try {
     text = header.dump();
   } catch (const json::type_error&) {
-    throw FileError("attn::io::write_safetensors: a tensor name or metadata entry is not valid UTF-8");
+    c.fail("a tensor name or metadata entry is not valid UTF-8");
   }
   text.append((8 - text.size() % 8) % 8, ' ');  // keep the buffer 8-byte aligned
   std::vector<unsigned char> out(8 + text.size() + offset);
@@ -221,8 +224,8 @@ void write_safetensors(const std::string& path, const std::map<std::string, Arra
   std::vector<unsigned char> bytes;
   try {
     bytes = encode_safetensors(tensors, metadata);
-  } catch (const FileError& e) {
-    detail::fail(path, e.what());
+  } catch (const InvalidArgument& e) {
+    throw InvalidArgument(path + ": " + e.what());  // say which output the bad tensors were meant for
   }
   write_file_atomic(path, bytes.data(), bytes.size());
 }

@@ -1,5 +1,6 @@
 // Internal: the resolved shape of one attention call, shared by all backends.
-// Built once by the validation in src/sdpa.cpp; kernels trust it.
+// Built once by make_problem after the validation in src/sdpa.cpp; kernels
+// trust it.
 #pragma once
 
 #include <algorithm>
@@ -35,6 +36,13 @@ struct Problem {
   // Whether any rule beyond causal alignment and key lengths narrows the band.
   bool windowed() const { return window_left >= 0 || window_right >= 0 || position_offset.has_value(); }
 };
+
+// The problem of a call whose arguments passed the boundary's validation
+// (src/sdpa.cpp): shapes from q, k, v; the default scale 1/sqrt(E) unless
+// opt.scale; the thread count resolved and clamped (see SdpaOptions). Tests
+// and benchmarks that call a kernel directly build their Problem with it too.
+template <class T>
+Problem make_problem(const SdpaArgs<T>& a, const SdpaOptions& opt);
 
 // Index into a broadcastable axis: size-1 axes always read element 0.
 inline int64_t bcast(int64_t idx, int64_t dim) { return dim == 1 ? 0 : idx; }

@@ -21,12 +21,9 @@ void ensure_shape(Tensor<T>& t, const std::vector<int64_t>& shape) {
 // Checks that x is a (M, width) matrix and returns M.
 template <class T>
 int64_t rows_of(const Tensor<T>& x, int64_t width, const char* fn, const char* name) {
-  if (x.rank() != 2 || x.dim(1) != width) {
-    std::string got = "(";
-    for (int i = 0; i < x.rank(); ++i) got += (i ? ", " : "") + std::to_string(x.dim(i));
-    throw Error(std::string(fn) + ": argument '" + name + "' has shape " + got + "), expected (M, " +
-                std::to_string(width) + ")");
-  }
+  if (x.rank() != 2 || x.dim(1) != width)
+    throw InvalidArgument(std::string(fn) + ": argument '" + name + "' has shape " + shape_str(x.shape()) +
+                          ", expected (M, " + std::to_string(width) + ")");
   return x.dim(0);
 }
 
@@ -39,7 +36,7 @@ void add_column_sums(const Tensor<T>& x, int64_t M, int64_t n, Tensor<T>& out) {
 inline void check_tokens(const int32_t* tokens, int64_t M, int64_t vocab, const char* fn) {
   for (int64_t m = 0; m < M; ++m)
     if (tokens[m] < 0 || tokens[m] >= vocab)
-      throw Error(std::string(fn) + ": token id " + std::to_string(tokens[m]) + " at position " +
+      throw InvalidArgument(std::string(fn) + ": token id " + std::to_string(tokens[m]) + " at position " +
                   std::to_string(m) + " is outside [0, vocab = " + std::to_string(vocab) + ")");
 }
 

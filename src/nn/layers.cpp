@@ -13,6 +13,7 @@
 #include <numbers>
 
 #include "kernels/gemm/gemm.hpp"
+#include "kernels/softmax.hpp"
 #include "nn/common.hpp"
 
 namespace attn::nn {
@@ -25,7 +26,7 @@ template <class T>
 Linear<T>::Linear(int64_t in, int64_t out, bool with_bias)
     : in_features(in), out_features(out), has_bias(with_bias), weight({out, in}), dweight({out, in}) {
   if (in < 1 || out < 1)
-    throw Error("attn::nn::Linear: in_features and out_features must be >= 1, got " +
+    throw InvalidArgument("attn::nn::Linear: in_features and out_features must be >= 1, got " +
                 std::to_string(in) + " and " + std::to_string(out));
   if (with_bias) {
     bias = Tensor<T>({out});
@@ -87,7 +88,7 @@ void Linear<T>::collect(const std::string& prefix, std::vector<ParamRef<T>>& out
 template <class T>
 Embedding<T>::Embedding(int64_t v, int64_t d) : vocab(v), dim(d), weight({v, d}), dweight({v, d}) {
   if (v < 1 || d < 1)
-    throw Error("attn::nn::Embedding: vocab and dim must be >= 1, got " + std::to_string(v) +
+    throw InvalidArgument("attn::nn::Embedding: vocab and dim must be >= 1, got " + std::to_string(v) +
                 " and " + std::to_string(d));
 }
 
@@ -143,14 +144,14 @@ Positions parse_positions(const std::string& name) {
   if (name == "sinusoidal") return Positions::sinusoidal;
   if (name == "learned") return Positions::learned;
   if (name == "rope") return Positions::rope;
-  throw Error("attn::nn::parse_positions: unknown positions '" + name +
+  throw InvalidArgument("attn::nn::parse_positions: unknown positions '" + name +
               "', expected one of none, sinusoidal, learned, rope");
 }
 
 template <class T>
 void add_sinusoidal_positions(Tensor<T>& x, int64_t B, int64_t N, int64_t offset) {
   if (x.rank() != 2 || x.dim(0) != B * N)
-    throw Error("attn::nn::add_sinusoidal_positions: x must be (B·N, D) = (" + std::to_string(B * N) +
+    throw InvalidArgument("attn::nn::add_sinusoidal_positions: x must be (B·N, D) = (" + std::to_string(B * N) +
                 ", D)");
   const int64_t D = x.dim(1);
   for (int64_t n = 0; n < N; ++n)
@@ -175,7 +176,7 @@ void LearnedPositions<T>::reset_parameters(Rng& rng) {
 template <class T>
 void LearnedPositions<T>::forward(Tensor<T>& x, int64_t B, int64_t N, int64_t offset) const {
   if (offset < 0 || offset + N > max_len)
-    throw Error("attn::nn::LearnedPositions::forward: positions " + std::to_string(offset) + ".." +
+    throw InvalidArgument("attn::nn::LearnedPositions::forward: positions " + std::to_string(offset) + ".." +
                 std::to_string(offset + N - 1) + " exceed max_len " + std::to_string(max_len));
   rows_of(x, dim, "attn::nn::LearnedPositions::forward", "x");
   // x[b, n] += P[n]
@@ -206,7 +207,7 @@ template <class T>
 void apply_rotary(View4<T> x, bool inverse, int64_t offset) {
   const int64_t B = x.dim(0), H = x.dim(1), N = x.dim(2), E = x.dim(3);
   if (E % 2 != 0)
-    throw Error("attn::nn::apply_rotary: head dimension E = " + std::to_string(E) +
+    throw InvalidArgument("attn::nn::apply_rotary: head dimension E = " + std::to_string(E) +
                 " must be even (features rotate in pairs)");
   const double sign = inverse ? -1.0 : 1.0;
   for (int64_t n = 0; n < N; ++n)
@@ -371,7 +372,7 @@ void Mlp<T>::collect(const std::string& prefix, std::vector<ParamRef<T>>& out) {
 namespace {
 MultiheadConfig self_attention_config(int64_t d, int64_t h) {
   if (d < 1 || h < 1 || d % h != 0)
-    throw Error("attn::nn::SelfAttention: dim = " + std::to_string(d) + " must be a positive multiple of heads = " +
+    throw InvalidArgument("attn::nn::SelfAttention: dim = " + std::to_string(d) + " must be a positive multiple of heads = " +
                 std::to_string(h));
   MultiheadConfig c;
   c.embed_dim = d;
@@ -384,7 +385,7 @@ template <class T>
 SelfAttention<T>::SelfAttention(int64_t d, int64_t h, const MhaOptions& opt, bool with_rope)
     : layer(self_attention_config(d, h)), options(opt), rope(with_rope) {
   if (rope && layer.head_dim() % 2 != 0)
-    throw Error("attn::nn::SelfAttention: rotary positions need an even head dimension, got E = " +
+    throw InvalidArgument("attn::nn::SelfAttention: rotary positions need an even head dimension, got E = " +
                 std::to_string(layer.head_dim()));
   // RoPE rotates Q and K between the projection and the attention; a
   // rotation's transpose is its inverse, which carries dQ, dK back.
@@ -409,7 +410,7 @@ void SelfAttention<T>::forward(const Tensor<T>& x, int64_t B, int64_t N, Tensor<
   const int64_t D = layer.embed_dim();
   const int64_t M = rows_of(x, D, "attn::nn::SelfAttention::forward", "x");
   if (B < 1 || N < 1 || M != B * N)
-    throw Error("attn::nn::SelfAttention::forward: x has " + std::to_string(M) + " rows, expected B·N = " +
+    throw InvalidArgument("attn::nn::SelfAttention::forward: x has " + std::to_string(M) + " rows, expected B·N = " +
                 std::to_string(B) + "·" + std::to_string(N));
   ensure_shape(y, {M, D});
   MhaArgs<T> args;
@@ -422,7 +423,7 @@ void SelfAttention<T>::backward(const Tensor<T>& x, const Tensor<T>& dy, Tensor<
   const int64_t D = layer.embed_dim(), M = cache_.B * cache_.L;
   rows_of(dy, D, "attn::nn::SelfAttention::backward", "dy");
   if (M == 0 || dy.dim(0) != M || x.dim(0) != M)
-    throw Error("attn::nn::SelfAttention::backward: x and dy must have the forward's B·N = " +
+    throw InvalidArgument("attn::nn::SelfAttention::backward: x and dy must have the forward's B·N = " +
                 std::to_string(M) + " rows");
   MhaGrads<T> g;
   if (dx) {
@@ -480,12 +481,12 @@ void SelfAttention<T>::collect(const std::string& prefix, std::vector<ParamRef<T
 
 template <class T>
 CrossEntropyResult softmax_cross_entropy(const Tensor<T>& logits, const int32_t* targets, Tensor<T>* dlogits) {
-  if (logits.rank() != 2) throw Error("attn::nn::softmax_cross_entropy: logits must be (M, V)");
+  if (logits.rank() != 2) throw InvalidArgument("attn::nn::softmax_cross_entropy: logits must be (M, V)");
   const int64_t M = logits.dim(0), V = logits.dim(1);
   CrossEntropyResult r;
   for (int64_t m = 0; m < M; ++m) {
     if (targets[m] >= V)
-      throw Error("attn::nn::softmax_cross_entropy: target " + std::to_string(targets[m]) + " at row " +
+      throw InvalidArgument("attn::nn::softmax_cross_entropy: target " + std::to_string(targets[m]) + " at row " +
                   std::to_string(m) + " is outside [0, V = " + std::to_string(V) + ")");
     if (targets[m] >= 0) ++r.count;
   }
@@ -502,16 +503,13 @@ CrossEntropyResult softmax_cross_entropy(const Tensor<T>& logits, const int32_t*
     int64_t arg = 0;
     for (int64_t j = 1; j < V; ++j)
       if (z[j] > z[arg]) arg = j;
-    // loss_m = log Σ_j exp(z_j) − z_t, with the max subtracted first
-    const double zmax = double(z[arg]);
-    double s = 0;
-    for (int64_t j = 0; j < V; ++j) s += (p[size_t(j)] = std::exp(double(z[j]) - zmax));
-    r.loss += std::log(s) + zmax - double(z[t]);
+    // loss_m = log Σ_j exp(z_j) − z_t = lse − z_t
+    r.loss += detail::softmax(z, p.data(), V) - double(z[t]);
     if (arg == t) ++r.correct;
     // d(mean loss)/dz_j = (softmax_j − [j = t]) / count
     if (dlogits)
       for (int64_t j = 0; j < V; ++j)
-        (*dlogits)[size_t(m * V + j)] = T((p[size_t(j)] / s - (j == t ? 1.0 : 0.0)) / double(r.count));
+        (*dlogits)[size_t(m * V + j)] = T((p[size_t(j)] - (j == t ? 1.0 : 0.0)) / double(r.count));
   }
   r.loss /= double(r.count);
   return r;

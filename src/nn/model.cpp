@@ -12,7 +12,7 @@
 namespace attn::nn {
 
 void ModelConfig::validate() const {
-  auto fail = [](const std::string& m) { throw Error("attn::nn::ModelConfig: " + m); };
+  auto fail = [](const std::string& m) { throw InvalidArgument("attn::nn::ModelConfig: " + m); };
   if (vocab < 1) fail("vocab is " + std::to_string(vocab) + ", expected >= 1");
   if (max_len < 1) fail("max_len is " + std::to_string(max_len) + ", expected >= 1");
   if (dim < 1) fail("dim is " + std::to_string(dim) + ", expected >= 1");
@@ -99,10 +99,10 @@ template <class T>
 void Transformer<T>::forward(const int32_t* tokens, int64_t B, int64_t N, Tensor<T>& logits,
                              std::vector<Tensor<T>>* attention) {
   if (B < 1 || N < 1)
-    throw Error("attn::nn::Transformer::forward: B and N must be >= 1, got " + std::to_string(B) + " and " +
+    throw InvalidArgument("attn::nn::Transformer::forward: B and N must be >= 1, got " + std::to_string(B) + " and " +
                 std::to_string(N));
   if (N > cfg_.max_len)
-    throw Error("attn::nn::Transformer::forward: sequence length N = " + std::to_string(N) +
+    throw InvalidArgument("attn::nn::Transformer::forward: sequence length N = " + std::to_string(N) +
                 " exceeds the model's max_len = " + std::to_string(cfg_.max_len));
   const int64_t M = B * N;
   tokens_.assign(tokens, tokens + M);
@@ -142,10 +142,10 @@ void Transformer<T>::forward(const int32_t* tokens, int64_t B, int64_t N, Tensor
 template <class T>
 void Transformer<T>::backward(const Tensor<T>& dlogits) {
   const int64_t M = B_ * N_;
-  if (M == 0) throw Error("attn::nn::Transformer::backward: called before forward");
+  if (M == 0) throw InvalidArgument("attn::nn::Transformer::backward: called before forward");
   rows_of(dlogits, cfg_.vocab, "attn::nn::Transformer::backward", "dlogits");
   if (dlogits.dim(0) != M)
-    throw Error("attn::nn::Transformer::backward: dlogits has " + std::to_string(dlogits.dim(0)) +
+    throw InvalidArgument("attn::nn::Transformer::backward: dlogits has " + std::to_string(dlogits.dim(0)) +
                 " rows, expected the forward's B·N = " + std::to_string(M));
   Tensor<T> dhf, dh, dbranch, dln, da;
   head_.backward(hf_, dlogits, &dhf);
@@ -181,9 +181,9 @@ CrossEntropyResult Transformer<T>::loss(const int32_t* tokens, const int32_t* ta
 template <class T>
 DecodeState Transformer<T>::start_decoding(int64_t B, KVDtype dtype, int64_t page_size) const {
   const char* fn = "attn::nn::Transformer::start_decoding";
-  if (!std::is_same_v<T, float>) throw Error(std::string(fn) + ": incremental decoding is float32 only");
-  if (!cfg_.causal) throw Error(std::string(fn) + ": the model is not causal; every token would see later ones");
-  if (B < 1) throw Error(std::string(fn) + ": B is " + std::to_string(B) + ", expected >= 1");
+  if (!std::is_same_v<T, float>) throw InvalidArgument(std::string(fn) + ": incremental decoding is float32 only");
+  if (!cfg_.causal) throw InvalidArgument(std::string(fn) + ": the model is not causal; every token would see later ones");
+  if (B < 1) throw InvalidArgument(std::string(fn) + ": B is " + std::to_string(B) + ", expected >= 1");
   DecodeState st;
   st.B = B;
   KVCacheConfig kc;
@@ -208,12 +208,12 @@ void Transformer<T>::decode_step(DecodeState& st, const int32_t* tokens, int64_t
   const char* fn = "attn::nn::Transformer::decode_step";
   if constexpr (!std::is_same_v<T, float>) {
     (void)st, (void)tokens, (void)n, (void)logits;
-    throw Error(std::string(fn) + ": incremental decoding is float32 only");
+    throw InvalidArgument(std::string(fn) + ": incremental decoding is float32 only");
   } else {
     if (st.caches.size() != blocks_.size() || st.B < 1)
-      throw Error(std::string(fn) + ": the state does not come from this model's start_decoding");
+      throw InvalidArgument(std::string(fn) + ": the state does not come from this model's start_decoding");
     if (n < 1 || st.length + n > cfg_.max_len)
-      throw Error(std::string(fn) + ": feeding " + std::to_string(n) + " tokens after " + std::to_string(st.length) +
+      throw InvalidArgument(std::string(fn) + ": feeding " + std::to_string(n) + " tokens after " + std::to_string(st.length) +
                   " needs 1 <= n and length + n <= max_len = " + std::to_string(cfg_.max_len));
     const int64_t B = st.B, M = B * n, D = cfg_.dim, H = cfg_.heads, E = D / H, pos = st.length;
     std::map<std::string, Tensor<T>*> param;

@@ -13,7 +13,7 @@ template <class T>
 void check_params(const std::vector<ParamRef<T>>& params, const char* fn) {
   for (const auto& p : params)
     if (!p.value || !p.grad || p.value->shape() != p.grad->shape())
-      throw Error(std::string(fn) + ": parameter '" + p.name + "' has no value/grad or their shapes differ");
+      throw InvalidArgument(std::string(fn) + ": parameter '" + p.name + "' has no value/grad or their shapes differ");
 }
 }  // namespace
 
@@ -21,8 +21,8 @@ template <class T>
 Sgd<T>::Sgd(std::vector<ParamRef<T>> params, SgdConfig config) : params_(std::move(params)), cfg_(config) {
   check_params(params_, "attn::nn::Sgd");
   if (!(cfg_.momentum >= 0 && cfg_.momentum < 1))
-    throw Error("attn::nn::Sgd: momentum must be in [0, 1)");
-  if (!(cfg_.weight_decay >= 0)) throw Error("attn::nn::Sgd: weight_decay must be >= 0");
+    throw InvalidArgument("attn::nn::Sgd: momentum must be in [0, 1)");
+  if (!(cfg_.weight_decay >= 0)) throw InvalidArgument("attn::nn::Sgd: weight_decay must be >= 0");
   for (const auto& p : params_) momentum_.emplace_back(p.value->shape());
 }
 
@@ -54,9 +54,9 @@ template <class T>
 AdamW<T>::AdamW(std::vector<ParamRef<T>> params, AdamWConfig config) : params_(std::move(params)), cfg_(config) {
   check_params(params_, "attn::nn::AdamW");
   if (!(cfg_.beta1 >= 0 && cfg_.beta1 < 1 && cfg_.beta2 >= 0 && cfg_.beta2 < 1))
-    throw Error("attn::nn::AdamW: beta1 and beta2 must be in [0, 1)");
-  if (!(cfg_.eps > 0)) throw Error("attn::nn::AdamW: eps must be > 0");
-  if (!(cfg_.weight_decay >= 0)) throw Error("attn::nn::AdamW: weight_decay must be >= 0");
+    throw InvalidArgument("attn::nn::AdamW: beta1 and beta2 must be in [0, 1)");
+  if (!(cfg_.eps > 0)) throw InvalidArgument("attn::nn::AdamW: eps must be > 0");
+  if (!(cfg_.weight_decay >= 0)) throw InvalidArgument("attn::nn::AdamW: weight_decay must be >= 0");
   for (const auto& p : params_) {
     m_.emplace_back(p.value->shape());
     v_.emplace_back(p.value->shape());

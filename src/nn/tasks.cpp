@@ -24,18 +24,18 @@ TaskKind parse_task(const std::string& name) {
   if (name == "reverse") return TaskKind::reverse;
   if (name == "sort") return TaskKind::sort;
   if (name == "recall") return TaskKind::recall;
-  throw Error("attn::nn::parse_task: unknown task '" + name + "', expected one of copy, reverse, sort, recall");
+  throw InvalidArgument("attn::nn::parse_task: unknown task '" + name + "', expected one of copy, reverse, sort, recall");
 }
 
 void TaskConfig::validate() const {
-  if (length < 1) throw Error("attn::nn::TaskConfig: length is " + std::to_string(length) + ", expected >= 1");
+  if (length < 1) throw InvalidArgument("attn::nn::TaskConfig: length is " + std::to_string(length) + ", expected >= 1");
   if (symbols < 2 || symbols > 1000)
-    throw Error("attn::nn::TaskConfig: symbols is " + std::to_string(symbols) + ", expected 2 to 1000");
+    throw InvalidArgument("attn::nn::TaskConfig: symbols is " + std::to_string(symbols) + ", expected 2 to 1000");
   if (kind == TaskKind::recall && length > symbols)
-    throw Error("attn::nn::TaskConfig: recall needs distinct keys, so length (" + std::to_string(length) +
+    throw InvalidArgument("attn::nn::TaskConfig: recall needs distinct keys, so length (" + std::to_string(length) +
                 ") must be <= symbols (" + std::to_string(symbols) + ")");
   if (queries < 0 || (kind == TaskKind::recall && queries > length))
-    throw Error("attn::nn::TaskConfig: queries is " + std::to_string(queries) + ", expected 1 to length (" +
+    throw InvalidArgument("attn::nn::TaskConfig: queries is " + std::to_string(queries) + ", expected 1 to length (" +
                 std::to_string(length) + "), or 0 for length");
 }
 
@@ -46,7 +46,7 @@ int64_t Task::seq_len() const {
 }
 
 Batch Task::sample(int64_t B, Rng& rng) const {
-  if (B < 1) throw Error("attn::nn::Task::sample: batch size " + std::to_string(B) + ", expected >= 1");
+  if (B < 1) throw InvalidArgument("attn::nn::Task::sample: batch size " + std::to_string(B) + ", expected >= 1");
   const int64_t n = cfg_.length, N = seq_len();
   Batch out;
   out.B = B;

@@ -95,7 +95,7 @@ nlohmann::json config_json(const TrainConfig& c) {
 class ConfigReader {
  public:
   ConfigReader(const nlohmann::json& j, std::string who) : j_(j), who_(std::move(who)) {
-    if (!j_.is_object()) throw Error(who_ + "the config metadata is not a JSON object");
+    if (!j_.is_object()) throw InvalidArgument(who_ + "the config metadata is not a JSON object");
   }
   // The value of `key` as V when `ok` accepts its JSON value; `fallback`
   // when absent (required when there is none).
@@ -105,11 +105,11 @@ class ConfigReader {
     auto it = j_.find(key);
     if (it == j_.end()) {
       if (fallback) return *fallback;
-      throw Error(who_ + "config lacks '" + key + "'");
+      throw InvalidArgument(who_ + "config lacks '" + key + "'");
     }
     if (!((*it).*ok)() || (std::is_same_v<V, int64_t> && it->is_number_unsigned() &&
                            it->template get<uint64_t>() > uint64_t(INT64_MAX)))
-      throw Error(who_ + "config '" + key + "' is " + it->dump() + ", expected " + expected);
+      throw InvalidArgument(who_ + "config '" + key + "' is " + it->dump() + ", expected " + expected);
     return it->template get<V>();
   }
   int64_t integer(const char* key, std::optional<int64_t> fallback = std::nullopt) const {
@@ -199,7 +199,7 @@ std::string non_finite_name(double x) { return std::isnan(x) ? "nan" : x > 0 ? "
 // A metadata value that must be present; `who` prefixes the error.
 const std::string& metadata_value(const io::Metadata& meta, const char* key, const std::string& who) {
   auto it = meta.find(key);
-  if (it == meta.end()) throw Error(who + "metadata lacks '" + key + "' (not an attn training checkpoint?)");
+  if (it == meta.end()) throw InvalidArgument(who + "metadata lacks '" + key + "' (not an attn training checkpoint?)");
   return it->second;
 }
 
@@ -208,14 +208,14 @@ int64_t metadata_int(const io::Metadata& meta, const char* key, const std::strin
   int64_t out = 0;
   const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), out);
   if (ec != std::errc() || end != v.data() + v.size() || out < 0)
-    throw Error(who + "metadata '" + key + "' is '" + v + "', expected a non-negative integer");
+    throw InvalidArgument(who + "metadata '" + key + "' is '" + v + "', expected a non-negative integer");
   return out;
 }
 
 }  // namespace
 
 void TrainConfig::validate() const {
-  auto fail = [](const std::string& m) { throw Error("attn::nn::TrainConfig: " + m); };
+  auto fail = [](const std::string& m) { throw InvalidArgument("attn::nn::TrainConfig: " + m); };
   auto bounded = [&](const char* field, int64_t v, int64_t lo, int64_t hi, const char* why = "") {
     if (v < lo || v > hi)
       fail(std::string(field) + " is " + std::to_string(v) + ", expected " + std::to_string(lo) + " to " +
@@ -277,7 +277,7 @@ TaskConfig Curriculum::task() const {
 
 void Curriculum::restore(int64_t length, double running) {
   if (length < 1 || length > full_)
-    throw Error("attn::nn::Curriculum::restore: length " + std::to_string(length) + " is outside 1.." +
+    throw InvalidArgument("attn::nn::Curriculum::restore: length " + std::to_string(length) + " is outside 1.." +
                 std::to_string(full_));
   length_ = length;
   running_ = running;
@@ -362,19 +362,19 @@ int64_t load_training_checkpoint(const std::string& path, Transformer<T>& model,
   io::Metadata meta;
   const auto tensors = io::read_safetensors<T>(path, checkpoint_limits(), &meta);
   if (metadata_value(meta, "format", who) != kFormat)
-    throw Error(who + "format '" + meta.at("format") + "', expected " + kFormat);
+    throw InvalidArgument(who + "format '" + meta.at("format") + "', expected " + kFormat);
   // Check every tensor and count first, so a mismatching file leaves the model untouched.
   std::vector<std::pair<const io::Array<T>*, Tensor<T>*>> copies;
   auto check = [&](const std::string& name, Tensor<T>& dst) {
     auto it = tensors.find(name);
-    if (it == tensors.end()) throw Error(who + "no tensor '" + name + "' (was it written for a different model?)");
+    if (it == tensors.end()) throw InvalidArgument(who + "no tensor '" + name + "' (was it written for a different model?)");
     if (it->second.shape != dst.shape())
-      throw Error(who + "tensor '" + name + "' has shape " + io::shape_string(it->second.shape) +
-                  ", the model expects " + io::shape_string(dst.shape()));
+      throw InvalidArgument(who + "tensor '" + name + "' has shape " + shape_str(it->second.shape) +
+                  ", the model expects " + shape_str(dst.shape()));
     const auto& d = it->second.data;
     const auto bad = std::find_if(d.begin(), d.end(), [](T x) { return !std::isfinite(x); });
     if (bad != d.end())
-      throw Error(who + "tensor '" + name + "' holds " + non_finite_name(double(*bad)) + " at flat index " +
+      throw InvalidArgument(who + "tensor '" + name + "' holds " + non_finite_name(double(*bad)) + " at flat index " +
                   std::to_string(bad - d.begin()) + " (training never writes a non-finite value: the file is "
                   "corrupted)");
     copies.emplace_back(&it->second, &dst);
@@ -394,7 +394,7 @@ int64_t load_training_checkpoint(const std::string& path, Transformer<T>& model,
     char* end = nullptr;
     curriculum_running = std::strtod(v.c_str(), &end);
     if (v.empty() || end != v.c_str() + v.size() || !(curriculum_running >= 0 && curriculum_running <= 1))
-      throw Error(who + "metadata 'curriculum_running' is '" + v + "', expected a number in [0, 1]");
+      throw InvalidArgument(who + "metadata 'curriculum_running' is '" + v + "', expected a number in [0, 1]");
   }
   if (has_curriculum) curriculum->restore(curriculum_length, curriculum_running);  // checks the length
   for (const auto& [src, dst] : copies) std::copy(src->data.begin(), src->data.end(), dst->data());
@@ -411,23 +411,23 @@ TrainConfig checkpoint_config(const std::string& path) {
   try {
     j = nlohmann::json::parse(metadata_value(meta, "config", who));
   } catch (const nlohmann::json::exception& e) {
-    throw Error(who + "malformed config metadata: " + e.what());
+    throw InvalidArgument(who + "malformed config metadata: " + e.what());
   }
   c = config_from_json(j, who);
   try {
     c.validate();
-  } catch (const Error& e) {
-    throw Error(who + e.what());
+  } catch (const InvalidArgument& e) {
+    throw InvalidArgument(who + e.what());
   }
   // The model this configuration builds must be the one whose tensors are stored.
   for (const auto& [name, shape] : parameter_shapes(model_config(c))) {
     auto it = tensors.find(name);
     if (it == tensors.end())
-      throw Error(who + "the config describes a model with a tensor '" + name + "' " + io::shape_string(shape) +
+      throw InvalidArgument(who + "the config describes a model with a tensor '" + name + "' " + shape_str(shape) +
                   ", which the file does not hold: " + config_json(c).dump());
     if (it->second.shape != shape)
-      throw Error(who + "the config describes a model whose tensor '" + name + "' is " + io::shape_string(shape) +
-                  ", the file holds " + io::shape_string(it->second.shape) + ": " + config_json(c).dump());
+      throw InvalidArgument(who + "the config describes a model whose tensor '" + name + "' is " + shape_str(shape) +
+                  ", the file holds " + shape_str(it->second.shape) + ": " + config_json(c).dump());
   }
   return c;
 }
@@ -470,7 +470,7 @@ TrainResult train(const TrainConfig& cfg, const ProgressCallback& progress) {
     const ModelConfig a = model_config(stored), b = model_config(cfg);
     if (a.vocab != b.vocab || a.max_len != b.max_len || a.dim != b.dim || a.heads != b.heads || a.layers != b.layers ||
         a.positions != b.positions || a.causal != b.causal || a.attn_scale != b.attn_scale || stored.optimizer != cfg.optimizer)
-      throw Error("attn::nn::train: checkpoint '" + cfg.resume_path +
+      throw InvalidArgument("attn::nn::train: checkpoint '" + cfg.resume_path +
                   "' was written for a different model, task or optimizer: " + config_json(stored).dump());
     start = load_training_checkpoint(cfg.resume_path, model, opt.get(), &curriculum);
   }

@@ -10,6 +10,6 @@ int main() {
   attn::io::Metadata meta;
   const auto back = attn::io::parse_safetensors<float>(bytes.data(), bytes.size(), "memory", {}, &meta);
   const auto& w = back.at("w");
-  std::printf("w %s, last %.1f, step %s\n", attn::io::shape_string(w.shape).c_str(), w.data[3], meta["step"].c_str());
+  std::printf("w %s, last %.1f, step %s\n", attn::shape_str(w.shape).c_str(), w.data[3], meta["step"].c_str());
   return w.shape == std::vector<int64_t>{2, 2} && w.data[3] == 4 && meta["step"] == "7" ? 0 : 1;
 }

@@ -53,12 +53,13 @@ struct Case {
   Layout layout = Layout::zigzag;
   std::vector<int64_t> key_lengths;  // global; empty = none
   bool nan_in_v = false;             // one NaN value element (global key row S / 2)
+  bool nan_in_k = false;             // one NaN key element (global key row S / 2)
   uint64_t seed = 1;
   std::string label() const {
     std::ostringstream os;
     os << "B" << B << " H" << H << " Hkv" << Hkv << " L" << L << " S" << S << " E" << E << " Ev" << Ev
        << (causal ? " causal" : "") << " " << attn::dist::layout_name(layout) << (key_lengths.empty() ? "" : " kl")
-       << (nan_in_v ? " nan" : "") << " P" << size_() << " rank" << rank_();
+       << (nan_in_v ? " nan_v" : "") << (nan_in_k ? " nan_k" : "") << " P" << size_() << " rank" << rank_();
     return os.str();
   }
 };
@@ -76,6 +77,7 @@ Full oracle(const Case& c) {
   f.v = random_tensor<float>({c.B, c.Hkv, c.S, c.Ev}, rng);
   f.dout = random_tensor<float>({c.B, c.H, c.L, c.Ev}, rng);
   if (c.nan_in_v) f.v[size_t((c.S / 2) * c.Ev)] = std::numeric_limits<float>::quiet_NaN();
+  if (c.nan_in_k) f.k[size_t((c.S / 2) * c.E)] = std::numeric_limits<float>::quiet_NaN();
   f.out = Tensor<float>({c.B, c.H, c.L, c.Ev});
   f.lse = Tensor<float>({c.B, c.H, c.L});
   f.dq = Tensor<float>({c.B, c.H, c.L, c.E});
@@ -301,6 +303,17 @@ void check_nan(Case c, Strategy s) {
 }
 
 TEST(Dist, NanReachesTheOutputsItTouches) {
+  // A NaN key poisons exactly the rows that see it, forward and backward, as
+  // in the single-process kernel (all_close requires NaN exactly where the
+  // oracle has it): its score is NaN, so the block's lse is, and the merge
+  // and the backward's exp(S - lse) carry it.
+  for (bool causal : {false, true}) {
+    Case k;
+    k.nan_in_k = true, k.causal = causal;
+    check(k, Strategy::ring);
+    k.H = k.Hkv = 12;
+    if (ulysses_runs(k)) check(k, Strategy::ulysses);
+  }
   Case c;
   check_nan(c, Strategy::ring);
   c.causal = true;

@@ -24,7 +24,7 @@ uint64_t physical_memory_bytes();
 // "3.7 GiB", "512 bytes": for messages.
 std::string format_bytes(uint64_t bytes);
 
-// Throws attn::Error "<what> would need N bytes (X GiB), more than the Y GiB
+// Throws attn::InvalidArgument "<what> would need N bytes (X GiB), more than the Y GiB
 // of memory of this machine" when `bytes` exceeds physical_memory_bytes().
 void check_fits_in_memory(uint64_t bytes, const std::string& what);
 

@@ -47,8 +47,8 @@ class OutputTransaction {
   ~OutputTransaction();
 
   // Claims `path` (named `what` in messages, e.g. "--out") and returns the
-  // temporary name the output is to be written to. Throws attn::io::FileError
-  // when no file can be written at `path`, attn::Error when another output of
+  // temporary name the output is to be written to. Throws attn::FileError
+  // when no file can be written at `path`, attn::InvalidArgument when another output of
   // this transaction is the same file.
   std::string add(const std::string& path, const std::string& what);
   // Claims `path` like add() but leaves writing it to someone else (a file

@@ -85,7 +85,7 @@ class Embedding {
 // (RoPE: Q and K of every head rotated by a position-dependent angle).
 enum class Positions { none, sinusoidal, learned, rope };
 const char* positions_name(Positions p);
-Positions parse_positions(const std::string& name);  // throws attn::Error
+Positions parse_positions(const std::string& name);  // throws attn::InvalidArgument
 
 // x (B·N, D) += PE(n, ·) with PE(n, 2i) = sin(n·ω_i), PE(n, 2i+1) = cos(n·ω_i),
 // ω_i = 10000^(-2i/D). Its backward is the identity. `offset`: the N rows

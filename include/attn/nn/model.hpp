@@ -36,7 +36,7 @@ struct ModelConfig {
   std::optional<double> attn_scale;  // default 1/√E; 1.0 = no scaling
   Backend backend = Backend::automatic;
 
-  // Throws attn::Error naming the field when a value is out of range.
+  // Throws attn::InvalidArgument naming the field when a value is out of range.
   void validate() const;
 };
 

@@ -30,7 +30,7 @@ namespace attn::nn {
 
 enum class TaskKind { copy, reverse, sort, recall };
 const char* task_name(TaskKind t);
-TaskKind parse_task(const std::string& name);  // throws attn::Error
+TaskKind parse_task(const std::string& name);  // throws attn::InvalidArgument
 
 struct TaskConfig {
   TaskKind kind = TaskKind::reverse;

@@ -27,7 +27,7 @@ namespace attn::nn {
 // left as they were.
 class TrainingDiverged : public Error {
  public:
-  using Error::Error;
+  explicit TrainingDiverged(const std::string& what) : Error(what) {}
 };
 
 // Limits on the sizes a configuration (or a checkpoint's) may ask for: small
@@ -78,7 +78,7 @@ struct TrainConfig {
   int64_t curriculum = 0;
   double curriculum_threshold = 0.9;
 
-  void validate() const;  // throws attn::Error naming the field (TrainLimits bound the sizes)
+  void validate() const;  // throws attn::InvalidArgument naming the field (TrainLimits bound the sizes)
 };
 
 // The length schedule of a curriculum. The running accuracy is an exponential
@@ -165,7 +165,7 @@ int64_t load_training_checkpoint(const std::string& path, Transformer<T>& model,
 // (TrainConfig::validate; integers must be JSON integers) and checked against
 // the tensors stored: every parameter of the model it describes is there with
 // its shape (parameter_shapes), so building that model allocates no more than
-// the file holds. Throws attn::Error naming the path and the field or tensor.
+// the file holds. Throws attn::InvalidArgument naming the path and the field or tensor.
 TrainConfig checkpoint_config(const std::string& path);
 
 // Writes the curve as CSV (atomically).

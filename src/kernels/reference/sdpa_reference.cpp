@@ -37,12 +37,12 @@
 #include <vector>
 
 #include "attn/detail/memory.hpp"
+#include "kernels/softmax.hpp"
 
 namespace attn::detail {
 namespace {
 
 constexpr double kNegInf = -std::numeric_limits<double>::infinity();
-constexpr double kInf = std::numeric_limits<double>::infinity();
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 
 // Whether row n of a (B, Hx, N, F) view holds NaN or ±∞.
@@ -95,43 +95,17 @@ void scores(const Problem& p, const SdpaArgs<T>& a, int64_t b, int64_t h, std::v
   }
 }
 
-// Marks a poisoned row: NaN at every visible (not −∞) entry, 0 at the masked
-// ones; returns the row's lse, NaN.
-double poison_row(double* z, int64_t n) {
-  for (int64_t j = 0; j < n; ++j) z[j] = z[j] == kNegInf ? 0.0 : kNaN;
-  return kNaN;
-}
-
-// In place: row z becomes exp(z − lse), where lse = log(exp(sink) +
-// Σ_j exp(z_j)) is returned (sink = −∞: no sink). A row with no finite entry
-// and no sink becomes all zeros and returns −∞; a row with a NaN or +∞ entry
-// is poisoned.
-double softmax_row(double* z, int64_t n, double sink) {
-  double m = sink;
-  for (int64_t j = 0; j < n; ++j) {
-    if (std::isnan(z[j]) || z[j] == kInf) return poison_row(z, n);
-    m = std::max(m, z[j]);
-  }
-  if (m == kNegInf) {
-    for (int64_t j = 0; j < n; ++j) z[j] = 0;
-    return kNegInf;
-  }
-  double sum = sink == kNegInf ? 0.0 : std::exp(sink - m);
-  for (int64_t j = 0; j < n; ++j) {
-    z[j] = std::exp(z[j] - m);  // exp(-inf) = 0 for masked keys
-    sum += z[j];
-  }
-  for (int64_t j = 0; j < n; ++j) z[j] /= sum;  // masked entries stay 0
-  return m + std::log(sum);
-}
-
-// A = softmax_row(scores) for one (b, h); fills lse_row (length L).
+// A = softmax_row(scores) for one (b, h), in place (kernels/softmax.hpp, with
+// the head's sink); fills lse_row (length L).
 template <class T>
 void attention_matrix(const Problem& p, const SdpaArgs<T>& a, int64_t b, int64_t h,
                       std::vector<double>& A, std::vector<double>& lse_row) {
   scores(p, a, b, h, A, nullptr);
   const double sink = rules::per_head(a.sinks, h, kNegInf);
-  for (int64_t i = 0; i < p.L; ++i) lse_row[size_t(i)] = softmax_row(&A[size_t(i * p.S)], p.S, sink);
+  for (int64_t i = 0; i < p.L; ++i) {
+    double* row = &A[size_t(i * p.S)];
+    lse_row[size_t(i)] = softmax(row, row, p.S, sink);
+  }
 }
 
 // The L×S matrices (`count` of them, in double) must fit in memory; checked
@@ -193,14 +167,15 @@ void reference_backward(const Problem& p, const SdpaArgs<T>& a, View4<const T> d
         scores(p, a, b, h, Z, &dcap);
         A = Z;
         const double sink = rules::per_head(a.sinks, h, kNegInf);
-        for (int64_t i = 0; i < p.L; ++i) lse_row[size_t(i)] = softmax_row(&A[size_t(i * p.S)], p.S, sink);
+        for (int64_t i = 0; i < p.L; ++i)
+          lse_row[size_t(i)] = softmax(&A[size_t(i * p.S)], &A[size_t(i * p.S)], p.S, sink);
         for (int64_t i = 0; i < p.L; ++i) {
           double* Ai = &A[size_t(i * p.S)];
           double* dZi = &dZ[size_t(i * p.S)];
           // A bad dY row poisons its row as a bad input does in the forward.
           if (bad_row(dout, b, h, i)) {
             std::copy(&Z[size_t(i * p.S)], &Z[size_t((i + 1) * p.S)], Ai);  // the scores say which keys it sees
-            poison_row(Ai, p.S);
+            poison_row(Ai, Ai, p.S);
           }
           // dA_ij = dY_i · V_j, then the softmax Jacobian-vector product.
           double row_dot = 0;  // Σ_l a_il dA_il

@@ -1,0 +1,193 @@
+// Internal: the one argument-validation toolkit of the public boundary,
+// shared by src/sdpa.cpp (attention), src/multihead.cpp (the layer) and
+// src/io (array writers). Every check throws attn::InvalidArgument with a
+// message "attn::<function>: argument '<name>' <what was wrong>, expected
+// <what is allowed>". Kernels behind the boundary assume valid views and use
+// debug asserts only.
+//
+// What a view must satisfy:
+//   given      an optional view is absent when it is default-constructed (no
+//              data, every dimension 0); a shape with elements but no data is
+//              an error, never "absent".
+//   sizes      dimensions >= 0, strides >= 0, and every element count and
+//              address offset fits in int64 (so no later size arithmetic can
+//              overflow).
+//   writable   an output has no two elements at one address (no stride-0
+//              broadcast, no overlapping strides).
+//   disjoint   no output shares memory with another output or an input.
+#pragma once
+
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <initializer_list>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "attn/error.hpp"
+#include "attn/tensor.hpp"
+
+namespace attn::detail {
+
+// a·b, or nullopt-like false when it does not fit in int64.
+inline bool checked_mul(int64_t a, int64_t b, int64_t* r) { return !__builtin_mul_overflow(a, b, r); }
+inline bool checked_add(int64_t a, int64_t b, int64_t* r) { return !__builtin_add_overflow(a, b, r); }
+
+// The memory a view touches: bytes [lo, hi] (inclusive), and the view's
+// shape, byte strides and element size for the finer overlap test.
+struct Extent {
+  const char* name = "";
+  uintptr_t lo = 0, hi = 0;
+  int rank = 0;
+  std::array<int64_t, 4> shape{}, stride{};  // stride in bytes
+  int64_t itemsize = 0;
+};
+
+// Calls f(x) for every element of a strided view, in row-major index order.
+template <class T, int R, class F>
+void for_each(const View<T, R>& v, F&& f) {
+  std::array<int64_t, R> idx{};
+  const int64_t n = v.numel();
+  for (int64_t flat = 0; flat < n; ++flat) {
+    int64_t off = 0;
+    for (int i = 0; i < R; ++i) off += idx[size_t(i)] * v.strides[size_t(i)];
+    f(v.data[off], idx);
+    for (int i = R - 1; i >= 0; --i) {
+      if (++idx[size_t(i)] < v.shape[size_t(i)]) break;
+      idx[size_t(i)] = 0;
+    }
+  }
+}
+
+// Collects the context for error messages: "attn::<fn>: ...".
+struct Checker {
+  std::string fn;  // without the "attn::" prefix, e.g. "scaled_dot_product_attention"
+
+  [[noreturn]] void fail(const std::string& msg) const;
+
+  // Sizes of any view, given or not: see the top comment.
+  template <class T, int R>
+  void sizes(const View<T, R>& v, const char* name) const {
+    sizes_impl(v.shape.data(), v.strides.data(), R, int64_t(sizeof(T)), name);
+  }
+
+  // The element count of a shape (dimensions >= 0, the count fits in int64).
+  int64_t count(const std::vector<int64_t>& shape, const char* name) const {
+    return count(shape.data(), int(shape.size()), name);
+  }
+
+  // Whether an optional view was given; an error when it has a shape with
+  // elements but no data.
+  template <class T, int R>
+  bool given(const View<T, R>& v, const char* name) const {
+    sizes(v, name);
+    if (v.data != nullptr) return true;
+    for (auto s : v.shape)
+      if (s != 0) {
+        if (v.numel() != 0) fail(std::string("argument '") + name + "' has shape " + shape_str(v.shape) +
+                                 " but no data (null pointer)");
+        return true;  // zero elements: the shape checks that follow explain what is wrong
+      }
+    return false;
+  }
+
+  // A required view.
+  template <class T, int R>
+  void require(const View<T, R>& v, const char* name) const {
+    if (!given(v, name)) fail(std::string("argument '") + name + "' is required but was not given");
+  }
+
+  // A required view with every dimension >= 1.
+  template <class T, int R>
+  void present(const View<T, R>& v, const char* name, const char* axes) const {
+    require(v, name);
+    for (int i = 0; i < R; ++i)
+      if (v.shape[size_t(i)] < 1)
+        fail(std::string("argument '") + name + "' has shape " + shape_str(v.shape) + "; every dimension " +
+             axes + " must be >= 1");
+  }
+
+  // Exact shape check; `expected_text` explains symbolic entries.
+  template <class T, int R>
+  void shape(const View<T, R>& v, const char* name, const std::type_identity_t<std::array<int64_t, R>>& want,
+             const std::string& expected_text = "") const {
+    if (v.shape != want)
+      fail(std::string("argument '") + name + "' has shape " + shape_str(v.shape) + ", expected " +
+           (expected_text.empty() ? shape_str(want) : expected_text));
+  }
+
+  // An optional view of an exact shape: when given, checks the shape and
+  // adds the view's extent to `seen` (for disjoint()).
+  template <class T, int R>
+  bool optional(const View<T, R>& v, const char* name, const std::type_identity_t<std::array<int64_t, R>>& want,
+                std::vector<Extent>& seen, const std::string& expected_text = "") const {
+    if (!given(v, name)) return false;
+    shape(v, name, want, expected_text);
+    seen.push_back(extent(v, name));
+    return true;
+  }
+
+  // An output: distinct elements at distinct addresses.
+  template <class T, int R>
+  void writable(const View<T, R>& v, const char* name) const {
+    writable(extent(v, name));
+  }
+  void writable(const Extent& e) const;
+
+  // A broadcastable (B, H, L, S) operand: each axis 1 or the full size.
+  template <class T>
+  void broadcastable(const View4<T>& v, const char* name, const std::array<int64_t, 4>& full) const {
+    for (int i = 0; i < 4; ++i)
+      if (v.shape[size_t(i)] != 1 && v.shape[size_t(i)] != full[size_t(i)])
+        fail(std::string("argument '") + name + "' has shape " + shape_str(v.shape) +
+             ", expected each axis of (B, H, L, S) = " + shape_str(full) + " or 1 (broadcast)");
+  }
+
+  // No NaN or Inf (with allow_neg_inf: -Inf is allowed, it masks).
+  template <class T, int R>
+  void finite(const View<T, R>& v, const char* name, bool allow_neg_inf = false) const {
+    bool bad = false;
+    std::array<int64_t, R> at{};
+    for_each(v, [&](T x, const std::array<int64_t, R>& idx) {
+      if (!bad && (std::isnan(x) || (std::isinf(x) && !(allow_neg_inf && x < 0)))) bad = true, at = idx;
+    });
+    if (bad)
+      fail(std::string("argument '") + name + "' contains " + (allow_neg_inf ? "NaN or +Inf" : "NaN or Inf") +
+           " at " + shape_str(at) + (allow_neg_inf ? " (only -Inf is allowed, as a mask)" : ""));
+  }
+
+  // The memory a (given) view touches, for disjoint().
+  template <class T, int R>
+  Extent extent(const View<T, R>& v, const char* name) const {
+    Extent e;
+    e.name = name;
+    e.rank = R;
+    e.itemsize = int64_t(sizeof(T));
+    int64_t last = 0;  // byte offset of the last element; fits, by sizes()
+    for (int i = 0; i < R; ++i) {
+      e.shape[size_t(i)] = v.shape[size_t(i)];
+      e.stride[size_t(i)] = v.strides[size_t(i)] * e.itemsize;
+      last += (v.shape[size_t(i)] - 1) * e.stride[size_t(i)];
+    }
+    e.lo = reinterpret_cast<uintptr_t>(v.data);
+    e.hi = e.lo + uintptr_t(last + e.itemsize - 1);
+    return e;
+  }
+
+  // Every output is disjoint from every other output and from every input.
+  // Views with no elements are skipped.
+  void disjoint(const std::vector<Extent>& outputs, const std::vector<Extent>& inputs) const;
+
+  // The number of threads to use for a num_threads option: 0 = the OpenMP
+  // default; 1..kMaxThreads accepted and clamped to the machine (see
+  // SdpaOptions::num_threads); anything else is an argument error.
+  int threads(int requested, const char* name = "num_threads") const;
+
+ private:
+  int64_t count(const int64_t* shape, int rank, const char* name) const;
+  void sizes_impl(const int64_t* shape, const int64_t* strides, int rank, int64_t itemsize,
+                  const char* name) const;
+};
+
+}  // namespace attn::detail
