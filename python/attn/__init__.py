@@ -11,6 +11,11 @@ Functions follow PyTorch's names and argument conventions:
                                                          # plus backward(), grads(), zero_grad()
     attn.KVCache(batch, kv_heads, capacity, head_dim, dtype=..., page_size=...)
     attn.decode_attention(q, cache, *, scale=None, causal=True, return_lse=False)
+    attn.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ...)
+    attn.varlen_attention_backward(grad_output, q, k, v, cu_seqlens_q, ...)
+
+The variants (docs/variants.md) are keywords of the attention functions:
+window=(left, right), alibi_slopes=, softcap=, sinks=, position_offset=.
 
 Inputs are NumPy arrays or CPU torch tensors (float32 or float64, any
 strides), used in place. `attn.torch` (importable when PyTorch is installed)
@@ -25,6 +30,7 @@ from ._sdpa import (
     scaled_dot_product_attention,
     scaled_dot_product_attention_backward,
 )
+from ._varlen import varlen_attention, varlen_attention_backward
 
 __version__ = "0.1.0"
 
@@ -35,5 +41,7 @@ __all__ = [
     "scaled_dot_product_attention",
     "scaled_dot_product_attention_backward",
     "resolve_backend",
+    "varlen_attention",
+    "varlen_attention_backward",
     "__version__",
 ]

@@ -24,6 +24,11 @@ def scaled_dot_product_attention(
     backend: Backend = "auto",
     return_lse: bool = False,
     return_weights: bool = False,
+    window: Optional[Tuple[int, int]] = None,
+    alibi_slopes: Optional[ArrayLike] = None,
+    softcap: Optional[float] = None,
+    sinks: Optional[ArrayLike] = None,
+    position_offset: Optional[int] = None,
 ) -> Any:
     """Attention with torch.nn.functional.scaled_dot_product_attention's arguments.
 
@@ -44,8 +49,13 @@ def scaled_dot_product_attention_backward(
     backend: Backend = "auto",
     output: Optional[ArrayLike] = None,
     lse: Optional[ArrayLike] = None,
+    window: Optional[Tuple[int, int]] = None,
+    alibi_slopes: Optional[ArrayLike] = None,
+    softcap: Optional[float] = None,
+    sinks: Optional[ArrayLike] = None,
+    position_offset: Optional[int] = None,
 ) -> Tuple[Any, ...]:
-    """(grad_query, grad_key, grad_value[, grad_attn_mask for a float mask])."""
+    """(grad_query, grad_key, grad_value[, grad_attn_mask for a float mask][, grad_sinks])."""
 
 def resolve_backend(
     query: ArrayLike,
@@ -59,8 +69,57 @@ def resolve_backend(
     *,
     backend: Backend = "auto",
     return_weights: bool = False,
+    window: Optional[Tuple[int, int]] = None,
+    alibi_slopes: Optional[ArrayLike] = None,
+    softcap: Optional[float] = None,
+    sinks: Optional[ArrayLike] = None,
+    position_offset: Optional[int] = None,
 ) -> str:
     """The backend ("reference" or "fused") a call with these arguments runs."""
+
+def varlen_attention(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    cu_seqlens_q: ArrayLike,
+    cu_seqlens_k: ArrayLike,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    scale: Optional[float] = None,
+    is_causal: bool = False,
+    window: Optional[Tuple[int, int]] = None,
+    alibi_slopes: Optional[ArrayLike] = None,
+    softcap: Optional[float] = None,
+    sinks: Optional[ArrayLike] = None,
+    position_offset: Optional[int] = None,
+    return_lse: bool = False,
+    backend: Backend = "auto",
+) -> Any:
+    """Packed variable-length attention: q (total_q, H, E) -> out (total_q, H, Ev)[, lse (H, total_q)]."""
+
+def varlen_attention_backward(
+    grad_output: ArrayLike,
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    cu_seqlens_q: ArrayLike,
+    cu_seqlens_k: ArrayLike,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    scale: Optional[float] = None,
+    is_causal: bool = False,
+    window: Optional[Tuple[int, int]] = None,
+    alibi_slopes: Optional[ArrayLike] = None,
+    softcap: Optional[float] = None,
+    sinks: Optional[ArrayLike] = None,
+    position_offset: Optional[int] = None,
+    backend: Backend = "auto",
+    output: Optional[ArrayLike] = None,
+    lse: Optional[ArrayLike] = None,
+) -> Tuple[Any, ...]:
+    """(grad_q, grad_k, grad_v[, grad_sinks])."""
 
 class MultiheadAttention:
     """torch.nn.MultiheadAttention's interface, computed by libattn, with a

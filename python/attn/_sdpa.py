@@ -25,6 +25,7 @@ from ._arrays import (
     to_numpy,
     view_bh,
 )
+from ._variants import variant_kwargs
 
 _FWD = "attn.scaled_dot_product_attention"
 _BWD = "attn.scaled_dot_product_attention_backward"
@@ -193,9 +194,14 @@ def _unwrap_optional(x: Any, fn: str, name: str, p: _Plan, shape: Tuple[int, ...
     return view_bh(a, len(p.lead))
 
 
+def _variants(fn: str, p: _Plan, window, alibi_slopes, softcap, sinks, position_offset):
+    return variant_kwargs(fn, p.q.shape[1], p.dtype, window, alibi_slopes, softcap, sinks, position_offset)
+
+
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                                  scale=None, enable_gqa=False, *, backend="auto", return_lse=False,
-                                 return_weights=False):
+                                 return_weights=False, window=None, alibi_slopes=None, softcap=None,
+                                 sinks=None, position_offset=None):
     """Scaled dot-product attention, with torch.nn.functional.scaled_dot_product_attention's
     arguments and meaning.
 
@@ -219,6 +225,13 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
       backend  "auto" (fastest that supports the call), "reference" or "fused".
       return_lse, return_weights  also return the log-sum-exp of each score row
              (..., L) and the attention weights (..., L, S).
+      Variants (docs/variants.md), all combinable:
+      window  (left, right): query at position p sees keys p-left <= j <= p+right; -1 =
+             unbounded on that side (FlashAttention's window_size).
+      alibi_slopes  H values (H = dimension -3 of query): adds -slope_h * |p - j|.
+      softcap  c > 0: scores become c * tanh(s / c) after scaling (Gemma 2).
+      sinks  H values: one extra logit per head in every row's softmax, with no value.
+      position_offset  query row i sits at key position p = i + offset (default 0).
 
     Returns out (..., L, Ev), or the tuple (out[, lse][, weights]). NumPy arrays for NumPy
     input, torch tensors if any of query/key/value is a tensor. Tensors that require grad
@@ -228,14 +241,15 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     Differences from PyTorch: a query row that can see no key returns zeros (PyTorch
     gives NaN); dropout is not supported. Bad arguments raise ValueError naming them.
     """
-    _refuse_autograd(_FWD, query, key, value, attn_mask)
+    _refuse_autograd(_FWD, query, key, value, attn_mask, sinks)
     p = _plan(_FWD, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend)
+    var = _variants(_FWD, p, window, alibi_slopes, softcap, sinks, position_offset)
     B, H = _bh(p)
     out = np.empty((B, H, p.L, p.Ev), p.dtype)
     lse = np.empty((B, H, p.L), p.dtype) if return_lse else None
     weights = np.empty((B, H, p.L, p.S), p.dtype) if return_weights else None
     _attn.sdpa_forward(p.q, p.k, p.v, out, mask=p.mask, bias=p.bias, weights=weights, lse=lse, scale=p.scale,
-                       causal=p.causal, backend=p.backend)
+                       causal=p.causal, backend=p.backend, **var)
     results = [out.reshape(p.lead + (p.L, p.Ev))]
     if lse is not None:
         results.append(lse.reshape(p.lead + (p.L,)))
@@ -247,17 +261,20 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 
 def scaled_dot_product_attention_backward(grad_output, query, key, value, attn_mask=None, dropout_p=0.0,
                                           is_causal=False, scale=None, enable_gqa=False, *,
-                                          backend="auto", output=None, lse=None):
+                                          backend="auto", output=None, lse=None, window=None,
+                                          alibi_slopes=None, softcap=None, sinks=None, position_offset=None):
     """Gradients of scaled_dot_product_attention.
 
     Takes grad_output = dLoss/dout (..., L, Ev) and the forward's arguments; returns
     (grad_query, grad_key, grad_value), plus grad_attn_mask when attn_mask is a float mask.
     Each gradient has the shape of its input (summed over the axes the input was
     broadcast along; with enable_gqa, over the query heads sharing a key/value head).
+    With sinks, grad_sinks (H values) comes last. The variant keywords are the forward's.
     output and lse, the forward's result and log-sum-exp, may be passed to save the
     fused backend recomputing them.
     """
     p = _plan(_BWD, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend)
+    var = _variants(_BWD, p, window, alibi_slopes, softcap, sinks, position_offset)
     B, H = _bh(p)
     n = len(p.lead)
     out_shape = p.lead + (p.L, p.Ev)
@@ -272,8 +289,9 @@ def scaled_dot_product_attention_backward(grad_output, query, key, value, attn_m
     dk = np.empty(p.k.shape, p.dtype)
     dv = np.empty(p.v.shape, p.dtype)
     dbias = np.empty(p.bias.shape, p.dtype) if p.bias is not None else None
+    dsinks = np.empty(H, p.dtype) if var["sinks"] is not None else None
     _attn.sdpa_backward(p.q, p.k, p.v, dout, dq, dk, dv, mask=p.mask, bias=p.bias, dbias=dbias, out=saved_out,
-                        lse=saved_lse, scale=p.scale, causal=p.causal, backend=p.backend)
+                        lse=saved_lse, scale=p.scale, causal=p.causal, backend=p.backend, dsinks=dsinks, **var)
     # Gradients of broadcast operands are summed back to the caller's shapes.
     grads = [
         sum_to_shape(dq.reshape(p.q_expanded), p.shapes[0]),
@@ -282,15 +300,19 @@ def scaled_dot_product_attention_backward(grad_output, query, key, value, attn_m
     ]
     if dbias is not None:
         grads.append(sum_to_shape(dbias.reshape(p.bias_expanded), p.bias_shape))
+    if dsinks is not None:
+        grads.append(dsinks)
     torch_out = p.torch_out or is_torch_tensor(grad_output)
     return tuple(_wrap(grads, torch_out))
 
 
 def resolve_backend(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                    enable_gqa=False, *, backend="auto", return_weights=False):
+                    enable_gqa=False, *, backend="auto", return_weights=False, window=None,
+                    alibi_slopes=None, softcap=None, sinks=None, position_offset=None):
     """Name of the backend ("reference" or "fused") that scaled_dot_product_attention
     would run for these arguments with the given `backend` request."""
     p = _plan("attn.resolve_backend", query, key, value, attn_mask, dropout_p, is_causal, scale,
               enable_gqa, backend)
+    var = _variants("attn.resolve_backend", p, window, alibi_slopes, softcap, sinks, position_offset)
     return _attn.resolve_backend(p.q, p.k, p.v, mask=p.mask, bias=p.bias, scale=p.scale, causal=p.causal,
-                                 backend=p.backend, want_weights=bool(return_weights))
+                                 backend=p.backend, want_weights=bool(return_weights), **var)

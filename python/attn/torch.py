@@ -3,8 +3,9 @@
 Importable only when PyTorch is installed. ScaledDotProductAttention is a
 torch.autograd.Function: its forward runs attn's forward on the tensors'
 memory (through DLPack, no copy) and saves the output and log-sum-exp; its
-backward runs attn's backward. Gradients flow to query, key, value and a
-float attn_mask. CPU tensors, float32 or float64.
+backward runs attn's backward. Gradients flow to query, key, value, a
+float attn_mask and the sinks (a torch Parameter, say). VarlenAttention does
+the same for the packed layout. CPU tensors, float32 or float64.
 
     import attn.torch
     y = attn.torch.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -17,54 +18,133 @@ except ImportError as e:  # pragma: no cover - exercised only without torch
     raise ImportError("attn.torch needs PyTorch (pip install torch); the NumPy API in attn "
                       "works without it") from e
 
-from . import _sdpa
+from . import _sdpa, _varlen
 
-__all__ = ["ScaledDotProductAttention", "scaled_dot_product_attention"]
+__all__ = ["ScaledDotProductAttention", "scaled_dot_product_attention", "VarlenAttention", "varlen_attention"]
+
+
+def _needs_graph(fn, alibi_slopes, *xs):
+    """True when the call must go through the autograd Function. ALiBi slopes get no
+    gradient, so slopes that require one are refused rather than silently left at zero."""
+    if _torch.is_grad_enabled() and isinstance(alibi_slopes, _torch.Tensor) and alibi_slopes.requires_grad:
+        raise ValueError(f"{fn}: 'alibi_slopes' requires grad, but attn computes no gradient for the "
+                         "ALiBi slopes; pass them detached (a buffer, not a Parameter)")
+    return _torch.is_grad_enabled() and any(isinstance(x, _torch.Tensor) and x.requires_grad for x in xs)
+
+
+def _sinks_grad(ctx, index, grads, sinks):
+    """The sinks' gradient (the last of grads) in the sinks' own dtype, when asked for."""
+    if sinks is None or not ctx.needs_input_grad[index]:
+        return None
+    return grads[-1].to(sinks.dtype)
 
 
 class ScaledDotProductAttention(_torch.autograd.Function):
     """attn's scaled dot-product attention as a torch.autograd.Function.
 
     apply(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
-          scale=None, enable_gqa=False, backend="auto") -> output
+          scale=None, enable_gqa=False, backend="auto", window=None, alibi_slopes=None,
+          softcap=None, sinks=None, position_offset=None) -> output
     (Function.apply takes positional arguments only.)
     """
 
     @staticmethod
     def forward(ctx, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                enable_gqa=False, backend="auto"):
+                enable_gqa=False, backend="auto", window=None, alibi_slopes=None, softcap=None, sinks=None,
+                position_offset=None):
+        variants = dict(window=window, alibi_slopes=alibi_slopes, softcap=softcap, position_offset=position_offset)
         out, lse = _sdpa.scaled_dot_product_attention(
             query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-            backend=backend, return_lse=True)
-        # save_for_backward takes tensors only; a NumPy mask is kept as is.
+            backend=backend, return_lse=True, sinks=sinks, **variants)
+        # save_for_backward takes tensors only; a NumPy mask or sinks are kept as they are.
         mask_tensor = attn_mask if isinstance(attn_mask, _torch.Tensor) else None
-        ctx.save_for_backward(query, key, value, mask_tensor, out, lse)
+        sinks_tensor = sinks if isinstance(sinks, _torch.Tensor) else None
+        ctx.save_for_backward(query, key, value, mask_tensor, sinks_tensor, out, lse)
         ctx.other_mask = None if mask_tensor is not None else attn_mask
+        ctx.other_sinks = None if sinks_tensor is not None else sinks
         ctx.options = (is_causal, scale, enable_gqa, backend)
+        ctx.variants = variants
         return out
 
     @staticmethod
     def backward(ctx, grad_output):
-        query, key, value, attn_mask, out, lse = ctx.saved_tensors
+        query, key, value, attn_mask, sinks, out, lse = ctx.saved_tensors
         if attn_mask is None:
             attn_mask = ctx.other_mask
+        if sinks is None:
+            sinks = ctx.other_sinks
         is_causal, scale, enable_gqa, backend = ctx.options
         grads = _sdpa.scaled_dot_product_attention_backward(
             grad_output, query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa,
-            backend=backend, output=out, lse=lse)
-        dmask = grads[3] if len(grads) > 3 and ctx.needs_input_grad[3] else None
-        return grads[0], grads[1], grads[2], dmask, None, None, None, None, None
+            backend=backend, output=out, lse=lse, sinks=sinks, **ctx.variants)
+        float_mask = len(grads) > (4 if sinks is not None else 3)
+        dmask = grads[3] if float_mask and ctx.needs_input_grad[3] else None
+        dsinks = _sinks_grad(ctx, 12, grads, sinks)
+        return (grads[0], grads[1], grads[2], dmask, None, None, None, None, None, None, None, None, dsinks,
+                None)
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
-                                 scale=None, enable_gqa=False, *, backend="auto"):
+                                 scale=None, enable_gqa=False, *, backend="auto", window=None,
+                                 alibi_slopes=None, softcap=None, sinks=None, position_offset=None):
     """Drop-in for torch.nn.functional.scaled_dot_product_attention, computed by
-    attn (see attn.scaled_dot_product_attention for the arguments). Returns a
-    torch tensor; when an input requires grad (and grad mode is on) the call
-    goes through ScaledDotProductAttention, so it is differentiable."""
-    if _torch.is_grad_enabled() and any(
-            isinstance(x, _torch.Tensor) and x.requires_grad for x in (query, key, value, attn_mask)):
+    attn (see attn.scaled_dot_product_attention for the arguments, the variant
+    keywords included). Returns a torch tensor; when an input (or the sinks)
+    requires grad (and grad mode is on) the call goes through
+    ScaledDotProductAttention, so it is differentiable."""
+    if _needs_graph("attn.torch.scaled_dot_product_attention", alibi_slopes, query, key, value, attn_mask,
+                    sinks):
         return ScaledDotProductAttention.apply(query, key, value, attn_mask, dropout_p, is_causal, scale,
-                                               enable_gqa, backend)
+                                               enable_gqa, backend, window, alibi_slopes, softcap, sinks,
+                                               position_offset)
     return _sdpa.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale,
-                                              enable_gqa, backend=backend)
+                                              enable_gqa, backend=backend, window=window,
+                                              alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks,
+                                              position_offset=position_offset)
+
+
+class VarlenAttention(_torch.autograd.Function):
+    """attn.varlen_attention as a torch.autograd.Function; gradients reach q, k, v and the sinks.
+
+    apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale=None,
+          is_causal=False, window=None, alibi_slopes=None, softcap=None, sinks=None,
+          position_offset=None, backend="auto") -> output
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale=None,
+                is_causal=False, window=None, alibi_slopes=None, softcap=None, sinks=None, position_offset=None,
+                backend="auto"):
+        ctx.options = dict(scale=scale, is_causal=is_causal, window=window, alibi_slopes=alibi_slopes,
+                           softcap=softcap, position_offset=position_offset, backend=backend)
+        out, lse = _varlen.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                            sinks=sinks, return_lse=True, **ctx.options)
+        sinks_tensor = sinks if isinstance(sinks, _torch.Tensor) else None
+        ctx.save_for_backward(q, k, v, sinks_tensor, out, lse)
+        ctx.other_sinks = None if sinks_tensor is not None else sinks
+        ctx.seqlens = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        q, k, v, sinks, out, lse = ctx.saved_tensors
+        if sinks is None:
+            sinks = ctx.other_sinks
+        grads = _varlen.varlen_attention_backward(grad_output, q, k, v, *ctx.seqlens, sinks=sinks, output=out,
+                                                  lse=lse, **ctx.options)
+        dsinks = _sinks_grad(ctx, 12, grads, sinks)
+        return (grads[0], grads[1], grads[2], None, None, None, None, None, None, None, None, None, dsinks,
+                None, None)
+
+
+def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, scale=None,
+                     is_causal=False, window=None, alibi_slopes=None, softcap=None, sinks=None,
+                     position_offset=None, backend="auto"):
+    """attn.varlen_attention on torch tensors, differentiable (through VarlenAttention)
+    when q, k, v or the sinks require grad."""
+    if _needs_graph("attn.torch.varlen_attention", alibi_slopes, q, k, v, sinks):
+        return VarlenAttention.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
+                                     is_causal, window, alibi_slopes, softcap, sinks, position_offset, backend)
+    return _varlen.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale=scale,
+                                    is_causal=is_causal, window=window, alibi_slopes=alibi_slopes, softcap=softcap,
+                                    sinks=sinks, position_offset=position_offset, backend=backend)

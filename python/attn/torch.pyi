@@ -1,6 +1,6 @@
 """Type stubs for attn.torch (requires PyTorch)."""
 
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Tuple
 
 import torch
 
@@ -17,6 +17,11 @@ class ScaledDotProductAttention(torch.autograd.Function):
         scale: Optional[float] = None,
         enable_gqa: bool = False,
         backend: str = "auto",
+        window: Optional[Tuple[int, int]] = None,
+        alibi_slopes: Optional[torch.Tensor] = None,
+        softcap: Optional[float] = None,
+        sinks: Optional[torch.Tensor] = None,
+        position_offset: Optional[int] = None,
     ) -> torch.Tensor: ...
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> Any: ...  # type: ignore[override]
@@ -31,5 +36,35 @@ def scaled_dot_product_attention(
     scale: Optional[float] = None,
     enable_gqa: bool = False,
     *,
+    backend: Literal["auto", "reference", "fused"] = "auto",
+    window: Optional[Tuple[int, int]] = None,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    softcap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
+    position_offset: Optional[int] = None,
+) -> torch.Tensor: ...
+
+class VarlenAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, *args: Any) -> torch.Tensor: ...  # type: ignore[override]
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> Any: ...  # type: ignore[override]
+
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: Any,
+    cu_seqlens_k: Any,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    scale: Optional[float] = None,
+    is_causal: bool = False,
+    window: Optional[Tuple[int, int]] = None,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    softcap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
+    position_offset: Optional[int] = None,
     backend: Literal["auto", "reference", "fused"] = "auto",
 ) -> torch.Tensor: ...

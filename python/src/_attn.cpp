@@ -54,28 +54,67 @@ attn::View<T, R> view_of(const std::optional<A>& a, const char* name) {
   return a ? view_of<T, R>(*a, name) : attn::View<T, R>{};
 }
 
+// The variant options (docs/variants.md) as one bundle: window (left,
+// right; -1 unbounded), softcap (0 = off) and position_offset.
+struct Variants {
+  int64_t window_left = -1, window_right = -1;
+  double softcap = 0;
+  std::optional<int64_t> position_offset;
+};
+
 attn::SdpaOptions sdpa_options(std::optional<double> scale, bool causal, const std::string& backend,
-                               int num_threads) {
+                               int num_threads, const Variants& var = {}) {
   attn::SdpaOptions opt;
   opt.scale = scale;
   opt.causal = causal;
   opt.backend = attn::parse_backend(backend);
   opt.num_threads = num_threads;
+  opt.window = {var.window_left, var.window_right};
+  opt.softcap = var.softcap;
+  opt.position_offset = var.position_offset;
   return opt;
 }
 
 template <class T>
 using Opt = std::optional<T>;
 
+Variants variants(int64_t window_left, int64_t window_right, double softcap, Opt<int64_t> position_offset) {
+  return Variants{window_left, window_right, softcap, position_offset};
+}
+
+// The fields the dense and the packed call share: q, k, v and the per-head arrays.
+template <class T, int R, class A>
+void fill_common(A& a, const Arr<const T, R>& q, const Arr<const T, R>& k, const Arr<const T, R>& v,
+                 const Opt<Arr<const T, 1>>& alibi_slopes, const Opt<Arr<const T, 1>>& sinks) {
+  a.q = view_of<const T, R>(q, "q");
+  a.k = view_of<const T, R>(k, "k");
+  a.v = view_of<const T, R>(v, "v");
+  a.alibi_slopes = view_of<const T, 1>(alibi_slopes, "alibi_slopes");
+  a.sinks = view_of<const T, 1>(sinks, "sinks");
+}
+
 template <class T>
 attn::SdpaArgs<T> sdpa_args(const Arr<const T, 4>& q, const Arr<const T, 4>& k, const Arr<const T, 4>& v,
-                            const Opt<Arr<const bool, 4>>& mask, const Opt<Arr<const T, 4>>& bias) {
+                            const Opt<Arr<const bool, 4>>& mask, const Opt<Arr<const T, 4>>& bias,
+                            const Opt<Arr<const T, 1>>& alibi_slopes = {}, const Opt<Arr<const T, 1>>& sinks = {}) {
   attn::SdpaArgs<T> a;
-  a.q = view_of<const T, 4>(q, "q");
-  a.k = view_of<const T, 4>(k, "k");
-  a.v = view_of<const T, 4>(v, "v");
+  fill_common<T, 4>(a, q, k, v, alibi_slopes, sinks);
   a.mask = view_of<const bool, 4>(mask, "mask");
   a.bias = view_of<const T, 4>(bias, "bias");
+  return a;
+}
+
+template <class T>
+attn::VarlenArgs<T> varlen_args(const Arr<const T, 3>& q, const Arr<const T, 3>& k, const Arr<const T, 3>& v,
+                                const Arr<const int64_t, 1>& cu_q, const Arr<const int64_t, 1>& cu_k,
+                                int64_t max_q, int64_t max_k, const Opt<Arr<const T, 1>>& alibi_slopes,
+                                const Opt<Arr<const T, 1>>& sinks) {
+  attn::VarlenArgs<T> a;
+  fill_common<T, 3>(a, q, k, v, alibi_slopes, sinks);
+  a.cu_seqlens_q = view_of<const int64_t, 1>(cu_q, "cu_seqlens_q");
+  a.cu_seqlens_k = view_of<const int64_t, 1>(cu_k, "cu_seqlens_k");
+  a.max_seqlen_q = max_q;
+  a.max_seqlen_k = max_k;
   return a;
 }
 
@@ -90,9 +129,11 @@ void bind(nb::module_& m) {
       [](const Arr<const T, 4>& q, const Arr<const T, 4>& k, const Arr<const T, 4>& v, const Arr<T, 4>& out,
          const Opt<Arr<const bool, 4>>& mask, const Opt<Arr<const T, 4>>& bias, const Opt<Arr<T, 4>>& weights,
          const Opt<Arr<T, 3>>& lse, std::optional<double> scale, bool causal, const std::string& backend,
-         int num_threads) {
-        const attn::SdpaArgs<T> args = sdpa_args<T>(q, k, v, mask, bias);
-        const attn::SdpaOptions opt = sdpa_options(scale, causal, backend, num_threads);
+         int num_threads, const Opt<Arr<const T, 1>>& alibi_slopes, const Opt<Arr<const T, 1>>& sinks,
+         int64_t window_left, int64_t window_right, double softcap, Opt<int64_t> position_offset) {
+        const attn::SdpaArgs<T> args = sdpa_args<T>(q, k, v, mask, bias, alibi_slopes, sinks);
+        const attn::SdpaOptions opt = sdpa_options(scale, causal, backend, num_threads,
+                                                   variants(window_left, window_right, softcap, position_offset));
         const attn::View4<T> o = view_of<T, 4>(out, "out");
         const attn::View4<T> w = view_of<T, 4>(weights, "weights");
         const attn::View3<T> l = view_of<T, 3>(lse, "lse");
@@ -103,23 +144,30 @@ void bind(nb::module_& m) {
       "mask"_a.noconvert().none() = nb::none(), "bias"_a.noconvert().none() = nb::none(),
       "weights"_a.noconvert().none() = nb::none(), "lse"_a.noconvert().none() = nb::none(),
       "scale"_a.none() = nb::none(), "causal"_a = false, "backend"_a = "auto", "num_threads"_a = 0,
+      "alibi_slopes"_a.noconvert().none() = nb::none(), "sinks"_a.noconvert().none() = nb::none(),
+      "window_left"_a = -1, "window_right"_a = -1, "softcap"_a = 0.0, "position_offset"_a.none() = nb::none(),
       "Scaled dot-product attention on rank-4 (B, H, N, d) arrays of one dtype (float32 or float64):\n"
       "writes out (B, H, L, Ev), and weights (B, H, L, S) and lse (B, H, L) when given. mask: bool,\n"
-      "True = may attend; bias: added to the scores; both broadcastable to (B, H, L, S).");
+      "True = may attend; bias: added to the scores; both broadcastable to (B, H, L, S). Variants:\n"
+      "alibi_slopes, sinks (H), window_left/right (-1 unbounded), softcap (0 off), position_offset.");
   m.def(
       "sdpa_backward",
       [](const Arr<const T, 4>& q, const Arr<const T, 4>& k, const Arr<const T, 4>& v,
          const Arr<const T, 4>& dout, const Arr<T, 4>& dq, const Arr<T, 4>& dk, const Arr<T, 4>& dv,
          const Opt<Arr<const bool, 4>>& mask, const Opt<Arr<const T, 4>>& bias, const Opt<Arr<T, 4>>& dbias,
          const Opt<Arr<const T, 4>>& out, const Opt<Arr<const T, 3>>& lse, std::optional<double> scale,
-         bool causal, const std::string& backend, int num_threads) {
-        const attn::SdpaArgs<T> args = sdpa_args<T>(q, k, v, mask, bias);
-        const attn::SdpaOptions opt = sdpa_options(scale, causal, backend, num_threads);
+         bool causal, const std::string& backend, int num_threads, const Opt<Arr<const T, 1>>& alibi_slopes,
+         const Opt<Arr<const T, 1>>& sinks, const Opt<Arr<T, 1>>& dsinks, int64_t window_left,
+         int64_t window_right, double softcap, Opt<int64_t> position_offset) {
+        const attn::SdpaArgs<T> args = sdpa_args<T>(q, k, v, mask, bias, alibi_slopes, sinks);
+        const attn::SdpaOptions opt = sdpa_options(scale, causal, backend, num_threads,
+                                                   variants(window_left, window_right, softcap, position_offset));
         attn::SdpaGrads<T> g;
         g.dq = view_of<T, 4>(dq, "dq");
         g.dk = view_of<T, 4>(dk, "dk");
         g.dv = view_of<T, 4>(dv, "dv");
         g.dbias = view_of<T, 4>(dbias, "dbias");
+        g.dsinks = view_of<T, 1>(dsinks, "dsinks");
         const attn::View4<const T> d = view_of<const T, 4>(dout, "dout");
         const attn::View4<const T> o = view_of<const T, 4>(out, "out");
         const attn::View3<const T> l = view_of<const T, 3>(lse, "lse");
@@ -131,21 +179,79 @@ void bind(nb::module_& m) {
       "bias"_a.noconvert().none() = nb::none(), "dbias"_a.noconvert().none() = nb::none(),
       "out"_a.noconvert().none() = nb::none(), "lse"_a.noconvert().none() = nb::none(),
       "scale"_a.none() = nb::none(), "causal"_a = false, "backend"_a = "auto", "num_threads"_a = 0,
+      "alibi_slopes"_a.noconvert().none() = nb::none(), "sinks"_a.noconvert().none() = nb::none(),
+      "dsinks"_a.noconvert().none() = nb::none(), "window_left"_a = -1, "window_right"_a = -1,
+      "softcap"_a = 0.0, "position_offset"_a.none() = nb::none(),
       "Backward of sdpa_forward from dout = dL/dout: overwrites dq, dk, dv (and dbias, the bias's\n"
-      "shape). out and lse, the forward's saved state, spare the fused backend recomputing them.");
+      "shape; dsinks, the sinks'). out and lse, the forward's saved state, spare the fused backend\n"
+      "recomputing them.");
   m.def(
       "resolve_backend",
       [](const Arr<const T, 4>& q, const Arr<const T, 4>& k, const Arr<const T, 4>& v,
          const Opt<Arr<const bool, 4>>& mask, const Opt<Arr<const T, 4>>& bias, std::optional<double> scale,
-         bool causal, const std::string& backend, bool want_weights) {
-        const attn::SdpaArgs<T> args = sdpa_args<T>(q, k, v, mask, bias);
-        const attn::SdpaOptions opt = sdpa_options(scale, causal, backend, 0);
+         bool causal, const std::string& backend, bool want_weights, const Opt<Arr<const T, 1>>& alibi_slopes,
+         const Opt<Arr<const T, 1>>& sinks, int64_t window_left, int64_t window_right, double softcap,
+         Opt<int64_t> position_offset) {
+        const attn::SdpaArgs<T> args = sdpa_args<T>(q, k, v, mask, bias, alibi_slopes, sinks);
+        const attn::SdpaOptions opt =
+            sdpa_options(scale, causal, backend, 0, variants(window_left, window_right, softcap, position_offset));
         return std::string(attn::backend_name(attn::resolve_backend<T>(args, opt, want_weights)));
       },
       "q"_a.noconvert(), "k"_a.noconvert(), "v"_a.noconvert(), nb::kw_only(),
       "mask"_a.noconvert().none() = nb::none(), "bias"_a.noconvert().none() = nb::none(),
       "scale"_a.none() = nb::none(), "causal"_a = false, "backend"_a = "auto", "want_weights"_a = false,
+      "alibi_slopes"_a.noconvert().none() = nb::none(), "sinks"_a.noconvert().none() = nb::none(),
+      "window_left"_a = -1, "window_right"_a = -1, "softcap"_a = 0.0, "position_offset"_a.none() = nb::none(),
       "Name of the backend (\"reference\" or \"fused\") sdpa_forward would run for these arguments.");
+  m.def(
+      "varlen_forward",
+      [](const Arr<const T, 3>& q, const Arr<const T, 3>& k, const Arr<const T, 3>& v,
+         const Arr<const int64_t, 1>& cu_q, const Arr<const int64_t, 1>& cu_k, int64_t max_q, int64_t max_k,
+         const Arr<T, 3>& out, const Opt<Arr<T, 2>>& lse, std::optional<double> scale, bool causal,
+         const std::string& backend, int num_threads, const Opt<Arr<const T, 1>>& alibi_slopes,
+         const Opt<Arr<const T, 1>>& sinks, int64_t window_left, int64_t window_right, double softcap,
+         Opt<int64_t> position_offset) {
+        const attn::VarlenArgs<T> a = varlen_args<T>(q, k, v, cu_q, cu_k, max_q, max_k, alibi_slopes, sinks);
+        const attn::SdpaOptions opt = sdpa_options(scale, causal, backend, num_threads,
+                                                   variants(window_left, window_right, softcap, position_offset));
+        const attn::VarlenOutputs<T> o{view_of<T, 3>(out, "out"), view_of<T, 2>(lse, "lse")};
+        nb::gil_scoped_release release;
+        attn::varlen_attention<T>(a, o, opt);
+      },
+      "q"_a.noconvert(), "k"_a.noconvert(), "v"_a.noconvert(), "cu_seqlens_q"_a.noconvert(),
+      "cu_seqlens_k"_a.noconvert(), "max_seqlen_q"_a, "max_seqlen_k"_a, "out"_a.noconvert(), nb::kw_only(),
+      "lse"_a.noconvert().none() = nb::none(), "scale"_a.none() = nb::none(), "causal"_a = false,
+      "backend"_a = "auto", "num_threads"_a = 0, "alibi_slopes"_a.noconvert().none() = nb::none(), "sinks"_a.noconvert().none() = nb::none(),
+      "window_left"_a = -1, "window_right"_a = -1, "softcap"_a = 0.0, "position_offset"_a.none() = nb::none(),
+      "Packed variable-length attention: q (total_q, H, E), k (total_k, Hkv, E), v (total_k, Hkv, Ev),\n"
+      "int64 cu_seqlens (B + 1); writes out (total_q, H, Ev) and lse (H, total_q) when given.");
+  m.def(
+      "varlen_backward",
+      [](const Arr<const T, 3>& q, const Arr<const T, 3>& k, const Arr<const T, 3>& v,
+         const Arr<const int64_t, 1>& cu_q, const Arr<const int64_t, 1>& cu_k, int64_t max_q, int64_t max_k,
+         const Arr<const T, 3>& dout, const Arr<T, 3>& dq, const Arr<T, 3>& dk, const Arr<T, 3>& dv,
+         const Opt<Arr<T, 1>>& dsinks, const Opt<Arr<const T, 3>>& out, const Opt<Arr<const T, 2>>& lse,
+         std::optional<double> scale, bool causal, const std::string& backend, int num_threads,
+         const Opt<Arr<const T, 1>>& alibi_slopes, const Opt<Arr<const T, 1>>& sinks, int64_t window_left,
+         int64_t window_right, double softcap, Opt<int64_t> position_offset) {
+        const attn::VarlenArgs<T> a = varlen_args<T>(q, k, v, cu_q, cu_k, max_q, max_k, alibi_slopes, sinks);
+        const attn::SdpaOptions opt = sdpa_options(scale, causal, backend, num_threads,
+                                                   variants(window_left, window_right, softcap, position_offset));
+        attn::VarlenGrads<T> g{view_of<T, 3>(dq, "dq"), view_of<T, 3>(dk, "dk"), view_of<T, 3>(dv, "dv")};
+        g.dsinks = view_of<T, 1>(dsinks, "dsinks");
+        const attn::View3<const T> d = view_of<const T, 3>(dout, "dout");
+        const attn::VarlenSaved<T> saved{view_of<const T, 3>(out, "out"), view_of<const T, 2>(lse, "lse")};
+        nb::gil_scoped_release release;
+        attn::varlen_attention_backward<T>(a, d, saved, g, opt);
+      },
+      "q"_a.noconvert(), "k"_a.noconvert(), "v"_a.noconvert(), "cu_seqlens_q"_a.noconvert(),
+      "cu_seqlens_k"_a.noconvert(), "max_seqlen_q"_a, "max_seqlen_k"_a, "dout"_a.noconvert(),
+      "dq"_a.noconvert(), "dk"_a.noconvert(), "dv"_a.noconvert(), nb::kw_only(),
+      "dsinks"_a.noconvert().none() = nb::none(), "out"_a.noconvert().none() = nb::none(),
+      "lse"_a.noconvert().none() = nb::none(), "scale"_a.none() = nb::none(), "causal"_a = false,
+      "backend"_a = "auto", "num_threads"_a = 0, "alibi_slopes"_a.noconvert().none() = nb::none(), "sinks"_a.noconvert().none() = nb::none(),
+      "window_left"_a = -1, "window_right"_a = -1, "softcap"_a = 0.0, "position_offset"_a.none() = nb::none(),
+      "Backward of varlen_forward from dout: overwrites dq, dk, dv (and dsinks).");
 }
 
 // A copy of a parameter as a fresh NumPy array (the layer keeps its own).
