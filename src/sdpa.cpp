@@ -86,11 +86,11 @@ void validate_variants(const Checker& c, const View1<const T>& alibi, const View
       (*opt.position_offset > detail::kMaxPosition || *opt.position_offset < -detail::kMaxPosition))
     c.fail("option 'position_offset' is " + std::to_string(*opt.position_offset) + ", expected |offset| <= 2^52");
   if (c.given(alibi, "alibi_slopes")) {
-    c.shape(alibi, "alibi_slopes", {H}, "(H) = (" + std::to_string(H) + "), one slope per query head");
+    c.shape(alibi, "alibi_slopes", {H}, "(H,) = " + shape_str({H}) + ", one slope per query head");
     c.finite(alibi, "alibi_slopes");
   }
   if (c.given(sinks, "sinks")) {
-    c.shape(sinks, "sinks", {H}, "(H) = (" + std::to_string(H) + "), one logit per query head");
+    c.shape(sinks, "sinks", {H}, "(H,) = " + shape_str({H}) + ", one logit per query head");
     c.finite(sinks, "sinks", /*allow_neg_inf=*/true);
   }
 }
@@ -228,7 +228,7 @@ void scaled_dot_product_attention_backward(const SdpaArgs<T>& args, View4<const 
   }
   if (c.given(g.dsinks, "dsinks")) {
     if (args.sinks.empty()) c.fail("output 'dsinks' was requested but no 'sinks' were given");
-    c.shape(g.dsinks, "dsinks", {p.H}, "(H) = (" + std::to_string(p.H) + "), the shape of 'sinks'");
+    c.shape(g.dsinks, "dsinks", {p.H}, "(H,) = " + shape_str({p.H}) + ", the shape of 'sinks'");
     written.push_back(c.extent(g.dsinks, "dsinks"));
   }
   for (const auto& e : written) c.writable(e);

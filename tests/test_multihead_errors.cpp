@@ -45,11 +45,11 @@ TEST(MultiheadAttentionErrors, LoadParameter) {
                           {"attn::MultiheadAttention::load_parameter", "'in_proj_weight' has shape (12, 4)",
                            "got a value of shape (4, 4)"}));
   EXPECT_TRUE(throws_with([&] { m.load_parameter("in_proj_bias", View1<const float>(buf.data(), {4})); },
-                          {"'in_proj_bias' has shape (12)", "got a value of shape (4)"}));
+                          {"'in_proj_bias' has shape (12,)", "got a value of shape (4,)"}));
   EXPECT_TRUE(throws_with([&] { m.load_parameter("out_proj.bias", View2<const float>(buf.data(), {1, 4})); },
-                          {"'out_proj.bias' has shape (4)", "(1, 4)"}));
+                          {"'out_proj.bias' has shape (4,)", "(1, 4)"}));
   EXPECT_TRUE(throws_with([&] { m.load_parameter("out_proj.weight", View1<const float>(buf.data(), {16})); },
-                          {"'out_proj.weight' has shape (4, 4)", "(16)"}));
+                          {"'out_proj.weight' has shape (4, 4)", "(16,)"}));
   EXPECT_TRUE(throws_with([&] { m.load_parameter("bias", View1<const float>(buf.data(), {4})); },
                           {"load_parameter", "unknown parameter name 'bias'", "out_proj.bias"}));
   EXPECT_TRUE(throws_with([&] { m.load_parameter("out_proj.weight", View2<const float>(nullptr, {4, 4})); },
@@ -143,7 +143,7 @@ TEST_F(ErrorFixture, ForwardMasksAndOptions) {
   Tensor<int64_t> lens{3};
   mk = args();
   mk.key_lengths = lens.view<1>();
-  EXPECT_TRUE(throws_with(fwd(mk), {fn, "'key_lengths' has shape (3)", "expected (B) = (2)"}));
+  EXPECT_TRUE(throws_with(fwd(mk), {fn, "'key_lengths' has shape (3,)", "expected (B,) = (2,)"}));
   Tensor<int64_t> lens2{2};
   lens2[1] = 7;
   mk.key_lengths = lens2.view<1>();

@@ -501,13 +501,13 @@ TEST(Variants, BadArgumentsAreRefusedWithTheirNames) {
   c.opt.softcap = 0;
   Tensor<double> three({3}), two({2});
   c.args.alibi_slopes = three.view<1>();
-  EXPECT_TRUE(throws_with(run, {"alibi_slopes", "(3)", "(2)"}));
+  EXPECT_TRUE(throws_with(run, {"alibi_slopes", "(3,)", "(2,)"}));
   two[0] = std::numeric_limits<double>::quiet_NaN();
   c.args.alibi_slopes = two.view<1>();
   EXPECT_TRUE(throws_with(run, {"alibi_slopes", "NaN"}));
   c.args.alibi_slopes = {};
   c.args.sinks = three.view<1>();
-  EXPECT_TRUE(throws_with(run, {"sinks", "(3)"}));
+  EXPECT_TRUE(throws_with(run, {"sinks", "(3,)"}));
   two[0] = kInf;
   c.args.sinks = two.view<1>();
   EXPECT_TRUE(throws_with(run, {"sinks", "+Inf"}));

@@ -84,9 +84,9 @@ const std::vector<CliError> kErrors = {
     {"heatmap --weights a_rank1.npy --out h.png", 1, {}},
 
     // ---- train and the checkpoint heatmap
-    {"train --steps 1 --resume missing.safetensors", 3, {"--resume 'missing.safetensors': no such file"}},
+    {"train --steps 1 --resume missing.safetensors", 3, {"missing.safetensors: no such file (given as --resume)"}},
     {"train --steps 1 --dim 8 --heads 3", 1, {"heads"}},
-    {"heatmap --checkpoint missing.safetensors --out h.png", 3, {"--checkpoint 'missing.safetensors'"}},
+    {"heatmap --checkpoint missing.safetensors --out h.png", 3, {"missing.safetensors: no such file (given as --checkpoint)"}},
     {"heatmap --checkpoint junk.safetensors --out h.png", 3, {"junk.safetensors"}},  // not a safetensors file
 };
 
