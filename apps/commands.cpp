@@ -27,6 +27,7 @@ struct SdpaOpts {
   std::string q, k, v, mask, out, weights, lse, backend = "auto", context_parallel;
   double scale = 0;
   bool causal = false;
+  bool check_finite = false;  // refuse NaN/Inf in q, k, v (exit 1) instead of propagating it
   // The variants (docs/variants.md).
   std::vector<int64_t> window;             // left, right
   double softcap = 0;
@@ -120,6 +121,7 @@ void run_sdpa_typed(const SdpaOpts& o, const SdpaPaths& paths, const io::Array<d
   SdpaOptions opt;
   if (o.scale != 0) opt.scale = o.scale;
   opt.causal = o.causal;
+  opt.check_finite = o.check_finite;
   opt.backend = parse_backend(o.backend);
   const int64_t B = qs[0], H = qs[1], L = qs[2], S = ks[2], Ev = vs[3];
   if (!o.window.empty()) opt.window = {o.window[0], o.window[1]};
@@ -275,6 +277,9 @@ void add_sdpa(CLI::App& app) {
                  ".npy of bool (np.save of a NumPy bool array) or 0/1 numbers: True/1 = the query may attend to the "
                  "key, False/0 = blocked (PyTorch's polarity); (L, S) or broadcastable to (B, H, L, S)");
   c->add_flag("--causal", o->causal, "query i sees keys j <= i");
+  c->add_flag("--check-finite", o->check_finite,
+              "refuse NaN or Inf in q, k, v (exit 1, naming the file's argument) instead of letting it reach "
+              "the outputs it touches");
   c->add_option("--window", o->window, "sliding window LEFT,RIGHT: keys p-LEFT..p+RIGHT, -1 = unbounded")
       ->delimiter(',')->expected(2);
   c->add_option("--softcap", o->softcap, "soft-cap the scores: c*tanh(s/c) (0 = off)")->check(CLI::NonNegativeNumber);

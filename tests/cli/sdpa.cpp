@@ -3,6 +3,7 @@
 #include "cli_test.hpp"
 
 #include <cmath>
+#include <filesystem>
 #include <random>
 #include <vector>
 
@@ -43,6 +44,27 @@ TEST_F(Cli, SdpaOnNpyFilesAgreesWithTheLibrary) {
   for (size_t i = 0; i < y.size(); ++i) EXPECT_EQ(fy.data[i], y[i]) << i;
   for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(fa.data[i], a[i]) << i;
   for (size_t i = 0; i < lse.size(); ++i) EXPECT_EQ(fl.data[i], lse[i]) << i;
+}
+
+// NaN in an input reaches the rows it touches (exit 0, NaN in the file);
+// --check-finite refuses it instead (exit 1, naming the argument), writing nothing.
+TEST_F(Cli, SdpaNanPropagatesAndCheckFiniteRefusesIt) {
+  std::mt19937_64 rng(5);
+  const int64_t L = 3, S = 4, E = 2, Ev = 2;
+  auto q = write_random<float>("q.npy", {L, E}, rng);
+  write_random<float>("k.npy", {S, E}, rng);
+  write_random<float>("v.npy", {S, Ev}, rng);
+  q[size_t(1 * E)] = std::nanf("");  // query row 1
+  attn::io::write_npy(path("q.npy"), {L, E}, q.data());
+  const Result r = run("sdpa --q q.npy --k k.npy --v v.npy --out y.npy");
+  ASSERT_EQ(r.rc, 0) << r.err;
+  const auto fy = attn::io::read_npy<double>(path("y.npy"));
+  for (int64_t i = 0; i < L; ++i)
+    for (int64_t e = 0; e < Ev; ++e) EXPECT_EQ(std::isnan(fy.data[size_t(i * Ev + e)]), i == 1) << i << "," << e;
+  const Result c = run("sdpa --q q.npy --k k.npy --v v.npy --out z.npy --check-finite");
+  EXPECT_EQ(c.rc, 1) << c.err;
+  EXPECT_NE(c.err.find("'q' contains NaN"), std::string::npos) << c.err;
+  EXPECT_FALSE(std::filesystem::exists(path("z.npy")));
 }
 
 TEST_F(Cli, SdpaRank2Float32WithMaskMatchesAPlainComputation) {
