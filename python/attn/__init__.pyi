@@ -29,6 +29,7 @@ def scaled_dot_product_attention(
     softcap: Optional[float] = None,
     sinks: Optional[ArrayLike] = None,
     position_offset: Optional[int] = None,
+    check_finite: bool = False,
 ) -> Any:
     """Attention with torch.nn.functional.scaled_dot_product_attention's arguments.
 
@@ -54,6 +55,7 @@ def scaled_dot_product_attention_backward(
     softcap: Optional[float] = None,
     sinks: Optional[ArrayLike] = None,
     position_offset: Optional[int] = None,
+    check_finite: bool = False,
 ) -> Tuple[Any, ...]:
     """(grad_query, grad_key, grad_value[, grad_attn_mask for a float mask][, grad_sinks])."""
 

@@ -201,7 +201,7 @@ def _variants(fn: str, p: _Plan, window, alibi_slopes, softcap, sinks, position_
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                                  scale=None, enable_gqa=False, *, backend="auto", return_lse=False,
                                  return_weights=False, window=None, alibi_slopes=None, softcap=None,
-                                 sinks=None, position_offset=None):
+                                 sinks=None, position_offset=None, check_finite=False):
     """Scaled dot-product attention, with torch.nn.functional.scaled_dot_product_attention's
     arguments and meaning.
 
@@ -232,6 +232,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
       softcap  c > 0: scores become c * tanh(s / c) after scaling (Gemma 2).
       sinks  H values: one extra logit per head in every row's softmax, with no value.
       position_offset  query row i sits at key position p = i + offset (default 0).
+      check_finite  refuse NaN or Inf in query, key, value with a ValueError (one extra pass)
+             instead of letting it reach the outputs it touches (the default).
 
     Returns out (..., L, Ev), or the tuple (out[, lse][, weights]). NumPy arrays for NumPy
     input, torch tensors if any of query/key/value is a tensor. Tensors that require grad
@@ -249,7 +251,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     lse = np.empty((B, H, p.L), p.dtype) if return_lse else None
     weights = np.empty((B, H, p.L, p.S), p.dtype) if return_weights else None
     _attn.sdpa_forward(p.q, p.k, p.v, out, mask=p.mask, bias=p.bias, weights=weights, lse=lse, scale=p.scale,
-                       causal=p.causal, backend=p.backend, **var)
+                       causal=p.causal, backend=p.backend, check_finite=bool(check_finite), **var)
     results = [out.reshape(p.lead + (p.L, p.Ev))]
     if lse is not None:
         results.append(lse.reshape(p.lead + (p.L,)))
@@ -262,7 +264,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 def scaled_dot_product_attention_backward(grad_output, query, key, value, attn_mask=None, dropout_p=0.0,
                                           is_causal=False, scale=None, enable_gqa=False, *,
                                           backend="auto", output=None, lse=None, window=None,
-                                          alibi_slopes=None, softcap=None, sinks=None, position_offset=None):
+                                          alibi_slopes=None, softcap=None, sinks=None, position_offset=None,
+                                          check_finite=False):
     """Gradients of scaled_dot_product_attention.
 
     Takes grad_output = dLoss/dout (..., L, Ev) and the forward's arguments; returns
@@ -271,7 +274,7 @@ def scaled_dot_product_attention_backward(grad_output, query, key, value, attn_m
     broadcast along; with enable_gqa, over the query heads sharing a key/value head).
     With sinks, grad_sinks (H values) comes last. The variant keywords are the forward's.
     output and lse, the forward's result and log-sum-exp, may be passed to save the
-    fused backend recomputing them.
+    fused backend recomputing them. check_finite also refuses NaN/Inf in grad_output.
     """
     p = _plan(_BWD, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend)
     var = _variants(_BWD, p, window, alibi_slopes, softcap, sinks, position_offset)
@@ -291,7 +294,8 @@ def scaled_dot_product_attention_backward(grad_output, query, key, value, attn_m
     dbias = np.empty(p.bias.shape, p.dtype) if p.bias is not None else None
     dsinks = np.empty(H, p.dtype) if var["sinks"] is not None else None
     _attn.sdpa_backward(p.q, p.k, p.v, dout, dq, dk, dv, mask=p.mask, bias=p.bias, dbias=dbias, out=saved_out,
-                        lse=saved_lse, scale=p.scale, causal=p.causal, backend=p.backend, dsinks=dsinks, **var)
+                        lse=saved_lse, scale=p.scale, causal=p.causal, backend=p.backend, dsinks=dsinks,
+                        check_finite=bool(check_finite), **var)
     # Gradients of broadcast operands are summed back to the caller's shapes.
     grads = [
         sum_to_shape(dq.reshape(p.q_expanded), p.shapes[0]),

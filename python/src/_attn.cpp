@@ -63,8 +63,9 @@ struct Variants {
 };
 
 attn::SdpaOptions sdpa_options(std::optional<double> scale, bool causal, const std::string& backend,
-                               int num_threads, const Variants& var = {}) {
+                               int num_threads, const Variants& var = {}, bool check_finite = false) {
   attn::SdpaOptions opt;
+  opt.check_finite = check_finite;
   opt.scale = scale;
   opt.causal = causal;
   opt.backend = attn::parse_backend(backend);
@@ -130,10 +131,12 @@ void bind(nb::module_& m) {
          const Opt<Arr<const bool, 4>>& mask, const Opt<Arr<const T, 4>>& bias, const Opt<Arr<T, 4>>& weights,
          const Opt<Arr<T, 3>>& lse, std::optional<double> scale, bool causal, const std::string& backend,
          int num_threads, const Opt<Arr<const T, 1>>& alibi_slopes, const Opt<Arr<const T, 1>>& sinks,
-         int64_t window_left, int64_t window_right, double softcap, Opt<int64_t> position_offset) {
+         int64_t window_left, int64_t window_right, double softcap, Opt<int64_t> position_offset,
+         bool check_finite) {
         const attn::SdpaArgs<T> args = sdpa_args<T>(q, k, v, mask, bias, alibi_slopes, sinks);
-        const attn::SdpaOptions opt = sdpa_options(scale, causal, backend, num_threads,
-                                                   variants(window_left, window_right, softcap, position_offset));
+        const attn::SdpaOptions opt =
+            sdpa_options(scale, causal, backend, num_threads,
+                         variants(window_left, window_right, softcap, position_offset), check_finite);
         const attn::View4<T> o = view_of<T, 4>(out, "out");
         const attn::View4<T> w = view_of<T, 4>(weights, "weights");
         const attn::View3<T> l = view_of<T, 3>(lse, "lse");
@@ -146,6 +149,7 @@ void bind(nb::module_& m) {
       "scale"_a.none() = nb::none(), "causal"_a = false, "backend"_a = "auto", "num_threads"_a = 0,
       "alibi_slopes"_a.noconvert().none() = nb::none(), "sinks"_a.noconvert().none() = nb::none(),
       "window_left"_a = -1, "window_right"_a = -1, "softcap"_a = 0.0, "position_offset"_a.none() = nb::none(),
+      "check_finite"_a = false,
       "Scaled dot-product attention on rank-4 (B, H, N, d) arrays of one dtype (float32 or float64):\n"
       "writes out (B, H, L, Ev), and weights (B, H, L, S) and lse (B, H, L) when given. mask: bool,\n"
       "True = may attend; bias: added to the scores; both broadcastable to (B, H, L, S). Variants:\n"
@@ -158,10 +162,11 @@ void bind(nb::module_& m) {
          const Opt<Arr<const T, 4>>& out, const Opt<Arr<const T, 3>>& lse, std::optional<double> scale,
          bool causal, const std::string& backend, int num_threads, const Opt<Arr<const T, 1>>& alibi_slopes,
          const Opt<Arr<const T, 1>>& sinks, const Opt<Arr<T, 1>>& dsinks, int64_t window_left,
-         int64_t window_right, double softcap, Opt<int64_t> position_offset) {
+         int64_t window_right, double softcap, Opt<int64_t> position_offset, bool check_finite) {
         const attn::SdpaArgs<T> args = sdpa_args<T>(q, k, v, mask, bias, alibi_slopes, sinks);
-        const attn::SdpaOptions opt = sdpa_options(scale, causal, backend, num_threads,
-                                                   variants(window_left, window_right, softcap, position_offset));
+        const attn::SdpaOptions opt =
+            sdpa_options(scale, causal, backend, num_threads,
+                         variants(window_left, window_right, softcap, position_offset), check_finite);
         attn::SdpaGrads<T> g;
         g.dq = view_of<T, 4>(dq, "dq");
         g.dk = view_of<T, 4>(dk, "dk");
@@ -181,7 +186,7 @@ void bind(nb::module_& m) {
       "scale"_a.none() = nb::none(), "causal"_a = false, "backend"_a = "auto", "num_threads"_a = 0,
       "alibi_slopes"_a.noconvert().none() = nb::none(), "sinks"_a.noconvert().none() = nb::none(),
       "dsinks"_a.noconvert().none() = nb::none(), "window_left"_a = -1, "window_right"_a = -1,
-      "softcap"_a = 0.0, "position_offset"_a.none() = nb::none(),
+      "softcap"_a = 0.0, "position_offset"_a.none() = nb::none(), "check_finite"_a = false,
       "Backward of sdpa_forward from dout = dL/dout: overwrites dq, dk, dv (and dbias, the bias's\n"
       "shape; dsinks, the sinks'). out and lse, the forward's saved state, spare the fused backend\n"
       "recomputing them.");

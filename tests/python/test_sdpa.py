@@ -367,3 +367,22 @@ def test_long_awkward_sequences_match_numpy(backend, kind):
     amax = max(np.abs(x).max() for x in (q, k, v, dout))
     for name, g, w in zip(["dq", "dk", "dv", "dmask"], grads, want_g):
         assert_close(g, w, atol * amax * np.sqrt(2 * 301), name)
+
+
+@pytest.mark.parametrize("backend", ["reference", "fused"])
+def test_nan_propagates_and_check_finite_refuses_it(backend):
+    rng = np.random.default_rng(11)
+    q = rng.standard_normal((1, 2, 3, 4)).astype(np.float32)
+    k = rng.standard_normal((1, 2, 5, 4)).astype(np.float32)
+    v = rng.standard_normal((1, 2, 5, 4)).astype(np.float32)
+    k[0, 1, 2, 0] = np.nan  # key 2 of head 1: every row of head 1 sees it
+    out = attn.scaled_dot_product_attention(q, k, v, backend=backend)
+    assert np.isnan(out[0, 1]).all()
+    assert np.isfinite(out[0, 0]).all()
+    with pytest.raises(ValueError, match="'k' contains NaN"):
+        attn.scaled_dot_product_attention(q, k, v, backend=backend, check_finite=True)
+    dout = np.ones_like(out)
+    dout[0, 0, 1, 0] = np.inf
+    with pytest.raises(ValueError, match="'dout' contains NaN or Inf"):
+        attn.scaled_dot_product_attention_backward(dout, q, np.nan_to_num(k), v, backend=backend,
+                                                   check_finite=True)
