@@ -7,31 +7,25 @@
 // double).
 #include "attn/varlen.hpp"
 
+#include <array>
+
 #include <cmath>
 #include <limits>
 #include <string>
 #include <vector>
 
+#include "validate.hpp"
+
 namespace attn {
 namespace {
 
-struct VarlenChecker {
-  const char* fn;
-  [[noreturn]] void fail(const std::string& msg) const { throw InvalidArgument(std::string("attn::") + fn + ": " + msg); }
-
+// The boundary's one Checker, with the shape check phrased for packed
+// arguments ("expected (total_q, H, E) = (…)").
+struct VarlenChecker : detail::Checker {
   template <class T, int R>
   void shape(const View<T, R>& v, const char* name, const std::array<int64_t, R>& want, const char* text) const {
-    if (v.data == nullptr) fail(std::string("argument '") + name + "' is required but was not given");
-    if (v.shape != want)
-      fail(std::string("argument '") + name + "' has shape " + shape_str(v.shape) + ", expected " + text + " = " +
-           shape_str(want));
-  }
-  template <class T, int R>
-  void writable(const View<T, R>& v, const char* name) const {
-    for (int i = 0; i < R; ++i)
-      if (v.shape[size_t(i)] > 1 && v.strides[size_t(i)] == 0)
-        fail(std::string("output '") + name + "' has stride 0 on axis " + std::to_string(i) +
-             " (a broadcast view cannot be written)");
+    require(v, name);
+    Checker::shape(v, name, want, std::string(text) + " = " + shape_str(want));
   }
 };
 
@@ -129,7 +123,7 @@ SdpaArgs<T> sequence_args(const VarlenArgs<T>& a, const Packed& p, int64_t b) {
 
 template <class T>
 void varlen_attention(const VarlenArgs<T>& args, const VarlenOutputs<T>& o, const SdpaOptions& opt) {
-  const VarlenChecker c{"varlen_attention"};
+  const VarlenChecker c{{"varlen_attention"}};
   const Packed p = validate(c, args);
   c.shape(o.out, "out", {p.total_q, p.H, p.Ev}, "(total_q, H, Ev)");
   c.writable(o.out, "out");
@@ -159,7 +153,7 @@ void varlen_attention(const VarlenArgs<T>& args, const VarlenOutputs<T>& o, cons
 template <class T>
 void varlen_attention_backward(const VarlenArgs<T>& args, View3<const T> dout, const VarlenSaved<T>& saved,
                                const VarlenGrads<T>& g, const SdpaOptions& opt) {
-  const VarlenChecker c{"varlen_attention_backward"};
+  const VarlenChecker c{{"varlen_attention_backward"}};
   const Packed p = validate(c, args);
   c.shape(dout, "dout", {p.total_q, p.H, p.Ev}, "(total_q, H, Ev)");
   c.shape(g.dq, "dq", {p.total_q, p.H, p.E}, "(total_q, H, E)");
