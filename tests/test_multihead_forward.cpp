@@ -3,6 +3,8 @@
 // PyTorch's initialisation, loading), stability at huge scores and fully
 // masked rows, PyTorch's sequence-first layout through strides, and the
 // permutation symmetry of self-attention.
+#include <cmath>
+#include <limits>
 #include <tuple>
 
 #include "multihead_reference.hpp"
@@ -172,6 +174,34 @@ TEST(MultiheadAttention, SeedCatExampleThroughTheLayer) {
 
 // ---------------------------------------------------------------------------
 // Parameters: names, shapes, initialisation, loading.
+
+TEST(MultiheadAttention, ANanWeightReachesEveryOutputItTouches) {
+  // One NaN in head 0's query projection: every query row of head 0 becomes
+  // NaN, and out_proj mixes head 0 into every output feature, so the whole
+  // output is NaN (as in PyTorch), in both backends, and so are the gradients.
+  for (const Backend be : {Backend::reference, Backend::fused}) {
+    std::mt19937_64 rng(9);
+    MultiheadAttention<float> m(config(4, 2), 3);
+    Tensor<float> x = random_tensor<float>({2, 3, 4}, rng), y({2, 3, 4});
+    m.parameter("in_proj_weight")[1] = std::numeric_limits<float>::quiet_NaN();  // row 0 (head 0's q)
+    MhaOptions opt;
+    opt.sdpa.backend = be;
+    MhaCache<float> cache;
+    m.forward(inputs<float>(v3(x)), {v3(y)}, opt, &cache);
+    for (size_t i = 0; i < y.size(); ++i) EXPECT_TRUE(std::isnan(y[i])) << backend_name(be) << " out " << i;
+    Tensor<float> dy({2, 3, 4}), dx({2, 3, 4});
+    dy.fill(1.0f);
+    MhaGrads<float> g;
+    g.dquery = v3(dx);
+    m.backward(cache, dy.template view<3>(), g);
+    for (size_t i = 0; i < dx.size(); ++i) EXPECT_TRUE(std::isnan(dx[i])) << backend_name(be) << " dx " << i;
+    // A NaN in the last feature of out_proj's row 2 touches output feature 2 only.
+    MultiheadAttention<float> m2(config(4, 2), 3);
+    m2.parameter("out_proj.weight")[2 * 4 + 3] = std::numeric_limits<float>::quiet_NaN();
+    m2.forward(inputs<float>(v3(x)), {v3(y)}, opt);
+    for (size_t i = 0; i < y.size(); ++i) EXPECT_EQ(std::isnan(y[i]), i % 4 == 2) << backend_name(be) << " " << i;
+  }
+}
 
 TEST(MultiheadAttention, ParameterNamesAndShapesFollowPyTorch) {
   MultiheadAttention<float> packed(config(8, 2));
