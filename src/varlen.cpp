@@ -66,12 +66,9 @@ void check_cu(const VarlenChecker& c, const View1<const int64_t>& cu, const char
 
 template <class T>
 Packed validate(const VarlenChecker& c, const VarlenArgs<T>& a) {
-  for (const auto& [v, name] : {std::pair{&a.q, "q"}, {&a.k, "k"}, {&a.v, "v"}}) {
-    if (v->data == nullptr) c.fail(std::string("argument '") + name + "' is required but was not given");
-    for (int i = 0; i < 3; ++i)
-      if (v->shape[size_t(i)] < 1)
-        c.fail(std::string("argument '") + name + "' has shape " + shape_str(v->shape) + "; every dimension must be >= 1");
-  }
+  c.present(a.q, "q", "of (total_q, H, E)");
+  c.present(a.k, "k", "of (total_k, Hkv, E)");
+  c.present(a.v, "v", "of (total_k, Hkv, Ev)");
   Packed p;
   p.total_q = a.q.dim(0);
   p.H = a.q.dim(1);

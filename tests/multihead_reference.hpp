@@ -209,4 +209,17 @@ MhaArgs<T> inputs(View3<const T> query, View3<const T> key = {}, View3<const T> 
   return masks;
 }
 
+// One multi-head test case: the layer, the batch and lengths, and which
+// options and masks are on (shared by the forward and the backward tests).
+struct LayerCase {
+  const char* name;
+  MultiheadConfig cfg;
+  int64_t B, L, S;
+  bool self;
+  bool causal = false;
+  CausalAlign align = CausalAlign::top_left;
+  bool kpm = false, attn_mask = false, attn_bias = false, key_lengths = false;
+  bool transform = false;  // the position_scaling Q/K transform (backward tests)
+};
+
 }  // namespace attn::testing

@@ -12,16 +12,7 @@ using namespace attn::testing;
 // ---------------------------------------------------------------------------
 // (b) Gradients against central finite differences (double).
 
-struct GradCase {
-  const char* name;
-  MultiheadConfig cfg;
-  int64_t B, L, S;
-  bool self;
-  bool causal = false;
-  CausalAlign align = CausalAlign::top_left;
-  bool kpm = false, attn_mask = false, attn_bias = false, key_lengths = false;
-  bool transform = false;  // the position_scaling Q/K transform
-};
+using GradCase = LayerCase;  // the forward tests' case, with the Q/K transform flag
 
 // A Q/K transform for the hook test: each position n of q and k scaled by
 // (1 + n/4) (linear and position-dependent, like a rotation; its transpose

@@ -17,15 +17,7 @@ using namespace attn::testing;
 // ---------------------------------------------------------------------------
 // (a) The layer equals the explicit per-head computation.
 
-struct Case {
-  const char* name;
-  MultiheadConfig cfg;
-  int64_t B, L, S;
-  bool self;
-  bool causal = false;
-  CausalAlign align = CausalAlign::top_left;
-  bool kpm = false, attn_mask = false, attn_bias = false, key_lengths = false;
-};
+using Case = LayerCase;
 
 std::vector<Case> cases() {
   std::vector<Case> cs;
