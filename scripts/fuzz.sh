@@ -26,11 +26,13 @@ if ! echo 'extern "C" int LLVMFuzzerTestOneInput(const unsigned char*, unsigned 
   echo "fuzz: $CXX_FUZZ cannot link libFuzzer; run: bash scripts/install-fuzz-deps.sh" >&2
   exit 2
 fi
-io_sources=("$root/src/io/file.cpp" "$root/src/io/npy.cpp" "$root/src/io/safetensors.cpp")
+# The parsers and what they link of the core: the boundary's Checker
+# (src/validate.cpp, which asks OpenMP for the thread count: -lgomp).
+io_sources=("$root/src/io/file.cpp" "$root/src/io/npy.cpp" "$root/src/io/safetensors.cpp" "$root/src/validate.cpp")
 status=0
 for target in npy safetensors; do
   echo "fuzz: building fuzz_$target with $CXX_FUZZ"
-  "$CXX_FUZZ" "${flags[@]}" "$root/fuzz/fuzz_$target.cpp" "${io_sources[@]}" -o "$out/fuzz_$target"
+  "$CXX_FUZZ" "${flags[@]}" "$root/fuzz/fuzz_$target.cpp" "${io_sources[@]}" -lgomp -o "$out/fuzz_$target"
   mkdir -p "$out/corpus_$target"
   echo "fuzz: running fuzz_$target for ${seconds}s"
   (cd "$out" && ./"fuzz_$target" -max_total_time="$seconds" -max_len=8192 -rss_limit_mb=2048 -print_final_stats=1 \
