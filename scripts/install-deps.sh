@@ -5,7 +5,8 @@
 # Why each package is there: README.md, "Dependencies".
 set -euo pipefail
 pkgs=(g++ cmake make pkg-config libgtest-dev libhwy-dev libopenblas-dev
-      libcli11-dev nlohmann-json3-dev libfmt-dev libpng-dev python3-dev python3-venv)
+      libcli11-dev nlohmann-json3-dev libfmt-dev libpng-dev python3-dev python3-venv
+      libopenmpi-dev openmpi-bin)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

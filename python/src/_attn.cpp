@@ -18,6 +18,7 @@
 #include <array>
 #include <cstdint>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -269,6 +270,83 @@ void bind_multihead(nb::module_& m, const char* name, const char* cache_name) {
       .def("get_grad", [](const Layer& l, const std::string& n) { return numpy_copy(l.grad(n)); }, "name"_a);
 }
 
+// The KV cache and decode_attention (python/attn/_decode.py wraps them).
+void bind_decode(nb::module_& m) {
+  using attn::KVCache;
+  using namespace nb::literals;
+  nb::class_<KVCache>(m, "KVCache")
+      .def(
+          "__init__",
+          [](KVCache* self, int64_t batch, int64_t kv_heads, int64_t capacity, int64_t head_dim, int64_t value_dim,
+             const std::string& dtype, int64_t page_size, int64_t num_pages) {
+            attn::KVCacheConfig c;
+            c.batch = batch, c.kv_heads = kv_heads, c.capacity = capacity, c.head_dim = head_dim;
+            c.value_dim = value_dim, c.dtype = attn::parse_kv_dtype(dtype), c.page_size = page_size;
+            c.num_pages = num_pages;
+            new (self) KVCache(c);
+          },
+          "batch"_a, "kv_heads"_a, "capacity"_a, "head_dim"_a, "value_dim"_a, "dtype"_a, "page_size"_a, "num_pages"_a)
+      .def_prop_ro("batch", &KVCache::batch)
+      .def_prop_ro("kv_heads", &KVCache::kv_heads)
+      .def_prop_ro("capacity", &KVCache::capacity)
+      .def_prop_ro("head_dim", &KVCache::head_dim)
+      .def_prop_ro("value_dim", &KVCache::value_dim)
+      .def_prop_ro("page_size", &KVCache::page_size)
+      .def_prop_ro("paged", &KVCache::paged)
+      .def_prop_ro("dtype", [](const KVCache& c) { return std::string(attn::kv_dtype_name(c.dtype())); })
+      .def("length", &KVCache::length, "b"_a)
+      .def(
+          "append",
+          [](KVCache& c, int64_t b, const Arr<const float, 3>& k, const Arr<const float, 3>& v) {
+            const auto kv = view_of<const float, 3>(k, "k"), vv = view_of<const float, 3>(v, "v");
+            nb::gil_scoped_release release;
+            c.append(b, kv, vv);
+          },
+          "b"_a, "k"_a.noconvert(), "v"_a.noconvert())
+      .def(
+          "append_all",
+          [](KVCache& c, const Arr<const float, 4>& k, const Arr<const float, 4>& v) {
+            const auto kv = view_of<const float, 4>(k, "k"), vv = view_of<const float, 4>(v, "v");
+            nb::gil_scoped_release release;
+            c.append(attn::View4<const float>(kv), attn::View4<const float>(vv));
+          },
+          "k"_a.noconvert(), "v"_a.noconvert())
+      .def("reset", &KVCache::reset, "b"_a)
+      .def("clear", &KVCache::clear)
+      .def("block_table", &KVCache::block_table, "b"_a)
+      .def(
+          "set_block_table",
+          [](KVCache& c, int64_t b, const std::vector<int32_t>& pages, int64_t length) {
+            c.set_block_table(b, std::span<const int32_t>(pages), length);
+          },
+          "b"_a, "pages"_a, "length"_a)
+      .def(
+          "read",
+          [](const KVCache& c, int64_t b, const Arr<float, 3>& k, const Arr<float, 3>& v) {
+            c.read(b, view_of<float, 3>(k, "k"), view_of<float, 3>(v, "v"));
+          },
+          "b"_a, "k"_a.noconvert(), "v"_a.noconvert());
+  m.def(
+      "decode_attention",
+      [](const Arr<const float, 4>& q, const KVCache& cache, const Arr<float, 4>& out,
+         const std::optional<Arr<float, 3>>& lse, std::optional<double> scale, bool causal, const std::string& backend,
+         bool split_kv, int num_threads) {
+        attn::DecodeOptions o;
+        o.scale = scale;
+        o.causal = causal;
+        o.backend = attn::parse_backend(backend);
+        o.split_kv = split_kv;
+        o.num_threads = num_threads;
+        const auto qv = view_of<const float, 4>(q, "q");
+        const auto ov = view_of<float, 4>(out, "out");
+        const auto lv = view_of<float, 3>(lse, "lse");
+        nb::gil_scoped_release release;
+        attn::decode_attention(qv, cache, ov, o, lv);
+      },
+      "q"_a.noconvert(), "cache"_a, "out"_a.noconvert(), "lse"_a.noconvert().none(), "scale"_a.none(), "causal"_a,
+      "backend"_a, "split_kv"_a, "num_threads"_a, "Attention of q (B, H, L, E) over the cache into out (and lse).");
+}
+
 }  // namespace
 
 NB_MODULE(_attn, m) {
@@ -284,6 +362,7 @@ NB_MODULE(_attn, m) {
   bind_sdpa<double>(m, "f64");
   bind_multihead<float>(m, "MultiheadAttentionF32", "MhaCacheF32");
   bind_multihead<double>(m, "MultiheadAttentionF64", "MhaCacheF64");
+  bind_decode(m);
   m.def("parse_backend", [](const std::string& name) { return std::string(attn::backend_name(attn::parse_backend(name))); },
         nb::arg("name"), "Validates a backend name; returns it, or raises ValueError.");
 }

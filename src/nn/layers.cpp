@@ -148,7 +148,7 @@ Positions parse_positions(const std::string& name) {
 }
 
 template <class T>
-void add_sinusoidal_positions(Tensor<T>& x, int64_t B, int64_t N) {
+void add_sinusoidal_positions(Tensor<T>& x, int64_t B, int64_t N, int64_t offset) {
   if (x.rank() != 2 || x.dim(0) != B * N)
     throw Error("attn::nn::add_sinusoidal_positions: x must be (B·N, D) = (" + std::to_string(B * N) +
                 ", D)");
@@ -157,7 +157,8 @@ void add_sinusoidal_positions(Tensor<T>& x, int64_t B, int64_t N) {
     for (int64_t d = 0; d < D; ++d) {
       // ω_i = 10000^(-2i/D) for the pair i = d/2
       const double w = std::pow(10000.0, -double(2 * (d / 2)) / double(D));
-      const T pe = T(d % 2 == 0 ? std::sin(double(n) * w) : std::cos(double(n) * w));
+      const double pos = double(offset + n);
+      const T pe = T(d % 2 == 0 ? std::sin(pos * w) : std::cos(pos * w));
       for (int64_t b = 0; b < B; ++b) x[size_t((b * N + n) * D + d)] += pe;
     }
 }
@@ -172,15 +173,15 @@ void LearnedPositions<T>::reset_parameters(Rng& rng) {
 }
 
 template <class T>
-void LearnedPositions<T>::forward(Tensor<T>& x, int64_t B, int64_t N) const {
-  if (N > max_len)
-    throw Error("attn::nn::LearnedPositions::forward: sequence length " + std::to_string(N) +
-                " exceeds max_len " + std::to_string(max_len));
+void LearnedPositions<T>::forward(Tensor<T>& x, int64_t B, int64_t N, int64_t offset) const {
+  if (offset < 0 || offset + N > max_len)
+    throw Error("attn::nn::LearnedPositions::forward: positions " + std::to_string(offset) + ".." +
+                std::to_string(offset + N - 1) + " exceed max_len " + std::to_string(max_len));
   rows_of(x, dim, "attn::nn::LearnedPositions::forward", "x");
   // x[b, n] += P[n]
   for (int64_t b = 0; b < B; ++b)
     for (int64_t n = 0; n < N; ++n)
-      for (int64_t d = 0; d < dim; ++d) x[size_t((b * N + n) * dim + d)] += weight[size_t(n * dim + d)];
+      for (int64_t d = 0; d < dim; ++d) x[size_t((b * N + n) * dim + d)] += weight[size_t((offset + n) * dim + d)];
 }
 
 template <class T>
@@ -202,7 +203,7 @@ void LearnedPositions<T>::collect(const std::string& prefix, std::vector<ParamRe
 }
 
 template <class T>
-void apply_rotary(View4<T> x, bool inverse) {
+void apply_rotary(View4<T> x, bool inverse, int64_t offset) {
   const int64_t B = x.dim(0), H = x.dim(1), N = x.dim(2), E = x.dim(3);
   if (E % 2 != 0)
     throw Error("attn::nn::apply_rotary: head dimension E = " + std::to_string(E) +
@@ -211,7 +212,7 @@ void apply_rotary(View4<T> x, bool inverse) {
   for (int64_t n = 0; n < N; ++n)
     for (int64_t i = 0; i < E / 2; ++i) {
       // angle n·θ_i with θ_i = 10000^(-2i/E)
-      const double ang = double(n) * std::pow(10000.0, -double(2 * i) / double(E));
+      const double ang = double(offset + n) * std::pow(10000.0, -double(2 * i) / double(E));
       const double c = std::cos(ang), s = sign * std::sin(ang);
       for (int64_t b = 0; b < B; ++b)
         for (int64_t h = 0; h < H; ++h) {
@@ -593,8 +594,8 @@ CrossEntropyResult softmax_cross_entropy(const Tensor<T>& logits, const int32_t*
   template class LayerNorm<T>;                                                                  \
   template class Mlp<T>;                                                                        \
   template class SelfAttention<T>;                                                              \
-  template void add_sinusoidal_positions<T>(Tensor<T>&, int64_t, int64_t);                      \
-  template void apply_rotary<T>(View4<T>, bool);                                                \
+  template void add_sinusoidal_positions<T>(Tensor<T>&, int64_t, int64_t, int64_t);                      \
+  template void apply_rotary<T>(View4<T>, bool, int64_t);                                                \
   template void gelu_forward<T>(const T*, T*, int64_t);                                         \
   template void gelu_backward<T>(const T*, const T*, T*, int64_t);                              \
   template CrossEntropyResult softmax_cross_entropy<T>(const Tensor<T>&, const int32_t*, Tensor<T>*);

@@ -87,9 +87,10 @@ const char* positions_name(Positions p);
 Positions parse_positions(const std::string& name);  // throws attn::Error
 
 // x (B·N, D) += PE(n, ·) with PE(n, 2i) = sin(n·ω_i), PE(n, 2i+1) = cos(n·ω_i),
-// ω_i = 10000^(-2i/D). Its backward is the identity.
+// ω_i = 10000^(-2i/D). Its backward is the identity. `offset`: the N rows
+// are positions offset .. offset + N − 1 (incremental decoding).
 template <class T>
-void add_sinusoidal_positions(Tensor<T>& x, int64_t B, int64_t N);
+void add_sinusoidal_positions(Tensor<T>& x, int64_t B, int64_t N, int64_t offset = 0);
 
 // x (B·N, D) += P[n] for a trained table P [max_len, D].
 template <class T>
@@ -98,7 +99,7 @@ class LearnedPositions {
   LearnedPositions() = default;
   LearnedPositions(int64_t max_len, int64_t dim);
   void reset_parameters(Rng& rng);  // N(0, 1)
-  void forward(Tensor<T>& x, int64_t B, int64_t N) const;  // in place
+  void forward(Tensor<T>& x, int64_t B, int64_t N, int64_t offset = 0) const;  // in place; positions offset + n
   void backward(const Tensor<T>& dx, int64_t B, int64_t N);
   void zero_grad();
   void collect(const std::string& prefix, std::vector<ParamRef<T>>& out);
@@ -110,9 +111,10 @@ class LearnedPositions {
 // Rotary embedding of a (B, H, N, E) view, E even: each feature pair
 // (2i, 2i+1) of position n is rotated by the angle n·θ_i, θ_i = 10000^(-2i/E).
 // The rotation is orthogonal, so the backward is the rotation by -n·θ_i
-// (inverse = true). In place; any strides.
+// (inverse = true). In place; any strides. Position n of the view is
+// position offset + n of the sequence.
 template <class T>
-void apply_rotary(View4<T> x, bool inverse = false);
+void apply_rotary(View4<T> x, bool inverse = false, int64_t offset = 0);
 
 // LayerNorm over the last axis: y = (x - mean)/sqrt(var + eps)·γ + β.
 template <class T>
