@@ -26,18 +26,45 @@ def is_torch_tensor(x: Any) -> bool:
     return torch is not None and isinstance(x, torch.Tensor)
 
 
+def _torch_to_numpy(x: Any, fn: str, name: str) -> np.ndarray:
+    """A CPU torch tensor as NumPy through DLPack. DLPack describes memory,
+    not torch's lazy views: a tensor with the negative bit (torch.neg views,
+    ``c.conj().imag``) or the conjugate bit holds the un-negated values, so
+    those bits are resolved first (a copy); dtypes and layouts NumPy cannot
+    take are refused with the argument named."""
+    torch = sys.modules["torch"]
+    if x.device.type != "cpu":
+        raise ValueError(f"{fn}: '{name}' is on device '{x.device}', expected a CPU tensor")
+    if x.dtype in (torch.float16, torch.bfloat16):
+        raise ValueError(f"{fn}: '{name}' has dtype {x.dtype}, expected torch.float32 or torch.float64 "
+                         "(half precision is not supported yet; convert with .float())")
+    if x.layout != torch.strided:
+        raise ValueError(f"{fn}: '{name}' has layout {x.layout}, expected a dense (strided) tensor")
+    t = x.detach()
+    if t.is_neg():
+        t = t.resolve_neg()
+    if t.is_conj():
+        t = t.resolve_conj()
+    try:
+        return np.from_dlpack(t)
+    except (RuntimeError, BufferError, TypeError) as e:
+        raise ValueError(f"{fn}: '{name}' (dtype {x.dtype}) cannot be read as a NumPy array: {e}") from None
+
+
 def to_numpy(x: Any, fn: str, name: str) -> np.ndarray:
     """A NumPy view of x (an ndarray, a CPU torch tensor, or anything
     array-like), with non-negative strides that are multiples of the element
-    size. Tensors share memory with the result (DLPack)."""
+    size. Tensors share memory with the result (DLPack) unless a lazy
+    negation or conjugation had to be applied first."""
     if isinstance(x, np.ndarray):
         a = x
     elif is_torch_tensor(x):
-        if x.device.type != "cpu":
-            raise ValueError(f"{fn}: '{name}' is on device '{x.device}', expected a CPU tensor")
-        a = np.from_dlpack(x.detach())
+        a = _torch_to_numpy(x, fn, name)
     elif hasattr(x, "__dlpack__"):
-        a = np.from_dlpack(x)
+        try:
+            a = np.from_dlpack(x)
+        except (RuntimeError, BufferError, TypeError) as e:
+            raise ValueError(f"{fn}: '{name}' cannot be read through DLPack: {e}") from None
     else:
         a = np.asarray(x)
     if not a.dtype.isnative:
