@@ -15,6 +15,7 @@
 
 #include "attn/detail/memory.hpp"
 #include "common.hpp"
+#include "dist.hpp"
 #include "experiments.hpp"
 #include "plot.hpp"
 #include "train.hpp"
@@ -23,7 +24,7 @@ namespace attn::cli {
 namespace {
 
 struct SdpaOpts {
-  std::string q, k, v, mask, out, weights, lse, backend = "auto";
+  std::string q, k, v, mask, out, weights, lse, backend = "auto", context_parallel;
   double scale = 0;
   bool causal = false;
   // The variants (docs/variants.md).
@@ -173,6 +174,9 @@ void run_sdpa_typed(const SdpaOpts& o, const SdpaPaths& paths, const io::Array<d
 }
 
 void run_sdpa(const SdpaOpts& o) {
+  if (!o.context_parallel.empty())
+    return run_sdpa_context_parallel({o.q, o.k, o.v, o.out, o.lse, o.context_parallel, o.backend, o.scale, o.causal,
+                                      !o.mask.empty(), !o.weights.empty()});
   // Every output path is checked before anything is read or computed.
   Outputs outputs;
   const SdpaPaths paths{outputs.add("--out", o.out), outputs.add("--weights", o.weights), outputs.add("--lse", o.lse)};
@@ -287,6 +291,10 @@ void add_sdpa(CLI::App& app) {
   c->add_option("--out", o->out, "output Y (.npy), same leading axes as Q, last axis Ev")->required();
   c->add_option("--weights", o->weights, "also write the attention weights A (.npy), (.., L, S)");
   c->add_option("--lse", o->lse, "also write each row's log-sum-exp (.npy), (.., L)");
+  c->add_option("--context-parallel", o->context_parallel,
+                "ring | ulysses: split the sequence over the processes of `mpirun -np P attn sdpa ...` "
+                "(float32; docs/distributed.md)")
+      ->check(CLI::IsMember({"ring", "ulysses"}));
   c->footer(std::string("Computation is float32 when every input is float32, else float64; outputs use that type.\n") +
             kExitCodesHelp);
   c->callback([o, offset] {

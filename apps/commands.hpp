@@ -13,6 +13,7 @@ void add_experiment(CLI::App& app);
 void add_heatmap(CLI::App& app);
 void add_bench(CLI::App& app);
 void add_tour(CLI::App& app);
+void add_generate(CLI::App& app);  // generate.cpp
 
 // Pieces the tour reuses.
 void explain_example(const std::string& name);  // "cat", "two-tokens" or "random"

@@ -1,7 +1,9 @@
 // `attn explain`: every step of attention on a small input, printed. The two
 // built-in examples are the seeds' worked examples; `random` builds a small
 // multi-head layer and also shows the per-head pieces, the concatenation and
-// the output projection W_O.
+// the output projection W_O. Weights are printed as the library (and
+// PyTorch's state_dict, and the seeds) hold them, [out, in]: a token x is
+// projected as q = W_Q·x, so the token rows X project as Q = X·W_Qᵀ.
 #include <cmath>
 #include <random>
 
@@ -107,15 +109,20 @@ void run_random(const ExplainOpts& o) {
              n, D, H, dk, o.causal ? ", causal" : "", o.seed);
   const Mat X = rnd(n, D, 1.0);
   const double sd = 1 / std::sqrt(double(D));
-  const Mat Wq = rnd(D, H * dk, sd), Wk = rnd(D, H * dk, sd), Wv = rnd(D, H * dk, sd);
+  // [out, in] = [H·d_k, D], the layout of the library's q_proj_weight (the
+  // row blocks of PyTorch's in_proj_weight)
+  const Mat Wq = rnd(H * dk, D, sd), Wk = rnd(H * dk, D, sd), Wv = rnd(H * dk, D, sd);
   print_mat("X (token embeddings, one row per token)", X, tok, 1);
-  print_mat("W_Q", Wq, {}, 1);
-  print_mat("W_K", Wk, {}, 1);
-  print_mat("W_V", Wv, {}, 1);
-  const Mat Q = matmul(X, Wq), K = matmul(X, Wk), V = matmul(X, Wv);
-  print_mat("Q = X W_Q", Q, tok);
-  print_mat("K = X W_K", K, tok);
-  print_mat("V = X W_V", V, tok);
+  fmt::print("Weights are stored [out, in] as in the library and PyTorch (W_Q is {} x {}: q = W_Q x for a token\n"
+             "column x), so the token rows X project as Q = X W_Q^T.\n\n",
+             H * dk, D);
+  print_mat(fmt::format("W_Q  [out, in] = [H*d_k, D] = [{}, {}]", H * dk, D), Wq, {}, 1);
+  print_mat("W_K  [out, in]", Wk, {}, 1);
+  print_mat("W_V  [out, in]", Wv, {}, 1);
+  const Mat Q = matmul(X, transpose(Wq)), K = matmul(X, transpose(Wk)), V = matmul(X, transpose(Wv));
+  print_mat("Q = X W_Q^T", Q, tok);
+  print_mat("K = X W_K^T", K, tok);
+  print_mat("V = X W_V^T", V, tok);
   Mat concat(n, H * dk);
   for (int64_t h = 0; h < H; ++h) {
     const std::string sfx = H > 1 ? fmt::format("_{}", h) : "";
@@ -133,9 +140,9 @@ void run_random(const ExplainOpts& o) {
   if (H > 1) {
     fmt::print("\n-- combining the heads --\n");
     print_mat("O = [Y_0 | Y_1 | ...] (heads side by side)", concat, tok);
-    const Mat Wo = rnd(H * dk, D, 1 / std::sqrt(double(H * dk)));
-    print_mat("W_O", Wo, {}, 1);
-    print_mat("output = O W_O", matmul(concat, Wo), tok);
+    const Mat Wo = rnd(D, H * dk, 1 / std::sqrt(double(H * dk)));  // out_proj.weight [D, H·d_v]
+    print_mat(fmt::format("W_O  [out, in] = [D, H*d_v] = [{}, {}]", D, H * dk), Wo, {}, 1);
+    print_mat("output = O W_O^T", matmul(concat, transpose(Wo)), tok);
   }
 }
 

@@ -77,6 +77,7 @@ int main(int argc, char** argv) {
   add_explain(app);
   add_experiment(app);
   add_train(app);
+  add_generate(app);
   add_heatmap(app);
   add_bench(app);
   add_tour(app);

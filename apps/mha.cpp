@@ -55,8 +55,10 @@ void run_mha_typed(const MhaCliOpts& o, const MhaPaths& paths, const io::Array<d
     wv = View4<T>::bhnd(w.data(), B, o.heads, N, N);
   }
   MhaOptions opt;
-  opt.causal = o.causal;
-  layer.forward_self(View3<const T>(x.data(), {B, N, D}), View3<T>(y.data(), {B, N, D}), {}, opt, nullptr, wv);
+  opt.sdpa.causal = o.causal;
+  MhaArgs<T> args;
+  args.query = View3<const T>(x.data(), {B, N, D});
+  layer.forward(args, {View3<T>(y.data(), {B, N, D}), wv, {}}, opt);
   io::write_npy(paths.out, xa.shape, y.data());
   if (!o.weights_out.empty()) {
     std::vector<int64_t> ws = {o.heads, N, N};

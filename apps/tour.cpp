@@ -49,8 +49,9 @@ void sentence(const TourOpts& o) {
   cfg.num_heads = H;
   MultiheadAttention<float> layer(cfg, o.seed + 7);
   std::vector<float> y(x.size()), w(size_t(H * N * N));
-  layer.forward_self(View3<const float>(x.data(), {1, N, D}), View3<float>(y.data(), {1, N, D}), {}, {}, nullptr,
-                     View4<float>::bhnd(w.data(), 1, H, N, N));
+  MhaArgs<float> args;
+  args.query = View3<const float>(x.data(), {1, N, D});
+  layer.forward(args, {View3<float>(y.data(), {1, N, D}), View4<float>::bhnd(w.data(), 1, H, N, N), {}});
   fmt::print("\"{}\": {} tokens, D = {}, {} heads of d_k = {},\n"
              "weights as PyTorch initialises them (untrained: the patterns show the mechanism, not grammar).\n\n",
              "the cat sat on the mat because it was tired", N, D, H, D / H);

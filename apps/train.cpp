@@ -15,15 +15,14 @@
 #include "plot.hpp"
 
 namespace attn::cli {
-namespace {
 
-// A checkpoint the user names must exist: a missing one is a file error
-// (exit 3), not a configuration error.
 void require_file(const std::string& path, const char* flag) {
   std::error_code ec;
   if (!std::filesystem::is_regular_file(path, ec))
     throw io::FileError(fmt::format("{} '{}': no such file", flag, path));
 }
+
+namespace {
 
 void plot_curve(const std::vector<nn::TrainRecord>& curve, const std::string& path) {
   Chart ch;

@@ -42,4 +42,8 @@ void run_checkpoint_heatmap(const CheckpointHeatmapOpts& o);
 
 void add_train(CLI::App& app);
 
+// A checkpoint the user names must exist: a missing one is a file error
+// (exit 3), not a configuration error.
+void require_file(const std::string& path, const char* flag);
+
 }  // namespace attn::cli

@@ -10,6 +10,16 @@ ratio attn/torch (below 1 means attn is faster).
     python3 bench/compare_torch.py [--attn-bench build/bench/attn-bench]
                                    [--lengths 512,1024] [--threads 1,2] [--json out.json]
 
+Layer mode (--layer): attn.MultiheadAttention against
+torch.nn.MultiheadAttention through both Python front ends (batch_first,
+float32, self-attention, the same weights: attn loads torch's state_dict),
+forward (torch under no_grad) and forward+backward (torch autograd; attn's
+layer backward). The two are timed alternately, one call each per round, so
+load changes hit both; the outputs and input gradients are compared first.
+
+    python3 bench/compare_torch.py --layer [--layer-shapes "8,128,256,4;4,512,512,8"] [--threads 2]
+                                   [--reps 15] [--json out.json]
+
 Decode mode (--decode): the shapes of attn-decode-bench (B, H, Hkv, L, S, E),
 a KV cache of S tokens and L new queries (bottom-right causal). PyTorch SDPA
 is timed twice per shape: with enable_gqa (grouped heads, K/V not copied)
@@ -143,6 +153,86 @@ def decode_main(args, torch):
     return 0
 
 
+def layer_rows(torch, attn, shapes, threads, reps):
+    """Alternating timings of attn.MultiheadAttention and torch.nn.MultiheadAttention."""
+    import numpy as np
+
+    rows = []
+    for B, N, D, H in shapes:
+        torch.set_num_threads(threads)
+        ref = torch.nn.MultiheadAttention(D, H, batch_first=True)
+        mine = attn.MultiheadAttention(D, H, batch_first=True, dtype=np.float32, seed=0)
+        mine.load_state_dict({n: p.detach() for n, p in ref.state_dict().items()})
+        rng = np.random.default_rng(0)
+        x = rng.standard_normal((B, N, D)).astype(np.float32)
+        dout = rng.standard_normal((B, N, D)).astype(np.float32)
+        xt, doutt = torch.from_numpy(x), torch.from_numpy(dout)
+
+        # Validate: the same output and input gradient.
+        ya, _ = mine(x, x, x, need_weights=False)
+        ga = mine.backward(dout)["query"]
+        xg = xt.clone().requires_grad_(True)
+        yt, _ = ref(xg, xg, xg, need_weights=False)
+        yt.backward(doutt)
+        check = (f"max|dy| {np.abs(ya - yt.detach().numpy()).max():.1e}, "
+                 f"max|dx| {np.abs(ga - xg.grad.numpy()).max():.1e}")
+
+        def torch_fwd():
+            with torch.no_grad():
+                ref(xt, xt, xt, need_weights=False)
+
+        def torch_fwdbwd():
+            xx = xt.detach().requires_grad_(True)
+            y, _ = ref(xx, xx, xx, need_weights=False)
+            y.backward(doutt)
+
+        def attn_fwd():
+            mine(x, x, x, need_weights=False)
+
+        def attn_fwdbwd():
+            mine(x, x, x, need_weights=False)
+            mine.backward(dout)
+
+        for mode, tf, af in (("fwd", torch_fwd, attn_fwd), ("fwdbwd", torch_fwdbwd, attn_fwdbwd)):
+            tt, ta = [], []
+            for r in range(reps + 1):  # round 0 warms up
+                for fn, acc in ((tf, tt), (af, ta)) if r % 2 == 0 else ((af, ta), (tf, tt)):
+                    t0 = time.perf_counter()
+                    fn()
+                    acc.append(time.perf_counter() - t0)
+            t, a = statistics.median(tt[1:]), statistics.median(ta[1:])
+            rows.append(dict(B=B, N=N, D=D, H=H, mode=mode, threads=threads, torch_s=t, attn_s=a, ratio=a / t,
+                             validation=check))
+            print(f"{B:3d} {N:5d} {D:4d} {H:3d} {mode:7} {threads:2d} {t * 1e3:10.2f} {a * 1e3:10.2f} "
+                  f"{a / t:10.3f}  {check}", flush=True)
+    return rows
+
+
+def main_layer(args, torch):
+    try:
+        import attn
+    except ImportError as e:
+        print(f"compare_torch --layer: the attn Python package is not importable ({e}); `make python-install` "
+              "and run with build-py/venv/bin/python.")
+        return 1
+    shapes = [tuple(parse_list(s)) for s in args.layer_shapes.split(";") if s]
+    load = os.getloadavg()
+    print(f"torch {torch.__version__} (CPU capability {torch.backends.cpu.get_cpu_capability()}), attn "
+          f"{attn.__version__}; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+    print(f"{'B':>3} {'N':>5} {'D':>4} {'H':>3} {'mode':7} {'th':>2} {'torch ms':>10} {'attn ms':>10} "
+          f"{'attn/torch':>10}  validation")
+    rows = []
+    for threads in parse_list(args.threads):
+        rows += layer_rows(torch, attn, shapes, threads, args.reps)
+    worst = max(rows, key=lambda r: r["ratio"])
+    print(f"\nslowest relative to torch: (B, N, D, H) = ({worst['B']}, {worst['N']}, {worst['D']}, {worst['H']}) "
+          f"{worst['mode']} threads={worst['threads']}: attn/torch = {worst['ratio']:.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(torch=torch.__version__, mode="layer", load=load, results=rows), f, indent=2)
+    return 0
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--attn-bench", default=os.path.join("build", "bench", "attn-bench"))
@@ -156,7 +246,14 @@ def main():
     ap.add_argument("--attn-decode-bench", default=os.path.join("build", "bench", "attn-decode-bench"))
     ap.add_argument("--shapes", default=DECODE_SHAPES, help="decode mode: B,H,Hkv,L,S,E;...")
     ap.add_argument("--ggml-driver", default="", help="decode mode: time ggml flash_attn_ext with this driver")
+    ap.add_argument("--layer", action="store_true", help="time the multi-head layers (see above)")
+    ap.add_argument("--layer-shapes", default="8,128,256,4;4,512,512,8;1,2048,768,12",
+                    help="layer mode: B,N,D,H;...")
     args, _ = ap.parse_known_args()
+    if args.layer and args.threads == "1,2":
+        args.threads = "2"
+    if args.layer and args.reps == 3:
+        args.reps = 15
 
     try:
         import torch
@@ -164,6 +261,8 @@ def main():
         print(f"compare_torch: PyTorch is not installed or cannot be imported ({e}); nothing to compare.\n"
               "Install it (e.g. `pip install torch`) and run again.")
         return 0
+    if args.layer:
+        return main_layer(args, torch)
     if args.decode:
         if not os.path.exists(args.attn_decode_bench):
             print(f"compare_torch: {args.attn_decode_bench} not found; build first (`make build`).")

@@ -16,6 +16,7 @@
 // minimum any exact kernel must read; "% bw" relates it to the measured read
 // bandwidth. GFLOP/s counts 4·E flops per visible (query, key) pair.
 #include <omp.h>
+#include <time.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
@@ -90,20 +91,35 @@ void fill_cache(attn::KVCache& cache, const Shape& s) {
     }
 }
 
+// CPU time of all the process's threads.
+double cpu_seconds() {
+  timespec ts{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return double(ts.tv_sec) + 1e-9 * double(ts.tv_nsec);
+}
+
+struct Timing {
+  double wall = 0, cpu = 0;  // medians, seconds per call (cpu: all threads together)
+  int reps = 0;
+};
+
+// Medians of wall and CPU time over at least 3 runs and about min_seconds.
 template <class F>
-double median_seconds(F&& f, double min_seconds, int* reps_out) {
+Timing time_it(F&& f, double min_seconds) {
   f();  // warm-up (page faults, caches)
-  std::vector<double> t;
+  std::vector<double> wall, cpu;
   const auto start = std::chrono::steady_clock::now();
-  while (t.size() < 3 || std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() < min_seconds) {
+  while (wall.size() < 3 || std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() < min_seconds) {
+    const double c0 = cpu_seconds();
     const auto t0 = std::chrono::steady_clock::now();
     f();
-    t.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-    if (t.size() >= 200) break;
+    wall.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    cpu.push_back(cpu_seconds() - c0);
+    if (wall.size() >= 200) break;
   }
-  std::sort(t.begin(), t.end());
-  *reps_out = int(t.size());
-  return t[t.size() / 2];
+  std::sort(wall.begin(), wall.end());
+  std::sort(cpu.begin(), cpu.end());
+  return {wall[wall.size() / 2], cpu[cpu.size() / 2], int(wall.size())};
 }
 
 double max_abs_diff(const Tensor<float>& a, const Tensor<float>& b) {
@@ -168,8 +184,8 @@ int main(int argc, char** argv) {
     std::printf("attn-decode-bench: %d threads, %s, read bandwidth %.1f GB/s, FMA peak %.0f GFLOP/s, %s cache\n",
                 threads, attn::detail::decode_target_name(), bw, peak,
                 page ? ("paged (" + std::to_string(page) + " tokens/page)").c_str() : "contiguous");
-    std::printf("%-22s %-8s %-9s %9s %8s %6s %8s %8s  %s\n", "B,H,Hkv,L,S,E", "dtype", "variant", "ms", "GB/s",
-                "% bw", "GFLOP/s", "vs dec", "check");
+    std::printf("%-22s %-8s %-9s %9s %8s %6s %8s %8s %8s  %s\n", "B,H,Hkv,L,S,E", "dtype", "variant", "ms", "GB/s",
+                "% bw", "GB/cpu-s", "GFLOP/s", "vs dec", "check");
   }
   int status = 0;
   for (const Shape& s : shapes) {
@@ -211,20 +227,23 @@ int main(int argc, char** argv) {
         if (d >= tol) status = 1;
       }
       if (dtype == KVDtype::float32) out_f32 = out;
-      int reps = 0;
-      const double t_dec = median_seconds([&] { attn::decode_attention(q.view4(), cache, out.view4(), opt, lse.view<3>()); },
-                                          min_seconds, &reps);
-      auto emit = [&](const char* variant, double t, int n, const std::string& chk) {
-        const double gbs = kv_bytes / t * 1e-9;
+      const Timing t_dec =
+          time_it([&] { attn::decode_attention(q.view4(), cache, out.view4(), opt, lse.view<3>()); }, min_seconds);
+      // Per CPU-second: the rate had each thread run alone on its core (a
+      // loaded machine stretches wall time, much less the CPU time).
+      auto emit = [&](const char* variant, const Timing& t, const std::string& chk) {
+        const double gbs = kv_bytes / t.wall * 1e-9, cpu_gbs = kv_bytes / (t.cpu / threads) * 1e-9;
         if (!quiet)
-          std::printf("%-22s %-8s %-9s %9.3f %8.1f %5.0f%% %8.1f %7.2fx  %s\n", s.str().c_str(), dt.c_str(), variant,
-                      t * 1e3, gbs, 100 * gbs / bw, fl / t * 1e-9, t / t_dec, chk.c_str());
+          std::printf("%-22s %-8s %-9s %9.3f %8.1f %5.0f%% %8.1f %8.1f %7.2fx  %s\n", s.str().c_str(), dt.c_str(),
+                      variant, t.wall * 1e3, gbs, 100 * gbs / bw, cpu_gbs, fl / t.wall * 1e-9, t.wall / t_dec.wall,
+                      chk.c_str());
         std::fflush(stdout);
         doc["rows"].push_back({{"shape", {s.B, s.H, s.Hkv, s.L, s.S, s.E}}, {"dtype", dt}, {"variant", variant},
-                               {"ms", t * 1e3}, {"kv_gbs", gbs}, {"pct_bandwidth", 100 * gbs / bw},
-                               {"gflops", fl / t * 1e-9}, {"reps", n}, {"check", chk}});
+                               {"ms", t.wall * 1e3}, {"cpu_ms", t.cpu * 1e3}, {"kv_gbs", gbs},
+                               {"kv_gbs_per_cpu_s", cpu_gbs}, {"pct_bandwidth", 100 * gbs / bw},
+                               {"gflops", fl / t.wall * 1e-9}, {"reps", t.reps}, {"check", chk}});
       };
-      emit("decode", t_dec, reps, check);
+      emit("decode", t_dec, check);
       if (no_dense || dtype != KVDtype::float32 || page != 0) continue;
       // The same keys and values as dense tensors: the contiguous cache's storage, viewed.
       const attn::detail::KVLayout kv = attn::detail::KVCacheAccess::layout(cache);
@@ -237,18 +256,18 @@ int main(int argc, char** argv) {
       so.causal_align = attn::CausalAlign::bottom_right;
       so.num_threads = threads;
       Tensor<float> dense_out({s.B, s.H, s.L, s.E});
-      const double t_dense = median_seconds(
-          [&] { attn::scaled_dot_product_attention(a, {dense_out.view4(), {}, lse.view<3>()}, so); }, min_seconds, &reps);
-      emit("dense", t_dense, reps, "max |diff| vs decode " + sci(max_abs_diff(dense_out, out)));
+      const Timing t_dense =
+          time_it([&] { attn::scaled_dot_product_attention(a, {dense_out.view4(), {}, lse.view<3>()}, so); }, min_seconds);
+      emit("dense", t_dense, "max |diff| vs decode " + sci(max_abs_diff(dense_out, out)));
       attn::detail::Problem p;
       p.B = s.B, p.H = s.H, p.Hkv = s.Hkv, p.L = s.L, p.S = s.S, p.E = p.Ev = s.E;
       p.scale = 1.0 / std::sqrt(double(s.E));
       p.causal = true;
       p.align = attn::CausalAlign::bottom_right;
       p.threads = threads;
-      const double t_fused = median_seconds(
-          [&] { attn::detail::fused_forward(p, a, dense_out.view4(), {}, lse.view<3>()); }, min_seconds, &reps);
-      emit("per-head", t_fused, reps, "max |diff| vs decode " + sci(max_abs_diff(dense_out, out)));
+      const Timing t_fused =
+          time_it([&] { attn::detail::fused_forward(p, a, dense_out.view4(), {}, lse.view<3>()); }, min_seconds);
+      emit("per-head", t_fused, "max |diff| vs decode " + sci(max_abs_diff(dense_out, out)));
     }
   }
   if (!json.empty()) {

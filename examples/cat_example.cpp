@@ -19,15 +19,22 @@ const char* const kTokens[] = {"the", "cat", "was", "hungry"};
 
 // Prints a (rows × cols) row-major matrix with token labels on the rows, and
 // an optional note after the last row.
-void print_matrix(const char* title, const float* m, int rows, int cols, const char* note = nullptr) {
+void print_matrix(const char* title, attn::View2<const float> m, const char* note = nullptr) {
   std::printf("%s\n", title);
-  for (int r = 0; r < rows; ++r) {
+  for (int64_t r = 0; r < m.dim(0); ++r) {
     std::printf("  %-7s", kTokens[r]);
-    for (int c = 0; c < cols; ++c) std::printf(" %7.3f", m[r * cols + c]);
-    if (note && r == rows - 1) std::printf("    <- %s", note);
+    for (int64_t c = 0; c < m.dim(1); ++c) std::printf(" %7.3f", m(r, c));
+    if (note && r == m.dim(0) - 1) std::printf("    <- %s", note);
     std::printf("\n");
   }
   std::printf("\n");
+}
+void print_matrix(const char* title, const float* m, int rows, int cols, const char* note = nullptr) {
+  print_matrix(title, attn::View2<const float>(m, {rows, cols}), note);
+}
+// Head 0 of batch 0 of a (B, H, N, F) view, as an (N, F) matrix.
+attn::View2<const float> head0(attn::View4<const float> v) {
+  return attn::View2<const float>(v.data, {v.dim(2), v.dim(3)}, {v.strides[2], v.strides[3]});
 }
 
 }  // namespace
@@ -69,23 +76,26 @@ int main() {
   for (int i = 0; i < N; ++i) x[size_t(i * D + i)] = 1.0f;
 
   attn::MhaCache<float> cache;  // keeps Q, K, V for display (and for backward)
-  layer.forward_self(attn::View3<const float>(x.data(), {1, N, D}), attn::View3<float>(y.data(), {1, N, D}),
-                     {}, {}, &cache, attn::View4<float>(a.data(), {1, 1, N, N}));
+  attn::MhaArgs<float> args;  // query only: self-attention
+  args.query = attn::View3<const float>(x.data(), {1, N, D});
+  layer.forward(args, {attn::View3<float>(y.data(), {1, N, D}), attn::View4<float>(a.data(), {1, 1, N, N}), {}}, {},
+                &cache);
 
   // The scaled scores, recomputed from the layer's Q and K for display.
+  const auto q = head0(cache.q()), k = head0(cache.k()), v = head0(cache.v());
   std::vector<float> s(N * N);
   for (int i = 0; i < N; ++i)
     for (int j = 0; j < N; ++j) {
       float dot = 0;
-      for (int e = 0; e < E; ++e) dot += cache.q[size_t(i * E + e)] * cache.k[size_t(j * E + e)];
+      for (int e = 0; e < E; ++e) dot += q(i, e) * k(j, e);
       s[size_t(i * N + j)] = dot / std::sqrt(float(E));
     }
 
   std::printf("attn: the seeds' \"the cat was hungry\" example through MultiheadAttention\n");
   std::printf("(one head, D = 4, d_k = 4, d_v = 2; X = one-hot embeddings; sqrt(d_k) = 2)\n\n");
-  print_matrix("Q = X.W_q^T", cache.q.data(), N, E, "seed: q_hungry = [2, 0, 0, 0]");
-  print_matrix("K = X.W_k^T", cache.k.data(), N, E);
-  print_matrix("V = X.W_v^T", cache.v.data(), N, Ev);
+  print_matrix("Q = X.W_q^T", q, "seed: q_hungry = [2, 0, 0, 0]");
+  print_matrix("K = X.W_k^T", k);
+  print_matrix("V = X.W_v^T", v);
   print_matrix("S = Q.K^T / sqrt(d_k)   (columns: the cat was hungry)", s.data(), N, N,
                "seed: -1 2 0 0");
   print_matrix("A = softmax_row(S)", a.data(), N, N, "seed: 0.038 0.757 0.102 0.102");

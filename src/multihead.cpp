@@ -1,31 +1,39 @@
-// The multi-head attention layer: three input projections, one call to the
+// The multi-head attention layer: the input projections, one call to the
 // public scaled dot-product attention over all heads at once, and an output
-// projection.
+// projection. It is the only multi-head attention in attn: the transformer's
+// nn::SelfAttention wraps it, adding rotary positions through the Q/K
+// transform hook.
 //
 // Data flow (B batch, L queries, S keys, D = embed_dim, H heads, E / Ev head
 // widths), every buffer row-major:
 //
-//   xq (B·L, D)    ─ GEMM W_qᵀ ─▶ q (B·L, H·E)  ┐
-//   xk (B·S, kdim) ─ GEMM W_kᵀ ─▶ k (B·S, H·E)  ├ viewed as (B, H, N, ·) with
-//   xv (B·S, vdim) ─ GEMM W_vᵀ ─▶ v (B·S, H·Ev) ┘ View4::bnhd: no head split copy
+//   self-attention:  x (B·L, D) ─ GEMM [W_q; W_k; W_v]ᵀ ─▶ [q | k | v] (B·L, 2·H·E + H·Ev)
+//   otherwise:       xq ─ GEMM W_qᵀ ─▶ q (B·L, H·E),  xk ─▶ k (B·S, H·E),  xv ─▶ v (B·S, H·Ev)
+//   each part viewed as (B, H, N, ·) by strides: no head-split copy
+//   q, k ─ transform (optional, in place, e.g. rotary positions)
 //   sdpa(q, k, v) ─▶ o (B·L, H·Ev)   (heads already concatenated in memory)
 //   o ─ GEMM W_oᵀ ─▶ y (B·L, D)
 //
+// With the packed in_proj_weight [3D, D] (its row blocks are W_q, W_k, W_v)
+// the self-attention projection is one GEMM; in_proj_bias is laid out
+// [b_q; b_k; b_v] in both the packed and the separate case, so one slicing
+// rule serves both.
+//
 // The backward walks the same steps in reverse with the transposed GEMMs:
 //   y = o·W_oᵀ + b_o   ->  dW_o += dyᵀ·o,  db_o += Σ_rows dy,  do = dy·W_o
-//   o = sdpa(q, k, v)  ->  dq, dk, dv from scaled_dot_product_attention_backward
-//   q = xq·W_qᵀ + b_q  ->  dW_q += dqᵀ·xq, db_q += Σ_rows dq,  dxq = dq·W_q
-// (and the same for k and v). In self-attention xq = xk = xv, so dx is the sum
-// of the three input gradients.
-//
-// The packed parameter in_proj_weight [3D, D] holds W_q, W_k and W_v as three
-// consecutive row blocks, and in_proj_bias is laid out [b_q; b_k; b_v] in
-// both the packed and the separate case, so one slicing rule serves both.
+//   o = sdpa(q, k, v)  ->  dq', dk', dv from scaled_dot_product_attention_backward,
+//                          written in the projections' layout
+//   q', k' = t(q, k)   ->  dq, dk from the transform's backward
+//   p = x·Wᵀ + b       ->  dW += dpᵀ·x,  db += Σ_rows dp,  dx = dp·W
+// In self-attention x feeds all three parts, so dx = [dq | dk | dv]·[W_q; W_k; W_v],
+// one GEMM again when packed.
 #include "attn/multihead.hpp"
 
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <functional>
+#include <map>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -106,33 +114,34 @@ void scatter(const T* src, View3<T> dst) {
       for (int64_t c = 0; c < dst.dim(2); ++c) dst(a, b, c) = *src++;
 }
 
+// `t` with this shape: kept as it is when it has the shape already (the
+// caller overwrites every element), allocated otherwise.
+template <class T>
+void sized(Tensor<T>& t, std::vector<int64_t> shape) {
+  if (t.shape() != shape) t = Tensor<T>(std::move(shape));
+}
+
 // A dense (rows, width) copy of `src` in `storage`, or src's own data when it
 // is already dense and no copy is wanted.
 template <class T>
 const T* dense(View3<const T> src, Tensor<T>& storage, bool force_copy) {
   if (src.is_contiguous() && !force_copy) return src.data;
-  storage = Tensor<T>({src.dim(0), src.dim(1), src.dim(2)});
-  gather(src, storage.data());
+  sized(storage, {src.dim(0), src.dim(1), src.dim(2)});
+  if (src.is_contiguous())
+    std::copy_n(src.data, storage.size(), storage.data());
+  else
+    gather(src, storage.data());
   return storage.data();
 }
 
-// One row block of the input projection: W (rows, cols) with leading
-// dimension cols, bias of `rows` entries (nullptr when the layer has none).
-// T is const for parameters, mutable for their gradients.
+// True when p points into t's storage.
 template <class T>
-struct Proj {
-  T* w;
-  T* b;
-  int64_t rows, cols;
-};
-
-// Adds `bias` (n) to every row of C (m, n).
-template <class T>
-void add_rows(T* C, int64_t m, int64_t n, const T* bias) {
-  if (!bias) return;
-  for (int64_t i = 0; i < m; ++i)
-    for (int64_t j = 0; j < n; ++j) C[i * n + j] += bias[j];
+bool inside(const Tensor<T>& t, const void* p) {
+  const auto* b = reinterpret_cast<const unsigned char*>(t.data());
+  const auto* x = static_cast<const unsigned char*>(p);
+  return b && x && std::less_equal<>()(b, x) && std::less<>()(x, b + t.size() * sizeof(T));
 }
+
 // U(-bound, bound) from the library's generator.
 template <class T>
 void fill_uniform(Tensor<T>& t, double bound, Rng& rng) {
@@ -297,58 +306,145 @@ void MultiheadAttention<T>::load_parameter(const std::string& name, View<const T
 }
 
 // ---------------------------------------------------------------------------
-// Forward
+// Forward and backward
 
 namespace {
 
-// The three input projections of a layer, as row blocks of its parameters;
-// get(name) returns the data of the parameter (or gradient) of that name.
-template <class T, class Get>
-std::array<Proj<T>, 3> projections(const MultiheadConfig& cfg, bool packed, Get get) {
+// One of the three input projections: p = x·Wᵀ + b for x (rows, cols) dense,
+// W [width, cols], b [width] (nullptr without bias), p written with leading
+// dimension `ld` (the parts of a self-attention share one matrix).
+template <class T>
+struct Part {
+  const T* x;
+  int64_t rows, cols;
+  const T* w;
+  const T* b;
+  T* gw;  // gradients of w and b
+  T* gb;
+  int64_t width;
+  T* p;   // the projection, then its gradient in the backward
+  int64_t ld;
+};
+
+// The projections of one call: for each of q, k, v its input, weight rows,
+// bias and place in the projection buffer `proj` (laid out as MhaCache::proj
+// documents). `grads` points gw/gb at the gradient tensors.
+template <class T, class Layer>
+std::array<Part<T>, 3> parts(Layer& layer, const MultiheadConfig& cfg, bool packed, bool self, int64_t B,
+                             int64_t L, int64_t S, const T* xq, const T* xk, const T* xv, T* proj,
+                             std::map<std::string, Tensor<T>>* grads) {
   const int64_t D = cfg.embed_dim, HE = cfg.num_heads * cfg.head_dim, HEv = cfg.num_heads * cfg.v_head_dim;
-  T* b = cfg.bias ? get(kInProjBias) : nullptr;
-  auto off = [&](int64_t n) { return b ? b + n : nullptr; };
+  auto param = [&](const char* n) -> const T* { return layer.parameter(n).data(); };
+  auto grad = [&](const char* n) -> T* { return grads ? grads->at(n).data() : nullptr; };
+  const T* b = cfg.bias ? param(kInProjBias) : nullptr;
+  T* gb = cfg.bias ? grad(kInProjBias) : nullptr;
+  auto off = [](auto* ptr, int64_t n) { return ptr ? ptr + n : nullptr; };
+  const T* w[3];
+  T* gw[3];
   if (packed) {
-    T* w = get(kInProjWeight);
-    return {Proj<T>{w, off(0), D, D}, Proj<T>{w + D * D, off(D), D, D}, Proj<T>{w + 2 * D * D, off(2 * D), D, D}};
+    for (int t = 0; t < 3; ++t) {
+      w[t] = param(kInProjWeight) + t * D * D;
+      gw[t] = off(grad(kInProjWeight), t * D * D);
+    }
+  } else {
+    w[0] = param(kQProjWeight), w[1] = param(kKProjWeight), w[2] = param(kVProjWeight);
+    gw[0] = grad(kQProjWeight), gw[1] = grad(kKProjWeight), gw[2] = grad(kVProjWeight);
   }
-  return {Proj<T>{get(kQProjWeight), off(0), HE, D}, Proj<T>{get(kKProjWeight), off(HE), HE, cfg.kdim},
-          Proj<T>{get(kVProjWeight), off(2 * HE), HEv, cfg.vdim}};
+  const int64_t ld_self = 2 * HE + HEv;
+  T* pk = self ? proj + HE : proj + B * L * HE;
+  T* pv = self ? proj + 2 * HE : pk + B * S * HE;
+  return {Part<T>{xq, B * L, D, w[0], b, gw[0], gb, HE, proj, self ? ld_self : HE},
+          Part<T>{xk, B * S, cfg.kdim, w[1], off(b, HE), gw[1], off(gb, HE), HE, pk, self ? ld_self : HE},
+          Part<T>{xv, B * S, cfg.vdim, w[2], off(b, 2 * HE), gw[2], off(gb, 2 * HE), HEv, pv,
+                  self ? ld_self : HEv}};
 }
 
-// out (m, rows) = x (m, cols) · Wᵀ + b
+// The (B, H, N, F) head view of a part's projection (or its gradient).
 template <class T>
-void project(const Proj<const T>& p, const T* x, int64_t m, T* out) {
-  gemm<T>({m, p.rows, p.cols}, false, x, p.cols, true, p.w, p.cols, out, p.rows);
-  add_rows(out, m, p.rows, p.b);
+View4<T> heads(const Part<T>& p, int64_t B, int64_t N, int64_t H) {
+  const int64_t F = p.width / H;
+  return View4<T>(p.p, {B, H, N, F}, {N * p.ld, F, p.ld, 1});
 }
 
-// The shared body of forward and forward_self, after the inputs' shapes
-// were checked: validates the rest, projects, attends, projects back.
+// Adds bias (n) to every row of C (m, n) with leading dimension ldc.
 template <class T>
-void forward_impl(const MultiheadAttention<T>& layer, const Checker& c, View3<const T> query,
-                  View3<const T> key, View3<const T> value, bool self, View3<T> out, const MhaMasks<T>& masks,
-                  const MhaOptions& opt, MhaCache<T>* cache, View4<T> head_weights, View3<T> avg_weights) {
-  const MultiheadConfig& cfg_ = layer.config();
+void add_rows(T* C, int64_t m, int64_t n, int64_t ldc, const T* bias) {
+  if (!bias) return;
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t j = 0; j < n; ++j) C[i * ldc + j] += bias[j];
+}
+// db[j] += Σ_i C[i, j] for C (m, n) with leading dimension ldc, in double.
+template <class T>
+void add_column_sums(const T* C, int64_t m, int64_t n, int64_t ldc, T* db) {
+  std::vector<double> s(static_cast<size_t>(n), 0.0);
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t j = 0; j < n; ++j) s[size_t(j)] += double(C[i * ldc + j]);
+  for (int64_t j = 0; j < n; ++j) db[j] += T(s[size_t(j)]);
+}
+
+template <class T, int R>
+Tensor<T> copy_of(View<const T, R> v) {
+  std::vector<int64_t> shape(v.shape.begin(), v.shape.end());
+  Tensor<T> t(shape);
+  std::array<int64_t, R> idx{};
+  for (size_t f = 0; f < t.size(); ++f) {
+    int64_t o = 0;
+    for (int i = 0; i < R; ++i) o += idx[size_t(i)] * v.strides[size_t(i)];
+    t[f] = v.data[o];
+    for (int i = R - 1; i >= 0; --i) {
+      if (++idx[size_t(i)] < v.shape[size_t(i)]) break;
+      idx[size_t(i)] = 0;
+    }
+  }
+  return t;
+}
+
+}  // namespace
+
+template <class T>
+void MultiheadAttention<T>::forward(const MhaArgs<T>& a, const MhaOutputs<T>& o, const MhaOptions& opt,
+                                    MhaCache<T>* cache) const {
+  const Checker c{"forward"};
   const int64_t D = cfg_.embed_dim, H = cfg_.num_heads, E = cfg_.head_dim, Ev = cfg_.v_head_dim;
-  const int64_t B = query.dim(0), L = query.dim(1), S = key.dim(1);
+  const bool self = a.key.empty() && a.value.empty();
+  if (a.query.empty()) c.fail("argument 'query' is required but was not given");
+  if (a.key.empty() != a.value.empty())
+    c.fail(std::string("argument '") + (a.key.empty() ? "key" : "value") +
+           "' is required when '" + (a.key.empty() ? "value" : "key") +
+           "' is given (leave both empty for self-attention)");
+  const int64_t B = a.query.dim(0), L = a.query.dim(1), S = self ? L : a.key.dim(1);
+  if (B < 1 || L < 1 || a.query.dim(2) != D)
+    c.fail("argument 'query' has shape " + shape_str(a.query.shape) + ", expected (B, L, " + std::to_string(D) +
+           ") with B, L >= 1 (embed_dim = " + std::to_string(D) + ")");
+  if (self) {
+    if (cfg_.kdim != D || cfg_.vdim != D)
+      c.fail("self-attention (no 'key' and 'value') needs kdim = vdim = embed_dim = " + std::to_string(D) +
+             ", but this layer has kdim = " + std::to_string(cfg_.kdim) + ", vdim = " + std::to_string(cfg_.vdim) +
+             "; pass 'key' and 'value'");
+  } else {
+    if (a.key.dim(0) != B || S < 1 || a.key.dim(2) != cfg_.kdim)
+      c.fail("argument 'key' has shape " + shape_str(a.key.shape) + ", expected (" + std::to_string(B) + ", S, " +
+             std::to_string(cfg_.kdim) + ") with S >= 1 (batch of 'query', kdim = " + std::to_string(cfg_.kdim) +
+             ")");
+    c.shape(a.value, "value", {B, S, cfg_.vdim},
+            "(" + std::to_string(B) + ", " + std::to_string(S) + ", " + std::to_string(cfg_.vdim) +
+                ") (batch of 'query', S of 'key', vdim = " + std::to_string(cfg_.vdim) + ")");
+  }
   const std::array<int64_t, 4> full{B, H, L, S};
-
-  // Validation of everything else, before any work.
-  c.shape(out, "out", {B, L, D});
-  c.writable(out, "out");
-  if (!head_weights.empty()) {
-    c.shape(head_weights, "head_weights", full);
-    c.writable(head_weights, "head_weights");
+  c.shape(o.out, "out", {B, L, D});
+  c.writable(o.out, "out");
+  if (!o.head_weights.empty()) {
+    c.shape(o.head_weights, "head_weights", full);
+    c.writable(o.head_weights, "head_weights");
   }
-  if (!avg_weights.empty()) {
-    c.shape(avg_weights, "avg_weights", {B, L, S});
-    c.writable(avg_weights, "avg_weights");
+  if (!o.avg_weights.empty()) {
+    c.shape(o.avg_weights, "avg_weights", {B, L, S});
+    c.writable(o.avg_weights, "avg_weights");
   }
-  if (!masks.attn_mask.empty()) c.broadcastable(masks.attn_mask, "attn_mask", full);
-  if (!masks.attn_bias.empty()) {
-    c.broadcastable(masks.attn_bias, "attn_bias", full);
-    const auto& ab = masks.attn_bias;
+  if (!a.attn_mask.empty()) c.broadcastable(a.attn_mask, "attn_mask", full);
+  if (!a.attn_bias.empty()) {
+    c.broadcastable(a.attn_bias, "attn_bias", full);
+    const auto& ab = a.attn_bias;
     for (int64_t b = 0; b < ab.dim(0); ++b)
       for (int64_t h = 0; h < ab.dim(1); ++h)
         for (int64_t i = 0; i < ab.dim(2); ++i)
@@ -357,51 +453,77 @@ void forward_impl(const MultiheadAttention<T>& layer, const Checker& c, View3<co
               c.fail("argument 'attn_bias' contains NaN or +Inf at " + shape_str({b, h, i, j}) +
                      " (only -Inf is allowed, as a mask)");
   }
-  if (!masks.key_padding_mask.empty()) c.shape(masks.key_padding_mask, "key_padding_mask", {B, S}, "(B, S) = " + shape_str({B, S}));
-  if (!masks.key_lengths.empty()) {
-    c.shape(masks.key_lengths, "key_lengths", {B}, "(B) = " + shape_str({B}));
+  if (!a.key_padding_mask.empty())
+    c.shape(a.key_padding_mask, "key_padding_mask", {B, S}, "(B, S) = " + shape_str({B, S}));
+  if (!a.key_lengths.empty()) {
+    c.shape(a.key_lengths, "key_lengths", {B}, "(B) = " + shape_str({B}));
     for (int64_t b = 0; b < B; ++b)
-      if (masks.key_lengths(b) < 0 || masks.key_lengths(b) > S)
-        c.fail("argument 'key_lengths' has value " + std::to_string(masks.key_lengths(b)) + " at batch " +
+      if (a.key_lengths(b) < 0 || a.key_lengths(b) > S)
+        c.fail("argument 'key_lengths' has value " + std::to_string(a.key_lengths(b)) + " at batch " +
                std::to_string(b) + ", expected 0 <= key_lengths[b] <= S = " + std::to_string(S));
   }
-  if (opt.num_threads < 0)
-    c.fail("option 'num_threads' is " + std::to_string(opt.num_threads) + ", expected >= 0 (0 = default)");
-  if (opt.check_finite) {
-    c.finite(query, self ? "x" : "query");
+  if (opt.sdpa.num_threads < 0)
+    c.fail("option 'num_threads' is " + std::to_string(opt.sdpa.num_threads) + ", expected >= 0 (0 = default)");
+  if (opt.sdpa.check_finite) {
+    c.finite(a.query, "query");
     if (!self) {
-      c.finite(key, "key");
-      c.finite(value, "value");
+      c.finite(a.key, "key");
+      c.finite(a.value, "value");
     }
   }
 
   // Filled here and moved into *cache at the end, so that inputs which alias
   // the caller's old cache stay valid while they are read.
   MhaCache<T> st;
+  // A cache refilled call after call (a training loop) lends its buffers to
+  // the new state, unless an argument points into one of them.
+  if (cache) {
+    const void* ptrs[] = {a.query.data,   a.key.data,      a.value.data,         a.attn_mask.data,
+                          a.attn_bias.data, a.key_padding_mask.data, a.key_lengths.data, o.out.data,
+                          o.head_weights.data, o.avg_weights.data};
+    bool aliased = false;
+    for (const void* p : ptrs)
+      for (const Tensor<T>* t : {&cache->query, &cache->key, &cache->value, &cache->proj, &cache->attn_out,
+                                 &cache->lse, &cache->bias})
+        aliased = aliased || inside(*t, p);
+    for (const void* p : ptrs) aliased = aliased || inside(cache->mask, p) || inside(cache->key_lengths, p);
+    if (!aliased) {
+      st.query = std::move(cache->query), st.key = std::move(cache->key), st.value = std::move(cache->value);
+      st.proj = std::move(cache->proj), st.attn_out = std::move(cache->attn_out), st.lse = std::move(cache->lse);
+    }
+  }
+  st.B = B, st.L = L, st.S = S, st.H = H, st.E = E, st.Ev = Ev;
   st.self_attention = self;
-  st.masks = masks;
   st.options = opt;
 
   // Dense inputs: always copied into the cache (so the caller may reuse its
   // buffers before backward), otherwise only when strided.
-  const T* xq = dense(query, st.query, cache != nullptr);
-  const T* xk = self ? xq : dense(key, st.key, cache != nullptr);
-  const T* xv = self ? xq : dense(value, st.value, cache != nullptr);
+  const T* xq = dense(a.query, st.query, cache != nullptr);
+  if (self) st.key = Tensor<T>(), st.value = Tensor<T>();
+  const T* xk = self ? xq : dense(a.key, st.key, cache != nullptr);
+  const T* xv = self ? xq : dense(a.value, st.value, cache != nullptr);
 
-  // Projections (B·N, H·E | H·Ev).
-  const auto proj = projections<const T>(cfg_, layer.packed_in_proj(),
-                                   [&](const char* n) { return layer.parameter(n).data(); });
-  st.q = Tensor<T>({B, L, H * E});
-  st.k = Tensor<T>({B, S, H * E});
-  st.v = Tensor<T>({B, S, H * Ev});
-  project(proj[0], xq, B * L, st.q.data());
-  project(proj[1], xk, B * S, st.k.data());
-  project(proj[2], xv, B * S, st.v.data());
+  // [q | k | v] = x·Wᵀ + b: one product for a packed self-attention (the
+  // three weight blocks are consecutive rows of in_proj_weight), else three.
+  const int64_t HE = H * E, HEv = H * Ev;
+  sized(st.proj, {(self ? B * L * (2 * HE + HEv) : B * L * HE + B * S * (HE + HEv))});
+  const auto ps = parts<T>(*this, cfg_, packed_, self, B, L, S, xq, xk, xv, st.proj.data(), nullptr);
+  if (self && packed_) {
+    gemm<T>({B * L, 3 * D, D}, false, xq, D, true, ps[0].w, D, st.proj.data(), 3 * D);
+    add_rows(st.proj.data(), B * L, 3 * D, 3 * D, ps[0].b);
+  } else {
+    for (const Part<T>& p : ps) {
+      gemm<T>({p.rows, p.width, p.cols}, false, p.x, p.cols, true, p.w, p.cols, p.p, p.ld);
+      add_rows(p.p, p.rows, p.width, p.ld, p.b);
+    }
+  }
+  const View4<T> qh = heads(ps[0], B, L, H), kh = heads(ps[1], B, S, H), vh = heads(ps[2], B, S, H);
+  if (qk_.forward) qk_.forward(qh, kh);
 
-  // key_padding_mask (true = padding) folds into the bool mask (true = attend).
-  View4<const bool> mask = masks.attn_mask;
-  if (!masks.key_padding_mask.empty()) {
-    const auto& am = masks.attn_mask;
+  // The masks, owned by the cache: key_padding_mask (true = padding) folds
+  // into the bool mask (true = attend).
+  const auto& am = a.attn_mask;
+  if (!a.key_padding_mask.empty()) {
     const int64_t Hm = am.empty() ? 1 : am.dim(1), Lm = am.empty() ? 1 : am.dim(2);
     st.mask = Tensor<bool>({B, Hm, Lm, S});
     View4<bool> m = st.mask.view4();
@@ -409,210 +531,163 @@ void forward_impl(const MultiheadAttention<T>& layer, const Checker& c, View3<co
       for (int64_t h = 0; h < Hm; ++h)
         for (int64_t i = 0; i < Lm; ++i)
           for (int64_t j = 0; j < S; ++j) {
-            bool see = !masks.key_padding_mask(b, j);
+            bool see = !a.key_padding_mask(b, j);
             if (see && !am.empty())
               see = am(am.dim(0) == 1 ? 0 : b, h, am.dim(2) == 1 ? 0 : i, am.dim(3) == 1 ? 0 : j);
             m(b, h, i, j) = see;
           }
-    mask = st.mask.view4();
+  } else if (!am.empty()) {
+    st.mask = copy_of<bool, 4>(am);
   }
+  if (!a.attn_bias.empty()) st.bias = copy_of<T, 4>(a.attn_bias);
+  if (!a.key_lengths.empty()) st.key_lengths = copy_of<int64_t, 1>(a.key_lengths);
 
   SdpaArgs<T> args;
-  args.q = View4<const T>::bnhd(st.q.data(), B, L, H, E);
-  args.k = View4<const T>::bnhd(st.k.data(), B, S, H, E);
-  args.v = View4<const T>::bnhd(st.v.data(), B, S, H, Ev);
-  args.mask = mask;
-  args.bias = masks.attn_bias;
-  args.key_lengths = masks.key_lengths;
-  SdpaOptions so;
-  so.causal = opt.causal;
-  so.causal_align = opt.causal_align;
-  so.backend = opt.backend;
-  so.num_threads = opt.num_threads;
-  so.check_finite = opt.check_finite;
+  args.q = qh, args.k = kh, args.v = vh;
+  if (st.mask.rank() == 4) args.mask = st.mask.view4();
+  if (st.bias.rank() == 4) args.bias = st.bias.view4();
+  if (st.key_lengths.rank() == 1) args.key_lengths = st.key_lengths.template view<1>();
 
-  st.attn_out = Tensor<T>({B, L, H * Ev});
-  st.lse = Tensor<T>({B, H, L});
+  sized(st.attn_out, {B, L, HEv});
+  sized(st.lse, {B, H, L});
   Tensor<T> wscratch;
-  View4<T> weights = head_weights;
-  if (weights.empty() && !avg_weights.empty()) {
+  View4<T> weights = o.head_weights;
+  if (weights.empty() && !o.avg_weights.empty()) {
     wscratch = Tensor<T>({B, H, L, S});
     weights = wscratch.view4();
   }
   scaled_dot_product_attention<T>(
-      args, {View4<T>::bnhd(st.attn_out.data(), B, L, H, Ev), weights, st.lse.template view<3>()}, so);
+      args, {View4<T>::bnhd(st.attn_out.data(), B, L, H, Ev), weights, st.lse.template view<3>()}, opt.sdpa);
 
-  if (!avg_weights.empty())
+  if (!o.avg_weights.empty())
     for (int64_t b = 0; b < B; ++b)
       for (int64_t i = 0; i < L; ++i)
         for (int64_t j = 0; j < S; ++j) {
           double s = 0;
           for (int64_t h = 0; h < H; ++h) s += double(weights(b, h, i, j));
-          avg_weights(b, i, j) = T(s / double(H));
+          o.avg_weights(b, i, j) = T(s / double(H));
         }
 
   // y = o·W_oᵀ + b_o
-  const Tensor<T>& wo = layer.parameter(kOutProjWeight);
-  const T* bo = cfg_.bias ? layer.parameter(kOutProjBias).data() : nullptr;
+  const Tensor<T>& wo = parameter(kOutProjWeight);
+  const T* bo = cfg_.bias ? parameter(kOutProjBias).data() : nullptr;
   Tensor<T> yscratch;
-  T* y = out.is_contiguous() ? out.data : (yscratch = Tensor<T>({B, L, D})).data();
-  gemm<T>({B * L, D, H * Ev}, false, st.attn_out.data(), H * Ev, true, wo.data(), H * Ev, y, D);
-  add_rows(y, B * L, D, bo);
-  if (!out.is_contiguous()) scatter<T>(y, out);
+  T* y = o.out.is_contiguous() ? o.out.data : (yscratch = Tensor<T>({B, L, D})).data();
+  gemm<T>({B * L, D, HEv}, false, st.attn_out.data(), HEv, true, wo.data(), HEv, y, D);
+  add_rows(y, B * L, D, D, bo);
+  if (!o.out.is_contiguous()) scatter<T>(y, o.out);
   if (cache) *cache = std::move(st);
 }
 
-}  // namespace
-
 template <class T>
-void MultiheadAttention<T>::forward(View3<const T> query, View3<const T> key, View3<const T> value,
-                                    View3<T> out, const MhaMasks<T>& masks, const MhaOptions& opt,
-                                    MhaCache<T>* cache, View4<T> head_weights,
-                                    View3<T> avg_weights) const {
-  const Checker c{"forward"};
-  const int64_t D = cfg_.embed_dim;
-  if (query.data == nullptr) c.fail("argument 'query' is required but was not given");
-  if (key.data == nullptr) c.fail("argument 'key' is required but was not given");
-  if (value.data == nullptr) c.fail("argument 'value' is required but was not given");
-  const int64_t B = query.dim(0), L = query.dim(1), S = key.dim(1);
-  if (B < 1 || L < 1 || query.dim(2) != D)
-    c.fail("argument 'query' has shape " + shape_str(query.shape) + ", expected (B, L, " + std::to_string(D) +
-           ") with B, L >= 1 (embed_dim = " + std::to_string(D) + ")");
-  if (key.dim(0) != B || S < 1 || key.dim(2) != cfg_.kdim)
-    c.fail("argument 'key' has shape " + shape_str(key.shape) + ", expected (" + std::to_string(B) + ", S, " +
-           std::to_string(cfg_.kdim) + ") with S >= 1 (batch of 'query', kdim = " + std::to_string(cfg_.kdim) + ")");
-  c.shape(value, "value", {B, S, cfg_.vdim},
-          "(" + std::to_string(B) + ", " + std::to_string(S) + ", " + std::to_string(cfg_.vdim) +
-              ") (batch of 'query', S of 'key', vdim = " + std::to_string(cfg_.vdim) + ")");
-  forward_impl(*this, c, query, key, value, /*self=*/false, out, masks, opt, cache, head_weights, avg_weights);
-}
-
-template <class T>
-void MultiheadAttention<T>::forward_self(View3<const T> x, View3<T> out, const MhaMasks<T>& masks,
-                                         const MhaOptions& opt, MhaCache<T>* cache, View4<T> head_weights,
-                                         View3<T> avg_weights) const {
-  const Checker c{"forward_self"};
-  const int64_t D = cfg_.embed_dim;
-  if (x.data == nullptr) c.fail("argument 'x' is required but was not given");
-  if (x.dim(0) < 1 || x.dim(1) < 1 || x.dim(2) != D)
-    c.fail("argument 'x' has shape " + shape_str(x.shape) + ", expected (B, N, " + std::to_string(D) +
-           ") with B, N >= 1 (embed_dim = " + std::to_string(D) + ")");
-  if (cfg_.kdim != D || cfg_.vdim != D)
-    c.fail("self-attention needs kdim = vdim = embed_dim = " + std::to_string(D) + ", but this layer has kdim = " +
-           std::to_string(cfg_.kdim) + ", vdim = " + std::to_string(cfg_.vdim) + "; use forward(query, key, value)");
-  forward_impl(*this, c, x, x, x, /*self=*/true, out, masks, opt, cache, head_weights, avg_weights);
-}
-
-// ---------------------------------------------------------------------------
-// Backward
-
-template <class T>
-void MultiheadAttention<T>::backward(const MhaCache<T>& cache, View3<const T> dout, View3<T> dquery,
-                                     View3<T> dkey, View3<T> dvalue) {
+void MultiheadAttention<T>::backward(const MhaCache<T>& cache, View3<const T> dout, const MhaGrads<T>& g) {
   const Checker c{"backward"};
   const int64_t D = cfg_.embed_dim, H = cfg_.num_heads, E = cfg_.head_dim, Ev = cfg_.v_head_dim;
   const bool self = cache.self_attention;
-  if (cache.q.rank() != 3 || cache.attn_out.rank() != 3 || cache.query.rank() != 3)
-    c.fail("argument 'cache' is empty; pass the same cache to forward or forward_self first");
-  const int64_t B = cache.q.dim(0), L = cache.q.dim(1), S = cache.k.dim(1);
+  if (!cache.filled()) c.fail("argument 'cache' is empty; pass the same cache to forward first");
+  const int64_t B = cache.B, L = cache.L, S = cache.S;
+  const int64_t HE = H * E, HEv = H * Ev;
   const bool consistent =
-      cache.q.shape() == std::vector<int64_t>{B, L, H * E} && cache.k.shape() == std::vector<int64_t>{B, S, H * E} &&
-      cache.v.shape() == std::vector<int64_t>{B, S, H * Ev} &&
-      cache.attn_out.shape() == std::vector<int64_t>{B, L, H * Ev} &&
-      cache.lse.shape() == std::vector<int64_t>{B, H, L} &&
+      cache.H == H && cache.E == E && cache.Ev == Ev &&
+      cache.proj.size() == size_t(self ? B * L * (2 * HE + HEv) : B * L * HE + B * S * (HE + HEv)) &&
+      cache.attn_out.shape() == std::vector<int64_t>{B, L, HEv} &&
       cache.query.shape() == std::vector<int64_t>{B, L, D} &&
       (self ? (L == S && cache.key.rank() == 0 && cache.value.rank() == 0)
             : (cache.key.shape() == std::vector<int64_t>{B, S, cfg_.kdim} &&
                cache.value.shape() == std::vector<int64_t>{B, S, cfg_.vdim}));
   if (!consistent)
-    c.fail("argument 'cache' holds projections of shape q " + dims_str(cache.q.shape()) + ", v " +
-           dims_str(cache.v.shape()) + ", which do not match this layer (num_heads = " + std::to_string(H) +
-           ", head_dim = " + std::to_string(E) + ", v_head_dim = " + std::to_string(Ev) +
+    c.fail("argument 'cache' holds " + std::to_string(cache.H) + " heads of head_dim " + std::to_string(cache.E) +
+           ", v_head_dim " + std::to_string(cache.Ev) + " for inputs of width " +
+           std::to_string(cache.query.rank() == 3 ? cache.query.dim(2) : 0) +
+           ", which do not match this layer (num_heads = " + std::to_string(H) + ", head_dim = " +
+           std::to_string(E) + ", v_head_dim = " + std::to_string(Ev) + ", embed_dim = " + std::to_string(D) +
            "); it was filled by a different layer");
   c.shape(dout, "dout", {B, L, D});
-  if (self && (!dkey.empty() || !dvalue.empty()))
-    c.fail("arguments 'dkey' and 'dvalue' must be empty after forward_self; the gradient of x goes to 'dquery'");
-  if (!dquery.empty()) {
-    c.shape(dquery, "dquery", {B, L, D});
-    c.writable(dquery, "dquery");
+  if (self && (!g.dkey.empty() || !g.dvalue.empty()))
+    c.fail("arguments 'dkey' and 'dvalue' must be empty after a self-attention forward; the gradient of the "
+           "input goes to 'dquery'");
+  if (!g.dquery.empty()) {
+    c.shape(g.dquery, "dquery", {B, L, D});
+    c.writable(g.dquery, "dquery");
   }
-  if (!dkey.empty()) {
-    c.shape(dkey, "dkey", {B, S, cfg_.kdim});
-    c.writable(dkey, "dkey");
+  if (!g.dkey.empty()) {
+    c.shape(g.dkey, "dkey", {B, S, cfg_.kdim});
+    c.writable(g.dkey, "dkey");
   }
-  if (!dvalue.empty()) {
-    c.shape(dvalue, "dvalue", {B, S, cfg_.vdim});
-    c.writable(dvalue, "dvalue");
+  if (!g.dvalue.empty()) {
+    c.shape(g.dvalue, "dvalue", {B, S, cfg_.vdim});
+    c.writable(g.dvalue, "dvalue");
   }
-  if (cache.options.check_finite) c.finite(dout, "dout");
+  if (cache.options.sdpa.check_finite) c.finite(dout, "dout");
 
   Tensor<T> dy_storage;
   const T* dy = dense(dout, dy_storage, false);
 
   // y = o·W_oᵀ + b_o  ->  dW_o += dyᵀ·o,  db_o += Σ_rows dy,  do = dy·W_o
   const Tensor<T>& wo = params_.at(kOutProjWeight);
-  gemm<T>({D, H * Ev, B * L}, true, dy, D, false, cache.attn_out.data(), H * Ev,
-          grads_.at(kOutProjWeight).data(), H * Ev, T(1), T(1));
-  if (cfg_.bias) add_column_sums(dy, B * L, D, grads_.at(kOutProjBias).data());
-  Tensor<T> d_attn({B, L, H * Ev});
-  gemm<T>({B * L, H * Ev, D}, false, dy, D, false, wo.data(), H * Ev, d_attn.data(), H * Ev);
+  gemm<T>({D, HEv, B * L}, true, dy, D, false, cache.attn_out.data(), HEv, grads_.at(kOutProjWeight).data(), HEv,
+          T(1), T(1));
+  if (cfg_.bias) add_column_sums(dy, B * L, D, D, grads_.at(kOutProjBias).data());
+  Tensor<T> d_attn({B, L, HEv});
+  gemm<T>({B * L, HEv, D}, false, dy, D, false, wo.data(), HEv, d_attn.data(), HEv);
 
-  // o = sdpa(q, k, v)
+  // o = sdpa(q, k, v): the gradients land in a buffer laid out as the
+  // projections are.
+  Tensor<T> dproj({int64_t(cache.proj.size())});
+  const T* xs = cache.query.data();
+  const auto ps = parts<T>(*this, cfg_, packed_, self, B, L, S, xs, self ? xs : cache.key.data(),
+                           self ? xs : cache.value.data(), dproj.data(), &grads_);
   SdpaArgs<T> args;
-  args.q = View4<const T>::bnhd(cache.q.data(), B, L, H, E);
-  args.k = View4<const T>::bnhd(cache.k.data(), B, S, H, E);
-  args.v = View4<const T>::bnhd(cache.v.data(), B, S, H, Ev);
-  args.mask = cache.mask.rank() == 4 ? View4<const bool>(cache.mask.view4()) : cache.masks.attn_mask;
-  args.bias = cache.masks.attn_bias;
-  args.key_lengths = cache.masks.key_lengths;
-  SdpaOptions so;
-  so.causal = cache.options.causal;
-  so.causal_align = cache.options.causal_align;
-  so.backend = cache.options.backend;
-  so.num_threads = cache.options.num_threads;
-  Tensor<T> dq({B, L, H * E}), dk({B, S, H * E}), dv({B, S, H * Ev});
-  SdpaGrads<T> g;
-  g.dq = View4<T>::bnhd(dq.data(), B, L, H, E);
-  g.dk = View4<T>::bnhd(dk.data(), B, S, H, E);
-  g.dv = View4<T>::bnhd(dv.data(), B, S, H, Ev);
+  args.q = cache.q(), args.k = cache.k(), args.v = cache.v();
+  if (cache.mask.rank() == 4) args.mask = cache.mask.view4();
+  if (cache.bias.rank() == 4) args.bias = cache.bias.view4();
+  if (cache.key_lengths.rank() == 1) args.key_lengths = cache.key_lengths.template view<1>();
+  SdpaOptions so = cache.options.sdpa;
+  so.check_finite = false;  // the forward checked its inputs
+  SdpaGrads<T> sg;
+  sg.dq = heads(ps[0], B, L, H), sg.dk = heads(ps[1], B, S, H), sg.dv = heads(ps[2], B, S, H);
   const SdpaSaved<T> saved{View4<const T>::bnhd(cache.attn_out.data(), B, L, H, Ev), cache.lse.template view<3>()};
-  scaled_dot_product_attention_backward<T>(args, View4<const T>::bnhd(d_attn.data(), B, L, H, Ev), saved, g, so);
+  scaled_dot_product_attention_backward<T>(args, View4<const T>::bnhd(d_attn.data(), B, L, H, Ev), saved, sg, so);
+  // The transform's own backward turns dQ', dK' into dQ, dK.
+  if (qk_.backward) qk_.backward(sg.dq, sg.dk);
 
-  // x = xq|xk|xv, p = x·Wᵀ + b  ->  dW += dpᵀ·x,  db += Σ_rows dp,  dx = dp·W
-  const auto proj = projections<const T>(cfg_, packed_, [&](const char* n) -> const T* { return params_.at(n).data(); });
-  // The same slicing, into the gradients.
-  const auto grad_proj = projections<T>(cfg_, packed_, [&](const char* n) { return grads_.at(n).data(); });
-  const T* xs[3] = {cache.query.data(), self ? cache.query.data() : cache.key.data(),
-                    self ? cache.query.data() : cache.value.data()};
-  const T* dps[3] = {dq.data(), dk.data(), dv.data()};
-  const int64_t rows[3] = {B * L, B * S, B * S};
-  for (int t = 0; t < 3; ++t) {
-    const Proj<const T>& p = proj[size_t(t)];
-    gemm<T>({p.rows, p.cols, rows[t]}, true, dps[t], p.rows, false, xs[t], p.cols,
-            grad_proj[size_t(t)].w, p.cols, T(1), T(1));
-    if (grad_proj[size_t(t)].b) add_column_sums(dps[t], rows[t], p.rows, grad_proj[size_t(t)].b);
+  // p = x·Wᵀ + b  ->  dW += dpᵀ·x,  db += Σ_rows dp,  dx = dp·W
+  // (a packed self-attention does each as one product over [q | k | v]).
+  if (self && packed_) {
+    gemm<T>({3 * D, D, B * L}, true, dproj.data(), 3 * D, false, xs, D, ps[0].gw, D, T(1), T(1));
+    if (ps[0].gb) add_column_sums(dproj.data(), B * L, 3 * D, 3 * D, ps[0].gb);
+    if (!g.dquery.empty()) {
+      Tensor<T> scratch;
+      T* dx = g.dquery.is_contiguous() ? g.dquery.data : (scratch = Tensor<T>({B, L, D})).data();
+      gemm<T>({B * L, D, 3 * D}, false, dproj.data(), 3 * D, false, ps[0].w, D, dx, D);
+      if (!g.dquery.is_contiguous()) scatter<T>(dx, g.dquery);
+    }
+    return;
   }
-
+  for (const Part<T>& p : ps) {
+    gemm<T>({p.width, p.cols, p.rows}, true, p.p, p.ld, false, p.x, p.cols, p.gw, p.cols, T(1), T(1));
+    if (p.gb) add_column_sums(p.p, p.rows, p.width, p.ld, p.gb);
+  }
   // dx = dp·W (self-attention: the sum over q, k, v)
   auto input_grad = [&](View3<T> dst, std::initializer_list<int> which) {
     if (dst.empty()) return;
     Tensor<T> scratch;
-    T* dx = dst.is_contiguous() ? dst.data : (scratch = Tensor<T>(std::vector<int64_t>{dst.dim(0), dst.dim(1), dst.dim(2)})).data();
+    T* dx = dst.is_contiguous() ? dst.data : (scratch = Tensor<T>({dst.dim(0), dst.dim(1), dst.dim(2)})).data();
     bool first = true;
     for (int t : which) {
-      const Proj<const T>& p = proj[size_t(t)];
-      gemm<T>({rows[t], p.cols, p.rows}, false, dps[t], p.rows, false, p.w, p.cols, dx, p.cols, T(1),
+      const Part<T>& p = ps[size_t(t)];
+      gemm<T>({p.rows, p.cols, p.width}, false, p.p, p.ld, false, p.w, p.cols, dx, p.cols, T(1),
               first ? T(0) : T(1));
       first = false;
     }
     if (!dst.is_contiguous()) scatter<T>(dx, dst);
   };
   if (self) {
-    input_grad(dquery, {0, 1, 2});
+    input_grad(g.dquery, {0, 1, 2});
   } else {
-    input_grad(dquery, {0});
-    input_grad(dkey, {1});
-    input_grad(dvalue, {2});
+    input_grad(g.dquery, {0});
+    input_grad(g.dkey, {1});
+    input_grad(g.dvalue, {2});
   }
 }
 

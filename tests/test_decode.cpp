@@ -185,6 +185,37 @@ TEST(Decode, NaNReachesTheRowsThatSeeIt) {
     }
 }
 
+// Keys a row does not see never touch it: a NaN value at the last key (seen
+// only by the last of the L rows) and an infinite key poison exactly the
+// rows that see them.
+TEST(Decode, NonFiniteKeysAndValuesPoisonOnlyTheRowsThatSeeThem) {
+  std::mt19937_64 rng(9);
+  const float inf = std::numeric_limits<float>::infinity(), qnan = std::numeric_limits<float>::quiet_NaN();
+  for (const int which : {0, 1, 2}) {  // NaN in v, +inf in k, -inf in k
+    DecodeCase c;
+    c.B = 1, c.H = 4, c.Hkv = 2, c.L = 3, c.E = c.Ev = 8, c.page = 16, c.lens = {20};
+    Filled f = fill(c, rng);
+    KVCache cache(config_of(c));
+    Tensor<float>& k = f.k[0];
+    Tensor<float>& v = f.v[0];
+    const int64_t t = 19;  // the last token: only query row 2 sees it
+    if (which == 0) v[size_t((1 * 20 + t) * c.Ev + 3)] = qnan;  // kv head 1
+    if (which == 1) k[size_t((1 * 20 + t) * c.E + 2)] = inf;
+    if (which == 2) k[size_t((1 * 20 + t) * c.E + 2)] = -inf;
+    cache.append(0, k.view<3>(), v.view<3>());
+    Tensor<float> out({1, c.H, c.L, c.Ev}), lse({1, c.H, c.L});
+    decode_attention(f.q.view4(), cache, out.view4(), {}, lse.view<3>());
+    for (int64_t h = 0; h < c.H; ++h)
+      for (int64_t i = 0; i < c.L; ++i) {
+        const bool poisoned = h >= 2 && i == 2;  // heads 2, 3 read kv head 1
+        const size_t row = size_t(h * c.L + i);
+        EXPECT_EQ(std::isnan(lse[row]), poisoned) << which << " head " << h << " row " << i;
+        for (int64_t e = 0; e < c.Ev; ++e)
+          ASSERT_EQ(std::isnan(out[row * size_t(c.Ev) + size_t(e)]), poisoned) << which << " head " << h << " row " << i;
+      }
+  }
+}
+
 TEST(Decode, ArgumentErrors) {
   KVCacheConfig cfg;
   cfg.batch = 2, cfg.kv_heads = 2, cfg.capacity = 8, cfg.head_dim = 4;

@@ -7,16 +7,18 @@
 #include <random>
 
 #include "attn/nn.hpp"
-#include "nn_gradcheck.hpp"
 #include "testing.hpp"
 
 namespace {
 
 using attn::Tensor;
 using attn::testing::dot;
-using attn::testing::grad_check;
+using attn::testing::gradient_check;
 using attn::testing::random_tensor;
 namespace nn = attn::nn;
+
+// Up to 200 elements of each tensor moved by ±h (the nn tensors are small).
+const attn::testing::GradCheck kSampled{1e-6, 1e-6, 200, true};
 
 TEST(NnRng, SameSeedSameStreamAndMoments) {
   nn::Rng a(42), b(42), c(43);
@@ -63,9 +65,9 @@ TEST(NnLinear, ForwardMatchesFormulaAndGradients) {
     lin.forward(x, yy);
     return dot(r, yy);
   };
-  EXPECT_TRUE(grad_check(x, dx, F, "dx"));
-  EXPECT_TRUE(grad_check(lin.weight, lin.dweight, F, "dW"));
-  EXPECT_TRUE(grad_check(lin.bias, lin.dbias, F, "db"));
+  EXPECT_TRUE(gradient_check(x, dx, F, "dx", kSampled));
+  EXPECT_TRUE(gradient_check(lin.weight, lin.dweight, F, "dW", kSampled));
+  EXPECT_TRUE(gradient_check(lin.bias, lin.dbias, F, "db", kSampled));
 }
 
 TEST(NnLinear, RejectsWrongInputWidth) {
@@ -93,7 +95,7 @@ TEST(NnEmbedding, LooksUpRowsAndAccumulatesRepeatedTokens) {
     emb.forward(tokens, 5, yy);
     return dot(r, yy);
   };
-  EXPECT_TRUE(grad_check(emb.weight, emb.dweight, F, "dW"));
+  EXPECT_TRUE(gradient_check(emb.weight, emb.dweight, F, "dW", kSampled));
   const int32_t bad[2] = {1, 6};
   EXPECT_TRUE(attn::testing::throws_with([&] { emb.forward(bad, 2, y); },
                                          {"Embedding::forward", "token id 6", "position 1", "vocab = 6"}));
@@ -129,7 +131,7 @@ TEST(NnPositions, LearnedAddsTableAndGradientSumsOverBatch) {
     pos.forward(xx, 3, 5);
     return dot(r, xx);
   };
-  EXPECT_TRUE(grad_check(pos.weight, pos.dweight, F, "dP"));
+  EXPECT_TRUE(gradient_check(pos.weight, pos.dweight, F, "dP", kSampled));
   Tensor<double> too_long({7, 4});
   EXPECT_TRUE(attn::testing::throws_with([&] { pos.forward(too_long, 1, 7); }, {"max_len 6"}));
 }
@@ -200,9 +202,9 @@ TEST(NnLayerNorm, NormalisesRowsAndGradients) {
     ln.forward(x, yy);
     return dot(r, yy);
   };
-  EXPECT_TRUE(grad_check(x, dx, F, "dx"));
-  EXPECT_TRUE(grad_check(ln.weight, ln.dweight, F, "dgamma"));
-  EXPECT_TRUE(grad_check(ln.bias, ln.dbias, F, "dbeta"));
+  EXPECT_TRUE(gradient_check(x, dx, F, "dx", kSampled));
+  EXPECT_TRUE(gradient_check(ln.weight, ln.dweight, F, "dgamma", kSampled));
+  EXPECT_TRUE(gradient_check(ln.bias, ln.dbias, F, "dbeta", kSampled));
 }
 
 TEST(NnGelu, KnownValuesAndDerivative) {
@@ -216,13 +218,15 @@ TEST(NnGelu, KnownValuesAndDerivative) {
   const double ones[4] = {1, 1, 1, 1};
   double d[4];
   nn::gelu_backward(x, ones, d, 4);
-  for (int i = 0; i < 4; ++i) {
-    const double h = 1e-6;
-    double a = x[i] + h, b = x[i] - h, ya, yb;
-    nn::gelu_forward(&a, &ya, 1);
-    nn::gelu_forward(&b, &yb, 1);
-    EXPECT_NEAR(d[i], (ya - yb) / (2 * h), 1e-8) << "x = " << x[i];
-  }
+  // Σ_i gelu(x_i) has the gradient d (dy = 1).
+  Tensor<double> xt({4}), dt({4});
+  for (int i = 0; i < 4; ++i) xt[size_t(i)] = x[i], dt[size_t(i)] = d[i];
+  auto F = [&] {
+    double yy[4];
+    nn::gelu_forward(xt.data(), yy, 4);
+    return yy[0] + yy[1] + yy[2] + yy[3];
+  };
+  EXPECT_TRUE(gradient_check(xt, dt, F, "gelu'"));
   EXPECT_NEAR(d[1], 0.5, 1e-15);
 }
 
@@ -242,30 +246,43 @@ TEST(NnMlp, Gradients) {
     mlp.forward(x, yy);
     return dot(r, yy);
   };
-  EXPECT_TRUE(grad_check(x, dx, F, "dx"));
-  EXPECT_TRUE(grad_check(mlp.fc1.weight, mlp.fc1.dweight, F, "dW1"));
-  EXPECT_TRUE(grad_check(mlp.fc1.bias, mlp.fc1.dbias, F, "db1"));
-  EXPECT_TRUE(grad_check(mlp.fc2.weight, mlp.fc2.dweight, F, "dW2"));
-  EXPECT_TRUE(grad_check(mlp.fc2.bias, mlp.fc2.dbias, F, "db2"));
+  EXPECT_TRUE(gradient_check(x, dx, F, "dx", kSampled));
+  EXPECT_TRUE(gradient_check(mlp.fc1.weight, mlp.fc1.dweight, F, "dW1", kSampled));
+  EXPECT_TRUE(gradient_check(mlp.fc1.bias, mlp.fc1.dbias, F, "db1", kSampled));
+  EXPECT_TRUE(gradient_check(mlp.fc2.weight, mlp.fc2.dweight, F, "dW2", kSampled));
+  EXPECT_TRUE(gradient_check(mlp.fc2.bias, mlp.fc2.dbias, F, "db2", kSampled));
 }
 
 struct AttnCase {
   const char* name;
-  nn::AttentionOptions opt;
+  attn::MhaOptions opt;
+  bool rope;
 };
+
+attn::MhaOptions opts(bool causal, std::optional<double> scale = {}) {
+  attn::MhaOptions o;
+  o.sdpa.causal = causal;
+  o.sdpa.scale = scale;
+  return o;
+}
 
 class NnSelfAttention : public ::testing::TestWithParam<AttnCase> {};
 
+// The wrapper's own part, the RoPE transform between projection and
+// attention, against finite differences (the layer's other gradients are
+// test_multihead_backward's).
 TEST_P(NnSelfAttention, Gradients) {
   const auto& c = GetParam();
   std::mt19937_64 rng(7);
   const int64_t B = 2, N = 5, D = 8, H = 2;
-  nn::SelfAttention<double> att(D, H, c.opt);
+  nn::SelfAttention<double> att(D, H, c.opt, c.rope);
   nn::Rng init(11);
   att.reset_parameters(init);
   // non-zero biases so their gradients are exercised away from 0
-  for (size_t i = 0; i < att.in_proj_bias.size(); ++i) att.in_proj_bias[i] = 0.1 * init.normal();
-  for (size_t i = 0; i < att.out_proj_bias.size(); ++i) att.out_proj_bias[i] = 0.1 * init.normal();
+  for (const char* name : {"in_proj_bias", "out_proj.bias"}) {
+    Tensor<double>& b = att.layer.parameter(name);
+    for (size_t i = 0; i < b.size(); ++i) b[i] = 0.1 * init.normal();
+  }
   auto x = random_tensor<double>({B * N, D}, rng);
   auto r = random_tensor<double>({B * N, D}, rng);
   Tensor<double> y, dx;
@@ -277,47 +294,60 @@ TEST_P(NnSelfAttention, Gradients) {
     att.forward(x, B, N, yy);
     return dot(r, yy);
   };
-  EXPECT_TRUE(grad_check(x, dx, F, "dx"));
-  EXPECT_TRUE(grad_check(att.in_proj_weight, att.d_in_proj_weight, F, "dW_in"));
-  EXPECT_TRUE(grad_check(att.in_proj_bias, att.d_in_proj_bias, F, "db_in"));
-  EXPECT_TRUE(grad_check(att.out_proj_weight, att.d_out_proj_weight, F, "dW_out"));
-  EXPECT_TRUE(grad_check(att.out_proj_bias, att.d_out_proj_bias, F, "db_out"));
-}
-
-nn::AttentionOptions opts(bool causal, bool rope, std::optional<double> scale) {
-  nn::AttentionOptions o;
-  o.causal = causal;
-  o.rope = rope;
-  o.scale = scale;
-  return o;
+  EXPECT_TRUE(gradient_check(x, dx, F, "dx", kSampled));
+  for (const auto& name : att.layer.parameter_names())
+    EXPECT_TRUE(gradient_check(att.layer.parameter(name), att.layer.grad(name), F, name, kSampled));
+  // collect() hands the optimizer the layer's own tensors, PyTorch-named.
+  std::vector<nn::ParamRef<double>> refs;
+  att.collect("attn.", refs);
+  ASSERT_EQ(refs.size(), 4u);
+  EXPECT_EQ(refs[0].name, "attn.in_proj_weight");
+  EXPECT_EQ(refs[0].value, &att.layer.parameter("in_proj_weight"));
+  EXPECT_EQ(refs[0].grad, &att.layer.grad("in_proj_weight"));
+  EXPECT_TRUE(refs[0].decay);
+  EXPECT_FALSE(refs[1].decay);
 }
 
 INSTANTIATE_TEST_SUITE_P(Variants, NnSelfAttention,
-                         ::testing::Values(AttnCase{"plain", opts(false, false, {})},
-                                           AttnCase{"causal", opts(true, false, {})},
-                                           AttnCase{"rope", opts(false, true, {})},
-                                           AttnCase{"causal_rope", opts(true, true, {})},
-                                           AttnCase{"unscaled", opts(false, false, 1.0)}),
+                         ::testing::Values(AttnCase{"plain", opts(false), false},
+                                           AttnCase{"causal", opts(true), false},
+                                           AttnCase{"rope", opts(false), true},
+                                           AttnCase{"causal_rope", opts(true), true},
+                                           AttnCase{"unscaled", opts(false, 1.0), false}),
                          [](const auto& param_info) { return std::string(param_info.param.name); });
 
-// The attention layer against a plain per-head computation from its weights.
-TEST(NnSelfAttentionForward, MatchesPlainFormula) {
+// With RoPE, the layer's output equals the plain per-head formula computed
+// from rotated q and k: q_n, k_n of each head rotated pairwise by n·θ_i.
+TEST(NnSelfAttentionForward, RopeMatchesPlainFormula) {
   std::mt19937_64 rng(8);
-  const int64_t B = 1, N = 4, D = 6, H = 3, E = 2;
-  nn::SelfAttention<double> att(D, H);
+  const int64_t B = 1, N = 4, D = 8, H = 2, E = 4;
+  nn::SelfAttention<double> att(D, H, {}, /*rope=*/true);
   nn::Rng init(3);
   att.reset_parameters(init);
   auto x = random_tensor<double>({B * N, D}, rng);
   Tensor<double> y;
   att.forward(x, B, N, y);
-  // q, k, v for every token, then per head softmax(q·k/√E)·v, then out_proj
+  const Tensor<double>& w_in = att.layer.parameter("in_proj_weight");
+  const Tensor<double>& w_out = att.layer.parameter("out_proj.weight");
+  // q, k, v for every token, then q and k rotated, then per head
+  // softmax(q·k/√E)·v, then out_proj
   std::vector<double> qkv(size_t(N * 3 * D));
   for (int n = 0; n < N; ++n)
     for (int o = 0; o < 3 * D; ++o) {
       double s = 0;
-      for (int i = 0; i < D; ++i) s += att.in_proj_weight[size_t(o * D + i)] * x[size_t(n * D + i)];
+      for (int i = 0; i < D; ++i) s += w_in[size_t(o * D + i)] * x[size_t(n * D + i)];
       qkv[size_t(n * 3 * D + o)] = s;
     }
+  for (int n = 0; n < N; ++n)
+    for (int part = 0; part < 2; ++part)
+      for (int h = 0; h < H; ++h)
+        for (int i = 0; i < E / 2; ++i) {
+          const double angle = n * std::pow(10000.0, -2.0 * i / double(E));
+          double* p = &qkv[size_t(n * 3 * D + part * D + h * E + 2 * i)];
+          const double a = p[0], b = p[1];
+          p[0] = a * std::cos(angle) - b * std::sin(angle);
+          p[1] = a * std::sin(angle) + b * std::cos(angle);
+        }
   std::vector<double> o(size_t(N * D));
   for (int h = 0; h < H; ++h)
     for (int i = 0; i < N; ++i) {
@@ -339,7 +369,7 @@ TEST(NnSelfAttentionForward, MatchesPlainFormula) {
   for (int n = 0; n < N; ++n)
     for (int d = 0; d < D; ++d) {
       double s = 0;
-      for (int i = 0; i < D; ++i) s += att.out_proj_weight[size_t(d * D + i)] * o[size_t(n * D + i)];
+      for (int i = 0; i < D; ++i) s += w_out[size_t(d * D + i)] * o[size_t(n * D + i)];
       EXPECT_NEAR(y[size_t(n * D + d)], s, 1e-12);
     }
 }
@@ -348,7 +378,7 @@ TEST(NnSelfAttentionForward, ScoreStatsFollowTheScale) {
   // q·k of unit-variance vectors has variance E; the 1/√E scale brings it to ~1
   std::mt19937_64 rng(9);
   const int64_t B = 4, N = 16, D = 64;
-  nn::SelfAttention<double> scaled(D, 1), unscaled(D, 1, opts(false, false, 1.0));
+  nn::SelfAttention<double> scaled(D, 1), unscaled(D, 1, opts(false, 1.0));
   nn::Rng i1(1), i2(1);
   scaled.reset_parameters(i1);
   unscaled.reset_parameters(i2);
@@ -363,6 +393,16 @@ TEST(NnSelfAttentionForward, ScoreStatsFollowTheScale) {
   EXPECT_LE(u.mean_top_weight, 1.0);
 }
 
+TEST(NnSelfAttention, RejectsOddRopeHeadsAndBadShapes) {
+  EXPECT_TRUE(attn::testing::throws_with([] { nn::SelfAttention<float>(6, 2, {}, true); },
+                                         {"attn::nn::SelfAttention", "even head dimension", "E = 3"}));
+  EXPECT_TRUE(attn::testing::throws_with([] { nn::SelfAttention<float>(6, 4); }, {"multiple of heads = 4"}));
+  nn::SelfAttention<float> att(4, 2);
+  Tensor<float> x({6, 4}), y;
+  EXPECT_TRUE(attn::testing::throws_with([&] { att.forward(x, 2, 2, y); }, {"x has 6 rows", "B·N"}));
+  EXPECT_TRUE(attn::testing::throws_with([&] { att.backward(x, x, nullptr); }, {"backward", "forward's B·N"}));
+}
+
 TEST(NnCrossEntropy, ValuesAndGradient) {
   std::mt19937_64 rng(10);
   Tensor<double> logits({4, 5});
@@ -375,7 +415,7 @@ TEST(NnCrossEntropy, ValuesAndGradient) {
   res = nn::softmax_cross_entropy<double>(logits, uniform_targets, &dl);
   for (int j = 0; j < 5; ++j) EXPECT_EQ(dl[size_t(2 * 5 + j)], 0.0);  // ignored row
   auto F = [&] { return nn::softmax_cross_entropy<double>(logits, uniform_targets, nullptr).loss; };
-  EXPECT_TRUE(grad_check(logits, dl, F, "dlogits"));
+  EXPECT_TRUE(gradient_check(logits, dl, F, "dlogits", kSampled));
   const int32_t bad[4] = {0, 5, 0, 0};
   EXPECT_TRUE(attn::testing::throws_with([&] { nn::softmax_cross_entropy<double>(logits, bad, nullptr); },
                                          {"target 5", "row 1", "V = 5"}));

@@ -6,13 +6,12 @@
 #include <random>
 
 #include "attn/nn.hpp"
-#include "nn_gradcheck.hpp"
 #include "testing.hpp"
 
 namespace {
 
 using attn::Tensor;
-using attn::testing::grad_check;
+using attn::testing::gradient_check;
 namespace nn = attn::nn;
 
 struct ModelCase {
@@ -54,7 +53,7 @@ TEST_P(NnTransformerGrad, EveryParameterMatchesFiniteDifferences) {
   auto F = [&] { return model.loss(tokens.data(), targets.data(), B, N, false).loss; };
   for (auto& p : model.parameters()) {
     const Tensor<double> g = *p.grad;  // F re-runs forward only, grads stay
-    EXPECT_TRUE(grad_check(*p.value, g, F, p.name, 24)) << c.name;
+    EXPECT_TRUE(gradient_check(*p.value, g, F, p.name, {1e-6, 1e-6, 24, true})) << c.name;
   }
 }
 

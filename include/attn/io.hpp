@@ -13,8 +13,11 @@
 // accepts at all.
 //
 // Writing is atomic: data goes to a temporary file in the destination's
-// directory, is flushed to disk and then renamed over the destination, so an
-// interrupted run never leaves a half-written file behind.
+// directory (<destination>.attn-tmp.XXXXXX), is flushed to disk and then
+// renamed over the destination, so an interrupted run never leaves a
+// half-written file behind; a new file gets 0666 minus the umask, a replaced
+// one keeps its mode. attn/detail/output.hpp has the details (signals, and
+// transactions over several outputs).
 #pragma once
 
 #include <cstddef>

@@ -29,6 +29,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -48,34 +49,92 @@ struct MultiheadConfig {
   int64_t v_head_dim = 0;  // Ev; 0 = head_dim
 };
 
+// Everything the forward reads. key and value both empty means
+// self-attention: key = value = query, one packed projection, and backward
+// returns the total gradient of the input in dquery.
 template <class T>
-struct MhaMasks {
+struct MhaArgs {
+  View3<const T> query;               // (B, L, D)
+  View3<const T> key;                 // (B, S, kdim)
+  View3<const T> value;               // (B, S, vdim)
   View4<const bool> attn_mask;        // (Bm, Hm, L, S) broadcastable; true = may attend
   View4<const T> attn_bias;           // (Bb, Hb, L, S) broadcastable; added to scores
   View2<const bool> key_padding_mask; // (B, S); true = padding, ignored
   View1<const int64_t> key_lengths;   // (B)
 };
 
-struct MhaOptions {
-  bool causal = false;
-  CausalAlign causal_align = CausalAlign::top_left;
-  Backend backend = Backend::automatic;
-  int num_threads = 0;
-  bool check_finite = false;
+// Everything the forward writes. `out` is required; the weights, per head
+// or averaged over heads (PyTorch's average_attn_weights), when given.
+template <class T>
+struct MhaOutputs {
+  View3<T> out;             // (B, L, D)
+  View4<T> head_weights{};  // (B, H, L, S)
+  View3<T> avg_weights{};   // (B, L, S)
 };
 
-// What the forward saves for the backward (owned copies, so the caller's
-// buffers may be reused between forward and backward).
+// Input gradients, each optional; overwritten, never accumulated into.
+template <class T>
+struct MhaGrads {
+  View3<T> dquery;    // (B, L, D); after self-attention the total gradient of x
+  View3<T> dkey{};    // (B, S, kdim); empty after self-attention
+  View3<T> dvalue{};  // (B, S, vdim); empty after self-attention
+};
+
+// The attention options, passed to scaled_dot_product_attention unchanged
+// (scale, causal and its alignment, backend, num_threads, check_finite);
+// check_finite also covers the layer's own inputs and dout.
+struct MhaOptions {
+  SdpaOptions sdpa;
+};
+
+// A transform of the projected queries and keys before the attention, in
+// place, e.g. rotary position embeddings. q is (B, H, L, E), k (B, H, S, E),
+// any strides; axis 2 is the position in the sequence. `backward` receives
+// the gradients with respect to the transformed Q and K and must overwrite
+// them with the gradients with respect to the projections (for a linear
+// transform: apply its transpose). Both run inside forward/backward, on the
+// calling thread, and must not keep the views.
+template <class T>
+struct QkTransform {
+  std::function<void(View4<T> q, View4<T> k)> forward;
+  std::function<void(View4<T> dq, View4<T> dk)> backward;
+};
+
+// What the forward saves for the backward. It owns everything (copies of
+// the inputs and masks), so the caller's buffers may be reused or freed
+// between forward and backward.
 template <class T>
 struct MhaCache {
-  bool self_attention = false;  // forward_self: query = key = value
-  Tensor<T> query, key, value;  // inputs, contiguous (B, N, width); self-attention: query only
-  Tensor<T> q, k, v;            // projections, (B, N, H·E|H·Ev); heads are View4::bnhd views
-  Tensor<T> attn_out;           // concatenated head outputs, (B, L, H·Ev)
-  Tensor<T> lse;                // (B, H, L)
-  Tensor<bool> mask;            // combined bool mask, when one was built
-  MhaMasks<T> masks;            // the caller's masks (views; must outlive backward)
+  int64_t B = 0, L = 0, S = 0;   // shapes of the forward call
+  int64_t H = 0, E = 0, Ev = 0;  // the layer's heads
+  bool self_attention = false;
+  Tensor<T> query, key, value;   // inputs, dense (B, N, width); self-attention: query only
+  // The projections after the Q/K transform. Self-attention: rows
+  // [q | k | v] of one (B·L, 2·H·E + H·Ev) matrix; otherwise q (B·L, H·E),
+  // k (B·S, H·E) and v (B·S, H·Ev), one after the other.
+  Tensor<T> proj;
+  Tensor<T> attn_out;            // concatenated head outputs, (B, L, H·Ev)
+  Tensor<T> lse;                 // (B, H, L)
+  Tensor<bool> mask;             // attn_mask combined with key_padding_mask, in its broadcast shape
+  Tensor<T> bias;                // attn_bias, in its broadcast shape
+  Tensor<int64_t> key_lengths;   // (B)
   MhaOptions options;
+
+  bool filled() const { return B > 0; }
+  // Per-head views (B, H, N, E|Ev) of the saved projections.
+  View4<const T> q() const { return head(0, L, E); }
+  View4<const T> k() const { return head(1, S, E); }
+  View4<const T> v() const { return head(2, S, Ev); }
+
+ private:
+  View4<const T> head(int part, int64_t N, int64_t F) const {
+    if (self_attention) {
+      const int64_t ld = H * (2 * E + Ev);
+      return View4<const T>(proj.data() + part * H * E, {B, H, N, F}, {N * ld, F, ld, 1});
+    }
+    const int64_t offset = part == 0 ? 0 : B * L * H * E + (part == 2 ? B * S * H * E : 0);
+    return View4<const T>::bnhd(proj.data() + offset, B, N, H, F);
+  }
 };
 
 template <class T>
@@ -106,32 +165,27 @@ class MultiheadAttention {
   void load_parameter(const std::string& name, View<const T, 2> w);
   void load_parameter(const std::string& name, View<const T, 1> b);
 
-  // Forward for (query, key, value): query (B, L, D), key (B, S, kdim),
-  // value (B, S, vdim) -> out (B, L, D). Optional attention weights, per head
-  // (B, H, L, S) and/or averaged over heads (B, L, S). When `cache` is given it
-  // receives what backward needs.
-  void forward(View3<const T> query, View3<const T> key, View3<const T> value, View3<T> out,
-               const MhaMasks<T>& masks = {}, const MhaOptions& opt = {},
-               MhaCache<T>* cache = nullptr, View4<T> head_weights = {},
-               View3<T> avg_weights = {}) const;
-  // Self-attention: query = key = value = x.
-  void forward_self(View3<const T> x, View3<T> out, const MhaMasks<T>& masks = {},
-                    const MhaOptions& opt = {}, MhaCache<T>* cache = nullptr,
-                    View4<T> head_weights = {}, View3<T> avg_weights = {}) const;
+  // The Q/K transform applied by every later forward and backward (empty
+  // functions: none, the default).
+  void set_qk_transform(QkTransform<T> transform) { qk_ = std::move(transform); }
 
-  // Backward from dout = dL/dY (B, L, D). Parameter gradients are ADDED to
-  // grad(name) (call zero_grad() between steps). Input gradients are
-  // overwritten: after forward it fills dquery, dkey, dvalue (each optional);
-  // after forward_self the total gradient of x goes to dquery and dkey/dvalue
-  // must be empty.
-  void backward(const MhaCache<T>& cache, View3<const T> dout, View3<T> dquery = {},
-                View3<T> dkey = {}, View3<T> dvalue = {});
+  // Forward: query (B, L, D), key (B, S, kdim), value (B, S, vdim) -> out
+  // (B, L, D), or self-attention when key and value are empty. When `cache`
+  // is given it receives what backward needs.
+  void forward(const MhaArgs<T>& args, const MhaOutputs<T>& outputs, const MhaOptions& opt = {},
+               MhaCache<T>* cache = nullptr) const;
+
+  // Backward from dout = dL/dY (B, L, D) of the forward that filled `cache`.
+  // Parameter gradients are ADDED to grad(name) (call zero_grad() between
+  // steps); the input gradients given are overwritten.
+  void backward(const MhaCache<T>& cache, View3<const T> dout, const MhaGrads<T>& grads = {});
 
  private:
   MultiheadConfig cfg_;
   bool packed_ = false;
   std::map<std::string, Tensor<T>> params_;
   std::map<std::string, Tensor<T>> grads_;
+  QkTransform<T> qk_;
 };
 
 }  // namespace attn

@@ -135,3 +135,49 @@ class MultiheadAttention:
         *,
         backend: Backend = "auto",
     ) -> Tuple[Any, Optional[Any]]: ...
+
+KVDtype = Literal["float32", "float16", "bfloat16", "f32", "f16", "bf16"]
+
+class KVCache:
+    """Keys and values of B sequences (own lengths); float32/float16/bfloat16
+    storage; contiguous (page_size=0) or paged with block tables."""
+
+    def __init__(
+        self,
+        batch: int,
+        kv_heads: int,
+        capacity: int,
+        head_dim: int,
+        value_dim: Optional[int] = None,
+        dtype: KVDtype = "float32",
+        page_size: int = 0,
+        num_pages: int = 0,
+    ) -> None: ...
+    batch: int
+    kv_heads: int
+    capacity: int
+    head_dim: int
+    value_dim: int
+    dtype: str
+    page_size: int
+    @property
+    def lengths(self) -> Tuple[int, ...]: ...
+    def append(self, k: ArrayLike, v: ArrayLike, seq: Optional[int] = None) -> None: ...
+    def reset(self, seq: Optional[int] = None) -> None: ...
+    def block_table(self, seq: int) -> List[int]: ...
+    def set_block_table(self, seq: int, pages: List[int], length: int) -> None: ...
+    def read(self, seq: int) -> Tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]: ...
+
+def decode_attention(
+    q: ArrayLike,
+    cache: KVCache,
+    *,
+    scale: Optional[float] = None,
+    causal: bool = True,
+    return_lse: bool = False,
+    backend: Backend = "auto",
+    split_kv: bool = True,
+    num_threads: int = 0,
+) -> Any:
+    """Attention of q (B, H, L, E), the last L tokens of each sequence, over
+    the cache; out (B, H, L, Ev) (and lse (B, H, L) with return_lse)."""

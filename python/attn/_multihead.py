@@ -8,15 +8,14 @@ converted here: PyTorch's boolean attn_mask is True where attention is NOT
 allowed, the library's is True where it is; key_padding_mask means "True =
 padding" in both.
 
-Training: forward() saves what backward() needs (the library's cache, plus
-the mask arrays it points into) on the layer, as a torch module's autograd
-graph would; backward(grad_output) turns it into input gradients and adds
-the parameter gradients to grads().
+Training: forward() saves what backward() needs (the library's cache, which
+owns copies of the inputs, projections and masks) on the layer, as a torch
+module's autograd graph would; backward(grad_output) turns it into input
+gradients and adds the parameter gradients to grads().
 """
 
 from __future__ import annotations
 
-import sys
 import threading
 from typing import Any, Dict, Optional, Tuple
 
@@ -26,6 +25,12 @@ from . import _attn
 from ._arrays import float_array, is_torch_tensor, to_numpy
 
 _FN = "attn.MultiheadAttention"
+
+
+def _torch() -> Any:
+    import torch  # present: a torch tensor came in
+
+    return torch
 
 
 def _canon_mask(x: Any, name: str, dtype: np.dtype) -> Optional[np.ndarray]:
@@ -39,12 +44,28 @@ def _canon_mask(x: Any, name: str, dtype: np.dtype) -> Optional[np.ndarray]:
     raise ValueError(f"{_FN}.forward: '{name}' has dtype {m.dtype}, expected bool or a float dtype")
 
 
+# The extension's classes for each dtype.
+_CLASSES = {
+    np.dtype(np.float32): (_attn.MultiheadAttentionF32, _attn.MhaCacheF32),
+    np.dtype(np.float64): (_attn.MultiheadAttentionF64, _attn.MhaCacheF64),
+}
+
+
+def _input(x: Any, fn: str, name: str, dtype: np.dtype) -> np.ndarray:
+    """A float input of the layer's dtype (the error names the layer's)."""
+    a = float_array(x, fn, name)
+    if a.dtype != dtype:
+        raise ValueError(f"{fn}: '{name}' has dtype {a.dtype}, expected {dtype} (the layer's dtype; "
+                         f"construct it with dtype={a.dtype} or convert the input)")
+    return a
+
+
 class _Saved:
     """What backward() needs from one forward() call: the extension's cache
-    (which also holds the mask arrays alive) and the call's layout."""
+    (which owns copies of everything, masks included) and the call's layout."""
 
     __slots__ = ("cache", "version", "batched", "batch_first", "torch_out", "self_attention", "out_shape",
-                 "in_shapes")
+                 "in_shapes", "taken")
 
     def __init__(self, cache: Any, version: int, batched: bool, batch_first: bool, torch_out: bool,
                  self_attention: bool, out_shape: Tuple[int, ...],
@@ -57,6 +78,7 @@ class _Saved:
         self.self_attention = self_attention
         self.out_shape = tuple(out_shape)
         self.in_shapes = in_shapes
+        self.taken = False  # a later forward reuses the cache's buffers
 
 
 class MultiheadAttention:
@@ -104,9 +126,9 @@ class MultiheadAttention:
         self.bias = bool(bias)
         if seed is None:
             seed = int(np.random.default_rng().integers(0, 2**63))
-        cls = _attn.MultiheadAttentionF32 if self.dtype == np.float32 else _attn.MultiheadAttentionF64
-        self._layer = cls(self.embed_dim, self.num_heads, self.bias, self.kdim, self.vdim, int(seed))
-        self._cache_cls = _attn.MhaCacheF32 if self.dtype == np.float32 else _attn.MhaCacheF64
+        cls, self._cache_cls = _CLASSES[self.dtype]
+        self._layer = cls(self.embed_dim, self.num_heads, bias=self.bias, kdim=self.kdim, vdim=self.vdim,
+                          seed=int(seed))
         self.head_dim = self._layer.head_dim
         self._qkv_same_embed_dim = self._layer.packed_in_proj
         # The state of the most recent forward call (None: nothing to
@@ -185,28 +207,35 @@ class MultiheadAttention:
         average_attn_weights=False, or None when need_weights is False.
 
         The layer keeps what backward() needs from this call (copies of the
-        inputs and projections, references to the masks) until the next
-        forward call or until backward() consumes it.
+        inputs, projections and masks) until the next forward call or until
+        backward() consumes it.
         """
-        # A failed call leaves nothing behind to differentiate.
-        self._saved = None
+        # A failed call leaves nothing behind to differentiate. The previous
+        # call's cache lends its buffers to this one (no new allocation in a
+        # training loop), taken under the lock a backward holds while it
+        # reads a cache.
+        with self._grad_lock:
+            previous, self._saved = self._saved, None
+            if previous is not None:
+                previous.taken = True
+        cache = previous.cache if previous is not None else self._cache_cls()
         return self._forward(query, key, value, key_padding_mask, need_weights, attn_mask,
-                             average_attn_weights, is_causal, backend)
+                             average_attn_weights, is_causal, backend, cache)
 
     def _forward(self, query: Any, key: Any, value: Any, key_padding_mask: Any, need_weights: bool,
                  attn_mask: Any, average_attn_weights: bool, is_causal: bool,
-                 backend: str) -> Tuple[Any, Optional[Any]]:
+                 backend: str, cache: Any) -> Tuple[Any, Optional[Any]]:
         fn = _FN + ".forward"
         torch_out = any(is_torch_tensor(x) for x in (query, key, value))
-        if torch_out and sys.modules["torch"].is_grad_enabled() and any(
+        if torch_out and _torch().is_grad_enabled() and any(
                 is_torch_tensor(x) and x.requires_grad for x in (query, key, value)):
             raise ValueError(f"{fn}: the inputs require grad, but this layer does not take part in "
                              "torch autograd; call it under torch.no_grad() or on detached tensors and "
                              "get gradients from its backward() (or use "
                              "attn.torch.scaled_dot_product_attention, an autograd Function)")
-        q = float_array(query, fn, "query", self.dtype)
-        k = float_array(key, fn, "key", self.dtype)
-        v = float_array(value, fn, "value", self.dtype)
+        q = _input(query, fn, "query", self.dtype)
+        k = _input(key, fn, "key", self.dtype)
+        v = _input(value, fn, "value", self.dtype)
         in_shapes = (q.shape, k.shape, v.shape)
         same = query is key and key is value and self._qkv_same_embed_dim
         if q.ndim not in (2, 3):
@@ -265,10 +294,10 @@ class MultiheadAttention:
                 avg_w = np.empty((B, L, S), dtype)
             else:
                 head_w = np.empty((B, H, L, S), dtype)
-        cache = self._cache_cls()
         version = self._version
-        self._layer.forward(q, k, v, out, mask, bias, kpm, bool(is_causal), backend, head_w, avg_w, same,
-                            cache)
+        self._layer.forward(q, None if same else k, None if same else v, out, attn_mask=mask, attn_bias=bias,
+                            key_padding_mask=kpm, head_weights=head_w, avg_weights=avg_w,
+                            causal=bool(is_causal), backend=backend, cache=cache)
 
         w = avg_w if avg_w is not None else head_w
         if not batched:
@@ -277,7 +306,7 @@ class MultiheadAttention:
         self._saved = _Saved(cache, version, batched, self.batch_first, torch_out, same, out_buf.shape,
                              in_shapes)
         if torch_out:
-            torch = sys.modules["torch"]
+            torch = _torch()
             out_buf = torch.from_numpy(out_buf)
             w = None if w is None else torch.from_numpy(w)
         return out_buf, w
@@ -332,13 +361,16 @@ class MultiheadAttention:
         grads = {n: np.empty(shape, self.dtype) for n, shape in zip(("query", "key", "value"), saved.in_shapes)}
         if saved.self_attention:
             grads["key"] = grads["value"] = None
-        views = [None if a is None else to_bld(a) for a in grads.values()]
+        dq, dk, dv = (None if a is None else to_bld(a) for a in grads.values())
         with self._grad_lock:
-            self._layer.backward(saved.cache, to_bld(g), *views)
+            if saved.taken:
+                raise ValueError(f"{fn}: a forward call on another thread replaced the saved state while "
+                                 "this backward started; train one layer from one thread at a time")
+            self._layer.backward(saved.cache, to_bld(g), dquery=dq, dkey=dk, dvalue=dv)
         if not retain_graph and self._saved is saved:
             self._saved = None
         if saved.torch_out:
-            torch = sys.modules["torch"]
+            torch = _torch()
             return {n: None if a is None else torch.from_numpy(a) for n, a in grads.items()}
         return grads
 

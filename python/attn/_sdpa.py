@@ -1,4 +1,5 @@
-"""scaled_dot_product_attention and its backward with PyTorch's conventions.
+"""scaled_dot_product_attention and its backward with PyTorch's conventions,
+on NumPy arrays and CPU torch tensors (the autograd Function is attn.torch's).
 
 The arguments are shaped like PyTorch's: (..., L, E) queries, (..., S, E)
 keys, (..., S, Ev) values, where the leading axes broadcast against each
@@ -9,7 +10,6 @@ the extension always sees rank-4 (B, H, N, d) views of the caller's memory.
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
@@ -159,10 +159,6 @@ def _plan(fn: str, query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: 
     )
 
 
-def _suffix(dtype: np.dtype) -> str:
-    return "f32" if dtype == np.float32 else "f64"
-
-
 def _bh(p: _Plan) -> Tuple[int, int]:
     return p.q.shape[0], p.q.shape[1]
 
@@ -170,8 +166,21 @@ def _bh(p: _Plan) -> Tuple[int, int]:
 def _wrap(arrays: List[np.ndarray], torch_out: bool) -> List[Any]:
     if not torch_out:
         return arrays
-    torch = sys.modules["torch"]
+    import torch  # present: a torch tensor came in
+
     return [torch.from_numpy(a) for a in arrays]
+
+
+def _refuse_autograd(fn: str, *xs: Any) -> None:
+    """Tensors that require grad need the autograd Function of attn.torch;
+    here they would silently lose their graph."""
+    if any(is_torch_tensor(x) and x.requires_grad for x in xs):
+        import torch
+
+        if torch.is_grad_enabled():
+            raise ValueError(f"{fn}: the inputs require grad; use attn.torch.scaled_dot_product_attention "
+                             "(a torch.autograd.Function), or call this under torch.no_grad() or on "
+                             "detached tensors")
 
 
 def _unwrap_optional(x: Any, fn: str, name: str, p: _Plan, shape: Tuple[int, ...]) -> Optional[np.ndarray]:
@@ -187,24 +196,46 @@ def _unwrap_optional(x: Any, fn: str, name: str, p: _Plan, shape: Tuple[int, ...
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                                  scale=None, enable_gqa=False, *, backend="auto", return_lse=False,
                                  return_weights=False):
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.is_grad_enabled() and any(
-        is_torch_tensor(x) and x.requires_grad for x in (query, key, value, attn_mask)
-    ):
-        if return_lse or return_weights:
-            raise ValueError(f"{_FWD}: return_lse and return_weights are not differentiable; "
-                             "call it under torch.no_grad() or on detached tensors")
-        from .torch import scaled_dot_product_attention as torch_sdpa
+    """Scaled dot-product attention, with torch.nn.functional.scaled_dot_product_attention's
+    arguments and meaning.
 
-        return torch_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                          backend=backend)
+        out = softmax(query @ key^T * scale + mask) @ value
+
+    Arguments
+      query  (..., L, E)   key (..., S, E)   value (..., S, Ev): NumPy arrays or CPU
+             torch tensors, float32 or float64 (all three the same), any strides; used in
+             place (torch tensors through DLPack). A copy is made only for negative or
+             misaligned strides, non-native byte order, or broadcast leading axes that no
+             single stride describes. Leading dimensions broadcast against each other;
+             dimension -3 is the head axis.
+      attn_mask  None, bool (True = the query may attend to the key) or float (added to
+             the scores; -inf masks), broadcastable to (..., L, S).
+      dropout_p  must be 0.0 (kept for PyTorch's positional order; attn has no dropout).
+      is_causal  query i sees keys j <= i (top-left aligned, like PyTorch); attn_mask must
+             then be None.
+      scale  default 1/sqrt(E).
+      enable_gqa  key/value may have fewer heads (dimension -3) than query, dividing it;
+             query head h uses key/value head h // (H / Hkv).
+      backend  "auto" (fastest that supports the call), "reference" or "fused".
+      return_lse, return_weights  also return the log-sum-exp of each score row
+             (..., L) and the attention weights (..., L, S).
+
+    Returns out (..., L, Ev), or the tuple (out[, lse][, weights]). NumPy arrays for NumPy
+    input, torch tensors if any of query/key/value is a tensor. Tensors that require grad
+    are refused (outside torch.no_grad()): attn.torch.scaled_dot_product_attention is the
+    differentiable version.
+
+    Differences from PyTorch: a query row that can see no key returns zeros (PyTorch
+    gives NaN); dropout is not supported. Bad arguments raise ValueError naming them.
+    """
+    _refuse_autograd(_FWD, query, key, value, attn_mask)
     p = _plan(_FWD, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend)
     B, H = _bh(p)
     out = np.empty((B, H, p.L, p.Ev), p.dtype)
     lse = np.empty((B, H, p.L), p.dtype) if return_lse else None
     weights = np.empty((B, H, p.L, p.S), p.dtype) if return_weights else None
-    getattr(_attn, "sdpa_forward_" + _suffix(p.dtype))(
-        p.q, p.k, p.v, p.mask, p.bias, out, weights, lse, p.scale, p.causal, p.backend, 0)
+    _attn.sdpa_forward(p.q, p.k, p.v, out, mask=p.mask, bias=p.bias, weights=weights, lse=lse, scale=p.scale,
+                       causal=p.causal, backend=p.backend)
     results = [out.reshape(p.lead + (p.L, p.Ev))]
     if lse is not None:
         results.append(lse.reshape(p.lead + (p.L,)))
@@ -217,6 +248,15 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 def scaled_dot_product_attention_backward(grad_output, query, key, value, attn_mask=None, dropout_p=0.0,
                                           is_causal=False, scale=None, enable_gqa=False, *,
                                           backend="auto", output=None, lse=None):
+    """Gradients of scaled_dot_product_attention.
+
+    Takes grad_output = dLoss/dout (..., L, Ev) and the forward's arguments; returns
+    (grad_query, grad_key, grad_value), plus grad_attn_mask when attn_mask is a float mask.
+    Each gradient has the shape of its input (summed over the axes the input was
+    broadcast along; with enable_gqa, over the query heads sharing a key/value head).
+    output and lse, the forward's result and log-sum-exp, may be passed to save the
+    fused backend recomputing them.
+    """
     p = _plan(_BWD, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend)
     B, H = _bh(p)
     n = len(p.lead)
@@ -232,9 +272,8 @@ def scaled_dot_product_attention_backward(grad_output, query, key, value, attn_m
     dk = np.empty(p.k.shape, p.dtype)
     dv = np.empty(p.v.shape, p.dtype)
     dbias = np.empty(p.bias.shape, p.dtype) if p.bias is not None else None
-    getattr(_attn, "sdpa_backward_" + _suffix(p.dtype))(
-        p.q, p.k, p.v, p.mask, p.bias, dout, dq, dk, dv, dbias, saved_out, saved_lse, p.scale,
-        p.causal, p.backend, 0)
+    _attn.sdpa_backward(p.q, p.k, p.v, dout, dq, dk, dv, mask=p.mask, bias=p.bias, dbias=dbias, out=saved_out,
+                        lse=saved_lse, scale=p.scale, causal=p.causal, backend=p.backend)
     # Gradients of broadcast operands are summed back to the caller's shapes.
     grads = [
         sum_to_shape(dq.reshape(p.q_expanded), p.shapes[0]),
@@ -249,58 +288,9 @@ def scaled_dot_product_attention_backward(grad_output, query, key, value, attn_m
 
 def resolve_backend(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                     enable_gqa=False, *, backend="auto", return_weights=False):
+    """Name of the backend ("reference" or "fused") that scaled_dot_product_attention
+    would run for these arguments with the given `backend` request."""
     p = _plan("attn.resolve_backend", query, key, value, attn_mask, dropout_p, is_causal, scale,
               enable_gqa, backend)
-    return getattr(_attn, "resolve_backend_" + _suffix(p.dtype))(
-        p.q, p.k, p.v, p.mask, p.bias, p.scale, p.causal, p.backend, bool(return_weights))
-
-
-_SDPA_DOC = """Scaled dot-product attention, with torch.nn.functional.scaled_dot_product_attention's
-arguments and meaning.
-
-    out = softmax(query @ key^T * scale + mask) @ value
-
-Arguments
-  query  (..., L, E)   key (..., S, E)   value (..., S, Ev): NumPy arrays or CPU
-         torch tensors, float32 or float64 (all three the same), any strides; used in
-         place (torch tensors through DLPack). A copy is made only for negative or
-         misaligned strides, non-native byte order, or broadcast leading axes that no
-         single stride describes. Leading dimensions broadcast against each other;
-         dimension -3 is the head axis.
-  attn_mask  None, bool (True = the query may attend to the key) or float (added to
-         the scores; -inf masks), broadcastable to (..., L, S).
-  dropout_p  must be 0.0 (kept for PyTorch's positional order; attn has no dropout).
-  is_causal  query i sees keys j <= i (top-left aligned, like PyTorch); attn_mask must
-         then be None.
-  scale  default 1/sqrt(E).
-  enable_gqa  key/value may have fewer heads (dimension -3) than query, dividing it;
-         query head h uses key/value head h // (H / Hkv).
-  backend  "auto" (fastest that supports the call), "reference" or "fused".
-  return_lse, return_weights  also return the log-sum-exp of each score row
-         (..., L) and the attention weights (..., L, S).
-
-Returns out (..., L, Ev), or the tuple (out[, lse][, weights]). NumPy arrays for NumPy
-input, torch tensors if any of query/key/value is a tensor; with torch tensors that
-require grad, the call goes through attn.torch.ScaledDotProductAttention and is
-differentiable.
-
-Differences from PyTorch: a query row that can see no key returns zeros (PyTorch
-gives NaN); dropout is not supported. Bad arguments raise ValueError naming them.
-"""
-
-_BWD_DOC = """Gradients of scaled_dot_product_attention.
-
-Takes grad_output = dLoss/dout (..., L, Ev) and the forward's arguments; returns
-(grad_query, grad_key, grad_value), plus grad_attn_mask when attn_mask is a float mask.
-Each gradient has the shape of its input (summed over the axes the input was
-broadcast along; with enable_gqa, over the query heads sharing a key/value head).
-output and lse, the forward's result and log-sum-exp, may be passed to save the
-fused backend recomputing them.
-"""
-
-_RESOLVE_DOC = """Name of the backend ("reference" or "fused") that scaled_dot_product_attention
-would run for these arguments with the given `backend` request."""
-
-scaled_dot_product_attention.__doc__ = _SDPA_DOC
-scaled_dot_product_attention_backward.__doc__ = _BWD_DOC
-resolve_backend.__doc__ = _RESOLVE_DOC
+    return _attn.resolve_backend(p.q, p.k, p.v, mask=p.mask, bias=p.bias, scale=p.scale, causal=p.causal,
+                                 backend=p.backend, want_weights=bool(return_weights))

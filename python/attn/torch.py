@@ -59,7 +59,12 @@ class ScaledDotProductAttention(_torch.autograd.Function):
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                                  scale=None, enable_gqa=False, *, backend="auto"):
     """Drop-in for torch.nn.functional.scaled_dot_product_attention, computed by
-    attn and differentiable (see attn.scaled_dot_product_attention for the
-    arguments). Returns a torch tensor."""
-    return ScaledDotProductAttention.apply(query, key, value, attn_mask, dropout_p, is_causal, scale,
-                                           enable_gqa, backend)
+    attn (see attn.scaled_dot_product_attention for the arguments). Returns a
+    torch tensor; when an input requires grad (and grad mode is on) the call
+    goes through ScaledDotProductAttention, so it is differentiable."""
+    if _torch.is_grad_enabled() and any(
+            isinstance(x, _torch.Tensor) and x.requires_grad for x in (query, key, value, attn_mask)):
+        return ScaledDotProductAttention.apply(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                                               enable_gqa, backend)
+    return _sdpa.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                                              enable_gqa, backend=backend)

@@ -3,10 +3,11 @@
 // This layer is deliberately thin: it turns already-shaped, rank-4 (or
 // rank-3) NumPy arrays into attn::View's — pointer, shape and element strides,
 // never a copy — calls the library with the GIL released, and lets
-// attn::Error surface as ValueError with the library's own message. The
-// PyTorch argument conventions (leading batch dimensions, mask polarity,
-// enable_gqa, dtype checks) live in the Python package (python/attn/), which
-// also allocates every output array.
+// attn::Error surface as ValueError with the library's own message. Each
+// operation is one function, overloaded for float32 and float64 arrays, with
+// keyword arguments. The PyTorch argument conventions (leading batch
+// dimensions, mask polarity, enable_gqa, dtype checks) live in the Python
+// package (python/attn/), which also allocates every output array.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/map.h>
@@ -18,6 +19,7 @@
 #include <array>
 #include <cstdint>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -61,9 +63,11 @@ attn::SdpaOptions sdpa_options(std::optional<double> scale, bool causal, const s
 }
 
 template <class T>
+using Opt = std::optional<T>;
+
+template <class T>
 attn::SdpaArgs<T> sdpa_args(const Arr<const T, 4>& q, const Arr<const T, 4>& k, const Arr<const T, 4>& v,
-                            const std::optional<Arr<const bool, 4>>& mask,
-                            const std::optional<Arr<const T, 4>>& bias) {
+                            const Opt<Arr<const bool, 4>>& mask, const Opt<Arr<const T, 4>>& bias) {
   attn::SdpaArgs<T> a;
   a.q = view_of<const T, 4>(q, "q");
   a.k = view_of<const T, 4>(k, "k");
@@ -73,69 +77,73 @@ attn::SdpaArgs<T> sdpa_args(const Arr<const T, 4>& q, const Arr<const T, 4>& k, 
   return a;
 }
 
+// One definition per operation; bind<T> adds the float32 and the float64
+// overload under the same name (nanobind picks the one whose arrays match,
+// never converting: noconvert).
 template <class T>
-void sdpa_forward(const Arr<const T, 4>& q, const Arr<const T, 4>& k, const Arr<const T, 4>& v,
-                  const std::optional<Arr<const bool, 4>>& mask, const std::optional<Arr<const T, 4>>& bias,
-                  const Arr<T, 4>& out, const std::optional<Arr<T, 4>>& weights,
-                  const std::optional<Arr<T, 3>>& lse, std::optional<double> scale, bool causal,
-                  const std::string& backend, int num_threads) {
-  const attn::SdpaArgs<T> args = sdpa_args<T>(q, k, v, mask, bias);
-  const attn::SdpaOptions opt = sdpa_options(scale, causal, backend, num_threads);
-  const attn::View4<T> o = view_of<T, 4>(out, "out");
-  const attn::View4<T> w = view_of<T, 4>(weights, "weights");
-  const attn::View3<T> l = view_of<T, 3>(lse, "lse");
-  nb::gil_scoped_release release;
-  attn::scaled_dot_product_attention<T>(args, {o, w, l}, opt);
-}
-
-template <class T>
-void sdpa_backward(const Arr<const T, 4>& q, const Arr<const T, 4>& k, const Arr<const T, 4>& v,
-                   const std::optional<Arr<const bool, 4>>& mask, const std::optional<Arr<const T, 4>>& bias,
-                   const Arr<const T, 4>& dout, const Arr<T, 4>& dq, const Arr<T, 4>& dk, const Arr<T, 4>& dv,
-                   const std::optional<Arr<T, 4>>& dbias, const std::optional<Arr<const T, 4>>& out,
-                   const std::optional<Arr<const T, 3>>& lse, std::optional<double> scale, bool causal,
-                   const std::string& backend, int num_threads) {
-  const attn::SdpaArgs<T> args = sdpa_args<T>(q, k, v, mask, bias);
-  const attn::SdpaOptions opt = sdpa_options(scale, causal, backend, num_threads);
-  attn::SdpaGrads<T> g;
-  g.dq = view_of<T, 4>(dq, "dq");
-  g.dk = view_of<T, 4>(dk, "dk");
-  g.dv = view_of<T, 4>(dv, "dv");
-  g.dbias = view_of<T, 4>(dbias, "dbias");
-  const attn::View4<const T> d = view_of<const T, 4>(dout, "dout");
-  const attn::View4<const T> o = view_of<const T, 4>(out, "out");
-  const attn::View3<const T> l = view_of<const T, 3>(lse, "lse");
-  nb::gil_scoped_release release;
-  attn::scaled_dot_product_attention_backward<T>(args, d, {o, l}, g, opt);
-}
-
-template <class T>
-std::string resolve(const Arr<const T, 4>& q, const Arr<const T, 4>& k, const Arr<const T, 4>& v,
-                    const std::optional<Arr<const bool, 4>>& mask, const std::optional<Arr<const T, 4>>& bias,
-                    std::optional<double> scale, bool causal, const std::string& backend, bool want_weights) {
-  const attn::SdpaArgs<T> args = sdpa_args<T>(q, k, v, mask, bias);
-  const attn::SdpaOptions opt = sdpa_options(scale, causal, backend, 0);
-  return attn::backend_name(attn::resolve_backend<T>(args, opt, want_weights));
-}
-
-template <class T>
-void bind_sdpa(nb::module_& m, const char* suffix) {
+void bind(nb::module_& m) {
   using namespace nb::literals;
-  const std::string s(suffix);
-  m.def(("sdpa_forward_" + s).c_str(), &sdpa_forward<T>, "q"_a.noconvert(), "k"_a.noconvert(),
-        "v"_a.noconvert(), "mask"_a.noconvert().none(), "bias"_a.noconvert().none(), "out"_a.noconvert(),
-        "weights"_a.noconvert().none(), "lse"_a.noconvert().none(), "scale"_a.none(), "causal"_a,
-        "backend"_a, "num_threads"_a,
-        "Forward attention on rank-4 (B, H, N, d) arrays; writes out (and weights, lse).");
-  m.def(("sdpa_backward_" + s).c_str(), &sdpa_backward<T>, "q"_a.noconvert(), "k"_a.noconvert(),
-        "v"_a.noconvert(), "mask"_a.noconvert().none(), "bias"_a.noconvert().none(), "dout"_a.noconvert(),
-        "dq"_a.noconvert(), "dk"_a.noconvert(), "dv"_a.noconvert(), "dbias"_a.noconvert().none(),
-        "out"_a.noconvert().none(), "lse"_a.noconvert().none(), "scale"_a.none(), "causal"_a, "backend"_a,
-        "num_threads"_a, "Backward attention on rank-4 arrays; overwrites dq, dk, dv (and dbias).");
-  m.def(("resolve_backend_" + s).c_str(), &resolve<T>, "q"_a.noconvert(), "k"_a.noconvert(),
-        "v"_a.noconvert(), "mask"_a.noconvert().none(), "bias"_a.noconvert().none(), "scale"_a.none(),
-        "causal"_a, "backend"_a, "want_weights"_a,
-        "Name of the backend a forward call with these arguments would run.");
+  m.def(
+      "sdpa_forward",
+      [](const Arr<const T, 4>& q, const Arr<const T, 4>& k, const Arr<const T, 4>& v, const Arr<T, 4>& out,
+         const Opt<Arr<const bool, 4>>& mask, const Opt<Arr<const T, 4>>& bias, const Opt<Arr<T, 4>>& weights,
+         const Opt<Arr<T, 3>>& lse, std::optional<double> scale, bool causal, const std::string& backend,
+         int num_threads) {
+        const attn::SdpaArgs<T> args = sdpa_args<T>(q, k, v, mask, bias);
+        const attn::SdpaOptions opt = sdpa_options(scale, causal, backend, num_threads);
+        const attn::View4<T> o = view_of<T, 4>(out, "out");
+        const attn::View4<T> w = view_of<T, 4>(weights, "weights");
+        const attn::View3<T> l = view_of<T, 3>(lse, "lse");
+        nb::gil_scoped_release release;
+        attn::scaled_dot_product_attention<T>(args, {o, w, l}, opt);
+      },
+      "q"_a.noconvert(), "k"_a.noconvert(), "v"_a.noconvert(), "out"_a.noconvert(), nb::kw_only(),
+      "mask"_a.noconvert().none() = nb::none(), "bias"_a.noconvert().none() = nb::none(),
+      "weights"_a.noconvert().none() = nb::none(), "lse"_a.noconvert().none() = nb::none(),
+      "scale"_a.none() = nb::none(), "causal"_a = false, "backend"_a = "auto", "num_threads"_a = 0,
+      "Scaled dot-product attention on rank-4 (B, H, N, d) arrays of one dtype (float32 or float64):\n"
+      "writes out (B, H, L, Ev), and weights (B, H, L, S) and lse (B, H, L) when given. mask: bool,\n"
+      "True = may attend; bias: added to the scores; both broadcastable to (B, H, L, S).");
+  m.def(
+      "sdpa_backward",
+      [](const Arr<const T, 4>& q, const Arr<const T, 4>& k, const Arr<const T, 4>& v,
+         const Arr<const T, 4>& dout, const Arr<T, 4>& dq, const Arr<T, 4>& dk, const Arr<T, 4>& dv,
+         const Opt<Arr<const bool, 4>>& mask, const Opt<Arr<const T, 4>>& bias, const Opt<Arr<T, 4>>& dbias,
+         const Opt<Arr<const T, 4>>& out, const Opt<Arr<const T, 3>>& lse, std::optional<double> scale,
+         bool causal, const std::string& backend, int num_threads) {
+        const attn::SdpaArgs<T> args = sdpa_args<T>(q, k, v, mask, bias);
+        const attn::SdpaOptions opt = sdpa_options(scale, causal, backend, num_threads);
+        attn::SdpaGrads<T> g;
+        g.dq = view_of<T, 4>(dq, "dq");
+        g.dk = view_of<T, 4>(dk, "dk");
+        g.dv = view_of<T, 4>(dv, "dv");
+        g.dbias = view_of<T, 4>(dbias, "dbias");
+        const attn::View4<const T> d = view_of<const T, 4>(dout, "dout");
+        const attn::View4<const T> o = view_of<const T, 4>(out, "out");
+        const attn::View3<const T> l = view_of<const T, 3>(lse, "lse");
+        nb::gil_scoped_release release;
+        attn::scaled_dot_product_attention_backward<T>(args, d, {o, l}, g, opt);
+      },
+      "q"_a.noconvert(), "k"_a.noconvert(), "v"_a.noconvert(), "dout"_a.noconvert(), "dq"_a.noconvert(),
+      "dk"_a.noconvert(), "dv"_a.noconvert(), nb::kw_only(), "mask"_a.noconvert().none() = nb::none(),
+      "bias"_a.noconvert().none() = nb::none(), "dbias"_a.noconvert().none() = nb::none(),
+      "out"_a.noconvert().none() = nb::none(), "lse"_a.noconvert().none() = nb::none(),
+      "scale"_a.none() = nb::none(), "causal"_a = false, "backend"_a = "auto", "num_threads"_a = 0,
+      "Backward of sdpa_forward from dout = dL/dout: overwrites dq, dk, dv (and dbias, the bias's\n"
+      "shape). out and lse, the forward's saved state, spare the fused backend recomputing them.");
+  m.def(
+      "resolve_backend",
+      [](const Arr<const T, 4>& q, const Arr<const T, 4>& k, const Arr<const T, 4>& v,
+         const Opt<Arr<const bool, 4>>& mask, const Opt<Arr<const T, 4>>& bias, std::optional<double> scale,
+         bool causal, const std::string& backend, bool want_weights) {
+        const attn::SdpaArgs<T> args = sdpa_args<T>(q, k, v, mask, bias);
+        const attn::SdpaOptions opt = sdpa_options(scale, causal, backend, 0);
+        return std::string(attn::backend_name(attn::resolve_backend<T>(args, opt, want_weights)));
+      },
+      "q"_a.noconvert(), "k"_a.noconvert(), "v"_a.noconvert(), nb::kw_only(),
+      "mask"_a.noconvert().none() = nb::none(), "bias"_a.noconvert().none() = nb::none(),
+      "scale"_a.none() = nb::none(), "causal"_a = false, "backend"_a = "auto", "want_weights"_a = false,
+      "Name of the backend (\"reference\" or \"fused\") sdpa_forward would run for these arguments.");
 }
 
 // A copy of a parameter as a fresh NumPy array (the layer keeps its own).
@@ -148,29 +156,18 @@ nb::ndarray<nb::numpy, T> numpy_copy(const attn::Tensor<T>& t) {
   return nb::ndarray<nb::numpy, T>(buf, shape.size(), shape.data(), owner);
 }
 
-// What MultiheadAttention::backward needs from one forward call. The library's
-// cache owns copies of the inputs and projections but only views the masks,
-// so the mask arrays are held here too: copying an nb::ndarray takes a
-// reference to the Python object it came from, which then lives as long as
-// this cache does.
-template <class T>
-struct MhaCacheHolder {
-  attn::MhaCache<T> cache;
-  std::optional<Arr<const bool, 4>> attn_mask;
-  std::optional<Arr<const T, 4>> attn_bias;
-  std::optional<Arr<const bool, 2>> key_padding_mask;
-  bool filled = false;
-};
-
+// attn::MultiheadAttention<T> and its cache (which owns copies of everything
+// the backward needs, masks included) as the classes `name` and
+// `cache_name`; the Python layer picks the class of its dtype.
 template <class T>
 void bind_multihead(nb::module_& m, const char* name, const char* cache_name) {
   using namespace nb::literals;
   using Layer = attn::MultiheadAttention<T>;
-  using Cache = MhaCacheHolder<T>;
+  using Cache = attn::MhaCache<T>;
   nb::class_<Cache>(m, cache_name, "What backward needs from one forward call (inputs, projections, masks).")
       .def(nb::init<>())
-      .def_prop_ro("filled", [](const Cache& c) { return c.filled; })
-      .def_prop_ro("self_attention", [](const Cache& c) { return c.cache.self_attention; });
+      .def_prop_ro("filled", &Cache::filled, "True once a forward call filled it.")
+      .def_prop_ro("self_attention", [](const Cache& c) { return c.self_attention; });
   nb::class_<Layer>(m, name, "attn::MultiheadAttention; use attn.MultiheadAttention instead.")
       .def(
           "__init__",
@@ -184,16 +181,18 @@ void bind_multihead(nb::module_& m, const char* name, const char* cache_name) {
             c.vdim = vdim;
             new (self) Layer(c, seed);
           },
-          "embed_dim"_a, "num_heads"_a, "bias"_a, "kdim"_a, "vdim"_a, "seed"_a)
+          "embed_dim"_a, "num_heads"_a, nb::kw_only(), "bias"_a = true, "kdim"_a = 0, "vdim"_a = 0, "seed"_a = 0,
+          "A layer with PyTorch's initialisation drawn from seed; kdim, vdim 0 = embed_dim.")
       .def_prop_ro("embed_dim", &Layer::embed_dim)
       .def_prop_ro("num_heads", &Layer::num_heads)
       .def_prop_ro("head_dim", &Layer::head_dim)
       .def_prop_ro("kdim", &Layer::kdim)
       .def_prop_ro("vdim", &Layer::vdim)
       .def_prop_ro("packed_in_proj", &Layer::packed_in_proj)
-      .def("parameter_names", &Layer::parameter_names)
-      .def("get_parameter", [](const Layer& l, const std::string& n) { return numpy_copy(l.parameter(n)); },
-           "name"_a)
+      .def("parameter_names", &Layer::parameter_names, "The state_dict names, in PyTorch's order.")
+      .def(
+          "get_parameter", [](const Layer& l, const std::string& n) { return numpy_copy(l.parameter(n)); },
+          "name"_a, "A copy of the parameter `name`.")
       .def(
           "set_parameter",
           [](Layer& l, const std::string& n, const nb::ndarray<const T, nb::device::cpu>& a) {
@@ -202,71 +201,132 @@ void bind_multihead(nb::module_& m, const char* name, const char* cache_name) {
             throw attn::Error("attn::MultiheadAttention::load_parameter: parameter '" + n + "' was given " +
                               std::to_string(a.ndim()) + " dimensions, expected 1 (bias) or 2 (weight)");
           },
-          "name"_a, "value"_a.noconvert())
+          "name"_a, "value"_a.noconvert(), "Copies `value` (the parameter's exact shape) into the layer.")
       .def(
           "forward",
-          [](const Layer& l, const Arr<const T, 3>& query, const Arr<const T, 3>& key, const Arr<const T, 3>& value,
-             const Arr<T, 3>& out, const std::optional<Arr<const bool, 4>>& attn_mask,
-             const std::optional<Arr<const T, 4>>& attn_bias,
-             const std::optional<Arr<const bool, 2>>& key_padding_mask, bool causal, const std::string& backend,
-             const std::optional<Arr<T, 4>>& head_weights, const std::optional<Arr<T, 3>>& avg_weights,
-             bool self_attention, Cache* cache) {
-            attn::MhaMasks<T> masks;
-            masks.attn_mask = view_of<const bool, 4>(attn_mask, "attn_mask");
-            masks.attn_bias = view_of<const T, 4>(attn_bias, "attn_bias");
-            masks.key_padding_mask = view_of<const bool, 2>(key_padding_mask, "key_padding_mask");
+          [](const Layer& l, const Arr<const T, 3>& query, const Opt<Arr<const T, 3>>& key,
+             const Opt<Arr<const T, 3>>& value, const Arr<T, 3>& out, const Opt<Arr<const bool, 4>>& attn_mask,
+             const Opt<Arr<const T, 4>>& attn_bias, const Opt<Arr<const bool, 2>>& key_padding_mask,
+             const Opt<Arr<T, 4>>& head_weights, const Opt<Arr<T, 3>>& avg_weights, bool causal,
+             const std::string& backend, int num_threads, Cache* cache) {
+            attn::MhaArgs<T> a;
+            a.query = view_of<const T, 3>(query, "query");
+            a.key = view_of<const T, 3>(key, "key");
+            a.value = view_of<const T, 3>(value, "value");
+            a.attn_mask = view_of<const bool, 4>(attn_mask, "attn_mask");
+            a.attn_bias = view_of<const T, 4>(attn_bias, "attn_bias");
+            a.key_padding_mask = view_of<const bool, 2>(key_padding_mask, "key_padding_mask");
+            const attn::MhaOutputs<T> o{view_of<T, 3>(out, "out"), view_of<T, 4>(head_weights, "head_weights"),
+                                        view_of<T, 3>(avg_weights, "avg_weights")};
             attn::MhaOptions opt;
-            opt.causal = causal;
-            opt.backend = attn::parse_backend(backend);
-            const attn::View3<const T> q = view_of<const T, 3>(query, "query");
-            const attn::View3<const T> k = view_of<const T, 3>(key, "key");
-            const attn::View3<const T> v = view_of<const T, 3>(value, "value");
-            const attn::View3<T> o = view_of<T, 3>(out, "out");
-            const attn::View4<T> hw = view_of<T, 4>(head_weights, "head_weights");
-            const attn::View3<T> aw = view_of<T, 3>(avg_weights, "avg_weights");
-            // A cache that is refilled drops the old forward's state first,
-            // so it never pairs new tensors with old masks.
-            if (cache) *cache = Cache{};
-            attn::MhaCache<T>* c = cache ? &cache->cache : nullptr;
-            {
-              nb::gil_scoped_release release;
-              if (self_attention)
-                l.forward_self(q, o, masks, opt, c, hw, aw);
-              else
-                l.forward(q, k, v, o, masks, opt, c, hw, aw);
-            }
-            if (cache) {
-              cache->attn_mask = attn_mask;
-              cache->attn_bias = attn_bias;
-              cache->key_padding_mask = key_padding_mask;
-              cache->filled = true;
-            }
+            opt.sdpa.causal = causal;
+            opt.sdpa.backend = attn::parse_backend(backend);
+            opt.sdpa.num_threads = num_threads;
+            nb::gil_scoped_release release;
+            l.forward(a, o, opt, cache);
           },
-          "query"_a.noconvert(), "key"_a.noconvert(), "value"_a.noconvert(), "out"_a.noconvert(),
-          "attn_mask"_a.noconvert().none(), "attn_bias"_a.noconvert().none(),
-          "key_padding_mask"_a.noconvert().none(), "causal"_a, "backend"_a, "head_weights"_a.noconvert().none(),
-          "avg_weights"_a.noconvert().none(), "self_attention"_a, "cache"_a.none() = nb::none(),
-          "Forward on (B, N, width) arrays; writes out (and the weights), and fills cache when given.")
+          "query"_a.noconvert(), "key"_a.noconvert().none(), "value"_a.noconvert().none(), "out"_a.noconvert(),
+          nb::kw_only(), "attn_mask"_a.noconvert().none() = nb::none(),
+          "attn_bias"_a.noconvert().none() = nb::none(), "key_padding_mask"_a.noconvert().none() = nb::none(),
+          "head_weights"_a.noconvert().none() = nb::none(), "avg_weights"_a.noconvert().none() = nb::none(),
+          "causal"_a = false, "backend"_a = "auto", "num_threads"_a = 0, "cache"_a.none() = nb::none(),
+          "Forward on (B, N, width) arrays (key and value None: self-attention); writes out and the\n"
+          "weights given, and fills cache (which then owns copies of everything backward needs).")
       .def(
           "backward",
-          [](Layer& l, const Cache& cache, const Arr<const T, 3>& dout, const std::optional<Arr<T, 3>>& dquery,
-             const std::optional<Arr<T, 3>>& dkey, const std::optional<Arr<T, 3>>& dvalue) {
-            if (!cache.filled)
-              throw attn::Error("attn::MultiheadAttention::backward: argument 'cache' is empty; "
-                                "pass it to forward first");
+          [](Layer& l, const Cache& cache, const Arr<const T, 3>& dout, const Opt<Arr<T, 3>>& dquery,
+             const Opt<Arr<T, 3>>& dkey, const Opt<Arr<T, 3>>& dvalue) {
             const attn::View3<const T> d = view_of<const T, 3>(dout, "dout");
-            const attn::View3<T> dq = view_of<T, 3>(dquery, "dquery");
-            const attn::View3<T> dk = view_of<T, 3>(dkey, "dkey");
-            const attn::View3<T> dv = view_of<T, 3>(dvalue, "dvalue");
+            const attn::MhaGrads<T> g{view_of<T, 3>(dquery, "dquery"), view_of<T, 3>(dkey, "dkey"),
+                                      view_of<T, 3>(dvalue, "dvalue")};
             nb::gil_scoped_release release;
-            l.backward(cache.cache, d, dq, dk, dv);
+            l.backward(cache, d, g);
           },
-          "cache"_a, "dout"_a.noconvert(), "dquery"_a.noconvert().none(), "dkey"_a.noconvert().none(),
-          "dvalue"_a.noconvert().none(),
-          "Backward from dout (B, L, D): adds to the parameter gradients, overwrites the input gradients "
-          "given (after a self-attention forward, the gradient of x goes to dquery).")
-      .def("zero_grad", &Layer::zero_grad)
-      .def("get_grad", [](const Layer& l, const std::string& n) { return numpy_copy(l.grad(n)); }, "name"_a);
+          "cache"_a, "dout"_a.noconvert(), nb::kw_only(), "dquery"_a.noconvert().none() = nb::none(),
+          "dkey"_a.noconvert().none() = nb::none(), "dvalue"_a.noconvert().none() = nb::none(),
+          "Backward from dout (B, L, D): adds to the parameter gradients, overwrites the input gradients\n"
+          "given (after a self-attention forward, the gradient of the input goes to dquery).")
+      .def("zero_grad", &Layer::zero_grad, "Sets every parameter gradient to zero.")
+      .def(
+          "get_grad", [](const Layer& l, const std::string& n) { return numpy_copy(l.grad(n)); }, "name"_a,
+          "A copy of the accumulated gradient of parameter `name`.");
+}
+
+// The KV cache and decode_attention (python/attn/_decode.py wraps them).
+void bind_decode(nb::module_& m) {
+  using attn::KVCache;
+  using namespace nb::literals;
+  nb::class_<KVCache>(m, "KVCache")
+      .def(
+          "__init__",
+          [](KVCache* self, int64_t batch, int64_t kv_heads, int64_t capacity, int64_t head_dim, int64_t value_dim,
+             const std::string& dtype, int64_t page_size, int64_t num_pages) {
+            attn::KVCacheConfig c;
+            c.batch = batch, c.kv_heads = kv_heads, c.capacity = capacity, c.head_dim = head_dim;
+            c.value_dim = value_dim, c.dtype = attn::parse_kv_dtype(dtype), c.page_size = page_size;
+            c.num_pages = num_pages;
+            new (self) KVCache(c);
+          },
+          "batch"_a, "kv_heads"_a, "capacity"_a, "head_dim"_a, "value_dim"_a, "dtype"_a, "page_size"_a, "num_pages"_a)
+      .def_prop_ro("batch", &KVCache::batch)
+      .def_prop_ro("kv_heads", &KVCache::kv_heads)
+      .def_prop_ro("capacity", &KVCache::capacity)
+      .def_prop_ro("head_dim", &KVCache::head_dim)
+      .def_prop_ro("value_dim", &KVCache::value_dim)
+      .def_prop_ro("page_size", &KVCache::page_size)
+      .def_prop_ro("paged", &KVCache::paged)
+      .def_prop_ro("dtype", [](const KVCache& c) { return std::string(attn::kv_dtype_name(c.dtype())); })
+      .def("length", &KVCache::length, "b"_a)
+      .def(
+          "append",
+          [](KVCache& c, int64_t b, const Arr<const float, 3>& k, const Arr<const float, 3>& v) {
+            const auto kv = view_of<const float, 3>(k, "k"), vv = view_of<const float, 3>(v, "v");
+            nb::gil_scoped_release release;
+            c.append(b, kv, vv);
+          },
+          "b"_a, "k"_a.noconvert(), "v"_a.noconvert())
+      .def(
+          "append_all",
+          [](KVCache& c, const Arr<const float, 4>& k, const Arr<const float, 4>& v) {
+            const auto kv = view_of<const float, 4>(k, "k"), vv = view_of<const float, 4>(v, "v");
+            nb::gil_scoped_release release;
+            c.append(attn::View4<const float>(kv), attn::View4<const float>(vv));
+          },
+          "k"_a.noconvert(), "v"_a.noconvert())
+      .def("reset", &KVCache::reset, "b"_a)
+      .def("clear", &KVCache::clear)
+      .def("block_table", &KVCache::block_table, "b"_a)
+      .def(
+          "set_block_table",
+          [](KVCache& c, int64_t b, const std::vector<int32_t>& pages, int64_t length) {
+            c.set_block_table(b, std::span<const int32_t>(pages), length);
+          },
+          "b"_a, "pages"_a, "length"_a)
+      .def(
+          "read",
+          [](const KVCache& c, int64_t b, const Arr<float, 3>& k, const Arr<float, 3>& v) {
+            c.read(b, view_of<float, 3>(k, "k"), view_of<float, 3>(v, "v"));
+          },
+          "b"_a, "k"_a.noconvert(), "v"_a.noconvert());
+  m.def(
+      "decode_attention",
+      [](const Arr<const float, 4>& q, const KVCache& cache, const Arr<float, 4>& out,
+         const std::optional<Arr<float, 3>>& lse, std::optional<double> scale, bool causal, const std::string& backend,
+         bool split_kv, int num_threads) {
+        attn::DecodeOptions o;
+        o.scale = scale;
+        o.causal = causal;
+        o.backend = attn::parse_backend(backend);
+        o.split_kv = split_kv;
+        o.num_threads = num_threads;
+        const auto qv = view_of<const float, 4>(q, "q");
+        const auto ov = view_of<float, 4>(out, "out");
+        const auto lv = view_of<float, 3>(lse, "lse");
+        nb::gil_scoped_release release;
+        attn::decode_attention(qv, cache, ov, o, lv);
+      },
+      "q"_a.noconvert(), "cache"_a, "out"_a.noconvert(), "lse"_a.noconvert().none(), "scale"_a.none(), "causal"_a,
+      "backend"_a, "split_kv"_a, "num_threads"_a, "Attention of q (B, H, L, E) over the cache into out (and lse).");
 }
 
 }  // namespace
@@ -280,10 +340,12 @@ NB_MODULE(_attn, m) {
       PyErr_SetString(PyExc_ValueError, e.what());
     }
   });
-  bind_sdpa<float>(m, "f32");
-  bind_sdpa<double>(m, "f64");
+  bind<float>(m);
+  bind<double>(m);
   bind_multihead<float>(m, "MultiheadAttentionF32", "MhaCacheF32");
   bind_multihead<double>(m, "MultiheadAttentionF64", "MhaCacheF64");
-  m.def("parse_backend", [](const std::string& name) { return std::string(attn::backend_name(attn::parse_backend(name))); },
-        nb::arg("name"), "Validates a backend name; returns it, or raises ValueError.");
+  bind_decode(m);
+  m.def(
+      "parse_backend", [](const std::string& name) { return std::string(attn::backend_name(attn::parse_backend(name))); },
+      nb::arg("name"), "Validates a backend name; returns it, or raises ValueError.");
 }

@@ -148,7 +148,7 @@ Positions parse_positions(const std::string& name) {
 }
 
 template <class T>
-void add_sinusoidal_positions(Tensor<T>& x, int64_t B, int64_t N) {
+void add_sinusoidal_positions(Tensor<T>& x, int64_t B, int64_t N, int64_t offset) {
   if (x.rank() != 2 || x.dim(0) != B * N)
     throw Error("attn::nn::add_sinusoidal_positions: x must be (B·N, D) = (" + std::to_string(B * N) +
                 ", D)");
@@ -157,7 +157,8 @@ void add_sinusoidal_positions(Tensor<T>& x, int64_t B, int64_t N) {
     for (int64_t d = 0; d < D; ++d) {
       // ω_i = 10000^(-2i/D) for the pair i = d/2
       const double w = std::pow(10000.0, -double(2 * (d / 2)) / double(D));
-      const T pe = T(d % 2 == 0 ? std::sin(double(n) * w) : std::cos(double(n) * w));
+      const double pos = double(offset + n);
+      const T pe = T(d % 2 == 0 ? std::sin(pos * w) : std::cos(pos * w));
       for (int64_t b = 0; b < B; ++b) x[size_t((b * N + n) * D + d)] += pe;
     }
 }
@@ -172,15 +173,15 @@ void LearnedPositions<T>::reset_parameters(Rng& rng) {
 }
 
 template <class T>
-void LearnedPositions<T>::forward(Tensor<T>& x, int64_t B, int64_t N) const {
-  if (N > max_len)
-    throw Error("attn::nn::LearnedPositions::forward: sequence length " + std::to_string(N) +
-                " exceeds max_len " + std::to_string(max_len));
+void LearnedPositions<T>::forward(Tensor<T>& x, int64_t B, int64_t N, int64_t offset) const {
+  if (offset < 0 || offset + N > max_len)
+    throw Error("attn::nn::LearnedPositions::forward: positions " + std::to_string(offset) + ".." +
+                std::to_string(offset + N - 1) + " exceed max_len " + std::to_string(max_len));
   rows_of(x, dim, "attn::nn::LearnedPositions::forward", "x");
   // x[b, n] += P[n]
   for (int64_t b = 0; b < B; ++b)
     for (int64_t n = 0; n < N; ++n)
-      for (int64_t d = 0; d < dim; ++d) x[size_t((b * N + n) * dim + d)] += weight[size_t(n * dim + d)];
+      for (int64_t d = 0; d < dim; ++d) x[size_t((b * N + n) * dim + d)] += weight[size_t((offset + n) * dim + d)];
 }
 
 template <class T>
@@ -202,7 +203,7 @@ void LearnedPositions<T>::collect(const std::string& prefix, std::vector<ParamRe
 }
 
 template <class T>
-void apply_rotary(View4<T> x, bool inverse) {
+void apply_rotary(View4<T> x, bool inverse, int64_t offset) {
   const int64_t B = x.dim(0), H = x.dim(1), N = x.dim(2), E = x.dim(3);
   if (E % 2 != 0)
     throw Error("attn::nn::apply_rotary: head dimension E = " + std::to_string(E) +
@@ -211,7 +212,7 @@ void apply_rotary(View4<T> x, bool inverse) {
   for (int64_t n = 0; n < N; ++n)
     for (int64_t i = 0; i < E / 2; ++i) {
       // angle n·θ_i with θ_i = 10000^(-2i/E)
-      const double ang = double(n) * std::pow(10000.0, -double(2 * i) / double(E));
+      const double ang = double(offset + n) * std::pow(10000.0, -double(2 * i) / double(E));
       const double c = std::cos(ang), s = sign * std::sin(ang);
       for (int64_t b = 0; b < B; ++b)
         for (int64_t h = 0; h < H; ++h) {
@@ -367,150 +368,88 @@ void Mlp<T>::collect(const std::string& prefix, std::vector<ParamRef<T>>& out) {
 
 // ----------------------------------------------------- SelfAttention ----
 
-template <class T>
-SelfAttention<T>::SelfAttention(int64_t d, int64_t h, AttentionOptions opt)
-    : dim(d), heads(h), options(opt) {
+namespace {
+MultiheadConfig self_attention_config(int64_t d, int64_t h) {
   if (d < 1 || h < 1 || d % h != 0)
     throw Error("attn::nn::SelfAttention: dim = " + std::to_string(d) + " must be a positive multiple of heads = " +
                 std::to_string(h));
-  head_dim = d / h;
-  if (opt.rope && head_dim % 2 != 0)
+  MultiheadConfig c;
+  c.embed_dim = d;
+  c.num_heads = h;
+  return c;
+}
+}  // namespace
+
+template <class T>
+SelfAttention<T>::SelfAttention(int64_t d, int64_t h, const MhaOptions& opt, bool with_rope)
+    : layer(self_attention_config(d, h)), options(opt), rope(with_rope) {
+  if (rope && layer.head_dim() % 2 != 0)
     throw Error("attn::nn::SelfAttention: rotary positions need an even head dimension, got E = " +
-                std::to_string(head_dim));
-  in_proj_weight = Tensor<T>({3 * d, d});
-  in_proj_bias = Tensor<T>({3 * d});
-  out_proj_weight = Tensor<T>({d, d});
-  out_proj_bias = Tensor<T>({d});
-  d_in_proj_weight = Tensor<T>({3 * d, d});
-  d_in_proj_bias = Tensor<T>({3 * d});
-  d_out_proj_weight = Tensor<T>({d, d});
-  d_out_proj_bias = Tensor<T>({d});
+                std::to_string(layer.head_dim()));
+  // RoPE rotates Q and K between the projection and the attention; a
+  // rotation's transpose is its inverse, which carries dQ, dK back.
+  if (rope)
+    layer.set_qk_transform({[](View4<T> q, View4<T> k) {
+                              apply_rotary(q);
+                              apply_rotary(k);
+                            },
+                            [](View4<T> dq, View4<T> dk) {
+                              apply_rotary(dq, /*inverse=*/true);
+                              apply_rotary(dk, /*inverse=*/true);
+                            }});
 }
 
 template <class T>
 void SelfAttention<T>::reset_parameters(Rng& rng) {
-  // As torch.nn.MultiheadAttention: Xavier-uniform over the packed [3D, D]
-  // in_proj, Linear's default for out_proj's weight, zero biases.
-  const double a = std::sqrt(6.0 / double(3 * dim + dim));
-  for (size_t i = 0; i < in_proj_weight.size(); ++i) in_proj_weight[i] = T(rng.uniform(-a, a));
-  const double b = 1.0 / std::sqrt(double(dim));
-  for (size_t i = 0; i < out_proj_weight.size(); ++i) out_proj_weight[i] = T(rng.uniform(-b, b));
-  in_proj_bias.fill(T(0));
-  out_proj_bias.fill(T(0));
-}
-
-template <class T>
-SdpaOptions SelfAttention<T>::sdpa_options() const {
-  SdpaOptions o;
-  o.scale = options.scale;
-  o.causal = options.causal;
-  o.backend = options.backend;
-  return o;
-}
-
-template <class T>
-View4<T> SelfAttention<T>::head_view(Tensor<T>& packed, int which) {
-  // Row m = b·N + n of the (M, 3D) matrix holds [q | k | v]; head h of part
-  // `which` starts at column which·D + h·E.
-  const int64_t D3 = 3 * dim;
-  return View4<T>(packed.data() + which * dim, {B_, heads, N_, head_dim}, {N_ * D3, head_dim, D3, 1});
+  layer.reset_parameters(rng.next());
 }
 
 template <class T>
 void SelfAttention<T>::forward(const Tensor<T>& x, int64_t B, int64_t N, Tensor<T>& y, View4<T> weights) {
-  const int64_t M = rows_of(x, dim, "attn::nn::SelfAttention::forward", "x");
-  if (M != B * N)
+  const int64_t D = layer.embed_dim();
+  const int64_t M = rows_of(x, D, "attn::nn::SelfAttention::forward", "x");
+  if (B < 1 || N < 1 || M != B * N)
     throw Error("attn::nn::SelfAttention::forward: x has " + std::to_string(M) + " rows, expected B·N = " +
-                std::to_string(B * N));
-  B_ = B;
-  N_ = N;
-  // [Q | K | V] = x·W_inᵀ + b_in
-  ensure_shape(qkv_, {M, 3 * dim});
-  gemm<T>({M, 3 * dim, dim}, false, x.data(), dim, true, in_proj_weight.data(), dim, qkv_.data(), 3 * dim);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t j = 0; j < 3 * dim; ++j) qkv_[size_t(m * 3 * dim + j)] += in_proj_bias[size_t(j)];
-  // RoPE: rotate Q and K by their positions
-  if (options.rope) {
-    apply_rotary(head_view(qkv_, 0));
-    apply_rotary(head_view(qkv_, 1));
-  }
-  // O_h = softmax(scale·Q_h·K_hᵀ)·V_h, written head-interleaved into (M, D)
-  ensure_shape(attn_out_, {M, dim});
-  ensure_shape(lse_, {B, heads, N});
-  SdpaArgs<T> args;
-  args.q = head_view(qkv_, 0);
-  args.k = head_view(qkv_, 1);
-  args.v = head_view(qkv_, 2);
-  scaled_dot_product_attention<T>(
-      args, {View4<T>::bnhd(attn_out_.data(), B, N, heads, head_dim), weights, lse_.template view<3>()},
-      sdpa_options());
-  // y = O·W_oᵀ + b_o
-  ensure_shape(y, {M, dim});
-  gemm<T>({M, dim, dim}, false, attn_out_.data(), dim, true, out_proj_weight.data(), dim, y.data(), dim);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t j = 0; j < dim; ++j) y[size_t(m * dim + j)] += out_proj_bias[size_t(j)];
+                std::to_string(B) + "·" + std::to_string(N));
+  ensure_shape(y, {M, D});
+  MhaArgs<T> args;
+  args.query = View3<const T>(x.data(), {B, N, D});
+  layer.forward(args, {View3<T>(y.data(), {B, N, D}), weights, {}}, options, &cache_);
 }
 
 template <class T>
 void SelfAttention<T>::backward(const Tensor<T>& x, const Tensor<T>& dy, Tensor<T>* dx) {
-  const int64_t M = B_ * N_;
-  rows_of(dy, dim, "attn::nn::SelfAttention::backward", "dy");
-  if (dy.dim(0) != M || x.dim(0) != M)
+  const int64_t D = layer.embed_dim(), M = cache_.B * cache_.L;
+  rows_of(dy, D, "attn::nn::SelfAttention::backward", "dy");
+  if (M == 0 || dy.dim(0) != M || x.dim(0) != M)
     throw Error("attn::nn::SelfAttention::backward: x and dy must have the forward's B·N = " +
                 std::to_string(M) + " rows");
-  // y = O·W_oᵀ + b_o  ->  dW_o += dyᵀ·O, db_o += Σ dy, dO = dy·W_o
-  gemm<T>({dim, dim, M}, true, dy.data(), dim, false, attn_out_.data(), dim, d_out_proj_weight.data(), dim,
-          T(1), T(1));
-  add_column_sums(dy, M, dim, d_out_proj_bias);
-  Tensor<T> dO({M, dim});
-  gemm<T>({M, dim, dim}, false, dy.data(), dim, false, out_proj_weight.data(), dim, dO.data(), dim);
-  // attention backward into the packed (M, 3D) gradient [dQ | dK | dV]
-  Tensor<T> dqkv({M, 3 * dim});
-  SdpaArgs<T> args;
-  args.q = head_view(qkv_, 0);
-  args.k = head_view(qkv_, 1);
-  args.v = head_view(qkv_, 2);
-  SdpaGrads<T> g;
-  g.dq = head_view(dqkv, 0);
-  g.dk = head_view(dqkv, 1);
-  g.dv = head_view(dqkv, 2);
-  const SdpaSaved<T> saved{View4<T>::bnhd(attn_out_.data(), B_, N_, heads, head_dim), lse_.template view<3>()};
-  scaled_dot_product_attention_backward<T>(args, View4<T>::bnhd(dO.data(), B_, N_, heads, head_dim), saved, g,
-                                           sdpa_options());
-  // RoPE is a rotation: its transpose (the inverse rotation) carries dQ, dK back
-  if (options.rope) {
-    apply_rotary(head_view(dqkv, 0), /*inverse=*/true);
-    apply_rotary(head_view(dqkv, 1), /*inverse=*/true);
-  }
-  // [Q | K | V] = x·W_inᵀ + b_in  ->  dW_in += dqkvᵀ·x, db_in += Σ dqkv, dx = dqkv·W_in
-  gemm<T>({3 * dim, dim, M}, true, dqkv.data(), 3 * dim, false, x.data(), dim, d_in_proj_weight.data(), dim,
-          T(1), T(1));
-  add_column_sums(dqkv, M, 3 * dim, d_in_proj_bias);
+  MhaGrads<T> g;
   if (dx) {
-    ensure_shape(*dx, {M, dim});
-    gemm<T>({M, dim, 3 * dim}, false, dqkv.data(), 3 * dim, false, in_proj_weight.data(), dim, dx->data(), dim);
+    ensure_shape(*dx, {M, D});
+    g.dquery = View3<T>(dx->data(), {cache_.B, cache_.L, D});
   }
+  layer.backward(cache_, View3<const T>(dy.data(), {cache_.B, cache_.L, D}), g);
 }
 
 template <class T>
 typename SelfAttention<T>::ScoreStats SelfAttention<T>::score_stats() const {
   ScoreStats st;
-  if (B_ == 0) return st;
-  const double scale = options.scale ? *options.scale : 1.0 / std::sqrt(double(head_dim));
-  const int64_t D3 = 3 * dim;
+  if (!cache_.filled()) return st;
+  const auto q = cache_.q(), k = cache_.k();  // after the rotation, as the attention saw them
+  const int64_t B = q.dim(0), H = q.dim(1), N = q.dim(2), E = q.dim(3);
+  const double scale = options.sdpa.scale ? *options.sdpa.scale : 1.0 / std::sqrt(double(E));
   double sum = 0, sum2 = 0, top = 0;
   int64_t count = 0, rows = 0;
-  std::vector<double> z(static_cast<size_t>(N_));
-  for (int64_t b = 0; b < B_; ++b)
-    for (int64_t h = 0; h < heads; ++h)
-      for (int64_t i = 0; i < N_; ++i) {
-        const int64_t end = options.causal ? i + 1 : N_;
-        const T* q = qkv_.data() + (b * N_ + i) * D3 + h * head_dim;
+  std::vector<double> z(static_cast<size_t>(N));
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t i = 0; i < N; ++i) {
+        const int64_t end = options.sdpa.causal ? i + 1 : N;
         double zmax = -std::numeric_limits<double>::infinity();
         for (int64_t j = 0; j < end; ++j) {
-          const T* k = qkv_.data() + (b * N_ + j) * D3 + dim + h * head_dim;
           double dot = 0;
-          for (int64_t e = 0; e < head_dim; ++e) dot += double(q[e]) * double(k[e]);
+          for (int64_t e = 0; e < E; ++e) dot += double(q(b, h, i, e)) * double(k(b, h, j, e));
           z[size_t(j)] = scale * dot;
           zmax = std::max(zmax, z[size_t(j)]);
           sum += z[size_t(j)];
@@ -530,19 +469,11 @@ typename SelfAttention<T>::ScoreStats SelfAttention<T>::score_stats() const {
 }
 
 template <class T>
-void SelfAttention<T>::zero_grad() {
-  d_in_proj_weight.fill(T(0));
-  d_in_proj_bias.fill(T(0));
-  d_out_proj_weight.fill(T(0));
-  d_out_proj_bias.fill(T(0));
-}
-
-template <class T>
 void SelfAttention<T>::collect(const std::string& prefix, std::vector<ParamRef<T>>& out) {
-  out.push_back({prefix + "in_proj_weight", &in_proj_weight, &d_in_proj_weight, true});
-  out.push_back({prefix + "in_proj_bias", &in_proj_bias, &d_in_proj_bias, false});
-  out.push_back({prefix + "out_proj.weight", &out_proj_weight, &d_out_proj_weight, true});
-  out.push_back({prefix + "out_proj.bias", &out_proj_bias, &d_out_proj_bias, false});
+  for (const std::string& name : layer.parameter_names()) {
+    Tensor<T>& p = layer.parameter(name);
+    out.push_back({prefix + name, &p, &layer.grad(name), p.rank() == 2});
+  }
 }
 
 // ------------------------------------------------------ cross-entropy ----
@@ -593,8 +524,8 @@ CrossEntropyResult softmax_cross_entropy(const Tensor<T>& logits, const int32_t*
   template class LayerNorm<T>;                                                                  \
   template class Mlp<T>;                                                                        \
   template class SelfAttention<T>;                                                              \
-  template void add_sinusoidal_positions<T>(Tensor<T>&, int64_t, int64_t);                      \
-  template void apply_rotary<T>(View4<T>, bool);                                                \
+  template void add_sinusoidal_positions<T>(Tensor<T>&, int64_t, int64_t, int64_t);                      \
+  template void apply_rotary<T>(View4<T>, bool, int64_t);                                                \
   template void gelu_forward<T>(const T*, T*, int64_t);                                         \
   template void gelu_backward<T>(const T*, const T*, T*, int64_t);                              \
   template CrossEntropyResult softmax_cross_entropy<T>(const Tensor<T>&, const int32_t*, Tensor<T>*);

@@ -5,6 +5,7 @@
 #include "attn/nn/model.hpp"
 
 #include <cmath>
+#include <map>
 
 #include "nn/common.hpp"
 
@@ -59,18 +60,15 @@ Transformer<T>::Transformer(const ModelConfig& config, uint64_t seed) : cfg_(con
   if (cfg_.mlp_hidden == 0) cfg_.mlp_hidden = 4 * cfg_.dim;
   embed_ = Embedding<T>(cfg_.vocab, cfg_.dim);
   if (cfg_.positions == Positions::learned) pos_ = LearnedPositions<T>(cfg_.max_len, cfg_.dim);
-  AttentionOptions ao;
-  ao.causal = cfg_.causal;
-  ao.scale = cfg_.attn_scale;
-  ao.rope = cfg_.positions == Positions::rope;
-  ao.backend = cfg_.backend;
-  blocks_.resize(size_t(cfg_.layers));
-  for (auto& blk : blocks_) {
-    blk.ln1 = LayerNorm<T>(cfg_.dim);
-    blk.attn = SelfAttention<T>(cfg_.dim, cfg_.heads, ao);
-    blk.ln2 = LayerNorm<T>(cfg_.dim);
-    blk.mlp = Mlp<T>(cfg_.dim, cfg_.mlp_hidden);
-  }
+  MhaOptions ao;
+  ao.sdpa.causal = cfg_.causal;
+  ao.sdpa.scale = cfg_.attn_scale;
+  ao.sdpa.backend = cfg_.backend;
+  const bool rope = cfg_.positions == Positions::rope;
+  blocks_.reserve(size_t(cfg_.layers));
+  for (int64_t l = 0; l < cfg_.layers; ++l)
+    blocks_.push_back({LayerNorm<T>(cfg_.dim), LayerNorm<T>(cfg_.dim), SelfAttention<T>(cfg_.dim, cfg_.heads, ao, rope),
+                       Mlp<T>(cfg_.dim, cfg_.mlp_hidden), {}, {}, {}});
   ln_f_ = LayerNorm<T>(cfg_.dim);
   head_ = Linear<T>(cfg_.dim, cfg_.vocab);
   reset_parameters(seed);
@@ -178,6 +176,88 @@ CrossEntropyResult Transformer<T>::loss(const int32_t* tokens, const int32_t* ta
   const CrossEntropyResult r = softmax_cross_entropy(logits, targets, with_grad ? &dlogits : nullptr);
   if (with_grad) backward(dlogits);
   return r;
+}
+
+template <class T>
+DecodeState Transformer<T>::start_decoding(int64_t B, KVDtype dtype, int64_t page_size) const {
+  const char* fn = "attn::nn::Transformer::start_decoding";
+  if (!std::is_same_v<T, float>) throw Error(std::string(fn) + ": incremental decoding is float32 only");
+  if (!cfg_.causal) throw Error(std::string(fn) + ": the model is not causal; every token would see later ones");
+  if (B < 1) throw Error(std::string(fn) + ": B is " + std::to_string(B) + ", expected >= 1");
+  DecodeState st;
+  st.B = B;
+  KVCacheConfig kc;
+  kc.batch = B;
+  kc.kv_heads = cfg_.heads;
+  kc.capacity = cfg_.max_len;
+  kc.head_dim = cfg_.dim / cfg_.heads;
+  kc.dtype = dtype;
+  kc.page_size = page_size;
+  for (size_t l = 0; l < blocks_.size(); ++l) st.caches.emplace_back(kc);
+  return st;
+}
+
+// The same composition as forward(), for the n new positions only; the
+// attention of each block reads the earlier positions' keys and values from
+// its cache instead of recomputing them:
+//   [q | k | v] = LN1(h)·W_inᵀ + b_in, rotated at positions length..length+n−1 (RoPE)
+//   cache ← cache + (k, v);   o = decode_attention(q, cache)   (causal, bottom-right)
+//   a = h + o·W_oᵀ + b_o;     h' = a + MLP(LN2(a))
+template <class T>
+void Transformer<T>::decode_step(DecodeState& st, const int32_t* tokens, int64_t n, Tensor<T>& logits) {
+  const char* fn = "attn::nn::Transformer::decode_step";
+  if constexpr (!std::is_same_v<T, float>) {
+    (void)st, (void)tokens, (void)n, (void)logits;
+    throw Error(std::string(fn) + ": incremental decoding is float32 only");
+  } else {
+    if (st.caches.size() != blocks_.size() || st.B < 1)
+      throw Error(std::string(fn) + ": the state does not come from this model's start_decoding");
+    if (n < 1 || st.length + n > cfg_.max_len)
+      throw Error(std::string(fn) + ": feeding " + std::to_string(n) + " tokens after " + std::to_string(st.length) +
+                  " needs 1 <= n and length + n <= max_len = " + std::to_string(cfg_.max_len));
+    const int64_t B = st.B, M = B * n, D = cfg_.dim, H = cfg_.heads, E = D / H, pos = st.length;
+    std::map<std::string, Tensor<T>*> param;
+    for (auto& p : parameters()) param[p.name] = p.value;
+    Tensor<T> h, x, qkv({M, 3 * D}), o({M, D}), y, a;
+    embed_.forward(tokens, M, h);  // checks the ids
+    if (cfg_.positions == Positions::sinusoidal) add_sinusoidal_positions(h, B, n, pos);
+    if (cfg_.positions == Positions::learned) pos_.forward(h, B, n, pos);
+    DecodeOptions dopt;
+    dopt.scale = cfg_.attn_scale;
+    for (size_t l = 0; l < blocks_.size(); ++l) {
+      auto& blk = blocks_[l];
+      const std::string pre = "blocks." + std::to_string(l) + ".attn.";
+      const Tensor<T>& w_in = *param.at(pre + "in_proj_weight");
+      const Tensor<T>& b_in = *param.at(pre + "in_proj_bias");
+      const Tensor<T>& w_out = *param.at(pre + "out_proj.weight");
+      const Tensor<T>& b_out = *param.at(pre + "out_proj.bias");
+      blk.ln1.forward(h, x);
+      detail::gemm<T>({M, 3 * D, D}, false, x.data(), D, true, w_in.data(), D, qkv.data(), 3 * D);
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t j = 0; j < 3 * D; ++j) qkv[size_t(m * 3 * D + j)] += b_in[size_t(j)];
+      // Per-head views (B, H, n, E) of the packed rows [q | k | v].
+      auto head = [&](int which) {
+        return View4<T>(qkv.data() + which * D, {B, H, n, E}, {n * 3 * D, E, 3 * D, 1});
+      };
+      if (cfg_.positions == Positions::rope) {
+        apply_rotary(head(0), false, pos);
+        apply_rotary(head(1), false, pos);
+      }
+      st.caches[l].append(View4<const T>(head(1)), View4<const T>(head(2)));
+      decode_attention(head(0), st.caches[l], View4<T>(o.data(), {B, H, n, E}, {n * D, E, D, 1}), dopt);
+      ensure_shape(y, {M, D});
+      detail::gemm<T>({M, D, D}, false, o.data(), D, true, w_out.data(), D, y.data(), D);
+      ensure_shape(a, {M, D});
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t j = 0; j < D; ++j) a[size_t(m * D + j)] = h[size_t(m * D + j)] + y[size_t(m * D + j)] + b_out[size_t(j)];
+      blk.ln2.forward(a, x);
+      blk.mlp.forward(x, y);
+      for (size_t i = 0; i < h.size(); ++i) h[i] = a[i] + y[i];
+    }
+    st.length += n;
+    ln_f_.forward(h, x);
+    head_.forward(x, logits);
+  }
 }
 
 template <class T>

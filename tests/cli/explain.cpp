@@ -32,8 +32,10 @@ TEST_F(Cli, ExplainTwoTokensReproducesTheSeedsNumbers) {
 TEST_F(Cli, ExplainRandomShowsHeadsConcatenationAndOutputProjection) {
   const Result r = run("explain --example random --heads 2 --dim 6 --tokens 3");
   ASSERT_EQ(r.rc, 0) << r.err;
-  for (const char* part : {"X (token embeddings", "W_Q", "head 0", "head 1", "S_1 = Q_1 K_1^T", "A_0 = softmax",
-                           "O = [Y_0 | Y_1", "W_O", "output = O W_O"})
+  // Weights [out, in] as the library stores them: Q = X W_Q^T, output = O W_O^T.
+  for (const char* part : {"X (token embeddings", "W_Q  [out, in] = [H*d_k, D] = [6, 6]", "Q = X W_Q^T", "head 0",
+                           "head 1", "S_1 = Q_1 K_1^T", "A_0 = softmax", "O = [Y_0 | Y_1",
+                           "W_O  [out, in] = [D, H*d_v] = [6, 6]", "output = O W_O^T"})
     EXPECT_TRUE(contains(r.out, part)) << part;
 }
 

@@ -120,8 +120,12 @@ def test_errors():
         attn.MultiheadAttention(8, 2, 0.1)
     with pytest.raises(ValueError, match="divisible|num_heads"):
         attn.MultiheadAttention(9, 2)
-    with pytest.raises(ValueError, match="expected float32"):
+    # The expected dtype is the layer's, and the message says so (not "the
+    # dtype of 'query'", which is the wrong array to blame).
+    with pytest.raises(ValueError, match=r"'query' has dtype float64, expected float32 \(the layer's dtype"):
         layer(x.astype(np.float64), x, x)
+    with pytest.raises(ValueError, match=r"'value' has dtype float64, expected float32 \(the layer's dtype"):
+        layer(x, x, x.astype(np.float64))
     with pytest.raises(ValueError, match="'attn_mask' has shape"):
         layer(x, x, x, attn_mask=np.zeros((4, 3), bool))
     with pytest.raises(ValueError, match="'key_padding_mask' has shape"):

@@ -327,7 +327,7 @@ def test_backward_errors():
     assert layer.backward(dout[:, 0])["query"].shape == (3, 8)
     # The extension refuses a cache that no forward filled.
     with pytest.raises(ValueError, match="argument 'cache' is empty"):
-        layer._layer.backward(attn._attn.MhaCacheF32(), dout, None, None, None)
+        layer._layer.backward(attn._attn.MhaCacheF32(), dout)
 
 
 def test_sgd_steps_fit_a_target():

@@ -77,9 +77,14 @@ def test_tensors_in_tensors_out_and_autograd_entry():
     qt = q.transpose(1, 2).contiguous().transpose(1, 2)
     assert not qt.is_contiguous()
     torch.testing.assert_close(attn.scaled_dot_product_attention(qt, k, v), out, rtol=0, atol=0)
-    # Tensors that require grad make the plain entry point differentiable.
+    # The differentiable entry point is attn.torch's; the plain one refuses
+    # tensors that require grad rather than dropping their graph.
     qg = q.clone().requires_grad_(True)
-    y = attn.scaled_dot_product_attention(qg, k, v, is_causal=True)
+    with pytest.raises(ValueError, match="use attn.torch.scaled_dot_product_attention"):
+        attn.scaled_dot_product_attention(qg, k, v, is_causal=True)
+    with torch.no_grad():
+        torch.testing.assert_close(attn.scaled_dot_product_attention(qg, k, v), out, rtol=0, atol=0)
+    y = attn.torch.scaled_dot_product_attention(qg, k, v, is_causal=True)
     assert y.requires_grad
     y.sum().backward()
     qr = q.clone().requires_grad_(True)

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "attn/error.hpp"
+#include "attn/multihead.hpp"
 #include "attn/rng.hpp"
 #include "attn/sdpa.hpp"
 #include "attn/tensor.hpp"
@@ -87,9 +88,10 @@ const char* positions_name(Positions p);
 Positions parse_positions(const std::string& name);  // throws attn::Error
 
 // x (B·N, D) += PE(n, ·) with PE(n, 2i) = sin(n·ω_i), PE(n, 2i+1) = cos(n·ω_i),
-// ω_i = 10000^(-2i/D). Its backward is the identity.
+// ω_i = 10000^(-2i/D). Its backward is the identity. `offset`: the N rows
+// are positions offset .. offset + N − 1 (incremental decoding).
 template <class T>
-void add_sinusoidal_positions(Tensor<T>& x, int64_t B, int64_t N);
+void add_sinusoidal_positions(Tensor<T>& x, int64_t B, int64_t N, int64_t offset = 0);
 
 // x (B·N, D) += P[n] for a trained table P [max_len, D].
 template <class T>
@@ -98,7 +100,7 @@ class LearnedPositions {
   LearnedPositions() = default;
   LearnedPositions(int64_t max_len, int64_t dim);
   void reset_parameters(Rng& rng);  // N(0, 1)
-  void forward(Tensor<T>& x, int64_t B, int64_t N) const;  // in place
+  void forward(Tensor<T>& x, int64_t B, int64_t N, int64_t offset = 0) const;  // in place; positions offset + n
   void backward(const Tensor<T>& dx, int64_t B, int64_t N);
   void zero_grad();
   void collect(const std::string& prefix, std::vector<ParamRef<T>>& out);
@@ -110,9 +112,10 @@ class LearnedPositions {
 // Rotary embedding of a (B, H, N, E) view, E even: each feature pair
 // (2i, 2i+1) of position n is rotated by the angle n·θ_i, θ_i = 10000^(-2i/E).
 // The rotation is orthogonal, so the backward is the rotation by -n·θ_i
-// (inverse = true). In place; any strides.
+// (inverse = true). In place; any strides. Position n of the view is
+// position offset + n of the sequence.
 template <class T>
-void apply_rotary(View4<T> x, bool inverse = false);
+void apply_rotary(View4<T> x, bool inverse = false, int64_t offset = 0);
 
 // LayerNorm over the last axis: y = (x - mean)/sqrt(var + eps)·γ + β.
 template <class T>
@@ -158,33 +161,25 @@ class Mlp {
   Tensor<T> pre_, act_;  // fc1 output and its GELU, saved by forward
 };
 
-// Options of the attention inside a transformer block.
-struct AttentionOptions {
-  bool causal = false;
-  std::optional<double> scale;  // default 1/√E; 1.0 is "--scale none"
-  bool rope = false;            // rotate Q and K after the projection
-  Backend backend = Backend::automatic;
-};
-
-// Multi-head self-attention with packed projections, laid out as
-// torch.nn.MultiheadAttention's state_dict (in_proj_weight [3D, D] with rows
-// q, k, v; out_proj.weight [D, D]) and initialised the same way (Xavier-uniform
-// in_proj, zero biases). It calls attn::scaled_dot_product_attention directly
-// on strided views of the packed projection so that rotary embeddings can be
-// applied to Q and K between the projection and the attention.
+// Multi-head self-attention inside a transformer block: a thin wrapper over
+// attn::MultiheadAttention (packed projections, parameters named and laid
+// out as torch.nn.MultiheadAttention's state_dict, PyTorch's initialisation)
+// that adapts it to the nn conventions above ((B·N, D) activations, the
+// forward's state kept here) and, with `rope`, installs rotary position
+// embeddings as the layer's Q/K transform. Every attention option
+// (scale, causal, backend, threads, ...) is the layer's own MhaOptions.
 template <class T>
 class SelfAttention {
  public:
-  SelfAttention() = default;
-  SelfAttention(int64_t dim, int64_t heads, AttentionOptions opt = {});
+  SelfAttention(int64_t dim, int64_t heads, const MhaOptions& opt = {}, bool rope = false);
+  // Draws a seed from `rng` and initialises as MultiheadAttention does.
   void reset_parameters(Rng& rng);
   // x (B·N, D) -> y (B·N, D). `weights`, when non-empty, receives the
   // attention matrices (B, H, N, N).
   void forward(const Tensor<T>& x, int64_t B, int64_t N, Tensor<T>& y, View4<T> weights = {});
   void backward(const Tensor<T>& x, const Tensor<T>& dy, Tensor<T>* dx);
-  void zero_grad();
+  void zero_grad() { layer.zero_grad(); }
   void collect(const std::string& prefix, std::vector<ParamRef<T>>& out);
-  SdpaOptions sdpa_options() const;
 
   // Statistics of the last forward's attention, for the scale experiment:
   // the standard deviation of the scaled scores scale·q·k over all visible
@@ -194,17 +189,12 @@ class SelfAttention {
   };
   ScoreStats score_stats() const;
 
-  int64_t dim = 0, heads = 1, head_dim = 0;
-  AttentionOptions options;
-  Tensor<T> in_proj_weight, in_proj_bias, out_proj_weight, out_proj_bias;
-  Tensor<T> d_in_proj_weight, d_in_proj_bias, d_out_proj_weight, d_out_proj_bias;
+  MultiheadAttention<T> layer;
+  MhaOptions options;
+  bool rope = false;
 
  private:
-  View4<T> head_view(Tensor<T>& packed, int which);  // 0 q, 1 k, 2 v of (M, 3D)
-  int64_t B_ = 0, N_ = 0;
-  Tensor<T> qkv_;       // (M, 3D) projections, Q and K after rotation
-  Tensor<T> attn_out_;  // (M, D) concatenated head outputs
-  Tensor<T> lse_;       // (B, H, N)
+  MhaCache<T> cache_;  // the last forward's state
 };
 
 // Softmax cross-entropy over the rows of logits (M, V) against targets

@@ -19,6 +19,7 @@
 #include <utility>
 #include <vector>
 
+#include "attn/kv_cache.hpp"
 #include "attn/nn/layers.hpp"
 
 namespace attn::nn {
@@ -53,6 +54,14 @@ struct TransformerBlock {
   Tensor<T> x1, a, x2;  // saved: LN1(h), h + attn, LN2(a)
 };
 
+// The state of incremental decoding: one KV cache per block holding the keys
+// and values of every token fed so far, and how many tokens that is.
+struct DecodeState {
+  std::vector<KVCache> caches;  // per block: (B, H, capacity = max_len, E)
+  int64_t B = 0;
+  int64_t length = 0;  // tokens fed per sequence
+};
+
 template <class T>
 class Transformer {
  public:
@@ -73,6 +82,15 @@ class Transformer {
   // added, so call zero_grad() first.
   CrossEntropyResult loss(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t N,
                           bool with_grad);
+
+  // Incremental decoding (causal models, float32): start_decoding makes the
+  // caches (storage float32, float16 or bfloat16; page_size > 0 pages them);
+  // decode_step feeds the next n tokens of every sequence (tokens (B, n),
+  // row-major), appends their keys and values to the caches and writes the
+  // logits (B·n, V) of those positions: the rows forward() would give for
+  // them on the whole prefix, without recomputing the prefix.
+  DecodeState start_decoding(int64_t B, KVDtype dtype = KVDtype::float32, int64_t page_size = 0) const;
+  void decode_step(DecodeState& state, const int32_t* tokens, int64_t n, Tensor<T>& logits);
 
   std::vector<ParamRef<T>> parameters();
   void zero_grad();

@@ -31,9 +31,13 @@
 //    (F16C / AVX-512 conversions, a shift for bfloat16, portable code on
 //    other targets); the data never exists as float32 in memory.
 //
-// NaN in q or k makes a score NaN; a flag carries that to the row's output
-// and lse (the vector max would drop it). NaN in v reaches the output through
-// the accumulation. A row that sees no key finalises to output 0, lse −inf.
+// NaN, the rule of the dense call: keys a row does not see never touch it;
+// a visible key with NaN/inf in its q, k or v row poisons the row (output
+// and lse NaN). A non-finite visible score sets a per-row flag (the vector
+// max would drop a NaN); a non-finite v reaches the accumulator, which the
+// finalisation checks; the causal diagonal of a tile is accumulated row by
+// row so that a key beyond a row's end is not even multiplied by 0. A row
+// that sees no key finalises to output 0, lse −inf.
 //
 // Written once with Highway, compiled per target (AVX-512, AVX2, SSE4,
 // portable), dispatched at run time like the fused kernel.
@@ -235,19 +239,29 @@ HWY_INLINE void ValueRows(const float* p, int64_t ldp, int64_t nk, const T* v, i
   if (e0 < Ev) ValueStrip<R, 1, true>(p, ldp, nk, v, vrow, e0, Ev, o, ldo);
 }
 
+// Keys a row does not see never touch it (not even as 0·v, which is NaN for
+// a non-finite v): the keys every row sees go through the register blocks,
+// the rest (the causal diagonal of a tile) row by row up to each row's end.
 template <class T>
-void ValueTile(const Call& c, Scratch& w, int64_t nm, const T* v, int64_t vrow, int64_t nk, float* acc) {
+void ValueTile(const Call& c, Scratch& w, int64_t nm, const T* v, int64_t vrow, int64_t j0, int64_t nk,
+               float* acc) {
   const int64_t Ev = c.p->Ev;
-  for (int64_t r0 = 0; r0 < nm; r0 += 4) {
+  const auto vis = [&](int64_t r) { return std::clamp<int64_t>(w.end[size_t(r)] - j0, 0, nk); };
+  const int64_t common = vis(0);  // rows are in query order: row 0 sees the fewest keys
+  for (int64_t r0 = 0; r0 < nm && common > 0; r0 += 4) {
     const float* p = w.s.get() + r0 * c.tilep;
     float* o = acc + r0 * c.Evp;
     switch (std::min<int64_t>(4, nm - r0)) {
-      case 4: ValueRows<4>(p, c.tilep, nk, v, vrow, Ev, o, c.Evp); break;
-      case 3: ValueRows<3>(p, c.tilep, nk, v, vrow, Ev, o, c.Evp); break;
-      case 2: ValueRows<2>(p, c.tilep, nk, v, vrow, Ev, o, c.Evp); break;
-      default: ValueRows<1>(p, c.tilep, nk, v, vrow, Ev, o, c.Evp); break;
+      case 4: ValueRows<4>(p, c.tilep, common, v, vrow, Ev, o, c.Evp); break;
+      case 3: ValueRows<3>(p, c.tilep, common, v, vrow, Ev, o, c.Evp); break;
+      case 2: ValueRows<2>(p, c.tilep, common, v, vrow, Ev, o, c.Evp); break;
+      default: ValueRows<1>(p, c.tilep, common, v, vrow, Ev, o, c.Evp); break;
     }
   }
+  for (int64_t r = 0; r < nm; ++r)
+    if (vis(r) > common)
+      ValueRows<1>(w.s.get() + r * c.tilep + common, c.tilep, vis(r) - common, v + common * vrow, vrow, Ev,
+                   acc + r * c.Evp, c.Evp);
 }
 
 // ---- one chunk --------------------------------------------------------------
@@ -277,15 +291,14 @@ void SoftmaxTile(const Call& c, Scratch& w, int64_t nm, int64_t j0, int64_t nk, 
   for (int64_t r = 0; r < nm; ++r) {
     float* row = w.s.get() + r * c.tilep;
     const int64_t vis = std::clamp<int64_t>(w.end[size_t(r)] - j0, 0, nk);
+    // A visible score that is not finite (NaN, or ±inf from an infinite q or
+    // k) poisons the row; the vector max would drop a NaN.
+    bool bad = false;
+    for (int64_t jj = 0; jj < vis; ++jj) bad |= !std::isfinite(row[jj]);
+    if (bad) nan[r] = 1;
     std::fill(row + vis, row + c.tilep, kNegInf);
     VF vmax = hn::Set(d, kNegInf);
-    auto seen_nan = hn::Lt(vmax, vmax);  // all false
-    for (int64_t jj = 0; jj < c.tilep; jj += N) {
-      const VF x = hn::Load(d, row + jj);
-      vmax = hn::Max(vmax, x);
-      seen_nan = hn::Or(seen_nan, hn::IsNaN(x));  // Max would drop a NaN
-    }
-    if (!hn::AllFalse(d, seen_nan)) nan[r] = 1;
+    for (int64_t jj = 0; jj < c.tilep; jj += N) vmax = hn::Max(vmax, hn::Load(d, row + jj));
     const os::Step<float> step = os::begin_tile<os::Base2>(st[r], hn::GetLane(hn::MaxOfLanes(d, vmax)));
     const VF shift = hn::Set(d, step.shift);
     VF sum = hn::Zero(d);
@@ -317,7 +330,7 @@ void ChunkT(const Call& c, Scratch& w, const Unit& u, float* acc, os::State<floa
     const T* v = vbase + page * kv.v_page + u.hk * kv.v_head + off * kv.v_row;
     ScoreTile(c, w, u.nm, k, kv.k_row, nk);
     SoftmaxTile(c, w, u.nm, j0, nk, acc, st, nan);
-    ValueTile(c, w, u.nm, v, kv.v_row, nk, acc);
+    ValueTile(c, w, u.nm, v, kv.v_row, j0, nk, acc);
     j0 += nk;
   }
 }
@@ -338,11 +351,14 @@ void Finalize(const Call& c, const Unit& u, const float* acc, const os::State<fl
   for (int64_t r = 0; r < u.nm; ++r) {
     const int64_t m = u.m0 + r, i = m / G, h = u.hk * G + m % G;
     const os::Final<float> f = os::finalize<os::Base2>(st[r]);
-    const float inv = nan[r] ? qnan : f.inv_sum;
     const float* o = acc + r * c.Evp;
+    // A non-finite value row the row sees leaves acc non-finite: poisoned too.
+    bool bad = nan[r] || std::isnan(f.lse);
+    for (int64_t e = 0; e < p.Ev; ++e) bad |= !std::isfinite(o[e]);
+    const float inv = bad ? qnan : f.inv_sum;
     float* dst = &c.out(u.b, h, i, 0);
     for (int64_t e = 0; e < p.Ev; ++e) dst[e * se] = o[e] * inv;  // y = acc / sum
-    if (!c.lse.empty()) c.lse(u.b, h, i) = nan[r] ? qnan : f.lse * kLn2;  // natural units
+    if (!c.lse.empty()) c.lse(u.b, h, i) = bad ? qnan : f.lse * kLn2;  // natural units
   }
 }
 

@@ -1,0 +1,111 @@
+// attn/dist.hpp — context-parallel attention over MPI (component attn::dist).
+//
+// The sequence is split over the P processes of an MPI communicator; every
+// rank holds a shard of the queries and a shard of the keys/values and gets
+// the output rows of its own queries. Two strategies:
+//
+//   ring     The K/V shards travel around the ring of ranks (P − 1 steps,
+//            each overlapping the transfer of the next shard with the
+//            attention on the current one); each rank merges the partial
+//            results of its queries by log-sum-exp. The backward sends the
+//            K/V shards around again with their dK/dV accumulators, which
+//            arrive back at their owner after P steps; dQ stays local.
+//   ulysses  An all-to-all turns the sequence split into a head split: each
+//            rank attends the whole sequence for H / P query heads (and
+//            Hkv / P key/value heads) with the ordinary single-process call,
+//            then a second all-to-all returns the output rows. Needs H and
+//            Hkv divisible by P.
+//
+// Shards. A sequence of length N is cut into C chunks of near-equal length
+// (the first N mod C chunks one longer); chunk_layout() says which chunks a
+// rank holds, in increasing order, stored one after the other along the
+// sequence axis of its local views:
+//   contiguous  C = P, rank r holds chunk r.
+//   zigzag      C = 2P, rank r holds chunks r and 2P − 1 − r. Under the
+//               causal mask every rank then has the same amount of work
+//               (a contiguous split gives the last rank P times the first's).
+// Queries and keys are split by the same layout, each by its own length.
+// shard() and unshard() copy between a full tensor and a rank's shard.
+//
+// Arguments are the local shards, shaped like the single-process call's
+// (attn/sdpa.hpp) with L and S replaced by the local lengths:
+//   q (B, H, L_r, E)  k (B, Hkv, S_r, E)  v (B, Hkv, S_r, Ev)
+//   outputs / saved: out (B, H, L_r, Ev), lse (B, H, L_r)
+// key_lengths (B) holds GLOBAL lengths (every rank passes the same values).
+// Supported options: scale, causal (top-left; with L = S for the ring),
+// key_lengths, GQA, E ≠ Ev, num_threads (per rank). Not supported (a clear
+// attn::Error): mask, bias, attention weights, causal bottom-right on the
+// ring, and float64 (the backward needs the fused float32 kernel).
+//
+// Every rank must call with the same global shapes and options; arguments
+// are validated on every rank and the verdict is shared (an MPI_Allreduce),
+// so a rank with bad arguments makes every rank throw instead of leaving the
+// others waiting. Results differ from the single-process call only by
+// float32 rounding, and are bitwise reproducible for a fixed P, layout and
+// thread count.
+#pragma once
+
+#include <mpi.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "attn/sdpa.hpp"
+#include "attn/tensor.hpp"
+
+namespace attn::dist {
+
+enum class Layout { contiguous, zigzag };
+const char* layout_name(Layout l);  // "contiguous", "zigzag"
+
+// One chunk of a rank's shard: global rows [begin, begin + length).
+struct Chunk {
+  int64_t index = 0, begin = 0, length = 0;
+};
+// The chunks rank r of P holds of a length-n sequence, in increasing order.
+std::vector<Chunk> chunk_layout(int64_t n, int P, int r, Layout layout);
+// The local length of rank r's shard (the sum of its chunks' lengths).
+int64_t shard_length(int64_t n, int P, int r, Layout layout);
+
+// Copies rank r's rows of `full` (B, H, n, F) into `local` (B, H, shard, F),
+// and back. Throws attn::Error on shape mismatches.
+void shard(View4<const float> full, View4<float> local, int P, int r, Layout layout);
+void unshard(View4<const float> local, View4<float> full, int P, int r, Layout layout);
+// The same for per-row statistics (B, H, n), e.g. the log-sum-exp.
+void shard(View3<const float> full, View3<float> local, int P, int r, Layout layout);
+void unshard(View3<const float> local, View3<float> full, int P, int r, Layout layout);
+
+struct DistOptions {
+  SdpaOptions sdpa;  // scale, causal, num_threads (per rank); backend must be auto or fused
+  Layout layout = Layout::zigzag;
+};
+
+// Where a ring call spent its time on this rank (optional output).
+struct RingStats {
+  double compute_s = 0;  // attention on the blocks (and the merges / sums)
+  double wait_s = 0;     // waiting for transfers not hidden behind the compute
+  double total_s = 0;    // the whole call
+  int64_t bytes_sent = 0;
+  int steps = 0;
+};
+
+// Ring attention, forward: writes outputs.out (and outputs.lse when given)
+// for the local queries; outputs.weights must be empty (L×S never exists).
+void ring_attention(MPI_Comm comm, const SdpaArgs<float>& args, const SdpaOutputs<float>& outputs,
+                    const DistOptions& opt = {}, RingStats* stats = nullptr);
+// Ring attention, backward: `saved` is the forward's out and lse for the
+// local queries (recomputed by a forward ring when not given; every rank must
+// give it or none); writes the local dq, dk, dv (overwritten, not
+// accumulated). dbias is not supported.
+void ring_attention_backward(MPI_Comm comm, const SdpaArgs<float>& args, View4<const float> dout,
+                             const SdpaSaved<float>& saved, const SdpaGrads<float>& grads,
+                             const DistOptions& opt = {}, RingStats* stats = nullptr);
+
+// All-to-all (Ulysses) attention, forward and backward, same arguments.
+void ulysses_attention(MPI_Comm comm, const SdpaArgs<float>& args, const SdpaOutputs<float>& outputs,
+                       const DistOptions& opt = {});
+void ulysses_attention_backward(MPI_Comm comm, const SdpaArgs<float>& args, View4<const float> dout,
+                                const SdpaSaved<float>& saved, const SdpaGrads<float>& grads,
+                                const DistOptions& opt = {});
+
+}  // namespace attn::dist

@@ -1,0 +1,130 @@
+"""Decoding: the KV cache and attention of new tokens over it.
+
+    cache = attn.KVCache(batch, kv_heads, capacity, head_dim, dtype="float16", page_size=256)
+    cache.append(k, v)                    # (B, Hkv, n, E), (B, Hkv, n, Ev): n new tokens per sequence
+    out = attn.decode_attention(q, cache) # q (B, H, L, E): the last L tokens, bottom-right causal
+
+Keys and values are stored in float32, float16 or bfloat16 (rounded to
+nearest even on append); attention is computed in float32 on the stored
+values. Inputs are NumPy arrays or CPU torch tensors of float32; outputs are
+NumPy arrays, or torch tensors when q is one.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence, Tuple
+
+import numpy as np
+
+from . import _attn
+from ._arrays import is_torch_tensor, to_numpy
+
+_F32 = np.dtype(np.float32)
+
+
+def _f32(x: Any, fn: str, name: str, ndim: int) -> np.ndarray:
+    a = to_numpy(x, fn, name)
+    if a.dtype != _F32:
+        raise ValueError(f"{fn}: '{name}' has dtype {a.dtype}, expected float32")
+    if a.ndim != ndim:
+        raise ValueError(f"{fn}: '{name}' has {a.ndim} dimensions {a.shape}, expected {ndim}")
+    return a
+
+
+class KVCache:
+    """Keys and values of B sequences, each with its own length.
+
+    KVCache(batch, kv_heads, capacity, head_dim, value_dim=None, dtype="float32",
+            page_size=0, num_pages=0)
+
+    page_size = 0 stores one block of `capacity` tokens per sequence; a
+    positive page_size stores a pool of pages (num_pages, default enough for
+    every sequence at full capacity) and a block table per sequence, as vLLM
+    and FlashAttention's `block_table` do; sequences may share full prefix
+    pages through set_block_table.
+    """
+
+    def __init__(self, batch: int, kv_heads: int, capacity: int, head_dim: int, value_dim: Optional[int] = None,
+                 dtype: str = "float32", page_size: int = 0, num_pages: int = 0):
+        self._c = _attn.KVCache(int(batch), int(kv_heads), int(capacity), int(head_dim),
+                                int(value_dim or 0), str(dtype), int(page_size), int(num_pages))
+
+    batch = property(lambda self: self._c.batch)
+    kv_heads = property(lambda self: self._c.kv_heads)
+    capacity = property(lambda self: self._c.capacity)
+    head_dim = property(lambda self: self._c.head_dim)
+    value_dim = property(lambda self: self._c.value_dim)
+    dtype = property(lambda self: self._c.dtype)
+    page_size = property(lambda self: self._c.page_size)
+
+    @property
+    def lengths(self) -> Tuple[int, ...]:
+        """Tokens held per sequence."""
+        return tuple(self._c.length(b) for b in range(self._c.batch))
+
+    def append(self, k: Any, v: Any, seq: Optional[int] = None) -> None:
+        """Append n tokens: to every sequence, k (B, Hkv, n, E) and v (B, Hkv, n, Ev);
+        or, with seq=b, to sequence b only, k (Hkv, n, E) and v (Hkv, n, Ev)."""
+        fn = "attn.KVCache.append"
+        nd = 4 if seq is None else 3
+        ka, va = _f32(k, fn, "k", nd), _f32(v, fn, "v", nd)
+        if seq is None:
+            self._c.append_all(ka, va)
+        else:
+            self._c.append(int(seq), ka, va)
+
+    def reset(self, seq: Optional[int] = None) -> None:
+        """Empty sequence `seq` (its pages return to the pool), or every sequence."""
+        if seq is None:
+            self._c.clear()
+        else:
+            self._c.reset(int(seq))
+
+    def block_table(self, seq: int) -> list:
+        """Paged caches: the pages of sequence `seq` in token order."""
+        return list(self._c.block_table(int(seq)))
+
+    def set_block_table(self, seq: int, pages: Sequence[int], length: int) -> None:
+        """Paged caches: give sequence `seq` these pages holding `length` tokens
+        (e.g. another sequence's full prefix pages; see docs/decode.md for the rules)."""
+        self._c.set_block_table(int(seq), [int(p) for p in pages], int(length))
+
+    def read(self, seq: int) -> Tuple[np.ndarray, np.ndarray]:
+        """The stored keys (Hkv, length, E) and values (Hkv, length, Ev) of `seq`, as float32."""
+        n = self._c.length(int(seq))
+        k = np.empty((self.kv_heads, n, self.head_dim), np.float32)
+        v = np.empty((self.kv_heads, n, self.value_dim), np.float32)
+        self._c.read(int(seq), k, v)
+        return k, v
+
+    def __repr__(self) -> str:
+        layout = f"paged({self.page_size})" if self._c.paged else "contiguous"
+        return (f"attn.KVCache(batch={self.batch}, kv_heads={self.kv_heads}, capacity={self.capacity}, "
+                f"head_dim={self.head_dim}, value_dim={self.value_dim}, dtype={self.dtype!r}, {layout}, "
+                f"lengths={self.lengths})")
+
+
+def decode_attention(q: Any, cache: KVCache, *, scale: Optional[float] = None, causal: bool = True,
+                     return_lse: bool = False, backend: str = "auto", split_kv: bool = True,
+                     num_threads: int = 0):
+    """Attention of L new queries per sequence, q (B, H, L, E), over the cache.
+
+    The queries are the last L tokens of each sequence: query i sees keys
+    j <= length - L + i (causal=False: all keys). H must be a multiple of the
+    cache's kv_heads (grouped-query attention). Returns out (B, H, L, Ev), and
+    lse (B, H, L) with return_lse. A sequence of length 0 gives 0 and lse -inf.
+    """
+    fn = "attn.decode_attention"
+    if not isinstance(cache, KVCache):
+        raise TypeError(f"{fn}: 'cache' must be an attn.KVCache, got {type(cache).__name__}")
+    qa = _f32(q, fn, "q", 4)
+    out = np.empty(qa.shape[:3] + (cache.value_dim,), np.float32)
+    lse = np.empty(qa.shape[:3], np.float32) if return_lse else None
+    _attn.decode_attention(qa, cache._c, out, lse, scale, bool(causal), str(backend), bool(split_kv),
+                           int(num_threads))
+    if is_torch_tensor(q):
+        import torch
+
+        out = torch.from_numpy(out)
+        lse = torch.from_numpy(lse) if lse is not None else None
+    return (out, lse) if return_lse else out

@@ -1,0 +1,400 @@
+// attn::dist: the shard layouts, the helpers that copy shards in and out, and
+// the validation every strategy runs before its first message.
+//
+// Validation happens in two rounds, each ending in a collective, so that all
+// ranks reach the same verdict: first each rank checks its own views (shapes,
+// strides, options) and the ranks agree on whether any failed (one
+// MPI_Allreduce); then the ranks exchange what must be the same everywhere
+// (shapes, options, key lengths) and their local lengths (MPI_Allgather),
+// and every rank checks the gathered values identically. A bad argument on
+// one rank thus makes every rank throw, none waits for a message that never
+// comes.
+#include <omp.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstring>
+#include <sstream>
+
+#include "dist/internal.hpp"
+
+namespace attn::dist {
+
+const char* layout_name(Layout l) { return l == Layout::zigzag ? "zigzag" : "contiguous"; }
+
+std::vector<Chunk> chunk_layout(int64_t n, int P, int r, Layout layout) {
+  if (P < 1 || r < 0 || r >= P)
+    throw Error("attn::dist::chunk_layout: rank " + std::to_string(r) + " of " + std::to_string(P) +
+                " processes, expected 0 <= rank < P");
+  if (n < 0) throw Error("attn::dist::chunk_layout: length " + std::to_string(n) + ", expected >= 0");
+  const int64_t C = layout == Layout::zigzag ? 2 * int64_t(P) : int64_t(P);
+  auto chunk = [&](int64_t c) {
+    // the first n mod C chunks are one row longer
+    const int64_t base = n / C, extra = n % C;
+    return Chunk{c, c * base + std::min(c, extra), base + (c < extra ? 1 : 0)};
+  };
+  if (layout == Layout::contiguous) return {chunk(r)};
+  return {chunk(r), chunk(C - 1 - r)};
+}
+
+int64_t shard_length(int64_t n, int P, int r, Layout layout) {
+  int64_t s = 0;
+  for (const Chunk& c : chunk_layout(n, P, r, layout)) s += c.length;
+  return s;
+}
+
+namespace {
+
+template <class V>
+void check_shard_shapes(const char* fn, const V& full, const V& local, int P, int r, Layout layout) {
+  const int64_t want = shard_length(full.shape[2], P, r, layout);
+  auto s = full.shape;
+  s[2] = want;
+  if (local.shape != s)
+    throw Error(std::string("attn::dist::") + fn + ": the shard has shape " + shape_str(local.shape) + ", expected " +
+                shape_str(s) + " (rank " + std::to_string(r) + " of " + std::to_string(P) + ", " +
+                layout_name(layout) + " layout of " + std::to_string(full.shape[2]) + " rows)");
+  if ((full.data == nullptr && full.numel() > 0) || (local.data == nullptr && local.numel() > 0))
+    throw Error(std::string("attn::dist::") + fn + ": a view has no data (null pointer)");
+}
+
+// Copies between global rows of `full` and local rows of `local`, chunk by chunk.
+template <class F, int R>
+void copy_rows(const View<F, R>& full, const View<F, R>& local, int P, int r, Layout layout, bool to_local) {
+  const int64_t A = full.shape[0], Bx = full.shape[1];
+  const int64_t W = R == 4 ? full.shape[size_t(R - 1)] : 1;
+  int64_t li = 0;
+  for (const Chunk& c : chunk_layout(full.shape[2], P, r, layout)) {
+    for (int64_t a = 0; a < A; ++a)
+      for (int64_t b = 0; b < Bx; ++b)
+        for (int64_t i = 0; i < c.length; ++i)
+          for (int64_t e = 0; e < W; ++e) {
+            F* g = full.data + a * full.strides[0] + b * full.strides[1] + (c.begin + i) * full.strides[2];
+            F* l = local.data + a * local.strides[0] + b * local.strides[1] + (li + i) * local.strides[2];
+            if constexpr (R == 4) {
+              g += e * full.strides[3];
+              l += e * local.strides[3];
+            }
+            if (to_local) *l = *g;
+            else *g = *l;
+          }
+    li += c.length;
+  }
+}
+
+// From `from` to `to`: full -> shard when to_local, else shard -> full.
+template <int R>
+void transfer(const char* fn, const View<const float, R>& from, const View<float, R>& to, bool to_local, int P, int r,
+              Layout layout) {
+  const View<float, R> src(const_cast<float*>(from.data), from.shape, from.strides);  // only read
+  const View<float, R>& full = to_local ? src : to;
+  const View<float, R>& local = to_local ? to : src;
+  check_shard_shapes(fn, full, local, P, r, layout);
+  copy_rows<float, R>(full, local, P, r, layout, to_local);
+}
+
+}  // namespace
+
+void shard(View4<const float> full, View4<float> local, int P, int r, Layout layout) {
+  transfer<4>("shard", full, local, true, P, r, layout);
+}
+void unshard(View4<const float> local, View4<float> full, int P, int r, Layout layout) {
+  transfer<4>("unshard", local, full, false, P, r, layout);
+}
+void shard(View3<const float> full, View3<float> local, int P, int r, Layout layout) {
+  transfer<3>("shard", full, local, true, P, r, layout);
+}
+void unshard(View3<const float> local, View3<float> full, int P, int r, Layout layout) {
+  transfer<3>("unshard", local, full, false, P, r, layout);
+}
+
+namespace detail {
+
+int64_t local_key_length(const std::vector<Chunk>& chunks, int64_t prefix_chunks, int64_t n) {
+  int64_t s = 0;
+  for (int64_t c = 0; c < prefix_chunks; ++c)
+    s += std::clamp<int64_t>(n - chunks[size_t(c)].begin, 0, chunks[size_t(c)].length);
+  return s;
+}
+
+void pack(View4<const float> v, int64_t h0, int64_t nh, int64_t i0, int64_t n, float* dst) {
+  const int64_t F = v.shape[3];
+  for (int64_t b = 0; b < v.shape[0]; ++b)
+    for (int64_t h = h0; h < h0 + nh; ++h)
+      for (int64_t i = i0; i < i0 + n; ++i) {
+        const float* s = &v(b, h, i, 0);
+        if (v.strides[3] == 1) std::memcpy(dst, s, size_t(F) * sizeof(float));
+        else
+          for (int64_t e = 0; e < F; ++e) dst[e] = s[e * v.strides[3]];
+        dst += F;
+      }
+}
+void unpack(const float* src, View4<float> v, int64_t h0, int64_t nh, int64_t i0, int64_t n) {
+  const int64_t F = v.shape[3];
+  for (int64_t b = 0; b < v.shape[0]; ++b)
+    for (int64_t h = h0; h < h0 + nh; ++h)
+      for (int64_t i = i0; i < i0 + n; ++i) {
+        float* d = &v(b, h, i, 0);
+        for (int64_t e = 0; e < F; ++e) d[e * v.strides[3]] = src[e];
+        src += F;
+      }
+}
+void pack(View3<const float> v, int64_t h0, int64_t nh, int64_t i0, int64_t n, float* dst) {
+  for (int64_t b = 0; b < v.shape[0]; ++b)
+    for (int64_t h = h0; h < h0 + nh; ++h)
+      for (int64_t i = i0; i < i0 + n; ++i) *dst++ = v(b, h, i);
+}
+void unpack(const float* src, View3<float> v, int64_t h0, int64_t nh, int64_t i0, int64_t n) {
+  for (int64_t b = 0; b < v.shape[0]; ++b)
+    for (int64_t h = h0; h < h0 + nh; ++h)
+      for (int64_t i = i0; i < i0 + n; ++i) v(b, h, i) = *src++;
+}
+
+constexpr int64_t kMaxMessage = int64_t(1) << 30;
+
+void isend(const float* buf, int64_t n, int dest, int tag, MPI_Comm comm, std::vector<MPI_Request>& reqs) {
+  for (int64_t off = 0, piece = 0; off < n || (n == 0 && piece == 0); off += kMaxMessage, ++piece) {
+    reqs.emplace_back();
+    MPI_Isend(buf + off, int(std::min(kMaxMessage, n - off)), MPI_FLOAT, dest, tag + int(piece), comm, &reqs.back());
+  }
+}
+void irecv(float* buf, int64_t n, int src, int tag, MPI_Comm comm, std::vector<MPI_Request>& reqs) {
+  for (int64_t off = 0, piece = 0; off < n || (n == 0 && piece == 0); off += kMaxMessage, ++piece) {
+    reqs.emplace_back();
+    MPI_Irecv(buf + off, int(std::min(kMaxMessage, n - off)), MPI_FLOAT, src, tag + int(piece), comm, &reqs.back());
+  }
+}
+void progress(std::vector<MPI_Request>& reqs) {
+  int done = 0;
+  if (!reqs.empty()) MPI_Testall(int(reqs.size()), reqs.data(), &done, MPI_STATUSES_IGNORE);
+}
+double wait(std::vector<MPI_Request>& reqs) {
+  const double t0 = MPI_Wtime();
+  if (!reqs.empty()) MPI_Waitall(int(reqs.size()), reqs.data(), MPI_STATUSES_IGNORE);
+  reqs.clear();
+  return MPI_Wtime() - t0;
+}
+
+SdpaOptions block_options(const Geometry& g, const DistOptions& opt) {
+  SdpaOptions o = opt.sdpa;
+  o.scale = g.scale;
+  o.backend = Backend::fused;
+  o.check_finite = false;  // checked once, before the first message
+  o.num_threads = g.threads;
+  return o;
+}
+
+namespace {
+
+// The local checks of one rank; returns the first problem found ("" if none).
+struct LocalCheck {
+  const char* fn;
+  std::string err;
+
+  bool ok() const { return err.empty(); }
+  void fail(const std::string& m) {
+    if (err.empty()) err = std::string("attn::dist::") + fn + ": " + m;
+  }
+  template <class T, int R>
+  void present(const View<T, R>& v, const char* name) {
+    if (v.data == nullptr && v.numel() > 0) fail(std::string("argument '") + name + "' has no data (null pointer)");
+    if (v.data == nullptr && v.numel() == 0 && v.shape == std::array<int64_t, R>{})
+      fail(std::string("argument '") + name + "' is required but was not given");
+  }
+  template <class T, int R>
+  void shape(const View<T, R>& v, const char* name, const std::array<int64_t, R>& want, const char* text) {
+    if (v.shape != want)
+      fail(std::string("argument '") + name + "' has shape " + shape_str(v.shape) + ", expected " + shape_str(want) +
+           " " + text);
+  }
+  template <class T, int R>
+  void writable(const View<T, R>& v, const char* name) {
+    if (v.numel() == 0) return;  // an empty shard (more chunks than rows)
+    for (int i = 0; i < R; ++i)
+      if (v.shape[size_t(i)] > 1 && v.strides[size_t(i)] == 0)
+        fail(std::string("output '") + name + "' has stride 0 on axis " + std::to_string(i) +
+             " (a broadcast view cannot be written)");
+  }
+  template <class T, int R>
+  void finite(const View<T, R>& v, const char* name) {
+    bool bad = false;
+    std::array<int64_t, R> idx{};
+    for (int64_t f = 0; f < v.numel() && !bad; ++f) {
+      int64_t off = 0;
+      for (int i = 0; i < R; ++i) off += idx[size_t(i)] * v.strides[size_t(i)];
+      bad = !std::isfinite(v.data[off]);
+      for (int i = R - 1; i >= 0; --i) {
+        if (++idx[size_t(i)] < v.shape[size_t(i)]) break;
+        idx[size_t(i)] = 0;
+      }
+    }
+    if (bad) fail(std::string("argument '") + name + "' contains NaN or Inf (option check_finite)");
+  }
+};
+
+// Throws on every rank when any rank's string is non-empty.
+void agree(MPI_Comm comm, const char* fn, const std::string& err) {
+  int rank = 0, P = 1;
+  MPI_Comm_rank(comm, &rank);
+  MPI_Comm_size(comm, &P);
+  int first_bad = err.empty() ? P : rank;
+  MPI_Allreduce(MPI_IN_PLACE, &first_bad, 1, MPI_INT, MPI_MIN, comm);
+  if (first_bad == P) return;
+  if (!err.empty()) throw Error(err + (P > 1 ? " (on rank " + std::to_string(rank) + ")" : ""));
+  throw Error(std::string("attn::dist::") + fn + ": rank " + std::to_string(first_bad) +
+              " rejected its arguments (its message names the problem)");
+}
+
+}  // namespace
+
+Geometry validate(MPI_Comm comm, const char* fn, const Request& req) {
+  int initialized = 0;
+  MPI_Initialized(&initialized);
+  if (!initialized) throw Error(std::string("attn::dist::") + fn + ": MPI is not initialised (call MPI_Init first)");
+  if (comm == MPI_COMM_NULL) throw Error(std::string("attn::dist::") + fn + ": argument 'comm' is MPI_COMM_NULL");
+  Geometry g;
+  MPI_Comm_size(comm, &g.P);
+  MPI_Comm_rank(comm, &g.r);
+  const SdpaArgs<float>& a = *req.args;
+  const DistOptions& opt = *req.opt;
+  const bool ring = req.op == Op::ring_forward || req.op == Op::ring_backward;
+  const bool backward = req.op == Op::ring_backward || req.op == Op::ulysses_backward;
+
+  // Round 1: this rank's own views and options.
+  LocalCheck c{fn, {}};
+  c.present(a.q, "q");
+  c.present(a.k, "k");
+  c.present(a.v, "v");
+  g.B = a.q.shape[0], g.H = a.q.shape[1], g.E = a.q.shape[3];
+  g.Hkv = a.k.shape[1], g.Ev = a.v.shape[3];
+  const int64_t Lr = a.q.shape[2], Sr = a.k.shape[2];
+  if (g.B < 1 || g.H < 1 || g.E < 1 || Lr < 0)
+    c.fail("argument 'q' has shape " + shape_str(a.q.shape) + "; B, H and E must be >= 1 (the local L may be 0)");
+  if (c.ok() && (a.k.shape[0] != g.B || a.k.shape[3] != g.E || g.Hkv < 1 || g.H % g.Hkv != 0 || Sr < 0))
+    c.fail("argument 'k' has shape " + shape_str(a.k.shape) + ", expected (" + std::to_string(g.B) + ", Hkv, S_local, " +
+           std::to_string(g.E) + ") with Hkv dividing H = " + std::to_string(g.H));
+  if (c.ok() && (g.Ev < 1 || a.v.shape != std::array<int64_t, 4>{g.B, g.Hkv, Sr, g.Ev}))
+    c.fail("argument 'v' has shape " + shape_str(a.v.shape) + ", expected (" + std::to_string(g.B) + ", " +
+           std::to_string(g.Hkv) + ", " + std::to_string(Sr) + ", Ev) matching k in B, Hkv and S_local");
+  if (!a.mask.empty()) c.fail("argument 'mask' is not supported across processes (use key_lengths or causal)");
+  if (!a.bias.empty()) c.fail("argument 'bias' is not supported across processes");
+  if (!a.key_lengths.empty() && a.key_lengths.shape[0] != g.B)
+    c.fail("argument 'key_lengths' has shape " + shape_str(a.key_lengths.shape) + ", expected (" +
+           std::to_string(g.B) + ") (B)");
+  if (opt.sdpa.backend == Backend::reference)
+    c.fail("option 'backend' is reference; context-parallel attention runs the fused float32 kernel (its backward "
+           "takes the global log-sum-exp), use auto or fused");
+  if (opt.sdpa.scale && (!std::isfinite(*opt.sdpa.scale) || *opt.sdpa.scale <= 0))
+    c.fail("option 'scale' is " + std::to_string(*opt.sdpa.scale) + ", expected a finite value > 0");
+  if (opt.sdpa.num_threads < 0)
+    c.fail("option 'num_threads' is " + std::to_string(opt.sdpa.num_threads) + ", expected >= 0 (0 = default)");
+  if (ring && opt.sdpa.causal && opt.sdpa.causal_align != CausalAlign::top_left)
+    c.fail("option 'causal_align' is bottom_right; the ring supports top-left causal self-attention only "
+           "(bottom-right needs position offsets; use ulysses)");
+  if (!ring && c.ok() && (g.H % g.P != 0 || g.Hkv % g.P != 0))
+    c.fail("ulysses needs H and Hkv divisible by the number of processes P = " + std::to_string(g.P) + ", got H = " +
+           std::to_string(g.H) + ", Hkv = " + std::to_string(g.Hkv) + " (use the ring)");
+  if (c.ok()) {
+    if (!backward) {
+      if (req.weights) c.fail("output 'weights' is not supported across processes (the L x S matrix never exists)");
+      c.present(req.out, "out");
+      c.shape(req.out, "out", {g.B, g.H, Lr, g.Ev}, "(B, H, L_local, Ev)");
+      c.writable(req.out, "out");
+      if (given(req.lse)) {
+        c.shape(req.lse, "lse", {g.B, g.H, Lr}, "(B, H, L_local)");
+        c.writable(req.lse, "lse");
+      }
+    } else {
+      const SdpaGrads<float>& gr = *req.grads;
+      c.present(req.dout, "dout");
+      c.shape(req.dout, "dout", {g.B, g.H, Lr, g.Ev}, "(B, H, L_local, Ev)");
+      if (given(req.out)) c.shape(req.out, "out", {g.B, g.H, Lr, g.Ev}, "(B, H, L_local, Ev)");
+      if (given(req.lse)) c.shape(req.lse, "lse", {g.B, g.H, Lr}, "(B, H, L_local)");
+      c.present(gr.dq, "dq");
+      c.present(gr.dk, "dk");
+      c.present(gr.dv, "dv");
+      c.shape(gr.dq, "dq", {g.B, g.H, Lr, g.E}, "(B, H, L_local, E)");
+      c.shape(gr.dk, "dk", {g.B, g.Hkv, Sr, g.E}, "(B, Hkv, S_local, E)");
+      c.shape(gr.dv, "dv", {g.B, g.Hkv, Sr, g.Ev}, "(B, Hkv, S_local, Ev)");
+      c.writable(gr.dq, "dq");
+      c.writable(gr.dk, "dk");
+      c.writable(gr.dv, "dv");
+      if (!gr.dbias.empty()) c.fail("output 'dbias' is not supported across processes");
+    }
+  }
+  if (c.ok() && opt.sdpa.check_finite) {
+    c.finite(a.q, "q");
+    c.finite(a.k, "k");
+    c.finite(a.v, "v");
+    if (backward) c.finite(req.dout, "dout");
+  }
+  agree(comm, fn, c.err);
+
+  // Round 2: what every rank must share, and the local lengths.
+  g.scale = opt.sdpa.scale ? *opt.sdpa.scale : 1.0 / std::sqrt(double(g.E));
+  g.threads = opt.sdpa.num_threads > 0 ? opt.sdpa.num_threads : omp_get_max_threads();
+  g.saved = backward && given(req.out) && given(req.lse);
+  g.lse_given = !backward && given(req.lse);
+  constexpr int kFields = 14;
+  const int64_t scale_bits = [&] {
+    int64_t b = 0;
+    std::memcpy(&b, &g.scale, sizeof b);
+    return b;
+  }();
+  const std::array<int64_t, kFields> mine{g.B, g.H, g.Hkv, g.E, g.Ev, Lr, Sr, int64_t(opt.sdpa.causal),
+                                          int64_t(opt.sdpa.causal_align), int64_t(opt.layout),
+                                          int64_t(!a.key_lengths.empty()), scale_bits, int64_t(g.saved),
+                                          int64_t(g.lse_given)};
+  std::vector<int64_t> all(size_t(kFields) * size_t(g.P));
+  MPI_Allgather(mine.data(), kFields, MPI_INT64_T, all.data(), kFields, MPI_INT64_T, comm);
+  const char* names[kFields] = {"B", "H", "Hkv", "E", "Ev", "", "", "causal", "causal_align", "layout",
+                                "key_lengths given", "scale", "whether the saved out and lse were given", "whether an lse output was given"};
+  for (int p = 0; p < g.P; ++p) {
+    const int64_t* o = &all[size_t(p) * kFields];
+    for (int f = 0; f < kFields; ++f)
+      if (f != 5 && f != 6 && o[f] != all[size_t(f)])
+        throw Error(std::string("attn::dist::") + fn + ": ranks disagree on " + names[f] + " (rank " +
+                    std::to_string(p) + " differs from rank 0); every rank must pass the same shapes and options");
+    g.Lr.push_back(o[5]);
+    g.Sr.push_back(o[6]);
+  }
+  for (int p = 0; p < g.P; ++p) g.L += g.Lr[size_t(p)], g.S += g.Sr[size_t(p)];
+  for (int p = 0; p < g.P; ++p) {
+    g.qc.push_back(chunk_layout(g.L, g.P, p, opt.layout));
+    g.kc.push_back(chunk_layout(g.S, g.P, p, opt.layout));
+    const int64_t wl = shard_length(g.L, g.P, p, opt.layout), ws = shard_length(g.S, g.P, p, opt.layout);
+    if (g.Lr[size_t(p)] != wl || g.Sr[size_t(p)] != ws)
+      throw Error(std::string("attn::dist::") + fn + ": rank " + std::to_string(p) + " holds " +
+                  std::to_string(g.Lr[size_t(p)]) + " queries and " + std::to_string(g.Sr[size_t(p)]) +
+                  " keys; the " + layout_name(opt.layout) + " layout of L = " + std::to_string(g.L) + ", S = " +
+                  std::to_string(g.S) + " over " + std::to_string(g.P) + " ranks gives it " + std::to_string(wl) +
+                  " and " + std::to_string(ws) + " (see attn::dist::shard)");
+  }
+  if (g.L < 1 || g.S < 1)
+    throw Error(std::string("attn::dist::") + fn + ": the global lengths are L = " + std::to_string(g.L) +
+                ", S = " + std::to_string(g.S) + ", expected both >= 1");
+  if (ring && opt.sdpa.causal && g.L != g.S)
+    throw Error(std::string("attn::dist::") + fn + ": causal ring attention needs L = S (self-attention), got L = " +
+                std::to_string(g.L) + ", S = " + std::to_string(g.S));
+  if (!a.key_lengths.empty()) {
+    std::vector<int64_t> kl(size_t(g.B)), klall(size_t(g.B) * size_t(g.P));
+    for (int64_t b = 0; b < g.B; ++b) kl[size_t(b)] = a.key_lengths(b);
+    MPI_Allgather(kl.data(), int(g.B), MPI_INT64_T, klall.data(), int(g.B), MPI_INT64_T, comm);
+    for (int p = 0; p < g.P; ++p)
+      for (int64_t b = 0; b < g.B; ++b)
+        if (klall[size_t(p * g.B + b)] != klall[size_t(b)])
+          throw Error(std::string("attn::dist::") + fn + ": ranks disagree on key_lengths[" + std::to_string(b) +
+                      "] (rank " + std::to_string(p) + " differs from rank 0); pass the global lengths everywhere");
+    for (int64_t b = 0; b < g.B; ++b)
+      if (kl[size_t(b)] < 0 || kl[size_t(b)] > g.S)
+        throw Error(std::string("attn::dist::") + fn + ": argument 'key_lengths' has value " +
+                    std::to_string(kl[size_t(b)]) + " at batch " + std::to_string(b) +
+                    ", expected 0 <= key_lengths[b] <= S = " + std::to_string(g.S) + " (global)");
+    g.key_lengths = kl;
+  }
+  return g;
+}
+
+}  // namespace detail
+}  // namespace attn::dist

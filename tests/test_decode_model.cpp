@@ -1,0 +1,99 @@
+// Incremental decoding of the nn transformer: the logits of every step
+// (a chunked prompt, then one token at a time, then a few at once) equal
+// those of a full forward over the whole prefix, for every kind of
+// positions, with a float32 cache to a tight bound and with float16 and
+// bfloat16 caches to the bound their rounding implies.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "attn/nn.hpp"
+#include "testing.hpp"
+
+namespace {
+
+using attn::KVDtype;
+using attn::Tensor;
+namespace nn = attn::nn;
+
+struct Case {
+  nn::Positions positions;
+  KVDtype dtype;
+  int64_t page;
+};
+
+// Largest |a − b| over the last n positions of each sequence of `full`
+// ((B·N, V), N = prefix length) against `step` ((B·n, V)); also max |full|.
+double step_error(const Tensor<float>& full, const Tensor<float>& step, int64_t B, int64_t N, int64_t n,
+                  int64_t V, double* mag) {
+  double worst = 0;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t v = 0; v < V; ++v) {
+        const double want = full[size_t((b * N + N - n + i) * V + v)];
+        const double got = step[size_t((b * n + i) * V + v)];
+        *mag = std::max(*mag, std::abs(want));
+        worst = std::max(worst, std::isnan(got) ? INFINITY : std::abs(got - want));
+      }
+  return worst;
+}
+
+class DecodeModel : public ::testing::TestWithParam<Case> {};
+
+TEST_P(DecodeModel, EveryStepMatchesAFullRecomputation) {
+  const Case c = GetParam();
+  nn::ModelConfig mc;
+  mc.vocab = 11;
+  mc.max_len = 40;
+  mc.dim = 32;
+  mc.heads = 4;
+  mc.layers = 2;
+  mc.positions = c.positions;
+  mc.causal = true;
+  nn::Transformer<float> model(mc, 3);
+  const int64_t B = 2, V = mc.vocab;
+  nn::Rng r(17);
+  std::vector<int32_t> seq(size_t(B * mc.max_len));
+  for (auto& t : seq) t = int32_t(r.below(V));
+  // The storage's unit roundoff: the stored K and V are off by that much
+  // relatively; through softmax-weighted averages and two residual blocks
+  // the logits move by a small multiple of it times their magnitude.
+  const double u = c.dtype == KVDtype::float32 ? 0.0 : c.dtype == KVDtype::float16 ? 0x1p-11 : 0x1p-8;
+  nn::DecodeState st = model.start_decoding(B, c.dtype, c.page);
+  int64_t N = 0;
+  for (const int64_t n : {5, 1, 1, 1, 3, 1, 7, 1, 1}) {
+    std::vector<int32_t> step(size_t(B * n)), prefix(size_t(B * (N + n)));
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t i = 0; i < n; ++i) step[size_t(b * n + i)] = seq[size_t(b * mc.max_len + N + i)];
+      for (int64_t i = 0; i < N + n; ++i) prefix[size_t(b * (N + n) + i)] = seq[size_t(b * mc.max_len + i)];
+    }
+    Tensor<float> logits, full;
+    model.decode_step(st, step.data(), n, logits);
+    N += n;
+    model.forward(prefix.data(), B, N, full);
+    double mag = 0;
+    const double err = step_error(full, logits, B, N, n, V, &mag);
+    const double tol = attn::testing::tolerance<float>(N + mc.dim, mag, 40) + 40 * u * std::max(1.0, mag);
+    EXPECT_LE(err, tol) << "after " << N << " tokens (" << nn::positions_name(c.positions) << ", "
+                        << attn::kv_dtype_name(c.dtype) << ")";
+  }
+  EXPECT_EQ(st.length, N);
+  Tensor<float> too_far;
+  EXPECT_TRUE(attn::testing::throws_with([&] { model.decode_step(st, seq.data(), mc.max_len - N + 1, too_far); },
+                                         {"decode_step", "max_len = 40"}));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Positions, DecodeModel,
+    ::testing::Values(Case{nn::Positions::sinusoidal, KVDtype::float32, 0}, Case{nn::Positions::learned, KVDtype::float32, 8},
+                      Case{nn::Positions::rope, KVDtype::float32, 0}, Case{nn::Positions::none, KVDtype::float32, 5},
+                      Case{nn::Positions::rope, KVDtype::float16, 0}, Case{nn::Positions::sinusoidal, KVDtype::bfloat16, 16}));
+
+TEST(DecodeModel, RefusesModelsThatAreNotCausal) {
+  nn::ModelConfig mc;
+  mc.vocab = 5, mc.max_len = 8, mc.dim = 8, mc.heads = 2, mc.layers = 1;
+  nn::Transformer<float> model(mc, 1);
+  EXPECT_TRUE(attn::testing::throws_with([&] { model.start_decoding(1); }, {"start_decoding", "not causal"}));
+}
+
+}  // namespace

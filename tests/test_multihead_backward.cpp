@@ -1,0 +1,200 @@
+// The multi-head attention layer's backward against central finite
+// differences in double, for every input and parameter gradient, over
+// self- and cross-attention, every mask, both causal alignments, explicit
+// head widths and a Q/K transform (the hook rotary positions use).
+#include "multihead_reference.hpp"
+
+namespace {
+
+using namespace attn;  // the layer and its structs
+using namespace attn::testing;
+
+// ---------------------------------------------------------------------------
+// (b) Gradients against central finite differences (double).
+
+struct GradCase {
+  const char* name;
+  MultiheadConfig cfg;
+  int64_t B, L, S;
+  bool self;
+  bool causal = false;
+  CausalAlign align = CausalAlign::top_left;
+  bool kpm = false, attn_mask = false, attn_bias = false, key_lengths = false;
+  bool transform = false;  // the position_scaling Q/K transform
+};
+
+// A Q/K transform for the hook test: each position n of q and k scaled by
+// (1 + n/4) (linear and position-dependent, like a rotation; its transpose
+// is itself).
+template <class T>
+attn::QkTransform<T> position_scaling() {
+  auto scale = [](View4<T> x) {
+    for (int64_t b = 0; b < x.dim(0); ++b)
+      for (int64_t h = 0; h < x.dim(1); ++h)
+        for (int64_t n = 0; n < x.dim(2); ++n)
+          for (int64_t e = 0; e < x.dim(3); ++e) x(b, h, n, e) *= T(1 + 0.25 * double(n));
+  };
+  auto both = [scale](View4<T> q, View4<T> k) {
+    scale(q);
+    scale(k);
+  };
+  return {both, both};
+}
+
+void check_gradients(const GradCase& c, uint64_t seed) {
+  SCOPED_TRACE(c.name);
+  std::mt19937_64 rng(seed);
+  MultiheadAttention<double> m(c.cfg, seed);
+  randomize(m, rng, 0.6);
+  if (c.transform) m.set_qk_transform(position_scaling<double>());
+  const int64_t D = m.embed_dim(), H = m.num_heads();
+  Tensor<double> q = random_tensor<double>({c.B, c.L, D}, rng);
+  Tensor<double> k = c.self ? Tensor<double>() : random_tensor<double>({c.B, c.S, m.kdim()}, rng);
+  Tensor<double> v = c.self ? Tensor<double>() : random_tensor<double>({c.B, c.S, m.vdim()}, rng);
+  Tensor<double> G = random_tensor<double>({c.B, c.L, D}, rng);  // loss = Σ y ⊙ G
+  Tensor<bool> kpm, am;
+  Tensor<double> ab;
+  Tensor<int64_t> lens;
+  MhaArgs<double> mk = c.self ? inputs<double>(v3(q)) : inputs<double>(v3(q), v3(k), v3(v));
+  if (c.kpm) {
+    kpm = Tensor<bool>({c.B, c.S});
+    kpm[size_t(c.S - 1)] = true;  // batch 0: last key is padding
+    if (c.B > 1) kpm[size_t(c.S)] = true;  // batch 1: first key is padding
+    mk.key_padding_mask = kpm.view<2>();
+  }
+  if (c.attn_mask) {
+    am = random_bools({c.B, H, c.L, c.S}, rng, 0.75);
+    mk.attn_mask = am.view4();
+  }
+  if (c.attn_bias) {
+    ab = random_tensor<double>({1, H, c.L, c.S}, rng);
+    mk.attn_bias = ab.view4();
+  }
+  if (c.key_lengths) {
+    lens = Tensor<int64_t>({c.B});
+    for (int64_t b = 0; b < c.B; ++b) lens[size_t(b)] = c.S - b;
+    mk.key_lengths = lens.view<1>();
+  }
+  MhaOptions opt;
+  opt.sdpa.causal = c.causal;
+  opt.sdpa.causal_align = c.align;
+  opt.sdpa.backend = attn::Backend::reference;
+
+  auto loss = [&]() {
+    Tensor<double> y({c.B, c.L, D});
+    m.forward(mk, {v3(y)}, opt);
+    return dot(G, y);
+  };
+
+  // Analytic: one forward with cache, one backward. Input gradients are
+  // overwritten, so start them from garbage. The cache owns the masks: the
+  // caller's are overwritten before the backward.
+  MhaCache<double> cache;
+  Tensor<double> y({c.B, c.L, D});
+  m.forward(mk, {v3(y)}, opt, &cache);
+  const Tensor<bool> kpm_kept = kpm, am_kept = am;
+  const Tensor<double> ab_kept = ab;
+  const Tensor<int64_t> lens_kept = lens;
+  kpm.fill(true), am.fill(false), ab.fill(-1e30), lens.fill(0);
+  Tensor<double> dq({c.B, c.L, D}), dk, dv;
+  dq.fill(123.0);
+  if (!c.self) {
+    dk = Tensor<double>({c.B, c.S, m.kdim()});
+    dv = Tensor<double>({c.B, c.S, m.vdim()});
+    dk.fill(-7.0);
+    dv.fill(9.0);
+  }
+  const MhaGrads<double> grads{v3(dq), c.self ? View3<double>() : v3(dk), c.self ? View3<double>() : v3(dv)};
+  m.zero_grad();
+  m.backward(cache, v3(std::as_const(G)), grads);
+  // Back in place (mk's views point into these buffers).
+  auto restore = [](auto& t, const auto& kept) { std::copy_n(kept.data(), kept.size(), t.data()); };
+  restore(kpm, kpm_kept), restore(am, am_kept), restore(ab, ab_kept), restore(lens, lens_kept);
+
+  EXPECT_TRUE(gradient_check(q, dq, loss, c.self ? "dx" : "dquery"));
+  if (!c.self) {
+    EXPECT_TRUE(gradient_check(k, dk, loss, "dkey"));
+    EXPECT_TRUE(gradient_check(v, dv, loss, "dvalue"));
+  }
+  for (const auto& name : m.parameter_names())
+    EXPECT_TRUE(gradient_check(m.parameter(name), m.grad(name), loss, "grad " + name));
+
+  // Parameter gradients accumulate; input gradients do not.
+  auto flat = [](const Tensor<double>& t) { return View1<const double>(t.data(), {int64_t(t.size())}); };
+  std::map<std::string, Tensor<double>> once;
+  for (const auto& name : m.parameter_names()) once.emplace(name, m.grad(name));
+  Tensor<double> dq1 = dq;
+  m.backward(cache, v3(std::as_const(G)), grads);
+  for (const auto& name : m.parameter_names()) {
+    Tensor<double> twice = once.at(name);
+    for (size_t i = 0; i < twice.size(); ++i) twice[i] *= 2;
+    EXPECT_TRUE(all_close(m.grad(name), twice, 1e-12 * std::max(1.0, max_abs(flat(twice))), "accumulated " + name));
+  }
+  EXPECT_TRUE(all_close(dq, dq1, 0.0, "input gradient is overwritten"));
+  m.zero_grad();
+  for (const auto& name : m.parameter_names()) EXPECT_EQ(max_abs(flat(m.grad(name))), 0.0) << name;
+}
+
+TEST(MultiheadAttentionGrad, SelfAttentionPacked) {
+  check_gradients({"self_packed", config(4, 2), 2, 3, 3, true}, 11);
+}
+
+TEST(MultiheadAttentionGrad, SelfAttentionCausalKeyPadding) {
+  GradCase c{"self_causal_kpm", config(4, 2), 2, 4, 4, true};
+  c.causal = true;
+  c.kpm = true;
+  check_gradients(c, 12);
+}
+
+TEST(MultiheadAttentionGrad, CrossAttentionKdimVdimAllMasks) {
+  GradCase c{"cross_all_masks", config(4, 2, true, 3, 5), 2, 2, 4, false};
+  c.kpm = c.attn_mask = c.attn_bias = true;
+  check_gradients(c, 13);
+}
+
+TEST(MultiheadAttentionGrad, ExplicitHeadDimsNoBiasBottomRightCausalKeyLengths) {
+  GradCase c{"explicit_dims", config(5, 2, false, 3, 4, 3, 2), 2, 3, 5, false};
+  c.causal = true;
+  c.align = CausalAlign::bottom_right;
+  c.key_lengths = true;
+  check_gradients(c, 14);
+}
+
+TEST(MultiheadAttentionGrad, ExplicitHeadDimsSelfAttentionWithMask) {
+  GradCase c{"explicit_dims_self", config(3, 2, true, 0, 0, 2, 3), 1, 4, 4, true};
+  c.attn_mask = true;
+  check_gradients(c, 15);
+}
+
+TEST(MultiheadAttentionGrad, QkTransformSelfAttentionCausal) {
+  GradCase c{"transform_self_causal", config(4, 2), 2, 4, 4, true};
+  c.causal = c.transform = true;
+  check_gradients(c, 16);
+}
+
+TEST(MultiheadAttentionGrad, QkTransformCrossAttention) {
+  GradCase c{"transform_cross", config(4, 2, true, 3, 5), 2, 3, 5, false};
+  c.transform = c.kpm = true;
+  check_gradients(c, 17);
+}
+
+// The transform runs between projection and attention: the cache keeps the
+// transformed q and k (what the attention saw) and the untouched v.
+TEST(MultiheadAttention, QkTransformSeesTheProjections) {
+  std::mt19937_64 rng(18);
+  MultiheadAttention<double> plain(config(4, 2), 3), scaled(config(4, 2), 3);
+  scaled.set_qk_transform(position_scaling<double>());
+  Tensor<double> x = random_tensor<double>({1, 3, 4}, rng), y({1, 3, 4});
+  MhaCache<double> cp, cs;
+  plain.forward(inputs<double>(v3(x)), {v3(y)}, {}, &cp);
+  scaled.forward(inputs<double>(v3(x)), {v3(y)}, {}, &cs);
+  for (int64_t h = 0; h < 2; ++h)
+    for (int64_t n = 0; n < 3; ++n)
+      for (int64_t e = 0; e < 2; ++e) {
+        EXPECT_DOUBLE_EQ(cs.q()(0, h, n, e), cp.q()(0, h, n, e) * (1 + 0.25 * double(n)));
+        EXPECT_DOUBLE_EQ(cs.k()(0, h, n, e), cp.k()(0, h, n, e) * (1 + 0.25 * double(n)));
+        EXPECT_DOUBLE_EQ(cs.v()(0, h, n, e), cp.v()(0, h, n, e));
+      }
+}
+
+}  // namespace
