@@ -77,7 +77,10 @@ def test_forward_matches_numpy(dtype, backend, seed):
     if backend != "fused":
         out2, w = call(c, backend=backend, return_weights=True)
         assert_close(w, want_p, atol, "weights")
-        np.testing.assert_array_equal(out2, out)
+        if backend == "reference":
+            np.testing.assert_array_equal(out2, out)
+        else:  # auto: a call asking for weights cannot take the decode kernel (few rows) and goes to fused
+            assert_close(out2, want_out, atol, "out with weights")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
