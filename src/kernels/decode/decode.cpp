@@ -27,9 +27,28 @@
 //    end; then the online-softmax step per row (in base 2: the queries are
 //    pre-multiplied by scale·log2(e)); then acc += P·V with a register block
 //    of up to 4 rows × 2 value vectors, each value vector converted once.
+//  * Prefetch. The value loop walks a tile in strips of features (all keys
+//    for features [e0, e0 + 2 lanes), then the next strip), which from DRAM
+//    is a strided pattern the hardware prefetchers follow badly; so while
+//    the score loop streams key row j of a tile it also starts loading value
+//    row j (software prefetch, row order), and while the value loop's first
+//    strip passes key j it starts loading row j of the next tile's keys
+//    (the next tile found through the block table, so pages are followed).
+//    Only the first row group of a block issues them. With the cache's
+//    huge pages (attn/detail/memory.hpp) they nearly doubled the float32
+//    rate from DRAM (figures in docs/decode.md).
 //  * Storage types: float16 and bfloat16 are widened in registers
 //    (F16C / AVX-512 conversions, a shift for bfloat16, portable code on
-//    other targets); the data never exists as float32 in memory.
+//    other targets); the data never exists as float32 in memory. Queries
+//    stay float32: products are float32 × (exactly widened) stored values,
+//    the contract "exact for the stored precision". A native bf16 dot
+//    (AVX512_BF16 vdpbf16ps) would need q rounded to bf16, which breaks
+//    that contract, or q split into three bf16 parts (three instructions
+//    per pair of vectors, with the instruction's flush of denormals to
+//    zero); and the Highway the build uses (1.0.3) has no target that
+//    emits it (its bf16 ReorderWidenMulAccumulate widens like this code).
+//    Decoding is bound by the bytes read, which bf16 storage halves either
+//    way, so every target widens.
 //
 // NaN, the rule of the dense call: keys a row does not see never touch it;
 // a visible key with NaN/inf in its q, k or v row poisons the row (output
