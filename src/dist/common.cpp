@@ -427,6 +427,11 @@ Geometry validate(MPI_Comm comm, const char* fn, const Request& req) {
   if (g.L < 1 || g.S < 1)
     throw InvalidArgument(std::string("attn::dist::") + fn + ": the global lengths are L = " + std::to_string(g.L) +
                 ", S = " + std::to_string(g.S) + ", expected both >= 1");
+  // Block offsets add chunk starts to the global offset; they must stay in the kernel's range.
+  if (opt.sdpa.position_offset && std::abs(*opt.sdpa.position_offset) > kMaxOffset - g.L - g.S)
+    throw InvalidArgument(std::string("attn::dist::") + fn + ": option 'position_offset' is " +
+                          std::to_string(*opt.sdpa.position_offset) + ", expected |offset| <= 2^52 - L - S = " +
+                          std::to_string(kMaxOffset - g.L - g.S) + " (the blocks' offsets add chunk starts)");
   // The position rule, resolved once on the global lengths (as the single-process call does).
   g.offset = attn::detail::rules::query_offset(opt.sdpa.position_offset ? &*opt.sdpa.position_offset : nullptr,
                                          opt.sdpa.causal_align == CausalAlign::bottom_right, g.L, g.S);

@@ -585,6 +585,10 @@ TEST(DistErrors, AgreedOnEveryRank) {
   as.sinks = View1<const float>(sinks.data(), {x.H});
   EXPECT_TRUE(attn::testing::throws_with(
       [&] { attn::dist::ulysses_attention(MPI_COMM_WORLD, as, {lx.out.view4()}, {}); }, {"sinks", "head 1"}));
+  attn::dist::DistOptions ooff;
+  ooff.sdpa.position_offset = (int64_t(1) << 52) - 10;  // a block's offset would leave the kernel's range
+  EXPECT_TRUE(attn::testing::throws_with(
+      [&] { attn::dist::ring_attention(MPI_COMM_WORLD, lx.args(), {lx.out.view4()}, ooff); }, {"position_offset", "2^52"}));
   attn::dist::DistOptions obad;
   obad.sdpa.window = {-2, -1};
   EXPECT_TRUE(attn::testing::throws_with(
