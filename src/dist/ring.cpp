@@ -107,14 +107,15 @@ std::vector<Task> tasks(const Geometry& g, int o) {
   if (!g.key_lengths.empty()) key_end = *std::max_element(g.key_lengths.begin(), g.key_lengths.end());
   const bool alibi = !g.alibi_slopes.empty();
   // The global band: rows and keys in global positions.
-  const attn::detail::rules::Band band = attn::detail::rules::Band::make(g.offset, g.window_left, g.window_right, false, g.S);
+  namespace rules = attn::detail::rules;
+  const rules::Band band = rules::Band::make(g.offset, g.window_left, g.window_right, false, g.S);
   int64_t i0 = 0;
   for (const Chunk& qc : g.qc[size_t(g.r)]) {
     int64_t s0 = 0;
     bool open = false;  // whether t.back() may take the next chunk
     for (size_t ci = 0; ci < kcs.size(); ++ci) {
       const Chunk& kc = kcs[ci];
-      using attn::detail::rules::Tile;
+      using rules::Tile;
       const Tile tile = qc.length == 0 || kc.length == 0 || kc.begin >= key_end
                             ? Tile::empty
                             : band.classify(qc.begin, qc.length, kc.begin, kc.length);
