@@ -20,6 +20,18 @@ load changes hit both; the outputs and input gradients are compared first.
     python3 bench/compare_torch.py --layer [--layer-shapes "8,128,256,4;4,512,512,8"] [--threads 2]
                                    [--reps 15] [--json out.json]
 
+Each layer row also times the attention inside alone (attn's and torch's SDPA on the strided
+(B, H, N, d) views of a packed (B, N, 3D) projection, as the layers call them) in the same
+alternating rounds; the layer minus its attention is its projections (GEMMs, bias, copies).
+
+GEMM mode (--gemm): the GEMMs of the same layer shapes alone (forward: x·W_inᵀ, o·W_oᵀ; backward:
+dyᵀ·o, dy·W_o, dpᵀ·x, dp·W_in), torch.matmul (MKL) against attn's detail::gemm (OpenBLAS, OpenMP
+build) through `attn-gemm-bench --json -`, which validates each product first; per shape and
+summed per mode.
+
+    python3 bench/compare_torch.py --gemm [--attn-gemm-bench build/bench/attn-gemm-bench]
+                                   [--layer-shapes ...] [--threads 2] [--reps 7]
+
 Decode mode (--decode): the shapes of attn-decode-bench (B, H, Hkv, L, S, E),
 a KV cache of S tokens and L new queries (bottom-right causal). PyTorch SDPA
 is timed twice per shape: with enable_gqa (grouped heads, K/V not copied)
@@ -154,8 +166,11 @@ def decode_main(args, torch):
 
 
 def layer_rows(torch, attn, shapes, threads, reps):
-    """Alternating timings of attn.MultiheadAttention and torch.nn.MultiheadAttention."""
+    """Alternating timings of attn.MultiheadAttention and torch.nn.MultiheadAttention, and of the
+    attention inside each alone (on the strided (B, H, N, d) views of a packed (B, N, 3D) projection,
+    as each layer calls it), so that layer - attention = the projections (GEMMs, bias, copies)."""
     import numpy as np
+    import torch.nn.functional as F
 
     rows = []
     for B, N, D, H in shapes:
@@ -177,6 +192,15 @@ def layer_rows(torch, attn, shapes, threads, reps):
         check = (f"max|dy| {np.abs(ya - yt.detach().numpy()).max():.1e}, "
                  f"max|dx| {np.abs(ga - xg.grad.numpy()).max():.1e}")
 
+        # The attention alone: q, k, v as (B, H, N, d) views of one (B, N, 3D) array.
+        qkv = rng.standard_normal((B, N, 3 * D)).astype(np.float32)
+        q, k, v = (qkv[:, :, i * D:(i + 1) * D].reshape(B, N, H, D // H).transpose(0, 2, 1, 3)
+                   for i in range(3))
+        dy = rng.standard_normal((B, N, H, D // H)).astype(np.float32).transpose(0, 2, 1, 3)
+        qkvt = torch.from_numpy(qkv)
+        qt, kt, vt = (qkvt[:, :, i * D:(i + 1) * D].view(B, N, H, D // H).transpose(1, 2) for i in range(3))
+        dyt = torch.from_numpy(dy)
+
         def torch_fwd():
             with torch.no_grad():
                 ref(xt, xt, xt, need_weights=False)
@@ -193,19 +217,99 @@ def layer_rows(torch, attn, shapes, threads, reps):
             mine(x, x, x, need_weights=False)
             mine.backward(dout)
 
-        for mode, tf, af in (("fwd", torch_fwd, attn_fwd), ("fwdbwd", torch_fwdbwd, attn_fwdbwd)):
-            tt, ta = [], []
+        def torch_sdpa_fwd():
+            with torch.no_grad():
+                F.scaled_dot_product_attention(qt, kt, vt)
+
+        def torch_sdpa_fwdbwd():
+            qq, kk, vv = (t.detach().requires_grad_(True) for t in (qt, kt, vt))
+            F.scaled_dot_product_attention(qq, kk, vv).backward(dyt)
+
+        def attn_sdpa_fwd():
+            attn.scaled_dot_product_attention(q, k, v)
+
+        def attn_sdpa_fwdbwd():
+            o, lse = attn.scaled_dot_product_attention(q, k, v, return_lse=True)
+            attn.scaled_dot_product_attention_backward(dy, q, k, v, output=o, lse=lse)
+
+        for mode, fns in (("fwd", (torch_fwd, attn_fwd, torch_sdpa_fwd, attn_sdpa_fwd)),
+                          ("fwdbwd", (torch_fwdbwd, attn_fwdbwd, torch_sdpa_fwdbwd, attn_sdpa_fwdbwd))):
+            times = [[] for _ in fns]
             for r in range(reps + 1):  # round 0 warms up
-                for fn, acc in ((tf, tt), (af, ta)) if r % 2 == 0 else ((af, ta), (tf, tt)):
+                order = range(len(fns)) if r % 2 == 0 else reversed(range(len(fns)))
+                for i in order:
                     t0 = time.perf_counter()
-                    fn()
-                    acc.append(time.perf_counter() - t0)
-            t, a = statistics.median(tt[1:]), statistics.median(ta[1:])
+                    fns[i]()
+                    times[i].append(time.perf_counter() - t0)
+            t, a, ts, as_ = (statistics.median(x[1:]) for x in times)
             rows.append(dict(B=B, N=N, D=D, H=H, mode=mode, threads=threads, torch_s=t, attn_s=a, ratio=a / t,
+                             torch_attention_s=ts, attn_attention_s=as_, torch_proj_s=t - ts, attn_proj_s=a - as_,
                              validation=check))
             print(f"{B:3d} {N:5d} {D:4d} {H:3d} {mode:7} {threads:2d} {t * 1e3:10.2f} {a * 1e3:10.2f} "
-                  f"{a / t:10.3f}  {check}", flush=True)
+                  f"{a / t:10.3f} | {ts * 1e3:8.2f} {as_ * 1e3:8.2f} {as_ / ts:6.3f} | {(t - ts) * 1e3:8.2f} "
+                  f"{(a - as_) * 1e3:8.2f} {(a - as_) / max(t - ts, 1e-9):6.3f}  {check}", flush=True)
     return rows
+
+
+def layer_gemms(B, N, D):
+    """The GEMMs of a packed self-attention layer, (M, N, K, ta, tb), as src/multihead.cpp calls them:
+    forward: [q|k|v] = x·W_inᵀ, y = o·W_oᵀ; backward: dW_o = dyᵀ·o, do = dy·W_o, dW_in = dpᵀ·x,
+    dx = dp·W_in (dp = [dq|dk|dv], one product each over the packed weight)."""
+    R = B * N
+    fwd = [(R, 3 * D, D, 0, 1), (R, D, D, 0, 1)]
+    bwd = [(D, D, R, 1, 0), (R, D, D, 0, 0), (3 * D, D, R, 1, 0), (R, D, 3 * D, 0, 0)]
+    return fwd, bwd
+
+
+def time_torch_gemm(torch, shape, reps):
+    M, N, K, ta, tb = shape
+    A = torch.randn(K, M) if ta else torch.randn(M, K)
+    B = torch.randn(N, K) if tb else torch.randn(K, N)
+    a, b = (A.t() if ta else A), (B.t() if tb else B)
+    C = torch.empty(M, N)
+    return median_time(lambda: torch.matmul(a, b, out=C), reps)
+
+
+def gemm_main(args, torch):
+    """The layer's GEMMs alone: torch.matmul (MKL in PyTorch's wheel) against attn's detail::gemm
+    (OpenBLAS, OpenMP build) through attn-gemm-bench, shape by shape and summed per layer mode."""
+    if not os.path.exists(args.attn_gemm_bench):
+        print(f"compare_torch --gemm: {args.attn_gemm_bench} not found; build first (`make build`).")
+        return 1
+    threads = int(parse_list(args.threads)[0])
+    torch.set_num_threads(threads)
+    shapes = [tuple(parse_list(s)) for s in args.layer_shapes.split(";") if s]
+    load = os.getloadavg()
+    print(f"torch {torch.__version__} (MKL {torch.backends.mkl.is_available()}), attn-gemm-bench "
+          f"{args.attn_gemm_bench}, {threads} threads; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+    print(f"{'layer B,N,D':>14} {'mode':6} {'M':>6} {'N':>6} {'K':>6} {'ta':>2} {'tb':>2} {'torch ms':>9} "
+          f"{'attn ms':>9} {'attn/torch':>10}")
+    rows = []
+    for B, N, D, H in shapes:
+        fwd, bwd = layer_gemms(B, N, D)
+        for mode, gemms in (("fwd", fwd), ("bwd", bwd)):
+            text = ";".join(",".join(str(v) for v in g) for g in gemms)
+            res = subprocess.run([args.attn_gemm_bench, "--shapes", text, "--threads", str(threads),
+                                  "--reps", str(args.reps), "--json", "-"], capture_output=True, text=True)
+            if res.returncode != 0:
+                print(res.stderr)
+                return 1
+            mine = json.loads(res.stdout)["results"]
+            tsum = asum = 0.0
+            for g, m in zip(gemms, mine):
+                t = statistics.median([time_torch_gemm(torch, g, args.reps) for _ in range(2)])
+                a = m["median_s"]
+                tsum, asum = tsum + t, asum + a
+                rows.append(dict(B=B, N=N, D=D, H=H, mode=mode, M=g[0], N_=g[1], K=g[2], ta=g[3], tb=g[4],
+                                 torch_s=t, attn_s=a, ratio=a / t))
+                print(f"{f'{B},{N},{D}':>14} {mode:6} {g[0]:6d} {g[1]:6d} {g[2]:6d} {g[3]:2d} {g[4]:2d} "
+                      f"{t * 1e3:9.2f} {a * 1e3:9.2f} {a / t:10.3f}", flush=True)
+            print(f"{f'{B},{N},{D}':>14} {mode:6} {'sum':>27} {tsum * 1e3:9.2f} {asum * 1e3:9.2f} "
+                  f"{asum / tsum:10.3f}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(torch=torch.__version__, mode="gemm", load=load, results=rows), f, indent=2)
+    return 0
 
 
 def main_layer(args, torch):
@@ -219,8 +323,10 @@ def main_layer(args, torch):
     load = os.getloadavg()
     print(f"torch {torch.__version__} (CPU capability {torch.backends.cpu.get_cpu_capability()}), attn "
           f"{attn.__version__}; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+    print(f"{'':28} {'whole layer':^32} | {'attention alone':^24} | {'projections = layer - attention':^24}")
     print(f"{'B':>3} {'N':>5} {'D':>4} {'H':>3} {'mode':7} {'th':>2} {'torch ms':>10} {'attn ms':>10} "
-          f"{'attn/torch':>10}  validation")
+          f"{'attn/torch':>10} | {'torch':>8} {'attn':>8} {'ratio':>6} | {'torch':>8} {'attn':>8} {'ratio':>6}  "
+          "validation")
     rows = []
     for threads in parse_list(args.threads):
         rows += layer_rows(torch, attn, shapes, threads, args.reps)
@@ -248,12 +354,16 @@ def main():
     ap.add_argument("--ggml-driver", default="", help="decode mode: time ggml flash_attn_ext with this driver")
     ap.add_argument("--layer", action="store_true", help="time the multi-head layers (see above)")
     ap.add_argument("--layer-shapes", default="8,128,256,4;4,512,512,8;1,2048,768,12",
-                    help="layer mode: B,N,D,H;...")
+                    help="layer and gemm modes: B,N,D,H;...")
+    ap.add_argument("--gemm", action="store_true", help="the layer's GEMMs alone (see above)")
+    ap.add_argument("--attn-gemm-bench", default=os.path.join("build", "bench", "attn-gemm-bench"))
     args, _ = ap.parse_known_args()
-    if args.layer and args.threads == "1,2":
+    if (args.layer or args.gemm) and args.threads == "1,2":
         args.threads = "2"
     if args.layer and args.reps == 3:
         args.reps = 15
+    if args.gemm and args.reps == 3:
+        args.reps = 7
 
     try:
         import torch
@@ -263,6 +373,8 @@ def main():
         return 0
     if args.layer:
         return main_layer(args, torch)
+    if args.gemm:
+        return gemm_main(args, torch)
     if args.decode:
         if not os.path.exists(args.attn_decode_bench):
             print(f"compare_torch: {args.attn_decode_bench} not found; build first (`make build`).")

@@ -3,8 +3,6 @@
 // for testing, the reference backend on the cache read back as float32.
 #include "attn/kv_cache.hpp"
 
-#include <omp.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -14,6 +12,7 @@
 
 #include "kernels/decode/decode.hpp"
 #include "kernels/reference/sdpa_reference.hpp"
+#include "validate.hpp"
 
 namespace attn {
 
@@ -30,15 +29,12 @@ KVDtype parse_kv_dtype(std::string_view name) {
   if (name == "float32" || name == "f32") return KVDtype::float32;
   if (name == "float16" || name == "f16") return KVDtype::float16;
   if (name == "bfloat16" || name == "bf16") return KVDtype::bfloat16;
-  throw InvalidArgument("attn::parse_kv_dtype: unknown dtype '" + std::string(name) +
-              "', expected one of float32, float16, bfloat16");
+  detail::Checker{"parse_kv_dtype"}.fail("unknown dtype '" + std::string(name) +
+                                          "', expected one of float32, float16, bfloat16");
 }
 
 namespace {
 
-[[noreturn]] void fail(const char* fn, const std::string& msg) {
-  throw InvalidArgument(std::string("attn::") + fn + ": " + msg);
-}
 
 detail::KVStorage storage_of(KVDtype t) {
   switch (t) {
@@ -54,9 +50,9 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 }  // namespace
 
 KVCache::KVCache(const KVCacheConfig& config) : cfg_(config) {
-  const char* fn = "KVCache";
+  const detail::Checker c{"KVCache"};
   auto positive = [&](int64_t v, const char* name) {
-    if (v < 1) fail(fn, std::string("config '") + name + "' is " + std::to_string(v) + ", expected >= 1");
+    if (v < 1) c.fail(std::string("config '") + name + "' is " + std::to_string(v) + ", expected >= 1");
   };
   positive(cfg_.batch, "batch");
   positive(cfg_.kv_heads, "kv_heads");
@@ -64,10 +60,10 @@ KVCache::KVCache(const KVCacheConfig& config) : cfg_(config) {
   positive(cfg_.head_dim, "head_dim");
   if (cfg_.value_dim == 0) cfg_.value_dim = cfg_.head_dim;
   positive(cfg_.value_dim, "value_dim");
-  if (cfg_.page_size < 0) fail(fn, "config 'page_size' is " + std::to_string(cfg_.page_size) + ", expected >= 0 (0 = contiguous)");
-  if (cfg_.num_pages < 0) fail(fn, "config 'num_pages' is " + std::to_string(cfg_.num_pages) + ", expected >= 0");
+  if (cfg_.page_size < 0) c.fail("config 'page_size' is " + std::to_string(cfg_.page_size) + ", expected >= 0 (0 = contiguous)");
+  if (cfg_.num_pages < 0) c.fail("config 'num_pages' is " + std::to_string(cfg_.num_pages) + ", expected >= 0");
   if (cfg_.page_size == 0 && cfg_.num_pages != 0)
-    fail(fn, "config 'num_pages' is " + std::to_string(cfg_.num_pages) + " but the layout is contiguous (page_size = 0)");
+    c.fail("config 'num_pages' is " + std::to_string(cfg_.num_pages) + " but the layout is contiguous (page_size = 0)");
   elem_ = cfg_.dtype == KVDtype::float32 ? 4 : 2;
   if (cfg_.page_size == 0) {
     page_size_ = cfg_.capacity;
@@ -82,7 +78,7 @@ KVCache::KVCache(const KVCacheConfig& config) : cfg_(config) {
   const double bytes = double(num_pages_) * double(page_size_) * double(cfg_.kv_heads) *
                        double(cfg_.head_dim + cfg_.value_dim) * double(elem_);
   if (bytes > double(int64_t(1) << 46) || num_pages_ > std::numeric_limits<int32_t>::max())
-    fail(fn, "the cache would need " + std::to_string(bytes) + " bytes; reduce batch, capacity or num_pages");
+    c.fail("the cache would need " + std::to_string(bytes) + " bytes; reduce batch, capacity or num_pages");
   const int64_t page_k = cfg_.kv_heads * page_size_ * cfg_.head_dim;
   const int64_t page_v = cfg_.kv_heads * page_size_ * cfg_.value_dim;
   kstore_.assign(size_t(num_pages_ * page_k * elem_), std::byte{0});
@@ -96,7 +92,8 @@ KVCache::KVCache(const KVCacheConfig& config) : cfg_(config) {
 
 void KVCache::check_seq(const char* fn, int64_t b) const {
   if (b < 0 || b >= cfg_.batch)
-    fail(fn, "argument 'b' is " + std::to_string(b) + ", expected 0 <= b < batch = " + std::to_string(cfg_.batch));
+    detail::Checker{fn}.fail("argument 'b' is " + std::to_string(b) + ", expected 0 <= b < batch = " +
+                             std::to_string(cfg_.batch));
 }
 
 int64_t KVCache::length(int64_t b) const {
@@ -121,13 +118,13 @@ void KVCache::write(int64_t b, int64_t t, int64_t n, const View3<const float>& k
     if (page < 0) {
       const auto it = std::find(refs_.begin(), refs_.end(), 0);
       if (it == refs_.end())
-        fail("KVCache::append", "the page pool is exhausted (" + std::to_string(num_pages_) +
-                                    " pages of " + std::to_string(page_size_) + " tokens all in use)");
+        detail::Checker{"KVCache::append"}.fail("the page pool is exhausted (" + std::to_string(num_pages_) +
+                                                " pages of " + std::to_string(page_size_) + " tokens all in use)");
       page = int32_t(it - refs_.begin());
       ++*it;
     } else if (refs_[size_t(page)] > 1) {
-      fail("KVCache::append", "sequence " + std::to_string(b) + " would write page " + std::to_string(page) +
-                                  ", which is shared with another sequence");
+      detail::Checker{"KVCache::append"}.fail("sequence " + std::to_string(b) + " would write page " +
+                                              std::to_string(page) + ", which is shared with another sequence");
     }
     const int64_t run = std::min(n - i, page_size_ - off);
     for (int64_t hk = 0; hk < Hkv; ++hk)
@@ -142,20 +139,20 @@ void KVCache::write(int64_t b, int64_t t, int64_t n, const View3<const float>& k
 }
 
 void KVCache::append(int64_t b, View3<const float> k, View3<const float> v) {
-  const char* fn = "KVCache::append";
-  check_seq(fn, b);
-  if (k.data == nullptr || v.data == nullptr) fail(fn, "arguments 'k' and 'v' are required");
+  const detail::Checker c{"KVCache::append"};
+  check_seq(c.fn.c_str(), b);
+  c.require(k, "k");
+  c.require(v, "v");
   const int64_t n = k.dim(1);
-  if (k.dim(0) != cfg_.kv_heads || k.dim(2) != cfg_.head_dim || n < 0)
-    fail(fn, "argument 'k' has shape " + shape_str(k.shape) + ", expected (Hkv, n, E) = (" +
-                 std::to_string(cfg_.kv_heads) + ", n, " + std::to_string(cfg_.head_dim) + ")");
-  if (v.shape != std::array<int64_t, 3>{cfg_.kv_heads, n, cfg_.value_dim})
-    fail(fn, "argument 'v' has shape " + shape_str(v.shape) + ", expected (Hkv, n, Ev) = " +
-                 shape_str({cfg_.kv_heads, n, cfg_.value_dim}));
+  if (k.dim(0) != cfg_.kv_heads || k.dim(2) != cfg_.head_dim)
+    c.fail("argument 'k' has shape " + shape_str(k.shape) + ", expected (Hkv, n, E) = (" +
+           std::to_string(cfg_.kv_heads) + ", n, " + std::to_string(cfg_.head_dim) + ")");
+  c.shape(v, "v", {cfg_.kv_heads, n, cfg_.value_dim},
+          "(Hkv, n, Ev) = " + shape_str({cfg_.kv_heads, n, cfg_.value_dim}) + " (n of 'k')");
   const int64_t len = len_[size_t(b)];
   if (len + n > cfg_.capacity)
-    fail(fn, "sequence " + std::to_string(b) + " holds " + std::to_string(len) + " tokens; appending " +
-                 std::to_string(n) + " exceeds the capacity " + std::to_string(cfg_.capacity));
+    c.fail("sequence " + std::to_string(b) + " holds " + std::to_string(len) + " tokens; appending " +
+           std::to_string(n) + " exceeds the capacity " + std::to_string(cfg_.capacity));
   // Feature strides other than 1 go through the conversion's stride; the
   // conversion writes one row at a time, so any view layout works.
   write(b, len, n, k, v);
@@ -163,20 +160,21 @@ void KVCache::append(int64_t b, View3<const float> k, View3<const float> v) {
 }
 
 void KVCache::append(View4<const float> k, View4<const float> v) {
-  const char* fn = "KVCache::append";
-  if (k.data == nullptr || v.data == nullptr) fail(fn, "arguments 'k' and 'v' are required");
+  const detail::Checker c{"KVCache::append"};
+  c.require(k, "k");
+  c.require(v, "v");
   if (k.dim(0) != cfg_.batch)
-    fail(fn, "argument 'k' has shape " + shape_str(k.shape) + ", expected (B, Hkv, n, E) with B = " +
-                 std::to_string(cfg_.batch));
+    c.fail("argument 'k' has shape " + shape_str(k.shape) + ", expected (B, Hkv, n, E) with B = " +
+           std::to_string(cfg_.batch));
   if (v.dim(0) != cfg_.batch)
-    fail(fn, "argument 'v' has shape " + shape_str(v.shape) + ", expected (B, Hkv, n, Ev) with B = " +
-                 std::to_string(cfg_.batch));
+    c.fail("argument 'v' has shape " + shape_str(v.shape) + ", expected (B, Hkv, n, Ev) with B = " +
+           std::to_string(cfg_.batch));
   // Check every sequence before writing any, so an error leaves the cache unchanged.
   for (int64_t b = 0; b < cfg_.batch; ++b)
     if (len_[size_t(b)] + k.dim(2) > cfg_.capacity)
-      fail(fn, "sequence " + std::to_string(b) + " holds " + std::to_string(len_[size_t(b)]) +
-                   " tokens; appending " + std::to_string(k.dim(2)) + " exceeds the capacity " +
-                   std::to_string(cfg_.capacity));
+      c.fail("sequence " + std::to_string(b) + " holds " + std::to_string(len_[size_t(b)]) +
+             " tokens; appending " + std::to_string(k.dim(2)) + " exceeds the capacity " +
+             std::to_string(cfg_.capacity));
   for (int64_t b = 0; b < cfg_.batch; ++b) {
     const View3<const float> kb(k.data + b * k.strides[0], {k.dim(1), k.dim(2), k.dim(3)},
                                 {k.strides[1], k.strides[2], k.strides[3]});
@@ -203,7 +201,8 @@ void KVCache::clear() {
 
 std::vector<int32_t> KVCache::block_table(int64_t b) const {
   check_seq("KVCache::block_table", b);
-  if (!paged()) fail("KVCache::block_table", "the cache is contiguous (page_size = 0); it has no block table");
+  if (!paged())
+    detail::Checker{"KVCache::block_table"}.fail("the cache is contiguous (page_size = 0); it has no block table");
   std::vector<int32_t> t;
   for (int64_t s = 0; s < table_width_; ++s) {
     const int32_t page = table_[size_t(b * table_width_ + s)];
@@ -214,28 +213,28 @@ std::vector<int32_t> KVCache::block_table(int64_t b) const {
 }
 
 void KVCache::set_block_table(int64_t b, std::span<const int32_t> pages, int64_t length) {
-  const char* fn = "KVCache::set_block_table";
-  check_seq(fn, b);
-  if (!paged()) fail(fn, "the cache is contiguous (page_size = 0); it has no block table");
+  const detail::Checker c{"KVCache::set_block_table"};
+  check_seq(c.fn.c_str(), b);
+  if (!paged()) c.fail("the cache is contiguous (page_size = 0); it has no block table");
   const int64_t n = int64_t(pages.size());
   if (n > table_width_)
-    fail(fn, "argument 'pages' has " + std::to_string(n) + " entries, expected at most ceil(capacity / page_size) = " +
-                 std::to_string(table_width_));
+    c.fail("argument 'pages' has " + std::to_string(n) + " entries, expected at most ceil(capacity / page_size) = " +
+           std::to_string(table_width_));
   if (length < 0 || length > n * page_size_ || length > cfg_.capacity)
-    fail(fn, "argument 'length' is " + std::to_string(length) + ", expected 0 <= length <= min(" +
-                 std::to_string(n) + " pages · " + std::to_string(page_size_) + ", capacity " +
-                 std::to_string(cfg_.capacity) + ")");
+    c.fail("argument 'length' is " + std::to_string(length) + ", expected 0 <= length <= min(" +
+           std::to_string(n) + " pages · " + std::to_string(page_size_) + ", capacity " +
+           std::to_string(cfg_.capacity) + ")");
   const int64_t full = length / page_size_;  // entries below this are read-only
   // Who uses each page, leaving sequence b's current table out.
   std::vector<int32_t> other(size_t(num_pages_), 0);
   std::vector<char> other_writable(size_t(num_pages_), 0);
-  for (int64_t c = 0; c < cfg_.batch; ++c) {
-    if (c == b) continue;
+  for (int64_t seq = 0; seq < cfg_.batch; ++seq) {
+    if (seq == b) continue;
     for (int64_t s = 0; s < table_width_; ++s) {
-      const int32_t page = table_[size_t(c * table_width_ + s)];
+      const int32_t page = table_[size_t(seq * table_width_ + s)];
       if (page < 0) continue;
       ++other[size_t(page)];
-      if (s >= len_[size_t(c)] / page_size_) other_writable[size_t(page)] = 1;
+      if (s >= len_[size_t(seq)] / page_size_) other_writable[size_t(page)] = 1;
     }
   }
   std::vector<char> seen(size_t(num_pages_), 0);
@@ -243,14 +242,14 @@ void KVCache::set_block_table(int64_t b, std::span<const int32_t> pages, int64_t
     const int32_t page = pages[size_t(s)];
     const std::string at = "argument 'pages' entry " + std::to_string(s) + " is page " + std::to_string(page);
     if (page < 0 || page >= num_pages_)
-      fail(fn, at + ", expected 0 <= page < num_pages = " + std::to_string(num_pages_));
-    if (seen[size_t(page)]) fail(fn, at + ", which appears earlier in the same table");
+      c.fail(at + ", expected 0 <= page < num_pages = " + std::to_string(num_pages_));
+    if (seen[size_t(page)]) c.fail(at + ", which appears earlier in the same table");
     seen[size_t(page)] = 1;
     if (other[size_t(page)] > 0 && s >= full)
-      fail(fn, at + ", which another sequence uses; a page this sequence may still write (entry >= length / page_size = " +
-                   std::to_string(full) + ") cannot be shared");
+      c.fail(at + ", which another sequence uses; a page this sequence may still write (entry >= length / page_size = " +
+             std::to_string(full) + ") cannot be shared");
     if (other_writable[size_t(page)])
-      fail(fn, at + ", which another sequence may still write (it is not full there); only full pages can be shared");
+      c.fail(at + ", which another sequence may still write (it is not full there); only full pages can be shared");
   }
   reset(b);
   for (int64_t s = 0; s < n; ++s) {
@@ -261,13 +260,16 @@ void KVCache::set_block_table(int64_t b, std::span<const int32_t> pages, int64_t
 }
 
 void KVCache::read(int64_t b, View3<float> k, View3<float> v) const {
-  const char* fn = "KVCache::read";
-  check_seq(fn, b);
+  const detail::Checker c{"KVCache::read"};
+  check_seq(c.fn.c_str(), b);
   const int64_t len = len_[size_t(b)], Hkv = cfg_.kv_heads, E = cfg_.head_dim, Ev = cfg_.value_dim;
-  if (k.shape != std::array<int64_t, 3>{Hkv, len, E} || k.data == nullptr)
-    fail(fn, "argument 'k' has shape " + shape_str(k.shape) + ", expected (Hkv, length, E) = " + shape_str({Hkv, len, E}));
-  if (v.shape != std::array<int64_t, 3>{Hkv, len, Ev} || v.data == nullptr)
-    fail(fn, "argument 'v' has shape " + shape_str(v.shape) + ", expected (Hkv, length, Ev) = " + shape_str({Hkv, len, Ev}));
+  c.require(k, "k");
+  c.require(v, "v");
+  c.shape(k, "k", {Hkv, len, E}, "(Hkv, length, E) = " + shape_str({Hkv, len, E}));
+  c.shape(v, "v", {Hkv, len, Ev}, "(Hkv, length, Ev) = " + shape_str({Hkv, len, Ev}));
+  const std::vector<detail::Extent> written{c.extent(k, "k"), c.extent(v, "v")};
+  for (const auto& e : written) c.writable(e);
+  c.disjoint(written, {});
   const auto st = storage_of(cfg_.dtype);
   std::vector<float> row(size_t(std::max(E, Ev)));
   for (int64_t t = 0; t < len; ++t) {
@@ -346,9 +348,10 @@ void decode_reference(const detail::DecodeProblem& p, View4<const float> q, cons
 
 void decode_attention(View4<const float> q, const KVCache& cache, View4<float> out, const DecodeOptions& opt,
                       View3<float> lse) {
-  const char* fn = "decode_attention";
-  if (q.data == nullptr) fail(fn, "argument 'q' is required but was not given");
-  if (out.data == nullptr) fail(fn, "argument 'out' is required but was not given");
+  const detail::Checker c{"decode_attention"};
+  c.require(q, "q");
+  c.require(out, "out");
+  const bool with_lse = c.given(lse, "lse");
   detail::DecodeProblem p;
   p.B = cache.batch();
   p.Hkv = cache.kv_heads();
@@ -357,30 +360,26 @@ void decode_attention(View4<const float> q, const KVCache& cache, View4<float> o
   p.H = q.dim(1);
   p.L = q.dim(2);
   if (q.dim(0) != p.B || q.dim(3) != p.E || p.H < 1 || p.L < 1 || p.H % p.Hkv != 0)
-    fail(fn, "argument 'q' has shape " + shape_str(q.shape) + ", expected (B, H, L, E) = (" + std::to_string(p.B) +
-                 ", H, L, " + std::to_string(p.E) + ") with H a multiple of the cache's Hkv = " +
-                 std::to_string(p.Hkv) + " and L >= 1");
-  if (out.shape != std::array<int64_t, 4>{p.B, p.H, p.L, p.Ev})
-    fail(fn, "argument 'out' has shape " + shape_str(out.shape) + ", expected (B, H, L, Ev) = " +
-                 shape_str({p.B, p.H, p.L, p.Ev}));
-  if (!lse.empty() && lse.shape != std::array<int64_t, 3>{p.B, p.H, p.L})
-    fail(fn, "argument 'lse' has shape " + shape_str(lse.shape) + ", expected (B, H, L) = " + shape_str({p.B, p.H, p.L}));
-  for (int i = 0; i < 4; ++i)
-    if (out.shape[size_t(i)] > 1 && out.strides[size_t(i)] == 0)
-      fail(fn, "output 'out' has stride 0 on axis " + std::to_string(i) + " (a broadcast view cannot be written)");
-  for (int i = 0; i < 3; ++i)
-    if (!lse.empty() && lse.shape[size_t(i)] > 1 && lse.strides[size_t(i)] == 0)
-      fail(fn, "output 'lse' has stride 0 on axis " + std::to_string(i) + " (a broadcast view cannot be written)");
+    c.fail("argument 'q' has shape " + shape_str(q.shape) + ", expected (B, H, L, E) = (" + std::to_string(p.B) +
+           ", H, L, " + std::to_string(p.E) + ") with H a multiple of the cache's Hkv = " + std::to_string(p.Hkv) +
+           " and L >= 1");
+  c.shape(out, "out", {p.B, p.H, p.L, p.Ev}, "(B, H, L, Ev) = " + shape_str({p.B, p.H, p.L, p.Ev}));
+  std::vector<detail::Extent> written{c.extent(out, "out")};
+  if (with_lse) {
+    c.shape(lse, "lse", {p.B, p.H, p.L}, "(B, H, L) = " + shape_str({p.B, p.H, p.L}));
+    written.push_back(c.extent(lse, "lse"));
+  }
+  for (const auto& e : written) c.writable(e);
+  c.disjoint(written, {c.extent(q, "q")});
   if (opt.scale && (!std::isfinite(*opt.scale) || *opt.scale <= 0)) {
     std::ostringstream os;
     os << "option 'scale' is " << *opt.scale << ", expected a finite value > 0";
-    fail(fn, os.str());
+    c.fail(os.str());
   }
-  if (opt.num_threads < 0)
-    fail(fn, "option 'num_threads' is " + std::to_string(opt.num_threads) + ", expected >= 0 (0 = default)");
+  const int threads = c.threads(opt.num_threads);
   p.scale = opt.scale ? *opt.scale : 1.0 / std::sqrt(double(p.E));
   p.causal = opt.causal;
-  p.threads = opt.num_threads > 0 ? opt.num_threads : omp_get_max_threads();
+  p.threads = threads;
   p.split = opt.split_kv;
   p.length.resize(size_t(p.B));
   p.offset.resize(size_t(p.B));

@@ -6,52 +6,29 @@
 #include <array>
 #include <cmath>
 #include <limits>
-#include <string>
+#include <vector>
 
 #include "kernels/fused/online_softmax.hpp"
+#include "validate.hpp"
 
 namespace attn {
-namespace {
-
-[[noreturn]] void fail(const std::string& msg) { throw InvalidArgument("attn::merge_attention: " + msg); }
-
-template <class V>
-void check_present(const V& v, const char* name) {
-  if (v.data == nullptr) fail(std::string("argument '") + name + "' is required but was not given");
-}
-
-template <class T, int R>
-void check_writable(const View<T, R>& v, const char* name) {
-  for (int i = 0; i < R; ++i)
-    if (v.shape[size_t(i)] > 1 && v.strides[size_t(i)] == 0)
-      fail(std::string("output '") + name + "' has stride 0 on axis " + std::to_string(i) +
-           " (a broadcast view cannot be written)");
-}
-
-}  // namespace
 
 template <class T>
 void merge_attention(View4<T> out_a, View3<T> lse_a, View4<const T> out_b, View3<const T> lse_b) {
   namespace os = detail::online_softmax;
-  check_present(out_a, "out_a");
-  check_present(lse_a, "lse_a");
-  check_present(out_b, "out_b");
-  check_present(lse_b, "lse_b");
+  const detail::Checker c{"merge_attention"};
+  c.require(out_a, "out_a");
+  c.require(lse_a, "lse_a");
+  c.require(out_b, "out_b");
+  c.require(lse_b, "lse_b");
   const auto& s = out_a.shape;
-  for (int i = 0; i < 4; ++i)
-    if (s[size_t(i)] < 0) fail("argument 'out_a' has a negative dimension " + shape_str(s));
-  if (out_b.shape != s)
-    fail("argument 'out_b' has shape " + shape_str(out_b.shape) + ", expected " + shape_str(s) +
-         " (the shape of 'out_a')");
+  c.shape(out_b, "out_b", s, shape_str(s) + " (the shape of 'out_a')");
   const std::array<int64_t, 3> rows{s[0], s[1], s[2]};
-  if (lse_a.shape != rows)
-    fail("argument 'lse_a' has shape " + shape_str(lse_a.shape) + ", expected " + shape_str(rows) +
-         " (B, H, L of 'out_a')");
-  if (lse_b.shape != rows)
-    fail("argument 'lse_b' has shape " + shape_str(lse_b.shape) + ", expected " + shape_str(rows) +
-         " (B, H, L of 'out_a')");
-  check_writable(out_a, "out_a");
-  check_writable(lse_a, "lse_a");
+  c.shape(lse_a, "lse_a", rows, shape_str(rows) + " (B, H, L of 'out_a')");
+  c.shape(lse_b, "lse_b", rows, shape_str(rows) + " (B, H, L of 'out_a')");
+  const std::vector<detail::Extent> written{c.extent(out_a, "out_a"), c.extent(lse_a, "lse_a")};
+  for (const auto& e : written) c.writable(e);
+  c.disjoint(written, {c.extent(out_b, "out_b"), c.extent(lse_b, "lse_b")});
   const T nan = std::numeric_limits<T>::quiet_NaN();
   for (int64_t b = 0; b < s[0]; ++b)
     for (int64_t h = 0; h < s[1]; ++h)

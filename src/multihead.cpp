@@ -333,14 +333,6 @@ void add_rows(T* C, int64_t m, int64_t n, int64_t ldc, const T* bias) {
   for (int64_t i = 0; i < m; ++i)
     for (int64_t j = 0; j < n; ++j) C[i * ldc + j] += bias[j];
 }
-// db[j] += Σ_i C[i, j] for C (m, n) with leading dimension ldc, in double.
-template <class T>
-void add_column_sums(const T* C, int64_t m, int64_t n, int64_t ldc, T* db) {
-  std::vector<double> s(static_cast<size_t>(n), 0.0);
-  for (int64_t i = 0; i < m; ++i)
-    for (int64_t j = 0; j < n; ++j) s[size_t(j)] += double(C[i * ldc + j]);
-  for (int64_t j = 0; j < n; ++j) db[j] += T(s[size_t(j)]);
-}
 
 template <class T, int R>
 Tensor<T> copy_of(View<const T, R> v) {
@@ -582,12 +574,16 @@ void MultiheadAttention<T>::backward(const MhaCache<T>& cache, View3<const T> do
   gemm<T>({D, HEv, B * L}, true, dy, D, false, cache.attn_out.data(), HEv, grads_.at(kOutProjWeight).data(), HEv,
           T(1), T(1));
   if (cfg_.bias) add_column_sums(dy, B * L, D, D, grads_.at(kOutProjBias).data());
-  Tensor<T> d_attn({B, L, HEv});
+  // The gradient buffers live in the layer between calls (every element is
+  // written before it is read): no allocation in a training loop.
+  Tensor<T>& d_attn = d_attn_;
+  sized(d_attn, {B, L, HEv});
   gemm<T>({B * L, HEv, D}, false, dy, D, false, wo.data(), HEv, d_attn.data(), HEv);
 
   // o = sdpa(q, k, v): the gradients land in a buffer laid out as the
   // projections are.
-  Tensor<T> dproj({int64_t(cache.proj.size())});
+  Tensor<T>& dproj = dproj_;
+  sized(dproj, {int64_t(cache.proj.size())});
   const T* xs = cache.query.data();
   const auto ps = parts<T>(*this, cfg_, packed_, self, B, L, S, xs, self ? xs : cache.key.data(),
                            self ? xs : cache.value.data(), dproj.data(), &grads_);

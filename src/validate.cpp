@@ -43,10 +43,13 @@ void Checker::sizes_impl(const int64_t* shape, const int64_t* strides, int rank,
 
 void Checker::writable(const Extent& e) const {
   // Sufficient for distinct addresses: with the axes of size > 1 sorted by
-  // stride, each stride steps past everything the smaller axes span.
+  // stride, each stride steps past everything the smaller axes span. A view
+  // with no elements writes nothing.
   std::vector<std::pair<int64_t, int>> axes;  // (stride, axis)
-  for (int i = 0; i < e.rank; ++i)
+  for (int i = 0; i < e.rank; ++i) {
+    if (e.shape[size_t(i)] == 0) return;
     if (e.shape[size_t(i)] > 1) axes.emplace_back(e.stride[size_t(i)], i);
+  }
   std::sort(axes.begin(), axes.end());
   int64_t span = 0;  // bytes from the first to the last element of the smaller axes
   for (const auto& [stride, i] : axes) {

@@ -228,6 +228,18 @@ TEST(Decode, ArgumentErrors) {
   DecodeOptions o;
   o.scale = -1.0;
   EXPECT_TRUE(throws_with([&] { decode_attention(q2.view4(), cache, out3.view4(), o); }, {"'scale'"}));
+  // The boundary's Checker: thread counts, outputs that alias or broadcast.
+  DecodeOptions t;
+  t.num_threads = -1;
+  EXPECT_TRUE(throws_with([&] { decode_attention(q2.view4(), cache, out3.view4(), t); },
+                          {"decode_attention", "option 'num_threads' is -1, expected 0 (the default) to"}));
+  EXPECT_TRUE(throws_with([&] { decode_attention(q2.view4(), cache, {}); }, {"'out' is required"}));
+  EXPECT_TRUE(throws_with([&] { decode_attention(q2.view4(), cache, View4<float>(q2.data(), {2, 4, 1, 4})); },
+                          {"output 'out' overlaps input 'q'"}));
+  Tensor<float> lse({2, 4, 1});
+  auto with_lse = [&](View3<float> l) { return [&, l] { decode_attention(q2.view4(), cache, out3.view4(), {}, l); }; };
+  EXPECT_TRUE(throws_with(with_lse(View3<float>(lse.data(), {2, 4, 1}, {0, 1, 1})), {"output 'lse' has stride 0 on axis 0"}));
+  EXPECT_TRUE(throws_with(with_lse(View3<float>(out3.data(), {2, 4, 1})), {"output 'out' overlaps output 'lse'"}));
 }
 
 // The kernel is compiled for several SIMD targets; Highway can pretend the

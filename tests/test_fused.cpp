@@ -19,7 +19,7 @@
 
 #include "kernels/fused/fused.hpp"
 #include "kernels/reference/sdpa_reference.hpp"
-#include "testing.hpp"
+#include "sdpa_case.hpp"
 
 namespace {
 
@@ -43,149 +43,23 @@ constexpr double kWorkBudget = 2e6;
 constexpr int64_t kWideE = 16;
 #endif
 
-// A (B, H, N, F) buffer in one of three physical layouts.
-enum class Layout { bhnd, bnhd, strided };
-const char* layout_name(Layout l) {
-  return l == Layout::bhnd ? "bhnd" : l == Layout::bnhd ? "bnhd" : "strided";
-}
+using attn::testing::Layout;
+using Buffer = attn::testing::Strided<float>;
 
-struct Buffer {
-  std::vector<float> data;
-  View4<float> view;
-  Buffer() = default;
-  Buffer(int64_t B, int64_t H, int64_t N, int64_t F, Layout l) {
-    if (l == Layout::strided) {
-      // Padded rows and every other element: strides (H·N·R, N·R, R, 2), R = 2F + 3.
-      const int64_t R = 2 * F + 3;
-      data.assign(size_t(B * H * N * R), std::numeric_limits<float>::quiet_NaN());
-      view = View4<float>(data.data(), {B, H, N, F}, {H * N * R, N * R, R, 2});
-      for (int64_t b = 0; b < B; ++b)
-        for (int64_t h = 0; h < H; ++h)
-          for (int64_t n = 0; n < N; ++n)
-            for (int64_t f = 0; f < F; ++f) view(b, h, n, f) = 0;
-    } else {
-      data.assign(size_t(B * H * N * F), 0.0f);
-      view = l == Layout::bhnd ? View4<float>::bhnd(data.data(), B, H, N, F)
-                               : View4<float>::bnhd(data.data(), B, N, H, F);
-    }
-  }
-  void randomize(std::mt19937_64& rng, double stddev = 1.0) {
-    std::normal_distribution<double> nd(0, stddev);
-    for (int64_t b = 0; b < view.dim(0); ++b)
-      for (int64_t h = 0; h < view.dim(1); ++h)
-        for (int64_t n = 0; n < view.dim(2); ++n)
-          for (int64_t f = 0; f < view.dim(3); ++f) view(b, h, n, f) = float(nd(rng));
-  }
-};
-
-struct Case {
-  int64_t B = 1, H = 1, Hkv = 1, L = 1, S = 1, E = 1, Ev = 1;
-  Layout layout = Layout::bhnd;
-  bool causal = false;
-  CausalAlign align = CausalAlign::top_left;
-  int mask = 0;  // 0 none, 1 bool mask, 2 additive bias (with dbias), 3 both
-  bool key_lengths = false;
-  int threads = 1;
+// A random case (tests/sdpa_case.hpp) and the fused kernel's tiles.
+struct Case : attn::testing::RandomSpec {
   FusedPlan tiles{};  // q_block 0: fused_plan's choice
-  double scale = 0;    // 0: default
-  // The variants (tests/test_variants.cpp holds their reference to account).
-  attn::Window window{};
-  std::optional<int64_t> offset;
-  double softcap = 0;
-  bool alibi = false, sinks = false;
-  uint64_t seed = 0;
 
   std::string str() const {
-    std::ostringstream os;
-    os << "B=" << B << " H=" << H << " Hkv=" << Hkv << " L=" << L << " S=" << S << " E=" << E
-       << " Ev=" << Ev << " " << layout_name(layout) << (causal ? (align == CausalAlign::top_left ? " causal-tl" : " causal-br") : "")
-       << " mask=" << mask << (key_lengths ? " key_lengths" : "") << " threads=" << threads
-       << " tiles=" << tiles.q_block << "x" << tiles.k_block << (tiles.own_heads ? " own-heads" : "")
-       << " seed=" << seed;
-    if (window.left >= 0 || window.right >= 0) os << " window=(" << window.left << "," << window.right << ")";
-    if (offset) os << " offset=" << *offset;
-    if (softcap > 0) os << " softcap=" << softcap;
-    if (alibi) os << " alibi";
-    if (sinks) os << " sinks";
-    return os.str();
+    return RandomSpec::str() + " tiles=" + std::to_string(tiles.q_block) + "x" + std::to_string(tiles.k_block) +
+           (tiles.own_heads ? " own-heads" : "");
   }
 };
 
-// Inputs of one case, plus everything both backends write.
-struct Data {
+// Inputs of one case (q, k, v, dY, masks, variants drawn from c.seed).
+struct Data : attn::testing::SdpaCase<float> {
   Case c;
-  Buffer q, k, v, dout;
-  std::unique_ptr<bool[]> mask_store;
-  View4<const bool> mask;
-  Buffer bias;
-  std::vector<int64_t> lengths;
-  std::vector<float> slopes, sinks;
-  attn::SdpaArgs<float> args;
-  attn::SdpaOptions opt;
-
-  explicit Data(const Case& cs) : c(cs) {
-    std::mt19937_64 rng(cs.seed);
-    q = Buffer(c.B, c.H, c.L, c.E, c.layout);
-    k = Buffer(c.B, c.Hkv, c.S, c.E, c.layout);
-    v = Buffer(c.B, c.Hkv, c.S, c.Ev, c.layout);
-    dout = Buffer(c.B, c.H, c.L, c.Ev, c.layout);
-    q.randomize(rng);
-    k.randomize(rng);
-    v.randomize(rng);
-    dout.randomize(rng);
-    args.q = q.view;
-    args.k = k.view;
-    args.v = v.view;
-    std::bernoulli_distribution coin(0.5);
-    auto bshape = [&] {
-      return std::array<int64_t, 4>{coin(rng) ? c.B : 1, coin(rng) ? c.H : 1, coin(rng) ? c.L : 1,
-                                    coin(rng) ? c.S : 1};
-    };
-    if (c.mask & 1) {
-      const auto s = bshape();
-      const int64_t n = s[0] * s[1] * s[2] * s[3];
-      mask_store.reset(new bool[size_t(n)]);
-      std::bernoulli_distribution keep(0.8);
-      for (int64_t i = 0; i < n; ++i) mask_store[size_t(i)] = keep(rng);
-      // A fully masked query row (row 0 of every (b, h) the mask has).
-      if (s[2] == c.L && c.L > 1)
-        for (int64_t i = 0; i < n; i += s[2] * s[3])
-          for (int64_t j = 0; j < s[3]; ++j) mask_store[size_t(i + j)] = false;
-      mask = View4<const bool>(mask_store.get(), s);
-      args.mask = mask;
-    }
-    if (c.mask & 2) {
-      const auto s = bshape();
-      bias = Buffer(s[0], s[1], s[2], s[3], Layout::bhnd);
-      bias.randomize(rng);
-      std::bernoulli_distribution ninf(0.05);
-      for (auto& x : bias.data)
-        if (ninf(rng)) x = -std::numeric_limits<float>::infinity();
-      args.bias = bias.view;
-    }
-    if (c.key_lengths) {
-      std::uniform_int_distribution<int64_t> len(0, c.S);
-      for (int64_t b = 0; b < c.B; ++b) lengths.push_back(b == 0 && c.B > 1 ? 0 : len(rng));
-      args.key_lengths = View1<const int64_t>(lengths.data(), {c.B});
-    }
-    opt.causal = c.causal;
-    opt.causal_align = c.align;
-    opt.num_threads = c.threads;
-    if (c.scale > 0) opt.scale = c.scale;
-    opt.window = c.window;
-    opt.position_offset = c.offset;
-    opt.softcap = c.softcap;
-    std::uniform_real_distribution<float> slope(0.0f, 0.5f), sink(-2.0f, 3.0f);
-    if (c.alibi) {
-      for (int64_t h = 0; h < c.H; ++h) slopes.push_back(slope(rng));
-      args.alibi_slopes = View1<const float>(slopes.data(), {c.H});
-    }
-    if (c.sinks) {
-      for (int64_t h = 0; h < c.H; ++h) sinks.push_back(h == 1 ? -std::numeric_limits<float>::infinity() : sink(rng));
-      args.sinks = View1<const float>(sinks.data(), {c.H});
-    }
-  }
-
+  explicit Data(const Case& cs) : SdpaCase<float>(static_cast<const attn::testing::RandomSpec&>(cs)), c(cs) {}
   Problem problem() const { return attn::detail::make_problem(args, opt); }
 };
 
@@ -210,9 +84,9 @@ struct Results {
     if (!d.args.sinks.empty()) dsinks.assign(size_t(c.H), 0.0f);
   }
   View3<float> lse_out() { return View3<float>(lse.data(), {out.view.dim(0), out.view.dim(1), out.view.dim(2)}); }
-  View4<float> weights_out() { return weights.data.empty() ? View4<float>{} : weights.view; }
+  View4<float> weights_out() { return weights.empty() ? View4<float>{} : weights.view; }
   attn::SdpaGrads<float> grads() {
-    return {dq.view, dk.view, dv.view, dbias.data.empty() ? View4<float>{} : dbias.view,
+    return {dq.view, dk.view, dv.view, dbias.empty() ? View4<float>{} : dbias.view,
             dsinks.empty() ? View1<float>{} : View1<float>(dsinks.data(), {int64_t(dsinks.size())})};
   }
 };
@@ -227,11 +101,11 @@ Results run(Data& d, Backend backend, bool with_weights = true) {
   if (backend == Backend::fused && c.tiles.q_block > 0) {
     const Problem p = d.problem();
     attn::detail::fused_forward_tiled(p, d.args, r.out.view, r.weights_out(), lse, c.tiles);
-    attn::detail::fused_backward_tiled(p, d.args, d.dout.view, g, r.out.view, lse, c.tiles);
+    attn::detail::fused_backward_tiled(p, d.args, d.doutbuf.view, g, r.out.view, lse, c.tiles);
     return r;
   }
   attn::scaled_dot_product_attention<float>(d.args, {r.out.view, r.weights_out(), lse}, opt);
-  attn::scaled_dot_product_attention_backward<float>(d.args, d.dout.view, {r.out.view, lse}, g, opt);
+  attn::scaled_dot_product_attention_backward<float>(d.args, d.doutbuf.view, {r.out.view, lse}, g, opt);
   return r;
 }
 
@@ -249,7 +123,7 @@ void compare(Data& d, const Results& got, const Results& want) {
   EXPECT_TRUE(attn::testing::all_close(got.out.view, want.out.view, tolerance<float>(c.S + c.E, vmag), "out " + at));
   EXPECT_TRUE(attn::testing::all_close(lse_view(got, c), lse_view(want, c),
                                        tolerance<float>(c.S + c.E, max_abs(lse_view(want, c))), "lse " + at));
-  if (!got.weights.data.empty()) {
+  if (!got.weights.empty()) {
     EXPECT_TRUE(attn::testing::all_close(got.weights.view, want.weights.view, tolerance<float>(c.S + c.E, 1.0),
                                          "weights " + at));
   }
@@ -257,7 +131,7 @@ void compare(Data& d, const Results& got, const Results& want) {
   EXPECT_TRUE(attn::testing::all_close(got.dq.view, want.dq.view, tolerance<float>(n, max_abs(want.dq.view)), "dq " + at));
   EXPECT_TRUE(attn::testing::all_close(got.dk.view, want.dk.view, tolerance<float>(n, max_abs(want.dk.view)), "dk " + at));
   EXPECT_TRUE(attn::testing::all_close(got.dv.view, want.dv.view, tolerance<float>(n, max_abs(want.dv.view)), "dv " + at));
-  if (!got.dbias.data.empty()) {
+  if (!got.dbias.empty()) {
     const int64_t nb = n * c.B * c.H * c.L * c.S / got.dbias.view.numel();
     EXPECT_TRUE(attn::testing::all_close(got.dbias.view, want.dbias.view,
                                          tolerance<float>(nb, max_abs(want.dbias.view)), "dbias " + at));
@@ -268,48 +142,16 @@ void compare(Data& d, const Results& got, const Results& want) {
   }
 }
 
-// With `variants`, every case also draws windows, offsets, soft-caps, ALiBi
-// and sinks (each on about half the time).
+// A random spec (tests/sdpa_case.hpp) with random tiles; with `variants`,
+// windows, offsets, soft-caps, ALiBi and sinks too.
 Case random_case(std::mt19937_64& rng, uint64_t seed, bool variants = false) {
-  static const int64_t lengths[] = {1, 2, 3, 17, 63, 64, 65, 127, 267, 1030};
-  static const int64_t dims[] = {1, 3, 8, 16, 40, 64, 80, 128, 256};
   static const FusedPlan tiles[] = {{0, 0}, {12, 16}, {7, 13}, {24, 64}, {96, 256}, {1, 1}, {36, 40}};
-  static const int threads[] = {1, 2, 3, 8};
-  auto pick = [&](const auto& arr) {
-    return arr[std::uniform_int_distribution<size_t>(0, std::size(arr) - 1)(rng)];
-  };
   Case c;
-  for (;;) {
-    c.seed = seed;
-    c.L = pick(lengths);
-    c.S = std::bernoulli_distribution(0.6)(rng) ? c.L : pick(lengths);
-    c.E = pick(dims);
-    c.Ev = std::bernoulli_distribution(0.5)(rng) ? c.E : pick(dims);
-    c.B = std::uniform_int_distribution<int64_t>(1, 3)(rng);
-    c.Hkv = std::uniform_int_distribution<int64_t>(1, 3)(rng);
-    c.H = c.Hkv * std::uniform_int_distribution<int64_t>(1, 3)(rng);  // GQA / MQA when > Hkv
-    const double work = double(c.L) * double(c.S) * double(std::max(c.E, c.Ev)) * double(c.B * c.H);
-    if (work <= kWorkBudget) break;
-  }
-  c.layout = static_cast<Layout>(std::uniform_int_distribution<int>(0, 2)(rng));
-  c.causal = std::bernoulli_distribution(0.4)(rng);
-  c.align = std::bernoulli_distribution(0.5)(rng) ? CausalAlign::top_left : CausalAlign::bottom_right;
-  c.mask = std::uniform_int_distribution<int>(0, 3)(rng);
-  c.key_lengths = std::bernoulli_distribution(0.25)(rng);
-  c.threads = pick(threads);
-  c.tiles = pick(tiles);
+  static_cast<attn::testing::RandomSpec&>(c) = attn::testing::random_spec(rng, seed, kWorkBudget);
+  c.tiles = tiles[std::uniform_int_distribution<size_t>(0, std::size(tiles) - 1)(rng)];
   if (c.tiles.q_block == 1 && c.L * c.S > 100000) c.tiles = {5, 7};  // keep 1×1 tiles cheap
   c.tiles.own_heads = std::bernoulli_distribution(0.5)(rng);  // both backward splits on any shape
-  if (std::bernoulli_distribution(0.2)(rng)) c.scale = 0.37;
-  if (variants) {
-    static const int64_t sides[] = {-1, -1, 0, 1, 5, 17, 100};
-    std::bernoulli_distribution half(0.5);
-    if (half(rng)) c.window = {pick(sides), pick(sides)};
-    if (std::bernoulli_distribution(0.3)(rng)) c.offset = std::uniform_int_distribution<int64_t>(-c.L, c.S + 3)(rng);
-    if (half(rng)) c.softcap = std::uniform_real_distribution<double>(0.5, 20.0)(rng);
-    c.alibi = half(rng);
-    c.sinks = half(rng);
-  }
+  attn::testing::random_scale_and_variants(c, rng, variants);
   return c;
 }
 
@@ -429,7 +271,7 @@ TEST(Fused, FullyMaskedRowsGiveZeroOutputMinusInfLseZeroGradient) {
   for (int64_t b = 0; b < c.B; ++b)
     for (int64_t h = 0; h < c.H; ++h)
       for (int64_t i = 0; i < c.L; ++i) {
-        const bool dead = b == 0 || i % 2 == 1 || d.lengths[size_t(b)] == 0;
+        const bool dead = b == 0 || i % 2 == 1 || d.key_lengths[size_t(b)] == 0;
         const float l = r.lse[size_t((b * c.H + h) * c.L + i)];
         if (dead) {
           EXPECT_TRUE(std::isinf(l) && l < 0) << b << "," << h << "," << i;
@@ -450,8 +292,8 @@ TEST(Fused, HugeScoresGiveNoNanOrInf) {
   c.B = 1, c.H = 2, c.Hkv = 1, c.L = 65, c.S = 127, c.E = 16, c.Ev = 8, c.causal = true, c.threads = 2;
   Data d(c);
   // Scores of magnitude ~1e4: q and k of magnitude 50 with scale 1/4.
-  for (auto* buf : {&d.q, &d.k})
-    for (auto& x : buf->data) x *= 50.0f;
+  for (auto* buf : {&d.qbuf, &d.kbuf})
+    for (auto& x : buf->buf) x *= 50.0f;
   const Results r = run(d, Backend::fused);
   EXPECT_TRUE(attn::testing::all_finite(r.out.view));
   EXPECT_TRUE(attn::testing::all_finite(View3<const float>(r.lse.data(), {c.B, c.H, c.L})));
@@ -483,11 +325,11 @@ Results run_kernels(Data& d, Backend backend) {
   const attn::SdpaGrads<float> g = r.grads();
   if (backend == Backend::reference) {
     attn::detail::reference_forward<float>(p, d.args, r.out.view, r.weights.view, lse);
-    attn::detail::reference_backward<float>(p, d.args, d.dout.view, g);
+    attn::detail::reference_backward<float>(p, d.args, d.doutbuf.view, g);
   } else {
     const FusedPlan t = d.c.tiles.q_block > 0 ? d.c.tiles : attn::detail::fused_plan(p);
     attn::detail::fused_forward_tiled(p, d.args, r.out.view, r.weights.view, lse, t);
-    attn::detail::fused_backward_tiled(p, d.args, d.dout.view, g, r.out.view, lse, t);
+    attn::detail::fused_backward_tiled(p, d.args, d.doutbuf.view, g, r.out.view, lse, t);
   }
   return r;
 }
@@ -509,7 +351,7 @@ struct Oracle {
   bool visible_by_rule(int64_t b, int64_t h, int64_t i, int64_t j) const {
     const Case& c = d.c;
     const Problem p = d.problem();
-    const int64_t len = d.lengths.empty() ? c.S : d.lengths[size_t(b)];
+    const int64_t len = d.args.key_lengths.empty() ? c.S : d.key_lengths[size_t(b)];
     if (!p.band(len).visible(i, j)) return false;  // causal, window, key length
     const auto& m = d.args.mask;
     if (!m.empty() && !m(bcast(b, m.dim(0)), bcast(h, m.dim(1)), bcast(i, m.dim(2)), bcast(j, m.dim(3)))) return false;
@@ -539,11 +381,11 @@ struct Oracle {
             if (!visible(b, h, i, j)) continue;
             sees = true;
             const float x = bias(b, h, i, j);
-            poisoned = poisoned || row_bad(d.q, b, h, i) || row_bad(d.k, b, h * c.Hkv / c.H, j) ||
-                       row_bad(d.v, b, h * c.Hkv / c.H, j) || std::isnan(x) || x == std::numeric_limits<float>::infinity();
+            poisoned = poisoned || row_bad(d.qbuf, b, h, i) || row_bad(d.kbuf, b, h * c.Hkv / c.H, j) ||
+                       row_bad(d.vbuf, b, h * c.Hkv / c.H, j) || std::isnan(x) || x == std::numeric_limits<float>::infinity();
           }
           fwd[at(b, h, i)] = poisoned;
-          bwd[at(b, h, i)] = poisoned || (sees && row_bad(d.dout, b, h, i));
+          bwd[at(b, h, i)] = poisoned || (sees && row_bad(d.doutbuf, b, h, i));
         }
     keys.assign(size_t(c.B * c.Hkv * c.S), 0);
     for (int64_t b = 0; b < c.B; ++b)
@@ -597,7 +439,7 @@ void check_nan_rule(Data& d, const Results& got, const Results& clean, const std
   auto key_nan = [&](int64_t b, int64_t hk, int64_t j, int64_t) { return o.key_poisoned(b, hk, j); };
   expect_nan_exactly(got.dk, clean.dk, key_nan, what + " dk");
   expect_nan_exactly(got.dv, clean.dv, key_nan, what + " dv");
-  if (!got.dbias.data.empty()) {
+  if (!got.dbias.empty()) {
     // A dbias element is NaN iff a poisoned row's visible pair broadcasts onto it.
     const auto& s = d.args.bias.shape;
     std::vector<char> want(size_t(s[0] * s[1] * s[2] * s[3]), 0);
@@ -625,7 +467,7 @@ const char* spot_name(Spot s) {
 // One non-finite value in one input: element 1 of row n of (b, h) (clipped
 // to the input's shape); for the bias, the entry (b, h, 5, n).
 void poison(Data& d, Spot s, int64_t b, int64_t h, int64_t n, float value) {
-  Buffer* buf = s == Spot::q ? &d.q : s == Spot::k ? &d.k : s == Spot::v ? &d.v : s == Spot::bias ? &d.bias : &d.dout;
+  Buffer* buf = s == Spot::q ? &d.qbuf : s == Spot::k ? &d.kbuf : s == Spot::v ? &d.vbuf : s == Spot::bias ? &d.bias : &d.doutbuf;
   const auto& v = buf->view;
   std::array<int64_t, 4> at = {b, h, n, 1};
   if (s == Spot::bias) at = {b, h, 5, n};
@@ -708,7 +550,7 @@ TEST(FusedNaN, MaskedNaNKeyIsIgnoredAndFullyMaskedRowsStayZero) {
   Data clean_data(c);
   const Results clean = run(clean_data, Backend::automatic);
   Data d(c);
-  for (int64_t e = 0; e < c.E; ++e) d.k.view(0, 0, 16, e) = std::numeric_limits<float>::quiet_NaN();  // last key: only row 16 sees it
+  for (int64_t e = 0; e < c.E; ++e) d.kbuf.view(0, 0, 16, e) = std::numeric_limits<float>::quiet_NaN();  // last key: only row 16 sees it
   const Results r = run(d, Backend::automatic);
   for (int64_t h = 0; h < c.H; ++h)
     for (int64_t i = 0; i < c.L; ++i)
@@ -723,7 +565,7 @@ TEST(FusedNaN, MaskedNaNKeyIsIgnoredAndFullyMaskedRowsStayZero) {
   std::unique_ptr<bool[]> mask(new bool[size_t(m.L * m.S)]);
   for (int64_t i = 0; i < m.L * m.S; ++i) mask[size_t(i)] = i / m.S != 3;  // row 3 sees nothing
   dm.args.mask = View4<const bool>(mask.get(), {1, 1, m.L, m.S});
-  for (int64_t e = 0; e < m.E; ++e) dm.q.view(0, 1, 3, e) = std::numeric_limits<float>::quiet_NaN();
+  for (int64_t e = 0; e < m.E; ++e) dm.qbuf.view(0, 1, 3, e) = std::numeric_limits<float>::quiet_NaN();
   for (Backend be : {Backend::fused, Backend::reference}) {
     const Results rm = run_kernels(dm, be);
     EXPECT_TRUE(std::isinf(rm.lse[size_t(m.L + 3)]) && rm.lse[size_t(m.L + 3)] < 0);
@@ -735,8 +577,8 @@ TEST(FusedNaN, MaskedNaNKeyIsIgnoredAndFullyMaskedRowsStayZero) {
 }
 
 bool bitwise_equal(const Buffer& a, const Buffer& b) {
-  return a.data.size() == b.data.size() &&
-         std::memcmp(a.data.data(), b.data.data(), a.data.size() * sizeof(float)) == 0;
+  return a.size() == b.size() &&
+         std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }
 
 TEST(Fused, BitwiseDeterministicAcrossThreadCounts) {
@@ -774,7 +616,7 @@ TEST(Fused, BackwardRecomputesMissingSavedState) {
   Buffer dq(c.B, c.H, c.L, c.E, c.layout), dk(c.B, c.Hkv, c.S, c.E, c.layout), dv(c.B, c.Hkv, c.S, c.Ev, c.layout);
   attn::SdpaOptions opt = d.opt;
   opt.backend = Backend::fused;
-  attn::scaled_dot_product_attention_backward<float>(d.args, d.dout.view, {}, {dq.view, dk.view, dv.view, {}}, opt);
+  attn::scaled_dot_product_attention_backward<float>(d.args, d.doutbuf.view, {}, {dq.view, dk.view, dv.view, {}}, opt);
   EXPECT_TRUE(bitwise_equal(dq, with.dq));
   EXPECT_TRUE(bitwise_equal(dk, with.dk));
   EXPECT_TRUE(bitwise_equal(dv, with.dv));

@@ -183,8 +183,21 @@ TEST(KVCache, ConfigAndAppendErrors) {
   EXPECT_TRUE(throws_with([&] { c.append(0, k.view<3>(), k.view<3>()); }, {"argument 'k'", "(1, n, 2)"}));
   Tensor<float> k2({1, 2, 2});
   EXPECT_TRUE(throws_with([&] { c.append(1, k2.view<3>(), k2.view<3>()); }, {"argument 'b' is 1"}));
-  EXPECT_TRUE(throws_with([] { parse_kv_dtype("fp8"); }, {"fp8"}));
+  EXPECT_TRUE(throws_with([] { parse_kv_dtype("fp8"); }, {"attn::parse_kv_dtype", "fp8"}));
   EXPECT_EQ(parse_kv_dtype("bf16"), KVDtype::bfloat16);
+  // The boundary's Checker: each missing view by name, shapes against each other,
+  // outputs that cannot be written.
+  EXPECT_TRUE(throws_with([&] { c.append(0, {}, k2.view<3>()); }, {"KVCache::append", "'k' is required"}));
+  EXPECT_TRUE(throws_with([&] { c.append(0, k2.view<3>(), {}); }, {"'v' is required"}));
+  Tensor<float> v3({1, 3, 2});
+  EXPECT_TRUE(throws_with([&] { c.append(0, k2.view<3>(), v3.view<3>()); },
+                          {"argument 'v' has shape (1, 3, 2), expected (Hkv, n, Ev) = (1, 2, 2) (n of 'k')"}));
+  EXPECT_TRUE(throws_with([&] { c.append(0, View3<const float>(k2.data(), {1, -2, 2}), k2.view<3>()); }, {"'k'", "dimensions >= 0"}));
+  c.append(0, k2.view<3>(), k2.view<3>());
+  Tensor<float> kv({1, 2, 2});
+  EXPECT_TRUE(throws_with([&] { c.read(0, kv.view<3>(), kv.view<3>()); }, {"KVCache::read", "'k' overlaps output 'v'"}));
+  EXPECT_TRUE(throws_with([&] { c.read(0, View3<float>(kv.data(), {1, 2, 2}, {4, 0, 1}), k2.view<3>()); },
+                          {"output 'k' has stride 0 on axis 1"}));
 }
 
 // The storage's allocator: 2 MiB alignment (huge-page candidates) from

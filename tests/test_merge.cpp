@@ -151,4 +151,21 @@ TEST(MergeAttention, MismatchedShapesAreArgumentErrors) {
   }
 }
 
+// The boundary's Checker: missing, negative, aliased and broadcast views.
+TEST(MergeAttention, BadViewsAreArgumentErrors) {
+  using attn::testing::throws_with;
+  Tensor<float> oa({1, 2, 3, 4}), la({1, 2, 3}), ob({1, 2, 3, 4}), lb({1, 2, 3});
+  auto merge = [&](View4<float> o, View3<float> l, View4<const float> o2, View3<const float> l2) {
+    return [=] { attn::merge_attention<float>(o, l, o2, l2); };
+  };
+  EXPECT_TRUE(throws_with(merge(oa.view4(), la.view<3>(), {}, lb.view<3>()), {"attn::merge_attention", "'out_b' is required"}));
+  EXPECT_TRUE(throws_with(merge(View4<float>(oa.data(), {1, 2, -3, 4}), la.view<3>(), ob.view4(), lb.view<3>()),
+                          {"'out_a' has shape (1, 2, -3, 4), expected dimensions >= 0"}));
+  EXPECT_TRUE(throws_with(merge(oa.view4(), la.view<3>(), oa.view4(), lb.view<3>()), {"output 'out_a' overlaps input 'out_b'"}));
+  EXPECT_TRUE(throws_with(merge(oa.view4(), View3<float>(oa.data(), {1, 2, 3}), ob.view4(), lb.view<3>()),
+                          {"output 'out_a' overlaps output 'lse_a'"}));
+  EXPECT_TRUE(throws_with(merge(oa.view4(), View3<float>(la.data(), {1, 2, 3}, {0, 0, 1}), ob.view4(), lb.view<3>()),
+                          {"output 'lse_a' has stride 0 on axis 1"}));
+}
+
 }  // namespace

@@ -26,7 +26,7 @@ double loss(SdpaCase<double>& c, const Tensor<double>& dout) {
 
 // The gradient `g` of L with respect to view `x` (whose data lives in
 // `buf`) against central differences; masked (-inf) bias entries are skipped.
-void check_input(SdpaCase<double>& c, const Tensor<double>& dout, Tensor<double>& buf,
+void check_input(SdpaCase<double>& c, const Tensor<double>& dout, Strided<double>& buf,
                  const View4<const double>& x, const Tensor<double>& g, const char* what) {
   const attn::View<double, 4> xm(buf.data() + (x.data - buf.data()), x.shape, x.strides);
   EXPECT_TRUE(gradient_check<4>(xm, g.view4(), [&] { return loss(c, dout); }, what));
@@ -71,7 +71,8 @@ INSTANTIATE_TEST_SUITE_P(
         GradCase{{2, 2, 2, 3, 4, 3, 2}, MaskKind::bias_broadcast, false, TL, "bias_broadcast"},
         GradCase{{2, 4, 2, 3, 4, 3, 2}, MaskKind::bias_broadcast, true, BR, "bias_broadcast_gqa_causal"},
         GradCase{{3, 1, 1, 3, 4, 3, 2}, MaskKind::key_lengths, false, TL, "key_lengths"},
-        GradCase{{2, 2, 1, 3, 4, 3, 2, true, 2}, MaskKind::bool_full, false, TL, "bnhd_strided"}),
+        GradCase{{2, 2, 1, 3, 4, 3, 2, Layout::bnhd, 2}, MaskKind::bool_full, false, TL, "bnhd_strided"},
+        GradCase{{2, 2, 1, 3, 4, 3, 2, Layout::strided}, MaskKind::bias_full, true, BR, "every_other_element"}),
     [](const ::testing::TestParamInfo<GradCase>& p) { return std::string(p.param.name); });
 
 // dbias of a bias broadcast over batch and heads is the sum over those axes of
@@ -80,13 +81,14 @@ TEST(SdpaGradient, BroadcastBiasGradientIsTheSumOverBroadcastAxes) {
   std::mt19937_64 rng(7);
   const CaseShape shape{3, 2, 2, 4, 5, 3, 2};
   SdpaCase<double> small(shape, rng);
-  small.bias = random_tensor<double>({1, 1, 4, 5}, rng);
+  small.bias = Strided<double>(1, 1, 4, 5, Layout::bhnd);
+  small.bias.randomize(rng);
   small.args.bias = small.bias.view4();
   SdpaCase<double> full = small;  // same q, k, v
-  full.args.q = SdpaCase<double>::make_view(full.qbuf, 3, 2, 4, 3, false, 0);
-  full.args.k = SdpaCase<double>::make_view(full.kbuf, 3, 2, 5, 3, false, 0);
-  full.args.v = SdpaCase<double>::make_view(full.vbuf, 3, 2, 5, 2, false, 0);
-  full.bias = Tensor<double>({3, 2, 4, 5});
+  full.args.q = layout_view(full.qbuf.data(), 3, 2, 4, 3, Layout::bhnd);
+  full.args.k = layout_view(full.kbuf.data(), 3, 2, 5, 3, Layout::bhnd);
+  full.args.v = layout_view(full.vbuf.data(), 3, 2, 5, 2, Layout::bhnd);
+  full.bias = Strided<double>(3, 2, 4, 5, Layout::bhnd);
   for (int64_t b = 0; b < 3; ++b)
     for (int64_t h = 0; h < 2; ++h)
       for (int64_t i = 0; i < 4; ++i)

@@ -146,7 +146,7 @@ TEST(SdpaProperties, LayoutsAndStridesGiveIdenticalResults) {
   const CaseShape base{2, 4, 2, 5, 7, 6, 3};
   SdpaCase<float> a(base, rng);
   CaseShape other = base;
-  other.bnhd = true;
+  other.layout = Layout::bnhd;
   other.pad = 3;
   std::mt19937_64 rng2(5);
   SdpaCase<float> b(other, rng2);
@@ -171,10 +171,10 @@ TEST(SdpaProperties, GroupedQueryAttentionEqualsRepeatedKeysAndValues) {
   for (int64_t b = 0; b < 2; ++b)
     for (int64_t h = 0; h < 6; ++h) {
       for (int64_t i = 0; i < 4; ++i)
-        for (int64_t e = 0; e < 3; ++e) mha.qbuf.view<1>()(((b * 6 + h) * 4 + i) * 3 + e) = gqa.args.q(b, h, i, e);
+        for (int64_t e = 0; e < 3; ++e) mha.qbuf[size_t(((b * 6 + h) * 4 + i) * 3 + e)] = gqa.args.q(b, h, i, e);
       for (int64_t j = 0; j < 5; ++j) {
-        for (int64_t e = 0; e < 3; ++e) mha.kbuf.view<1>()(((b * 6 + h) * 5 + j) * 3 + e) = gqa.args.k(b, h / 3, j, e);
-        for (int64_t e = 0; e < 2; ++e) mha.vbuf.view<1>()(((b * 6 + h) * 5 + j) * 2 + e) = gqa.args.v(b, h / 3, j, e);
+        for (int64_t e = 0; e < 3; ++e) mha.kbuf[size_t(((b * 6 + h) * 5 + j) * 3 + e)] = gqa.args.k(b, h / 3, j, e);
+        for (int64_t e = 0; e < 2; ++e) mha.vbuf[size_t(((b * 6 + h) * 5 + j) * 2 + e)] = gqa.args.v(b, h / 3, j, e);
       }
     }
   EXPECT_TRUE(all_close(gqa.forward(), mha.forward(), 1e-14, "GQA vs repeated K/V"));

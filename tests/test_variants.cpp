@@ -26,11 +26,6 @@ using attn::View4;
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
-// Everything a variant call needs beyond SdpaCase: per-head tensors.
-struct Extras {
-  Tensor<double> slopes, sinks;
-};
-
 struct Outputs {
   Tensor<double> out, weights, lse;
 };
@@ -41,26 +36,9 @@ Outputs forward(SdpaCase<double>& c) {
   return o;
 }
 
-struct Grads {
-  Tensor<double> dq, dk, dv, dbias, dsinks;
-};
+using Grads = SdpaCase<double>::Grads;
 
-Grads backward(SdpaCase<double>& c, const Tensor<double>& dout) {
-  const auto& s = c.s;
-  Grads g{Tensor<double>({s.B, s.H, s.L, s.E}), Tensor<double>({s.B, s.Hkv, s.S, s.E}),
-          Tensor<double>({s.B, s.Hkv, s.S, s.Ev}), {}, {}};
-  attn::SdpaGrads<double> sg{g.dq.view4(), g.dk.view4(), g.dv.view4(), {}, {}};
-  if (!c.args.bias.empty()) {
-    g.dbias = Tensor<double>(c.bias.shape());
-    sg.dbias = g.dbias.view4();
-  }
-  if (!c.args.sinks.empty()) {
-    g.dsinks = Tensor<double>({s.H});
-    sg.dsinks = g.dsinks.view<1>();
-  }
-  attn::scaled_dot_product_attention_backward<double>(c.args, dout.view4(), {}, sg, c.opt);
-  return g;
-}
+Grads backward(SdpaCase<double>& c, const Tensor<double>& dout) { return c.backward(dout); }
 
 // The query offset the tests derive on their own (the documented rule).
 int64_t offset_of(const SdpaOptions& o, int64_t L, int64_t S) {
@@ -157,7 +135,7 @@ TEST(Alibi, IsTheAdditiveBiasOfItsDistances) {
     b.args.alibi_slopes = {};
     const auto& s = a.s;
     const int64_t off = offset_of(a.opt, s.L, s.S);
-    b.bias = Tensor<double>({1, s.H, s.L, s.S});
+    b.bias = Strided<double>(1, s.H, s.L, s.S, Layout::bhnd);
     for (int64_t h = 0; h < s.H; ++h)
       for (int64_t i = 0; i < s.L; ++i)
         for (int64_t j = 0; j < s.S; ++j) b.bias.view4()(0, h, i, j) = -slopes[size_t(h)] * double(std::abs(i + off - j));
@@ -178,15 +156,16 @@ TEST(Sinks, AreAnExtraKeyColumnWithZeroValue) {
   Tensor<double> sinks = per_head(4, rng, -1.0, 2.0);
   sinks[1] = -kInf;  // a head without a sink
   a.args.sinks = sinks.view<1>();
-  a.bias = random_tensor<double>({1, 4, 1, 7}, rng);
+  a.bias = Strided<double>(1, 4, 1, 7, Layout::bhnd);
+  a.bias.randomize(rng);
   a.args.bias = a.bias.view4();
   const int64_t S1 = shape.S + 1;
   CaseShape wide = shape;
   wide.S = S1;
   SdpaCase<double> b(wide, rng);
   b.opt = a.opt;
-  const View4<double> bk = SdpaCase<double>::make_view(b.kbuf, shape.B, shape.Hkv, S1, shape.E, false, 0);
-  const View4<double> bv = SdpaCase<double>::make_view(b.vbuf, shape.B, shape.Hkv, S1, shape.Ev, false, 0);
+  const View4<double> bk = layout_view(b.kbuf.data(), shape.B, shape.Hkv, S1, shape.E, Layout::bhnd);
+  const View4<double> bv = layout_view(b.vbuf.data(), shape.B, shape.Hkv, S1, shape.Ev, Layout::bhnd);
   for (int64_t bb = 0; bb < shape.B; ++bb)
     for (int64_t hk = 0; hk < shape.Hkv; ++hk)
       for (int64_t j = 0; j < S1; ++j) {
@@ -194,7 +173,7 @@ TEST(Sinks, AreAnExtraKeyColumnWithZeroValue) {
         for (int64_t e = 0; e < shape.Ev; ++e) bv(bb, hk, j, e) = j < shape.S ? a.args.v(bb, hk, j, e) : 0.0;
       }
   for (size_t i = 0; i < a.qbuf.size(); ++i) b.qbuf[i] = a.qbuf[i];
-  b.bias = Tensor<double>({1, 4, 1, S1});
+  b.bias = Strided<double>(1, 4, 1, S1, Layout::bhnd);
   for (int64_t h = 0; h < 4; ++h)
     for (int64_t j = 0; j < S1; ++j) b.bias.view4()(0, h, 0, j) = j < shape.S ? a.bias.view4()(0, h, 0, j) : sinks[size_t(h)];
   b.args.bias = b.bias.view4();
@@ -249,7 +228,8 @@ TEST(Softcap, MatchesTheFormula) {
   SdpaCase<double> a(shape, rng, 3.0);  // large scores, where the cap matters
   a.opt.backend = attn::Backend::reference;
   a.opt.softcap = 2.5;
-  a.bias = random_tensor<double>({1, 1, 5, 6}, rng);
+  a.bias = Strided<double>(1, 1, 5, 6, Layout::bhnd);
+  a.bias.randomize(rng);
   a.args.bias = a.bias.view4();
   const Outputs o = forward(a);
   const double scale = 1.0 / std::sqrt(4.0);
@@ -336,7 +316,7 @@ TEST_P(VariantGradient, MatchesFiniteDifferences) {
   const Grads g = backward(c, dout);
   auto f = [&] { return loss(c, dout); };
   // q, k, v are contiguous (no pad, bhnd), so their buffers are in view order.
-  ASSERT_FALSE(fc.shape.bnhd || fc.shape.pad);
+  ASSERT_FALSE(fc.shape.layout != Layout::bhnd || fc.shape.pad);
   check_fd(f, c.qbuf.data(), int64_t(c.qbuf.size()), g.dq.data(), "dq");
   check_fd(f, c.kbuf.data(), int64_t(c.kbuf.size()), g.dk.data(), "dk");
   check_fd(f, c.vbuf.data(), int64_t(c.vbuf.size()), g.dv.data(), "dv");

@@ -186,6 +186,7 @@ class MultiheadAttention {
   std::map<std::string, Tensor<T>> params_;
   std::map<std::string, Tensor<T>> grads_;
   QkTransform<T> qk_;
+  Tensor<T> d_attn_, dproj_;  // backward's gradient buffers, reused from call to call
 };
 
 }  // namespace attn

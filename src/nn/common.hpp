@@ -30,7 +30,7 @@ int64_t rows_of(const Tensor<T>& x, int64_t width, const char* fn, const char* n
 // out[j] += Σ_m x[m, j] for a (M, n) matrix (the GEMM helpers' column sum).
 template <class T>
 void add_column_sums(const Tensor<T>& x, int64_t M, int64_t n, Tensor<T>& out) {
-  attn::detail::add_column_sums(x.data(), M, n, out.data());
+  attn::detail::add_column_sums(x.data(), M, n, n, out.data());
 }
 
 inline void check_tokens(const int32_t* tokens, int64_t M, int64_t vocab, const char* fn) {

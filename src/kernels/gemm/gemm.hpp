@@ -25,13 +25,13 @@ template <class T>
 void gemm_reference(GemmShape s, bool transpose_a, const T* A, int64_t lda, bool transpose_b,
                     const T* B, int64_t ldb, T* C, int64_t ldc, T alpha = T(1), T beta = T(0));
 
-// db[j] += Σ_i C[i, j] for a row-major C (m, n), accumulated in double: the
-// bias gradient of a linear map.
+// db[j] += Σ_i C[i, j] for a row-major C (m, n) with leading dimension
+// ldc, accumulated in double: the bias gradient of a linear map.
 template <class T>
-void add_column_sums(const T* C, int64_t m, int64_t n, T* db) {
+void add_column_sums(const T* C, int64_t m, int64_t n, int64_t ldc, T* db) {
   std::vector<double> s(static_cast<std::size_t>(n), 0.0);
   for (int64_t i = 0; i < m; ++i)
-    for (int64_t j = 0; j < n; ++j) s[std::size_t(j)] += double(C[i * n + j]);
+    for (int64_t j = 0; j < n; ++j) s[std::size_t(j)] += double(C[i * ldc + j]);
   for (int64_t j = 0; j < n; ++j) db[j] += T(s[std::size_t(j)]);
 }
 
