@@ -161,7 +161,7 @@ RefRun reference(const SdpaArgs<float>& a, SdpaOptions opt, const Tensor<float>&
 }
 
 bool bitwise_equal(const Tensor<float>& a, const Tensor<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+  return a.size() == b.size() && (a.size() == 0 || std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
 }
 
 template <class Hf>
