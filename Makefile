@@ -29,7 +29,8 @@ test: build
 	$(MAKE) test-python
 
 # The Python package, in a virtual environment of its own (build-py/venv):
-# numpy, pytest and the build requirements from PyPI, then `pip install .`.
+# numpy, pytest, ml_dtypes (the tests' bfloat16 NumPy arrays) and the build
+# requirements from PyPI, then `pip install .`.
 # The requirements are installed once per list (a stamp file named by the
 # list's hash: editing PY_REQUIREMENTS installs again); re-running is cheap:
 # scikit-build-core keeps its CMake build in build-py/, so only changed
@@ -40,7 +41,7 @@ PYTHON ?= python3
 PYTEST_ARGS ?=
 PYVENV ?= build-py/venv
 PIP = $(PYVENV)/bin/python -m pip --disable-pip-version-check -q
-PY_REQUIREMENTS = numpy pytest scikit-build-core nanobind
+PY_REQUIREMENTS = numpy pytest ml_dtypes scikit-build-core nanobind
 PY_STAMP = $(PYVENV)/.requirements-$(shell echo '$(PY_REQUIREMENTS)' | md5sum | cut -c1-12)
 .PHONY: python-install test-python test-torch
 

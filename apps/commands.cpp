@@ -50,20 +50,21 @@ std::vector<T> per_head(const std::vector<double>& v, int64_t H, const char* fla
 // The variant options into opt, and the per-head values for H heads into
 // slopes and sinks (which args then views).
 template <class T>
-void apply_variants(const SdpaOpts& o, int64_t H, SdpaOptions& opt, SdpaArgs<T>& args, std::vector<T>& slopes,
-                    std::vector<T>& sinks) {
+void apply_variants(const SdpaOpts& o, int64_t H, SdpaOptions& opt, SdpaArgs<T>& args,
+                    std::vector<compute_t<T>>& slopes, std::vector<compute_t<T>>& sinks) {
+  using R = compute_t<T>;  // float32 slopes and sinks for half q, k, v
   if (!o.window.empty()) opt.window = {o.window[0], o.window[1]};
   opt.softcap = o.softcap;
   opt.position_offset = o.position_offset;
   if (o.alibi) {
-    for (int64_t h = 0; h < H; ++h) slopes.push_back(T(std::exp2(-8.0 * double(h + 1) / double(H))));
+    for (int64_t h = 0; h < H; ++h) slopes.push_back(R(std::exp2(-8.0 * double(h + 1) / double(H))));
   } else if (!o.alibi_slopes.empty()) {
-    slopes = per_head<T>(o.alibi_slopes, H, "--alibi-slopes");
+    slopes = per_head<R>(o.alibi_slopes, H, "--alibi-slopes");
   }
-  if (!slopes.empty()) args.alibi_slopes = View1<const T>(slopes.data(), {H});
+  if (!slopes.empty()) args.alibi_slopes = View1<const R>(slopes.data(), {H});
   if (!o.sinks.empty()) {
-    sinks = per_head<T>(o.sinks, H, "--sinks");
-    args.sinks = View1<const T>(sinks.data(), {H});
+    sinks = per_head<R>(o.sinks, H, "--sinks");
+    args.sinks = View1<const R>(sinks.data(), {H});
   }
 }
 
@@ -108,7 +109,10 @@ size_t output_elements(std::initializer_list<int64_t> shape, const char* flag, c
   return size_t(bytes / sizeof(T));
 }
 
-template <class T>
+// T: the element type of q, k, v (float, double, or float16_t for float16
+// files); the outputs, slopes and sinks are R = compute_t<T> (float32 for
+// float16 inputs, see attn/sdpa.hpp).
+template <class T, class R = compute_t<T>>
 void run_sdpa_typed(const SdpaOpts& o, const SdpaPaths& paths, const io::Array<double>& qa,
                     const io::Array<double>& ka, const io::Array<double>& va, const io::Array<double>* ma) {
   const auto qs = as4(qa, "--q", o.q), ks = as4(ka, "--k", o.k), vs = as4(va, "--v", o.v);
@@ -144,25 +148,25 @@ void run_sdpa_typed(const SdpaOpts& o, const SdpaPaths& paths, const io::Array<d
   opt.check_finite = o.check_finite;
   opt.backend = parse_backend(o.backend);
   const int64_t B = qs[0], H = qs[1], L = qs[2], S = ks[2], Ev = vs[3];
-  std::vector<T> slopes, sinks;
+  std::vector<R> slopes, sinks;
   apply_variants(o, H, opt, args, slopes, sinks);
   Backend used;
-  std::vector<T> out, w, lse;
-  View4<T> wv;
-  View3<T> lv;
+  std::vector<R> out, w, lse;
+  View4<R> wv;
+  View3<R> lv;
   try {
     // Validates the inputs before any output is allocated.
     used = resolve_backend(args, opt, !o.weights.empty());
-    out.resize(output_elements<T>({B, H, L, Ev}, "--out", "B x H x L x Ev"));
+    out.resize(output_elements<R>({B, H, L, Ev}, "--out", "B x H x L x Ev"));
     if (!o.weights.empty()) {
-      w.resize(output_elements<T>({B, H, L, S}, "--weights", "B x H x L x S"));
-      wv = View4<T>::bhnd(w.data(), B, H, L, S);
+      w.resize(output_elements<R>({B, H, L, S}, "--weights", "B x H x L x S"));
+      wv = View4<R>::bhnd(w.data(), B, H, L, S);
     }
     if (!o.lse.empty()) {
-      lse.resize(output_elements<T>({B, H, L}, "--lse", "B x H x L"));
-      lv = View3<T>(lse.data(), {B, H, L});
+      lse.resize(output_elements<R>({B, H, L}, "--lse", "B x H x L"));
+      lv = View3<R>(lse.data(), {B, H, L});
     }
-    scaled_dot_product_attention<T>(args, {View4<T>::bhnd(out.data(), B, H, L, Ev), wv, lv}, opt);
+    scaled_dot_product_attention<T>(args, {View4<R>::bhnd(out.data(), B, H, L, Ev), wv, lv}, opt);
   } catch (const InvalidArgument& e) {
     // The library names arguments q, k, v, mask; say which files those are.
     throw InvalidArgument(fmt::format("attn sdpa: {} (q = {}, k = {}, v = {}{})", e.what(), o.q, o.k, o.v,
@@ -178,7 +182,8 @@ void run_sdpa_typed(const SdpaOpts& o, const SdpaPaths& paths, const io::Array<d
     io::write_npy(paths.lse, std::vector<int64_t>(full.end() - long(r - 1), full.end()), lse.data());
   }
   fmt::print(stderr, "attn sdpa: {} -> {} ({}, backend {})\n", shape_str(qa.shape), o.out,
-             io::dtype_name(std::is_same_v<T, float> ? io::DType::f32 : io::DType::f64), backend_name(used));
+             is_half_v<T> ? "float16 in, float32 out" : io::dtype_name(std::is_same_v<T, float> ? io::DType::f32 : io::DType::f64),
+             backend_name(used));
 }
 
 void run_sdpa(const SdpaOpts& o) {
@@ -211,8 +216,9 @@ void run_sdpa(const SdpaOpts& o) {
                               "same length S (second-to-last axis)",
                               o.v, shape_str(va.shape), o.k, shape_str(ka.shape)));
   }
-  const bool f32 = qa.stored == io::DType::f32 && ka.stored == io::DType::f32 && va.stored == io::DType::f32;
-  if (f32) run_sdpa_typed<float>(o, paths, qa, ka, va, ma.get());
+  const auto all = [&](io::DType t) { return qa.stored == t && ka.stored == t && va.stored == t; };
+  if (all(io::DType::f16)) run_sdpa_typed<float16_t>(o, paths, qa, ka, va, ma.get());  // float32 outputs
+  else if (all(io::DType::f32)) run_sdpa_typed<float>(o, paths, qa, ka, va, ma.get());
   else run_sdpa_typed<double>(o, paths, qa, ka, va, ma.get());
   outputs.commit();
 }

@@ -7,9 +7,10 @@
 // per sequence (the L queries are its last L tokens, bottom-right causal),
 // then
 //   decode     attn::decode_attention (the grouped split-KV kernel)
-//   dense      attn::scaled_dot_product_attention on the cache's float32
+//   dense      attn::scaled_dot_product_attention on the contiguous cache's
 //              storage viewed as dense (B, Hkv, S, E) tensors (auto backend;
-//              few query rows take the same kernel), float32 only
+//              few query rows take the same kernel); float16/bfloat16 storage
+//              as half k, v (and q rounded to it), read in place
 //   per-head   the fused kernel called directly, one unit per query head (the
 //              path the dense call took before the decode kernel), float32
 // GB/s counts the K and V bytes once (B·Hkv·S·(E + Ev)·element size), the
@@ -251,21 +252,35 @@ int main(int argc, char** argv) {
                                {"gflops", fl / t.wall * 1e-9}, {"reps", t.reps}, {"check", chk}});
       };
       emit("decode", t_dec, check);
-      if (no_dense || dtype != KVDtype::float32 || page != 0) continue;
-      // The same keys and values as dense tensors: the contiguous cache's storage, viewed.
+      if (no_dense || page != 0) continue;
+      // The same keys and values as dense tensors: the contiguous cache's
+      // storage, viewed (half storage as attn::float16_t / bfloat16_t k, v,
+      // with q rounded to the same type: the dense call's half route).
       const attn::detail::KVLayout kv = attn::detail::KVCacheAccess::layout(cache);
-      attn::SdpaArgs<float> a;
-      a.q = q.view4();
-      a.k = View4<const float>(static_cast<const float*>(kv.k), {s.B, s.Hkv, s.S, s.E}, {kv.k_page, kv.k_head, kv.k_row, 1});
-      a.v = View4<const float>(static_cast<const float*>(kv.v), {s.B, s.Hkv, s.S, s.E}, {kv.v_page, kv.v_head, kv.v_row, 1});
       attn::SdpaOptions so;
       so.causal = true;
       so.causal_align = attn::CausalAlign::bottom_right;
       so.num_threads = threads;
       Tensor<float> dense_out({s.B, s.H, s.L, s.E});
-      const Timing t_dense =
-          time_it([&] { attn::scaled_dot_product_attention(a, {dense_out.view4(), {}, lse.view<3>()}, so); }, min_seconds);
-      emit("dense", t_dense, "max |diff| vs decode " + sci(max_abs_diff(dense_out, out)));
+      const auto dense = [&]<class T>(const Tensor<T>& qt) {
+        attn::SdpaArgs<T> a;
+        a.q = qt.view4();
+        a.k = View4<const T>(static_cast<const T*>(kv.k), {s.B, s.Hkv, s.S, s.E}, {kv.k_page, kv.k_head, kv.k_row, 1});
+        a.v = View4<const T>(static_cast<const T*>(kv.v), {s.B, s.Hkv, s.S, s.E}, {kv.v_page, kv.v_head, kv.v_row, 1});
+        const Timing t_dense =
+            time_it([&] { attn::scaled_dot_product_attention(a, {dense_out.view4(), {}, lse.view<3>()}, so); }, min_seconds);
+        emit("dense", t_dense, "max |diff| vs decode " + sci(max_abs_diff(dense_out, out)));
+        return a;
+      };
+      const auto rounded_q = [&]<class T>(T) {
+        Tensor<T> qt(q.shape());
+        for (size_t i = 0; i < q.size(); ++i) qt[i] = T(q[i]);
+        return qt;
+      };
+      if (dtype == KVDtype::float16) dense(rounded_q(attn::float16_t{}));
+      if (dtype == KVDtype::bfloat16) dense(rounded_q(attn::bfloat16_t{}));
+      if (dtype != KVDtype::float32) continue;
+      const attn::SdpaArgs<float> a = dense(q);
       attn::detail::Problem p;
       p.B = s.B, p.H = s.H, p.Hkv = s.Hkv, p.L = s.L, p.S = s.S, p.E = p.Ev = s.E;
       p.scale = 1.0 / std::sqrt(double(s.E));

@@ -71,7 +71,7 @@ using detail::Problem;
 // The variants' options and per-head arguments (make_problem copies the
 // options into the problem).
 template <class T>
-void validate_variants(const Checker& c, const View1<const T>& alibi, const View1<const T>& sinks,
+void validate_variants(const Checker& c, const View1<const compute_t<T>>& alibi, const View1<const compute_t<T>>& sinks,
                        const SdpaOptions& opt, int64_t H) {
   for (const auto& [side, name] : {std::pair{opt.window.left, "window.left"}, {opt.window.right, "window.right"}})
     if (side < -1)
@@ -140,7 +140,7 @@ Problem validate_inputs(const Checker& c, const SdpaArgs<T>& a, const SdpaOption
     c.finite(a.k, "k");
     c.finite(a.v, "v");
   }
-  validate_variants(c, a.alibi_slopes, a.sinks, opt, H);
+  validate_variants<T>(c, a.alibi_slopes, a.sinks, opt, H);
   return detail::make_problem(a, opt);
 }
 
@@ -158,7 +158,8 @@ std::vector<detail::Extent> input_extents(const Checker& c, const SdpaArgs<T>& a
 
 template <class T>
 Backend choose(const Checker& c, const Problem&, const SdpaArgs<T>&, const SdpaOptions& opt, bool) {
-  constexpr bool fused_ok = std::is_same_v<T, float>;  // the fused backend takes every float32 request
+  // The fused backend takes every float32 request (half inputs compute in float32).
+  constexpr bool fused_ok = std::is_same_v<compute_t<T>, float>;
   switch (opt.backend) {
     case Backend::reference: return Backend::reference;
     case Backend::automatic: return fused_ok ? Backend::fused : Backend::reference;
@@ -170,28 +171,11 @@ Backend choose(const Checker& c, const Problem&, const SdpaArgs<T>&, const SdpaO
   c.fail("option 'backend' has an unknown value");
 }
 
-}  // namespace
-
+// The backends behind the validation, for float and double arguments.
 template <class T>
-Backend resolve_backend(const SdpaArgs<T>& args, const SdpaOptions& opt, bool want_weights) {
-  const Checker c{"resolve_backend"};
-  const Problem p = validate_inputs(c, args, opt);
-  return choose(c, p, args, opt, want_weights);
-}
-
-template <class T>
-void scaled_dot_product_attention(const SdpaArgs<T>& args, const SdpaOutputs<T>& outputs,
-                                  const SdpaOptions& opt) {
-  const Checker c{"scaled_dot_product_attention"};
+void dispatch_forward(const Checker& c, const Problem& p, const SdpaArgs<T>& args, const SdpaOutputs<T>& outputs,
+                      const SdpaOptions& opt) {
   const auto& [out, weights, lse] = outputs;
-  const Problem p = validate_inputs(c, args, opt);
-  c.present(out, "out", "of (B, H, L, Ev)");
-  c.shape(out, "out", {p.B, p.H, p.L, p.Ev});
-  std::vector<detail::Extent> written{c.extent(out, "out")};
-  c.optional(weights, "weights", {p.B, p.H, p.L, p.S}, written);
-  c.optional(lse, "lse", {p.B, p.H, p.L}, written);
-  for (const auto& e : written) c.writable(e);
-  c.disjoint(written, input_extents(c, args));
   if constexpr (std::is_same_v<T, float>) {
     if (choose(c, p, args, opt, !weights.empty()) == Backend::fused) {
       // Few query rows (decoding shapes): the grouped split-KV decode kernel.
@@ -206,9 +190,124 @@ void scaled_dot_product_attention(const SdpaArgs<T>& args, const SdpaOutputs<T>&
 }
 
 template <class T>
-void scaled_dot_product_attention_backward(const SdpaArgs<T>& args, View4<const T> dout,
-                                           const SdpaSaved<T>& saved, const SdpaGrads<T>& g,
-                                           const SdpaOptions& opt) {
+void dispatch_backward(const Checker& c, const Problem& p, const SdpaArgs<T>& args, View4<const T> dout,
+                       const SdpaSaved<T>& saved, const SdpaGrads<T>& g, const SdpaOptions& opt) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (choose(c, p, args, opt, false) == Backend::fused)
+      return detail::fused_backward(p, args, dout, g, saved.out, saved.lse);
+  } else {
+    (void)choose(c, p, args, opt, false);
+  }
+  detail::reference_backward(p, args, dout, g);
+}
+
+// ---- half inputs (see "Precision" in attn/sdpa.hpp) -------------------------
+
+template <class T>
+constexpr detail::KVStorage storage_of() {
+  return std::is_same_v<T, float16_t> ? detail::KVStorage::f16 : detail::KVStorage::bf16;
+}
+
+// A contiguous float32 copy of a half view (exact), rows in parallel.
+template <class T>
+Tensor<float> widen(const View4<const T>& v, int threads) {
+  Tensor<float> t({v.dim(0), v.dim(1), v.dim(2), v.dim(3)});
+  const int64_t n1 = v.dim(1), n2 = v.dim(2), F = v.dim(3), rows = v.dim(0) * n1 * n2;
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * F >= (int64_t(1) << 16))
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* src = &v(r / (n1 * n2), r / n2 % n1, r % n2, 0);
+    float* dst = t.data() + r * F;
+    if (v.strides[3] == 1)
+      detail::convert_from_storage(storage_of<T>(), src, F, dst);
+    else
+      for (int64_t e = 0; e < F; ++e) dst[e] = float(src[e * v.strides[3]]);
+  }
+  return t;
+}
+
+// The float32 call on the widened q, k, v; the other arguments are float32
+// already and pass through.
+template <class T>
+struct Widened {
+  Tensor<float> q, k, v;
+  SdpaArgs<float> args;
+  Widened(const SdpaArgs<T>& a, int threads)
+      : q(widen(a.q, threads)), k(widen(a.k, threads)), v(widen(a.v, threads)) {
+    args = {q.view4(), k.view4(), v.view4(), a.mask, a.bias, a.key_lengths, a.alibi_slopes, a.sinks};
+  }
+};
+
+// The arguments' shapes, strides and presence as a float32 request, for the
+// dispatch rules that look at nothing else (decode_suits_dense); q, k and v
+// are never read through it.
+template <class T>
+SdpaArgs<float> shape_only(const SdpaArgs<T>& a) {
+  const auto as = [](const View4<const T>& x) {
+    return View4<const float>(reinterpret_cast<const float*>(x.data), x.shape, x.strides);
+  };
+  return {as(a.q), as(a.k), as(a.v), a.mask, a.bias, a.key_lengths, a.alibi_slopes, a.sinks};
+}
+
+// The decode route on half K/V: only q is widened (L rows per head); the
+// kernel reads K and V in their storage type, as it reads a half KV cache.
+template <class T>
+void decode_forward_half(const Problem& p, const SdpaArgs<T>& a, View4<float> out, View3<float> lse) {
+  const Tensor<float> q = widen(a.q, p.threads);
+  detail::DecodeProblem d;
+  d.B = p.B, d.H = p.H, d.Hkv = p.Hkv, d.L = p.L, d.E = p.E, d.Ev = p.Ev;
+  d.scale = p.scale;
+  d.causal = p.causal;
+  d.threads = p.threads;
+  d.offset.assign(size_t(p.B), p.align == CausalAlign::bottom_right ? p.S - p.L : 0);
+  d.length.resize(size_t(p.B));
+  for (int64_t b = 0; b < p.B; ++b) d.length[size_t(b)] = a.key_lengths.empty() ? p.S : a.key_lengths(b);
+  detail::KVLayout kv;
+  kv.type = storage_of<T>();
+  kv.k = a.k.data;
+  kv.v = a.v.data;
+  kv.page_size = p.S;  // one page per sequence: the page of sequence b is b
+  kv.k_page = a.k.strides[0], kv.k_head = a.k.strides[1], kv.k_row = a.k.strides[2];
+  kv.v_page = a.v.strides[0], kv.v_head = a.v.strides[1], kv.v_row = a.v.strides[2];
+  detail::decode_forward(d, kv, q.view4(), out, lse);
+}
+
+}  // namespace
+
+template <class T>
+Backend resolve_backend(const SdpaArgs<T>& args, const SdpaOptions& opt, bool want_weights) {
+  const Checker c{"resolve_backend"};
+  const Problem p = validate_inputs(c, args, opt);
+  return choose(c, p, args, opt, want_weights);
+}
+
+template <class T>
+void scaled_dot_product_attention(const SdpaArgs<T>& args, const SdpaOutputs<compute_t<T>>& outputs,
+                                  const SdpaOptions& opt) {
+  const Checker c{"scaled_dot_product_attention"};
+  const auto& [out, weights, lse] = outputs;
+  const Problem p = validate_inputs(c, args, opt);
+  c.present(out, "out", "of (B, H, L, Ev)");
+  c.shape(out, "out", {p.B, p.H, p.L, p.Ev});
+  std::vector<detail::Extent> written{c.extent(out, "out")};
+  c.optional(weights, "weights", {p.B, p.H, p.L, p.S}, written);
+  c.optional(lse, "lse", {p.B, p.H, p.L}, written);
+  for (const auto& e : written) c.writable(e);
+  c.disjoint(written, input_extents(c, args));
+  if constexpr (is_half_v<T>) {
+    if (choose(c, p, args, opt, !weights.empty()) == Backend::fused &&
+        detail::decode_suits_dense(p, shape_only(args), !weights.empty()))
+      return decode_forward_half(p, args, out, lse);
+    const Widened<T> w(args, p.threads);
+    dispatch_forward<float>(c, p, w.args, outputs, opt);
+  } else {
+    dispatch_forward<T>(c, p, args, outputs, opt);
+  }
+}
+
+template <class T>
+void scaled_dot_product_attention_backward(const SdpaArgs<T>& args, View4<const compute_t<T>> dout,
+                                           const SdpaSaved<compute_t<T>>& saved,
+                                           const SdpaGrads<compute_t<T>>& g, const SdpaOptions& opt) {
   const Checker c{"scaled_dot_product_attention_backward"};
   const auto& [out, lse] = saved;
   const Problem p = validate_inputs(c, args, opt);
@@ -238,13 +337,12 @@ void scaled_dot_product_attention_backward(const SdpaArgs<T>& args, View4<const 
   c.optional(lse, "lse", {p.B, p.H, p.L}, read);
   c.disjoint(written, read);
   if (opt.check_finite) c.finite(dout, "dout");
-  if constexpr (std::is_same_v<T, float>) {
-    if (choose(c, p, args, opt, false) == Backend::fused)
-      return detail::fused_backward(p, args, dout, g, out, lse);
+  if constexpr (is_half_v<T>) {
+    const Widened<T> w(args, p.threads);
+    dispatch_backward<float>(c, p, w.args, dout, saved, g, opt);
   } else {
-    (void)choose(c, p, args, opt, false);
+    dispatch_backward<T>(c, p, args, dout, saved, g, opt);
   }
-  detail::reference_backward(p, args, dout, g);
 }
 
 template <class T>
@@ -255,18 +353,21 @@ T softmax(const T* x, T* y, int64_t n) {
   return T(detail::softmax(x, y, n));
 }
 
-#define ATTN_INSTANTIATE(T)                                                                        \
-  template void scaled_dot_product_attention<T>(const SdpaArgs<T>&, const SdpaOutputs<T>&,         \
-                                                const SdpaOptions&);                                \
-  template void scaled_dot_product_attention_backward<T>(const SdpaArgs<T>&, View4<const T>,        \
-                                                         const SdpaSaved<T>&, const SdpaGrads<T>&,  \
-                                                         const SdpaOptions&);                       \
-  template Backend resolve_backend<T>(const SdpaArgs<T>&, const SdpaOptions&, bool);                \
-  template T softmax<T>(const T*, T*, int64_t);                                                     \
+#define ATTN_INSTANTIATE_SDPA(T)                                                                    \
+  template void scaled_dot_product_attention<T>(const SdpaArgs<T>&, const SdpaOutputs<compute_t<T>>&,     \
+                                                const SdpaOptions&);                                       \
+  template void scaled_dot_product_attention_backward<T>(                                                  \
+      const SdpaArgs<T>&, View4<const compute_t<T>>, const SdpaSaved<compute_t<T>>&,                       \
+      const SdpaGrads<compute_t<T>>&, const SdpaOptions&);                                                 \
+  template Backend resolve_backend<T>(const SdpaArgs<T>&, const SdpaOptions&, bool);                       \
   template detail::Problem detail::make_problem<T>(const SdpaArgs<T>&, const SdpaOptions&);
 
-ATTN_INSTANTIATE(float)
-ATTN_INSTANTIATE(double)
-#undef ATTN_INSTANTIATE
+ATTN_INSTANTIATE_SDPA(float)
+ATTN_INSTANTIATE_SDPA(double)
+ATTN_INSTANTIATE_SDPA(float16_t)
+ATTN_INSTANTIATE_SDPA(bfloat16_t)
+#undef ATTN_INSTANTIATE_SDPA
+template float softmax<float>(const float*, float*, int64_t);
+template double softmax<double>(const double*, double*, int64_t);
 
 }  // namespace attn

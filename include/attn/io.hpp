@@ -1,8 +1,8 @@
 // attn/io.hpp — reading and writing arrays: NumPy .npy and .safetensors.
 //
 // Supported element types: float32 and float64 (little- or big-endian .npy,
-// C or Fortran order; safetensors F32 / F64), and NumPy's bool ('|b1', read as
-// 0 and 1; masks are saved that way). Other dtypes are refused with a message
+// C or Fortran order; safetensors F32 / F64), float16 ('<f2', .npy only, read
+// exactly), and NumPy's bool ('|b1', read as 0 and 1; masks are saved that way). Other dtypes are refused with a message
 // that names the dtype found.
 //
 // Reading is defensive: a file is checked against its actual size before any
@@ -35,8 +35,9 @@ namespace attn::io {
 // The library's file error (attn/error.hpp), under its older name.
 using FileError = attn::FileError;
 
-enum class DType { f32, f64, b1 };  // b1: NumPy bool, one byte 0 or 1 (.npy only)
-const char* dtype_name(DType d);     // "float32", "float64", "bool"
+// b1: NumPy bool, one byte 0 or 1; f16: IEEE half (both .npy only).
+enum class DType { f32, f64, b1, f16 };
+const char* dtype_name(DType d);  // "float32", "float64", "bool", "float16"
 
 // A dense, C-order (row-major) array of any rank (rank 0 is a scalar).
 template <class T>

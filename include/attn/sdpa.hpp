@@ -49,14 +49,29 @@
 //              probability as exp(score - lse) without a second softmax pass)
 //              when given, and recomputes whichever is absent.
 // Results are the same with or without the saved state (bitwise for fused).
+//
+// Precision. T is float or double (computed in T), or one of the half
+// storage types attn::float16_t, attn::bfloat16_t (attn/half.hpp). With a
+// half T only q, k and v are half; everything else (bias, alibi_slopes,
+// sinks, every output, dout, the saved state and every gradient) is float32,
+// and the arithmetic is float32 on the exactly widened values: the result is
+// the float32 call's on the rounded inputs, bitwise. compute_t<T> names that
+// type (T itself for float and double). How: a call with few query rows that
+// takes the decode route (the grouped split-KV kernel) reads the half K and V
+// directly, widening them in registers, and converts only q (L rows); every
+// other call widens q, k and v to float32 once at the boundary (O(N·E) work
+// and float32 memory for a copy of them, next to the O(L·S·E) attention),
+// then runs the float32 kernels.
 #pragma once
 
 #include <cstdint>
 #include <optional>
 #include <string>
 #include <string_view>
+#include <type_traits>
 
 #include "attn/error.hpp"
+#include "attn/half.hpp"
 #include "attn/tensor.hpp"
 
 namespace attn {
@@ -97,14 +112,19 @@ struct SdpaOptions {
   int num_threads = 0;
 };
 
+// The type of a call's non-q/k/v arguments, outputs and gradients (see
+// "Precision" above): T for float and double, float for the half types.
+template <class T>
+using compute_t = std::conditional_t<is_half_v<T>, float, T>;
+
 template <class T>
 struct SdpaArgs {
   View4<const T> q, k, v;
-  View4<const bool> mask{};            // optional
-  View4<const T> bias{};               // optional
-  View1<const int64_t> key_lengths{};  // optional
-  View1<const T> alibi_slopes{};       // optional, (H); finite
-  View1<const T> sinks{};              // optional, (H); no NaN or +Inf
+  View4<const bool> mask{};                         // optional
+  View4<const compute_t<T>> bias{};                 // optional
+  View1<const int64_t> key_lengths{};               // optional
+  View1<const compute_t<T>> alibi_slopes{};         // optional, (H); finite
+  View1<const compute_t<T>> sinks{};                // optional, (H); no NaN or +Inf
 };
 
 // What the forward writes. `out` is required; `weights` (B, H, L, S) and
@@ -136,9 +156,9 @@ struct SdpaGrads {
 };
 
 // Forward: Y = softmax(Q·Kᵀ·scale + bias + mask)·V into outputs.out, and the
-// weights and lse when requested.
+// weights and lse when requested. T: float, double, float16_t, bfloat16_t.
 template <class T>
-void scaled_dot_product_attention(const SdpaArgs<T>& args, const SdpaOutputs<T>& outputs,
+void scaled_dot_product_attention(const SdpaArgs<T>& args, const SdpaOutputs<compute_t<T>>& outputs,
                                   const SdpaOptions& opt = {});
 
 // Backward: given dout = dL/dY, writes dq, dk, dv (and dbias when requested).
@@ -146,9 +166,9 @@ void scaled_dot_product_attention(const SdpaArgs<T>& args, const SdpaOutputs<T>&
 // "Backward contract" above); an empty SdpaSaved is always allowed. Outputs
 // are overwritten, not accumulated into.
 template <class T>
-void scaled_dot_product_attention_backward(const SdpaArgs<T>& args, View4<const T> dout,
-                                           const SdpaSaved<T>& saved, const SdpaGrads<T>& grads,
-                                           const SdpaOptions& opt = {});
+void scaled_dot_product_attention_backward(const SdpaArgs<T>& args, View4<const compute_t<T>> dout,
+                                           const SdpaSaved<compute_t<T>>& saved,
+                                           const SdpaGrads<compute_t<T>>& grads, const SdpaOptions& opt = {});
 
 // The backend `opt.backend` resolves to for this request (after validation).
 template <class T>

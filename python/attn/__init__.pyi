@@ -33,8 +33,11 @@ def scaled_dot_product_attention(
 ) -> Any:
     """Attention with torch.nn.functional.scaled_dot_product_attention's arguments.
 
-    Returns out (..., L, Ev), or (out[, lse][, weights]) when return_lse /
-    return_weights are set; NumPy arrays, or torch tensors for tensor inputs."""
+    query/key/value: float32, float64, float16 or bfloat16 (NumPy float16,
+    ml_dtypes.bfloat16, torch half tensors). Returns out (..., L, Ev), or
+    (out[, lse][, weights]) when return_lse / return_weights are set, in the
+    inputs' dtype (float32 for half inputs); NumPy arrays, or torch tensors
+    for tensor inputs."""
 
 def scaled_dot_product_attention_backward(
     grad_output: ArrayLike,
@@ -57,7 +60,8 @@ def scaled_dot_product_attention_backward(
     position_offset: Optional[int] = None,
     check_finite: bool = False,
 ) -> Tuple[Any, ...]:
-    """(grad_query, grad_key, grad_value[, grad_attn_mask for a float mask][, grad_sinks])."""
+    """(grad_query, grad_key, grad_value[, grad_attn_mask for a float mask][, grad_sinks]);
+    float32 for float32 and half inputs, float64 for float64."""
 
 def resolve_backend(
     query: ArrayLike,

@@ -7,6 +7,11 @@ and leading dimensions are broadcast and merged with stride arithmetic
 (``as_strided``), not copies. A copy is made only where no strided view can
 describe the data: negative or misaligned strides, non-native byte order, or
 merging broadcast leading dimensions that do not fit one stride.
+
+Half precision (the dense call's q, k, v only): NumPy float16 arrays and
+torch.float16 tensors are float16 arrays here; bfloat16, which NumPy lacks
+(torch.bfloat16, ml_dtypes.bfloat16), travels as its uint16 bit patterns, a
+view of the same memory, tagged "bfloat16" by storage_array.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+# The storage dtypes of the dense call's q, k, v, by name.
+STORAGE_DTYPES = ("float32", "float64", "float16", "bfloat16")
 
 
 def is_torch_tensor(x: Any) -> bool:
@@ -26,18 +33,21 @@ def is_torch_tensor(x: Any) -> bool:
     return torch is not None and isinstance(x, torch.Tensor)
 
 
-def _torch_to_numpy(x: Any, fn: str, name: str) -> np.ndarray:
+def _torch_to_numpy(x: Any, fn: str, name: str, half: bool = False) -> np.ndarray:
     """A CPU torch tensor as NumPy through DLPack. DLPack describes memory,
     not torch's lazy views: a tensor with the negative bit (torch.neg views,
     ``c.conj().imag``) or the conjugate bit holds the un-negated values, so
     those bits are resolved first (a copy); dtypes and layouts NumPy cannot
-    take are refused with the argument named."""
+    take are refused with the argument named. With `half`, float16 comes as
+    float16 and bfloat16 as its uint16 bits (same memory); without, both are
+    refused."""
     torch = sys.modules["torch"]
     if x.device.type != "cpu":
         raise ValueError(f"{fn}: '{name}' is on device '{x.device}', expected a CPU tensor")
-    if x.dtype in (torch.float16, torch.bfloat16):
+    if x.dtype in (torch.float16, torch.bfloat16) and not half:
         raise ValueError(f"{fn}: '{name}' has dtype {x.dtype}, expected torch.float32 or torch.float64 "
-                         "(half precision is not supported yet; convert with .float())")
+                         "(half precision is taken by scaled_dot_product_attention's query, key and value; "
+                         "convert with .float())")
     if x.layout != torch.strided:
         raise ValueError(f"{fn}: '{name}' has layout {x.layout}, expected a dense (strided) tensor")
     t = x.detach()
@@ -45,21 +55,24 @@ def _torch_to_numpy(x: Any, fn: str, name: str) -> np.ndarray:
         t = t.resolve_neg()
     if t.is_conj():
         t = t.resolve_conj()
+    if t.dtype == torch.bfloat16:
+        return np.from_dlpack(t.view(torch.int16)).view(np.uint16)
     try:
         return np.from_dlpack(t)
     except (RuntimeError, BufferError, TypeError) as e:
         raise ValueError(f"{fn}: '{name}' (dtype {x.dtype}) cannot be read as a NumPy array: {e}") from None
 
 
-def to_numpy(x: Any, fn: str, name: str) -> np.ndarray:
+def to_numpy(x: Any, fn: str, name: str, half: bool = False) -> np.ndarray:
     """A NumPy view of x (an ndarray, a CPU torch tensor, or anything
     array-like), with non-negative strides that are multiples of the element
     size. Tensors share memory with the result (DLPack) unless a lazy
-    negation or conjugation had to be applied first."""
+    negation or conjugation had to be applied first. `half`: torch half
+    tensors are taken (see _torch_to_numpy)."""
     if isinstance(x, np.ndarray):
         a = x
     elif is_torch_tensor(x):
-        a = _torch_to_numpy(x, fn, name)
+        a = _torch_to_numpy(x, fn, name, half)
     elif hasattr(x, "__dlpack__"):
         try:
             a = np.from_dlpack(x)
@@ -82,6 +95,43 @@ def float_array(x: Any, fn: str, name: str, dtype: Optional[np.dtype] = None) ->
     if dtype is not None and a.dtype != dtype:
         raise ValueError(f"{fn}: '{name}' has dtype {a.dtype}, expected {dtype} (the dtype of 'query')")
     return a
+
+
+def _is_bfloat16(x: Any) -> bool:
+    """torch.bfloat16 tensors and ml_dtypes.bfloat16 arrays."""
+    if is_torch_tensor(x):
+        return x.dtype == sys.modules["torch"].bfloat16
+    return isinstance(x, np.ndarray) and x.dtype.name == "bfloat16"
+
+
+def storage_array(x: Any, fn: str, name: str, want: Optional[str] = None) -> Tuple[np.ndarray, str]:
+    """The dense call's q, k, v: (array, dtype name), the name one of
+    STORAGE_DTYPES; a bfloat16 array comes back as its uint16 bits (same
+    memory). `want`: the dtype name of 'query', which key and value must share."""
+    bf16 = _is_bfloat16(x)
+    a = to_numpy(x, fn, name, half=True)
+    if bf16:
+        a = a.view(np.uint16) if a.dtype != np.uint16 else a
+        kind = "bfloat16"
+    elif a.dtype in FLOAT_DTYPES or a.dtype == np.float16:
+        kind = a.dtype.name
+    else:
+        raise ValueError(f"{fn}: '{name}' has dtype {a.dtype}, expected float32, float64, float16 or bfloat16")
+    if want is not None and kind != want:
+        raise ValueError(f"{fn}: '{name}' has dtype {kind}, expected {want} (the dtype of 'query')")
+    return a, kind
+
+
+def widen_half(x: Any) -> Any:
+    """A torch half tensor, ml_dtypes.bfloat16 or float16 array as float32
+    (exact); anything else as it is. For the arguments of a call that are
+    float32 when q, k, v are half (masks, sinks, grad_output, ...)."""
+    if is_torch_tensor(x):
+        torch = sys.modules["torch"]
+        return x.detach().float() if x.dtype in (torch.float16, torch.bfloat16) else x
+    if isinstance(x, np.ndarray) and (x.dtype == np.float16 or x.dtype.name == "bfloat16"):
+        return x.astype(np.float32)
+    return x
 
 
 def broadcast_shapes(fn: str, named: Sequence[Tuple[str, Tuple[int, ...]]]) -> Tuple[int, ...]:

@@ -6,6 +6,12 @@ keys, (..., S, Ev) values, where the leading axes broadcast against each
 other and against the mask's. The last leading axis is the head axis (the
 one enable_gqa groups); all the others are merged into one batch axis, so
 the extension always sees rank-4 (B, H, N, d) views of the caller's memory.
+
+Half precision: query, key and value may be float16 or bfloat16 (NumPy
+float16, ml_dtypes.bfloat16, torch.float16/bfloat16); everything else of the
+call (masks, sinks, slopes, grad_output, the saved state) and every result is
+float32, computed in float32 on the exact values (attn.torch casts back to the
+inputs' dtype, as PyTorch does).
 """
 
 from __future__ import annotations
@@ -21,9 +27,11 @@ from ._arrays import (
     expand_operand,
     float_array,
     is_torch_tensor,
+    storage_array,
     sum_to_shape,
     to_numpy,
     view_bh,
+    widen_half,
 )
 from ._variants import variant_kwargs
 
@@ -35,7 +43,8 @@ _BWD = "attn.scaled_dot_product_attention_backward"
 class _Plan:
     """One call's arguments, validated and viewed as rank-4 arrays."""
 
-    dtype: np.dtype
+    dtype: np.dtype  # of the results and the float32/64 arguments
+    storage: str  # dtype name of q, k, v: float32, float64, float16 or bfloat16 (uint16 bits)
     lead: Tuple[int, ...]  # broadcast leading shape of the result
     L: int
     S: int
@@ -67,9 +76,11 @@ def _plan(fn: str, query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: 
         raise ValueError(f"{fn}: backend must be a string (auto, reference or fused), got {backend!r}")
     _attn.parse_backend(backend)
     torch_out = any(is_torch_tensor(x) for x in (query, key, value))
-    q = float_array(query, fn, "query")
-    k = float_array(key, fn, "key", q.dtype)
-    v = float_array(value, fn, "value", q.dtype)
+    q, storage = storage_array(query, fn, "query")
+    k, _ = storage_array(key, fn, "key", storage)
+    v, _ = storage_array(value, fn, "value", storage)
+    dtype = q.dtype if storage in ("float32", "float64") else np.dtype(np.float32)
+    attn_mask = widen_half(attn_mask)
     for name, a, want in (("query", q, "(..., L, E)"), ("key", k, "(..., S, E)"),
                           ("value", v, "(..., S, Ev)")):
         if a.ndim < 2:
@@ -94,8 +105,8 @@ def _plan(fn: str, query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: 
         if m.dtype == np.bool_:
             pass
         elif m.dtype.kind == "f":
-            if m.dtype != q.dtype:
-                m = m.astype(q.dtype)
+            if m.dtype != dtype:
+                m = m.astype(dtype)
         else:
             raise ValueError(f"{fn}: 'attn_mask' has dtype {m.dtype}, expected bool (True = attend) "
                              f"or a float dtype (added to the scores)")
@@ -150,7 +161,7 @@ def _plan(fn: str, query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: 
             bias_shape = to_numpy(attn_mask, fn, "attn_mask").shape
 
     return _Plan(
-        dtype=q.dtype, lead=lead, L=L, S=S, E=E, Ev=Ev,
+        dtype=dtype, storage=storage, lead=lead, L=L, S=S, E=E, Ev=Ev,
         q=view_bh(qx, n), k=view_bh(kx, n), v=view_bh(vx, n),
         q_expanded=qx.shape, k_expanded=kx.shape, v_expanded=vx.shape,
         mask=mask, bias=bias, bias_expanded=bias_expanded, bias_shape=bias_shape,
@@ -162,6 +173,11 @@ def _plan(fn: str, query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: 
 
 def _bh(p: _Plan) -> Tuple[int, int]:
     return p.q.shape[0], p.q.shape[1]
+
+
+def _ext(p: _Plan, name: str):
+    """The extension function for the plan's q, k, v dtype (bfloat16 has its own)."""
+    return getattr(_attn, name + "_bf16" if p.storage == "bfloat16" else name)
 
 
 def _wrap(arrays: List[np.ndarray], torch_out: bool) -> List[Any]:
@@ -188,7 +204,7 @@ def _unwrap_optional(x: Any, fn: str, name: str, p: _Plan, shape: Tuple[int, ...
     """An optional saved-state argument (output, lse) as a (B, H, ...) view."""
     if x is None:
         return None
-    a = float_array(x, fn, name, p.dtype)
+    a = float_array(widen_half(x), fn, name, p.dtype)
     if a.shape != shape:
         raise ValueError(f"{fn}: '{name}' has shape {a.shape}, expected {shape}")
     return view_bh(a, len(p.lead))
@@ -209,8 +225,10 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 
     Arguments
       query  (..., L, E)   key (..., S, E)   value (..., S, Ev): NumPy arrays or CPU
-             torch tensors, float32 or float64 (all three the same), any strides; used in
-             place (torch tensors through DLPack). A copy is made only for negative or
+             torch tensors, float32, float64, float16 or bfloat16 (all three the same; NumPy
+             float16, ml_dtypes.bfloat16, torch.float16/bfloat16), any strides; used in
+             place (torch tensors through DLPack). Half inputs compute in float32 and
+             return float32 results; masks, sinks and slopes are then float32 too. A copy is made only for negative or
              misaligned strides, non-native byte order, or broadcast leading axes that no
              single stride describes. Leading dimensions broadcast against each other;
              dimension -3 is the head axis.
@@ -235,7 +253,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
       check_finite  refuse NaN or Inf in query, key, value with a ValueError (one extra pass)
              instead of letting it reach the outputs it touches (the default).
 
-    Returns out (..., L, Ev), or the tuple (out[, lse][, weights]). NumPy arrays for NumPy
+    Returns out (..., L, Ev), or the tuple (out[, lse][, weights]), in the inputs' dtype
+    (float32 for float16/bfloat16 inputs). NumPy arrays for NumPy
     input, torch tensors if any of query/key/value is a tensor. Tensors that require grad
     are refused (outside torch.no_grad()): attn.torch.scaled_dot_product_attention is the
     differentiable version.
@@ -250,7 +269,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     out = np.empty((B, H, p.L, p.Ev), p.dtype)
     lse = np.empty((B, H, p.L), p.dtype) if return_lse else None
     weights = np.empty((B, H, p.L, p.S), p.dtype) if return_weights else None
-    _attn.sdpa_forward(p.q, p.k, p.v, out, mask=p.mask, bias=p.bias, weights=weights, lse=lse, scale=p.scale,
+    _ext(p, "sdpa_forward")(p.q, p.k, p.v, out, mask=p.mask, bias=p.bias, weights=weights, lse=lse, scale=p.scale,
                        causal=p.causal, backend=p.backend, check_finite=bool(check_finite), **var)
     results = [out.reshape(p.lead + (p.L, p.Ev))]
     if lse is not None:
@@ -270,7 +289,8 @@ def scaled_dot_product_attention_backward(grad_output, query, key, value, attn_m
 
     Takes grad_output = dLoss/dout (..., L, Ev) and the forward's arguments; returns
     (grad_query, grad_key, grad_value), plus grad_attn_mask when attn_mask is a float mask.
-    Each gradient has the shape of its input (summed over the axes the input was
+    Gradients are float64 for float64 inputs, float32 otherwise (half inputs included;
+    attn.torch casts them to the inputs' dtype). Each gradient has the shape of its input (summed over the axes the input was
     broadcast along; with enable_gqa, over the query heads sharing a key/value head).
     With sinks, grad_sinks (H values) comes last. The variant keywords are the forward's.
     output and lse, the forward's result and log-sum-exp, may be passed to save the
@@ -281,7 +301,7 @@ def scaled_dot_product_attention_backward(grad_output, query, key, value, attn_m
     B, H = _bh(p)
     n = len(p.lead)
     out_shape = p.lead + (p.L, p.Ev)
-    g = float_array(grad_output, _BWD, "grad_output", p.dtype)
+    g = float_array(widen_half(grad_output), _BWD, "grad_output", p.dtype)
     if g.shape != out_shape:
         raise ValueError(f"{_BWD}: 'grad_output' has shape {g.shape}, expected {out_shape} "
                          "(the shape of the forward's output)")
@@ -293,7 +313,7 @@ def scaled_dot_product_attention_backward(grad_output, query, key, value, attn_m
     dv = np.empty(p.v.shape, p.dtype)
     dbias = np.empty(p.bias.shape, p.dtype) if p.bias is not None else None
     dsinks = np.empty(H, p.dtype) if var["sinks"] is not None else None
-    _attn.sdpa_backward(p.q, p.k, p.v, dout, dq, dk, dv, mask=p.mask, bias=p.bias, dbias=dbias, out=saved_out,
+    _ext(p, "sdpa_backward")(p.q, p.k, p.v, dout, dq, dk, dv, mask=p.mask, bias=p.bias, dbias=dbias, out=saved_out,
                         lse=saved_lse, scale=p.scale, causal=p.causal, backend=p.backend, dsinks=dsinks,
                         check_finite=bool(check_finite), **var)
     # Gradients of broadcast operands are summed back to the caller's shapes.
@@ -318,5 +338,5 @@ def resolve_backend(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
     p = _plan("attn.resolve_backend", query, key, value, attn_mask, dropout_p, is_causal, scale,
               enable_gqa, backend)
     var = _variants("attn.resolve_backend", p, window, alibi_slopes, softcap, sinks, position_offset)
-    return _attn.resolve_backend(p.q, p.k, p.v, mask=p.mask, bias=p.bias, scale=p.scale, causal=p.causal,
+    return _ext(p, "resolve_backend")(p.q, p.k, p.v, mask=p.mask, bias=p.bias, scale=p.scale, causal=p.causal,
                                  backend=p.backend, want_weights=bool(return_weights), **var)

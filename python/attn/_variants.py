@@ -10,14 +10,14 @@ from typing import Any, Dict, Optional
 
 import numpy as np
 
-from ._arrays import to_numpy
+from ._arrays import to_numpy, widen_half
 
 
 def _per_head(x: Any, fn: str, name: str, H: int, dtype: np.dtype) -> Optional[np.ndarray]:
     """One value per query head as a contiguous 1-D array of the call's dtype."""
     if x is None:
         return None
-    a = to_numpy(x, fn, name)
+    a = to_numpy(widen_half(x), fn, name)
     if a.dtype.kind not in "fiu":
         raise ValueError(f"{fn}: '{name}' has dtype {a.dtype}, expected a float array of {H} values "
                          "(one per query head)")

@@ -5,7 +5,9 @@ torch.autograd.Function: its forward runs attn's forward on the tensors'
 memory (through DLPack, no copy) and saves the output and log-sum-exp; its
 backward runs attn's backward. Gradients flow to query, key, value, a
 float attn_mask and the sinks (a torch Parameter, say). VarlenAttention does
-the same for the packed layout. CPU tensors, float32 or float64.
+the same for the packed layout. CPU tensors, float32 or float64; the dense
+call also takes float16 and bfloat16 query/key/value, computed in float32, and
+returns its output (and the gradients) in the inputs' dtype, as PyTorch does.
 
     import attn.torch
     y = attn.torch.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -30,6 +32,18 @@ def _needs_graph(fn, alibi_slopes, *xs):
         raise ValueError(f"{fn}: 'alibi_slopes' requires grad, but attn computes no gradient for the "
                          "ALiBi slopes; pass them detached (a buffer, not a Parameter)")
     return _torch.is_grad_enabled() and any(isinstance(x, _torch.Tensor) and x.requires_grad for x in xs)
+
+
+_HALF = (_torch.float16, _torch.bfloat16)
+
+
+def _as_input_dtype(x, like):
+    """A float32 result of a half-precision call in the dtype of `like`, the
+    input it belongs to (what PyTorch's SDPA returns, and what autograd wants
+    of a gradient); other results as they are."""
+    if isinstance(like, _torch.Tensor) and like.dtype in _HALF and x is not None and x.dtype != like.dtype:
+        return x.to(like.dtype)
+    return x
 
 
 def _sinks_grad(ctx, index, grads, sinks):
@@ -64,7 +78,7 @@ class ScaledDotProductAttention(_torch.autograd.Function):
         ctx.other_sinks = None if sinks_tensor is not None else sinks
         ctx.options = (is_causal, scale, enable_gqa, backend)
         ctx.variants = variants
-        return out
+        return _as_input_dtype(out, query)
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -80,8 +94,8 @@ class ScaledDotProductAttention(_torch.autograd.Function):
         float_mask = len(grads) > (4 if sinks is not None else 3)
         dmask = grads[3] if float_mask and ctx.needs_input_grad[3] else None
         dsinks = _sinks_grad(ctx, 12, grads, sinks)
-        return (grads[0], grads[1], grads[2], dmask, None, None, None, None, None, None, None, None, dsinks,
-                None)
+        return (_as_input_dtype(grads[0], query), _as_input_dtype(grads[1], key), _as_input_dtype(grads[2], value),
+                _as_input_dtype(dmask, attn_mask), None, None, None, None, None, None, None, None, dsinks, None)
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
@@ -89,7 +103,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                                  alibi_slopes=None, softcap=None, sinks=None, position_offset=None):
     """Drop-in for torch.nn.functional.scaled_dot_product_attention, computed by
     attn (see attn.scaled_dot_product_attention for the arguments, the variant
-    keywords included). Returns a torch tensor; when an input (or the sinks)
+    keywords included). Returns a torch tensor, in the query's dtype for float16 and
+    bfloat16 inputs (computed in float32); when an input (or the sinks)
     requires grad (and grad mode is on) the call goes through
     ScaledDotProductAttention, so it is differentiable."""
     if _needs_graph("attn.torch.scaled_dot_product_attention", alibi_slopes, query, key, value, attn_mask,
@@ -97,10 +112,11 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         return ScaledDotProductAttention.apply(query, key, value, attn_mask, dropout_p, is_causal, scale,
                                                enable_gqa, backend, window, alibi_slopes, softcap, sinks,
                                                position_offset)
-    return _sdpa.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale,
-                                              enable_gqa, backend=backend, window=window,
-                                              alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks,
-                                              position_offset=position_offset)
+    out = _sdpa.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                                             enable_gqa, backend=backend, window=window,
+                                             alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks,
+                                             position_offset=position_offset)
+    return _as_input_dtype(out, query)
 
 
 class VarlenAttention(_torch.autograd.Function):

@@ -30,6 +30,24 @@
 
 namespace nb = nanobind;
 
+// The half storage types as ndarray dtypes: float16 is NumPy's float16;
+// bfloat16, which NumPy lacks, travels as its uint16 bit patterns (the Python
+// layer views torch.bfloat16 and ml_dtypes.bfloat16 arrays that way and
+// calls the *_bf16 functions, so no uint16 array is taken for bfloat16 by
+// accident).
+namespace nanobind::detail {
+template <>
+struct dtype_traits<attn::float16_t> {
+  static constexpr dlpack::dtype value{uint8_t(dlpack::dtype_code::Float), 16, 1};
+  static constexpr auto name = const_name("float16");
+};
+template <>
+struct dtype_traits<attn::bfloat16_t> {
+  static constexpr dlpack::dtype value{uint8_t(dlpack::dtype_code::UInt), 16, 1};
+  static constexpr auto name = const_name("uint16 (bfloat16 bits)");
+};
+}  // namespace nanobind::detail
+
 namespace {
 
 using attn_python::Arr;
@@ -65,24 +83,25 @@ Variants variants(int64_t window_left, int64_t window_right, double softcap, Opt
 }
 
 // The fields the dense and the packed call share: q, k, v and the per-head arrays.
-template <class T, int R, class A>
+// With half q, k, v (T) the per-head arrays are float32 (C = compute_t<T>).
+template <class T, int R, class A, class C = attn::compute_t<T>>
 void fill_common(A& a, const Arr<const T, R>& q, const Arr<const T, R>& k, const Arr<const T, R>& v,
-                 const Opt<Arr<const T, 1>>& alibi_slopes, const Opt<Arr<const T, 1>>& sinks) {
+                 const Opt<Arr<const C, 1>>& alibi_slopes, const Opt<Arr<const C, 1>>& sinks) {
   a.q = view_of<const T, R>(q, "q");
   a.k = view_of<const T, R>(k, "k");
   a.v = view_of<const T, R>(v, "v");
-  a.alibi_slopes = view_of<const T, 1>(alibi_slopes, "alibi_slopes");
-  a.sinks = view_of<const T, 1>(sinks, "sinks");
+  a.alibi_slopes = view_of<const C, 1>(alibi_slopes, "alibi_slopes");
+  a.sinks = view_of<const C, 1>(sinks, "sinks");
 }
 
-template <class T>
+template <class T, class C = attn::compute_t<T>>
 attn::SdpaArgs<T> sdpa_args(const Arr<const T, 4>& q, const Arr<const T, 4>& k, const Arr<const T, 4>& v,
-                            const Opt<Arr<const bool, 4>>& mask, const Opt<Arr<const T, 4>>& bias,
-                            const Opt<Arr<const T, 1>>& alibi_slopes = {}, const Opt<Arr<const T, 1>>& sinks = {}) {
+                            const Opt<Arr<const bool, 4>>& mask, const Opt<Arr<const C, 4>>& bias,
+                            const Opt<Arr<const C, 1>>& alibi_slopes = {}, const Opt<Arr<const C, 1>>& sinks = {}) {
   attn::SdpaArgs<T> a;
   fill_common<T, 4>(a, q, k, v, alibi_slopes, sinks);
   a.mask = view_of<const bool, 4>(mask, "mask");
-  a.bias = view_of<const T, 4>(bias, "bias");
+  a.bias = view_of<const C, 4>(bias, "bias");
   return a;
 }
 
@@ -100,27 +119,30 @@ attn::VarlenArgs<T> varlen_args(const Arr<const T, 3>& q, const Arr<const T, 3>&
   return a;
 }
 
-// One definition per operation; bind<T> adds the float32 and the float64
-// overload under the same name (nanobind picks the one whose arrays match,
-// never converting: noconvert).
-template <class T>
-void bind(nb::module_& m) {
+// One definition per operation; bind_sdpa<T> adds the overload of one input
+// dtype under the given names (nanobind picks the one whose arrays match,
+// never converting: noconvert): float32 and float64, and float16 and
+// bfloat16 (under names ending in "_bf16") whose outputs are float32 (R =
+// compute_t<T>, as are bias, alibi_slopes, sinks, dout and the saved state).
+template <class T, class R = attn::compute_t<T>>
+void bind_sdpa(nb::module_& m) {
+  constexpr bool bf16 = std::is_same_v<T, attn::bfloat16_t>;
   using namespace nb::literals;
   m.def(
-      "sdpa_forward",
-      [](const Arr<const T, 4>& q, const Arr<const T, 4>& k, const Arr<const T, 4>& v, const Arr<T, 4>& out,
-         const Opt<Arr<const bool, 4>>& mask, const Opt<Arr<const T, 4>>& bias, const Opt<Arr<T, 4>>& weights,
-         const Opt<Arr<T, 3>>& lse, std::optional<double> scale, bool causal, const std::string& backend,
-         int num_threads, const Opt<Arr<const T, 1>>& alibi_slopes, const Opt<Arr<const T, 1>>& sinks,
+      bf16 ? "sdpa_forward_bf16" : "sdpa_forward",
+      [](const Arr<const T, 4>& q, const Arr<const T, 4>& k, const Arr<const T, 4>& v, const Arr<R, 4>& out,
+         const Opt<Arr<const bool, 4>>& mask, const Opt<Arr<const R, 4>>& bias, const Opt<Arr<R, 4>>& weights,
+         const Opt<Arr<R, 3>>& lse, std::optional<double> scale, bool causal, const std::string& backend,
+         int num_threads, const Opt<Arr<const R, 1>>& alibi_slopes, const Opt<Arr<const R, 1>>& sinks,
          int64_t window_left, int64_t window_right, double softcap, Opt<int64_t> position_offset,
          bool check_finite) {
         const attn::SdpaArgs<T> args = sdpa_args<T>(q, k, v, mask, bias, alibi_slopes, sinks);
         const attn::SdpaOptions opt =
             sdpa_options(scale, causal, backend, num_threads,
                          variants(window_left, window_right, softcap, position_offset), check_finite);
-        const attn::View4<T> o = view_of<T, 4>(out, "out");
-        const attn::View4<T> w = view_of<T, 4>(weights, "weights");
-        const attn::View3<T> l = view_of<T, 3>(lse, "lse");
+        const attn::View4<R> o = view_of<R, 4>(out, "out");
+        const attn::View4<R> w = view_of<R, 4>(weights, "weights");
+        const attn::View3<R> l = view_of<R, 3>(lse, "lse");
         nb::gil_scoped_release release;
         attn::scaled_dot_product_attention<T>(args, {o, w, l}, opt);
       },
@@ -131,32 +153,33 @@ void bind(nb::module_& m) {
       "alibi_slopes"_a.noconvert().none() = nb::none(), "sinks"_a.noconvert().none() = nb::none(),
       "window_left"_a = -1, "window_right"_a = -1, "softcap"_a = 0.0, "position_offset"_a.none() = nb::none(),
       "check_finite"_a = false,
-      "Scaled dot-product attention on rank-4 (B, H, N, d) arrays of one dtype (float32 or float64):\n"
+      "Scaled dot-product attention on rank-4 (B, H, N, d) arrays of one dtype (float32 or float64; or\n"
+      "float16/bfloat16 q, k, v with everything else float32): "
       "writes out (B, H, L, Ev), and weights (B, H, L, S) and lse (B, H, L) when given. mask: bool,\n"
       "True = may attend; bias: added to the scores; both broadcastable to (B, H, L, S). Variants:\n"
       "alibi_slopes, sinks (H), window_left/right (-1 unbounded), softcap (0 off), position_offset.");
   m.def(
-      "sdpa_backward",
+      bf16 ? "sdpa_backward_bf16" : "sdpa_backward",
       [](const Arr<const T, 4>& q, const Arr<const T, 4>& k, const Arr<const T, 4>& v,
-         const Arr<const T, 4>& dout, const Arr<T, 4>& dq, const Arr<T, 4>& dk, const Arr<T, 4>& dv,
-         const Opt<Arr<const bool, 4>>& mask, const Opt<Arr<const T, 4>>& bias, const Opt<Arr<T, 4>>& dbias,
-         const Opt<Arr<const T, 4>>& out, const Opt<Arr<const T, 3>>& lse, std::optional<double> scale,
-         bool causal, const std::string& backend, int num_threads, const Opt<Arr<const T, 1>>& alibi_slopes,
-         const Opt<Arr<const T, 1>>& sinks, const Opt<Arr<T, 1>>& dsinks, int64_t window_left,
+         const Arr<const R, 4>& dout, const Arr<R, 4>& dq, const Arr<R, 4>& dk, const Arr<R, 4>& dv,
+         const Opt<Arr<const bool, 4>>& mask, const Opt<Arr<const R, 4>>& bias, const Opt<Arr<R, 4>>& dbias,
+         const Opt<Arr<const R, 4>>& out, const Opt<Arr<const R, 3>>& lse, std::optional<double> scale,
+         bool causal, const std::string& backend, int num_threads, const Opt<Arr<const R, 1>>& alibi_slopes,
+         const Opt<Arr<const R, 1>>& sinks, const Opt<Arr<R, 1>>& dsinks, int64_t window_left,
          int64_t window_right, double softcap, Opt<int64_t> position_offset, bool check_finite) {
         const attn::SdpaArgs<T> args = sdpa_args<T>(q, k, v, mask, bias, alibi_slopes, sinks);
         const attn::SdpaOptions opt =
             sdpa_options(scale, causal, backend, num_threads,
                          variants(window_left, window_right, softcap, position_offset), check_finite);
-        attn::SdpaGrads<T> g;
-        g.dq = view_of<T, 4>(dq, "dq");
-        g.dk = view_of<T, 4>(dk, "dk");
-        g.dv = view_of<T, 4>(dv, "dv");
-        g.dbias = view_of<T, 4>(dbias, "dbias");
-        g.dsinks = view_of<T, 1>(dsinks, "dsinks");
-        const attn::View4<const T> d = view_of<const T, 4>(dout, "dout");
-        const attn::View4<const T> o = view_of<const T, 4>(out, "out");
-        const attn::View3<const T> l = view_of<const T, 3>(lse, "lse");
+        attn::SdpaGrads<R> g;
+        g.dq = view_of<R, 4>(dq, "dq");
+        g.dk = view_of<R, 4>(dk, "dk");
+        g.dv = view_of<R, 4>(dv, "dv");
+        g.dbias = view_of<R, 4>(dbias, "dbias");
+        g.dsinks = view_of<R, 1>(dsinks, "dsinks");
+        const attn::View4<const R> d = view_of<const R, 4>(dout, "dout");
+        const attn::View4<const R> o = view_of<const R, 4>(out, "out");
+        const attn::View3<const R> l = view_of<const R, 3>(lse, "lse");
         nb::gil_scoped_release release;
         attn::scaled_dot_product_attention_backward<T>(args, d, {o, l}, g, opt);
       },
@@ -172,11 +195,11 @@ void bind(nb::module_& m) {
       "shape; dsinks, the sinks'). out and lse, the forward's saved state, spare the fused backend\n"
       "recomputing them.");
   m.def(
-      "resolve_backend",
+      bf16 ? "resolve_backend_bf16" : "resolve_backend",
       [](const Arr<const T, 4>& q, const Arr<const T, 4>& k, const Arr<const T, 4>& v,
-         const Opt<Arr<const bool, 4>>& mask, const Opt<Arr<const T, 4>>& bias, std::optional<double> scale,
-         bool causal, const std::string& backend, bool want_weights, const Opt<Arr<const T, 1>>& alibi_slopes,
-         const Opt<Arr<const T, 1>>& sinks, int64_t window_left, int64_t window_right, double softcap,
+         const Opt<Arr<const bool, 4>>& mask, const Opt<Arr<const R, 4>>& bias, std::optional<double> scale,
+         bool causal, const std::string& backend, bool want_weights, const Opt<Arr<const R, 1>>& alibi_slopes,
+         const Opt<Arr<const R, 1>>& sinks, int64_t window_left, int64_t window_right, double softcap,
          Opt<int64_t> position_offset) {
         const attn::SdpaArgs<T> args = sdpa_args<T>(q, k, v, mask, bias, alibi_slopes, sinks);
         const attn::SdpaOptions opt =
@@ -189,6 +212,12 @@ void bind(nb::module_& m) {
       "alibi_slopes"_a.noconvert().none() = nb::none(), "sinks"_a.noconvert().none() = nb::none(),
       "window_left"_a = -1, "window_right"_a = -1, "softcap"_a = 0.0, "position_offset"_a.none() = nb::none(),
       "Name of the backend (\"reference\" or \"fused\") sdpa_forward would run for these arguments.");
+}
+
+// The packed (varlen) call, float32 and float64.
+template <class T>
+void bind_varlen(nb::module_& m) {
+  using namespace nb::literals;
   m.def(
       "varlen_forward",
       [](const Arr<const T, 3>& q, const Arr<const T, 3>& k, const Arr<const T, 3>& v,
@@ -443,8 +472,12 @@ NB_MODULE(_attn, m) {
       }
     }
   });
-  bind<float>(m);
-  bind<double>(m);
+  bind_sdpa<float>(m);
+  bind_sdpa<double>(m);
+  bind_sdpa<attn::float16_t>(m);
+  bind_sdpa<attn::bfloat16_t>(m);
+  bind_varlen<float>(m);
+  bind_varlen<double>(m);
   bind_multihead<float>(m, "MultiheadAttentionF32", "MhaCacheF32");
   bind_multihead<double>(m, "MultiheadAttentionF64", "MhaCacheF64");
   bind_decode(m);

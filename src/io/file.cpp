@@ -28,6 +28,7 @@ const char* dtype_name(DType d) {
     case DType::f32: return "float32";
     case DType::f64: return "float64";
     case DType::b1: return "bool";
+    case DType::f16: return "float16";
   }
   return "?";
 }

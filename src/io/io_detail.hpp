@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "attn/half.hpp"
 #include "attn/io.hpp"
 
 namespace attn::io {
@@ -61,7 +62,7 @@ void decode(const unsigned char* src, size_t count, bool big_endian, T* dst) {
   }
 }
 
-inline size_t itemsize(DType d) { return d == DType::f32 ? 4 : d == DType::f64 ? 8 : 1; }
+inline size_t itemsize(DType d) { return d == DType::f32 ? 4 : d == DType::f64 ? 8 : d == DType::f16 ? 2 : 1; }
 
 // Decodes `count` elements stored as `stored` into T. A bool byte must be 0
 // or 1 (NumPy writes nothing else); `name` names the file when it is not.
@@ -72,6 +73,10 @@ void decode_any(DType stored, const unsigned char* src, size_t count, bool big_e
     decode<float>(src, count, big_endian, dst);
   } else if (stored == DType::f64) {
     decode<double>(src, count, big_endian, dst);
+  } else if (stored == DType::f16) {
+    std::vector<uint16_t> bits(count);
+    decode<uint16_t>(src, count, big_endian, bits.data());
+    for (size_t i = 0; i < count; ++i) dst[i] = T(float(float16_t::from_bits(bits[i])));  // exact
   } else {
     for (size_t i = 0; i < count; ++i) {
       if (src[i] > 1)

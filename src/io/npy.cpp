@@ -180,10 +180,13 @@ Array<T> parse_npy(const unsigned char* bytes, size_t size, const std::string& n
     stored = DType::f32;
   } else if (d == "<f8" || d == "=f8" || d == ">f8") {
     stored = DType::f64;
+  } else if (d == "<f2" || d == "=f2" || d == ">f2") {
+    stored = DType::f16;
   } else if (d == "|b1") {
     stored = DType::b1;
   } else {
-    fail(name, "unsupported dtype '" + d + "' (only float32 '<f4', float64 '<f8' and bool '|b1' are read)");
+    fail(name, "unsupported dtype '" + d +
+                   "' (only float32 '<f4', float64 '<f8', float16 '<f2' and bool '|b1' are read)");
   }
   big = d[0] == '>';
   const uint64_t itemsize = detail::itemsize(stored);

@@ -134,5 +134,43 @@ TEST_F(Cli, SdpaVariantFlagsAgreeWithTheLibrary) {
   EXPECT_EQ(run("sdpa --q q.npy --k k.npy --v v.npy --window 3 --out y.npy").rc, 2);
 }
 
+// float16 q, k, v files take the library's half call: float32 outputs equal to
+// the float32 run on the exact (widened) values, bit for bit.
+TEST_F(Cli, SdpaReadsFloat16Files) {
+  std::mt19937_64 rng(9);
+  std::normal_distribution<float> nd;
+  // Writes a (H, N, F) float16 .npy ('<f2') and a float32 one of the same values.
+  auto write_pair = [&](const std::string& name, int64_t H, int64_t N, int64_t F) {
+    std::vector<float> exact;
+    std::string data;
+    for (int64_t i = 0; i < H * N * F; ++i) {
+      const attn::float16_t h(nd(rng));
+      exact.push_back(float(h));
+      data += char(h.bits & 0xFF);
+      data += char(h.bits >> 8);
+    }
+    std::string header = "{'descr': '<f2', 'fortran_order': False, 'shape': (" + std::to_string(H) + ", " +
+                         std::to_string(N) + ", " + std::to_string(F) + "), }";
+    while ((10 + header.size() + 1) % 64) header += ' ';
+    header += '\n';
+    put(name + "16.npy", std::string("\x93NUMPY\x01\x00", 8) + char(header.size()) + char(0) + header + data);
+    attn::io::write_npy(path(name + "32.npy"), {H, N, F}, exact.data());
+  };
+  for (int64_t L : {3, 40}) {  // the decode route and the widened one
+    write_pair("q", 2, L, 8);
+    write_pair("k", 2, 50, 8);
+    write_pair("v", 2, 50, 6);
+    const Result h = run("sdpa --q q16.npy --k k16.npy --v v16.npy --causal --out y16.npy --lse l16.npy");
+    ASSERT_EQ(h.rc, 0) << h.err;
+    EXPECT_TRUE(contains(h.err, "float16")) << h.err;
+    ASSERT_EQ(run("sdpa --q q32.npy --k k32.npy --v v32.npy --causal --out y32.npy --lse l32.npy").rc, 0);
+    const auto y16 = attn::io::read_npy<float>(path("y16.npy")), y32 = attn::io::read_npy<float>(path("y32.npy"));
+    EXPECT_EQ(y16.stored, DType::f32);
+    EXPECT_EQ(y16.shape, (std::vector<int64_t>{2, L, 6}));
+    EXPECT_EQ(y16.data, y32.data);
+    EXPECT_EQ(attn::io::read_npy<float>(path("l16.npy")).data, attn::io::read_npy<float>(path("l32.npy")).data);
+  }
+}
+
 }  // namespace
 }  // namespace attn_cli_test

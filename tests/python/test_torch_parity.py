@@ -90,9 +90,17 @@ def test_tensors_in_tensors_out_and_autograd_entry():
     qr = q.clone().requires_grad_(True)
     F.scaled_dot_product_attention(qr, k, v, is_causal=True).sum().backward()
     torch.testing.assert_close(qg.grad, qr.grad, rtol=0, atol=1e-12)
+    # Half precision: attn.torch answers in the inputs' dtype, like PyTorch; both round a
+    # float32-accurate result once, so they differ by at most two roundings of the output.
+    for dt in (torch.float16, torch.bfloat16):
+        h = [x.to(dt) for x in (q, k, v)]
+        got, want = attn.torch.scaled_dot_product_attention(*h), F.scaled_dot_product_attention(*h)
+        assert got.dtype == dt
+        bound = 2 * torch.finfo(dt).eps * want.float().abs().max().item()
+        torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=bound)
     # Unsupported dtypes and devices are refused by name.
-    with pytest.raises(ValueError, match="'query' has dtype float16"):
-        attn.scaled_dot_product_attention(q.half(), k.half(), v.half())
+    with pytest.raises(ValueError, match="'query' has dtype int32, expected float32, float64, float16 or bfloat16"):
+        attn.scaled_dot_product_attention(q.int(), k.int(), v.int())
     with pytest.raises(ValueError, match="dropout_p"):
         attn.torch.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
 

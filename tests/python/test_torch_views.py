@@ -72,13 +72,22 @@ def test_negative_bit_grad_output_in_backward():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_precision_is_a_value_error_naming_the_argument(dtype):
+def test_half_precision_is_taken_by_the_dense_call_only(dtype):
+    """The dense call reads half q, k, v in place (test_half.py checks the values); the
+    calls that have no half path refuse them, naming the argument."""
     q, k, v = qkv(5, torch.float32)
-    for name, args in (("query", (q.to(dtype), k, v)), ("key", (q, k.to(dtype), v)), ("value", (q, k, v.to(dtype)))):
-        with pytest.raises(ValueError, match=rf"'{name}' has dtype {dtype}, expected torch.float32 or torch.float64"):
-            attn.scaled_dot_product_attention(*args)
-        with pytest.raises(ValueError, match=rf"'{name}'"):
-            attn.torch.scaled_dot_product_attention(*args)
+    h = [x.to(dtype) for x in (q, k, v)]
+    out = attn.scaled_dot_product_attention(*h)
+    assert out.dtype == torch.float32
+    assert torch.equal(out, attn.scaled_dot_product_attention(*[x.float() for x in h]))
+    assert attn.torch.scaled_dot_product_attention(*h).dtype == dtype
+    other = torch.float16 if dtype == torch.bfloat16 else torch.bfloat16
+    name = str(other).removeprefix("torch.")
+    with pytest.raises(ValueError, match=rf"'key' has dtype {name}, expected {str(dtype).removeprefix('torch.')}"):
+        attn.scaled_dot_product_attention(h[0], k.to(other), h[2])
+    cu = torch.tensor([0, 5], dtype=torch.int64)
+    with pytest.raises(ValueError, match=rf"'q' has dtype {dtype}, expected torch.float32 or torch.float64"):
+        attn.varlen_attention(h[0][0], h[1][0], h[2][0], cu, cu, 5, 5)
 
 
 def test_sparse_tensors_are_a_value_error():

@@ -153,6 +153,25 @@ HWY_INLINE void PrefetchRows(const char* p, int64_t stride, int64_t n, int64_t b
     for (int64_t o = 0; o < bytes; o += 64) hwy::Prefetch(p + o);
 }
 
+// n stored elements widened to float32, a vector at a time (the bulk path of
+// convert_from_storage).
+template <class T>
+void WidenRow(const T* HWY_RESTRICT x, int64_t n, float* HWY_RESTRICT y) {
+  const DF d;
+  const int64_t N = Lanes();
+  int64_t i = 0;
+  for (; i + N <= n; i += N) hn::StoreU(LoadF(d, x + i), d, y + i);
+  if (i < n) {
+    HWY_ALIGN float buf[64];
+    hn::Store(LoadTail(d, x + i, n - i), d, buf);
+    std::memcpy(y + i, buf, size_t(n - i) * sizeof(float));
+  }
+}
+void WidenImpl(KVStorage t, const void* src, int64_t n, float* y) {
+  if (t == KVStorage::f16) return WidenRow(static_cast<const hwy::float16_t*>(src), n, y);
+  WidenRow(static_cast<const hwy::bfloat16_t*>(src), n, y);
+}
+
 // ---- per-thread scratch ------------------------------------------------------
 //   q    [rows × Ep]     the block's queries × scale·log2(e), zero padded
 //   s    [rows × tilep]  scores of a tile → probabilities
@@ -530,6 +549,7 @@ namespace attn::detail {
 
 HWY_EXPORT(ForwardImpl);
 HWY_EXPORT(TargetNameImpl);
+HWY_EXPORT(WidenImpl);
 
 DecodePlan decode_plan(const DecodeProblem& p) {
   using namespace decode_common;
@@ -617,26 +637,10 @@ void convert_to_storage(KVStorage t, const float* x, int64_t stride, int64_t n, 
 }
 
 void convert_from_storage(KVStorage t, const void* src, int64_t n, float* y) {
-  switch (t) {
-    case KVStorage::f32: std::memcpy(y, src, size_t(n) * 4); return;
-    case KVStorage::f16: {
-      const uint16_t* x = static_cast<const uint16_t*>(src);
-      for (int64_t i = 0; i < n; ++i) {
-        _Float16 h;
-        std::memcpy(&h, &x[i], 2);
-        y[i] = float(h);
-      }
-      return;
-    }
-    case KVStorage::bf16: {
-      const uint16_t* x = static_cast<const uint16_t*>(src);
-      for (int64_t i = 0; i < n; ++i) {
-        const uint32_t bits = uint32_t(x[i]) << 16;
-        std::memcpy(&y[i], &bits, 4);
-      }
-      return;
-    }
-  }
+  // Widening is exact: the kernel's own vector conversions (F16C where the
+  // CPU has it; a shift for bfloat16).
+  if (t == KVStorage::f32) return (void)std::memcpy(y, src, size_t(n) * 4);
+  HWY_DYNAMIC_DISPATCH(WidenImpl)(t, src, n, y);
 }
 
 }  // namespace attn::detail
