@@ -105,6 +105,19 @@ double max_diff(const attn::Tensor<float>& a, const attn::Tensor<float>& b, doub
   return d;
 }
 
+// Whether the fused run f matches the reference run r (out and the
+// gradients within 1e-4 of their magnitude); reports a failure.
+template <class Run>
+bool matches(const Run& f, const Run& r, const char* what) {
+  double worst = 0;
+  for (auto [a, b] : {std::pair{&f.out, &r.out}, {&f.dq, &r.dq}, {&f.dk, &r.dk}, {&f.dv, &r.dv}}) {
+    double mag = 0;
+    worst = std::max(worst, max_diff(*a, *b, &mag) / std::max(1.0, mag));
+  }
+  if (worst > 1e-4) std::fprintf(stderr, "VALIDATION FAILED (%s): relative difference %g\n", what, worst);
+  return worst <= 1e-4;
+}
+
 // Fused against reference on a small dense problem with these options.
 bool validate(attn::SdpaOptions opt, bool alibi, bool sink) {
   Dense f(1, 2, 300, 300, 64), r(1, 2, 300, 300, 64);
@@ -112,13 +125,7 @@ bool validate(attn::SdpaOptions opt, bool alibi, bool sink) {
   f.run(opt, alibi, sink, true);
   opt.backend = Backend::reference;
   r.run(opt, alibi, sink, true);
-  double worst = 0;
-  for (auto [a, b] : {std::pair{&f.out, &r.out}, {&f.dq, &r.dq}, {&f.dk, &r.dk}, {&f.dv, &r.dv}}) {
-    double mag = 0;
-    worst = std::max(worst, max_diff(*a, *b, &mag) / std::max(1.0, mag));
-  }
-  if (worst > 1e-4) std::fprintf(stderr, "VALIDATION FAILED: relative difference %g\n", worst);
-  return worst <= 1e-4;
+  return matches(f, r, "dense");
 }
 
 // A packed batch of sequences of the given lengths (L_b = S_b, H = Hkv).
@@ -157,13 +164,7 @@ bool validate_varlen(attn::SdpaOptions opt) {
   f.run(opt, true);
   opt.backend = Backend::reference;
   r.run(opt, true);
-  double worst = 0;
-  for (auto [a, b] : {std::pair{&f.out, &r.out}, {&f.dq, &r.dq}, {&f.dk, &r.dk}, {&f.dv, &r.dv}}) {
-    double mag = 0;
-    worst = std::max(worst, max_diff(*a, *b, &mag) / std::max(1.0, mag));
-  }
-  if (worst > 1e-4) std::fprintf(stderr, "VALIDATION FAILED (varlen): relative difference %g\n", worst);
-  return worst <= 1e-4;
+  return matches(f, r, "varlen");
 }
 
 struct Config {
