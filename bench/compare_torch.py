@@ -199,7 +199,7 @@ def torch_variant(torch, variant, mode, args, threads, lengths):
             qq, kk, vv = (x.detach().requires_grad_(bwd) for x in (q, k, v))
             outs = []
             for s0, L in zip(starts, lengths):
-                view = lambda x: x[s0:s0 + L].transpose(0, 1).unsqueeze(0)  # (1, H, L, E)
+                view = lambda x: x[s0:s0 + L].transpose(0, 1).unsqueeze(0).contiguous()  # (1, H, L, E)
                 outs.append(sdpa(view(qq), view(kk), view(vv)))
             if bwd:
                 torch.cat([o[0].transpose(0, 1) for o in outs]).backward(dout)
