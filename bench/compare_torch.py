@@ -44,8 +44,30 @@ repository that prints one JSON line, see docs/decode.md).
     python3 bench/compare_torch.py --decode [--attn-decode-bench build/bench/attn-decode-bench]
                                    [--shapes "1,32,8,1,4096,128;..."] [--threads 2]
                                    [--ggml-driver /path/to/fa_bench] [--json out.json]
+
+Variants mode (--variants): each variant of docs/variants.md (attn through
+`attn-bench-variants --sections case`, which validates fused against
+reference first) against PyTorch's CPU SDPA on the equivalent dense form,
+B=1, H=8, E=Ev=64, L=S=--variant-len, forward (torch under no_grad) and
+forward+backward (torch autograd, gradients of q, k, v and of the sinks):
+  plain, causal       no mask / is_causal=True
+  window              causal with --variant-window keys: a boolean band mask
+  alibi               the additive bias -slope_h*|i - j| (H, L, S), not causal
+  softcap             no SDPA form: the formula in torch (matmul, c*tanh(s/c),
+                      softmax, matmul), as eager Gemma 2 implementations do
+  sinks               a key column of zeros appended to K and V, with the sink
+                      logit as its bias (B, H, 1, S + 1)
+  varlen              --varlen-count sequences of lengths uniform in
+                      [32, --varlen-max] (seeded), packed; torch: a loop of SDPA
+                      calls, one per sequence
+Torch is timed before and after attn (the median of both), so a change in
+load hits both; the ratio attn/torch is printed (below 1: attn faster).
+
+    python3 bench/compare_torch.py --variants [--attn-bench-variants build/bench/attn-bench-variants]
+                                   [--variant-len 2048] [--threads 2] [--json out.json]
 """
 import argparse
+import random
 import json
 import os
 import statistics
@@ -162,6 +184,125 @@ def decode_main(args, torch):
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(torch=torch.__version__, mode="decode", results=rows), f, indent=2)
+    return 0
+
+
+VARIANTS = ("plain", "causal", "window", "alibi", "softcap", "sinks", "varlen")
+
+
+def alibi_slopes(H):
+    # attn-bench-variants' slopes: 2^(-8 (h + 1) / H)
+    return [2.0 ** (-8.0 * (h + 1) / H) for h in range(H)]
+
+
+def torch_variant(torch, variant, mode, args, threads, lengths):
+    """Median seconds of PyTorch on the dense equivalent of one variant."""
+    torch.set_num_threads(threads)
+    H, E, n = 8, 64, args.variant_len
+    g = torch.Generator().manual_seed(0)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    bwd = mode == "fwdbwd"
+    if variant == "varlen":
+        total = sum(lengths)
+        q, k, v, dout = (torch.randn(total, H, E, generator=g) for _ in range(4))
+        starts = [sum(lengths[:b]) for b in range(len(lengths))]
+
+        def run():
+            qq, kk, vv = (x.detach().requires_grad_(bwd) for x in (q, k, v))
+            outs = []
+            for s0, L in zip(starts, lengths):
+                view = lambda x: x[s0:s0 + L].transpose(0, 1).unsqueeze(0).contiguous()  # (1, H, L, E)
+                outs.append(sdpa(view(qq), view(kk), view(vv)))
+            if bwd:
+                torch.cat([o[0].transpose(0, 1) for o in outs]).backward(dout)
+        return timed(torch, run, bwd, args.reps)
+
+    q, k, v, dout = (torch.randn(1, H, n, E, generator=g) for _ in range(4))
+    i = torch.arange(n)[:, None]
+    j = torch.arange(n)[None, :]
+    mask, causal, extra = None, False, []
+    if variant == "causal":
+        causal = True
+    elif variant == "window":
+        mask = (j <= i) & (j > i - args.variant_window)
+    elif variant == "alibi":
+        slopes = torch.tensor(alibi_slopes(H))[:, None, None]
+        mask = (-slopes * (i - j).abs().float()).unsqueeze(0)  # (1, H, L, S)
+    elif variant == "sinks":
+        extra = [torch.full((H,), 0.5)]
+    zeros = torch.zeros(1, H, 1, E)
+
+    def run():
+        qq, kk, vv = (x.detach().requires_grad_(bwd) for x in (q, k, v))
+        if variant == "softcap":
+            c = args.softcap
+            s = (qq @ kk.transpose(-1, -2)) * (E ** -0.5)
+            out = torch.softmax(c * torch.tanh(s / c), dim=-1) @ vv
+        elif variant == "sinks":
+            sinks = extra[0].detach().requires_grad_(bwd)
+            bias = torch.cat([torch.zeros(1, H, 1, n), sinks.view(1, H, 1, 1)], dim=-1)  # (1, H, 1, S + 1)
+            out = sdpa(qq, torch.cat([kk, zeros], dim=2), torch.cat([vv, zeros], dim=2), attn_mask=bias)
+        else:
+            out = sdpa(qq, kk, vv, attn_mask=mask, is_causal=causal)
+        if bwd:
+            out.backward(dout)
+
+    return timed(torch, run, bwd, args.reps)
+
+
+def timed(torch, run, bwd, reps):
+    """Median seconds of run(), under no_grad for a forward."""
+    if bwd:
+        return median_time(run, reps)
+    with torch.no_grad():
+        return median_time(run, reps)
+
+
+def attn_variant(args, variant, mode, threads, lengths):
+    cmd = [args.attn_bench_variants, "--sections", "case", "--case", variant, "--case-len", str(args.variant_len),
+           "--case-window", str(args.variant_window), "--softcap", str(args.softcap), "--modes", mode,
+           "--threads", str(threads), "--reps", str(args.reps)]
+    if variant == "varlen":
+        cmd += ["--varlen-lengths", ",".join(str(x) for x in lengths)]
+    res = subprocess.run(cmd, check=True, capture_output=True, text=True)
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def variants_main(args, torch):
+    if not os.path.exists(args.attn_bench_variants):
+        print(f"compare_torch: {args.attn_bench_variants} not found; build it first "
+              "(`cmake --build build --target attn-bench-variants`).")
+        return 1
+    rng = random.Random(args.seed)
+    lengths = [rng.randint(32, args.varlen_max) for _ in range(args.varlen_count)]
+    threads = parse_list(args.threads)[-1]
+    load = os.getloadavg()
+    first = attn_variant(args, "plain", "fwd", threads, lengths)
+    print(f"torch {torch.__version__} (CPU capability {torch.backends.cpu.get_cpu_capability()}), attn fused target "
+          f"{first['target']}, {threads} threads, {os.cpu_count()} CPUs; load average {load[0]:.2f} {load[1]:.2f} "
+          f"{load[2]:.2f}")
+    print(f"B=1 H=8 E=Ev=64 L=S={args.variant_len}; window {args.variant_window} keys (causal); softcap "
+          f"{args.softcap}; varlen {args.varlen_count} sequences, lengths {','.join(map(str, lengths))}")
+    print(f"{'variant':8} {'mode':7} {'torch ms':>10} {'attn ms':>10} {'attn/torch':>10}  validation")
+    rows = []
+    for mode in args.modes.split(","):
+        for variant in args.variant_list.split(","):
+            t1 = torch_variant(torch, variant, mode, args, threads, lengths)
+            a = attn_variant(args, variant, mode, threads, lengths)
+            t2 = torch_variant(torch, variant, mode, args, threads, lengths)
+            t = statistics.median([t1, t2])
+            rows.append(dict(variant=variant, mode=mode, threads=threads, torch_s=t, attn_s=a["median_s"],
+                             ratio=a["median_s"] / t, validation=a["validation"]))
+            print(f"{variant:8} {mode:7} {t * 1e3:10.2f} {a['median_s'] * 1e3:10.2f} {a['median_s'] / t:10.3f}  "
+                  f"{a['validation']}", flush=True)
+    worst = max(rows, key=lambda r: r["ratio"])
+    faster = sum(r["ratio"] < 1 for r in rows)
+    print(f"\nattn faster than torch in {faster} of {len(rows)}; slowest relative to torch: {worst['variant']} "
+          f"{worst['mode']}: attn/torch = {worst['ratio']:.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(torch=torch.__version__, mode="variants", load=load, lengths=lengths, results=rows), f,
+                      indent=2)
     return 0
 
 
@@ -357,8 +498,17 @@ def main():
                     help="layer and gemm modes: B,N,D,H;...")
     ap.add_argument("--gemm", action="store_true", help="the layer's GEMMs alone (see above)")
     ap.add_argument("--attn-gemm-bench", default=os.path.join("build", "bench", "attn-gemm-bench"))
+    ap.add_argument("--variants", action="store_true", help="each variant against its dense torch form (see above)")
+    ap.add_argument("--attn-bench-variants", default=os.path.join("build", "bench", "attn-bench-variants"))
+    ap.add_argument("--variant-list", default=",".join(VARIANTS))
+    ap.add_argument("--variant-len", type=int, default=2048)
+    ap.add_argument("--variant-window", type=int, default=256)
+    ap.add_argument("--softcap", type=float, default=30.0)
+    ap.add_argument("--varlen-count", type=int, default=16)
+    ap.add_argument("--varlen-max", type=int, default=1024)
+    ap.add_argument("--seed", type=int, default=2026)
     args, _ = ap.parse_known_args()
-    if (args.layer or args.gemm) and args.threads == "1,2":
+    if (args.layer or args.gemm or args.variants) and args.threads == "1,2":
         args.threads = "2"
     if args.layer and args.reps == 3:
         args.reps = 15
@@ -375,6 +525,8 @@ def main():
         return main_layer(args, torch)
     if args.gemm:
         return gemm_main(args, torch)
+    if args.variants:
+        return variants_main(args, torch)
     if args.decode:
         if not os.path.exists(args.attn_decode_bench):
             print(f"compare_torch: {args.attn_decode_bench} not found; build first (`make build`).")

@@ -13,6 +13,12 @@
 //            to the longest sequence with key lengths (target: speed-up >= 0.8
 //            × the padding ratio of the work the padded call does).
 //
+//   case     one variant alone, for bench/compare_torch.py --variants (which
+//            times PyTorch on the equivalent dense mask or bias): --case
+//            plain|causal|window|alibi|softcap|sinks|varlen at L=S=--case-len
+//            (varlen: the sequences of --varlen-lengths, not causal); prints
+//            one JSON line per mode.
+//
 // Every timed configuration is first validated (fused against reference on
 // the same options at a small size, forward and backward), then timed: the
 // median of --reps interleaved repetitions of the fused backend, forward or
@@ -28,6 +34,7 @@
 #include <vector>
 
 #include "attn/attn.hpp"
+#include "kernels/fused/fused.hpp"
 
 namespace {
 
@@ -98,6 +105,19 @@ double max_diff(const attn::Tensor<float>& a, const attn::Tensor<float>& b, doub
   return d;
 }
 
+// Whether the fused run f matches the reference run r (out and the
+// gradients within 1e-4 of their magnitude); reports a failure.
+template <class Run>
+bool matches(const Run& f, const Run& r, const char* what) {
+  double worst = 0;
+  for (auto [a, b] : {std::pair{&f.out, &r.out}, {&f.dq, &r.dq}, {&f.dk, &r.dk}, {&f.dv, &r.dv}}) {
+    double mag = 0;
+    worst = std::max(worst, max_diff(*a, *b, &mag) / std::max(1.0, mag));
+  }
+  if (worst > 1e-4) std::fprintf(stderr, "VALIDATION FAILED (%s): relative difference %g\n", what, worst);
+  return worst <= 1e-4;
+}
+
 // Fused against reference on a small dense problem with these options.
 bool validate(attn::SdpaOptions opt, bool alibi, bool sink) {
   Dense f(1, 2, 300, 300, 64), r(1, 2, 300, 300, 64);
@@ -105,13 +125,46 @@ bool validate(attn::SdpaOptions opt, bool alibi, bool sink) {
   f.run(opt, alibi, sink, true);
   opt.backend = Backend::reference;
   r.run(opt, alibi, sink, true);
-  double worst = 0;
-  for (auto [a, b] : {std::pair{&f.out, &r.out}, {&f.dq, &r.dq}, {&f.dk, &r.dk}, {&f.dv, &r.dv}}) {
-    double mag = 0;
-    worst = std::max(worst, max_diff(*a, *b, &mag) / std::max(1.0, mag));
+  return matches(f, r, "dense");
+}
+
+// A packed batch of sequences of the given lengths (L_b = S_b, H = Hkv).
+struct PackedBatch {
+  std::vector<int64_t> cu{0};
+  int64_t longest = 0;
+  attn::Tensor<float> q, k, v, out, lse, dout, dq, dk, dv;
+  PackedBatch(const std::vector<int64_t>& lens, int64_t H, int64_t E, std::mt19937_64& rng) {
+    for (int64_t n : lens) cu.push_back(cu.back() + n), longest = std::max(longest, n);
+    const int64_t total = cu.back();
+    for (auto* t : {&q, &k, &v, &out, &dout, &dq, &dk, &dv}) *t = attn::Tensor<float>({total, H, E});
+    lse = attn::Tensor<float>({H, total});
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    for (auto* t : {&q, &k, &v, &dout})
+      for (size_t i = 0; i < t->size(); ++i) (*t)[i] = nd(rng);
   }
-  if (worst > 1e-4) std::fprintf(stderr, "VALIDATION FAILED: relative difference %g\n", worst);
-  return worst <= 1e-4;
+  void run(const attn::SdpaOptions& opt, bool bwd) {
+    attn::VarlenArgs<float> a;
+    a.q = q.view<3>();
+    a.k = k.view<3>();
+    a.v = v.view<3>();
+    a.cu_seqlens_q = a.cu_seqlens_k = attn::View1<const int64_t>(cu.data(), {int64_t(cu.size())});
+    a.max_seqlen_q = a.max_seqlen_k = longest;
+    attn::varlen_attention<float>(a, {out.view<3>(), lse.view<2>()}, opt);
+    if (bwd)
+      attn::varlen_attention_backward<float>(a, dout.view<3>(), {out.view<3>(), lse.view<2>()},
+                                             {dq.view<3>(), dk.view<3>(), dv.view<3>()}, opt);
+  }
+};
+
+// The packed path, fused against reference, on a small awkward packing.
+bool validate_varlen(attn::SdpaOptions opt) {
+  std::mt19937_64 r1(3), r2(3);
+  PackedBatch f({50, 130, 7, 96}, 2, 64, r1), r({50, 130, 7, 96}, 2, 64, r2);
+  opt.backend = Backend::fused;
+  f.run(opt, true);
+  opt.backend = Backend::reference;
+  r.run(opt, true);
+  return matches(f, r, "varlen");
 }
 
 struct Config {
@@ -121,6 +174,9 @@ struct Config {
   int reps = 3, threads = 0;
   double softcap = 30.0;
   uint64_t seed = 2026;
+  std::string case_name = "plain";
+  int64_t case_len = 2048, case_window = 256;
+  std::vector<int64_t> varlen_lengths;
 };
 
 void window_section(const Config& c, bool bwd) {
@@ -219,12 +275,51 @@ void varlen_section(const Config& c, bool bwd) {
               pad_ratio, 0.8 * pad_ratio, speedup >= 0.8 * pad_ratio ? "met" : "MISSED");
 }
 
+// One variant alone at L = S = case_len (or the packed varlen batch), as one
+// JSON line: the median seconds of the fused backend and the validation.
+void case_section(const Config& c, bool bwd) {
+  attn::SdpaOptions opt;
+  opt.backend = Backend::fused;
+  opt.num_threads = c.threads;
+  const std::string& v = c.case_name;
+  bool alibi = false, sink = false;
+  if (v == "causal" || v == "window") opt.causal = true;
+  if (v == "window") opt.window = {c.case_window - 1, 0};  // case_window keys: the query's own and those before it
+  if (v == "softcap") opt.softcap = c.softcap;
+  alibi = v == "alibi";
+  sink = v == "sinks";
+  if (v != "plain" && v != "causal" && v != "window" && v != "alibi" && v != "softcap" && v != "sinks" &&
+      v != "varlen") {
+    std::fprintf(stderr, "unknown case '%s'\n", v.c_str());
+    std::exit(2);
+  }
+  double t = 0;
+  if (v == "varlen") {
+    if (c.varlen_lengths.empty()) {
+      std::fprintf(stderr, "case varlen needs --varlen-lengths\n");
+      std::exit(2);
+    }
+    if (!validate_varlen(opt)) std::exit(1);
+    std::mt19937_64 rng(c.seed);
+    PackedBatch p(c.varlen_lengths, c.heads, c.dim, rng);
+    t = time_interleaved({[&] { p.run(opt, bwd); }}, c.reps)[0];
+  } else {
+    if (!validate(opt, alibi, sink)) std::exit(1);
+    Dense d(1, c.heads, c.case_len, c.case_len, c.dim);
+    t = time_interleaved({[&] { d.run(opt, alibi, sink, bwd); }}, c.reps)[0];
+  }
+  std::printf("{\"case\": \"%s\", \"mode\": \"%s\", \"len\": %lld, \"heads\": %lld, \"dim\": %lld, "
+              "\"median_s\": %.6f, \"validation\": \"fused = reference within 1e-4\", \"target\": \"%s\"}\n",
+              v.c_str(), bwd ? "fwdbwd" : "fwd", (long long)c.case_len, (long long)c.heads, (long long)c.dim, t,
+              attn::detail::fused_target_name());
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   Config c;
   CLI::App app{"attn-bench-variants: the variants' performance targets, measured side by side"};
-  app.add_option("--sections", c.sections, "window, overhead and/or varlen")->delimiter(',');
+  app.add_option("--sections", c.sections, "window, overhead, varlen and/or case")->delimiter(',');
   app.add_option("--modes", c.modes, "fwd and/or fwdbwd")->delimiter(',');
   app.add_option("--window-len", c.window_len, "L = S of the window section");
   app.add_option("--window", c.window, "keys in the window");
@@ -234,14 +329,22 @@ int main(int argc, char** argv) {
   app.add_option("--dim", c.dim, "E = Ev");
   app.add_option("--reps", c.reps, "timed repetitions (median)");
   app.add_option("--threads", c.threads, "threads (0: the library default)");
-  app.add_option("--seed", c.seed, "seed of the varlen lengths");
+  app.add_option("--seed", c.seed, "seed of the varlen lengths (and values)");
+  app.add_option("--case", c.case_name, "case section: plain, causal, window, alibi, softcap, sinks or varlen");
+  app.add_option("--case-len", c.case_len, "case section: L = S");
+  app.add_option("--case-window", c.case_window, "case section: keys in the window");
+  app.add_option("--varlen-lengths", c.varlen_lengths, "case section, varlen: the sequence lengths")->delimiter(',');
   CLI11_PARSE(app, argc, argv);
+  if (std::find(c.sections.begin(), c.sections.end(), "case") == c.sections.end())
+    std::printf("attn-bench-variants: fused SIMD target %s, %d threads (0: the library default)\n",
+                attn::detail::fused_target_name(), c.threads);
   for (const auto& mode : c.modes)
     for (const auto& s : c.sections) {
       const bool bwd = mode == "fwdbwd";
       if (s == "window") window_section(c, bwd);
       else if (s == "overhead") overhead_section(c, bwd);
       else if (s == "varlen") varlen_section(c, bwd);
+      else if (s == "case") case_section(c, bwd);
       else {
         std::fprintf(stderr, "unknown section '%s'\n", s.c_str());
         return 2;

@@ -1,19 +1,26 @@
 // The packed variable-length entry points: validation of the packed layout
-// and cu_seqlens, then one dense call per sequence on views into the packed
-// tensors (no copies, no padding). Each sequence is an ordinary
-// (1, H, L_b, E) problem, so every option, every backend and the backend
-// choice apply to it unchanged; only the gradient of the sinks, which sums
-// over all rows of all sequences, is gathered here (in a fixed order, in
-// double).
+// and cu_seqlens, then each sequence as an ordinary (1, H, L_b, E) problem on
+// views into the packed tensors (no copies, no padding), so every option
+// applies to it unchanged. Two ways to run them:
+//   - the fused backend (float32, backend auto or fused): all sequences'
+//     units in one parallel region (kernels/fused/fused.hpp,
+//     fused_forward_packed / fused_backward_packed), sums of the sinks'
+//     gradient over all sequences included;
+//   - otherwise (the reference backend, float64): one dense call per
+//     sequence, the plain formulation the tests hold the fused path to; the
+//     sinks' gradient is gathered here in a fixed order, in double.
+// Sequences with no queries or no keys are handled here in both.
 #include "attn/varlen.hpp"
 
 #include <array>
-
 #include <cmath>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <vector>
 
+#include "attn/tensor.hpp"
+#include "kernels/fused/fused.hpp"
 #include "validate.hpp"
 
 namespace attn {
@@ -116,6 +123,74 @@ SdpaArgs<T> sequence_args(const VarlenArgs<T>& a, const Packed& p, int64_t b) {
   return s;
 }
 
+// Whether the batch runs on the fused backend's packed path (float32 with
+// backend auto or fused). Then also validates every sequence's arguments and
+// the options, as its dense call would.
+template <class T>
+bool packed_fused(const VarlenArgs<T>& a, const Packed& p, const SdpaOptions& opt) {
+  if constexpr (!std::is_same_v<T, float>) {
+    return false;
+  } else {
+    if (opt.backend == Backend::reference) return false;
+    for (int64_t b = 0; b < p.B; ++b)
+      if (p.L(b) > 0 && p.S(b) > 0) (void)resolve_backend<float>(sequence_args(a, p, b), opt, false);
+    return true;
+  }
+}
+
+// The sequences with queries and keys, as the fused backend's dense calls.
+std::vector<detail::FusedSequence> fused_sequences(const VarlenArgs<float>& a, const Packed& p,
+                                                   const SdpaOptions& opt) {
+  std::vector<detail::FusedSequence> seqs;
+  for (int64_t b = 0; b < p.B; ++b) {
+    if (p.L(b) == 0 || p.S(b) == 0) continue;
+    detail::FusedSequence s;
+    s.a = sequence_args(a, p, b);
+    s.p = detail::make_problem(s.a, opt);
+    seqs.push_back(s);
+  }
+  return seqs;
+}
+
+// The forward's outputs of the sequences with queries and keys.
+void forward_packed(const VarlenArgs<float>& a, const Packed& p, const SdpaOptions& opt, const View3<float>& out,
+                    const View2<float>& lse) {
+  std::vector<detail::FusedSequence> seqs = fused_sequences(a, p, opt);
+  for (int64_t b = 0, s = 0; b < p.B; ++b) {
+    if (p.L(b) == 0 || p.S(b) == 0) continue;
+    seqs[size_t(s)].out = sequence(out, p.cq[size_t(b)], p.L(b));
+    if (!lse.empty()) seqs[size_t(s)].lse = lse_columns(lse, p.cq[size_t(b)], p.L(b));
+    ++s;
+  }
+  detail::fused_forward_packed(seqs);
+}
+
+// The gradients of the sequences with queries and keys, recomputing the
+// forward's saved state when it is not given.
+void backward_packed(const VarlenArgs<float>& a, const Packed& p, const SdpaOptions& opt, const View3<const float>& dout,
+                     VarlenSaved<float> saved, const VarlenGrads<float>& g) {
+  Tensor<float> out_tmp, lse_tmp;
+  if (saved.out.empty() || saved.lse.empty()) {
+    out_tmp = Tensor<float>({p.total_q, p.H, p.Ev});
+    lse_tmp = Tensor<float>({p.H, p.total_q});
+    forward_packed(a, p, opt, out_tmp.view<3>(), lse_tmp.view<2>());
+    saved = {out_tmp.view<3>(), lse_tmp.view<2>()};
+  }
+  std::vector<detail::FusedSequence> seqs = fused_sequences(a, p, opt);
+  for (int64_t b = 0, s = 0; b < p.B; ++b) {
+    if (p.L(b) == 0 || p.S(b) == 0) continue;
+    const int64_t q0 = p.cq[size_t(b)], k0 = p.ck[size_t(b)];
+    detail::FusedSequence& x = seqs[size_t(s++)];
+    x.dout = sequence(dout, q0, p.L(b));
+    x.saved_out = sequence(saved.out, q0, p.L(b));
+    x.saved_lse = lse_columns(saved.lse, q0, p.L(b));
+    x.dq = sequence(g.dq, q0, p.L(b));
+    x.dk = sequence(g.dk, k0, p.S(b));
+    x.dv = sequence(g.dv, k0, p.S(b));
+  }
+  detail::fused_backward_packed(seqs, g.dsinks);
+}
+
 }  // namespace
 
 template <class T>
@@ -128,9 +203,10 @@ void varlen_attention(const VarlenArgs<T>& args, const VarlenOutputs<T>& o, cons
     c.shape(o.lse, "lse", {p.H, p.total_q}, "(H, total_q)");
     c.writable(o.lse, "lse");
   }
+  const bool fused = packed_fused(args, p, opt);
   for (int64_t b = 0; b < p.B; ++b) {
     const int64_t L = p.L(b), S = p.S(b);
-    if (L == 0) continue;
+    if (L == 0 || (fused && S > 0)) continue;
     View4<T> out = sequence(o.out, p.cq[size_t(b)], L);
     View3<T> lse = o.lse.empty() ? View3<T>{} : lse_columns(o.lse, p.cq[size_t(b)], L);
     if (S == 0) {
@@ -145,6 +221,8 @@ void varlen_attention(const VarlenArgs<T>& args, const VarlenOutputs<T>& o, cons
     }
     scaled_dot_product_attention<T>(sequence_args(args, p, b), {out, {}, lse}, opt);
   }
+  if constexpr (std::is_same_v<T, float>)
+    if (fused) forward_packed(args, p, opt, o.out, o.lse);
 }
 
 template <class T>
@@ -166,6 +244,7 @@ void varlen_attention_backward(const VarlenArgs<T>& args, View3<const T> dout, c
   }
   if (!saved.out.empty()) c.shape(saved.out, "out", {p.total_q, p.H, p.Ev}, "(total_q, H, Ev)");
   if (!saved.lse.empty()) c.shape(saved.lse, "lse", {p.H, p.total_q}, "(H, total_q)");
+  const bool fused = packed_fused(args, p, opt);
   std::vector<double> dsinks(size_t(p.H), 0.0);
   std::vector<T> dsinks_b(size_t(p.H));
   for (int64_t b = 0; b < p.B; ++b) {
@@ -183,6 +262,7 @@ void varlen_attention_backward(const VarlenArgs<T>& args, View3<const T> dout, c
       zero(sequence(g.dv, k0, S));
       continue;
     }
+    if (fused) continue;
     SdpaGrads<T> gb{sequence(g.dq, q0, L), sequence(g.dk, k0, S), sequence(g.dv, k0, S), {}, {}};
     if (!g.dsinks.empty()) gb.dsinks = View1<T>(dsinks_b.data(), {p.H});
     const View4<const T> out = saved.out.empty() ? View4<const T>{} : sequence(saved.out, q0, L);
@@ -190,6 +270,9 @@ void varlen_attention_backward(const VarlenArgs<T>& args, View3<const T> dout, c
     scaled_dot_product_attention_backward<T>(sequence_args(args, p, b), sequence(dout, q0, L), {out, lse}, gb, opt);
     if (!g.dsinks.empty())
       for (int64_t h = 0; h < p.H; ++h) dsinks[size_t(h)] += double(dsinks_b[size_t(h)]);
+  }
+  if constexpr (std::is_same_v<T, float>) {
+    if (fused) return backward_packed(args, p, opt, dout, saved, g);
   }
   if (!g.dsinks.empty())
     for (int64_t h = 0; h < p.H; ++h) g.dsinks(h) = T(dsinks[size_t(h)]);

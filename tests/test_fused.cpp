@@ -875,21 +875,31 @@ TEST(FusedVariants, VectorisedTanhIsAccurateToAFewUlp) {
   for (float v = 1e-30f; v < 1.0f; v *= 1.37f) x.push_back(v), x.push_back(-v);
   for (float v : {0.625f, -0.625f, 0.62499994f, 8.9f})
     x.push_back(v);
-  std::vector<float> y(x.size());
-  attn::detail::fused_tanh(x.data(), y.data(), int64_t(x.size()));
-  const auto [worst_ulp, worst_x] = worst_ulp_error(x, y, [](double v) { return std::tanh(v); });
-  EXPECT_LE(worst_ulp, 4.0) << "at x = " << worst_x;
-  std::printf("vectorised tanh: worst error %.2f ulp (at %g) over %zu points\n", worst_ulp, double(worst_x), x.size());
-  const float inf = std::numeric_limits<float>::infinity();
-  const float special[6] = {0.0f, inf, -inf, 50.0f, -1e30f, std::numeric_limits<float>::quiet_NaN()};
-  float out[6];
-  attn::detail::fused_tanh(special, out, 6);
-  EXPECT_EQ(out[0], 0.0f);
-  EXPECT_EQ(out[1], 1.0f);
-  EXPECT_EQ(out[2], -1.0f);
-  EXPECT_EQ(out[3], 1.0f);
-  EXPECT_EQ(out[4], -1.0f);
-  EXPECT_TRUE(std::isnan(out[5]));
+  // Every compiled target (their reciprocal estimates differ).
+  const std::string names = for_each_target([&](int64_t) {
+    std::vector<float> y(x.size());
+    attn::detail::fused_tanh(x.data(), y.data(), int64_t(x.size()));
+    const auto [worst_ulp, worst_x] = worst_ulp_error(x, y, [](double v) { return std::tanh(v); });
+    EXPECT_LE(worst_ulp, 4.0) << "at x = " << worst_x;
+    std::printf("vectorised tanh on %s: worst error %.2f ulp (at %g) over %zu points\n",
+                attn::detail::fused_target_name(), worst_ulp, double(worst_x), x.size());
+    const float inf = std::numeric_limits<float>::infinity();
+    // The specials among near-zero lanes, so no vector takes the near-0 path alone.
+    const float special[8] = {0.0f, inf, -inf, 50.0f, -1e30f, std::numeric_limits<float>::quiet_NaN(), 0.1f, 0.2f};
+    float out[8];
+    attn::detail::fused_tanh(special, out, 8);
+    EXPECT_EQ(out[0], 0.0f);
+    EXPECT_EQ(out[1], 1.0f);
+    EXPECT_EQ(out[2], -1.0f);
+    EXPECT_EQ(out[3], 1.0f);
+    EXPECT_EQ(out[4], -1.0f);
+    EXPECT_TRUE(std::isnan(out[5]));
+    const float nan_alone[4] = {std::numeric_limits<float>::quiet_NaN(), 0.1f, 0.0f, -0.3f};  // NaN among small lanes
+    attn::detail::fused_tanh(nan_alone, out, 4);
+    EXPECT_TRUE(std::isnan(out[0]));
+    EXPECT_EQ(out[2], 0.0f);
+  });
+  std::printf("tanh targets run: %s\n", names.c_str());
 }
 
 // Sinks: a fully masked row puts all its weight on the sink in the fused

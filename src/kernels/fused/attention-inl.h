@@ -48,6 +48,9 @@
 // the poison travels as NaN in the scores and probabilities (the section
 // below says how); the block products never see a NaN.
 //
+// Packed variable-length batches (the last section) run these same units
+// for all their sequences in one parallel region, longest first.
+//
 // Scratch layouts: tiles.hpp. SIMD building blocks: simd-inl.h.
 #if defined(ATTN_KERNELS_FUSED_ATTENTION_INL_H_) == defined(HWY_TARGET_TOGGLE)
 #ifdef ATTN_KERNELS_FUSED_ATTENTION_INL_H_
@@ -65,6 +68,7 @@
 
 #include "attn/sdpa.hpp"
 #include "kernels/fused/common.hpp"
+#include "kernels/fused/fused.hpp"
 #include "kernels/fused/online_softmax.hpp"
 #include "kernels/fused/simd-inl.h"
 #include "kernels/fused/tiles.hpp"
@@ -87,21 +91,24 @@ namespace {
 
 // bad[(b·Hkv + hk)·S + j] = 1 where K or V row j of (b, hk) holds NaN or ±∞;
 // returns whether any does. One pass over K and V per call.
+// Row u of that index space, marked; returns whether it is bad.
+bool MarkBadKey(const Problem& p, const SdpaArgs<float>& a, uint8_t* bad, int64_t u) {
+  const int64_t j = u % p.S, hk = (u / p.S) % p.Hkv, b = u / (p.S * p.Hkv);
+  const float* kr = &a.k(b, hk, j, 0);
+  const float* vr = &a.v(b, hk, j, 0);
+  bool row_bad = false;
+  for (int64_t e = 0; e < p.E; ++e) row_bad |= non_finite(kr[e * a.k.strides[3]]);
+  for (int64_t e = 0; e < p.Ev; ++e) row_bad |= non_finite(vr[e * a.v.strides[3]]);
+  bad[u] = row_bad;
+  return row_bad;
+}
+
 bool MarkBadKeys(const Problem& p, const SdpaArgs<float>& a, std::vector<uint8_t>& bad) {
   const int64_t rows = p.B * p.Hkv * p.S;
   bad.assign(size_t(rows), 0);
   bool any = false;
 #pragma omp parallel for num_threads(p.threads) schedule(static) reduction(|| : any)
-  for (int64_t u = 0; u < rows; ++u) {
-    const int64_t j = u % p.S, hk = (u / p.S) % p.Hkv, b = u / (p.S * p.Hkv);
-    const float* kr = &a.k(b, hk, j, 0);
-    const float* vr = &a.v(b, hk, j, 0);
-    bool row_bad = false;
-    for (int64_t e = 0; e < p.E; ++e) row_bad |= non_finite(kr[e * a.k.strides[3]]);
-    for (int64_t e = 0; e < p.Ev; ++e) row_bad |= non_finite(vr[e * a.v.strides[3]]);
-    bad[size_t(u)] = row_bad;
-    any = any || row_bad;
-  }
+  for (int64_t u = 0; u < rows; ++u) any = MarkBadKey(p, a, bad.data(), u) || any;
   return any;
 }
 
@@ -620,25 +627,45 @@ void DbiasUnit(const FusedCall& c, BackwardScratch& w, const SdpaGrads<float>& g
       db(bb, bh, fullL ? ti0 + r : 0, fullS ? tj0 + jj : 0) = acc[r * w.kbp + jj];
 }
 
+// The backward unit of plan.own_heads: all of (b, hk), dQ of the group's
+// heads accumulated in the output (zeroed here; no other unit touches it).
+void OwnedHeadUnit(const FusedCall& c, BackwardScratch& w, const SdpaGrads<float>& g,
+                   const View4<const float>& dout, const View4<const float>& out,
+                   const View3<const float>& lse, int64_t b, int64_t hk) {
+  const Problem& p = *c.p;
+  for (int64_t h = hk * p.group(); h < (hk + 1) * p.group(); ++h)
+    for (int64_t i = 0; i < p.L; ++i)
+      for (int64_t e = 0; e < p.E; ++e) g.dq(b, h, i, e) = 0.0f;
+  for (int64_t j0 = 0; j0 < p.S; j0 += w.kb) KeyBlockUnit(c, w, g, dout, out, lse, b, hk, j0, true);
+}
+
+// acc += d(sink_h) of one call: −Σ_{b,i} exp(sink_h − lse_i)·D_i with
+// D_i = Σ_e dY_ie·Y_ie, summed in (b, i) order in double.
+void AddSinkGradient(const FusedCall& c, int64_t h, const View4<const float>& dout, const View4<const float>& out,
+                     const View3<const float>& lse, double& acc) {
+  const Problem& p = *c.p;
+  const float sink = sink_of(c, h);
+  for (int64_t b = 0; sink != kNegInf && b < p.B; ++b)
+    for (int64_t i = 0; i < p.L; ++i) {
+      double D = 0;
+      for (int64_t e = 0; e < p.Ev; ++e) D += double(dout(b, h, i, e)) * double(out(b, h, i, e));
+      acc -= std::exp(double(sink) - double(lse(b, h, i))) * D;
+    }
+}
+
 void BackwardImpl(const Problem& p, const SdpaArgs<float>& a, View4<const float> dout,
                   const SdpaGrads<float>& g, View4<const float> out, View3<const float> lse,
                   FusedPlan t) {
   std::vector<uint8_t> bad;
   const FusedCall c = MakeCall(p, a, t, bad);
   const int64_t nkb = ceil_div(p.S, t.k_block), nqb = ceil_div(p.L, t.q_block);
-  #pragma omp parallel num_threads(p.threads)
+#pragma omp parallel num_threads(p.threads)
   {
     BackwardScratch w(p, t, Lanes());
     if (t.own_heads) {
 #pragma omp for schedule(dynamic, 1)
-      for (int64_t u = 0; u < p.B * p.Hkv; ++u) {
-        const int64_t b = u / p.Hkv, hk = u % p.Hkv;
-        for (int64_t h = hk * p.group(); h < (hk + 1) * p.group(); ++h)
-          for (int64_t i = 0; i < p.L; ++i)
-            for (int64_t e = 0; e < p.E; ++e) g.dq(b, h, i, e) = 0.0f;
-        for (int64_t kbi = 0; kbi < nkb; ++kbi)
-          KeyBlockUnit(c, w, g, dout, out, lse, b, hk, kbi * t.k_block, true);
-      }
+      for (int64_t u = 0; u < p.B * p.Hkv; ++u)
+        OwnedHeadUnit(c, w, g, dout, out, lse, u / p.Hkv, u % p.Hkv);
     } else {
 #pragma omp for schedule(dynamic, 1)
       for (int64_t u = 0; u < p.B * p.Hkv * nkb; ++u) {
@@ -665,19 +692,162 @@ void BackwardImpl(const Problem& p, const SdpaArgs<float>& a, View4<const float>
       }
     }
     if (!g.dsinks.empty()) {
-      // d(sink_h) = −Σ_{b,i} exp(sink_h − lse_i)·D_i, D_i = Σ_e dY_ie·Y_ie;
-      // one head per unit, summed in (b, i) order in double.
+      // One head per unit (AddSinkGradient).
 #pragma omp for schedule(static)
       for (int64_t h = 0; h < p.H; ++h) {
-        const float sink = sink_of(c, h);
         double acc = 0;
-        for (int64_t b = 0; sink != kNegInf && b < p.B; ++b)
-          for (int64_t i = 0; i < p.L; ++i) {
-            double D = 0;
-            for (int64_t e = 0; e < p.Ev; ++e) D += double(dout(b, h, i, e)) * double(out(b, h, i, e));
-            acc -= std::exp(double(sink) - double(lse(b, h, i))) * D;
-          }
+        AddSinkGradient(c, h, dout, out, lse, acc);
         g.dsinks(h) = float(acc);
+      }
+    }
+  }
+}
+
+// ---- packed variable-length batches ------------------------------------------
+//
+// A packed batch (src/varlen.cpp) arrives as one dense call of batch 1 per
+// sequence, all on one plan (fused.cpp: the plan of the longest sequence;
+// any block sizes are correct, the short sequences just fill fewer rows of
+// a block). Their units run in one parallel region, the same units as the
+// dense call's: forward (sequence, head, query block); backward with
+// plan.own_heads (sequence, kv head), otherwise the two passes over
+// (sequence, kv head, key block) and (sequence, head, query block). Every
+// unit owns what it writes, so nothing depends on which thread runs it. The
+// units are handed out longest first (by their visible score count, a
+// function of the shape only), so that the long sequences start at once and
+// the short ones fill the end.
+
+struct PackedUnit {
+  int64_t seq, head, first;  // sequence, (kv) head, first query row or key of the block
+  double cost;  // visible scores (query rows × keys) the unit visits
+};
+
+void LongestFirst(std::vector<PackedUnit>& units) {
+  std::stable_sort(units.begin(), units.end(), [](const PackedUnit& x, const PackedUnit& y) { return x.cost > y.cost; });
+}
+
+// The scores rows [i0, i0 + nr) of call c see (rows × the keys of the block).
+double RowBlockCost(const FusedCall& c, int64_t i0, int64_t nr) {
+  const rules::Keys keys = band_of(c, 0).keys_of_rows(i0, i0 + nr);
+  return double(nr) * double(std::max<int64_t>(keys.hi - keys.lo, 0));
+}
+
+// The calls of the sequences, with their bad keys marked (one parallel loop
+// over all sequences' key rows; `bad` keeps the marks alive).
+std::vector<FusedCall> MakePackedCalls(const FusedSequence* seqs, int64_t n, const FusedPlan& t,
+                                       std::vector<std::vector<uint8_t>>& bad) {
+  std::vector<FusedCall> calls;
+  std::vector<int64_t> start{0};  // first key row of each sequence in one numbering
+  bad.resize(size_t(n));
+  for (int64_t s = 0; s < n; ++s) {
+    const Problem& p = seqs[s].p;
+    calls.push_back(FusedCall{&p, &seqs[s].a, t, float(p.scale)});
+    bad[size_t(s)].assign(size_t(p.B * p.Hkv * p.S), 0);
+    start.push_back(start.back() + p.B * p.Hkv * p.S);
+  }
+#pragma omp parallel for num_threads(seqs[0].p.threads) schedule(static)
+  for (int64_t u = 0; u < start.back(); ++u) {
+    const int64_t s = int64_t(std::upper_bound(start.begin(), start.end(), u) - start.begin()) - 1;
+    MarkBadKey(seqs[s].p, seqs[s].a, bad[size_t(s)].data(), u - start[size_t(s)]);
+  }
+  for (int64_t s = 0; s < n; ++s) {
+    const auto& marks = bad[size_t(s)];
+    calls[size_t(s)].bad_keys = marks.data();
+    calls[size_t(s)].any_bad_keys = std::find(marks.begin(), marks.end(), uint8_t(1)) != marks.end();
+  }
+  return calls;
+}
+
+// The query-block units (sequence, head, first row) of all sequences.
+std::vector<PackedUnit> QueryBlockUnits(const FusedSequence* seqs, int64_t n, const std::vector<FusedCall>& calls,
+                                        const FusedPlan& t) {
+  std::vector<PackedUnit> units;
+  for (int64_t s = 0; s < n; ++s)
+    for (int64_t h = 0; h < seqs[s].p.H; ++h)
+      for (int64_t i0 = 0; i0 < seqs[s].p.L; i0 += t.q_block)
+        units.push_back({s, h, i0, RowBlockCost(calls[size_t(s)], i0, std::min(t.q_block, seqs[s].p.L - i0))});
+  return units;
+}
+
+// f(unit, its sequence, its call) for every unit, in order, shared among the
+// threads of the enclosing parallel region (ends with its barrier).
+template <class F>
+void ForEachUnit(const std::vector<PackedUnit>& units, const FusedSequence* seqs, const std::vector<FusedCall>& calls,
+                 F f) {
+#pragma omp for schedule(dynamic, 1)
+  for (size_t u = 0; u < units.size(); ++u) f(units[u], seqs[units[u].seq], calls[size_t(units[u].seq)]);
+}
+
+// plan_p: the problem the plan was made for (its E, Ev and soft-cap size the
+// scratch, as in every sequence).
+void ForwardPackedImpl(const FusedSequence* seqs, int64_t n, const Problem& plan_p, FusedPlan t) {
+  std::vector<std::vector<uint8_t>> bad;
+  const std::vector<FusedCall> calls = MakePackedCalls(seqs, n, t, bad);
+  std::vector<PackedUnit> units = QueryBlockUnits(seqs, n, calls, t);
+  LongestFirst(units);
+#pragma omp parallel num_threads(plan_p.threads)
+  {
+    ForwardScratch w(plan_p, t, Lanes());
+    ForEachUnit(units, seqs, calls, [&](const PackedUnit& x, const FusedSequence& q, const FusedCall& c) {
+      ForwardUnit(c, w, 0, x.head, x.first, std::min(t.q_block, q.p.L - x.first), q.out, {}, q.lse);
+    });
+  }
+}
+
+// dsinks: the sinks' gradient summed over all sequences (empty: not wanted).
+void BackwardPackedImpl(const FusedSequence* seqs, int64_t n, const Problem& plan_p, FusedPlan t,
+                        View1<float> dsinks) {
+  std::vector<std::vector<uint8_t>> bad;
+  const std::vector<FusedCall> calls = MakePackedCalls(seqs, n, t, bad);
+  std::vector<SdpaGrads<float>> grads;
+  for (int64_t s = 0; s < n; ++s) grads.push_back({seqs[s].dq, seqs[s].dk, seqs[s].dv, {}, {}});
+  // Units: owned (sequence, kv head) pairs, whose cost is that of their
+  // query blocks; or the key-block pass, then the query-block pass.
+  std::vector<PackedUnit> query_units = QueryBlockUnits(seqs, n, calls, t), key_units;
+  for (int64_t s = 0; s < n; ++s) {
+    const Problem& p = seqs[s].p;
+    for (int64_t hk = 0; hk < p.Hkv; ++hk) {
+      if (t.own_heads) {
+        key_units.push_back({s, hk, 0, 0.0});
+        continue;
+      }
+      for (int64_t j0 = 0; j0 < p.S; j0 += t.k_block) {
+        const int64_t nk = std::min(t.k_block, p.S - j0);
+        const auto [r0, r1] = band_of(calls[size_t(s)], 0).rows_seeing(j0, j0 + nk, 0, p.L);
+        key_units.push_back({s, hk, j0, double(std::max<int64_t>(r1 - r0, 0)) * double(nk) * double(p.group())});
+      }
+    }
+  }
+  if (t.own_heads) {
+    std::vector<int64_t> first{0};  // index of each sequence's first pair
+    for (int64_t s = 0; s < n; ++s) first.push_back(first.back() + seqs[s].p.Hkv);
+    for (const PackedUnit& x : query_units)
+      key_units[size_t(first[size_t(x.seq)] + seqs[x.seq].p.kv_head(x.head))].cost += x.cost;
+    query_units.clear();
+  }
+  LongestFirst(key_units);
+  LongestFirst(query_units);
+#pragma omp parallel num_threads(plan_p.threads)
+  {
+    BackwardScratch w(plan_p, t, Lanes());
+    ForEachUnit(key_units, seqs, calls, [&](const PackedUnit& x, const FusedSequence& q, const FusedCall& c) {
+      const SdpaGrads<float>& g = grads[size_t(x.seq)];
+      if (t.own_heads)
+        OwnedHeadUnit(c, w, g, q.dout, q.saved_out, q.saved_lse, 0, x.head);
+      else
+        KeyBlockUnit(c, w, g, q.dout, q.saved_out, q.saved_lse, 0, x.head, x.first, false);
+    });
+    ForEachUnit(query_units, seqs, calls, [&](const PackedUnit& x, const FusedSequence& q, const FusedCall& c) {
+      QueryBlockUnit(c, w, grads[size_t(x.seq)], q.dout, q.saved_out, q.saved_lse, 0, x.head, x.first,
+                     std::min(t.q_block, q.p.L - x.first));
+    });
+    if (!dsinks.empty()) {
+#pragma omp for schedule(static)
+      for (int64_t h = 0; h < plan_p.H; ++h) {
+        double acc = 0;  // over the sequences in order
+        for (int64_t s = 0; s < n; ++s)
+          AddSinkGradient(calls[size_t(s)], h, seqs[s].dout, seqs[s].saved_out, seqs[s].saved_lse, acc);
+        dsinks(h) = float(acc);
       }
     }
   }

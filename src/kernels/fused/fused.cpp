@@ -14,6 +14,8 @@
 // Must come after foreach_target.h.
 #include <hwy/highway.h>
 
+#include <algorithm>
+
 #include "attn/tensor.hpp"
 #include "kernels/fused/attention-inl.h"
 #include "kernels/fused/fused.hpp"
@@ -43,6 +45,8 @@ namespace attn::detail {
 
 HWY_EXPORT(ForwardImpl);
 HWY_EXPORT(BackwardImpl);
+HWY_EXPORT(ForwardPackedImpl);
+HWY_EXPORT(BackwardPackedImpl);
 HWY_EXPORT(ExpArray);
 HWY_EXPORT(Exp2Array);
 HWY_EXPORT(TanhArray);
@@ -80,6 +84,36 @@ void fused_backward_tiled(const Problem& p, const SdpaArgs<float>& a, View4<cons
 void fused_backward(const Problem& p, const SdpaArgs<float>& a, View4<const float> dout,
                     const SdpaGrads<float>& g, View4<const float> out, View3<const float> lse) {
   fused_backward_tiled(p, a, dout, g, out, lse, fused_plan(p));
+}
+
+namespace {
+// The problem the plan of a packed batch is made for: the longest sequence's
+// L and S, the sequences' count as B (so own_heads sees all their kv heads).
+Problem packed_plan_problem(const std::vector<FusedSequence>& seqs) {
+  Problem p = seqs.at(0).p;
+  p.B = int64_t(seqs.size());
+  for (const auto& s : seqs) p.L = std::max(p.L, s.p.L), p.S = std::max(p.S, s.p.S);
+  return p;
+}
+}  // namespace
+
+FusedPlan fused_packed_plan(const std::vector<FusedSequence>& seqs) {
+  return fused_plan(packed_plan_problem(seqs));
+}
+
+void fused_forward_packed(const std::vector<FusedSequence>& seqs) {
+  if (seqs.empty()) return;
+  const Problem p = packed_plan_problem(seqs);
+  HWY_DYNAMIC_DISPATCH(ForwardPackedImpl)(seqs.data(), int64_t(seqs.size()), p, fused_plan(p));
+}
+
+void fused_backward_packed(const std::vector<FusedSequence>& seqs, View1<float> dsinks) {
+  if (seqs.empty()) {
+    for (int64_t h = 0; h < dsinks.dim(0); ++h) dsinks(h) = 0.0f;  // no row reaches a sink
+    return;
+  }
+  const Problem p = packed_plan_problem(seqs);
+  HWY_DYNAMIC_DISPATCH(BackwardPackedImpl)(seqs.data(), int64_t(seqs.size()), p, fused_plan(p), dsinks);
 }
 
 FusedScratchBytes fused_scratch_bytes(const Problem& p, const FusedPlan& t) {

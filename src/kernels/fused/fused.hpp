@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "attn/sdpa.hpp"
 #include "kernels/fused/tiles.hpp"
@@ -27,6 +28,28 @@ void fused_forward_tiled(const Problem& p, const SdpaArgs<float>& a, View4<float
 void fused_backward_tiled(const Problem& p, const SdpaArgs<float>& a, View4<const float> dout,
                           const SdpaGrads<float>& g, View4<const float> out,
                           View3<const float> lse, const FusedPlan& t);
+
+// One sequence of a packed batch (src/varlen.cpp) as a dense call of batch
+// 1: its problem (every sequence has the same H, Hkv, E, Ev, options and
+// thread count) and views into the packed tensors.
+struct FusedSequence {
+  Problem p;
+  SdpaArgs<float> a;
+  View4<float> out;    // forward: written
+  View3<float> lse;    // forward: written when not empty
+  View4<const float> dout, saved_out;  // backward: read
+  View3<const float> saved_lse;        // backward: read (both saved views required)
+  View4<float> dq, dk, dv;             // backward: written
+};
+// The sequences' units in one parallel region, on one plan (that of the
+// longest sequence); results do not depend on the thread count. Sequences
+// with no queries or no keys are the caller's (none may be passed).
+void fused_forward_packed(const std::vector<FusedSequence>& seqs);
+// dsinks (empty: not wanted) receives the sinks' gradient summed over all
+// sequences.
+void fused_backward_packed(const std::vector<FusedSequence>& seqs, View1<float> dsinks);
+// The plan fused_forward_packed and fused_backward_packed use.
+FusedPlan fused_packed_plan(const std::vector<FusedSequence>& seqs);
 
 // Bytes of scratch each thread allocates for this plan on the SIMD target in
 // use (the same ForwardScratch/BackwardScratch::bytes() the kernels allocate).

@@ -189,21 +189,31 @@ void ApplyArray(const float* x, float* y, int64_t n) {
 }
 // tanh for the soft-cap, for every float. Near 0 (|x| < 0.625) an odd
 // polynomial x + x³·P(x²) (Cephes's tanhf coefficients), where the exp form
-// would cancel; elsewhere sign(x)·(1 − 2/(exp(2|x|) + 1)), whose subtraction
-// loses nothing because 2/(exp(2|x|) + 1) < 0.46 there. exp's argument is
-// clamped at 88 (tanh is 1 in float long before), so ±∞ give ±1; NaN stays
-// NaN. Within a few ulp (tests/test_fused.cpp measures it).
+// would cancel; elsewhere sign(x)·(1 − 2·r) with r = 1/(exp(2|x|) + 1) <
+// 0.23, so the subtraction loses nothing. r is the hardware's approximate
+// reciprocal (x86: about 12 bits) refined by one Newton step,
+// r ← r + r·(1 − y·r), which squares its relative error to about 2^-23:
+// no division (a long-latency, poorly pipelined instruction), and since 2r
+// is under half the result, r's error moves the result by well under an ulp.
+// A vector whose lanes are all near 0 (the common case of soft-capped
+// scores, |s| well below the cap) takes the polynomial alone. exp's argument
+// is clamped at 88 (tanh is 1 in float long before), so ±∞ give ±1; NaN
+// stays NaN. Within a few ulp on every target (tests/test_fused.cpp
+// measures it).
 HWY_INLINE VF Tanh(DF d, VF x) {
   const VF ax = hn::Abs(x);
   const VF z = hn::Mul(x, x);
   constexpr float kPoly[] = {-5.70498872745e-3f, 2.06390887954e-2f, -5.37397155531e-2f, 1.33314422036e-1f,
                              -3.33332819422e-1f};
   const VF small = hn::MulAdd(hn::Mul(Horner(d, z, kPoly), z), x, x);
-  const VF e = ExpSoftmax(d, hn::Min(hn::Add(ax, ax), hn::Set(d, 88.0f)));
+  const auto near0 = hn::Lt(ax, hn::Set(d, 0.625f));  // false for NaN
+  if (hn::AllTrue(d, near0)) return small;
   const VF one = hn::Set(d, 1.0f);
-  const VF big = hn::CopySignToAbs(hn::Sub(one, hn::Div(hn::Set(d, 2.0f), hn::Add(e, one))), x);
-  const VF y = hn::IfThenElse(hn::Lt(ax, hn::Set(d, 0.625f)), small, big);
-  return hn::IfThenElse(hn::IsNaN(x), x, y);
+  const VF y = hn::Add(ExpSoftmax(d, hn::Min(hn::Add(ax, ax), hn::Set(d, 88.0f))), one);
+  VF r = hn::ApproximateReciprocal(y);
+  r = hn::MulAdd(r, hn::NegMulAdd(y, r, one), r);  // one Newton step
+  const VF big = hn::CopySignToAbs(hn::NegMulAdd(hn::Set(d, 2.0f), r, one), x);
+  return hn::IfThenElse(hn::IsNaN(x), x, hn::IfThenElse(near0, small, big));
 }
 
 void ExpArray(const float* x, float* y, int64_t n) { ApplyArray<ExpSoftmax>(x, y, n); }
