@@ -66,9 +66,13 @@ void check_gradients(const GradCase& c, uint64_t seed) {
     for (int64_t b = 0; b < c.B; ++b) lens[size_t(b)] = c.S - b;
     mk.key_lengths = lens.view<1>();
   }
-  MhaOptions opt;
-  opt.sdpa.causal = c.causal;
-  opt.sdpa.causal_align = c.align;
+  Tensor<double> slopes;
+  if (c.alibi) {
+    slopes = random_tensor<double>({H}, rng, 0.5);
+    for (size_t h = 0; h < slopes.size(); ++h) slopes[h] = std::abs(slopes[h]);
+    mk.alibi_slopes = slopes.view<1>();
+  }
+  MhaOptions opt = layer_options(c);
   opt.sdpa.backend = attn::Backend::reference;
 
   auto loss = [&]() {
@@ -86,7 +90,8 @@ void check_gradients(const GradCase& c, uint64_t seed) {
   const Tensor<bool> kpm_kept = kpm, am_kept = am;
   const Tensor<double> ab_kept = ab;
   const Tensor<int64_t> lens_kept = lens;
-  kpm.fill(true), am.fill(false), ab.fill(-1e30), lens.fill(0);
+  const Tensor<double> slopes_kept = slopes;
+  kpm.fill(true), am.fill(false), ab.fill(-1e30), lens.fill(0), slopes.fill(7.0);
   Tensor<double> dq({c.B, c.L, D}), dk, dv;
   dq.fill(123.0);
   if (!c.self) {
@@ -101,6 +106,7 @@ void check_gradients(const GradCase& c, uint64_t seed) {
   // Back in place (mk's views point into these buffers).
   auto restore = [](auto& t, const auto& kept) { std::copy_n(kept.data(), kept.size(), t.data()); };
   restore(kpm, kpm_kept), restore(am, am_kept), restore(ab, ab_kept), restore(lens, lens_kept);
+  restore(slopes, slopes_kept);
 
   EXPECT_TRUE(gradient_check(q, dq, loss, c.self ? "dx" : "dquery"));
   if (!c.self) {
@@ -167,6 +173,42 @@ TEST(MultiheadAttentionGrad, QkTransformCrossAttention) {
   GradCase c{"transform_cross", config(4, 2, true, 3, 5), 2, 3, 5, false};
   c.transform = c.kpm = true;
   check_gradients(c, 17);
+}
+
+// The variants: the layer's sinks get their gradient like every other
+// parameter (d sinks included in the parameter loop above).
+TEST(MultiheadAttentionGrad, SelfAttentionSinks) {
+  check_gradients({"self_sinks", with_sinks(config(4, 2)), 2, 4, 4, true}, 21);
+}
+
+TEST(MultiheadAttentionGrad, CrossAttentionSinksWithMasks) {
+  GradCase c{"cross_sinks_masks", with_sinks(config(4, 2, true, 3, 5)), 2, 3, 4, false};
+  c.kpm = c.attn_mask = true;
+  check_gradients(c, 22);
+}
+
+TEST(MultiheadAttentionGrad, SelfAttentionCausalWindowAlibi) {
+  GradCase c{"self_causal_window_alibi", config(4, 2), 2, 6, 6, true};
+  c.causal = c.alibi = true;
+  c.variants.window = {2, -1};
+  check_gradients(c, 23);
+}
+
+TEST(MultiheadAttentionGrad, SelfAttentionSoftcapWindowSinksTransform) {
+  GradCase c{"self_softcap_window_sinks", with_sinks(config(4, 2)), 2, 5, 5, true};
+  c.variants.softcap = 0.8;
+  c.variants.window = {1, 2};
+  c.transform = true;
+  check_gradients(c, 24);
+}
+
+TEST(MultiheadAttentionGrad, CrossAttentionEverythingWithOffset) {
+  GradCase c{"cross_everything_offset", with_sinks(config(5, 2, false, 3, 4, 3, 2)), 2, 3, 6, false};
+  c.causal = c.alibi = c.attn_bias = c.key_lengths = true;
+  c.variants.position_offset = 2;
+  c.variants.window = {2, 1};
+  c.variants.softcap = 2.0;
+  check_gradients(c, 25);
 }
 
 // The transform runs between projection and attention: the cache keeps the
