@@ -211,6 +211,60 @@ TEST(MultiheadAttentionGrad, CrossAttentionEverythingWithOffset) {
   check_gradients(c, 25);
 }
 
+// The float layer on the fused backend gives the double reference's
+// gradients with every variant on (sinks included).
+TEST(MultiheadAttentionGrad, FusedFloatMatchesReferenceWithVariants) {
+  std::mt19937_64 rng(26);
+  const MultiheadConfig cfg = with_sinks(config(8, 2));
+  MultiheadAttention<double> md(cfg, 1);
+  MultiheadAttention<float> mf(cfg, 1);
+  randomize(md, rng, 0.5);
+  for (const auto& name : md.parameter_names()) {
+    const Tensor<double>& p = md.parameter(name);
+    Tensor<float> f(p.shape());
+    for (size_t i = 0; i < p.size(); ++i) f[i] = float(p[i]);
+    if (p.rank() == 2)
+      mf.load_parameter(name, View2<const float>(f.data(), {f.dim(0), f.dim(1)}));
+    else
+      mf.load_parameter(name, View1<const float>(f.data(), {f.dim(0)}));
+  }
+  const int64_t B = 2, N = 37;
+  const Tensor<double> x = random_tensor<double>({B, N, 8}, rng), g = random_tensor<double>({B, N, 8}, rng);
+  Tensor<float> xf(x.shape()), gf(g.shape());
+  for (size_t i = 0; i < x.size(); ++i) xf[i] = float(x[i]), gf[i] = float(g[i]);
+  const double slopes_d[2] = {0.25, 0.0625};
+  const float slopes_f[2] = {0.25f, 0.0625f};
+  LayerCase c{"fused_variants", cfg, B, N, N, true};
+  c.causal = true;
+  c.variants.window = {9, 0};
+  c.variants.softcap = 3.0;
+  MhaOptions od = layer_options(c), of = layer_options(c);
+  od.sdpa.backend = attn::Backend::reference;
+  of.sdpa.backend = attn::Backend::fused;
+  MhaArgs<double> ad = inputs<double>(v3(x));
+  ad.alibi_slopes = View1<const double>(slopes_d, {2});
+  MhaArgs<float> af = inputs<float>(v3(std::as_const(xf)));
+  af.alibi_slopes = View1<const float>(slopes_f, {2});
+  MhaCache<double> cd;
+  MhaCache<float> cf;
+  Tensor<double> yd({B, N, 8}), dxd({B, N, 8});
+  Tensor<float> yf({B, N, 8}), dxf({B, N, 8});
+  md.forward(ad, {v3(yd)}, od, &cd);
+  mf.forward(af, {v3(yf)}, of, &cf);
+  md.zero_grad(), mf.zero_grad();
+  md.backward(cd, v3(g), {v3(dxd)});
+  mf.backward(cf, v3(std::as_const(gf)), {v3(dxf)});
+  auto close = [](const Tensor<float>& f, const Tensor<double>& d, const std::string& what) {
+    Tensor<double> fd(f.shape());
+    for (size_t i = 0; i < f.size(); ++i) fd[i] = double(f[i]);
+    const double mag = std::max(1.0, max_abs(View1<const double>(d.data(), {int64_t(d.size())})));
+    return all_close(fd, d, 2e-5 * mag * std::sqrt(double(N)), what);
+  };
+  EXPECT_TRUE(close(yf, yd, "out"));
+  EXPECT_TRUE(close(dxf, dxd, "dx"));
+  for (const auto& name : md.parameter_names()) EXPECT_TRUE(close(mf.grad(name), md.grad(name), "grad " + name));
+}
+
 // The transform runs between projection and attention: the cache keeps the
 // transformed q and k (what the attention saw) and the untouched v.
 TEST(MultiheadAttention, QkTransformSeesTheProjections) {
