@@ -51,7 +51,15 @@ $(PY_STAMP): | $(PYVENV)/bin/python
 	$(PIP) install $(PY_REQUIREMENTS)
 	touch $@
 
-python-install: deps $(PY_STAMP)
+# mpi4py, for attn.dist and its tests (tests/python/test_dist.py), when an MPI
+# is installed (scripts/install-deps.sh: Open MPI); without mpicc on PATH it is
+# left out and those tests say that they are skipped.
+PY_MPI_STAMP = $(PYVENV)/.mpi4py
+$(PY_MPI_STAMP): | $(PYVENV)/bin/python
+	@if command -v mpicc >/dev/null 2>&1; then $(PIP) install mpi4py && touch $@; \
+	else echo "mpi4py not installed: no MPI (mpicc) found; the attn.dist Python tests will be skipped"; fi
+
+python-install: deps $(PY_STAMP) $(PY_MPI_STAMP)
 	CMAKE_ARGS="$(if $(CCACHE),-DCMAKE_CXX_COMPILER_LAUNCHER=$(CCACHE)) $(CMAKE_FLAGS)" CMAKE_BUILD_PARALLEL_LEVEL=$(JOBS) \
 	  $(PIP) install --no-build-isolation --no-index .
 

@@ -44,6 +44,26 @@ std::vector<T> per_head(const std::vector<double>& v, int64_t H, const char* fla
   return std::vector<T>(d.begin(), d.end());
 }
 
+// The variant options into opt, and the per-head values for H heads into
+// slopes and sinks (which args then views).
+template <class T>
+void apply_variants(const SdpaOpts& o, int64_t H, SdpaOptions& opt, SdpaArgs<T>& args, std::vector<T>& slopes,
+                    std::vector<T>& sinks) {
+  if (!o.window.empty()) opt.window = {o.window[0], o.window[1]};
+  opt.softcap = o.softcap;
+  opt.position_offset = o.position_offset;
+  if (o.alibi) {
+    for (double s : alibi_slopes(H)) slopes.push_back(T(s));
+  } else if (!o.alibi_slopes.empty()) {
+    slopes = per_head<T>(o.alibi_slopes, H, "--alibi-slopes");
+  }
+  if (!slopes.empty()) args.alibi_slopes = View1<const T>(slopes.data(), {H});
+  if (!o.sinks.empty()) {
+    sinks = per_head<T>(o.sinks, H, "--sinks");
+    args.sinks = View1<const T>(sinks.data(), {H});
+  }
+}
+
 // An empty input (some axis of length 0) is named as such.
 void require_nonempty(const io::Array<double>& a, const std::string& flag, const std::string& path) {
   for (size_t i = 0; i < a.shape.size(); ++i)
@@ -121,20 +141,8 @@ void run_sdpa_typed(const SdpaOpts& o, const SdpaPaths& paths, const io::Array<d
   opt.check_finite = o.check_finite;
   opt.backend = parse_backend(o.backend);
   const int64_t B = qs[0], H = qs[1], L = qs[2], S = ks[2], Ev = vs[3];
-  if (!o.window.empty()) opt.window = {o.window[0], o.window[1]};
-  opt.softcap = o.softcap;
-  opt.position_offset = o.position_offset;
   std::vector<T> slopes, sinks;
-  if (o.alibi) {
-    for (double s : alibi_slopes(H)) slopes.push_back(T(s));
-  } else if (!o.alibi_slopes.empty()) {
-    slopes = per_head<T>(o.alibi_slopes, H, "--alibi-slopes");
-  }
-  if (!slopes.empty()) args.alibi_slopes = View1<const T>(slopes.data(), {H});
-  if (!o.sinks.empty()) {
-    sinks = per_head<T>(o.sinks, H, "--sinks");
-    args.sinks = View1<const T>(sinks.data(), {H});
-  }
+  apply_variants(o, H, opt, args, slopes, sinks);
   Backend used;
   std::vector<T> out, w, lse;
   View4<T> wv;
@@ -173,7 +181,9 @@ void run_sdpa_typed(const SdpaOpts& o, const SdpaPaths& paths, const io::Array<d
 void run_sdpa(const SdpaOpts& o) {
   if (!o.context_parallel.empty())
     return run_sdpa_context_parallel({o.q, o.k, o.v, o.out, o.lse, o.context_parallel, o.backend, o.scale, o.causal,
-                                      !o.mask.empty(), !o.weights.empty()});
+                                      !o.mask.empty(), !o.weights.empty(),
+                                      [&o](int64_t H, SdpaOptions& opt, SdpaArgs<float>& args, std::vector<float>& slopes,
+                                           std::vector<float>& sinks) { apply_variants(o, H, opt, args, slopes, sinks); }});
   // Every output path is checked before anything is read or computed.
   Outputs outputs;
   const SdpaPaths paths{outputs.add("--out", o.out), outputs.add("--weights", o.weights), outputs.add("--lse", o.lse)};

@@ -131,6 +131,10 @@ void run_sdpa_context_parallel(const ContextParallelSdpa& o) {
   if (o.scale != 0) opt.sdpa.scale = o.scale;
   opt.sdpa.causal = o.causal;
   opt.layout = lay;
+  std::vector<float> slopes, sinks;
+  on_every_rank([&] {
+    if (o.variants) o.variants(H, opt.sdpa, args, slopes, sinks);
+  });
   std::vector<float> out(size_t(B * H * Lr * Ev)), lse(size_t(B * H * Lr));
   View4<float> ov(out.data(), {B, H, Lr, Ev});
   View3<float> lv(lse.data(), {B, H, Lr});

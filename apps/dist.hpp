@@ -2,7 +2,12 @@
 // processes of mpirun (apps/dist.cpp, built when attn::dist is).
 #pragma once
 
+#include <cstdint>
+#include <functional>
 #include <string>
+#include <vector>
+
+#include "attn/sdpa.hpp"
 
 #include "common.hpp"
 
@@ -13,6 +18,10 @@ struct ContextParallelSdpa {
   double scale = 0;  // 0 = default
   bool causal = false;
   bool mask = false, weights = false;  // requested (refused: not supported across processes)
+  // Sets the variant options (window, softcap, position offset) and the
+  // per-head ALiBi slopes and sinks for H heads, as the single-process command does.
+  std::function<void(int64_t H, SdpaOptions&, SdpaArgs<float>&, std::vector<float>& slopes, std::vector<float>& sinks)>
+      variants;
 };
 
 #ifdef ATTN_HAVE_DIST

@@ -14,7 +14,10 @@
 //              path the dense call took before the decode kernel), float32
 // GB/s counts the K and V bytes once (B·Hkv·S·(E + Ev)·element size), the
 // minimum any exact kernel must read; "% bw" relates it to the measured read
-// bandwidth. GFLOP/s counts 4·E flops per visible (query, key) pair.
+// bandwidth (wall time against wall time). GB/cpu-s and "% cpu" do the same
+// per CPU-second of the threads (the rate had each thread its core to
+// itself): on a machine other processes load, the steadier pair. GFLOP/s
+// counts 4·E flops per visible (query, key) pair.
 #include <omp.h>
 #include <time.h>
 
@@ -171,21 +174,24 @@ int main(int argc, char** argv) {
     return 2;
   }
 
-  const double bw = attn_bench::read_bandwidth_gbs(threads, bw_mib << 20);
+  const attn_bench::ReadBandwidth rb = attn_bench::read_bandwidth_gbs(threads, bw_mib << 20);
+  const double bw = rb.wall, bw_cpu = rb.cpu;
   const double peak = attn_bench::fma_peak_gflops(threads, 0.3);
   nlohmann::json doc;
   doc["threads"] = threads;
   doc["read_bandwidth_gbs"] = bw;
+  doc["read_bandwidth_gbs_per_cpu_s"] = bw_cpu;
   doc["fma_peak_gflops"] = peak;
   doc["target"] = attn::detail::decode_target_name();
   doc["page"] = page;
   doc["rows"] = nlohmann::json::array();
   if (!quiet) {
-    std::printf("attn-decode-bench: %d threads, %s, read bandwidth %.1f GB/s, FMA peak %.0f GFLOP/s, %s cache\n",
-                threads, attn::detail::decode_target_name(), bw, peak,
+    std::printf("attn-decode-bench: %d threads, %s, read bandwidth %.1f GB/s (%.1f GB/cpu-s), FMA peak %.0f GFLOP/s, "
+                "%s cache\n",
+                threads, attn::detail::decode_target_name(), bw, bw_cpu, peak,
                 page ? ("paged (" + std::to_string(page) + " tokens/page)").c_str() : "contiguous");
-    std::printf("%-22s %-8s %-9s %9s %8s %6s %8s %8s %8s  %s\n", "B,H,Hkv,L,S,E", "dtype", "variant", "ms", "GB/s",
-                "% bw", "GB/cpu-s", "GFLOP/s", "vs dec", "check");
+    std::printf("%-22s %-8s %-9s %9s %8s %6s %8s %6s %8s %8s  %s\n", "B,H,Hkv,L,S,E", "dtype", "variant", "ms",
+                "GB/s", "% bw", "GB/cpu-s", "% cpu", "GFLOP/s", "vs dec", "check");
   }
   int status = 0;
   for (const Shape& s : shapes) {
@@ -234,13 +240,14 @@ int main(int argc, char** argv) {
       auto emit = [&](const char* variant, const Timing& t, const std::string& chk) {
         const double gbs = kv_bytes / t.wall * 1e-9, cpu_gbs = kv_bytes / (t.cpu / threads) * 1e-9;
         if (!quiet)
-          std::printf("%-22s %-8s %-9s %9.3f %8.1f %5.0f%% %8.1f %8.1f %7.2fx  %s\n", s.str().c_str(), dt.c_str(),
-                      variant, t.wall * 1e3, gbs, 100 * gbs / bw, cpu_gbs, fl / t.wall * 1e-9, t.wall / t_dec.wall,
-                      chk.c_str());
+          std::printf("%-22s %-8s %-9s %9.3f %8.1f %5.0f%% %8.1f %5.0f%% %8.1f %7.2fx  %s\n", s.str().c_str(),
+                      dt.c_str(), variant, t.wall * 1e3, gbs, 100 * gbs / bw, cpu_gbs, 100 * cpu_gbs / bw_cpu,
+                      fl / t.wall * 1e-9, t.wall / t_dec.wall, chk.c_str());
         std::fflush(stdout);
         doc["rows"].push_back({{"shape", {s.B, s.H, s.Hkv, s.L, s.S, s.E}}, {"dtype", dt}, {"variant", variant},
                                {"ms", t.wall * 1e3}, {"cpu_ms", t.cpu * 1e3}, {"kv_gbs", gbs},
                                {"kv_gbs_per_cpu_s", cpu_gbs}, {"pct_bandwidth", 100 * gbs / bw},
+                               {"pct_bandwidth_per_cpu_s", 100 * cpu_gbs / bw_cpu},
                                {"gflops", fl / t.wall * 1e-9}, {"reps", t.reps}, {"check", chk}});
       };
       emit("decode", t_dec, check);

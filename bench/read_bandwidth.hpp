@@ -6,6 +6,12 @@
 namespace attn_bench {
 // Best of `reps` passes in which `threads` threads each read their own slice
 // of a `bytes`-byte buffer (much larger than the caches) once with vector
-// loads; GB/s of wall time (1 GB = 1e9 bytes).
-double read_bandwidth_gbs(int threads, int64_t bytes, int reps = 5);
+// loads (1 GB = 1e9 bytes):
+//   wall  bytes / wall time of the pass
+//   cpu   bytes / (CPU time of the threads / threads): the rate had each
+//         thread its core to itself, steadier on a loaded machine
+struct ReadBandwidth {
+  double wall = 0, cpu = 0;
+};
+ReadBandwidth read_bandwidth_gbs(int threads, int64_t bytes, int reps = 5);
 }  // namespace attn_bench

@@ -1,9 +1,15 @@
-// Up-front checks of allocations whose size a request fixes (attn/detail/memory.hpp).
+// Up-front checks of allocations whose size a request fixes, and the
+// allocator of streamed buffers (attn/detail/memory.hpp).
 #include "attn/detail/memory.hpp"
 
 #include <unistd.h>
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 
 #include <cstdio>
+#include <algorithm>
+#include <cstdlib>
 
 #include "attn/error.hpp"
 
@@ -41,5 +47,19 @@ void check_fits_in_memory(uint64_t bytes, const std::string& what) {
   const std::string need = bytes == UINT64_MAX ? format_bytes(bytes) : std::to_string(bytes) + " bytes (" + format_bytes(bytes) + ")";
   throw InvalidArgument(what + " would need " + need + ", more than the " + format_bytes(phys) + " of memory of this machine");
 }
+
+void* allocate_streamed(std::size_t bytes) {
+  constexpr std::size_t huge = std::size_t(2) << 20;
+  const std::size_t align = bytes >= huge ? huge : 64;
+  const std::size_t size = (std::max<std::size_t>(bytes, 1) + align - 1) / align * align;  // aligned_alloc wants a multiple
+  void* p = std::aligned_alloc(align, size);
+  if (!p) throw std::bad_alloc();
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  if (align == huge) (void)::madvise(p, size, MADV_HUGEPAGE);  // a hint: refused = 4 KiB pages
+#endif
+  return p;
+}
+
+void free_streamed(void* p) noexcept { std::free(p); }
 
 }  // namespace attn::detail

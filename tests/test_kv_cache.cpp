@@ -1,12 +1,14 @@
 // The KV cache: appends (in pieces, across page boundaries) read back
 // exactly; float16/bfloat16 rounding to nearest even; pages taken from and
 // returned to the pool; block tables: sharing a prefix, and the argument
-// errors for bad tables, capacities and shapes.
+// errors for bad tables, capacities and shapes; the storage's allocator.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <random>
 
+#include "attn/detail/memory.hpp"
 #include "decode_case.hpp"
 #include "testing.hpp"
 
@@ -183,6 +185,25 @@ TEST(KVCache, ConfigAndAppendErrors) {
   EXPECT_TRUE(throws_with([&] { c.append(1, k2.view<3>(), k2.view<3>()); }, {"argument 'b' is 1"}));
   EXPECT_TRUE(throws_with([] { parse_kv_dtype("fp8"); }, {"fp8"}));
   EXPECT_EQ(parse_kv_dtype("bf16"), KVDtype::bfloat16);
+}
+
+// The storage's allocator: 2 MiB alignment (huge-page candidates) from
+// 2 MiB on, 64 bytes below; every byte writable and read back; a vector on
+// it zero-fills like any vector.
+TEST(KVCache, StreamedAllocatorAlignsAndHoldsItsBytes) {
+  for (const size_t bytes : {size_t(1), size_t(100), (size_t(2) << 20) - 1, size_t(2) << 20, (size_t(5) << 20) + 3}) {
+    auto* p = static_cast<unsigned char*>(detail::allocate_streamed(bytes));
+    const size_t align = bytes >= (size_t(2) << 20) ? size_t(2) << 20 : 64;
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(p) % align, 0u) << bytes << " bytes";
+    for (size_t i = 0; i < bytes; ++i) p[i] = static_cast<unsigned char>(i * 7);
+    size_t wrong = 0;
+    for (size_t i = 0; i < bytes; ++i) wrong += p[i] != static_cast<unsigned char>(i * 7);
+    EXPECT_EQ(wrong, 0u) << bytes << " bytes";
+    detail::free_streamed(p);
+  }
+  std::vector<float, detail::StreamedAllocator<float>> v(size_t(1) << 20, 0.0f);  // 4 MiB
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(v.data()) % (size_t(2) << 20), 0u);
+  EXPECT_EQ(std::count(v.begin(), v.end(), 0.0f), int64_t(v.size()));
 }
 
 }  // namespace

@@ -31,11 +31,16 @@
 // (attn/sdpa.hpp) with L and S replaced by the local lengths:
 //   q (B, H, L_r, E)  k (B, Hkv, S_r, E)  v (B, Hkv, S_r, Ev)
 //   outputs / saved: out (B, H, L_r, Ev), lse (B, H, L_r)
-// key_lengths (B) holds GLOBAL lengths (every rank passes the same values).
-// Supported options: scale, causal (top-left; with L = S for the ring),
-// key_lengths, GQA, E ≠ Ev, num_threads (per rank). Not supported (a clear
-// attn::Error): mask, bias, attention weights, causal bottom-right on the
-// ring, and float64 (the backward needs the fused float32 kernel).
+// key_lengths (B) holds GLOBAL lengths (every rank passes the same values),
+// and so do alibi_slopes (H) and sinks (H); dsinks (H) receives the whole
+// gradient on every rank.
+// Supported options: scale, causal (either alignment; L ≠ S), window,
+// position_offset (global positions: query row i of the whole sequence sits
+// at key position i + offset), softcap, alibi_slopes, sinks (and dsinks),
+// key_lengths, GQA, E ≠ Ev, num_threads (per rank). The ring skips the
+// blocks outside the causal/window band. Not supported (a clear
+// attn::Error): mask, bias, dbias, attention weights, and float64 (the
+// backward needs the fused float32 kernel).
 //
 // Every rank must call with the same global shapes and options; arguments
 // are validated on every rank and the verdict is shared (an MPI_Allreduce),
@@ -87,6 +92,7 @@ struct RingStats {
   double total_s = 0;    // the whole call
   int64_t bytes_sent = 0;
   int steps = 0;
+  int64_t blocks = 0;    // kernel calls on blocks (those outside the causal/window band are skipped)
 };
 
 // Ring attention, forward: writes outputs.out (and outputs.lse when given)

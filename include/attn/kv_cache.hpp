@@ -37,6 +37,7 @@
 #include <string_view>
 #include <vector>
 
+#include "attn/detail/memory.hpp"
 #include "attn/error.hpp"
 #include "attn/sdpa.hpp"
 #include "attn/tensor.hpp"
@@ -106,7 +107,7 @@ class KVCache {
   void write(int64_t b, int64_t t, int64_t n, const View3<const float>& k, const View3<const float>& v);
   KVCacheConfig cfg_;
   int64_t page_size_ = 0, num_pages_ = 0, table_width_ = 0, elem_ = 4;
-  std::vector<std::byte> kstore_, vstore_;
+  std::vector<std::byte, detail::StreamedAllocator<std::byte>> kstore_, vstore_;  // huge pages where possible
   std::vector<int64_t> len_;
   std::vector<int32_t> table_;  // B × table_width_, −1 = no page yet
   std::vector<int32_t> refs_;   // per page: how many table entries name it

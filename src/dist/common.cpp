@@ -16,8 +16,10 @@
 #include <cmath>
 #include <cstring>
 #include <sstream>
+#include <tuple>
 
 #include "dist/internal.hpp"
+#include "kernels/score_rules.hpp"
 
 namespace attn::dist {
 
@@ -111,11 +113,31 @@ void unshard(View3<const float> local, View3<float> full, int P, int r, Layout l
 
 namespace detail {
 
-int64_t local_key_length(const std::vector<Chunk>& chunks, int64_t prefix_chunks, int64_t n) {
+int64_t local_key_length(const std::vector<Chunk>& chunks, int64_t first, int64_t count, int64_t n) {
   int64_t s = 0;
-  for (int64_t c = 0; c < prefix_chunks; ++c)
+  for (int64_t c = first; c < first + count; ++c)
     s += std::clamp<int64_t>(n - chunks[size_t(c)].begin, 0, chunks[size_t(c)].length);
   return s;
+}
+
+void sink_gradient(MPI_Comm comm, const Geometry& g, View4<const float> dout, View4<const float> out,
+                   View3<const float> lse, View1<float> dsinks) {
+  std::vector<double> mine(size_t(g.H), 0.0), all(size_t(g.H) * size_t(g.P));
+  for (int64_t h = 0; h < g.H; ++h) {
+    const double sink = g.sinks[size_t(h)];
+    for (int64_t b = 0; sink != -INFINITY && b < g.B; ++b)
+      for (int64_t i = 0; i < out.shape[2]; ++i) {
+        double D = 0;  // D_i = dY_i · Y_i
+        for (int64_t e = 0; e < g.Ev; ++e) D += double(dout(b, h, i, e)) * double(out(b, h, i, e));
+        mine[size_t(h)] -= std::exp(sink - double(lse(b, h, i))) * D;  // the sink's weight times (0 − D_i)
+      }
+  }
+  MPI_Allgather(mine.data(), int(g.H), MPI_DOUBLE, all.data(), int(g.H), MPI_DOUBLE, comm);
+  for (int64_t h = 0; h < g.H; ++h) {
+    double acc = 0;
+    for (int p = 0; p < g.P; ++p) acc += all[size_t(p) * size_t(g.H) + size_t(h)];
+    dsinks(h) = float(acc);
+  }
 }
 
 void pack(View4<const float> v, int64_t h0, int64_t nh, int64_t i0, int64_t n, float* dst) {
@@ -187,6 +209,9 @@ SdpaOptions block_options(const Geometry& g, const DistOptions& opt) {
 
 namespace {
 
+// Position offsets beyond this are refused, as by the single-process call.
+constexpr int64_t kMaxOffset = int64_t(1) << 52;
+
 // The local checks of one rank; returns the first problem found ("" if none).
 struct LocalCheck {
   const char* fn;
@@ -217,7 +242,7 @@ struct LocalCheck {
              " (a broadcast view cannot be written)");
   }
   template <class T, int R>
-  void finite(const View<T, R>& v, const char* name) {
+  void finite(const View<T, R>& v, const char* name, const char* why = " (option check_finite)") {
     bool bad = false;
     std::array<int64_t, R> idx{};
     for (int64_t f = 0; f < v.numel() && !bad; ++f) {
@@ -229,7 +254,7 @@ struct LocalCheck {
         idx[size_t(i)] = 0;
       }
     }
-    if (bad) fail(std::string("argument '") + name + "' contains NaN or Inf (option check_finite)");
+    if (bad) fail(std::string("argument '") + name + "' contains NaN or Inf" + why);
   }
 };
 
@@ -289,9 +314,25 @@ Geometry validate(MPI_Comm comm, const char* fn, const Request& req) {
     c.fail("option 'scale' is " + std::to_string(*opt.sdpa.scale) + ", expected a finite value > 0");
   if (opt.sdpa.num_threads < 0)
     c.fail("option 'num_threads' is " + std::to_string(opt.sdpa.num_threads) + ", expected >= 0 (0 = default)");
-  if (ring && opt.sdpa.causal && opt.sdpa.causal_align != CausalAlign::top_left)
-    c.fail("option 'causal_align' is bottom_right; the ring supports top-left causal self-attention only "
-           "(bottom-right needs position offsets; use ulysses)");
+  for (const auto& [side, name] : {std::pair{opt.sdpa.window.left, "window.left"}, {opt.sdpa.window.right, "window.right"}})
+    if (side < -1) c.fail(std::string("option '") + name + "' is " + std::to_string(side) + ", expected >= 0 or -1 (unbounded)");
+  if (!std::isfinite(opt.sdpa.softcap) || opt.sdpa.softcap < 0)
+    c.fail("option 'softcap' is " + std::to_string(opt.sdpa.softcap) + ", expected a finite value > 0 (or 0 = off)");
+  if (opt.sdpa.position_offset && (*opt.sdpa.position_offset > kMaxOffset || *opt.sdpa.position_offset < -kMaxOffset))
+    c.fail("option 'position_offset' is " + std::to_string(*opt.sdpa.position_offset) + ", expected |offset| <= 2^52");
+  if (given(a.alibi_slopes)) {
+    c.present(a.alibi_slopes, "alibi_slopes");
+    c.shape(a.alibi_slopes, "alibi_slopes", {g.H}, "(H), one slope per query head");
+    if (c.ok()) c.finite(a.alibi_slopes, "alibi_slopes", ", expected finite slopes");
+  }
+  if (given(a.sinks)) {
+    c.present(a.sinks, "sinks");
+    c.shape(a.sinks, "sinks", {g.H}, "(H), one logit per query head");
+    for (int64_t h = 0; c.ok() && h < g.H; ++h)
+      if (std::isnan(a.sinks(h)) || a.sinks(h) == INFINITY)
+        c.fail("argument 'sinks' holds " + std::to_string(a.sinks(h)) + " at head " + std::to_string(h) +
+               ", expected a finite value or -inf (no sink)");
+  }
   if (!ring && c.ok() && (g.H % g.P != 0 || g.Hkv % g.P != 0))
     c.fail("ulysses needs H and Hkv divisible by the number of processes P = " + std::to_string(g.P) + ", got H = " +
            std::to_string(g.H) + ", Hkv = " + std::to_string(g.Hkv) + " (use the ring)");
@@ -321,6 +362,11 @@ Geometry validate(MPI_Comm comm, const char* fn, const Request& req) {
       c.writable(gr.dk, "dk");
       c.writable(gr.dv, "dv");
       if (!gr.dbias.empty()) c.fail("output 'dbias' is not supported across processes");
+      if (given(gr.dsinks)) {
+        if (!given(a.sinks)) c.fail("output 'dsinks' was requested but no 'sinks' were given");
+        c.shape(gr.dsinks, "dsinks", {g.H}, "(H), the shape of 'sinks'");
+        c.writable(gr.dsinks, "dsinks");
+      }
     }
   }
   if (c.ok() && opt.sdpa.check_finite) {
@@ -336,20 +382,27 @@ Geometry validate(MPI_Comm comm, const char* fn, const Request& req) {
   g.threads = opt.sdpa.num_threads > 0 ? opt.sdpa.num_threads : omp_get_max_threads();
   g.saved = backward && given(req.out) && given(req.lse);
   g.lse_given = !backward && given(req.lse);
-  constexpr int kFields = 14;
-  const int64_t scale_bits = [&] {
+  g.dsinks = backward && given(req.grads->dsinks);
+  auto bits = [](double x) {
     int64_t b = 0;
-    std::memcpy(&b, &g.scale, sizeof b);
+    std::memcpy(&b, &x, sizeof b);
     return b;
-  }();
+  };
+  constexpr int kFields = 22;
   const std::array<int64_t, kFields> mine{g.B, g.H, g.Hkv, g.E, g.Ev, Lr, Sr, int64_t(opt.sdpa.causal),
                                           int64_t(opt.sdpa.causal_align), int64_t(opt.layout),
-                                          int64_t(!a.key_lengths.empty()), scale_bits, int64_t(g.saved),
-                                          int64_t(g.lse_given)};
+                                          int64_t(!a.key_lengths.empty()), bits(g.scale), int64_t(g.saved),
+                                          int64_t(g.lse_given), opt.sdpa.window.left, opt.sdpa.window.right,
+                                          bits(opt.sdpa.softcap), int64_t(opt.sdpa.position_offset.has_value()),
+                                          opt.sdpa.position_offset.value_or(0), int64_t(given(a.alibi_slopes)),
+                                          int64_t(given(a.sinks)), int64_t(g.dsinks)};
   std::vector<int64_t> all(size_t(kFields) * size_t(g.P));
   MPI_Allgather(mine.data(), kFields, MPI_INT64_T, all.data(), kFields, MPI_INT64_T, comm);
   const char* names[kFields] = {"B", "H", "Hkv", "E", "Ev", "", "", "causal", "causal_align", "layout",
-                                "key_lengths given", "scale", "whether the saved out and lse were given", "whether an lse output was given"};
+                                "key_lengths given", "scale", "whether the saved out and lse were given",
+                                "whether an lse output was given", "window.left", "window.right", "softcap",
+                                "whether position_offset was given", "position_offset", "whether alibi_slopes were given",
+                                "whether sinks were given", "whether dsinks was asked for"};
   for (int p = 0; p < g.P; ++p) {
     const int64_t* o = &all[size_t(p) * kFields];
     for (int f = 0; f < kFields; ++f)
@@ -374,9 +427,32 @@ Geometry validate(MPI_Comm comm, const char* fn, const Request& req) {
   if (g.L < 1 || g.S < 1)
     throw InvalidArgument(std::string("attn::dist::") + fn + ": the global lengths are L = " + std::to_string(g.L) +
                 ", S = " + std::to_string(g.S) + ", expected both >= 1");
-  if (ring && opt.sdpa.causal && g.L != g.S)
-    throw InvalidArgument(std::string("attn::dist::") + fn + ": causal ring attention needs L = S (self-attention), got L = " +
-                std::to_string(g.L) + ", S = " + std::to_string(g.S));
+  // Block offsets add chunk starts to the global offset; they must stay in the kernel's range.
+  if (opt.sdpa.position_offset && std::abs(*opt.sdpa.position_offset) > kMaxOffset - g.L - g.S)
+    throw InvalidArgument(std::string("attn::dist::") + fn + ": option 'position_offset' is " +
+                          std::to_string(*opt.sdpa.position_offset) + ", expected |offset| <= 2^52 - L - S = " +
+                          std::to_string(kMaxOffset - g.L - g.S) + " (the blocks' offsets add chunk starts)");
+  // The position rule, resolved once on the global lengths (as the single-process call does).
+  g.offset = attn::detail::rules::query_offset(opt.sdpa.position_offset ? &*opt.sdpa.position_offset : nullptr,
+                                         opt.sdpa.causal_align == CausalAlign::bottom_right, g.L, g.S);
+  const int64_t reach = g.L + g.S + std::abs(g.offset);  // a window side this long sees every key
+  g.window_left = opt.sdpa.window.left >= reach ? -1 : opt.sdpa.window.left;
+  g.window_right = opt.sdpa.window.right >= reach ? -1 : opt.sdpa.window.right;
+  if (opt.sdpa.causal) g.window_right = 0;  // causal is the window's right side 0 (the tighter of the two)
+  g.positional = g.window_left >= 0 || g.window_right >= 0 || given(a.alibi_slopes);
+  // Per-head values must agree bit for bit (one gather for both).
+  for (const auto& [view, vec, name] : {std::tuple{&a.alibi_slopes, &g.alibi_slopes, "alibi_slopes"},
+                                        std::tuple{&a.sinks, &g.sinks, "sinks"}}) {
+    if (!given(*view)) continue;
+    std::vector<float> mine_h(size_t(g.H)), all_h(size_t(g.H) * size_t(g.P));
+    for (int64_t h = 0; h < g.H; ++h) mine_h[size_t(h)] = (*view)(h);
+    MPI_Allgather(mine_h.data(), int(g.H), MPI_FLOAT, all_h.data(), int(g.H), MPI_FLOAT, comm);
+    for (int p = 1; p < g.P; ++p)
+      if (std::memcmp(&all_h[size_t(p) * size_t(g.H)], all_h.data(), size_t(g.H) * sizeof(float)) != 0)
+        throw InvalidArgument(std::string("attn::dist::") + fn + ": ranks disagree on " + name + " (rank " +
+                              std::to_string(p) + " differs from rank 0); pass the same values everywhere");
+    *vec = mine_h;
+  }
   if (!a.key_lengths.empty()) {
     std::vector<int64_t> kl(size_t(g.B)), klall(size_t(g.B) * size_t(g.P));
     for (int64_t b = 0; b < g.B; ++b) kl[size_t(b)] = a.key_lengths(b);

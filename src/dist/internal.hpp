@@ -22,6 +22,15 @@ struct Geometry {
   std::vector<std::vector<Chunk>> qc, kc;    // [rank] -> chunks
   std::vector<int64_t> Lr, Sr;               // [rank] -> local lengths
   std::vector<int64_t> key_lengths;          // global, empty when not given
+  // The position rule (kernels/score_rules.hpp) of the whole problem: query
+  // row i of the global sequence sits at key position i + offset. `positional`
+  // when a rule reads positions (causal, a window side, ALiBi); otherwise
+  // every visible key is visible to every query and blocks need no offsets.
+  int64_t offset = 0;
+  int64_t window_left = -1, window_right = -1;  // clamped: a side >= L + S + |offset| is unbounded
+  bool positional = false;
+  std::vector<float> alibi_slopes, sinks;    // (H), agreed by every rank; empty when not given
+  bool dsinks = false;                       // backward: the sinks' gradient was asked for
   double scale = 1.0;
   int threads = 0;
   bool saved = false;                        // backward: the forward's out and lse were given
@@ -55,10 +64,18 @@ bool given(const View<T, R>& v) {
 // every rank when any rank's arguments are bad (so no rank is left waiting).
 Geometry validate(MPI_Comm comm, const char* fn, const Request& req);
 
-// Number of local keys (in this chunk list) with global position < n:
-// key padding restricted to a shard, which stays a prefix of the local rows
-// because chunks are stored in increasing order.
-int64_t local_key_length(const std::vector<Chunk>& chunks, int64_t prefix_chunks, int64_t n);
+// Number of keys of chunks [first, first + count) of a chunk list with
+// global position < n: key padding restricted to consecutive chunks of a
+// shard, which stays a prefix of their rows because chunks are stored in
+// increasing order.
+int64_t local_key_length(const std::vector<Chunk>& chunks, int64_t first, int64_t count, int64_t n);
+
+// The ring's sinks gradient: d(sink_h) = −Σ_{b,i} exp(sink_h − lse_i)·D_i,
+// D_i = Σ_e dY_ie·Y_ie (kernels/score_rules.hpp) over the global rows, from
+// the global out and lse of this rank's rows, summed in double over the
+// ranks in rank order; the same (H) values are written on every rank.
+void sink_gradient(MPI_Comm comm, const Geometry& g, View4<const float> dout, View4<const float> out,
+                   View3<const float> lse, View1<float> dsinks);
 
 // Copies heads [h0, h0 + nh) and local rows [i0, i0 + n) of v (B, ·, ·, F)
 // into dst as a contiguous (B, nh, n, F) block, and back (overwriting / adding).

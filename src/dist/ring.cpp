@@ -10,17 +10,27 @@
 // log-sum-exp; the partials of a query row are merged by attn::merge_attention
 // in step order, so the result does not depend on timing.
 //
-// Causal masking on shards. A shard is a list of chunks of the global
-// sequence (attn/dist.hpp), stored in increasing order. A query chunk sees a
-// key chunk fully when the key chunk is earlier, not at all when it is later,
-// and causally (a square, since L = S) when it is the same chunk. The keys a
-// query chunk sees in a shard are therefore a prefix of that shard's rows:
-// the earlier chunks, then possibly its own chunk last; that prefix is one
-// call with bottom-right causal alignment (query i of the chunk sees the
-// S' − L' earlier keys and the first i + 1 of its own), or a plain call when
-// the own chunk is not in it. Blocks that are entirely later are skipped. The
-// zig-zag layout (rank r holds chunks r and 2P − 1 − r) gives every rank the
-// same work; key padding restricted to a shard stays a prefix too.
+// Positions on shards. A shard is a list of chunks of the global sequence
+// (attn/dist.hpp), stored in increasing order. The dense call's one position
+// rule (kernels/score_rules.hpp: query row i sits at key position
+// i + offset) carries over block by block: a block of query chunk qc
+// (global rows from qb) against key chunk kc (global keys from kb) is an
+// ordinary call with position_offset = offset + qb − kb, so causal of either
+// alignment, windows, ALiBi and L ≠ S need nothing else. For each pair the
+// global band classifies the block (Band::classify, in O(rows)): empty
+// blocks (entirely outside the causal/window band, or past every key
+// length) are skipped, their shard still forwarded; consecutive key chunks
+// of a shard join one call when they are adjacent in the global sequence
+// (one offset fits both) or when both are fully visible and no ALiBi reads
+// their positions (a plain call). When no rule reads positions at all
+// (no causal, window or ALiBi) every step is one call for all local rows.
+// Soft-capping is per score and applies inside every block. A query chunk
+// that no block reaches sees no key: output 0, lse −inf. The sinks join
+// each row's denominator once, after the last step: a merge with a part of
+// output 0 and lse = sink_h. Key padding restricted to consecutive chunks of
+// a shard stays a suffix of their rows (Σ clamp(key_len − chunk start, 0,
+// chunk length)). The zig-zag layout (rank r holds chunks r and 2P − 1 − r)
+// gives every rank the same causal work.
 //
 // Backward. The saved global out and lse of the local queries are what the
 // fused backward needs per block: it recomputes P = exp(S − lse), which with
@@ -30,7 +40,9 @@
 // dK/dV of a shard travel with it: at each step the holder adds its block's
 // contribution to the accumulator that came with the shard and sends it on;
 // after P steps it arrives back at its owner, summed in the fixed order
-// o, o + 1, …, o + P − 1. Results are bitwise reproducible for a fixed P,
+// o, o + 1, …, o + P − 1. The blocks do not see the sinks (the global lse
+// already holds them); their gradient is summed from each rank's rows and
+// gathered (detail::sink_gradient). Results are bitwise reproducible for a fixed P,
 // layout and thread count.
 //
 // Traffic per step: one shard of K and V, B·Hkv·(S/P)·(E + Ev) floats, in the
@@ -38,9 +50,12 @@
 // rank: two K/V buffers (and three dK/dV accumulators in the backward) of
 // one shard each, plus one block's output.
 #include <algorithm>
+#include <cmath>
+#include <utility>
 
 #include "attn/merge.hpp"
 #include "dist/internal.hpp"
+#include "kernels/score_rules.hpp"
 
 namespace attn::dist {
 namespace {
@@ -67,42 +82,77 @@ int64_t max_shard_floats(const Geometry& g) {
   return m;
 }
 
-// One block call: local query rows [i0, i0 + n) against the first s keys of
-// owner o's shard (its first `kchunks` chunks); `diag` = the last of those
-// chunks is the query chunk itself (bottom-right causal).
+// One block call: local query rows [i0, i0 + n) against keys [s0, s0 + s)
+// of owner o's shard, which are its chunks [first, first + count).
+// `positional`: the call applies the position rules with query row 0 of the
+// block at key position `offset` of the block; otherwise every key of the
+// block is visible to every row as far as positions go (a plain call).
 struct Task {
-  int64_t i0 = 0, n = 0, s = 0, kchunks = 0;
-  bool diag = false;
+  int64_t i0 = 0, n = 0, s0 = 0, s = 0, first = 0, count = 0;
+  bool positional = false, contiguous = true;  // contiguous: the chunks are adjacent in the global sequence
+  int64_t offset = 0;
 };
 
-std::vector<Task> tasks(const Geometry& g, int o, bool causal) {
+// The block calls of this rank against owner o's shard, in a fixed order
+// (the shape decides them, never the timing or the threads).
+std::vector<Task> tasks(const Geometry& g, int o) {
   std::vector<Task> t;
   const auto& kcs = g.kc[size_t(o)];
-  if (!causal) {
+  if (!g.positional) {  // no rule reads positions: one call for all local rows
     if (g.Lr[size_t(g.r)] > 0 && g.Sr[size_t(o)] > 0)
-      t.push_back({0, g.Lr[size_t(g.r)], g.Sr[size_t(o)], int64_t(kcs.size()), false});
+      t.push_back({0, g.Lr[size_t(g.r)], 0, g.Sr[size_t(o)], 0, int64_t(kcs.size()), false, false, 0});
     return t;
   }
+  int64_t key_end = g.S;  // keys at or past the longest key length are masked everywhere
+  if (!g.key_lengths.empty()) key_end = *std::max_element(g.key_lengths.begin(), g.key_lengths.end());
+  const bool alibi = !g.alibi_slopes.empty();
+  // The global band: rows and keys in global positions.
+  namespace rules = attn::detail::rules;
+  const rules::Band band = rules::Band::make(g.offset, g.window_left, g.window_right, false, g.S);
   int64_t i0 = 0;
   for (const Chunk& qc : g.qc[size_t(g.r)]) {
-    Task k{i0, qc.length, 0, 0, false};
-    for (const Chunk& kc : kcs) {
-      if (kc.index > qc.index) break;
-      k.s += kc.length;
-      ++k.kchunks;
-      k.diag = kc.index == qc.index;
+    int64_t s0 = 0;
+    bool open = false;  // whether t.back() may take the next chunk
+    for (size_t ci = 0; ci < kcs.size(); ++ci) {
+      const Chunk& kc = kcs[ci];
+      using rules::Tile;
+      const Tile tile = qc.length == 0 || kc.length == 0 || kc.begin >= key_end
+                            ? Tile::empty
+                            : band.classify(qc.begin, qc.length, kc.begin, kc.length);
+      if (tile == Tile::empty) {
+        open = false;
+      } else {
+        const bool plain = tile == Tile::full && !alibi;
+        Task* last = open ? &t.back() : nullptr;
+        const Chunk* prev = last ? &kcs[ci - 1] : nullptr;
+        const bool adjacent = prev && prev->begin + prev->length == kc.begin;
+        if (last && ((last->contiguous && adjacent) || (!last->positional && plain))) {
+          // Joins the previous call: globally adjacent keys keep one offset;
+          // fully visible keys need none.
+          last->s += kc.length;
+          ++last->count;
+          last->contiguous = last->contiguous && adjacent;
+          last->positional = last->positional || !plain;
+        } else {
+          t.push_back({i0, qc.length, s0, kc.length, int64_t(ci), 1, !plain, true, g.offset + qc.begin - kc.begin});
+        }
+        open = true;
+      }
+      s0 += kc.length;
     }
-    if (k.n > 0 && k.s > 0) t.push_back(k);
     i0 += qc.length;
   }
   return t;
 }
 
-int64_t max_rows(const Geometry& g) {
-  int64_t m = 0;
-  for (int o = 0; o < g.P; ++o)
-    for (const Task& t : tasks(g, o, true)) m = std::max(m, t.n);
-  return std::max(m, g.Lr[size_t(g.r)]);
+// The row groups the tasks write whole: every local row (a plain ring), or
+// each query chunk; (first row, rows).
+std::vector<std::pair<int64_t, int64_t>> row_groups(const Geometry& g) {
+  if (!g.positional) return {{0, g.Lr[size_t(g.r)]}};
+  std::vector<std::pair<int64_t, int64_t>> v;
+  int64_t i0 = 0;
+  for (const Chunk& qc : g.qc[size_t(g.r)]) v.emplace_back(i0, qc.length), i0 += qc.length;
+  return v;
 }
 
 // The arguments of one block call (views into the local queries and owner o's shard).
@@ -116,15 +166,21 @@ void make_call(BlockCall& bc, const Geometry& g, const SdpaArgs<float>& local, c
                float* kv, const Task& t) {
   bc.args = SdpaArgs<float>{};
   bc.args.q = rows(local.q, t.i0, t.n);
-  bc.args.k = rows(View4<const float>(shard_k(g, o, kv)), 0, t.s);
-  bc.args.v = rows(View4<const float>(shard_v(g, o, kv)), 0, t.s);
+  bc.args.k = rows(View4<const float>(shard_k(g, o, kv)), t.s0, t.s);
+  bc.args.v = rows(View4<const float>(shard_v(g, o, kv)), t.s0, t.s);
   bc.opt = base;
-  bc.opt.causal = t.diag;
-  bc.opt.causal_align = CausalAlign::bottom_right;
+  bc.opt.causal = false;  // folded into the window (right side 0)
+  bc.opt.window = {-1, -1};
+  bc.opt.position_offset.reset();
+  if (t.positional) {
+    bc.opt.window = {g.window_left, g.window_right};
+    bc.opt.position_offset = t.offset;
+    if (!g.alibi_slopes.empty()) bc.args.alibi_slopes = View1<const float>(g.alibi_slopes.data(), {g.H});
+  }
   bc.key_lengths.clear();
   if (!g.key_lengths.empty()) {
     for (int64_t b = 0; b < g.B; ++b)
-      bc.key_lengths.push_back(detail::local_key_length(g.kc[size_t(o)], t.kchunks, g.key_lengths[size_t(b)]));
+      bc.key_lengths.push_back(detail::local_key_length(g.kc[size_t(o)], t.first, t.count, g.key_lengths[size_t(b)]));
     bc.args.key_lengths = View1<const int64_t>(bc.key_lengths.data(), {g.B});
   }
 }
@@ -170,7 +226,7 @@ void ring_attention(MPI_Comm comm, const SdpaArgs<float>& args, const SdpaOutput
   const int64_t cap = std::max<int64_t>(max_shard_floats(g), 1);
   std::vector<float> cur(static_cast<size_t>(cap)), nxt(static_cast<size_t>(cap));
   pack_shard(g, args, cur.data());
-  const int64_t mr = std::max<int64_t>(max_rows(g), 1);
+  const int64_t mr = std::max<int64_t>(Lr, 1);
   Tensor<float> tmp_out({g.B, g.H, mr, g.Ev}), tmp_lse({g.B, g.H, mr});
   std::vector<char> filled(size_t(std::max<int64_t>(Lr, 1)), 0);
   RingStats st;
@@ -184,8 +240,9 @@ void ring_attention(MPI_Comm comm, const SdpaArgs<float>& args, const SdpaOutput
       st.bytes_sent += 4 * shard_floats(g, o);
     }
     const double t0 = MPI_Wtime();
-    for (const Task& t : tasks(g, o, opt.sdpa.causal)) {
+    for (const Task& t : tasks(g, o)) {
       make_call(bc, g, args, base, o, cur.data(), t);
+      ++st.blocks;
       View4<float> o_rows = rows(out, t.i0, t.n);
       View3<float> l_rows = rows(lse, t.i0, t.n);
       if (!filled[size_t(t.i0)]) {  // the first block these rows see writes them directly
@@ -203,8 +260,27 @@ void ring_attention(MPI_Comm comm, const SdpaArgs<float>& args, const SdpaOutput
     st.wait_s += wait(reqs);
     std::swap(cur, nxt);
   }
-  // Every row was written: a causal query chunk sees its own chunk at step
-  // 0, and a non-causal row sees every shard, one of which is non-empty.
+  const double t1 = MPI_Wtime();
+  // Rows no block reached (every key outside their band) see no key: out 0, lse −inf.
+  for (const auto& [i0, n] : row_groups(g))
+    if (n > 0 && !filled[size_t(i0)]) {
+      View4<float> ov = rows(out, i0, n);
+      View3<float> lv = rows(lse, i0, n);
+      for (int64_t b = 0; b < g.B; ++b)
+        for (int64_t h = 0; h < g.H; ++h)
+          for (int64_t i = 0; i < n; ++i) {
+            lv(b, h, i) = -INFINITY;
+            for (int64_t e = 0; e < g.Ev; ++e) ov(b, h, i, e) = 0.0f;
+          }
+    }
+  // The sinks join each row's denominator once: a merge with a part of
+  // output 0 and lse = sink_h (a broadcast view of the (H) values).
+  if (!g.sinks.empty() && Lr > 0) {
+    const float zero = 0.0f;
+    merge_attention(out, lse, View4<const float>(&zero, {g.B, g.H, Lr, g.Ev}, {0, 0, 0, 0}),
+                    View3<const float>(g.sinks.data(), {g.B, g.H, Lr}, {0, 1, 0}));
+  }
+  st.compute_s += MPI_Wtime() - t1;
   st.steps = g.P;
   st.total_s = MPI_Wtime() - t_start;
   if (stats) *stats = st;
@@ -240,7 +316,7 @@ void ring_attention_backward(MPI_Comm comm, const SdpaArgs<float>& args, View4<c
   std::vector<float> acc[3] = {std::vector<float>(static_cast<size_t>(cap)), std::vector<float>(static_cast<size_t>(cap)),
                                std::vector<float>(static_cast<size_t>(cap))};
   pack_shard(g, args, cur.data());
-  const int64_t mr = std::max<int64_t>(max_rows(g), 1);
+  const int64_t mr = std::max<int64_t>(Lr, 1);
   Tensor<float> dq_acc({g.B, g.H, std::max<int64_t>(Lr, 1), g.E}), dq_tmp({g.B, g.H, mr, g.E});
   const int64_t l1 = std::max<int64_t>(Lr, 1);
   const View4<float> dq_all(dq_acc.data(), {g.B, g.H, Lr, g.E}, {g.H * l1 * g.E, l1 * g.E, g.E, 1});
@@ -264,17 +340,18 @@ void ring_attention_backward(MPI_Comm comm, const SdpaArgs<float>& args, View4<c
     const double t0 = MPI_Wtime();
     const int64_t nf = shard_floats(g, o);
     std::fill(blk.begin(), blk.begin() + nf, 0.0f);
-    for (const Task& t : tasks(g, o, opt.sdpa.causal)) {
+    for (const Task& t : tasks(g, o)) {
       make_call(bc, g, args, base, o, cur.data(), t);
+      ++st.blocks;
       SdpaGrads<float> bg;
       bg.dq = View4<float>(dq_tmp.data(), {g.B, g.H, t.n, g.E}, {g.H * mr * g.E, mr * g.E, g.E, 1});
-      bg.dk = rows(shard_k(g, o, tmp.data()), 0, t.s);
-      bg.dv = rows(shard_v(g, o, tmp.data()), 0, t.s);
+      bg.dk = rows(shard_k(g, o, tmp.data()), t.s0, t.s);
+      bg.dv = rows(shard_v(g, o, tmp.data()), t.s0, t.s);
       const SdpaSaved<float> sv{View4<const float>(rows(out, t.i0, t.n)), rows(lse, t.i0, t.n)};
       scaled_dot_product_attention_backward(bc.args, View4<const float>(rows(dout, t.i0, t.n)), sv, bg, bc.opt);
       add_into(rows(dq_all, t.i0, t.n), View4<const float>(bg.dq));  // dQ: summed over steps in order
-      add_into(rows(shard_k(g, o, blk.data()), 0, t.s), View4<const float>(bg.dk));
-      add_into(rows(shard_v(g, o, blk.data()), 0, t.s), View4<const float>(bg.dv));
+      add_into(rows(shard_k(g, o, blk.data()), t.s0, t.s), View4<const float>(bg.dk));
+      add_into(rows(shard_v(g, o, blk.data()), t.s0, t.s), View4<const float>(bg.dv));
       progress(kv_reqs);
       progress(grad_recv);
     }
@@ -297,6 +374,7 @@ void ring_attention_backward(MPI_Comm comm, const SdpaArgs<float>& args, View4<c
   detail::unpack(home, grads.dk, 0, g.Hkv, 0, Sr);
   detail::unpack(home + g.B * g.Hkv * Sr * g.E, grads.dv, 0, g.Hkv, 0, Sr);
   add_into(grads.dq, View4<const float>(dq_all), false);
+  if (g.dsinks) detail::sink_gradient(c, g, dout, out, lse, grads.dsinks);
   st.steps = g.P;
   st.total_s = MPI_Wtime() - t_start;
   if (stats) *stats = st;

@@ -8,7 +8,9 @@
 // single-process call on whole sequences, and a second all-to-all sends the
 // output rows back to their shards. Nothing about the attention changes, so
 // every option of the dense call that does not need the whole L×S matrix on
-// one rank works: causal of either alignment, L ≠ S, key padding.
+// one rank works: causal of either alignment, L ≠ S, key padding, windows,
+// position offsets, soft-capping, and ALiBi slopes and sinks (sliced to the
+// rank's heads; the sinks' gradient is gathered back to all H on every rank).
 //
 // Traffic: each rank sends (P − 1)/P of its shard of q, k, v (and receives
 // as much) and the same of the output; the backward sends q, k, v, dY, Y and
@@ -148,6 +150,10 @@ SdpaArgs<float> head_args(const Geometry& g, Tensor<float>& q, Tensor<float>& k,
   a.k = k.view4();
   a.v = v.view4();
   if (!g.key_lengths.empty()) a.key_lengths = View1<const int64_t>(g.key_lengths.data(), {g.B});
+  // Per-head arguments: this rank's heads [r·H/P, (r+1)·H/P) only.
+  const int64_t hp = g.H / g.P;
+  if (!g.alibi_slopes.empty()) a.alibi_slopes = View1<const float>(g.alibi_slopes.data() + g.r * hp, {hp});
+  if (!g.sinks.empty()) a.sinks = View1<const float>(g.sinks.data() + g.r * hp, {hp});
   return a;
 }
 
@@ -210,8 +216,14 @@ void ulysses_attention_backward(MPI_Comm comm, const SdpaArgs<float>& args, View
   hg.dv = dv.view4();
   SdpaSaved<float> hs;
   if (saved) hs = {View4<const float>(y.view4()), View3<const float>(l.data(), {g.B, hp, g.L})};
+  std::vector<float> ds_mine(static_cast<size_t>(hp)), ds_all(static_cast<size_t>(g.H));
+  if (g.dsinks) hg.dsinks = View1<float>(ds_mine.data(), {hp});
   scaled_dot_product_attention_backward(head_args(g, q, k, v), View4<const float>(dy.view4()), hs, hg,
                                         head_options(g, opt));
+  if (g.dsinks) {  // each rank has its heads' whole gradient: gathered in head order
+    MPI_Allgather(ds_mine.data(), int(hp), MPI_FLOAT, ds_all.data(), int(hp), MPI_FLOAT, dup.get());
+    for (int64_t h = 0; h < g.H; ++h) grads.dsinks(h) = ds_all[size_t(h)];
+  }
   from_heads(g, dup.get(), {{grads.dq, v4(dq), false}, {grads.dk, v4(dk), true}, {grads.dv, v4(dv), true}});
 }
 

@@ -4,13 +4,17 @@
 // single-process fused result itself (the oracle), shards the inputs by the
 // layout, runs the distributed call and compares its own shard of the
 // outputs and gradients with the oracle's. Cases: causal and not, GQA, L ≠ S
-// (sharded keys), lengths not divisible by P or 2P (down to empty chunks),
+// (sharded keys, causal of both alignments, position offsets), windows
+// narrower and wider than a shard, ALiBi, soft-capping, sinks (and their
+// gradient), blocks outside the band skipped, lengths not divisible by P or 2P (down to empty chunks),
 // key padding that masks a rank's whole shard or a whole batch row, NaN
 // inputs; the ring against a rank whose blocks are all −inf partials (the
 // merge is exact there); bitwise repeatability; errors agreed on all ranks.
 #include <mpi.h>
 
+#include <cmath>
 #include <cstring>
+#include <optional>
 #include <limits>
 #include <random>
 
@@ -54,12 +58,43 @@ struct Case {
   std::vector<int64_t> key_lengths;  // global; empty = none
   bool nan_in_v = false;             // one NaN value element (global key row S / 2)
   bool nan_in_k = false;             // one NaN key element (global key row S / 2)
+  // Variants (docs/variants.md), applied identically by the oracle.
+  bool bottom_right = false;
+  std::optional<int64_t> position_offset;
+  attn::Window window;
+  double softcap = 0;
+  bool alibi = false;  // slopes 2^(-8(h+1)/H)
+  bool sinks = false;  // per-head logits, one of them -inf (no sink)
   uint64_t seed = 1;
+  std::vector<float> slopes() const {
+    std::vector<float> s;
+    for (int64_t h = 0; alibi && h < H; ++h) s.push_back(float(std::exp2(-8.0 * double(h + 1) / double(H))));
+    return s;
+  }
+  std::vector<float> sink_values() const {
+    std::vector<float> s;
+    for (int64_t h = 0; sinks && h < H; ++h)
+      s.push_back(h == 1 ? -std::numeric_limits<float>::infinity() : 0.5f * float(h) - 0.25f);
+    return s;
+  }
+  SdpaOptions options() const {
+    SdpaOptions o;
+    o.causal = causal;
+    o.causal_align = bottom_right ? attn::CausalAlign::bottom_right : attn::CausalAlign::top_left;
+    o.position_offset = position_offset;
+    o.window = window;
+    o.softcap = softcap;
+    o.backend = Backend::fused;
+    return o;
+  }
   std::string label() const {
     std::ostringstream os;
     os << "B" << B << " H" << H << " Hkv" << Hkv << " L" << L << " S" << S << " E" << E << " Ev" << Ev
        << (causal ? " causal" : "") << " " << attn::dist::layout_name(layout) << (key_lengths.empty() ? "" : " kl")
-       << (nan_in_v ? " nan_v" : "") << (nan_in_k ? " nan_k" : "") << " P" << size_() << " rank" << rank_();
+       << (nan_in_v ? " nan_v" : "") << (nan_in_k ? " nan_k" : "") << (bottom_right ? " bottom_right" : "")
+       << (position_offset ? " offset" + std::to_string(*position_offset) : "") << " window(" << window.left << ","
+       << window.right << ")" << (softcap > 0 ? " softcap" : "") << (alibi ? " alibi" : "") << (sinks ? " sinks" : "")
+       << " P" << size_() << " rank" << rank_();
     return os.str();
   }
 };
@@ -67,7 +102,14 @@ struct Case {
 // The full problem and its single-process fused results (forward and backward).
 struct Full {
   Tensor<float> q, k, v, dout, out, lse, dq, dk, dv;
+  std::vector<float> slopes, sinks, dsinks;
 };
+
+// The variant arguments of a case (views of `slopes` and `sinks`).
+void add_variants(SdpaArgs<float>& a, const std::vector<float>& slopes, const std::vector<float>& sinks) {
+  if (!slopes.empty()) a.alibi_slopes = View1<const float>(slopes.data(), {int64_t(slopes.size())});
+  if (!sinks.empty()) a.sinks = View1<const float>(sinks.data(), {int64_t(sinks.size())});
+}
 
 Full oracle(const Case& c) {
   std::mt19937_64 rng(c.seed);
@@ -88,12 +130,13 @@ Full oracle(const Case& c) {
   a.k = f.k.view4();
   a.v = f.v.view4();
   if (!c.key_lengths.empty()) a.key_lengths = View1<const int64_t>(c.key_lengths.data(), {c.B});
-  SdpaOptions o;
-  o.causal = c.causal;
-  o.backend = Backend::fused;
+  f.slopes = c.slopes(), f.sinks = c.sink_values();
+  add_variants(a, f.slopes, f.sinks);
+  const SdpaOptions o = c.options();
   View3<float> lse(f.lse.data(), {c.B, c.H, c.L});
   attn::scaled_dot_product_attention(a, {f.out.view4(), {}, lse}, o);
   SdpaGrads<float> g{f.dq.view4(), f.dk.view4(), f.dv.view4(), {}};
+  if (c.sinks) f.dsinks.resize(size_t(c.H)), g.dsinks = View1<float>(f.dsinks.data(), {c.H});
   attn::scaled_dot_product_attention_backward(a, View4<const float>(f.dout.view4()),
                                               {View4<const float>(f.out.view4()), View3<const float>(lse)}, g, o);
   return f;
@@ -115,12 +158,15 @@ Tensor<float> shard_of(const Tensor<float>& full, Layout layout) {
 struct Local {
   Tensor<float> q, k, v, dout, out, lse, dq, dk, dv;
   std::vector<int64_t> key_lengths;
+  std::vector<float> slopes, sinks, dsinks;
+  attn::dist::RingStats fwd_stats, bwd_stats;
   SdpaArgs<float> args() const {
     SdpaArgs<float> a;
     a.q = q.view4();
     a.k = k.view4();
     a.v = v.view4();
     if (!key_lengths.empty()) a.key_lengths = View1<const int64_t>(key_lengths.data(), {int64_t(key_lengths.size())});
+    add_variants(a, slopes, sinks);
     return a;
   }
 };
@@ -134,22 +180,26 @@ Local run(const Case& c, const Full& f, Strategy s, bool saved_state = true) {
   l.v = shard_of(f.v, c.layout);
   l.dout = shard_of(f.dout, c.layout);
   l.key_lengths = c.key_lengths;
+  l.slopes = f.slopes, l.sinks = f.sinks;
   l.out = Tensor<float>({c.B, c.H, l.q.dim(2), c.Ev});
   l.lse = Tensor<float>({c.B, c.H, l.q.dim(2)});
   l.dq = Tensor<float>(l.q.shape());
   l.dk = Tensor<float>(l.k.shape());
   l.dv = Tensor<float>(l.v.shape());
   attn::dist::DistOptions o;
-  o.sdpa.causal = c.causal;
+  o.sdpa = c.options();
+  o.sdpa.backend = Backend::automatic;
   o.layout = c.layout;
   const SdpaArgs<float> a = l.args();
   SdpaGrads<float> g{l.dq.view4(), l.dk.view4(), l.dv.view4(), {}};
+  if (c.sinks) l.dsinks.assign(size_t(c.H), std::numeric_limits<float>::quiet_NaN()), g.dsinks = View1<float>(l.dsinks.data(), {c.H});
   attn::SdpaSaved<float> saved;
   if (saved_state) saved = {View4<const float>(l.out.view4()), View3<const float>(v3(l.lse))};
   const attn::SdpaOutputs<float> outputs{l.out.view4(), {}, v3(l.lse)};
   if (s == Strategy::ring) {
-    attn::dist::ring_attention(MPI_COMM_WORLD, a, outputs, o);
-    attn::dist::ring_attention_backward(MPI_COMM_WORLD, a, View4<const float>(l.dout.view4()), saved, g, o);
+    attn::dist::ring_attention(MPI_COMM_WORLD, a, outputs, o, &l.fwd_stats);
+    attn::dist::ring_attention_backward(MPI_COMM_WORLD, a, View4<const float>(l.dout.view4()), saved, g, o,
+                                        &l.bwd_stats);
   } else {
     attn::dist::ulysses_attention(MPI_COMM_WORLD, a, outputs, o);
     attn::dist::ulysses_attention_backward(MPI_COMM_WORLD, a, View4<const float>(l.dout.view4()), saved, g, o);
@@ -171,6 +221,13 @@ void expect_matches(const Case& c, const Full& f, const Local& l, const std::str
   grad(l.dq, f.dq, "dq");
   grad(l.dk, f.dk, "dk");
   grad(l.dv, f.dv, "dv");
+  if (c.sinks) {  // the whole (H) gradient on every rank
+    Tensor<float> want({1, 1, 1, c.H}), got({1, 1, 1, c.H});
+    std::copy(f.dsinks.begin(), f.dsinks.end(), want.data());
+    std::copy(l.dsinks.begin(), l.dsinks.end(), got.data());
+    const double m = max_abs(want.view4());
+    EXPECT_TRUE(all_close(got.view4(), want.view4(), tolerance<float>(c.B * c.L, std::max(m, 1.0), 60.0), "dsinks " + tag));
+  }
 }
 
 void check(const Case& c, Strategy s) {
@@ -359,6 +416,114 @@ TEST(Dist, Ulysses) {
   check(c, Strategy::ulysses);
 }
 
+// --- variants: windows, ALiBi, soft-cap, sinks, position offsets ----------------
+
+// The ring on the case, then Ulysses on the same case with heads that divide
+// by P = 1..4 (12 or 24 query heads, 12 K/V heads).
+void check_both(Case c) {
+  check(c, Strategy::ring);
+  c.H = c.Hkv < c.H ? 24 : 12, c.Hkv = 12;
+  if (ulysses_runs(c)) check(c, Strategy::ulysses);
+}
+
+TEST(DistVariants, WindowsNarrowerAndWiderThanAShard) {
+  // 61 rows: not divisible by P or 2P for P = 2, 3, 4; shards of 8 to 31 rows.
+  for (Layout lay : {Layout::zigzag, Layout::contiguous}) {
+    Case c;
+    c.L = c.S = 61, c.H = 4, c.Hkv = 2, c.layout = lay;
+    c.causal = true, c.window = {3, -1};  // narrower than a chunk
+    check_both(c);
+    c.causal = false, c.window = {2, 3};  // both sides bounded
+    check_both(c);
+    c.causal = true, c.window = {40, -1};  // wider than a shard
+    check_both(c);
+    c.causal = false, c.window = {-1, 20};  // right side only
+    check_both(c);
+  }
+}
+
+TEST(DistVariants, AlibiSoftcapAndSinks) {
+  Case c;
+  c.L = c.S = 53, c.H = 4, c.Hkv = 2;
+  c.alibi = true;
+  check_both(c);
+  c.causal = true;
+  check_both(c);
+  c.alibi = false, c.softcap = 2.5, c.window = {9, 4};
+  check_both(c);
+  c.sinks = true;  // forward, backward and dsinks
+  check_both(c);
+  c.alibi = true, c.softcap = 0, c.window = {-1, -1}, c.B = 2, c.key_lengths = {53, 17};
+  check_both(c);
+  c.causal = false, c.window = {12, 12}, c.softcap = 4;
+  check_both(c);
+}
+
+TEST(DistVariants, CausalCrossAttentionAndPositionOffsets) {
+  Case c;
+  c.L = 23, c.S = 47, c.H = 4, c.Hkv = 2, c.causal = true;  // top-left: query i sees keys 0..i
+  check_both(c);
+  c.bottom_right = true;  // query i sees keys 0..i + S − L
+  check_both(c);
+  c.L = 47, c.S = 23;  // more queries than keys: the first rows see nothing
+  check_both(c);
+  c.L = 29, c.S = 41, c.bottom_right = false, c.position_offset = -10, c.alibi = true;  // rows 0..9 see no key
+  check_both(c);
+  c.position_offset = 30, c.causal = false, c.window = {6, 2}, c.alibi = false, c.sinks = true;
+  check_both(c);
+  // Rows that see no key: out 0, zero dq, lse = the sink (−inf without one).
+  c.position_offset = -10, c.causal = true, c.window = {-1, -1};
+  const Full f = oracle(c);
+  const Local l = run(c, f, Strategy::ring);
+  const std::vector<float> sinks = c.sink_values();
+  int64_t li = 0;
+  for (const auto& ch : attn::dist::chunk_layout(c.L, size_(), rank_(), c.layout))
+    for (int64_t gi = ch.begin; gi < ch.begin + ch.length; ++gi, ++li)
+      for (int64_t h = 0; gi < 10 && h < c.H; ++h) {
+        const size_t row = size_t(h * l.q.dim(2) + li);
+        EXPECT_EQ(l.lse[row], sinks[size_t(h)]) << "row " << gi << " head " << h << " " << c.label();
+        for (int64_t e = 0; e < c.Ev; ++e) EXPECT_EQ(l.out[row * size_t(c.Ev) + size_t(e)], 0.0f);
+        for (int64_t e = 0; e < c.E; ++e) EXPECT_EQ(l.dq[row * size_t(c.E) + size_t(e)], 0.0f);
+      }
+}
+
+TEST(DistVariants, BlocksOutsideTheBandAreSkipped) {
+  // A causal window of 3 keys on chunks of >= 8 rows: a query chunk sees its
+  // own chunk and at most the one before. The ring's block calls (summed over
+  // ranks, forward) are at most the (query chunk, key chunk) pairs with a
+  // visible score, counted here by brute force; without the window every
+  // earlier chunk is visible.
+  const int P = size_();
+  for (Layout lay : {Layout::zigzag, Layout::contiguous}) {
+    Case c;
+    c.L = c.S = 64 * P, c.causal = true, c.layout = lay, c.window = {3, -1};
+    const Full f = oracle(c);
+    const Local l = run(c, f, Strategy::ring);
+    expect_matches(c, f, l, "ring");
+    int64_t blocks = l.fwd_stats.blocks;
+    MPI_Allreduce(MPI_IN_PLACE, &blocks, 1, MPI_INT64_T, MPI_SUM, MPI_COMM_WORLD);
+    int64_t visible = 0, causal_pairs = 0;
+    for (int p = 0; p < P; ++p)
+      for (const auto& qc : attn::dist::chunk_layout(c.L, P, p, lay))
+        for (int o = 0; o < P; ++o)
+          for (const auto& kc : attn::dist::chunk_layout(c.S, P, o, lay)) {
+            bool any = false, any_causal = false;
+            for (int64_t i = qc.begin; i < qc.begin + qc.length; ++i)
+              for (int64_t j = kc.begin; j < kc.begin + kc.length; ++j) {
+                any_causal = any_causal || j <= i;
+                any = any || (j <= i && j >= i - 3);
+              }
+            visible += any, causal_pairs += any_causal;
+          }
+    EXPECT_LE(blocks, visible) << c.label();
+    EXPECT_GT(blocks, 0) << c.label();
+    if (2 * attn::dist::chunk_layout(c.L, P, 0, lay).size() * size_t(P) > 4) {  // more than 2 chunks in all
+      EXPECT_LT(visible, causal_pairs) << c.label();
+    }
+    EXPECT_EQ(l.bwd_stats.blocks, l.fwd_stats.blocks) << c.label();
+  }
+}
+
 // --- errors: every rank throws, none waits ------------------------------------
 
 TEST(DistErrors, AgreedOnEveryRank) {
@@ -400,10 +565,34 @@ TEST(DistErrors, AgreedOnEveryRank) {
   Local lx;
   lx.q = shard_of(fx.q, x.layout), lx.k = shard_of(fx.k, x.layout), lx.v = shard_of(fx.v, x.layout);
   lx.out = Tensor<float>({x.B, x.H, lx.q.dim(2), x.Ev});
-  attn::dist::DistOptions oc;
-  oc.sdpa.causal = true;
+  // Variant options that differ between ranks, and bad variant values.
+  attn::dist::DistOptions ow;
+  ow.sdpa.window = {r == 0 ? 3 : 4, -1};
+  if (P > 1) {
+    EXPECT_TRUE(attn::testing::throws_with(
+        [&] { attn::dist::ring_attention(MPI_COMM_WORLD, lx.args(), {lx.out.view4()}, ow); }, {"disagree", "window.left"}));
+  }
+  std::vector<float> slopes(size_t(x.H), 0.5f), sinks(size_t(x.H), 0.0f);
+  if (P > 1 && r == P - 1) slopes[0] = 0.25f;
+  SdpaArgs<float> ax = lx.args();
+  ax.alibi_slopes = View1<const float>(slopes.data(), {x.H});
+  if (P > 1) {
+    EXPECT_TRUE(attn::testing::throws_with(
+        [&] { attn::dist::ring_attention(MPI_COMM_WORLD, ax, {lx.out.view4()}, {}); }, {"disagree", "alibi_slopes"}));
+  }
+  sinks[1] = std::numeric_limits<float>::quiet_NaN();
+  SdpaArgs<float> as = lx.args();
+  as.sinks = View1<const float>(sinks.data(), {x.H});
   EXPECT_TRUE(attn::testing::throws_with(
-      [&] { attn::dist::ring_attention(MPI_COMM_WORLD, lx.args(), {lx.out.view4()}, oc); }, {"L = S"}));
+      [&] { attn::dist::ulysses_attention(MPI_COMM_WORLD, as, {lx.out.view4()}, {}); }, {"sinks", "head 1"}));
+  attn::dist::DistOptions ooff;
+  ooff.sdpa.position_offset = (int64_t(1) << 52) - 10;  // a block's offset would leave the kernel's range
+  EXPECT_TRUE(attn::testing::throws_with(
+      [&] { attn::dist::ring_attention(MPI_COMM_WORLD, lx.args(), {lx.out.view4()}, ooff); }, {"position_offset", "2^52"}));
+  attn::dist::DistOptions obad;
+  obad.sdpa.window = {-2, -1};
+  EXPECT_TRUE(attn::testing::throws_with(
+      [&] { attn::dist::ring_attention(MPI_COMM_WORLD, lx.args(), {lx.out.view4()}, obad); }, {"window.left", "-2"}));
   if (x.H % P != 0) {
     EXPECT_TRUE(attn::testing::throws_with(
         [&] { attn::dist::ulysses_attention(MPI_COMM_WORLD, lx.args(), {lx.out.view4()}, {}); }, {"divisible"}));

@@ -62,7 +62,8 @@ TEST_F(DistCli, SameFilesAsTheSingleProcessCommand) {
   write_random("k.npy", {2, 2, 61, 8}, rng);
   write_random("v.npy", {2, 2, 61, 6}, rng);
   const std::string in = "sdpa --q q.npy --k k.npy --v v.npy --backend fused";
-  for (const char* causal : {"", " --causal"}) {
+  for (const char* causal : {"", " --causal", " --causal --window 7,-1 --alibi --sinks 0.5 --softcap 3",
+                             " --window 4,9 --position-offset -5 --sinks -1,0,1,2"}) {
     ASSERT_EQ(run(0, in + causal + " --out ref.npy --lse ref_lse.npy"), 0);
     for (int P : {1, 2, 3}) {
       ASSERT_EQ(run(P, in + causal + " --context-parallel ring --out ring.npy --lse ring_lse.npy"), 0) << P;

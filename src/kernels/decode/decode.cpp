@@ -27,9 +27,28 @@
 //    end; then the online-softmax step per row (in base 2: the queries are
 //    pre-multiplied by scale·log2(e)); then acc += P·V with a register block
 //    of up to 4 rows × 2 value vectors, each value vector converted once.
+//  * Prefetch. The value loop walks a tile in strips of features (all keys
+//    for features [e0, e0 + 2 lanes), then the next strip), which from DRAM
+//    is a strided pattern the hardware prefetchers follow badly; so while
+//    the score loop streams key row j of a tile it also starts loading value
+//    row j (software prefetch, row order), and while the value loop's first
+//    strip passes key j it starts loading row j of the next tile's keys
+//    (the next tile found through the block table, so pages are followed).
+//    Only the first row group of a block issues them. With the cache's
+//    huge pages (attn/detail/memory.hpp) they nearly doubled the float32
+//    rate from DRAM (figures in docs/decode.md).
 //  * Storage types: float16 and bfloat16 are widened in registers
 //    (F16C / AVX-512 conversions, a shift for bfloat16, portable code on
-//    other targets); the data never exists as float32 in memory.
+//    other targets); the data never exists as float32 in memory. Queries
+//    stay float32: products are float32 × (exactly widened) stored values,
+//    the contract "exact for the stored precision". A native bf16 dot
+//    (AVX512_BF16 vdpbf16ps) would need q rounded to bf16, which breaks
+//    that contract, or q split into three bf16 parts (three instructions
+//    per pair of vectors, with the instruction's flush of denormals to
+//    zero); and the Highway the build uses (1.0.3) has no target that
+//    emits it (its bf16 ReorderWidenMulAccumulate widens like this code).
+//    Decoding is bound by the bytes read, which bf16 storage halves either
+//    way, so every target widens.
 //
 // NaN, the rule of the dense call: keys a row does not see never touch it;
 // a visible key with NaN/inf in its q, k or v row poisons the row (output
@@ -47,6 +66,7 @@
 #include <hwy/foreach_target.h>  // IWYU pragma: keep
 // Must come after foreach_target.h.
 #include <hwy/aligned_allocator.h>
+#include <hwy/cache_control.h>
 #include <hwy/highway.h>
 #include <omp.h>
 
@@ -127,6 +147,12 @@ HWY_INLINE VF LoadTail(DF d, const T* p, int64_t n) {
   return LoadF(d, buf);
 }
 
+// Starts loading n rows of `bytes` bytes, `stride` bytes apart, into the cache.
+HWY_INLINE void PrefetchRows(const char* p, int64_t stride, int64_t n, int64_t bytes) {
+  for (int64_t j = 0; j < n; ++j, p += stride)
+    for (int64_t o = 0; o < bytes; o += 64) hwy::Prefetch(p + o);
+}
+
 // ---- per-thread scratch ------------------------------------------------------
 //   q    [rows × Ep]     the block's queries × scale·log2(e), zero padded
 //   s    [rows × tilep]  scores of a tile → probabilities
@@ -181,25 +207,44 @@ HWY_INLINE void ScoreBlock(const float* HWY_RESTRICT q, int64_t ldq, const T* HW
     for (int c = 0; c < C; ++c) s[r * lds + c] = hn::GetLane(hn::SumOfLanes(d, acc[r][c]));
 }
 
+// Rows to start loading while a loop over keys runs, one per key (p =
+// nullptr: none): `bytes` bytes each, `stride` bytes apart.
+struct RowPrefetch {
+  const char* p;
+  int64_t stride, bytes;
+  HWY_INLINE void rows(int64_t j, int64_t n) const {
+    if (p) PrefetchRows(p + j * stride, stride, n, bytes);
+  }
+};
+
 template <int R, class T>
 HWY_INLINE void ScoreRows(const float* q, int64_t ldq, const T* k, int64_t krow, int64_t nk, int64_t E,
-                          float* s, int64_t lds) {
+                          float* s, int64_t lds, RowPrefetch pf) {
   int64_t jj = 0;
-  for (; jj + 2 <= nk; jj += 2) ScoreBlock<R, 2>(q, ldq, k + jj * krow, krow, E, s + jj, lds);
-  if (jj < nk) ScoreBlock<R, 1>(q, ldq, k + jj * krow, krow, E, s + jj, lds);
+  for (; jj + 2 <= nk; jj += 2) {
+    pf.rows(jj, 2);
+    ScoreBlock<R, 2>(q, ldq, k + jj * krow, krow, E, s + jj, lds);
+  }
+  if (jj < nk) {
+    pf.rows(jj, 1);
+    ScoreBlock<R, 1>(q, ldq, k + jj * krow, krow, E, s + jj, lds);
+  }
 }
 
 template <class T>
-void ScoreTile(const Call& c, Scratch& w, int64_t nm, const T* k, int64_t krow, int64_t nk) {
+void ScoreTile(const Call& c, Scratch& w, int64_t nm, const T* k, int64_t krow, int64_t nk, const T* v,
+               int64_t vrow) {
   const int64_t E = c.p->E;
   for (int64_t r0 = 0; r0 < nm; r0 += 4) {
     const float* q = w.q.get() + r0 * c.Ep;
     float* s = w.s.get() + r0 * c.tilep;
+    const RowPrefetch pf{r0 == 0 ? reinterpret_cast<const char*>(v) : nullptr, vrow * int64_t(sizeof(T)),
+                         c.p->Ev * int64_t(sizeof(T))};
     switch (std::min<int64_t>(4, nm - r0)) {
-      case 4: ScoreRows<4>(q, c.Ep, k, krow, nk, E, s, c.tilep); break;
-      case 3: ScoreRows<3>(q, c.Ep, k, krow, nk, E, s, c.tilep); break;
-      case 2: ScoreRows<2>(q, c.Ep, k, krow, nk, E, s, c.tilep); break;
-      default: ScoreRows<1>(q, c.Ep, k, krow, nk, E, s, c.tilep); break;
+      case 4: ScoreRows<4>(q, c.Ep, k, krow, nk, E, s, c.tilep, pf); break;
+      case 3: ScoreRows<3>(q, c.Ep, k, krow, nk, E, s, c.tilep, pf); break;
+      case 2: ScoreRows<2>(q, c.Ep, k, krow, nk, E, s, c.tilep, pf); break;
+      default: ScoreRows<1>(q, c.Ep, k, krow, nk, E, s, c.tilep, pf); break;
     }
   }
 }
@@ -210,13 +255,15 @@ void ScoreTile(const Call& c, Scratch& w, int64_t nm, const T* k, int64_t krow, 
 // partial vector of Ev − e0 features.
 template <int R, int NV, bool TAIL, class T>
 HWY_INLINE void ValueStrip(const float* HWY_RESTRICT p, int64_t ldp, int64_t nk, const T* HWY_RESTRICT v,
-                           int64_t vrow, int64_t e0, int64_t Ev, float* HWY_RESTRICT o, int64_t ldo) {
+                           int64_t vrow, int64_t e0, int64_t Ev, float* HWY_RESTRICT o, int64_t ldo,
+                           RowPrefetch pf) {
   const DF d;
   const int64_t N = int64_t(hn::Lanes(d));
   VF acc[R][NV];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < NV; ++c) acc[r][c] = hn::Load(d, o + r * ldo + e0 + c * N);
   for (int64_t jj = 0; jj < nk; ++jj) {
+    pf.rows(jj, 1);
     const T* vj = v + jj * vrow + e0;
     VF vv[NV];
     for (int c = 0; c < NV; ++c) vv[c] = TAIL ? LoadTail(d, vj, Ev - e0) : LoadF(d, vj + c * N);
@@ -231,12 +278,13 @@ HWY_INLINE void ValueStrip(const float* HWY_RESTRICT p, int64_t ldp, int64_t nk,
 
 template <int R, class T>
 HWY_INLINE void ValueRows(const float* p, int64_t ldp, int64_t nk, const T* v, int64_t vrow, int64_t Ev,
-                          float* o, int64_t ldo) {
+                          float* o, int64_t ldo, RowPrefetch pf = {}) {
   const int64_t N = int64_t(hn::Lanes(DF()));
   int64_t e0 = 0;
-  for (; e0 + 2 * N <= Ev; e0 += 2 * N) ValueStrip<R, 2, false>(p, ldp, nk, v, vrow, e0, Ev, o, ldo);
-  for (; e0 + N <= Ev; e0 += N) ValueStrip<R, 1, false>(p, ldp, nk, v, vrow, e0, Ev, o, ldo);
-  if (e0 < Ev) ValueStrip<R, 1, true>(p, ldp, nk, v, vrow, e0, Ev, o, ldo);
+  // pf goes with the first strip only.
+  for (; e0 + 2 * N <= Ev; e0 += 2 * N, pf.p = nullptr) ValueStrip<R, 2, false>(p, ldp, nk, v, vrow, e0, Ev, o, ldo, pf);
+  for (; e0 + N <= Ev; e0 += N, pf.p = nullptr) ValueStrip<R, 1, false>(p, ldp, nk, v, vrow, e0, Ev, o, ldo, pf);
+  if (e0 < Ev) ValueStrip<R, 1, true>(p, ldp, nk, v, vrow, e0, Ev, o, ldo, pf);
 }
 
 // Keys a row does not see never touch it (not even as 0·v, which is NaN for
@@ -244,18 +292,19 @@ HWY_INLINE void ValueRows(const float* p, int64_t ldp, int64_t nk, const T* v, i
 // the rest (the causal diagonal of a tile) row by row up to each row's end.
 template <class T>
 void ValueTile(const Call& c, Scratch& w, int64_t nm, const T* v, int64_t vrow, int64_t j0, int64_t nk,
-               float* acc) {
+               float* acc, RowPrefetch pf) {
   const int64_t Ev = c.p->Ev;
   const auto vis = [&](int64_t r) { return std::clamp<int64_t>(w.end[size_t(r)] - j0, 0, nk); };
   const int64_t common = vis(0);  // rows are in query order: row 0 sees the fewest keys
   for (int64_t r0 = 0; r0 < nm && common > 0; r0 += 4) {
     const float* p = w.s.get() + r0 * c.tilep;
     float* o = acc + r0 * c.Evp;
+    if (r0 > 0) pf.p = nullptr;
     switch (std::min<int64_t>(4, nm - r0)) {
-      case 4: ValueRows<4>(p, c.tilep, common, v, vrow, Ev, o, c.Evp); break;
-      case 3: ValueRows<3>(p, c.tilep, common, v, vrow, Ev, o, c.Evp); break;
-      case 2: ValueRows<2>(p, c.tilep, common, v, vrow, Ev, o, c.Evp); break;
-      default: ValueRows<1>(p, c.tilep, common, v, vrow, Ev, o, c.Evp); break;
+      case 4: ValueRows<4>(p, c.tilep, common, v, vrow, Ev, o, c.Evp, pf); break;
+      case 3: ValueRows<3>(p, c.tilep, common, v, vrow, Ev, o, c.Evp, pf); break;
+      case 2: ValueRows<2>(p, c.tilep, common, v, vrow, Ev, o, c.Evp, pf); break;
+      default: ValueRows<1>(p, c.tilep, common, v, vrow, Ev, o, c.Evp, pf); break;
     }
   }
   for (int64_t r = 0; r < nm; ++r)
@@ -292,10 +341,15 @@ void SoftmaxTile(const Call& c, Scratch& w, int64_t nm, int64_t j0, int64_t nk, 
     float* row = w.s.get() + r * c.tilep;
     const int64_t vis = std::clamp<int64_t>(w.end[size_t(r)] - j0, 0, nk);
     // A visible score that is not finite (NaN, or ±inf from an infinite q or
-    // k) poisons the row; the vector max would drop a NaN.
-    bool bad = false;
-    for (int64_t jj = 0; jj < vis; ++jj) bad |= !std::isfinite(row[jj]);
-    if (bad) nan[r] = 1;
+    // k) poisons the row; the vector max would drop a NaN. z = Σ 0·s over
+    // the visible scores is NaN exactly when one of them is not finite.
+    const VF zero = hn::Zero(d);
+    VF z = zero;
+    int64_t full = 0;
+    for (; full + N <= vis; full += N) z = hn::MulAdd(hn::Load(d, row + full), zero, z);
+    if (full < vis)
+      z = hn::MulAdd(hn::IfThenElseZero(hn::FirstN(d, size_t(vis - full)), hn::Load(d, row + full)), zero, z);
+    if (std::isnan(hn::GetLane(hn::SumOfLanes(d, z)))) nan[r] = 1;
     std::fill(row + vis, row + c.tilep, kNegInf);
     VF vmax = hn::Set(d, kNegInf);
     for (int64_t jj = 0; jj < c.tilep; jj += N) vmax = hn::Max(vmax, hn::Load(d, row + jj));
@@ -322,16 +376,30 @@ void ChunkT(const Call& c, Scratch& w, const Unit& u, float* acc, os::State<floa
   const int64_t kend = std::min(u.c1, w.end[size_t(u.nm - 1)]);  // rows are in query order
   const T* kbase = static_cast<const T*>(kv.k);
   const T* vbase = static_cast<const T*>(kv.v);
-  for (int64_t j0 = u.c0; j0 < kend;) {
+  // The tile of keys from j0: its K and V rows and its length.
+  struct Tile {
+    const T *k, *v;
+    int64_t nk;
+  };
+  const auto tile_at = [&](int64_t j0) {
     const int64_t slot = j0 / kv.page_size, off = j0 % kv.page_size;
     const int64_t page = kv.table ? kv.table[u.b * kv.table_stride + slot] : u.b;
-    const int64_t nk = std::min({c.plan.tile, kend - j0, kv.page_size - off});
-    const T* k = kbase + page * kv.k_page + u.hk * kv.k_head + off * kv.k_row;
-    const T* v = vbase + page * kv.v_page + u.hk * kv.v_head + off * kv.v_row;
-    ScoreTile(c, w, u.nm, k, kv.k_row, nk);
-    SoftmaxTile(c, w, u.nm, j0, nk, acc, st, nan);
-    ValueTile(c, w, u.nm, v, kv.v_row, j0, nk, acc);
-    j0 += nk;
+    return Tile{kbase + page * kv.k_page + u.hk * kv.k_head + off * kv.k_row,
+                vbase + page * kv.v_page + u.hk * kv.v_head + off * kv.v_row,
+                std::min({c.plan.tile, kend - j0, kv.page_size - off})};
+  };
+  Tile t = u.c0 < kend ? tile_at(u.c0) : Tile{nullptr, nullptr, 0};
+  for (int64_t j0 = u.c0; j0 < kend;) {
+    const Tile next = j0 + t.nk < kend ? tile_at(j0 + t.nk) : Tile{nullptr, nullptr, 0};
+    ScoreTile(c, w, u.nm, t.k, kv.k_row, t.nk, t.v, kv.v_row);
+    SoftmaxTile(c, w, u.nm, j0, t.nk, acc, st, nan);
+    // The next tile's K rows, one per key of this tile's value loop (at most
+    // as many as it has keys).
+    const RowPrefetch kp{next.nk > 0 ? reinterpret_cast<const char*>(next.k) : nullptr, kv.k_row * int64_t(sizeof(T)),
+                         c.p->E * int64_t(sizeof(T))};
+    ValueTile(c, w, u.nm, t.v, kv.v_row, j0, t.nk, acc, kp);
+    j0 += t.nk;
+    t = next;
   }
 }
 
