@@ -40,11 +40,8 @@ struct SdpaOpts {
 // A per-head list from the command line: H values, or one for every head.
 template <class T>
 std::vector<T> per_head(const std::vector<double>& v, int64_t H, const char* flag) {
-  if (v.size() != 1 && int64_t(v.size()) != H)
-    throw InvalidArgument(fmt::format("attn sdpa: {} has {} values; expected 1 (every head) or H = {}", flag, v.size(), H));
-  std::vector<T> out(static_cast<size_t>(H));
-  for (int64_t h = 0; h < H; ++h) out[size_t(h)] = T(v[v.size() == 1 ? 0 : size_t(h)]);
-  return out;
+  const std::vector<double> d = per_head_values(v, H, "attn sdpa", flag);
+  return std::vector<T>(d.begin(), d.end());
 }
 
 // The variant options into opt, and the per-head values for H heads into
@@ -57,7 +54,7 @@ void apply_variants(const SdpaOpts& o, int64_t H, SdpaOptions& opt, SdpaArgs<T>&
   opt.softcap = o.softcap;
   opt.position_offset = o.position_offset;
   if (o.alibi) {
-    for (int64_t h = 0; h < H; ++h) slopes.push_back(R(std::exp2(-8.0 * double(h + 1) / double(H))));
+    for (double s : alibi_slopes(H)) slopes.push_back(R(s));
   } else if (!o.alibi_slopes.empty()) {
     slopes = per_head<R>(o.alibi_slopes, H, "--alibi-slopes");
   }
@@ -299,7 +296,7 @@ void add_sdpa(CLI::App& app) {
   c->add_option("--window", o->window, "sliding window LEFT,RIGHT: keys p-LEFT..p+RIGHT, -1 = unbounded")
       ->delimiter(',')->expected(2);
   c->add_option("--softcap", o->softcap, "soft-cap the scores: c*tanh(s/c) (0 = off)")->check(CLI::NonNegativeNumber);
-  auto* alibi = c->add_flag("--alibi", o->alibi, "ALiBi with the slopes 2^(-8(h+1)/H)");
+  auto* alibi = c->add_flag("--alibi", o->alibi, "ALiBi with the paper's slopes (2^(-8(h+1)/H) for H a power of two)");
   c->add_option("--alibi-slopes", o->alibi_slopes, "ALiBi with these slopes (H values, or one for all)")
       ->delimiter(',')->excludes(alibi);
   c->add_option("--sinks", o->sinks, "attention sinks: one logit per head (H values, or one for all)")->delimiter(',');

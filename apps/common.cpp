@@ -57,6 +57,14 @@ Mat matmul(const Mat& x, const Mat& y) {
   return z;
 }
 
+std::vector<double> per_head_values(const std::vector<double>& v, int64_t H, const std::string& cmd, const char* flag) {
+  if (v.size() != 1 && int64_t(v.size()) != H)
+    throw InvalidArgument(fmt::format("{}: {} has {} values; expected 1 (every head) or H = {}", cmd, flag, v.size(), H));
+  std::vector<double> out(static_cast<size_t>(H));
+  for (int64_t h = 0; h < H; ++h) out[size_t(h)] = v[v.size() == 1 ? 0 : size_t(h)];
+  return out;
+}
+
 Mat transpose(const Mat& x) {
   Mat t(x.cols, x.rows);
   for (int64_t i = 0; i < x.rows; ++i)

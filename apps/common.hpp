@@ -66,6 +66,10 @@ class Outputs {
 // the value given ("expected a finite number > 0, got 'abc'").
 CLI::Validator positive_number();
 
+// A per-head list from the command line: H values, or one for every head;
+// otherwise an InvalidArgument naming `cmd` and `flag`.
+std::vector<double> per_head_values(const std::vector<double>& v, int64_t H, const std::string& cmd, const char* flag);
+
 // Refuses a bool .npy where numbers are expected (masks may be bool).
 void require_float(const io::Array<double>& a, const std::string& flag, const std::string& path);
 

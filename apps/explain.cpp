@@ -4,7 +4,11 @@
 // the output projection W_O. Weights are printed as the library (and
 // PyTorch's state_dict, and the seeds) hold them, [out, in]: a token x is
 // projected as q = W_Q·x, so the token rows X project as Q = X·W_Qᵀ.
+// --window, --alibi and --sinks add the variants (docs/variants.md) to every
+// head, each printed as its own step, and --png draws the weights as a
+// heatmap (a window shows as a band along the diagonal).
 #include <cmath>
+#include <optional>
 #include <random>
 
 #include <CLI/CLI.hpp>
@@ -12,6 +16,7 @@
 
 #include "commands.hpp"
 #include "common.hpp"
+#include "plot.hpp"
 
 namespace attn::cli {
 namespace {
@@ -21,29 +26,126 @@ struct ExplainOpts {
   int64_t dk = 0, dim = 8, heads = 2, tokens = 4;
   bool causal = false;
   uint64_t seed = 1;
+  std::vector<int64_t> window;  // LEFT, RIGHT when given
+  bool alibi = false;
+  std::vector<double> alibi_slopes, sinks;  // H values, or one for every head
+  std::string png;
 };
 
-// Scores, scaling, softmax and aggregation for one head, printed. Query i
-// sits at position qpos[i] for the causal rule. Returns (A, Y).
+// The variants one head runs with.
+struct HeadVariants {
+  bool causal = false;
+  Window window;
+  std::optional<double> slope, sink;
+  bool masks() const { return causal || window.left >= 0 || window.right >= 0; }
+};
+
+// The variants of head h of H from the flags.
+HeadVariants head_variants(const ExplainOpts& o, int64_t h, int64_t H) {
+  HeadVariants v;
+  v.causal = o.causal;
+  if (!o.window.empty()) v.window = {o.window[0], o.window[1]};
+  if (o.alibi) v.slope = alibi_slopes(H)[size_t(h)];
+  if (!o.alibi_slopes.empty()) v.slope = per_head_values(o.alibi_slopes, H, "attn explain", "--alibi-slopes")[size_t(h)];
+  if (!o.sinks.empty()) v.sink = per_head_values(o.sinks, H, "attn explain", "--sinks")[size_t(h)];
+  return v;
+}
+
+// Scores, scaling, the variants, softmax and aggregation for one head,
+// printed. Query i sits at key position qpos[i] (consecutive) for the causal
+// rule, the window and ALiBi. Returns (A, Y).
 std::pair<Mat, Mat> explain_head(const Mat& Q, const Mat& K, const Mat& V, const std::vector<std::string>& qlab,
-                                 const std::vector<int64_t>& qpos, bool causal, const std::string& suffix) {
+                                 const std::vector<int64_t>& qpos, const HeadVariants& var,
+                                 const std::string& suffix) {
   const Mat S = matmul(Q, transpose(K));
   const double dk = double(Q.cols), root = std::sqrt(dk);
   print_mat("S" + suffix + " = Q" + suffix + " K" + suffix + "^T   (entry i,j: query i . key j)", S, qlab);
   Mat Ss = S;
   for (auto& x : Ss.a) x /= root;
   print_mat(fmt::format("S{} / sqrt(d_k) = S{} / {:.4g}", suffix, suffix, root), Ss, qlab);
-  std::vector<bool> mask(size_t(Q.rows * K.rows), true);
-  if (causal)
+  std::string scores = "S" + suffix + " / sqrt(d_k)";
+  if (var.slope) {
+    // ALiBi: -m·|p_i - j|, added to the scaled scores
+    Mat bias(Q.rows, K.rows), sum = Ss;
     for (int64_t i = 0; i < Q.rows; ++i)
-      for (int64_t j = 0; j < K.rows; ++j) mask[size_t(i * K.rows + j)] = j <= qpos[size_t(i)];
-  Mat Y, A;
-  attention(Q, K, V, 1 / root, Y, &A, causal ? &mask : nullptr);
-  print_mat("A" + suffix + " = softmax(S" + suffix + " / sqrt(d_k)), row by row" +
-                (causal ? " (causal: key j > query position masked)" : ""),
-            A, qlab);
+      for (int64_t j = 0; j < K.rows; ++j) {
+        bias(i, j) = -*var.slope * double(std::abs(qpos[size_t(i)] - j));
+        sum(i, j) += bias(i, j);
+      }
+    print_mat(fmt::format("ALiBi bias{} = -m |p_i - j|, slope m = {:.6g}   (p_i: query i's position)", suffix, *var.slope),
+              bias, qlab);
+    print_mat(fmt::format("S{} / sqrt(d_k) + ALiBi bias", suffix), sum, qlab);
+    scores += " + bias";
+  }
+  std::string rule;
+  if (var.masks()) {
+    // Which keys each query sees: causal j <= p_i, window p_i - left <= j <= p_i + right.
+    Mat vis(Q.rows, K.rows);
+    for (int64_t i = 0; i < Q.rows; ++i)
+      for (int64_t j = 0; j < K.rows; ++j) {
+        const int64_t p = qpos[size_t(i)];
+        bool see = !var.causal || j <= p;
+        if (var.window.left >= 0 && j < p - var.window.left) see = false;
+        if (var.window.right >= 0 && j > p + var.window.right) see = false;
+        vis(i, j) = see ? 1 : 0;
+      }
+    if (var.causal) rule = "causal: keys j <= p_i";
+    if (var.window.left >= 0 || var.window.right >= 0)
+      rule += fmt::format("{}window ({}, {}): keys p_i - {} <= j <= p_i + {}", rule.empty() ? "" : "; ", var.window.left,
+                          var.window.right, var.window.left < 0 ? "inf" : std::to_string(var.window.left),
+                          var.window.right < 0 ? "inf" : std::to_string(var.window.right));
+    print_mat("visible" + suffix + " (1 = the query may attend to the key; " + rule + ")", vis, qlab, 0);
+  }
+  // The same head through the library (reference backend, double).
+  SdpaArgs<double> args;
+  args.q = View4<const double>::bhnd(Q.a.data(), 1, 1, Q.rows, Q.cols);
+  args.k = View4<const double>::bhnd(K.a.data(), 1, 1, K.rows, K.cols);
+  args.v = View4<const double>::bhnd(V.a.data(), 1, 1, V.rows, V.cols);
+  const double slope = var.slope.value_or(0), sink = var.sink.value_or(0);
+  if (var.slope) args.alibi_slopes = View1<const double>(&slope, {1});
+  if (var.sink) args.sinks = View1<const double>(&sink, {1});
+  SdpaOptions opt;
+  opt.scale = 1 / root;
+  opt.causal = var.causal;
+  opt.window = var.window;
+  opt.position_offset = qpos.empty() ? 0 : qpos[0];
+  opt.backend = Backend::reference;
+  Mat Y(Q.rows, V.cols), A(Q.rows, K.rows);
+  std::vector<double> lse(size_t(Q.rows));
+  scaled_dot_product_attention<double>(args,
+                                       {View4<double>::bhnd(Y.a.data(), 1, 1, Q.rows, V.cols),
+                                        View4<double>::bhnd(A.a.data(), 1, 1, Q.rows, K.rows),
+                                        View3<double>(lse.data(), {1, 1, Q.rows})},
+                                       opt);
+  std::string how = "A" + suffix + " = softmax(" + scores + "), row by row";
+  if (var.masks()) how += " over the visible keys";
+  if (var.sink) how += fmt::format(", with a sink logit {:.6g} in every denominator", *var.sink);
+  print_mat(how, A, qlab);
+  if (var.sink) {
+    // The sink takes exp(sink - lse) of each row and contributes no value.
+    Mat on_sink(Q.rows, 1);
+    for (int64_t i = 0; i < Q.rows; ++i) on_sink(i, 0) = std::exp(sink - lse[size_t(i)]);
+    print_mat("weight on the sink" + suffix + " = exp(sink - lse) = 1 - row sum of A" + suffix, on_sink, qlab);
+  }
   print_mat("Y" + suffix + " = A" + suffix + " V" + suffix + "   (each row a weighted average of V's rows)", Y, qlab);
   return {A, Y};
+}
+
+// The heatmap of the heads' weights (--png), written when the run succeeds.
+void draw_weights(const ExplainOpts& o, const std::vector<Mat>& heads, const std::vector<std::string>& qlab,
+                  const std::vector<std::string>& klab, Outputs& outputs, const std::string& png) {
+  if (png.empty()) return;
+  std::vector<double> w;
+  for (const Mat& a : heads) w.insert(w.end(), a.a.begin(), a.a.end());
+  std::string title = "attention weights (" + o.example;
+  if (o.causal) title += ", causal";
+  if (!o.window.empty()) title += fmt::format(", window {},{}", o.window[0], o.window[1]);
+  if (o.alibi || !o.alibi_slopes.empty()) title += ", ALiBi";
+  if (!o.sinks.empty()) title += ", sinks";
+  const std::string sub = o.sinks.empty() ? "" : "rows: queries, columns: keys; each row sums to 1 minus its weight on the sink";
+  draw_heatmap(w, int64_t(heads.size()), heads[0].rows, heads[0].cols, qlab, klab, title + ")", png, {}, 0, sub);
+  outputs.commit();
+  fmt::print(stderr, "attn explain: wrote {} ({} head(s) of {} x {})\n", o.png, heads.size(), heads[0].rows, heads[0].cols);
 }
 
 std::string row_string(const Mat& m, int64_t r, int decimals) {
@@ -53,6 +155,8 @@ std::string row_string(const Mat& m, int64_t r, int decimals) {
 }
 
 void run_builtin(const ExplainOpts& o) {
+  Outputs outputs;
+  const std::string png = outputs.add("--png", o.png);
   Mat Q, K, V;
   std::vector<std::string> keys, qlab;
   std::vector<int64_t> qpos;
@@ -79,8 +183,9 @@ void run_builtin(const ExplainOpts& o) {
   print_mat("Q (given)", Q, qlab);
   print_mat("K (given)", K, keys);
   print_mat("V (given)", V, keys);
-  const auto [A, Y] = explain_head(Q, K, V, qlab, qpos, o.causal, "");
+  const auto [A, Y] = explain_head(Q, K, V, qlab, qpos, head_variants(o, 0, 1), "");
   fmt::print("\nResult for \"{}\": weights {}  ->  output {}\n", qlab[0], row_string(A, 0, wdec), row_string(Y, 0, ydec));
+  draw_weights(o, {A}, qlab, keys, outputs, png);
 }
 
 void run_random(const ExplainOpts& o) {
@@ -91,6 +196,9 @@ void run_random(const ExplainOpts& o) {
   if (!o.dk && D % H != 0)
     throw UsageError(fmt::format("attn explain: --dim {} is not divisible by --heads {}; give --dk", D, H));
   if (dk < 1 || dk > 64) throw UsageError("attn explain: --dk must be 1..64");
+  (void)head_variants(o, 0, H);  // checks the per-head lists before any output
+  Outputs outputs;
+  const std::string png = outputs.add("--png", o.png);
   std::mt19937_64 rng(o.seed);
   std::normal_distribution<double> nd;
   // Entries rounded to one decimal so every step can be checked by hand.
@@ -107,6 +215,7 @@ void run_random(const ExplainOpts& o) {
   fmt::print("A random multi-head self-attention layer: {} tokens, model width D = {}, H = {} head(s) of d_k = d_v = "
              "{}{} (seed {}).\n\n",
              n, D, H, dk, o.causal ? ", causal" : "", o.seed);
+  std::vector<Mat> weights;
   const Mat X = rnd(n, D, 1.0);
   const double sd = 1 / std::sqrt(double(D));
   // [out, in] = [H·d_k, D], the layout of the library's q_proj_weight (the
@@ -133,7 +242,8 @@ void run_random(const ExplainOpts& o) {
       print_mat("V" + sfx, columns(V, h * dk, (h + 1) * dk), tok);
     }
     const auto [A, Y] = explain_head(columns(Q, h * dk, (h + 1) * dk), columns(K, h * dk, (h + 1) * dk),
-                                     columns(V, h * dk, (h + 1) * dk), tok, pos, o.causal, sfx);
+                                     columns(V, h * dk, (h + 1) * dk), tok, pos, head_variants(o, h, H), sfx);
+    weights.push_back(A);
     for (int64_t i = 0; i < n; ++i)
       for (int64_t j = 0; j < dk; ++j) concat(i, h * dk + j) = Y(i, j);
   }
@@ -144,6 +254,7 @@ void run_random(const ExplainOpts& o) {
     print_mat(fmt::format("W_O  [out, in] = [D, H*d_v] = [{}, {}]", D, H * dk), Wo, {}, 1);
     print_mat("output = O W_O^T", matmul(concat, transpose(Wo)), tok);
   }
+  draw_weights(o, weights, tok, tok, outputs, png);
 }
 
 }  // namespace
@@ -167,6 +278,17 @@ void add_explain(CLI::App& app) {
   c->add_option("--tokens", o->tokens, "number of tokens for --example random")->capture_default_str();
   c->add_option("--seed", o->seed, "random seed for --example random")->capture_default_str();
   c->add_flag("--causal", o->causal, "mask keys after each query's position");
+  c->add_option("--window", o->window, "sliding window LEFT,RIGHT: keys p-LEFT..p+RIGHT of the query's position p, "
+                                       "-1 = unbounded")
+      ->delimiter(',')
+      ->expected(2);
+  auto* alibi =
+      c->add_flag("--alibi", o->alibi, "ALiBi: add -m|p - j| with the paper's slopes (2^(-8(h+1)/H) for H a power of two)");
+  c->add_option("--alibi-slopes", o->alibi_slopes, "ALiBi with these slopes m (H values, or one for all)")
+      ->delimiter(',')
+      ->excludes(alibi);
+  c->add_option("--sinks", o->sinks, "attention sinks: one logit per head (H values, or one for all)")->delimiter(',');
+  c->add_option("--png", o->png, "draw the attention weights of every head as a heatmap (.png)");
   c->footer(kExitCodesHelp);
   c->callback([o, c] {
     if (o->example == "random") return run_random(*o);

@@ -70,9 +70,14 @@ void add_train_flags(CLI::App& app, TrainOpts& o) {
   app.add_option("--layers", c.layers, "transformer blocks")->capture_default_str();
   app.add_option("--dim", c.dim, "model width D")->capture_default_str();
   app.add_option("--heads", c.heads, "attention heads (must divide --dim)")->capture_default_str();
-  app.add_option("--positions", o.positions, "sinusoidal | learned | rope | none")
-      ->check(CLI::IsMember({"sinusoidal", "learned", "rope", "none"}))
+  app.add_option("--positions", o.positions,
+                 "sinusoidal | learned | rope | alibi (no embedding: scores get -slope_h*|i-j|) | none")
+      ->check(CLI::IsMember({"sinusoidal", "learned", "rope", "alibi", "none"}))
       ->capture_default_str();
+  app.add_option("--window", o.window, "sliding window LEFT,RIGHT: token i sees tokens i-LEFT..i+RIGHT, -1 = unbounded")
+      ->delimiter(',')
+      ->expected(2);
+  app.add_flag("--sinks", c.sinks, "a learnable attention sink logit per head (gpt-oss)");
   app.add_option("--scale", o.scale, "default (1/sqrt(d_k)) | none")
       ->check(CLI::IsMember({"default", "none"}))
       ->capture_default_str();
@@ -125,6 +130,7 @@ void run_train(const TrainOpts& o) {
   if (!o.steps_given) c.steps = d.steps;
   if (!o.curriculum_given) c.curriculum = d.curriculum;
   c.positions = nn::parse_positions(o.positions);
+  if (!o.window.empty()) c.window = {o.window[0], o.window[1]};
   c.scale_none = o.scale == "none";
   if (!c.resume_path.empty()) require_file(c.resume_path, "--resume");
   c.validate();  // before any output, so a bad value fails fast with the field's name
@@ -157,6 +163,11 @@ void run_train(const TrainOpts& o) {
                            res.start_step + res.steps_done, res.seconds);
   std::cout << fmt::format("at start: score std {:.4f}, mean top attention weight {:.4f}\n", res.init_score_std,
                            res.init_top_weight);
+  for (size_t l = 0; l < res.sinks.size(); ++l) {
+    std::string s;
+    for (double v : res.sinks[l]) s += fmt::format("{}{:.3f}", s.empty() ? "" : " ", v);
+    std::cout << fmt::format("learned sinks, layer {}: {}\n", l, s);
+  }
   if (!png.empty()) plot_curve(res.curve, png);
   outputs.commit();
   std::cout << fmt::format("held-out ({} examples): loss {:.4f}, token accuracy {:.4f}, exact-sequence accuracy {:.4f}\n",

@@ -6,6 +6,7 @@
 #include <CLI/CLI.hpp>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "attn/nn.hpp"
 
@@ -16,6 +17,7 @@ namespace attn::cli {
 struct TrainOpts {
   nn::TrainConfig config;
   std::string task = "reverse", positions = "rope", scale = "default", png;
+  std::vector<int64_t> window;  // LEFT, RIGHT when given
   // The flags whose default depends on the task (nn::default_config): set
   // when given on the command line.
   bool queries_given = false, steps_given = false, curriculum_given = false;

@@ -57,6 +57,7 @@ const char* const kVProjWeight = "v_proj_weight";
 const char* const kInProjBias = "in_proj_bias";
 const char* const kOutProjWeight = "out_proj.weight";
 const char* const kOutProjBias = "out_proj.bias";
+const char* const kSinks = "sinks";
 
 using detail::Checker;
 
@@ -162,6 +163,7 @@ MultiheadAttention<T>::MultiheadAttention(const MultiheadConfig& config, uint64_
     params_.emplace(kOutProjBias, Tensor<T>({D}));
   }
   params_.emplace(kOutProjWeight, Tensor<T>({D, HEv}));
+  if (cfg_.sinks) params_.emplace(kSinks, Tensor<T>({H}));
   for (const auto& [name, p] : params_) grads_.emplace(name, Tensor<T>(p.shape()));
   reset_parameters(seed);
 }
@@ -178,6 +180,7 @@ std::vector<std::string> MultiheadAttention<T>::parameter_names() const {
   if (cfg_.bias) names.push_back(kInProjBias);
   names.push_back(kOutProjWeight);
   if (cfg_.bias) names.push_back(kOutProjBias);
+  if (cfg_.sinks) names.push_back(kSinks);
   return names;
 }
 
@@ -240,6 +243,21 @@ void MultiheadAttention<T>::reset_parameters(uint64_t seed) {
     params_.at(kInProjBias).fill(T(0));
     params_.at(kOutProjBias).fill(T(0));
   }
+  // Sinks start at 0: each adds exp(0) = 1 to its rows' denominators.
+  if (cfg_.sinks) params_.at(kSinks).fill(T(0));
+}
+
+std::vector<double> alibi_slopes(int64_t num_heads) {
+  if (num_heads < 1 || num_heads > (int64_t(1) << 24))
+    throw InvalidArgument("attn::alibi_slopes: num_heads is " + std::to_string(num_heads) + ", expected 1 to 2^24");
+  int64_t n = 1;  // the largest power of two <= num_heads
+  while (2 * n <= num_heads) n *= 2;
+  std::vector<double> s;
+  s.reserve(size_t(num_heads));
+  for (int64_t h = 0; h < n; ++h) s.push_back(std::exp2(-8.0 * double(h + 1) / double(n)));
+  // the rest: the odd-numbered slopes of 2n heads, 2^(-8(2i+1)/(2n))
+  for (int64_t i = 0; int64_t(s.size()) < num_heads; ++i) s.push_back(std::exp2(-8.0 * double(2 * i + 1) / double(2 * n)));
+  return s;
 }
 
 template <class T>
@@ -351,6 +369,21 @@ Tensor<T> copy_of(View<const T, R> v) {
   return t;
 }
 
+// The attention's arguments: the heads of the projections, the masks, bias,
+// key lengths and ALiBi slopes the cache owns, and the layer's sinks.
+template <class T>
+SdpaArgs<T> sdpa_args(const MhaCache<T>& st, View4<const T> q, View4<const T> k, View4<const T> v,
+                      const Tensor<T>* sinks) {
+  SdpaArgs<T> args;
+  args.q = q, args.k = k, args.v = v;
+  if (st.mask.rank() == 4) args.mask = st.mask.view4();
+  if (st.bias.rank() == 4) args.bias = st.bias.view4();
+  if (st.key_lengths.rank() == 1) args.key_lengths = st.key_lengths.template view<1>();
+  if (st.alibi_slopes.rank() == 1) args.alibi_slopes = st.alibi_slopes.template view<1>();
+  if (sinks) args.sinks = sinks->template view<1>();
+  return args;
+}
+
 }  // namespace
 
 template <class T>
@@ -412,6 +445,11 @@ void MultiheadAttention<T>::forward(const MhaArgs<T>& a, const MhaOutputs<T>& o,
                std::to_string(b) + ", expected 0 <= key_lengths[b] <= S = " + std::to_string(S));
     read.push_back(c.extent(a.key_lengths, "key_lengths"));
   }
+  if (c.given(a.alibi_slopes, "alibi_slopes")) {
+    c.shape(a.alibi_slopes, "alibi_slopes", {H}, "(num_heads,) = " + shape_str({H}) + ", one slope per head");
+    c.finite(a.alibi_slopes, "alibi_slopes");
+    read.push_back(c.extent(a.alibi_slopes, "alibi_slopes"));
+  }
   for (const auto& e : written) c.writable(e);
   c.disjoint(written, read);
   (void)c.threads(opt.sdpa.num_threads);
@@ -430,12 +468,12 @@ void MultiheadAttention<T>::forward(const MhaArgs<T>& a, const MhaOutputs<T>& o,
   // the new state, unless an argument points into one of them.
   if (cache) {
     const void* ptrs[] = {a.query.data,   a.key.data,      a.value.data,         a.attn_mask.data,
-                          a.attn_bias.data, a.key_padding_mask.data, a.key_lengths.data, o.out.data,
-                          o.head_weights.data, o.avg_weights.data};
+                          a.attn_bias.data, a.key_padding_mask.data, a.key_lengths.data, a.alibi_slopes.data,
+                          o.out.data, o.head_weights.data, o.avg_weights.data};
     bool aliased = false;
     for (const void* p : ptrs)
       for (const Tensor<T>* t : {&cache->query, &cache->key, &cache->value, &cache->proj, &cache->attn_out,
-                                 &cache->lse, &cache->bias})
+                                 &cache->lse, &cache->bias, &cache->alibi_slopes})
         aliased = aliased || inside(*t, p);
     for (const void* p : ptrs) aliased = aliased || inside(cache->mask, p) || inside(cache->key_lengths, p);
     if (!aliased) {
@@ -492,12 +530,9 @@ void MultiheadAttention<T>::forward(const MhaArgs<T>& a, const MhaOutputs<T>& o,
   }
   if (!a.attn_bias.empty()) st.bias = copy_of<T, 4>(a.attn_bias);
   if (!a.key_lengths.empty()) st.key_lengths = copy_of<int64_t, 1>(a.key_lengths);
+  if (!a.alibi_slopes.empty()) st.alibi_slopes = copy_of<T, 1>(a.alibi_slopes);
 
-  SdpaArgs<T> args;
-  args.q = qh, args.k = kh, args.v = vh;
-  if (st.mask.rank() == 4) args.mask = st.mask.view4();
-  if (st.bias.rank() == 4) args.bias = st.bias.view4();
-  if (st.key_lengths.rank() == 1) args.key_lengths = st.key_lengths.template view<1>();
+  const SdpaArgs<T> args = sdpa_args<T>(st, qh, kh, vh, cfg_.sinks ? &params_.at(kSinks) : nullptr);
 
   sized(st.attn_out, {B, L, HEv});
   sized(st.lse, {B, H, L});
@@ -587,17 +622,18 @@ void MultiheadAttention<T>::backward(const MhaCache<T>& cache, View3<const T> do
   const T* xs = cache.query.data();
   const auto ps = parts<T>(*this, cfg_, packed_, self, B, L, S, xs, self ? xs : cache.key.data(),
                            self ? xs : cache.value.data(), dproj.data(), &grads_);
-  SdpaArgs<T> args;
-  args.q = cache.q(), args.k = cache.k(), args.v = cache.v();
-  if (cache.mask.rank() == 4) args.mask = cache.mask.view4();
-  if (cache.bias.rank() == 4) args.bias = cache.bias.view4();
-  if (cache.key_lengths.rank() == 1) args.key_lengths = cache.key_lengths.template view<1>();
+  const SdpaArgs<T> args =
+      sdpa_args<T>(cache, cache.q(), cache.k(), cache.v(), cfg_.sinks ? &params_.at(kSinks) : nullptr);
   SdpaOptions so = cache.options.sdpa;
   so.check_finite = false;  // the forward checked its inputs
   SdpaGrads<T> sg;
   sg.dq = heads(ps[0], B, L, H), sg.dk = heads(ps[1], B, S, H), sg.dv = heads(ps[2], B, S, H);
+  Tensor<T> dsinks;  // sdpa overwrites its dsinks; the layer's gradient accumulates
+  if (cfg_.sinks) sg.dsinks = (dsinks = Tensor<T>({H})).template view<1>();
   const SdpaSaved<T> saved{View4<const T>::bnhd(cache.attn_out.data(), B, L, H, Ev), cache.lse.template view<3>()};
   scaled_dot_product_attention_backward<T>(args, View4<const T>::bnhd(d_attn.data(), B, L, H, Ev), saved, sg, so);
+  if (cfg_.sinks)
+    for (int64_t h = 0; h < H; ++h) grads_.at(kSinks)[size_t(h)] += dsinks[size_t(h)];
   // The transform's own backward turns dQ', dK' into dQ, dK.
   if (qk_.backward) qk_.backward(sg.dq, sg.dk);
 

@@ -2,7 +2,9 @@
 // parameters, and the explicit per-head computation in double the layer is
 // compared with (split into heads, softmax(q·kᵀ/√E)·v per head,
 // concatenate, project), independent of the layer's code except for the
-// parameters.
+// parameters. The variants are written out as their definitions: a window
+// and causal as a position test, soft-capping as c·tanh(s/c), ALiBi as the
+// bias -slope·|p - j|, sinks as one more term in the denominator.
 #pragma once
 
 #include <map>
@@ -65,9 +67,11 @@ struct RefResult {
 // The explicit per-head computation, in double, reading masks with explicit
 // broadcasting. Independent of the layer's code except for the parameters.
 // `a` gives the inputs and masks; empty key and value mean self-attention.
+// `variants` supplies window, softcap and position_offset (its other fields
+// are ignored); the ALiBi slopes come from `a`, the sinks from the layer.
 template <class T>
 RefResult reference_mha(const MultiheadAttention<T>& m, const MhaArgs<T>& a, bool causal = false,
-                        CausalAlign align = CausalAlign::top_left) {
+                        CausalAlign align = CausalAlign::top_left, const SdpaOptions& variants = {}) {
   const MhaArgs<T>& mk = a;
   const View3<const T> query = a.query, key = a.key.empty() ? a.query : a.key,
                        value = a.value.empty() ? a.query : a.value;
@@ -94,6 +98,15 @@ RefResult reference_mha(const MultiheadAttention<T>& m, const MhaArgs<T>& a, boo
   }
   const Mat wo = rows_of(m, "out_proj.weight", 0, D);
   auto bc = [](int64_t i, int64_t dim) { return dim == 1 ? 0 : i; };
+  // Query i sits at key position i + offset.
+  const int64_t offset = variants.position_offset ? *variants.position_offset
+                         : align == CausalAlign::bottom_right ? S - L
+                                                              : 0;
+  const Window win = variants.window;
+  const double cap = variants.softcap;
+  std::vector<double> sinks;
+  if (m.has_sinks())
+    for (int64_t h = 0; h < H; ++h) sinks.push_back(double(m.parameter("sinks")[size_t(h)]));
 
   RefResult r{Tensor<double>({B, L, D}), Tensor<double>({B, H, L, S})};
   std::vector<double> concat(size_t(L * HEv));
@@ -124,11 +137,14 @@ RefResult reference_mha(const MultiheadAttention<T>& m, const MhaArgs<T>& a, boo
       for (int64_t i = 0; i < L; ++i) {
         std::vector<double> z(static_cast<size_t>(S));
         std::vector<bool> vis(static_cast<size_t>(S));
-        double zmax = -1e300;
-        bool any = false;
+        double zmax = sinks.empty() ? -1e300 : sinks[size_t(h)];
+        bool any = !sinks.empty();
+        const int64_t pos = i + offset;
         for (int64_t j = 0; j < S; ++j) {
           bool v = true;
-          if (causal) v = align == CausalAlign::top_left ? j <= i : j <= i + (S - L);
+          if (causal && j > pos) v = false;
+          if (win.left >= 0 && j < pos - win.left) v = false;
+          if (win.right >= 0 && j > pos + win.right) v = false;
           if (!mk.key_padding_mask.empty() && mk.key_padding_mask(b, j)) v = false;
           if (!mk.key_lengths.empty() && j >= mk.key_lengths(b)) v = false;
           if (!mk.attn_mask.empty()) {
@@ -138,6 +154,8 @@ RefResult reference_mha(const MultiheadAttention<T>& m, const MhaArgs<T>& a, boo
           double s = 0;
           for (int64_t e = 0; e < E; ++e) s += qh[size_t(i * E + e)] * kh[size_t(j * E + e)];
           s /= std::sqrt(double(E));
+          if (cap > 0) s = cap * std::tanh(s / cap);
+          if (!mk.alibi_slopes.empty()) s -= double(mk.alibi_slopes(h)) * double(std::abs(pos - j));
           if (!mk.attn_bias.empty()) {
             const auto& ab = mk.attn_bias;
             s += double(ab(bc(b, ab.dim(0)), bc(h, ab.dim(1)), bc(i, ab.dim(2)), bc(j, ab.dim(3))));
@@ -149,7 +167,8 @@ RefResult reference_mha(const MultiheadAttention<T>& m, const MhaArgs<T>& a, boo
             zmax = std::max(zmax, s);
           }
         }
-        double sum = 0;
+        // The sink joins the denominator and adds no value.
+        double sum = sinks.empty() ? 0.0 : std::exp(sinks[size_t(h)] - zmax);
         for (int64_t j = 0; j < S; ++j) sum += vis[size_t(j)] ? std::exp(z[size_t(j)] - zmax) : 0.0;
         for (int64_t j = 0; j < S; ++j) {
           const double p = (any && vis[size_t(j)]) ? std::exp(z[size_t(j)] - zmax) / sum : 0.0;
@@ -220,6 +239,24 @@ struct LayerCase {
   CausalAlign align = CausalAlign::top_left;
   bool kpm = false, attn_mask = false, attn_bias = false, key_lengths = false;
   bool transform = false;  // the position_scaling Q/K transform (backward tests)
+  // Variants: window, softcap and position_offset in `variants`; ALiBi with
+  // random slopes in [0, 1); sinks: set cfg.sinks (random values are loaded).
+  SdpaOptions variants{};
+  bool alibi = false;
 };
+
+MultiheadConfig with_sinks(MultiheadConfig c) {
+  c.sinks = true;
+  return c;
+}
+
+// The options of a case: causal, its alignment and the variants.
+MhaOptions layer_options(const LayerCase& c) {
+  MhaOptions o;
+  o.sdpa = c.variants;
+  o.sdpa.causal = c.causal;
+  o.sdpa.causal_align = c.align;
+  return o;
+}
 
 }  // namespace attn::testing

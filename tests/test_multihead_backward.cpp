@@ -66,9 +66,13 @@ void check_gradients(const GradCase& c, uint64_t seed) {
     for (int64_t b = 0; b < c.B; ++b) lens[size_t(b)] = c.S - b;
     mk.key_lengths = lens.view<1>();
   }
-  MhaOptions opt;
-  opt.sdpa.causal = c.causal;
-  opt.sdpa.causal_align = c.align;
+  Tensor<double> slopes;
+  if (c.alibi) {
+    slopes = random_tensor<double>({H}, rng, 0.5);
+    for (size_t h = 0; h < slopes.size(); ++h) slopes[h] = std::abs(slopes[h]);
+    mk.alibi_slopes = slopes.view<1>();
+  }
+  MhaOptions opt = layer_options(c);
   opt.sdpa.backend = attn::Backend::reference;
 
   auto loss = [&]() {
@@ -86,7 +90,8 @@ void check_gradients(const GradCase& c, uint64_t seed) {
   const Tensor<bool> kpm_kept = kpm, am_kept = am;
   const Tensor<double> ab_kept = ab;
   const Tensor<int64_t> lens_kept = lens;
-  kpm.fill(true), am.fill(false), ab.fill(-1e30), lens.fill(0);
+  const Tensor<double> slopes_kept = slopes;
+  kpm.fill(true), am.fill(false), ab.fill(-1e30), lens.fill(0), slopes.fill(7.0);
   Tensor<double> dq({c.B, c.L, D}), dk, dv;
   dq.fill(123.0);
   if (!c.self) {
@@ -101,6 +106,7 @@ void check_gradients(const GradCase& c, uint64_t seed) {
   // Back in place (mk's views point into these buffers).
   auto restore = [](auto& t, const auto& kept) { std::copy_n(kept.data(), kept.size(), t.data()); };
   restore(kpm, kpm_kept), restore(am, am_kept), restore(ab, ab_kept), restore(lens, lens_kept);
+  restore(slopes, slopes_kept);
 
   EXPECT_TRUE(gradient_check(q, dq, loss, c.self ? "dx" : "dquery"));
   if (!c.self) {
@@ -167,6 +173,96 @@ TEST(MultiheadAttentionGrad, QkTransformCrossAttention) {
   GradCase c{"transform_cross", config(4, 2, true, 3, 5), 2, 3, 5, false};
   c.transform = c.kpm = true;
   check_gradients(c, 17);
+}
+
+// The variants: the layer's sinks get their gradient like every other
+// parameter (d sinks included in the parameter loop above).
+TEST(MultiheadAttentionGrad, SelfAttentionSinks) {
+  check_gradients({"self_sinks", with_sinks(config(4, 2)), 2, 4, 4, true}, 21);
+}
+
+TEST(MultiheadAttentionGrad, CrossAttentionSinksWithMasks) {
+  GradCase c{"cross_sinks_masks", with_sinks(config(4, 2, true, 3, 5)), 2, 3, 4, false};
+  c.kpm = c.attn_mask = true;
+  check_gradients(c, 22);
+}
+
+TEST(MultiheadAttentionGrad, SelfAttentionCausalWindowAlibi) {
+  GradCase c{"self_causal_window_alibi", config(4, 2), 2, 6, 6, true};
+  c.causal = c.alibi = true;
+  c.variants.window = {2, -1};
+  check_gradients(c, 23);
+}
+
+TEST(MultiheadAttentionGrad, SelfAttentionSoftcapWindowSinksTransform) {
+  GradCase c{"self_softcap_window_sinks", with_sinks(config(4, 2)), 2, 5, 5, true};
+  c.variants.softcap = 0.8;
+  c.variants.window = {1, 2};
+  c.transform = true;
+  check_gradients(c, 24);
+}
+
+TEST(MultiheadAttentionGrad, CrossAttentionEverythingWithOffset) {
+  GradCase c{"cross_everything_offset", with_sinks(config(5, 2, false, 3, 4, 3, 2)), 2, 3, 6, false};
+  c.causal = c.alibi = c.attn_bias = c.key_lengths = true;
+  c.variants.position_offset = 2;
+  c.variants.window = {2, 1};
+  c.variants.softcap = 2.0;
+  check_gradients(c, 25);
+}
+
+// The float layer on the fused backend gives the double reference's
+// gradients with every variant on (sinks included).
+TEST(MultiheadAttentionGrad, FusedFloatMatchesReferenceWithVariants) {
+  std::mt19937_64 rng(26);
+  const MultiheadConfig cfg = with_sinks(config(8, 2));
+  MultiheadAttention<double> md(cfg, 1);
+  MultiheadAttention<float> mf(cfg, 1);
+  randomize(md, rng, 0.5);
+  for (const auto& name : md.parameter_names()) {
+    const Tensor<double>& p = md.parameter(name);
+    Tensor<float> f(p.shape());
+    for (size_t i = 0; i < p.size(); ++i) f[i] = float(p[i]);
+    if (p.rank() == 2)
+      mf.load_parameter(name, View2<const float>(f.data(), {f.dim(0), f.dim(1)}));
+    else
+      mf.load_parameter(name, View1<const float>(f.data(), {f.dim(0)}));
+  }
+  const int64_t B = 2, N = 37;
+  const Tensor<double> x = random_tensor<double>({B, N, 8}, rng), g = random_tensor<double>({B, N, 8}, rng);
+  Tensor<float> xf(x.shape()), gf(g.shape());
+  for (size_t i = 0; i < x.size(); ++i) xf[i] = float(x[i]), gf[i] = float(g[i]);
+  const double slopes_d[2] = {0.25, 0.0625};
+  const float slopes_f[2] = {0.25f, 0.0625f};
+  LayerCase c{"fused_variants", cfg, B, N, N, true};
+  c.causal = true;
+  c.variants.window = {9, 0};
+  c.variants.softcap = 3.0;
+  MhaOptions od = layer_options(c), of = layer_options(c);
+  od.sdpa.backend = attn::Backend::reference;
+  of.sdpa.backend = attn::Backend::fused;
+  MhaArgs<double> ad = inputs<double>(v3(x));
+  ad.alibi_slopes = View1<const double>(slopes_d, {2});
+  MhaArgs<float> af = inputs<float>(v3(std::as_const(xf)));
+  af.alibi_slopes = View1<const float>(slopes_f, {2});
+  MhaCache<double> cd;
+  MhaCache<float> cf;
+  Tensor<double> yd({B, N, 8}), dxd({B, N, 8});
+  Tensor<float> yf({B, N, 8}), dxf({B, N, 8});
+  md.forward(ad, {v3(yd)}, od, &cd);
+  mf.forward(af, {v3(yf)}, of, &cf);
+  md.zero_grad(), mf.zero_grad();
+  md.backward(cd, v3(g), {v3(dxd)});
+  mf.backward(cf, v3(std::as_const(gf)), {v3(dxf)});
+  auto close = [](const Tensor<float>& f, const Tensor<double>& d, const std::string& what) {
+    Tensor<double> fd(f.shape());
+    for (size_t i = 0; i < f.size(); ++i) fd[i] = double(f[i]);
+    const double mag = std::max(1.0, max_abs(View1<const double>(d.data(), {int64_t(d.size())})));
+    return all_close(fd, d, 2e-5 * mag * std::sqrt(double(N)), what);
+  };
+  EXPECT_TRUE(close(yf, yd, "out"));
+  EXPECT_TRUE(close(dxf, dxd, "dx"));
+  for (const auto& name : md.parameter_names()) EXPECT_TRUE(close(mf.grad(name), md.grad(name), "grad " + name));
 }
 
 // The transform runs between projection and attention: the cache keeps the

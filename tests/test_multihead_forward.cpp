@@ -47,6 +47,41 @@ std::vector<Case> cases() {
   c = {"self_bias_and_lengths", config(6, 3), 3, 4, 4, true};
   c.attn_bias = c.key_lengths = true;
   cs.push_back(c);
+  // The variants, each alone and combined with masks and each other.
+  c = {"self_window", config(6, 2), 2, 7, 7, true};
+  c.variants.window = {2, 1};
+  cs.push_back(c);
+  c = {"self_causal_window", config(6, 2), 2, 7, 7, true};
+  c.causal = true;
+  c.variants.window = {1, -1};
+  cs.push_back(c);
+  c = {"self_alibi", config(6, 3), 2, 6, 6, true};
+  c.alibi = true;
+  cs.push_back(c);
+  c = {"self_sinks", with_sinks(config(6, 2)), 2, 5, 5, true};
+  cs.push_back(c);
+  c = {"self_softcap", config(6, 2), 2, 5, 5, true};
+  c.variants.softcap = 0.7;
+  cs.push_back(c);
+  c = {"cross_sinks_fully_masked_rows", with_sinks(config(4, 2, true, 3, 5)), 2, 3, 4, false};
+  c.attn_mask = true;  // some rows see no key: all their weight goes to the sink
+  cs.push_back(c);
+  c = {"cross_window_alibi_offset", config(4, 2, true, 3, 5), 2, 3, 8, false};
+  c.variants.window = {2, 2};
+  c.variants.position_offset = 3;
+  c.alibi = true;
+  cs.push_back(c);
+  c = {"self_everything", with_sinks(config(6, 2)), 2, 6, 6, true};
+  c.causal = c.alibi = c.kpm = c.attn_bias = true;
+  c.variants.window = {3, -1};
+  c.variants.softcap = 1.5;
+  cs.push_back(c);
+  c = {"explicit_dims_bottom_right_window_sinks", with_sinks(config(5, 2, false, 3, 4, 3, 2)), 2, 3, 6, false};
+  c.causal = true;
+  c.align = CausalAlign::bottom_right;
+  c.variants.window = {1, 0};
+  c.alibi = true;
+  cs.push_back(c);
   return cs;
 }
 
@@ -55,7 +90,7 @@ void check_against_reference(const Case& c, uint64_t seed) {
   SCOPED_TRACE(c.name);
   std::mt19937_64 rng(seed);
   MultiheadAttention<T> m(c.cfg, seed);
-  if (c.cfg.bias) randomize(m, rng);  // non-zero biases
+  if (c.cfg.bias || c.cfg.sinks) randomize(m, rng);  // non-zero biases and sinks
   const int64_t D = m.embed_dim(), H = m.num_heads();
   Tensor<T> q = random_tensor<T>({c.B, c.L, D}, rng);
   Tensor<T> k = c.self ? q : random_tensor<T>({c.B, c.S, m.kdim()}, rng);
@@ -64,6 +99,13 @@ void check_against_reference(const Case& c, uint64_t seed) {
   Tensor<T> ab;
   Tensor<int64_t> lens;
   MhaArgs<T> mk;
+  Tensor<T> slopes;
+  if (c.alibi) {
+    slopes = Tensor<T>({H});
+    std::uniform_real_distribution<double> u(0, 1);
+    for (int64_t h = 0; h < H; ++h) slopes[size_t(h)] = T(u(rng));
+    mk.alibi_slopes = slopes.template view<1>();
+  }
   if (c.kpm) {
     kpm = random_bools({c.B, c.S}, rng, 0.3);
     kpm[0] = false;  // batch 0 keeps its first key
@@ -71,6 +113,7 @@ void check_against_reference(const Case& c, uint64_t seed) {
   }
   if (c.attn_mask) {
     am = random_bools({1, H, c.L, c.S}, rng, 0.7);  // broadcast over the batch
+    for (int64_t j = 0; j < c.S; ++j) am[size_t(j)] = false;  // head 0's first query sees no key
     mk.attn_mask = am.view4();
   }
   if (c.attn_bias) {
@@ -82,14 +125,12 @@ void check_against_reference(const Case& c, uint64_t seed) {
     for (int64_t b = 0; b < c.B; ++b) lens[size_t(b)] = std::max<int64_t>(1, c.S - b);
     mk.key_lengths = lens.template view<1>();
   }
-  MhaOptions opt;
-  opt.sdpa.causal = c.causal;
-  opt.sdpa.causal_align = c.align;
+  const MhaOptions opt = layer_options(c);
 
   const MhaArgs<T> args = c.self ? inputs<T>(v3(q), {}, {}, mk) : inputs<T>(v3(q), v3(k), v3(v), mk);
   Tensor<T> y({c.B, c.L, D}), hw({c.B, H, c.L, c.S}), aw({c.B, c.L, c.S});
   m.forward(args, {v3(y), hw.view4(), v3(aw)}, opt);
-  const RefResult r = reference_mha<T>(m, args, c.causal, c.align);
+  const RefResult r = reference_mha<T>(m, args, c.causal, c.align, c.variants);
 
   const double mag = std::max(max_abs(r.y.template view<3>()), 1.0);
   const int64_t red = std::max({D, m.kdim(), m.vdim(), c.S, H * m.v_head_dim()});
@@ -536,6 +577,47 @@ TEST(MultiheadAttentionProperties, CausalFutureTokensDoNotLeak) {
     else
       EXPECT_GT(diff, 1e-6) << "token " << i;
   }
+}
+
+}  // namespace
+
+namespace {
+
+// The standard slopes: 2^(-8(h+1)/H) for a power of two; otherwise the
+// paper's interleaving (H = 6: the 4-head slopes, then the 1st and 3rd of 8).
+TEST(MultiheadAttention, AlibiSlopesAreThePapers) {
+  const std::vector<double> s8 = attn::alibi_slopes(8);
+  ASSERT_EQ(s8.size(), 8u);
+  for (int h = 0; h < 8; ++h) EXPECT_EQ(s8[size_t(h)], std::exp2(-(h + 1))) << h;
+  const std::vector<double> s1 = attn::alibi_slopes(1);
+  ASSERT_EQ(s1.size(), 1u);
+  EXPECT_EQ(s1[0], std::exp2(-8.0));
+  const std::vector<double> s6 = attn::alibi_slopes(6), want6 = {0.25, 0.0625, 0.015625, 0.00390625, 0.5, 0.125};
+  ASSERT_EQ(s6.size(), 6u);
+  for (size_t h = 0; h < 6; ++h) EXPECT_EQ(s6[h], want6[h]) << h;
+  EXPECT_TRUE(throws_with([] { (void)attn::alibi_slopes(0); }, {"alibi_slopes", "num_heads is 0"}));
+}
+
+// The sinks are a parameter: named last, zero at the start, loadable; ALiBi
+// slopes of the wrong length are refused by the layer, by name.
+TEST(MultiheadAttention, SinksParameterAndAlibiValidation) {
+  MultiheadAttention<float> m(with_sinks(config(4, 2)), 1);
+  ASSERT_EQ(m.parameter_names().back(), "sinks");
+  EXPECT_EQ(m.parameter("sinks").shape(), (std::vector<int64_t>{2}));
+  EXPECT_EQ(m.parameter("sinks")[0], 0.0f);
+  EXPECT_EQ(m.grad("sinks").shape(), (std::vector<int64_t>{2}));
+  const float v[2] = {0.5f, -1.0f};
+  m.load_parameter("sinks", View1<const float>(v, {2}));
+  EXPECT_EQ(m.parameter("sinks")[1], -1.0f);
+  MultiheadAttention<float> plain(config(4, 2), 1);
+  for (const auto& n : plain.parameter_names()) EXPECT_NE(n, "sinks");
+  std::mt19937_64 rng(3);
+  Tensor<float> x = random_tensor<float>({1, 3, 4}, rng), y({1, 3, 4});
+  const float slopes[3] = {0.1f, 0.2f, 0.3f};
+  MhaArgs<float> a = inputs<float>(v3(std::as_const(x)));
+  a.alibi_slopes = View1<const float>(slopes, {3});
+  EXPECT_TRUE(throws_with([&] { m.forward(a, {v3(y)}); },
+                          {"MultiheadAttention::forward", "alibi_slopes", "(2,)"}));
 }
 
 }  // namespace

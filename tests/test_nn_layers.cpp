@@ -256,13 +256,15 @@ TEST(NnMlp, Gradients) {
 struct AttnCase {
   const char* name;
   attn::MhaOptions opt;
-  bool rope;
+  nn::Positions positions;  // rope and alibi act inside the layer
+  bool sinks = false;
 };
 
-attn::MhaOptions opts(bool causal, std::optional<double> scale = {}) {
+attn::MhaOptions opts(bool causal, std::optional<double> scale = {}, attn::Window window = {}) {
   attn::MhaOptions o;
   o.sdpa.causal = causal;
   o.sdpa.scale = scale;
+  o.sdpa.window = window;
   return o;
 }
 
@@ -275,11 +277,12 @@ TEST_P(NnSelfAttention, Gradients) {
   const auto& c = GetParam();
   std::mt19937_64 rng(7);
   const int64_t B = 2, N = 5, D = 8, H = 2;
-  nn::SelfAttention<double> att(D, H, c.opt, c.rope);
+  nn::SelfAttention<double> att(D, H, c.opt, c.positions, c.sinks);
   nn::Rng init(11);
   att.reset_parameters(init);
   // non-zero biases so their gradients are exercised away from 0
-  for (const char* name : {"in_proj_bias", "out_proj.bias"}) {
+  for (const char* name : {"in_proj_bias", "out_proj.bias", "sinks"}) {
+    if (std::string(name) == "sinks" && !c.sinks) continue;
     Tensor<double>& b = att.layer.parameter(name);
     for (size_t i = 0; i < b.size(); ++i) b[i] = 0.1 * init.normal();
   }
@@ -300,7 +303,11 @@ TEST_P(NnSelfAttention, Gradients) {
   // collect() hands the optimizer the layer's own tensors, PyTorch-named.
   std::vector<nn::ParamRef<double>> refs;
   att.collect("attn.", refs);
-  ASSERT_EQ(refs.size(), 4u);
+  ASSERT_EQ(refs.size(), c.sinks ? 5u : 4u);
+  if (c.sinks) {
+    EXPECT_EQ(refs[4].name, "attn.sinks");
+    EXPECT_FALSE(refs[4].decay);
+  }
   EXPECT_EQ(refs[0].name, "attn.in_proj_weight");
   EXPECT_EQ(refs[0].value, &att.layer.parameter("in_proj_weight"));
   EXPECT_EQ(refs[0].grad, &att.layer.grad("in_proj_weight"));
@@ -309,11 +316,16 @@ TEST_P(NnSelfAttention, Gradients) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Variants, NnSelfAttention,
-                         ::testing::Values(AttnCase{"plain", opts(false), false},
-                                           AttnCase{"causal", opts(true), false},
-                                           AttnCase{"rope", opts(false), true},
-                                           AttnCase{"causal_rope", opts(true), true},
-                                           AttnCase{"unscaled", opts(false, 1.0), false}),
+                         ::testing::Values(AttnCase{"plain", opts(false), nn::Positions::none},
+                                           AttnCase{"causal", opts(true), nn::Positions::none},
+                                           AttnCase{"rope", opts(false), nn::Positions::rope},
+                                           AttnCase{"causal_rope", opts(true), nn::Positions::rope},
+                                           AttnCase{"unscaled", opts(false, 1.0), nn::Positions::none},
+                                           AttnCase{"alibi", opts(false), nn::Positions::alibi},
+                                           AttnCase{"causal_window_sinks", opts(true, {}, {2, -1}),
+                                                    nn::Positions::none, true},
+                                           AttnCase{"alibi_window_sinks", opts(false, {}, {1, 2}),
+                                                    nn::Positions::alibi, true}),
                          [](const auto& param_info) { return std::string(param_info.param.name); });
 
 // With RoPE, the layer's output equals the plain per-head formula computed
@@ -321,7 +333,7 @@ INSTANTIATE_TEST_SUITE_P(Variants, NnSelfAttention,
 TEST(NnSelfAttentionForward, RopeMatchesPlainFormula) {
   std::mt19937_64 rng(8);
   const int64_t B = 1, N = 4, D = 8, H = 2, E = 4;
-  nn::SelfAttention<double> att(D, H, {}, /*rope=*/true);
+  nn::SelfAttention<double> att(D, H, {}, nn::Positions::rope);
   nn::Rng init(3);
   att.reset_parameters(init);
   auto x = random_tensor<double>({B * N, D}, rng);
@@ -394,7 +406,7 @@ TEST(NnSelfAttentionForward, ScoreStatsFollowTheScale) {
 }
 
 TEST(NnSelfAttention, RejectsOddRopeHeadsAndBadShapes) {
-  EXPECT_TRUE(attn::testing::throws_with([] { nn::SelfAttention<float>(6, 2, {}, true); },
+  EXPECT_TRUE(attn::testing::throws_with([] { nn::SelfAttention<float>(6, 2, {}, nn::Positions::rope); },
                                          {"attn::nn::SelfAttention", "even head dimension", "E = 3"}));
   EXPECT_TRUE(attn::testing::throws_with([] { nn::SelfAttention<float>(6, 4); }, {"multiple of heads = 4"}));
   nn::SelfAttention<float> att(4, 2);

@@ -290,7 +290,7 @@ void draw_chart(const Chart& ch, const std::string& path) {
 
 void draw_heatmap(const std::vector<double>& w, int64_t H, int64_t L, int64_t S, const std::vector<std::string>& rows,
                   const std::vector<std::string>& cols, const std::string& title, const std::string& path,
-                  const std::vector<std::string>& panel_titles, int per_row_wanted) {
+                  const std::vector<std::string>& panel_titles, int per_row_wanted, const std::string& subtitle) {
   size_t row_w = 0, col_w = 0;
   for (const auto& r : rows) row_w = std::max(row_w, r.size());
   for (const auto& c : cols) col_w = std::max(col_w, c.size());
@@ -307,7 +307,7 @@ void draw_heatmap(const std::vector<double>& w, int64_t H, int64_t L, int64_t S,
   if (int64_t(width) * height > 40'000'000) throw InvalidArgument("attn heatmap: the image would be too large; use fewer heads or tokens");
   Canvas cv(width, height);
   cv.text(20, 8, title, kBlack);
-  cv.text(20, 28, "rows: queries, columns: keys; each row sums to 1", kDark);
+  cv.text(20, 28, subtitle.empty() ? "rows: queries, columns: keys; each row sums to 1" : subtitle, kDark);
   double vmax = 0;
   for (double v : w) vmax = std::max(vmax, std::isfinite(v) ? v : 0.0);
   if (vmax <= 0) vmax = 1;

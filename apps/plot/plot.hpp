@@ -67,10 +67,12 @@ void draw_chart(const Chart& chart, const std::string& path);
 // One panel per head of weights (H, L, S) (row-major), rows labelled with the
 // query tokens and columns with the key tokens, and a colour bar. Panels are
 // titled "head h" unless panel_titles names them; per_row panels (default 4)
-// go side by side.
+// go side by side. The subtitle under the title defaults to "rows: queries,
+// columns: keys; each row sums to 1".
 void draw_heatmap(const std::vector<double>& weights, int64_t H, int64_t L, int64_t S,
                   const std::vector<std::string>& row_labels, const std::vector<std::string>& col_labels,
                   const std::string& title, const std::string& path,
-                  const std::vector<std::string>& panel_titles = {}, int per_row = 0);
+                  const std::vector<std::string>& panel_titles = {}, int per_row = 0,
+                  const std::string& subtitle = "");
 
 }  // namespace attn::cli

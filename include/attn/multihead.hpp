@@ -18,8 +18,16 @@
 //     q_proj_weight [H·E, D], k_proj_weight [H·E, kdim], v_proj_weight [H·Ev, vdim],
 //     in_proj_bias [2·H·E + H·Ev]
 //   always: out_proj.weight [D, H·Ev], out_proj.bias [D]
+//   with config.sinks: sinks [H], one learnable sink logit per head (gpt-oss's
+//     name and definition: it joins every row's softmax denominator and adds
+//     no value), starting at 0
 // Biases exist only when config.bias is true. PyTorch's bias_k / bias_v /
 // add_zero_attn are not supported.
+//
+// Variants (docs/variants.md): window, softcap and position_offset are
+// options (MhaOptions::sdpa); ALiBi slopes are an argument (MhaArgs::
+// alibi_slopes, alibi_slopes(H) gives the standard ones); sinks are the
+// parameter above, trained like the weights.
 //
 // Mask polarity. PyTorch is inconsistent here (SDPA: true = attend;
 // nn.MultiheadAttention attn_mask: true = blocked). attn uses one rule for
@@ -47,7 +55,14 @@ struct MultiheadConfig {
   int64_t vdim = 0;        // value input width; 0 = D
   int64_t head_dim = 0;    // E; 0 = D / H (then D must be divisible by H)
   int64_t v_head_dim = 0;  // Ev; 0 = head_dim
+  bool sinks = false;      // a learnable sink logit per head, parameter "sinks" [H]
 };
+
+// The ALiBi paper's slopes for H heads: 2^(-8(h+1)/H) for h = 0..H-1 when H
+// is a power of two; otherwise, with n the largest power of two below H, the
+// n slopes for n heads followed by every other slope for 2n heads (the first
+// H - n of 2^(-8(2i+1)/(2n))), as in the paper's code and BLOOM.
+std::vector<double> alibi_slopes(int64_t num_heads);
 
 // Everything the forward reads. key and value both empty means
 // self-attention: key = value = query, one packed projection, and backward
@@ -61,6 +76,7 @@ struct MhaArgs {
   View4<const T> attn_bias;           // (Bb, Hb, L, S) broadcastable; added to scores
   View2<const bool> key_padding_mask; // (B, S); true = padding, ignored
   View1<const int64_t> key_lengths;   // (B)
+  View1<const T> alibi_slopes;        // (H); adds -slope_h·|p - j| to head h's scores
 };
 
 // Everything the forward writes. `out` is required; the weights, per head
@@ -118,6 +134,7 @@ struct MhaCache {
   Tensor<bool> mask;             // attn_mask combined with key_padding_mask, in its broadcast shape
   Tensor<T> bias;                // attn_bias, in its broadcast shape
   Tensor<int64_t> key_lengths;   // (B)
+  Tensor<T> alibi_slopes;        // (H)
   MhaOptions options;
 
   bool filled() const { return B > 0; }
@@ -153,7 +170,10 @@ class MultiheadAttention {
   int64_t vdim() const { return cfg_.vdim; }
   bool packed_in_proj() const { return packed_; }
 
-  // Parameters and their gradients, by PyTorch state_dict name.
+  bool has_sinks() const { return cfg_.sinks; }
+
+  // Parameters and their gradients, by PyTorch state_dict name ("sinks"
+  // last, when the layer has them).
   std::vector<std::string> parameter_names() const;
   Tensor<T>& parameter(const std::string& name);
   const Tensor<T>& parameter(const std::string& name) const;

@@ -156,6 +156,7 @@ class MultiheadAttention:
         dtype: Any = None,
         *,
         seed: Optional[int] = None,
+        sinks: Union[bool, ArrayLike] = False,
     ) -> None: ...
     def parameter_names(self) -> List[str]: ...
     def state_dict(self) -> Dict[str, npt.NDArray[np.floating[Any]]]: ...
@@ -185,6 +186,10 @@ class MultiheadAttention:
         is_causal: bool = False,
         *,
         backend: Backend = "auto",
+        window: Optional[Tuple[int, int]] = None,
+        softcap: Optional[float] = None,
+        alibi_slopes: Optional[ArrayLike] = None,
+        position_offset: Optional[int] = None,
     ) -> Tuple[Any, Optional[Any]]:
         """(attn_output, attn_weights); also saves what backward() needs."""
     def __call__(
@@ -199,6 +204,10 @@ class MultiheadAttention:
         is_causal: bool = False,
         *,
         backend: Backend = "auto",
+        window: Optional[Tuple[int, int]] = None,
+        softcap: Optional[float] = None,
+        alibi_slopes: Optional[ArrayLike] = None,
+        position_offset: Optional[int] = None,
     ) -> Tuple[Any, Optional[Any]]: ...
 
 KVDtype = Literal["float32", "float16", "bfloat16", "f32", "f16", "bf16"]

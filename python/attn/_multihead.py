@@ -23,6 +23,7 @@ import numpy as np
 
 from . import _attn
 from ._arrays import float_array, is_torch_tensor, to_numpy
+from ._variants import variant_kwargs
 
 _FN = "attn.MultiheadAttention"
 
@@ -87,7 +88,7 @@ class MultiheadAttention:
 
     MultiheadAttention(embed_dim, num_heads, dropout=0.0, bias=True,
                        add_bias_kv=False, add_zero_attn=False, kdim=None, vdim=None,
-                       batch_first=False, device=None, dtype=None, *, seed=None)
+                       batch_first=False, device=None, dtype=None, *, seed=None, sinks=False)
 
     Parameters (state_dict names, weights stored [out, in]): in_proj_weight
     [3E, E] and in_proj_bias [3E] when kdim = vdim = embed_dim, otherwise
@@ -96,6 +97,13 @@ class MultiheadAttention:
     weights, zero biases), drawn from `seed`. dtype is float32 (default) or
     float64. dropout, add_bias_kv and add_zero_attn exist for PyTorch's
     argument order and must keep their defaults.
+
+    sinks=True gives the layer a learnable attention sink per head (gpt-oss):
+    the parameter 'sinks' (num_heads,), starting at 0 (or at the values given,
+    sinks=array of num_heads), one extra logit in every softmax denominator
+    that contributes no value. Its gradient is in grads()['sinks'] after
+    backward(), like the weights'. The other variants (window, softcap,
+    alibi_slopes, position_offset) are keywords of forward().
 
     Load trained weights with load_state_dict(torch_mha.state_dict()) (tensors
     or arrays); read them with state_dict().
@@ -110,7 +118,7 @@ class MultiheadAttention:
     def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0, bias: bool = True,
                  add_bias_kv: bool = False, add_zero_attn: bool = False, kdim: Optional[int] = None,
                  vdim: Optional[int] = None, batch_first: bool = False, device: Any = None,
-                 dtype: Any = None, *, seed: Optional[int] = None) -> None:
+                 dtype: Any = None, *, seed: Optional[int] = None, sinks: Any = False) -> None:
         if dropout != 0.0:
             raise ValueError(f"{_FN}: dropout is {dropout}; attn is exact, only dropout=0.0 is supported")
         if add_bias_kv or add_zero_attn:
@@ -127,8 +135,13 @@ class MultiheadAttention:
         if seed is None:
             seed = int(np.random.default_rng().integers(0, 2**63))
         cls, self._cache_cls = _CLASSES[self.dtype]
+        initial_sinks = None
+        if not isinstance(sinks, bool):
+            initial_sinks = variant_kwargs(_FN, self.num_heads, self.dtype, None, None, None, sinks, None)["sinks"]
         self._layer = cls(self.embed_dim, self.num_heads, bias=self.bias, kdim=self.kdim, vdim=self.vdim,
-                          seed=int(seed))
+                          seed=int(seed), sinks=initial_sinks is not None or bool(sinks))
+        if initial_sinks is not None:
+            self._layer.set_parameter("sinks", initial_sinks)
         self.head_dim = self._layer.head_dim
         self._qkv_same_embed_dim = self._layer.packed_in_proj
         # The state of the most recent forward call (None: nothing to
@@ -195,7 +208,8 @@ class MultiheadAttention:
 
     def forward(self, query: Any, key: Any, value: Any, key_padding_mask: Any = None,
                 need_weights: bool = True, attn_mask: Any = None, average_attn_weights: bool = True,
-                is_causal: bool = False, *, backend: str = "auto") -> Tuple[Any, Optional[Any]]:
+                is_causal: bool = False, *, backend: str = "auto", window: Any = None, softcap: Any = None,
+                alibi_slopes: Any = None, position_offset: Any = None) -> Tuple[Any, Optional[Any]]:
         """torch.nn.MultiheadAttention.forward: returns (attn_output, attn_weights).
 
         query (L, N, E) (N, L, E with batch_first) or unbatched (L, E); key (S, N, kdim);
@@ -205,6 +219,13 @@ class MultiheadAttention:
         sees keys j <= i (applied together with attn_mask when both are given).
         attn_weights: (N, L, S) averaged over heads, (N, num_heads, L, S) with
         average_attn_weights=False, or None when need_weights is False.
+
+        Variants (docs/variants.md), with query i at key position i + offset
+        (offset = position_offset, default 0): window=(left, right) keeps keys
+        i - left <= j <= i + right (-1 = unbounded on that side); softcap=c
+        turns the scaled scores s into c·tanh(s/c); alibi_slopes (num_heads,)
+        adds -slope_h·|i - j| to head h's scores. With the layer's sinks, the
+        weights of a row sum to 1 minus its weight on the sink.
 
         The layer keeps what backward() needs from this call (copies of the
         inputs, projections and masks) until the next forward call or until
@@ -220,12 +241,17 @@ class MultiheadAttention:
                 previous.taken = True
         cache = previous.cache if previous is not None else self._cache_cls()
         return self._forward(query, key, value, key_padding_mask, need_weights, attn_mask,
-                             average_attn_weights, is_causal, backend, cache)
+                             average_attn_weights, is_causal, backend, cache,
+                             dict(window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                                  position_offset=position_offset))
 
     def _forward(self, query: Any, key: Any, value: Any, key_padding_mask: Any, need_weights: bool,
                  attn_mask: Any, average_attn_weights: bool, is_causal: bool,
-                 backend: str, cache: Any) -> Tuple[Any, Optional[Any]]:
+                 backend: str, cache: Any, var: Dict[str, Any]) -> Tuple[Any, Optional[Any]]:
         fn = _FN + ".forward"
+        variants = variant_kwargs(fn, self.num_heads, self.dtype, var["window"], var["alibi_slopes"],
+                                  var["softcap"], None, var["position_offset"])
+        del variants["sinks"]  # the layer's own parameter
         torch_out = any(is_torch_tensor(x) for x in (query, key, value))
         if torch_out and _torch().is_grad_enabled() and any(
                 is_torch_tensor(x) and x.requires_grad for x in (query, key, value)):
@@ -297,7 +323,7 @@ class MultiheadAttention:
         version = self._version
         self._layer.forward(q, None if same else k, None if same else v, out, attn_mask=mask, attn_bias=bias,
                             key_padding_mask=kpm, head_weights=head_w, avg_weights=avg_w,
-                            causal=bool(is_causal), backend=backend, cache=cache)
+                            causal=bool(is_causal), backend=backend, cache=cache, **variants)
 
         w = avg_w if avg_w is not None else head_w
         if not batched:

@@ -295,23 +295,27 @@ void bind_multihead(nb::module_& m, const char* name, const char* cache_name) {
       .def(
           "__init__",
           [](Layer* self, int64_t embed_dim, int64_t num_heads, bool bias, int64_t kdim, int64_t vdim,
-             uint64_t seed) {
+             uint64_t seed, bool sinks) {
             attn::MultiheadConfig c;
             c.embed_dim = embed_dim;
             c.num_heads = num_heads;
             c.bias = bias;
             c.kdim = kdim;
             c.vdim = vdim;
+            c.sinks = sinks;
             new (self) Layer(c, seed);
           },
           "embed_dim"_a, "num_heads"_a, nb::kw_only(), "bias"_a = true, "kdim"_a = 0, "vdim"_a = 0, "seed"_a = 0,
-          "A layer with PyTorch's initialisation drawn from seed; kdim, vdim 0 = embed_dim.")
+          "sinks"_a = false,
+          "A layer with PyTorch's initialisation drawn from seed; kdim, vdim 0 = embed_dim; sinks: a learnable\n"
+          "sink logit per head (parameter 'sinks', starting at 0).")
       .def_prop_ro("embed_dim", &Layer::embed_dim)
       .def_prop_ro("num_heads", &Layer::num_heads)
       .def_prop_ro("head_dim", &Layer::head_dim)
       .def_prop_ro("kdim", &Layer::kdim)
       .def_prop_ro("vdim", &Layer::vdim)
       .def_prop_ro("packed_in_proj", &Layer::packed_in_proj)
+      .def_prop_ro("has_sinks", &Layer::has_sinks)
       .def("parameter_names", &Layer::parameter_names, "The state_dict names, in PyTorch's order.")
       .def(
           "get_parameter", [](const Layer& l, const std::string& n) { return numpy_copy(l.parameter(n)); },
@@ -331,7 +335,8 @@ void bind_multihead(nb::module_& m, const char* name, const char* cache_name) {
              const Opt<Arr<const T, 3>>& value, const Arr<T, 3>& out, const Opt<Arr<const bool, 4>>& attn_mask,
              const Opt<Arr<const T, 4>>& attn_bias, const Opt<Arr<const bool, 2>>& key_padding_mask,
              const Opt<Arr<T, 4>>& head_weights, const Opt<Arr<T, 3>>& avg_weights, bool causal,
-             const std::string& backend, int num_threads, Cache* cache) {
+             const std::string& backend, int num_threads, Cache* cache, const Opt<Arr<const T, 1>>& alibi_slopes,
+             int64_t window_left, int64_t window_right, double softcap, Opt<int64_t> position_offset) {
             attn::MhaArgs<T> a;
             a.query = view_of<const T, 3>(query, "query");
             a.key = view_of<const T, 3>(key, "key");
@@ -339,12 +344,12 @@ void bind_multihead(nb::module_& m, const char* name, const char* cache_name) {
             a.attn_mask = view_of<const bool, 4>(attn_mask, "attn_mask");
             a.attn_bias = view_of<const T, 4>(attn_bias, "attn_bias");
             a.key_padding_mask = view_of<const bool, 2>(key_padding_mask, "key_padding_mask");
+            a.alibi_slopes = view_of<const T, 1>(alibi_slopes, "alibi_slopes");
             const attn::MhaOutputs<T> o{view_of<T, 3>(out, "out"), view_of<T, 4>(head_weights, "head_weights"),
                                         view_of<T, 3>(avg_weights, "avg_weights")};
             attn::MhaOptions opt;
-            opt.sdpa.causal = causal;
-            opt.sdpa.backend = attn::parse_backend(backend);
-            opt.sdpa.num_threads = num_threads;
+            opt.sdpa = sdpa_options(std::nullopt, causal, backend, num_threads,
+                                    variants(window_left, window_right, softcap, position_offset));
             nb::gil_scoped_release release;
             l.forward(a, o, opt, cache);
           },
@@ -353,8 +358,11 @@ void bind_multihead(nb::module_& m, const char* name, const char* cache_name) {
           "attn_bias"_a.noconvert().none() = nb::none(), "key_padding_mask"_a.noconvert().none() = nb::none(),
           "head_weights"_a.noconvert().none() = nb::none(), "avg_weights"_a.noconvert().none() = nb::none(),
           "causal"_a = false, "backend"_a = "auto", "num_threads"_a = 0, "cache"_a.none() = nb::none(),
+          "alibi_slopes"_a.noconvert().none() = nb::none(), "window_left"_a = -1, "window_right"_a = -1,
+          "softcap"_a = 0.0, "position_offset"_a.none() = nb::none(),
           "Forward on (B, N, width) arrays (key and value None: self-attention); writes out and the\n"
-          "weights given, and fills cache (which then owns copies of everything backward needs).")
+          "weights given, and fills cache (which then owns copies of everything backward needs).\n"
+          "alibi_slopes (H), window_left/right (-1 unbounded), softcap (0 off), position_offset: the variants.")
       .def(
           "backward",
           [](Layer& l, const Cache& cache, const Arr<const T, 3>& dout, const Opt<Arr<T, 3>>& dquery,

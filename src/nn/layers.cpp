@@ -135,6 +135,7 @@ const char* positions_name(Positions p) {
     case Positions::sinusoidal: return "sinusoidal";
     case Positions::learned: return "learned";
     case Positions::rope: return "rope";
+    case Positions::alibi: return "alibi";
   }
   return "?";
 }
@@ -144,8 +145,9 @@ Positions parse_positions(const std::string& name) {
   if (name == "sinusoidal") return Positions::sinusoidal;
   if (name == "learned") return Positions::learned;
   if (name == "rope") return Positions::rope;
+  if (name == "alibi") return Positions::alibi;
   throw InvalidArgument("attn::nn::parse_positions: unknown positions '" + name +
-              "', expected one of none, sinusoidal, learned, rope");
+              "', expected one of none, sinusoidal, learned, rope, alibi");
 }
 
 template <class T>
@@ -370,20 +372,26 @@ void Mlp<T>::collect(const std::string& prefix, std::vector<ParamRef<T>>& out) {
 // ----------------------------------------------------- SelfAttention ----
 
 namespace {
-MultiheadConfig self_attention_config(int64_t d, int64_t h) {
+MultiheadConfig self_attention_config(int64_t d, int64_t h, bool sinks) {
   if (d < 1 || h < 1 || d % h != 0)
     throw InvalidArgument("attn::nn::SelfAttention: dim = " + std::to_string(d) + " must be a positive multiple of heads = " +
                 std::to_string(h));
   MultiheadConfig c;
   c.embed_dim = d;
   c.num_heads = h;
+  c.sinks = sinks;
   return c;
 }
 }  // namespace
 
 template <class T>
-SelfAttention<T>::SelfAttention(int64_t d, int64_t h, const MhaOptions& opt, bool with_rope)
-    : layer(self_attention_config(d, h)), options(opt), rope(with_rope) {
+SelfAttention<T>::SelfAttention(int64_t d, int64_t h, const MhaOptions& opt, Positions positions, bool sinks)
+    : layer(self_attention_config(d, h, sinks)), options(opt), rope(positions == Positions::rope) {
+  if (positions == Positions::alibi) {
+    const std::vector<double> s = attn::alibi_slopes(h);
+    alibi_slopes = Tensor<T>({h});
+    for (int64_t i = 0; i < h; ++i) alibi_slopes[size_t(i)] = T(s[size_t(i)]);
+  }
   if (rope && layer.head_dim() % 2 != 0)
     throw InvalidArgument("attn::nn::SelfAttention: rotary positions need an even head dimension, got E = " +
                 std::to_string(layer.head_dim()));
@@ -415,6 +423,7 @@ void SelfAttention<T>::forward(const Tensor<T>& x, int64_t B, int64_t N, Tensor<
   ensure_shape(y, {M, D});
   MhaArgs<T> args;
   args.query = View3<const T>(x.data(), {B, N, D});
+  if (alibi_slopes.rank() == 1) args.alibi_slopes = alibi_slopes.template view<1>();
   layer.forward(args, {View3<T>(y.data(), {B, N, D}), weights, {}}, options, &cache_);
 }
 
@@ -446,9 +455,13 @@ typename SelfAttention<T>::ScoreStats SelfAttention<T>::score_stats() const {
   for (int64_t b = 0; b < B; ++b)
     for (int64_t h = 0; h < H; ++h)
       for (int64_t i = 0; i < N; ++i) {
-        const int64_t end = options.sdpa.causal ? i + 1 : N;
+        // the keys row i sees: causal and the window (self-attention, so p = i)
+        const Window& w = options.sdpa.window;
+        const int64_t right = options.sdpa.causal ? (w.right < 0 ? 0 : std::min<int64_t>(w.right, 0)) : w.right;
+        const int64_t begin = w.left < 0 ? 0 : std::max<int64_t>(0, i - w.left);
+        const int64_t end = right < 0 ? N : std::min(N, i + right + 1);
         double zmax = -std::numeric_limits<double>::infinity();
-        for (int64_t j = 0; j < end; ++j) {
+        for (int64_t j = begin; j < end; ++j) {
           double dot = 0;
           for (int64_t e = 0; e < E; ++e) dot += double(q(b, h, i, e)) * double(k(b, h, j, e));
           z[size_t(j)] = scale * dot;
@@ -459,7 +472,7 @@ typename SelfAttention<T>::ScoreStats SelfAttention<T>::score_stats() const {
         }
         // the largest softmax weight of the row is 1 / Σ_j exp(z_j − max)
         double denom = 0;
-        for (int64_t j = 0; j < end; ++j) denom += std::exp(z[size_t(j)] - zmax);
+        for (int64_t j = begin; j < end; ++j) denom += std::exp(z[size_t(j)] - zmax);
         top += 1.0 / denom;
         ++rows;
       }

@@ -24,6 +24,9 @@ void ModelConfig::validate() const {
     fail("positions 'rope' needs an even head dimension dim/heads, got " + std::to_string(dim / heads));
   if (attn_scale && !(std::isfinite(*attn_scale) && *attn_scale > 0))
     fail("attn_scale must be finite and > 0");
+  if (window.left < -1 || window.right < -1)
+    fail("window is (" + std::to_string(window.left) + ", " + std::to_string(window.right) +
+         "), expected each side >= 0, or -1 for unbounded");
 }
 
 ParameterShapes parameter_shapes(const ModelConfig& config) {
@@ -45,6 +48,7 @@ ParameterShapes parameter_shapes(const ModelConfig& config) {
     p.push_back({pre + "attn.in_proj_weight", {3 * D, D}});
     p.push_back({pre + "attn.in_proj_bias", {3 * D}});
     linear(pre + "attn.out_proj.", D, D);
+    if (config.sinks) p.push_back({pre + "attn.sinks", {config.heads}});
     norm(pre + "ln2.");
     linear(pre + "mlp.fc1.", D, F);
     linear(pre + "mlp.fc2.", F, D);
@@ -62,12 +66,13 @@ Transformer<T>::Transformer(const ModelConfig& config, uint64_t seed) : cfg_(con
   if (cfg_.positions == Positions::learned) pos_ = LearnedPositions<T>(cfg_.max_len, cfg_.dim);
   MhaOptions ao;
   ao.sdpa.causal = cfg_.causal;
+  ao.sdpa.window = cfg_.window;
   ao.sdpa.scale = cfg_.attn_scale;
   ao.sdpa.backend = cfg_.backend;
-  const bool rope = cfg_.positions == Positions::rope;
   blocks_.reserve(size_t(cfg_.layers));
   for (int64_t l = 0; l < cfg_.layers; ++l)
-    blocks_.push_back({LayerNorm<T>(cfg_.dim), LayerNorm<T>(cfg_.dim), SelfAttention<T>(cfg_.dim, cfg_.heads, ao, rope),
+    blocks_.push_back({LayerNorm<T>(cfg_.dim), LayerNorm<T>(cfg_.dim),
+                       SelfAttention<T>(cfg_.dim, cfg_.heads, ao, cfg_.positions, cfg_.sinks),
                        Mlp<T>(cfg_.dim, cfg_.mlp_hidden), {}, {}, {}});
   ln_f_ = LayerNorm<T>(cfg_.dim);
   head_ = Linear<T>(cfg_.dim, cfg_.vocab);
@@ -183,6 +188,9 @@ DecodeState Transformer<T>::start_decoding(int64_t B, KVDtype dtype, int64_t pag
   const char* fn = "attn::nn::Transformer::start_decoding";
   if (!std::is_same_v<T, float>) throw InvalidArgument(std::string(fn) + ": incremental decoding is float32 only");
   if (!cfg_.causal) throw InvalidArgument(std::string(fn) + ": the model is not causal; every token would see later ones");
+  if (cfg_.positions == Positions::alibi || cfg_.sinks || cfg_.window.left >= 0 || cfg_.window.right >= 0)
+    throw InvalidArgument(std::string(fn) + ": the decode kernel has no ALiBi, window or sinks; this model uses " +
+                          (cfg_.positions == Positions::alibi ? "ALiBi" : cfg_.sinks ? "sinks" : "a window"));
   if (B < 1) throw InvalidArgument(std::string(fn) + ": B is " + std::to_string(B) + ", expected >= 1");
   DecodeState st;
   st.B = B;

@@ -75,6 +75,9 @@ nlohmann::json config_json(const TrainConfig& c) {
           {"heads", c.heads},
           {"positions", positions_name(c.positions)},
           {"causal", c.causal},
+          {"window_left", c.window.left},
+          {"window_right", c.window.right},
+          {"sinks", c.sinks},
           {"scale_none", c.scale_none},
           {"optimizer", c.optimizer},
           {"lr", c.lr},
@@ -143,6 +146,9 @@ TrainConfig config_from_json(const nlohmann::json& j, const std::string& who) {
   c.heads = r.integer("heads");
   c.positions = parse_positions(r.string("positions"));
   c.causal = r.boolean("causal");
+  c.window.left = r.integer("window_left", -1);  // absent in checkpoints older than windows
+  c.window.right = r.integer("window_right", -1);
+  c.sinks = r.get<bool>("sinks", &nlohmann::json::is_boolean, "true or false", false);
   c.scale_none = r.boolean("scale_none");
   c.optimizer = r.string("optimizer");
   c.lr = r.number("lr");
@@ -293,6 +299,8 @@ ModelConfig model_config(const TrainConfig& c) {
   m.layers = c.layers;
   m.positions = c.positions;
   m.causal = c.causal;
+  m.window = c.window;
+  m.sinks = c.sinks;
   if (c.scale_none) m.attn_scale = 1.0;
   return m;
 }
@@ -469,7 +477,9 @@ TrainResult train(const TrainConfig& cfg, const ProgressCallback& progress) {
     const TrainConfig stored = checkpoint_config(cfg.resume_path);
     const ModelConfig a = model_config(stored), b = model_config(cfg);
     if (a.vocab != b.vocab || a.max_len != b.max_len || a.dim != b.dim || a.heads != b.heads || a.layers != b.layers ||
-        a.positions != b.positions || a.causal != b.causal || a.attn_scale != b.attn_scale || stored.optimizer != cfg.optimizer)
+        a.positions != b.positions || a.causal != b.causal || a.attn_scale != b.attn_scale ||
+        a.window.left != b.window.left || a.window.right != b.window.right || a.sinks != b.sinks ||
+        stored.optimizer != cfg.optimizer)
       throw InvalidArgument("attn::nn::train: checkpoint '" + cfg.resume_path +
                   "' was written for a different model, task or optimizer: " + config_json(stored).dump());
     start = load_training_checkpoint(cfg.resume_path, model, opt.get(), &curriculum);
@@ -555,6 +565,11 @@ TrainResult train(const TrainConfig& cfg, const ProgressCallback& progress) {
   }
   if (!evaluated_last) res.final_eval = evaluate(model, task, cfg.eval_examples, cfg.seed);
   res.steps_done = step - start;
+  if (cfg.sinks)
+    for (auto& blk : model.blocks()) {
+      const Tensor<float>& s = blk.attn.layer.parameter("sinks");
+      res.sinks.emplace_back(s.data(), s.data() + s.size());
+    }
   res.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   if (!cfg.save_path.empty()) save_training_checkpoint(cfg.save_path, model, opt.get(), step, cfg, &curriculum);
   if (!cfg.csv_path.empty()) write_curve_csv(cfg.csv_path, res.curve);

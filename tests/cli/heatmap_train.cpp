@@ -138,5 +138,27 @@ TEST_F(Cli, TrainRecallDefaultsToSingleQueryWithACurriculum) {
   EXPECT_EQ(words_after(r.out, "target").size(), 5u) << r.out;  // every key asked
 }
 
+// The variant flags reach the model: ALiBi positions, a window and sinks
+// train, the sinks are printed, the checkpoint keeps them (a resume with
+// other variants is refused) and the heatmap of its attention is drawn.
+TEST_F(Cli, TrainWithAlibiWindowAndSinks) {
+  const std::string cfg =
+      "train --task reverse --length 3 --symbols 4 --layers 2 --dim 8 --heads 2 --batch 4 --warmup 2 --eval-examples 8 "
+      "--log-every 1 --seed 5 --steps 4 --positions alibi --window 2,-1 --sinks";
+  Result r = run(cfg + " --save v.safetensors");
+  ASSERT_EQ(r.rc, 0) << r.err << r.out;
+  EXPECT_TRUE(contains(r.out, "learned sinks, layer 0: ")) << r.out;
+  EXPECT_TRUE(contains(r.out, "learned sinks, layer 1: ")) << r.out;
+  EXPECT_EQ(words_after(r.out, "learned sinks, layer 1:").size(), 2u) << r.out;  // one per head
+  r = run("train --task reverse --length 3 --symbols 4 --layers 2 --dim 8 --heads 2 --batch 4 --warmup 2 "
+          "--eval-examples 8 --seed 5 --steps 8 --positions alibi --sinks --resume v.safetensors");
+  EXPECT_EQ(r.rc, 1) << r.out;
+  EXPECT_TRUE(contains(r.err, "different model")) << r.err;
+  r = run("heatmap --checkpoint v.safetensors --out h.png");
+  ASSERT_EQ(r.rc, 0) << r.err;
+  EXPECT_EQ(slurp(path("h.png")).substr(1, 3), "PNG");
+  EXPECT_EQ(run(cfg + " --window 1").rc, 2);  // LEFT,RIGHT: two values
+}
+
 }  // namespace
 }  // namespace attn_cli_test

@@ -81,9 +81,11 @@ class Embedding {
 };
 
 // Positional information: none, sinusoidal (added to the embeddings),
-// learned (a trained [max_len, D] table added to the embeddings) or rotary
-// (RoPE: Q and K of every head rotated by a position-dependent angle).
-enum class Positions { none, sinusoidal, learned, rope };
+// learned (a trained [max_len, D] table added to the embeddings), rotary
+// (RoPE: Q and K of every head rotated by a position-dependent angle) or
+// ALiBi (no embedding: head h's scores get -slope_h·|i - j|, with the
+// standard slopes attn::alibi_slopes(H)).
+enum class Positions { none, sinusoidal, learned, rope, alibi };
 const char* positions_name(Positions p);
 Positions parse_positions(const std::string& name);  // throws attn::InvalidArgument
 
@@ -165,13 +167,17 @@ class Mlp {
 // attn::MultiheadAttention (packed projections, parameters named and laid
 // out as torch.nn.MultiheadAttention's state_dict, PyTorch's initialisation)
 // that adapts it to the nn conventions above ((B·N, D) activations, the
-// forward's state kept here) and, with `rope`, installs rotary position
-// embeddings as the layer's Q/K transform. Every attention option
-// (scale, causal, backend, threads, ...) is the layer's own MhaOptions.
+// forward's state kept here). `positions` rope installs rotary position
+// embeddings as the layer's Q/K transform, alibi passes the standard ALiBi
+// slopes to every forward (the other schemes act on the embeddings, outside
+// this layer); `sinks` gives the layer its learnable per-head sink logits
+// (parameter "sinks" [H]). Every attention option (scale, causal, window,
+// softcap, backend, threads, ...) is the layer's own MhaOptions.
 template <class T>
 class SelfAttention {
  public:
-  SelfAttention(int64_t dim, int64_t heads, const MhaOptions& opt = {}, bool rope = false);
+  SelfAttention(int64_t dim, int64_t heads, const MhaOptions& opt = {}, Positions positions = Positions::none,
+                bool sinks = false);
   // Draws a seed from `rng` and initialises as MultiheadAttention does.
   void reset_parameters(Rng& rng);
   // x (B·N, D) -> y (B·N, D). `weights`, when non-empty, receives the
@@ -192,6 +198,7 @@ class SelfAttention {
   MultiheadAttention<T> layer;
   MhaOptions options;
   bool rope = false;
+  Tensor<T> alibi_slopes;  // (H) with ALiBi positions, else empty
 
  private:
   MhaCache<T> cache_;  // the last forward's state

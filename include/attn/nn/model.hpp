@@ -10,6 +10,7 @@
 // Parameter names (the checkpoint keys) follow PyTorch's nesting:
 //   embed.weight, pos.weight (learned only), blocks.<l>.ln1.{weight,bias},
 //   blocks.<l>.attn.{in_proj_weight,in_proj_bias,out_proj.weight,out_proj.bias},
+//   blocks.<l>.attn.sinks (with sinks only),
 //   blocks.<l>.ln2.*, blocks.<l>.mlp.{fc1,fc2}.{weight,bias}, ln_f.*, head.*
 #pragma once
 
@@ -33,6 +34,8 @@ struct ModelConfig {
   int64_t mlp_hidden = 0;  // 0 = 4·D
   Positions positions = Positions::sinusoidal;
   bool causal = false;
+  Window window;       // sliding window of every attention layer; default unbounded
+  bool sinks = false;  // a learnable sink logit per head in every attention layer
   std::optional<double> attn_scale;  // default 1/√E; 1.0 = no scaling
   Backend backend = Backend::automatic;
 
@@ -83,7 +86,8 @@ class Transformer {
   CrossEntropyResult loss(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t N,
                           bool with_grad);
 
-  // Incremental decoding (causal models, float32): start_decoding makes the
+  // Incremental decoding (causal models without ALiBi, window or sinks,
+  // float32): start_decoding makes the
   // caches (storage float32, float16 or bfloat16; page_size > 0 pages them);
   // decode_step feeds the next n tokens of every sequence (tokens (B, n),
   // row-major), appends their keys and values to the caches and writes the

@@ -48,6 +48,8 @@ struct TrainConfig {
   int64_t layers = 2, dim = 64, heads = 4;
   Positions positions = Positions::rope;  // the one encoding that learns both reverse and recall fast
   bool causal = false;
+  Window window;            // sliding window (left, right), -1 = unbounded side
+  bool sinks = false;       // a learnable sink logit per head and layer
   bool scale_none = false;  // scores not divided by √d_k
   // optimisation
   std::string optimizer = "adamw";  // "adamw" or "sgd"
@@ -137,6 +139,8 @@ struct TrainResult {
   int64_t num_parameters = 0;
   // at initialisation (or at resume), over the layers, on the first batch
   double init_score_std = 0, init_top_weight = 0;
+  // with sinks: the learned sink logits at the end, [layer][head]
+  std::vector<std::vector<double>> sinks;
 };
 
 using ProgressCallback = std::function<void(const TrainRecord&)>;
