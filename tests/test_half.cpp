@@ -63,7 +63,7 @@ TEST(HalfTypes, AgreeWithTheKVCacheStorage) {
 
 // Rounds the float32 buffer to Hf in place and returns the Hf copy.
 template <class Hf>
-Tensor<Hf> round_to(Tensor<float>& x) {
+Tensor<Hf> round_to(Strided<float>& x) {
   Tensor<Hf> h({int64_t(x.size())});
   for (size_t i = 0; i < x.size(); ++i) {
     h[i] = Hf(x[i]);
@@ -74,7 +74,7 @@ Tensor<Hf> round_to(Tensor<float>& x) {
 
 // The view of `h` with the layout `v` has in `buf`.
 template <class Hf>
-View4<const Hf> same_layout(const Tensor<Hf>& h, const Tensor<float>& buf, const View4<const float>& v) {
+View4<const Hf> same_layout(const Tensor<Hf>& h, const Strided<float>& buf, const View4<const float>& v) {
   return View4<const Hf>(h.data() + (v.data - buf.data()), v.shape, v.strides);
 }
 
@@ -207,13 +207,13 @@ TYPED_TEST(HalfInputs, EqualTheFloat32CallOnTheRoundedValues) {
   const Config configs[] = {
       {{.B = 2, .H = 4, .Hkv = 2, .L = 37, .S = 53, .E = 24, .Ev = 20}, MaskKind::none, false, CausalAlign::top_left,
        Backend::automatic, false},
-      {{.B = 1, .H = 3, .Hkv = 1, .L = 45, .S = 30, .E = 16, .Ev = 16, .bnhd = true}, MaskKind::none, true,
+      {{.B = 1, .H = 3, .Hkv = 1, .L = 45, .S = 30, .E = 16, .Ev = 16, .layout = Layout::bnhd}, MaskKind::none, true,
        CausalAlign::top_left, Backend::fused, false},
       {{.B = 2, .H = 2, .Hkv = 2, .L = 40, .S = 70, .E = 9, .Ev = 5, .pad = 3}, MaskKind::bool_full, true,
        CausalAlign::bottom_right, Backend::automatic, false},
       {{.B = 2, .H = 4, .Hkv = 4, .L = 36, .S = 29, .E = 8, .Ev = 12}, MaskKind::bias_broadcast, false,
        CausalAlign::top_left, Backend::automatic, false},
-      {{.B = 3, .H = 2, .Hkv = 1, .L = 33, .S = 41, .E = 16, .Ev = 8, .bnhd = true}, MaskKind::key_lengths, false,
+      {{.B = 3, .H = 2, .Hkv = 1, .L = 33, .S = 41, .E = 16, .Ev = 8, .layout = Layout::bnhd}, MaskKind::key_lengths, false,
        CausalAlign::top_left, Backend::automatic, true},
       {{.B = 1, .H = 2, .Hkv = 1, .L = 34, .S = 19, .E = 7, .Ev = 6}, MaskKind::bool_broadcast, false,
        CausalAlign::top_left, Backend::reference, true},
