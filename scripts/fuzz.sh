@@ -27,8 +27,10 @@ if ! echo 'extern "C" int LLVMFuzzerTestOneInput(const unsigned char*, unsigned 
   exit 2
 fi
 # The parsers and what they link of the core: the boundary's Checker
-# (src/validate.cpp, which asks OpenMP for the thread count: -lgomp).
-io_sources=("$root/src/io/file.cpp" "$root/src/io/npy.cpp" "$root/src/io/safetensors.cpp" "$root/src/validate.cpp")
+# (src/validate.cpp, which asks OpenMP for the thread count: -lgomp) and the
+# half types' scalar conversions (src/half.cpp, plain C++), for float16 .npy files.
+io_sources=("$root/src/io/file.cpp" "$root/src/io/npy.cpp" "$root/src/io/safetensors.cpp" "$root/src/validate.cpp"
+            "$root/src/half.cpp")
 status=0
 for target in npy safetensors; do
   echo "fuzz: building fuzz_$target with $CXX_FUZZ"

@@ -1,30 +1,72 @@
-// The scalar conversions of the public half types (attn/half.hpp), on the
-// library's one implementation of them: the KV cache's storage conversions
-// (src/kernels/decode/decode.cpp).
+// The scalar conversions of the public half types (attn/half.hpp). They are
+// the library's one statement of the rounding: the KV cache's storage
+// conversions (src/kernels/decode/decode.cpp) narrow through them, and widen
+// with vector loads that give the same exact values. Plain C++ on the bits,
+// so any compiler and target gets the same results (and the file parsers,
+// which read float16 .npy files, need no SIMD code).
 #include "attn/half.hpp"
 
-#include "kernels/decode/decode.hpp"
+#include <cmath>
+#include <cstdint>
+#include <cstring>
 
 namespace attn {
 
 namespace {
-template <HalfFormat F>
-constexpr detail::KVStorage storage = F == HalfFormat::ieee_binary16 ? detail::KVStorage::f16 : detail::KVStorage::bf16;
+uint32_t bits_of(float x) {
+  uint32_t b;
+  std::memcpy(&b, &x, 4);
+  return b;
+}
+float float_of(uint32_t b) {
+  float x;
+  std::memcpy(&x, &b, 4);
+  return x;
+}
+}  // namespace
+
+// binary16: 1 sign, 5 exponent (bias 15), 10 mantissa bits.
+template <>
+float16_t::Half16(float x) {
+  const uint32_t f = bits_of(x);
+  const auto sign = uint16_t((f >> 16) & 0x8000u);
+  const uint32_t a = f & 0x7FFFFFFFu;
+  if (a > 0x7F800000u) {  // NaN: stays a quiet NaN, top payload bits kept
+    bits = uint16_t(sign | 0x7E00u | ((a >> 13) & 0x3FFu));
+  } else if (a >= 0x477FF000u) {  // >= 65520 (halfway above 65504) rounds to infinity
+    bits = uint16_t(sign | 0x7C00u);
+  } else if (a < 0x38800000u) {  // below 2^-14: a subnormal (or zero), mantissa = round(|x|·2^24)
+    bits = uint16_t(sign | uint16_t(std::nearbyint(float_of(a) * 16777216.0f)));  // exact scaling, ties to even
+  } else {  // normal: rebias the exponent (127 → 15), round 23 mantissa bits to 10, ties to even
+    const uint32_t r = a - 0x38000000u;
+    bits = uint16_t(sign | ((r + 0x0FFFu + ((r >> 13) & 1u)) >> 13));
+  }
 }
 
-#define ATTN_HALF_CONVERSIONS(F)                                                              \
-  template <>                                                                                 \
-  Half16<F>::Half16(float x) {                                                                \
-    detail::convert_to_storage(storage<F>, &x, 1, 1, &bits);                                  \
-  }                                                                                           \
-  template <>                                                                                 \
-  Half16<F>::operator float() const {                                                         \
-    float y;                                                                                  \
-    detail::convert_from_storage(storage<F>, &bits, 1, &y);                                   \
-    return y;                                                                                 \
+template <>
+float16_t::operator float() const {
+  const uint32_t sign = uint32_t(bits & 0x8000u) << 16, e = (bits >> 10) & 0x1Fu, m = bits & 0x3FFu;
+  if (e == 0) {  // zero or subnormal: m·2^-24, exact in float
+    const float v = float(m) * 0x1p-24f;
+    return sign ? -v : v;
   }
-ATTN_HALF_CONVERSIONS(HalfFormat::ieee_binary16)
-ATTN_HALF_CONVERSIONS(HalfFormat::brain_float)
-#undef ATTN_HALF_CONVERSIONS
+  if (e == 0x1F) return float_of(sign | 0x7F800000u | (m << 13));  // infinity, NaN
+  return float_of(sign | ((e + 112u) << 23) | (m << 13));
+}
+
+// bfloat16: the top 16 bits of a float.
+template <>
+bfloat16_t::Half16(float x) {
+  const uint32_t b = bits_of(x);
+  if (std::isnan(x))
+    bits = uint16_t((b >> 16) | 0x0040u);  // stays a (quiet) NaN
+  else
+    bits = uint16_t((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);  // round to nearest even
+}
+
+template <>
+bfloat16_t::operator float() const {
+  return float_of(uint32_t(bits) << 16);
+}
 
 }  // namespace attn

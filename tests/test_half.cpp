@@ -46,6 +46,39 @@ TEST(HalfTypes, Bfloat16RoundsToNearestEvenAndWidensExactly) {
 }
 
 // The types round exactly as the KV cache stores (one implementation).
+#if defined(__FLT16_MAX__)
+// An independent formulation: the compiler's own _Float16 (IEEE rounding to
+// nearest even) against the bit-level conversions, on every float16 value and
+// on floats spread over every exponent (every 997th bit pattern).
+TEST(HalfTypes, Float16AgreesWithTheCompilersConversion) {
+  for (uint32_t b = 0; b < 0x10000u; ++b) {
+    _Float16 h;
+    const auto u = uint16_t(b);
+    std::memcpy(&h, &u, 2);
+    const float want = float(h), got = float(float16_t::from_bits(u));
+    if (std::isnan(want)) {
+      ASSERT_TRUE(std::isnan(got)) << b;
+    } else {
+      ASSERT_EQ(std::memcmp(&want, &got, 4), 0) << "widening 0x" << std::hex << b;
+    }
+  }
+  for (uint64_t b = 0; b <= 0xFFFFFFFFull; b += 997) {
+    float x;
+    const auto u = uint32_t(b);
+    std::memcpy(&x, &u, 4);
+    const _Float16 h = static_cast<_Float16>(x);
+    uint16_t want;
+    std::memcpy(&want, &h, 2);
+    const uint16_t got = float16_t(x).bits;
+    if (std::isnan(x)) {
+      ASSERT_TRUE(std::isnan(float(float16_t::from_bits(got)))) << u;
+    } else {
+      ASSERT_EQ(got, want) << "narrowing 0x" << std::hex << u;
+    }
+  }
+}
+#endif
+
 TEST(HalfTypes, AgreeWithTheKVCacheStorage) {
   std::mt19937_64 rng(7);
   const Tensor<float> x = random_tensor<float>({1, 1, 64, 8}, rng, 100.0);

@@ -76,6 +76,7 @@
 #include <limits>
 #include <vector>
 
+#include "attn/half.hpp"
 #include "kernels/decode/decode.hpp"
 #include "kernels/fused/common.hpp"
 #include "kernels/fused/online_softmax.hpp"
@@ -613,24 +614,14 @@ void convert_to_storage(KVStorage t, const float* x, int64_t stride, int64_t n, 
       for (int64_t i = 0; i < n; ++i) y[i] = x[i * stride];
       return;
     }
-    case KVStorage::f16: {
+    case KVStorage::f16: {  // the public types hold the one rounding rule (src/half.cpp)
       uint16_t* y = static_cast<uint16_t*>(dst);
-      for (int64_t i = 0; i < n; ++i) {
-        const _Float16 h = static_cast<_Float16>(x[i * stride]);  // round to nearest even
-        std::memcpy(&y[i], &h, 2);
-      }
+      for (int64_t i = 0; i < n; ++i) y[i] = attn::float16_t(x[i * stride]).bits;
       return;
     }
     case KVStorage::bf16: {
       uint16_t* y = static_cast<uint16_t*>(dst);
-      for (int64_t i = 0; i < n; ++i) {
-        uint32_t bits;
-        std::memcpy(&bits, &x[i * stride], 4);
-        if (std::isnan(x[i * stride]))
-          y[i] = uint16_t((bits >> 16) | 0x0040);  // stays a (quiet) NaN
-        else
-          y[i] = uint16_t((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);  // round to nearest even
-      }
+      for (int64_t i = 0; i < n; ++i) y[i] = attn::bfloat16_t(x[i * stride]).bits;
       return;
     }
   }
