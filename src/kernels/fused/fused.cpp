@@ -19,6 +19,7 @@
 #include "attn/tensor.hpp"
 #include "kernels/fused/attention-inl.h"
 #include "kernels/fused/fused.hpp"
+#include "kernels/fused/packed-inl.h"
 #include "kernels/fused/simd-inl.h"
 #include "kernels/fused/tiles.hpp"
 
