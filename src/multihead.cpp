@@ -9,7 +9,7 @@
 //
 //   self-attention:  x (B·L, D) ─ GEMM [W_q; W_k; W_v]ᵀ ─▶ [q | k | v] (B·L, 2·H·E + H·Ev)
 //   otherwise:       xq ─ GEMM W_qᵀ ─▶ q (B·L, H·E),  xk ─▶ k (B·S, H·E),  xv ─▶ v (B·S, H·Ev)
-//   each part viewed as (B, H, N, ·) by strides: no head-split copy
+//   + bias, split into heads ─▶ q (B, H, L, E), k (B, H, S, E), v (B, H, S, Ev), dense
 //   q, k ─ transform (optional, in place, e.g. rotary positions)
 //   sdpa(q, k, v) ─▶ o (B·L, H·Ev)   (heads already concatenated in memory)
 //   o ─ GEMM W_oᵀ ─▶ y (B·L, D)
@@ -18,6 +18,15 @@
 // the self-attention projection is one GEMM; in_proj_bias is laid out
 // [b_q; b_k; b_v] in both the packed and the separate case, so one slicing
 // rule serves both.
+//
+// Why the head split. The GEMM writes a head's rows H·E (self-attention:
+// 3·H·E) floats apart, and the attention re-reads each K and V row once per
+// query block: at that stride (9 KiB for D = 768) a head's rows fall on a
+// quarter of the cache sets and evict each other, and on (1, 2048, 768, 12)
+// the attention ran about 1.6x slower on those strided views than on dense
+// heads. The split costs one pass over the projections, the same pass that
+// adds the bias. The backward keeps the GEMM layout for its gradients
+// (dq, dk, dv are written once each), so that dW and dx stay one GEMM each.
 //
 // The backward walks the same steps in reverse with the transposed GEMMs:
 //   y = o·W_oᵀ + b_o   ->  dW_o += dyᵀ·o,  db_o += Σ_rows dy,  do = dy·W_o
@@ -300,7 +309,7 @@ struct Part {
   T* gw;  // gradients of w and b
   T* gb;
   int64_t width;
-  T* p;   // the projection, then its gradient in the backward
+  T* p;   // the GEMM output (forward: before the head split), then its gradient
   int64_t ld;
 };
 
@@ -337,7 +346,29 @@ std::array<Part<T>, 3> parts(Layer& layer, const MultiheadConfig& cfg, bool pack
                   self ? ld_self : HEv}};
 }
 
-// The (B, H, N, F) head view of a part's projection (or its gradient).
+// dst (B, H, N, F), dense, = the heads of one part of the GEMM output plus
+// its bias: dst(b, h, n, f) = src[(b·N + n)·ld + h·F + f] + bias[h·F + f]
+// (src has B·N rows; bias nullptr: none).
+template <class T>
+void split_heads(const T* src, int64_t ld, const T* bias, int64_t B, int64_t N, int64_t H, int64_t F, T* dst,
+                 int threads) {
+  const int64_t rows = B * N;
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * H * F >= (int64_t(1) << 15))
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t b = r / N, n = r % N;
+    for (int64_t h = 0; h < H; ++h) {
+      const T* x = src + r * ld + h * F;
+      T* d = dst + ((b * H + h) * N + n) * F;
+      if (bias)
+        for (int64_t f = 0; f < F; ++f) d[f] = x[f] + bias[h * F + f];
+      else
+        std::copy_n(x, F, d);
+    }
+  }
+}
+
+// The (B, H, N, F) head view of a part's GEMM-layout buffer (the backward's
+// gradients).
 template <class T>
 View4<T> heads(const Part<T>& p, int64_t B, int64_t N, int64_t H) {
   const int64_t F = p.width / H;
@@ -452,7 +483,7 @@ void MultiheadAttention<T>::forward(const MhaArgs<T>& a, const MhaOutputs<T>& o,
   }
   for (const auto& e : written) c.writable(e);
   c.disjoint(written, read);
-  (void)c.threads(opt.sdpa.num_threads);
+  const int threads = c.threads(opt.sdpa.num_threads);
   if (opt.sdpa.check_finite) {
     c.finite(a.query, "query");
     if (!self) {
@@ -478,7 +509,8 @@ void MultiheadAttention<T>::forward(const MhaArgs<T>& a, const MhaOutputs<T>& o,
     for (const void* p : ptrs) aliased = aliased || inside(cache->mask, p) || inside(cache->key_lengths, p);
     if (!aliased) {
       st.query = std::move(cache->query), st.key = std::move(cache->key), st.value = std::move(cache->value);
-      st.proj = std::move(cache->proj), st.attn_out = std::move(cache->attn_out), st.lse = std::move(cache->lse);
+      st.proj = std::move(cache->proj), st.packed = std::move(cache->packed);
+      st.attn_out = std::move(cache->attn_out), st.lse = std::move(cache->lse);
     }
   }
   st.B = B, st.L = L, st.S = S, st.H = H, st.E = E, st.Ev = Ev;
@@ -492,21 +524,26 @@ void MultiheadAttention<T>::forward(const MhaArgs<T>& a, const MhaOutputs<T>& o,
   const T* xk = self ? xq : dense(a.key, st.key, cache != nullptr);
   const T* xv = self ? xq : dense(a.value, st.value, cache != nullptr);
 
-  // [q | k | v] = x·Wᵀ + b: one product for a packed self-attention (the
-  // three weight blocks are consecutive rows of in_proj_weight), else three.
-  const int64_t HE = H * E, HEv = H * Ev;
-  sized(st.proj, {(self ? B * L * (2 * HE + HEv) : B * L * HE + B * S * (HE + HEv))});
-  const auto ps = parts<T>(*this, cfg_, packed_, self, B, L, S, xq, xk, xv, st.proj.data(), nullptr);
+  // [q | k | v] = x·Wᵀ: one product for a packed self-attention (the three
+  // weight blocks are consecutive rows of in_proj_weight), else three; then
+  // + b and the split into dense heads.
+  const int64_t HE = H * E, HEv = H * Ev, proj_size = B * L * HE + B * S * (HE + HEv);
+  sized(st.packed, {proj_size});
+  sized(st.proj, {proj_size});
+  const auto ps = parts<T>(*this, cfg_, packed_, self, B, L, S, xq, xk, xv, st.packed.data(), nullptr);
   if (self && packed_) {
-    gemm<T>({B * L, 3 * D, D}, false, xq, D, true, ps[0].w, D, st.proj.data(), 3 * D);
-    add_rows(st.proj.data(), B * L, 3 * D, 3 * D, ps[0].b);
+    gemm<T>({B * L, 3 * D, D}, false, xq, D, true, ps[0].w, D, st.packed.data(), 3 * D);
   } else {
-    for (const Part<T>& p : ps) {
-      gemm<T>({p.rows, p.width, p.cols}, false, p.x, p.cols, true, p.w, p.cols, p.p, p.ld);
-      add_rows(p.p, p.rows, p.width, p.ld, p.b);
-    }
+    for (const Part<T>& p : ps) gemm<T>({p.rows, p.width, p.cols}, false, p.x, p.cols, true, p.w, p.cols, p.p, p.ld);
   }
-  const View4<T> qh = heads(ps[0], B, L, H), kh = heads(ps[1], B, S, H), vh = heads(ps[2], B, S, H);
+  T* const hq = st.proj.data();
+  T* const hk = hq + B * L * HE;
+  T* const hv = hk + B * S * HE;
+  split_heads(ps[0].p, ps[0].ld, ps[0].b, B, L, H, E, hq, threads);
+  split_heads(ps[1].p, ps[1].ld, ps[1].b, B, S, H, E, hk, threads);
+  split_heads(ps[2].p, ps[2].ld, ps[2].b, B, S, H, Ev, hv, threads);
+  const View4<T> qh = View4<T>::bhnd(hq, B, H, L, E), kh = View4<T>::bhnd(hk, B, H, S, E),
+                 vh = View4<T>::bhnd(hv, B, H, S, Ev);
   if (qk_.forward) qk_.forward(qh, kh);
 
   // The masks, owned by the cache: key_padding_mask (true = padding) folds

@@ -125,10 +125,11 @@ struct MhaCache {
   int64_t H = 0, E = 0, Ev = 0;  // the layer's heads
   bool self_attention = false;
   Tensor<T> query, key, value;   // inputs, dense (B, N, width); self-attention: query only
-  // The projections after the Q/K transform. Self-attention: rows
-  // [q | k | v] of one (B·L, 2·H·E + H·Ev) matrix; otherwise q (B·L, H·E),
-  // k (B·S, H·E) and v (B·S, H·Ev), one after the other.
+  // The projections after the Q/K transform, head-major: q (B, H, L, E),
+  // k (B, H, S, E) and v (B, H, S, Ev), each contiguous, one after the other
+  // (the attention reads each head's rows densely).
   Tensor<T> proj;
+  Tensor<T> packed;              // the forward's scratch: the projections as the GEMM writes them
   Tensor<T> attn_out;            // concatenated head outputs, (B, L, H·Ev)
   Tensor<T> lse;                 // (B, H, L)
   Tensor<bool> mask;             // attn_mask combined with key_padding_mask, in its broadcast shape
@@ -145,12 +146,8 @@ struct MhaCache {
 
  private:
   View4<const T> head(int part, int64_t N, int64_t F) const {
-    if (self_attention) {
-      const int64_t ld = H * (2 * E + Ev);
-      return View4<const T>(proj.data() + part * H * E, {B, H, N, F}, {N * ld, F, ld, 1});
-    }
     const int64_t offset = part == 0 ? 0 : B * L * H * E + (part == 2 ? B * S * H * E : 0);
-    return View4<const T>::bnhd(proj.data() + offset, B, N, H, F);
+    return View4<const T>::bhnd(proj.data() + offset, B, H, N, F);
   }
 };
 
