@@ -11,7 +11,7 @@
 //   otherwise:       xq ─ GEMM W_qᵀ ─▶ q (B·L, H·E),  xk ─▶ k (B·S, H·E),  xv ─▶ v (B·S, H·Ev)
 //   + bias, split into heads ─▶ q (B, H, L, E), k (B, H, S, E), v (B, H, S, Ev), dense
 //   q, k ─ transform (optional, in place, e.g. rotary positions)
-//   sdpa(q, k, v) ─▶ o (B·L, H·Ev)   (heads already concatenated in memory)
+//   sdpa(q, k, v) ─▶ o (B·L, H·Ev)   (written with the heads concatenated)
 //   o ─ GEMM W_oᵀ ─▶ y (B·L, D)
 //
 // With the packed in_proj_weight [3D, D] (its row blocks are W_q, W_k, W_v)
@@ -19,19 +19,22 @@
 // [b_q; b_k; b_v] in both the packed and the separate case, so one slicing
 // rule serves both.
 //
-// Why the head split. The GEMM writes a head's rows H·E (self-attention:
+// Why dense heads. The GEMM writes a head's rows H·E (self-attention:
 // 3·H·E) floats apart, and the attention re-reads each K and V row once per
 // query block: at that stride (9 KiB for D = 768) a head's rows fall on a
-// quarter of the cache sets and evict each other, and on (1, 2048, 768, 12)
+// quarter of the cache sets and evict each other; on (1, 2048, 768, 12)
 // the attention ran about 1.6x slower on those strided views than on dense
-// heads. The split costs one pass over the projections, the same pass that
-// adds the bias. The backward keeps the GEMM layout for its gradients
-// (dq, dk, dv are written once each), so that dW and dx stay one GEMM each.
+// heads. So the projections are split into dense (B, H, N, ·) heads in the
+// pass that adds the bias, and the backward does the same for what its
+// attention reads again and again (dY, Y) and accumulates (dQ): it splits
+// dY and Y, and merges dq, dk, dv back into the GEMM layout, where dW and
+// dx are one product each. Each split or merge is one pass over a buffer
+// the GEMMs read or write anyway.
 //
 // The backward walks the same steps in reverse with the transposed GEMMs:
 //   y = o·W_oᵀ + b_o   ->  dW_o += dyᵀ·o,  db_o += Σ_rows dy,  do = dy·W_o
-//   o = sdpa(q, k, v)  ->  dq', dk', dv from scaled_dot_product_attention_backward,
-//                          written in the projections' layout
+//   o = sdpa(q, k, v)  ->  dq', dk', dv from scaled_dot_product_attention_backward
+//                          (dense heads, merged into the projections' GEMM layout)
 //   q', k' = t(q, k)   ->  dq, dk from the transform's backward
 //   p = x·Wᵀ + b       ->  dW += dpᵀ·x,  db += Σ_rows dp,  dx = dp·W
 // In self-attention x feeds all three parts, so dx = [dq | dk | dv]·[W_q; W_k; W_v],
@@ -367,12 +370,16 @@ void split_heads(const T* src, int64_t ld, const T* bias, int64_t B, int64_t N, 
   }
 }
 
-// The (B, H, N, F) head view of a part's GEMM-layout buffer (the backward's
-// gradients).
+// The inverse, without bias: dst[(b·N + n)·ld + h·F + f] = src(b, h, n, f)
+// for src (B, H, N, F) dense.
 template <class T>
-View4<T> heads(const Part<T>& p, int64_t B, int64_t N, int64_t H) {
-  const int64_t F = p.width / H;
-  return View4<T>(p.p, {B, H, N, F}, {N * p.ld, F, p.ld, 1});
+void merge_heads(const T* src, int64_t B, int64_t N, int64_t H, int64_t F, T* dst, int64_t ld, int threads) {
+  const int64_t rows = B * N;
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * H * F >= (int64_t(1) << 15))
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t b = r / N, n = r % N;
+    for (int64_t h = 0; h < H; ++h) std::copy_n(src + ((b * H + h) * N + n) * F, F, dst + r * ld + h * F);
+  }
 }
 
 // Adds bias (n) to every row of C (m, n) with leading dimension ldc.
@@ -651,9 +658,17 @@ void MultiheadAttention<T>::backward(const MhaCache<T>& cache, View3<const T> do
   Tensor<T>& d_attn = d_attn_;
   sized(d_attn, {B, L, HEv});
   gemm<T>({B * L, HEv, D}, false, dy, D, false, wo.data(), HEv, d_attn.data(), HEv);
+  // The attention's backward reads dY and Y once per tile and adds dQ into
+  // its output tile by tile: each gets dense heads, as q, k and v have (one
+  // pass each to split dY and Y here and to merge dQ, dK, dV below).
+  const int threads = c.threads(cache.options.sdpa.num_threads);
+  sized(heads_dy_, {B, H, L, Ev});
+  sized(heads_y_, {B, H, L, Ev});
+  split_heads<T>(d_attn.data(), HEv, nullptr, B, L, H, Ev, heads_dy_.data(), threads);
+  split_heads<T>(cache.attn_out.data(), HEv, nullptr, B, L, H, Ev, heads_y_.data(), threads);
 
-  // o = sdpa(q, k, v): the gradients land in a buffer laid out as the
-  // projections are.
+  // o = sdpa(q, k, v): the gradients land in dense heads, then in a buffer
+  // laid out as the GEMM wrote the projections.
   Tensor<T>& dproj = dproj_;
   sized(dproj, {int64_t(cache.proj.size())});
   const T* xs = cache.query.data();
@@ -664,15 +679,23 @@ void MultiheadAttention<T>::backward(const MhaCache<T>& cache, View3<const T> do
   SdpaOptions so = cache.options.sdpa;
   so.check_finite = false;  // the forward checked its inputs
   SdpaGrads<T> sg;
-  sg.dq = heads(ps[0], B, L, H), sg.dk = heads(ps[1], B, S, H), sg.dv = heads(ps[2], B, S, H);
+  sized(heads_dproj_, {int64_t(cache.proj.size())});
+  T* const hq = heads_dproj_.data();
+  T* const hk = hq + B * L * HE;
+  T* const hv = hk + B * S * HE;
+  sg.dq = View4<T>::bhnd(hq, B, H, L, E), sg.dk = View4<T>::bhnd(hk, B, H, S, E), sg.dv = View4<T>::bhnd(hv, B, H, S, Ev);
   Tensor<T> dsinks;  // sdpa overwrites its dsinks; the layer's gradient accumulates
   if (cfg_.sinks) sg.dsinks = (dsinks = Tensor<T>({H})).template view<1>();
-  const SdpaSaved<T> saved{View4<const T>::bnhd(cache.attn_out.data(), B, L, H, Ev), cache.lse.template view<3>()};
-  scaled_dot_product_attention_backward<T>(args, View4<const T>::bnhd(d_attn.data(), B, L, H, Ev), saved, sg, so);
+  const SdpaSaved<T> saved{View4<const T>::bhnd(heads_y_.data(), B, H, L, Ev), cache.lse.template view<3>()};
+  scaled_dot_product_attention_backward<T>(args, View4<const T>::bhnd(heads_dy_.data(), B, H, L, Ev), saved, sg, so);
   if (cfg_.sinks)
     for (int64_t h = 0; h < H; ++h) grads_.at(kSinks)[size_t(h)] += dsinks[size_t(h)];
   // The transform's own backward turns dQ', dK' into dQ, dK.
   if (qk_.backward) qk_.backward(sg.dq, sg.dk);
+  // Back to the GEMM layout, where dW and dx are one product each.
+  merge_heads<T>(hq, B, L, H, E, ps[0].p, ps[0].ld, threads);
+  merge_heads<T>(hk, B, S, H, E, ps[1].p, ps[1].ld, threads);
+  merge_heads<T>(hv, B, S, H, Ev, ps[2].p, ps[2].ld, threads);
 
   // p = x·Wᵀ + b  ->  dW += dpᵀ·x,  db += Σ_rows dp,  dx = dp·W
   // (a packed self-attention does each as one product over [q | k | v]).

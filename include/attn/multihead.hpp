@@ -203,7 +203,10 @@ class MultiheadAttention {
   std::map<std::string, Tensor<T>> params_;
   std::map<std::string, Tensor<T>> grads_;
   QkTransform<T> qk_;
-  Tensor<T> d_attn_, dproj_;  // backward's gradient buffers, reused from call to call
+  // The backward's buffers, reused from call to call: dY of the attention
+  // and the projections' gradients in the GEMM layout, and dense-head
+  // copies of dY, Y and the gradients for the attention.
+  Tensor<T> d_attn_, dproj_, heads_dy_, heads_y_, heads_dproj_;
 };
 
 }  // namespace attn
