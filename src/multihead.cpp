@@ -351,12 +351,13 @@ std::array<Part<T>, 3> parts(Layer& layer, const MultiheadConfig& cfg, bool pack
 
 // dst (B, H, N, F), dense, = the heads of one part of the GEMM output plus
 // its bias: dst(b, h, n, f) = src[(b·N + n)·ld + h·F + f] + bias[h·F + f]
-// (src has B·N rows; bias nullptr: none).
+// (src has B·N rows; bias nullptr: none). On the calling thread: a copy
+// is a small part of the layer's time, and on a loaded machine a parallel
+// region costs more than it saves (measured: 40 vs 64 ms on the forward of
+// (8, 128, 256, 4) with the other core busy).
 template <class T>
-void split_heads(const T* src, int64_t ld, const T* bias, int64_t B, int64_t N, int64_t H, int64_t F, T* dst,
-                 int threads) {
+void split_heads(const T* src, int64_t ld, const T* bias, int64_t B, int64_t N, int64_t H, int64_t F, T* dst) {
   const int64_t rows = B * N;
-#pragma omp parallel for num_threads(threads) schedule(static) if (rows * H * F >= (int64_t(1) << 15))
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t b = r / N, n = r % N;
     for (int64_t h = 0; h < H; ++h) {
@@ -373,9 +374,8 @@ void split_heads(const T* src, int64_t ld, const T* bias, int64_t B, int64_t N, 
 // The inverse, without bias: dst[(b·N + n)·ld + h·F + f] = src(b, h, n, f)
 // for src (B, H, N, F) dense.
 template <class T>
-void merge_heads(const T* src, int64_t B, int64_t N, int64_t H, int64_t F, T* dst, int64_t ld, int threads) {
+void merge_heads(const T* src, int64_t B, int64_t N, int64_t H, int64_t F, T* dst, int64_t ld) {
   const int64_t rows = B * N;
-#pragma omp parallel for num_threads(threads) schedule(static) if (rows * H * F >= (int64_t(1) << 15))
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t b = r / N, n = r % N;
     for (int64_t h = 0; h < H; ++h) std::copy_n(src + ((b * H + h) * N + n) * F, F, dst + r * ld + h * F);
@@ -490,7 +490,7 @@ void MultiheadAttention<T>::forward(const MhaArgs<T>& a, const MhaOutputs<T>& o,
   }
   for (const auto& e : written) c.writable(e);
   c.disjoint(written, read);
-  const int threads = c.threads(opt.sdpa.num_threads);
+  (void)c.threads(opt.sdpa.num_threads);
   if (opt.sdpa.check_finite) {
     c.finite(a.query, "query");
     if (!self) {
@@ -546,9 +546,9 @@ void MultiheadAttention<T>::forward(const MhaArgs<T>& a, const MhaOutputs<T>& o,
   T* const hq = st.proj.data();
   T* const hk = hq + B * L * HE;
   T* const hv = hk + B * S * HE;
-  split_heads(ps[0].p, ps[0].ld, ps[0].b, B, L, H, E, hq, threads);
-  split_heads(ps[1].p, ps[1].ld, ps[1].b, B, S, H, E, hk, threads);
-  split_heads(ps[2].p, ps[2].ld, ps[2].b, B, S, H, Ev, hv, threads);
+  split_heads(ps[0].p, ps[0].ld, ps[0].b, B, L, H, E, hq);
+  split_heads(ps[1].p, ps[1].ld, ps[1].b, B, S, H, E, hk);
+  split_heads(ps[2].p, ps[2].ld, ps[2].b, B, S, H, Ev, hv);
   const View4<T> qh = View4<T>::bhnd(hq, B, H, L, E), kh = View4<T>::bhnd(hk, B, H, S, E),
                  vh = View4<T>::bhnd(hv, B, H, S, Ev);
   if (qk_.forward) qk_.forward(qh, kh);
@@ -661,11 +661,10 @@ void MultiheadAttention<T>::backward(const MhaCache<T>& cache, View3<const T> do
   // The attention's backward reads dY and Y once per tile and adds dQ into
   // its output tile by tile: each gets dense heads, as q, k and v have (one
   // pass each to split dY and Y here and to merge dQ, dK, dV below).
-  const int threads = c.threads(cache.options.sdpa.num_threads);
   sized(heads_dy_, {B, H, L, Ev});
   sized(heads_y_, {B, H, L, Ev});
-  split_heads<T>(d_attn.data(), HEv, nullptr, B, L, H, Ev, heads_dy_.data(), threads);
-  split_heads<T>(cache.attn_out.data(), HEv, nullptr, B, L, H, Ev, heads_y_.data(), threads);
+  split_heads<T>(d_attn.data(), HEv, nullptr, B, L, H, Ev, heads_dy_.data());
+  split_heads<T>(cache.attn_out.data(), HEv, nullptr, B, L, H, Ev, heads_y_.data());
 
   // o = sdpa(q, k, v): the gradients land in dense heads, then in a buffer
   // laid out as the GEMM wrote the projections.
@@ -693,9 +692,9 @@ void MultiheadAttention<T>::backward(const MhaCache<T>& cache, View3<const T> do
   // The transform's own backward turns dQ', dK' into dQ, dK.
   if (qk_.backward) qk_.backward(sg.dq, sg.dk);
   // Back to the GEMM layout, where dW and dx are one product each.
-  merge_heads<T>(hq, B, L, H, E, ps[0].p, ps[0].ld, threads);
-  merge_heads<T>(hk, B, S, H, E, ps[1].p, ps[1].ld, threads);
-  merge_heads<T>(hv, B, S, H, Ev, ps[2].p, ps[2].ld, threads);
+  merge_heads<T>(hq, B, L, H, E, ps[0].p, ps[0].ld);
+  merge_heads<T>(hk, B, S, H, E, ps[1].p, ps[1].ld);
+  merge_heads<T>(hv, B, S, H, Ev, ps[2].p, ps[2].ld);
 
   // p = x·Wᵀ + b  ->  dW += dpᵀ·x,  db += Σ_rows dp,  dx = dp·W
   // (a packed self-attention does each as one product over [q | k | v]).
