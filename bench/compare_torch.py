@@ -20,9 +20,11 @@ load changes hit both; the outputs and input gradients are compared first.
     python3 bench/compare_torch.py --layer [--layer-shapes "8,128,256,4;4,512,512,8"] [--threads 2]
                                    [--reps 15] [--json out.json]
 
-Each layer row also times the attention inside alone (attn's and torch's SDPA on the strided
-(B, H, N, d) views of a packed (B, N, 3D) projection, as the layers call them) in the same
-alternating rounds; the layer minus its attention is its projections (GEMMs, bias, copies).
+Each layer row also times the attention inside alone, as each layer calls it, in the same
+alternating rounds: torch's SDPA on the strided (B, H, N, d) views of a packed (B, N, 3D)
+projection, attn's on dense (B, H, N, d) heads (attn's layer splits its projections into dense
+heads, and in the backward dY and Y too). The layer minus its attention is its projections
+(GEMMs, bias, head split, copies).
 
 GEMM mode (--gemm): the GEMMs of the same layer shapes alone (forward: x·W_inᵀ, o·W_oᵀ; backward:
 dyᵀ·o, dy·W_o, dpᵀ·x, dp·W_in), torch.matmul (MKL) against attn's detail::gemm (OpenBLAS, OpenMP
@@ -309,7 +311,8 @@ def variants_main(args, torch):
 def layer_rows(torch, attn, shapes, threads, reps):
     """Alternating timings of attn.MultiheadAttention and torch.nn.MultiheadAttention, and of the
     attention inside each alone (on the strided (B, H, N, d) views of a packed (B, N, 3D) projection,
-    as each layer calls it), so that layer - attention = the projections (GEMMs, bias, copies)."""
+    as each layer calls it: torch on the strided views, attn on dense heads), so that layer - attention
+    = the projections (GEMMs, bias, head split, copies)."""
     import numpy as np
     import torch.nn.functional as F
 
@@ -338,6 +341,7 @@ def layer_rows(torch, attn, shapes, threads, reps):
         q, k, v = (qkv[:, :, i * D:(i + 1) * D].reshape(B, N, H, D // H).transpose(0, 2, 1, 3)
                    for i in range(3))
         dy = rng.standard_normal((B, N, H, D // H)).astype(np.float32).transpose(0, 2, 1, 3)
+        qd, kd, vd, dyd = (np.ascontiguousarray(t) for t in (q, k, v, dy))  # attn's layer: dense heads
         qkvt = torch.from_numpy(qkv)
         qt, kt, vt = (qkvt[:, :, i * D:(i + 1) * D].view(B, N, H, D // H).transpose(1, 2) for i in range(3))
         dyt = torch.from_numpy(dy)
@@ -367,11 +371,11 @@ def layer_rows(torch, attn, shapes, threads, reps):
             F.scaled_dot_product_attention(qq, kk, vv).backward(dyt)
 
         def attn_sdpa_fwd():
-            attn.scaled_dot_product_attention(q, k, v)
+            attn.scaled_dot_product_attention(qd, kd, vd)
 
         def attn_sdpa_fwdbwd():
-            o, lse = attn.scaled_dot_product_attention(q, k, v, return_lse=True)
-            attn.scaled_dot_product_attention_backward(dy, q, k, v, output=o, lse=lse)
+            o, lse = attn.scaled_dot_product_attention(qd, kd, vd, return_lse=True)
+            attn.scaled_dot_product_attention_backward(dyd, qd, kd, vd, output=o, lse=lse)
 
         for mode, fns in (("fwd", (torch_fwd, attn_fwd, torch_sdpa_fwd, attn_sdpa_fwd)),
                           ("fwdbwd", (torch_fwdbwd, attn_fwdbwd, torch_sdpa_fwdbwd, attn_sdpa_fwdbwd))):
