@@ -124,19 +124,14 @@ SdpaArgs<T> sequence_args(const VarlenArgs<T>& a, const Packed& p, int64_t b) {
   return s;
 }
 
-// Whether the batch runs on the fused backend's packed path (float32 with
-// backend auto or fused). Then also validates every sequence's arguments and
-// the options, as its dense call would.
+// Checks every sequence's arguments and the options as its dense call would,
+// failing under the varlen function's name; returns whether the batch runs
+// on the fused backend's packed path (float32 with backend auto or fused).
 template <class T>
-bool packed_fused(const VarlenArgs<T>& a, const Packed& p, const SdpaOptions& opt) {
-  if constexpr (!std::is_same_v<T, float>) {
-    return false;
-  } else {
-    if (opt.backend == Backend::reference) return false;
-    for (int64_t b = 0; b < p.B; ++b)
-      if (p.L(b) > 0 && p.S(b) > 0) (void)resolve_backend<float>(sequence_args(a, p, b), opt, false);
-    return true;
-  }
+bool check_sequences(const VarlenChecker& c, const VarlenArgs<T>& a, const Packed& p, const SdpaOptions& opt) {
+  for (int64_t b = 0; b < p.B; ++b)
+    if (p.L(b) > 0 && p.S(b) > 0) (void)detail::check_attention<T>(c, sequence_args(a, p, b), opt, false);
+  return std::is_same_v<T, float> && opt.backend != Backend::reference;
 }
 
 // ---- head-major copies for the fused path ------------------------------------
@@ -288,7 +283,7 @@ void varlen_attention(const VarlenArgs<T>& args, const VarlenOutputs<T>& o, cons
     c.shape(o.lse, "lse", {p.H, p.total_q}, "(H, total_q)");
     c.writable(o.lse, "lse");
   }
-  const bool fused = packed_fused(args, p, opt);
+  const bool fused = check_sequences(c, args, p, opt);
   for (int64_t b = 0; b < p.B; ++b) {
     const int64_t L = p.L(b), S = p.S(b);
     if (L == 0 || (fused && S > 0)) continue;
@@ -329,7 +324,7 @@ void varlen_attention_backward(const VarlenArgs<T>& args, View3<const T> dout, c
   }
   if (!saved.out.empty()) c.shape(saved.out, "out", {p.total_q, p.H, p.Ev}, "(total_q, H, Ev)");
   if (!saved.lse.empty()) c.shape(saved.lse, "lse", {p.H, p.total_q}, "(H, total_q)");
-  const bool fused = packed_fused(args, p, opt);
+  const bool fused = check_sequences(c, args, p, opt);
   std::vector<double> dsinks(size_t(p.H), 0.0);
   std::vector<T> dsinks_b(size_t(p.H));
   for (int64_t b = 0; b < p.B; ++b) {
