@@ -1,6 +1,7 @@
 // The KV cache (storage, appends, block tables) and decode_attention:
-// validation at the boundary, then the decode kernel (kernels/decode) or,
-// for testing, the reference backend on the cache read back as float32.
+// validation at the boundary, then the decode kernel (kernels/decode; many
+// new rows go to the fused kernel through kernels/decode/prefill.cpp) or, for
+// testing, the reference backend on the cache read back as float32.
 #include "attn/kv_cache.hpp"
 
 #include <algorithm>
@@ -388,7 +389,11 @@ void decode_attention(View4<const float> q, const KVCache& cache, View4<float> o
     p.offset[size_t(b)] = cache.length(b) - p.L;  // the queries are the last L tokens
   }
   if (opt.backend == Backend::reference) return decode_reference(p, q, cache, out, lse);
-  detail::decode_forward(p, detail::KVCacheAccess::layout(cache), q, out, lse);
+  const detail::KVLayout kv = detail::KVCacheAccess::layout(cache);
+  // Many new rows (chunked prefill) are bound by arithmetic, not by reading
+  // the cache: the fused kernel on float32 views of it (kernels/decode/prefill.cpp).
+  if (!detail::decode_suits_rows(p.L, p.group())) return detail::prefill_forward(p, kv, q, out, lse);
+  detail::decode_forward(p, kv, q, out, lse);
 }
 
 }  // namespace attn

@@ -153,6 +153,72 @@ TEST(Decode, BitwiseSameForAnyThreadCountSplitOrNot) {
   }
 }
 
+// ---- chunked prefill: many new rows go to the fused kernel ------------------
+
+// Rows beyond what the decode kernel takes (decode_suits_rows) run the fused
+// kernel on float32 views of the cache (kernels/decode/prefill.cpp): one view
+// per float32 sequence in one page, else chunks of 1024 keys widened or
+// gathered across pages and merged by log-sum-exp. Lengths beyond one and two
+// chunks, pages that divide the chunk (views) and that do not (gathers), half
+// storage, queries that see no key (L > length), empty sequences.
+TEST(Decode, ChunkedPrefillMatchesReference) {
+  std::mt19937_64 rng(11);
+  int n = 0;
+  for (const KVDtype t : {KVDtype::float32, KVDtype::float16, KVDtype::bfloat16})
+    for (const int64_t page : {int64_t(0), int64_t(300), int64_t(1024)})
+      for (const bool causal : {true, false}) {
+        DecodeCase c;
+        c.B = 3, c.H = 4, c.Hkv = 2, c.L = 40 + n % 3 * 9, c.E = 24, c.Ev = 16 + n % 2 * 8, c.page = page;
+        c.dtype = t, c.causal = causal;
+        c.lens = {2100 + n, 0, 30};  // three chunks; empty; fewer keys than queries
+        ASSERT_FALSE(detail::decode_suits_rows(c.L, c.H / c.Hkv));
+        SCOPED_TRACE(c.str());
+        const Filled f = fill(c, rng);
+        const Result r = run(c, f);
+        expect_matches_oracle(c, f, r);
+        for (int64_t i = 0; i < c.H * c.L; ++i)  // the empty sequence: output 0, lse −inf
+          EXPECT_EQ(r.lse[size_t(c.H * c.L + i)], -std::numeric_limits<float>::infinity());
+        ++n;
+      }
+}
+
+// The chunks are fixed by the shape and merged in order: any thread count
+// gives the same bits; and a NaN key poisons exactly the rows that see it,
+// whichever chunk it lies in.
+TEST(Decode, ChunkedPrefillBitwiseForAnyThreadCountAndNaN) {
+  std::mt19937_64 rng(12);
+  for (const int64_t page : {int64_t(0), int64_t(256), int64_t(100)}) {
+    DecodeCase c;
+    c.B = 1, c.H = 8, c.Hkv = 2, c.L = 64, c.E = c.Ev = 32, c.page = page, c.lens = {2200};
+    Filled f = fill(c, rng);
+    DecodeOptions o;
+    o.num_threads = 1;
+    const Result base = run(c, f, o);
+    expect_matches_oracle(c, f, base);
+    for (const int threads : {2, 3, 8}) {
+      o.num_threads = threads;
+      const Result r = run(c, f, o);
+      EXPECT_TRUE(bitwise_equal(r.out, base.out)) << "page " << page << ", " << threads << " threads";
+      EXPECT_TRUE(bitwise_equal(r.lse, base.lse)) << "page " << page << ", " << threads << " threads";
+    }
+    // Key 2150 (third chunk) of kv head 1 is NaN: rows i of heads 4..7 with
+    // 2200 − 64 + i >= 2150, i.e. i >= 14, become NaN; nothing else does.
+    KVCache cache(config_of(c));
+    Tensor<float>& k = f.k[0];
+    k[size_t((1 * 2200 + 2150) * c.E + 5)] = std::numeric_limits<float>::quiet_NaN();
+    cache.append(0, k.view<3>(), f.v[0].view<3>());
+    Tensor<float> out({1, c.H, c.L, c.Ev}), lse({1, c.H, c.L});
+    decode_attention(f.q.view4(), cache, out.view4(), {}, lse.view<3>());
+    for (int64_t h = 0; h < c.H; ++h)
+      for (int64_t i = 0; i < c.L; ++i) {
+        const bool poisoned = h >= 4 && i >= 14;
+        const size_t row = size_t(h * c.L + i);
+        EXPECT_EQ(std::isnan(lse[row]), poisoned) << "page " << page << " head " << h << " row " << i;
+        EXPECT_EQ(std::isnan(out[row * size_t(c.Ev)]), poisoned) << "page " << page << " head " << h << " row " << i;
+      }
+  }
+}
+
 TEST(Decode, NaNReachesTheRowsThatSeeIt) {
   std::mt19937_64 rng(7);
   DecodeCase c;

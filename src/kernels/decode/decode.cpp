@@ -577,12 +577,14 @@ void decode_forward(const DecodeProblem& p, const KVLayout& kv, View4<const floa
   decode_forward_planned(p, kv, q, out, lse, decode_plan(p));
 }
 
+bool decode_suits_rows(int64_t L, int64_t G) { return L <= 32 && G * L <= decode_common::kMaxRows; }
+
 bool decode_suits_dense(const Problem& p, const SdpaArgs<float>& a, bool want_weights) {
   // The score-rule variants (window, position offset, soft-cap, ALiBi, sinks)
   // are not in the decode kernel yet: those calls stay with the fused one.
   const bool variants = p.windowed() || p.softcap > 0 || !a.alibi_slopes.empty() || !a.sinks.empty();
-  return !variants && !want_weights && a.mask.empty() && a.bias.empty() && p.L <= 32 &&
-         p.group() * p.L <= decode_common::kMaxRows && a.k.strides[3] == 1 && a.v.strides[3] == 1;
+  return !variants && !want_weights && a.mask.empty() && a.bias.empty() && decode_suits_rows(p.L, p.group()) &&
+         a.k.strides[3] == 1 && a.v.strides[3] == 1;
 }
 
 void decode_forward_dense(const Problem& p, const SdpaArgs<float>& a, View4<float> out, View3<float> lse) {

@@ -63,6 +63,14 @@ void decode_forward(const DecodeProblem& p, const KVLayout& kv, View4<const floa
 void decode_forward_planned(const DecodeProblem& p, const KVLayout& kv, View4<const float> q,
                             View4<float> out, View3<float> lse, DecodePlan plan);
 
+// Whether L new rows per sequence with G query heads per kv head suit the
+// decode kernel (few rows: bound by reading K and V). Larger blocks are
+// chunked prefill, bound by arithmetic: prefill_forward (prefill.cpp) runs
+// them through the fused kernel on float32 views of the stored keys.
+bool decode_suits_rows(int64_t L, int64_t G);
+void prefill_forward(const DecodeProblem& p, const KVLayout& kv, View4<const float> q, View4<float> out,
+                     View3<float> lse);
+
 // The dense call's use of the kernel: whether a validated request goes this
 // way (few query rows, no mask or bias, unit feature strides, no weights),
 // and the call itself.

@@ -1,0 +1,129 @@
+// Chunked prefill over a KV layout: many new query rows per sequence.
+//
+// The decode kernel is built for a few rows per (sequence, kv head): it
+// streams every K/V tile once per block of at most 128 rows, with a
+// register block of 4 rows × 2 keys. That is the right trade when the call
+// is bound by reading K and V. With hundreds of new rows (a prompt appended
+// in chunks) the call is bound by arithmetic instead, and the fused kernel's
+// block product, which reuses a K/V block across a whole tile of queries
+// from cache, runs close to the FMA peak. So a request whose rows do not
+// suit the decode kernel (decode_suits_rows) comes here and runs the fused
+// forward on float32 views of the stored keys:
+//
+//  * A float32 sequence that lies in one page (always, for the contiguous
+//    layout) is one fused call on views of the storage itself: no copy.
+//  * Otherwise the sequence's keys are taken in chunks of kChunk keys (a
+//    constant: the split depends on nothing but the shape). A float32 chunk
+//    inside one page is again a view; any other chunk (crossing pages, or
+//    float16/bfloat16 storage) is widened into a scratch block first, one
+//    page run at a time, exactly (the conversion of convert_from_storage).
+//    Each chunk's output and log-sum-exp are merged into the running result
+//    in chunk order (merge_attention), so the result does not depend on the
+//    thread count.
+//  * Positions: causal query i of sequence b sees keys j <= i + offset(b)
+//    (DecodeProblem; decode_attention sets offset(b) = length(b) − L), so
+//    over a chunk whose keys start at j0 the fused call's position offset
+//    is offset(b) − j0.
+// The widening is O(S·(E + Ev)) against O(L·S·(E + Ev)) flops, a few
+// percent at the sizes that come here.
+#include <cmath>
+#include <limits>
+
+#include "attn/merge.hpp"
+#include "kernels/decode/decode.hpp"
+#include "kernels/fused/fused.hpp"
+
+namespace attn::detail {
+
+namespace {
+
+constexpr int64_t kChunk = 1024;  // keys per chunk when a sequence is not one float32 view
+
+int64_t element_bytes(KVStorage t) { return t == KVStorage::f32 ? 4 : 2; }
+
+// Keys [j0, j0 + n) of (b, every kv head) as a (1, Hkv, n, D) float32 view:
+// of the storage itself when possible, else widened into `scratch`.
+// `page`, `head`, `row` are the layout's strides of K or of V.
+View4<const float> keys_view(const KVLayout& kv, const void* base, int64_t page_stride, int64_t head_stride,
+                             int64_t row_stride, int64_t Hkv, int64_t D, int64_t b, int64_t j0, int64_t n,
+                             Tensor<float>& scratch) {
+  const auto page_of = [&](int64_t j) {
+    return kv.table ? int64_t(kv.table[b * kv.table_stride + j / kv.page_size]) : b;
+  };
+  const auto at = [&](int64_t hk, int64_t j) {
+    return static_cast<const char*>(base) +
+           (page_of(j) * page_stride + hk * head_stride + (j % kv.page_size) * row_stride) * element_bytes(kv.type);
+  };
+  const bool one_page = j0 / kv.page_size == (j0 + n - 1) / kv.page_size;
+  if (kv.type == KVStorage::f32 && one_page)
+    return View4<const float>(reinterpret_cast<const float*>(at(0, j0)), {1, Hkv, n, D},
+                              {Hkv * head_stride, head_stride, row_stride, 1});
+  if (scratch.dim(2) != n) scratch = Tensor<float>({1, Hkv, n, D});
+  float* dst = scratch.data();
+  for (int64_t hk = 0; hk < Hkv; ++hk)
+    for (int64_t j = j0; j < j0 + n;) {
+      // A run of rows inside one page is contiguous (rows of one head are
+      // D elements apart); widen it in one go.
+      const int64_t run = std::min(j0 + n - j, kv.page_size - j % kv.page_size);
+      const char* src = at(hk, j);
+      if (row_stride == D) {
+        convert_from_storage(kv.type, src, run * D, dst + (hk * n + j - j0) * D);
+      } else {
+        for (int64_t r = 0; r < run; ++r)
+          convert_from_storage(kv.type, src + r * row_stride * element_bytes(kv.type), D,
+                               dst + (hk * n + j - j0 + r) * D);
+      }
+      j += run;
+    }
+  return scratch.view4();
+}
+
+}  // namespace
+
+void prefill_forward(const DecodeProblem& p, const KVLayout& kv, View4<const float> q, View4<float> out,
+                     View3<float> lse) {
+  const float ninf = -std::numeric_limits<float>::infinity();
+  Tensor<float> kbuf({1, 1, 1, 1}), vbuf({1, 1, 1, 1});  // widened chunks (reshaped on first use)
+  Tensor<float> part({1, p.H, p.L, p.Ev}), plse({1, p.H, p.L}), own_lse;
+  if (lse.empty()) own_lse = Tensor<float>({1, p.H, p.L});
+  for (int64_t b = 0; b < p.B; ++b) {
+    const int64_t n = p.length[size_t(b)];
+    View4<float> ob(out.data + b * out.strides[0], {1, p.H, p.L, p.Ev},
+                    {out.strides[0], out.strides[1], out.strides[2], out.strides[3]});
+    View3<float> lb = lse.empty() ? own_lse.view<3>()
+                                  : View3<float>(lse.data + b * lse.strides[0], {1, p.H, p.L},
+                                                 {lse.strides[0], lse.strides[1], lse.strides[2]});
+    if (n == 0) {  // nothing to see: output 0, lse −inf
+      for (int64_t h = 0; h < p.H; ++h)
+        for (int64_t i = 0; i < p.L; ++i) {
+          for (int64_t e = 0; e < p.Ev; ++e) ob(0, h, i, e) = 0.0f;
+          lb(0, h, i) = ninf;
+        }
+      continue;
+    }
+    const bool whole = kv.type == KVStorage::f32 && (n - 1) / kv.page_size == 0;
+    const int64_t chunk = whole ? n : kChunk;
+    SdpaArgs<float> a;
+    a.q = View4<const float>(q.data + b * q.strides[0], {1, p.H, p.L, p.E},
+                             {q.strides[0], q.strides[1], q.strides[2], q.strides[3]});
+    for (int64_t j0 = 0; j0 < n; j0 += chunk) {
+      const int64_t nk = std::min(chunk, n - j0);
+      a.k = keys_view(kv, kv.k, kv.k_page, kv.k_head, kv.k_row, p.Hkv, p.E, b, j0, nk, kbuf);
+      a.v = keys_view(kv, kv.v, kv.v_page, kv.v_head, kv.v_row, p.Hkv, p.Ev, b, j0, nk, vbuf);
+      SdpaOptions opt;
+      opt.scale = p.scale;
+      opt.causal = p.causal;
+      if (p.causal) opt.position_offset = p.offset[size_t(b)] - j0;  // query 0 sits at this local key
+      opt.num_threads = p.threads;
+      const Problem fp = make_problem(a, opt);
+      if (j0 == 0) {
+        fused_forward(fp, a, ob, {}, lb);
+      } else {
+        fused_forward(fp, a, part.view4(), {}, plse.view<3>());
+        merge_attention<float>(ob, lb, View4<const float>(part.view4()), View3<const float>(plse.view<3>()));
+      }
+    }
+  }
+}
+
+}  // namespace attn::detail
