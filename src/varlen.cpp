@@ -13,9 +13,11 @@
 // Sequences with no queries or no keys are handled here in both.
 #include "attn/varlen.hpp"
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <limits>
+#include <memory>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -155,9 +157,9 @@ bool rows_adjacent(const View3<T>& x) {
   return x.strides[0] == x.dim(2) && x.strides[2] == 1;
 }
 
-// x viewed in the packed index order (total, Hx, F) over a head-major tensor.
-View3<float> head_major_view(Tensor<float>& t, int64_t total, int64_t Hx, int64_t F) {
-  return View3<float>(t.data(), {total, Hx, F}, {F, total * F, 1});
+// x viewed in the packed index order (total, Hx, F) over head-major memory.
+View3<float> head_major_view(float* data, int64_t total, int64_t Hx, int64_t F) {
+  return View3<float>(data, {total, Hx, F}, {F, total * F, 1});
 }
 
 // dst = src element by element, rows of the packed index space in parallel.
@@ -169,18 +171,22 @@ void copy_packed(const View3<const T>& src, const View3<T>& dst, int threads) {
     for (int64_t h = 0; h < Hx; ++h) {
       const T* s = &src(n, h, 0);
       T* d = &dst(n, h, 0);
-      for (int64_t e = 0; e < F; ++e) d[e * dst.strides[2]] = s[e * src.strides[2]];
+      if (src.strides[2] == 1 && dst.strides[2] == 1)
+        std::copy(s, s + F, d);
+      else
+        for (int64_t e = 0; e < F; ++e) d[e * dst.strides[2]] = s[e * src.strides[2]];
     }
 }
 
-// A read-only packed view, head-major (a copy unless its rows are adjacent).
+// A read-only packed view, head-major (a copy unless its rows are adjacent;
+// every element is copied, so the memory starts uninitialised).
 struct HeadMajorIn {
-  Tensor<float> copy;
+  std::unique_ptr<float[]> copy;
   View3<const float> view;
   HeadMajorIn(const View3<const float>& x, int threads) : view(x) {
     if (rows_adjacent(x) || x.numel() == 0) return;
-    copy = Tensor<float>({x.dim(1), x.dim(0), x.dim(2)});
-    const View3<float> hm = head_major_view(copy, x.dim(0), x.dim(1), x.dim(2));
+    copy = std::make_unique_for_overwrite<float[]>(size_t(x.numel()));
+    const View3<float> hm = head_major_view(copy.get(), x.dim(0), x.dim(1), x.dim(2));
     copy_packed(x, hm, threads);
     view = hm;
   }
@@ -197,7 +203,7 @@ struct HeadMajorOut {
   HeadMajorOut(const View3<float>& x, int t) : target(x), view(x), threads(t) {
     if (rows_adjacent(x) || x.numel() == 0) return;
     copy = Tensor<float>({x.dim(1), x.dim(0), x.dim(2)});
-    view = head_major_view(copy, x.dim(0), x.dim(1), x.dim(2));
+    view = head_major_view(copy.data(), x.dim(0), x.dim(1), x.dim(2));
   }
   void write_back() const {
     if (view.data != target.data) copy_packed(View3<const float>(view), target, threads);
