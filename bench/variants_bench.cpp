@@ -22,10 +22,14 @@
 // Every timed configuration is first validated (fused against reference on
 // the same options at a small size, forward and backward), then timed: the
 // median of --reps interleaved repetitions of the fused backend, forward or
-// forward+backward (--modes).
+// forward+backward (--modes). --clock cpu times the process's CPU time
+// instead of the wall clock: with --threads 1 on a machine others load,
+// it leaves out the time the thread waited for a core (the ratios are then
+// those of one thread).
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <chrono>
+#include <ctime>
 #include <cmath>
 #include <cstdio>
 #include <functional>
@@ -46,15 +50,24 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
+// Seconds on the clock the run measures (--clock): wall or process CPU time.
+bool g_cpu_clock = false;
+double now() {
+  if (!g_cpu_clock) return std::chrono::duration<double>(Clock::now().time_since_epoch()).count();
+  timespec ts{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return double(ts.tv_sec) + 1e-9 * double(ts.tv_nsec);
+}
+
 // Times each of `fns` `reps` times, interleaved; returns their medians.
 std::vector<double> time_interleaved(const std::vector<std::function<void()>>& fns, int reps) {
   std::vector<std::vector<double>> t(fns.size());
   for (auto& f : fns) f();  // warm-up
   for (int r = 0; r < reps; ++r)
     for (size_t i = 0; i < fns.size(); ++i) {
-      const auto t0 = Clock::now();
+      const double t0 = now();
       fns[i]();
-      t[i].push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+      t[i].push_back(now() - t0);
     }
   std::vector<double> m;
   for (auto& v : t) m.push_back(median(v));
@@ -329,15 +342,19 @@ int main(int argc, char** argv) {
   app.add_option("--dim", c.dim, "E = Ev");
   app.add_option("--reps", c.reps, "timed repetitions (median)");
   app.add_option("--threads", c.threads, "threads (0: the library default)");
+  std::string clock = "wall";
+  app.add_option("--clock", clock, "wall or cpu (process CPU time; with --threads 1 for a loaded machine)")
+      ->check(CLI::IsMember({"wall", "cpu"}));
   app.add_option("--seed", c.seed, "seed of the varlen lengths (and values)");
   app.add_option("--case", c.case_name, "case section: plain, causal, window, alibi, softcap, sinks or varlen");
   app.add_option("--case-len", c.case_len, "case section: L = S");
   app.add_option("--case-window", c.case_window, "case section: keys in the window");
   app.add_option("--varlen-lengths", c.varlen_lengths, "case section, varlen: the sequence lengths")->delimiter(',');
   CLI11_PARSE(app, argc, argv);
+  g_cpu_clock = clock == "cpu";
   if (std::find(c.sections.begin(), c.sections.end(), "case") == c.sections.end())
-    std::printf("attn-bench-variants: fused SIMD target %s, %d threads (0: the library default)\n",
-                attn::detail::fused_target_name(), c.threads);
+    std::printf("attn-bench-variants: fused SIMD target %s, %d threads (0: the library default), %s clock\n",
+                attn::detail::fused_target_name(), c.threads, clock.c_str());
   for (const auto& mode : c.modes)
     for (const auto& s : c.sections) {
       const bool bwd = mode == "fwdbwd";

@@ -274,10 +274,13 @@ void decode_forward_half(const Problem& p, const SdpaArgs<T>& a, View4<float> ou
 }  // namespace
 
 template <class T>
+Backend detail::check_attention(const Checker& c, const SdpaArgs<T>& args, const SdpaOptions& opt, bool want_weights) {
+  return choose(c, validate_inputs(c, args, opt), args, opt, want_weights);
+}
+
+template <class T>
 Backend resolve_backend(const SdpaArgs<T>& args, const SdpaOptions& opt, bool want_weights) {
-  const Checker c{"resolve_backend"};
-  const Problem p = validate_inputs(c, args, opt);
-  return choose(c, p, args, opt, want_weights);
+  return detail::check_attention(Checker{"resolve_backend"}, args, opt, want_weights);
 }
 
 template <class T>
@@ -360,6 +363,7 @@ T softmax(const T* x, T* y, int64_t n) {
       const SdpaArgs<T>&, View4<const compute_t<T>>, const SdpaSaved<compute_t<T>>&,                       \
       const SdpaGrads<compute_t<T>>&, const SdpaOptions&);                                                 \
   template Backend resolve_backend<T>(const SdpaArgs<T>&, const SdpaOptions&, bool);                       \
+  template Backend detail::check_attention<T>(const detail::Checker&, const SdpaArgs<T>&, const SdpaOptions&, bool); \
   template detail::Problem detail::make_problem<T>(const SdpaArgs<T>&, const SdpaOptions&);
 
 ATTN_INSTANTIATE_SDPA(float)

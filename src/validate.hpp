@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "attn/error.hpp"
+#include "attn/sdpa.hpp"
 #include "attn/tensor.hpp"
 
 namespace attn::detail {
@@ -189,5 +190,12 @@ struct Checker {
   void sizes_impl(const int64_t* shape, const int64_t* strides, int rank, int64_t itemsize,
                   const char* name) const;
 };
+
+// The checks of one attention call's arguments and options (src/sdpa.cpp),
+// failing under c's function name, and the backend the call resolves to:
+// for entry points that run attention calls of their own (varlen_attention
+// checks each sequence's call under its own name).
+template <class T>
+Backend check_attention(const Checker& c, const SdpaArgs<T>& args, const SdpaOptions& opt, bool want_weights);
 
 }  // namespace attn::detail

@@ -1,20 +1,23 @@
 // The packed variable-length entry points: validation of the packed layout
 // and cu_seqlens, then each sequence as an ordinary (1, H, L_b, E) problem on
-// views into the packed tensors (no copies, no padding), so every option
-// applies to it unchanged. Two ways to run them:
+// views into the packed tensors (no padding), so every option applies to it
+// unchanged. Two ways to run them:
 //   - the fused backend (float32, backend auto or fused): all sequences'
 //     units in one parallel region (kernels/fused/fused.hpp,
 //     fused_forward_packed / fused_backward_packed), sums of the sinks'
-//     gradient over all sequences included;
+//     gradient over all sequences included; the views are into head-major
+//     copies of the packed tensors (see "head-major copies" below);
 //   - otherwise (the reference backend, float64): one dense call per
 //     sequence, the plain formulation the tests hold the fused path to; the
 //     sinks' gradient is gathered here in a fixed order, in double.
 // Sequences with no queries or no keys are handled here in both.
 #include "attn/varlen.hpp"
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <limits>
+#include <memory>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -123,20 +126,89 @@ SdpaArgs<T> sequence_args(const VarlenArgs<T>& a, const Packed& p, int64_t b) {
   return s;
 }
 
-// Whether the batch runs on the fused backend's packed path (float32 with
-// backend auto or fused). Then also validates every sequence's arguments and
-// the options, as its dense call would.
+// Checks every sequence's arguments and the options as its dense call would,
+// failing under the varlen function's name; returns whether the batch runs
+// on the fused backend's packed path (float32 with backend auto or fused).
 template <class T>
-bool packed_fused(const VarlenArgs<T>& a, const Packed& p, const SdpaOptions& opt) {
-  if constexpr (!std::is_same_v<T, float>) {
-    return false;
-  } else {
-    if (opt.backend == Backend::reference) return false;
-    for (int64_t b = 0; b < p.B; ++b)
-      if (p.L(b) > 0 && p.S(b) > 0) (void)resolve_backend<float>(sequence_args(a, p, b), opt, false);
-    return true;
-  }
+bool check_sequences(const VarlenChecker& c, const VarlenArgs<T>& a, const Packed& p, const SdpaOptions& opt) {
+  for (int64_t b = 0; b < p.B; ++b)
+    if (p.L(b) > 0 && p.S(b) > 0) (void)detail::check_attention<T>(c, sequence_args(a, p, b), opt, false);
+  return std::is_same_v<T, float> && opt.backend != Backend::reference;
 }
+
+// ---- head-major copies for the fused path ------------------------------------
+//
+// In the packed layout (total, Hx, F) the rows of one head are Hx·F floats
+// apart (2 KiB for 8 heads of 64), so a head's rows fall into a few cache
+// sets and the rows a unit reads again and again evict each other: measured
+// 20-45% slower than the same sequence in a dense (1, H, L, E) tensor. The
+// fused path therefore gives the kernels head-major copies, (Hx, total, F)
+// in memory but viewed in the packed index order, of the tensors they read
+// (or write) many times over: K and V in the forward (every query block
+// reads them); in the backward all but dK and dV (every key block's tiles
+// read the query rows and add into dQ, and without plan.own_heads every
+// query block reads K and V); the rest are read or written once per row or
+// block and stay in place. One pass per copy, a few percent of
+// the attention's time. A view whose rows are already adjacent is used as is.
+
+// Whether the rows of one head are adjacent in x (no copy needed).
+template <class T>
+bool rows_adjacent(const View3<T>& x) {
+  return x.strides[0] == x.dim(2) && x.strides[2] == 1;
+}
+
+// x viewed in the packed index order (total, Hx, F) over head-major memory.
+View3<float> head_major_view(float* data, int64_t total, int64_t Hx, int64_t F) {
+  return View3<float>(data, {total, Hx, F}, {F, total * F, 1});
+}
+
+// dst = src element by element, rows of the packed index space in parallel.
+template <class T>
+void copy_packed(const View3<const T>& src, const View3<T>& dst, int threads) {
+  const int64_t total = src.dim(0), Hx = src.dim(1), F = src.dim(2);
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t n = 0; n < total; ++n)
+    for (int64_t h = 0; h < Hx; ++h) {
+      const T* s = &src(n, h, 0);
+      T* d = &dst(n, h, 0);
+      if (src.strides[2] == 1 && dst.strides[2] == 1)
+        std::copy(s, s + F, d);
+      else
+        for (int64_t e = 0; e < F; ++e) d[e * dst.strides[2]] = s[e * src.strides[2]];
+    }
+}
+
+// A read-only packed view, head-major (a copy unless its rows are adjacent;
+// every element is copied, so the memory starts uninitialised).
+struct HeadMajorIn {
+  std::unique_ptr<float[]> copy;
+  View3<const float> view;
+  HeadMajorIn(const View3<const float>& x, int threads) : view(x) {
+    if (rows_adjacent(x) || x.numel() == 0) return;
+    copy = std::make_unique_for_overwrite<float[]>(size_t(x.numel()));
+    const View3<float> hm = head_major_view(copy.get(), x.dim(0), x.dim(1), x.dim(2));
+    copy_packed(x, hm, threads);
+    view = hm;
+  }
+};
+
+// A written packed view, head-major: the kernels write `view`, and
+// write_back() copies all of it into the caller's view (the copy starts
+// zeroed, so rows no kernel writes, those of sequences without keys, come
+// back 0, as the caller wrote them).
+struct HeadMajorOut {
+  Tensor<float> copy;
+  View3<float> target, view;
+  int threads;
+  HeadMajorOut(const View3<float>& x, int t) : target(x), view(x), threads(t) {
+    if (rows_adjacent(x) || x.numel() == 0) return;
+    copy = Tensor<float>({x.dim(1), x.dim(0), x.dim(2)});
+    view = head_major_view(copy.data(), x.dim(0), x.dim(1), x.dim(2));
+  }
+  void write_back() const {
+    if (view.data != target.data) copy_packed(View3<const float>(view), target, threads);
+  }
+};
 
 // The sequences with queries and keys, as the fused backend's dense calls.
 std::vector<detail::FusedSequence> fused_sequences(const VarlenArgs<float>& a, const Packed& p,
@@ -152,13 +224,20 @@ std::vector<detail::FusedSequence> fused_sequences(const VarlenArgs<float>& a, c
   return seqs;
 }
 
+// The threads of the fused path (as every sequence's problem resolves them).
+int packed_threads(const VarlenChecker& c, const SdpaOptions& opt) { return c.threads(opt.num_threads); }
+
 // The forward's outputs of the sequences with queries and keys.
-void forward_packed(const VarlenArgs<float>& a, const Packed& p, const SdpaOptions& opt, const View3<float>& out,
-                    const View2<float>& lse) {
+void forward_packed(const VarlenChecker& c, const VarlenArgs<float>& packed, const Packed& p, const SdpaOptions& opt,
+                    const View3<float>& packed_out, const View2<float>& lse) {
+  const int threads = packed_threads(c, opt);
+  const HeadMajorIn k(packed.k, threads), v(packed.v, threads);
+  VarlenArgs<float> a = packed;
+  a.k = k.view, a.v = v.view;
   std::vector<detail::FusedSequence> seqs = fused_sequences(a, p, opt);
   for (int64_t b = 0, s = 0; b < p.B; ++b) {
     if (p.L(b) == 0 || p.S(b) == 0) continue;
-    seqs[size_t(s)].out = sequence(out, p.cq[size_t(b)], p.L(b));
+    seqs[size_t(s)].out = sequence(packed_out, p.cq[size_t(b)], p.L(b));
     if (!lse.empty()) seqs[size_t(s)].lse = lse_columns(lse, p.cq[size_t(b)], p.L(b));
     ++s;
   }
@@ -167,28 +246,35 @@ void forward_packed(const VarlenArgs<float>& a, const Packed& p, const SdpaOptio
 
 // The gradients of the sequences with queries and keys, recomputing the
 // forward's saved state when it is not given.
-void backward_packed(const VarlenArgs<float>& a, const Packed& p, const SdpaOptions& opt, const View3<const float>& dout,
-                     VarlenSaved<float> saved, const VarlenGrads<float>& g) {
+void backward_packed(const VarlenChecker& c, const VarlenArgs<float>& packed, const Packed& p, const SdpaOptions& opt,
+                     const View3<const float>& packed_dout, VarlenSaved<float> saved, const VarlenGrads<float>& g) {
   Tensor<float> out_tmp, lse_tmp;
   if (saved.out.empty() || saved.lse.empty()) {
     out_tmp = Tensor<float>({p.total_q, p.H, p.Ev});
     lse_tmp = Tensor<float>({p.H, p.total_q});
-    forward_packed(a, p, opt, out_tmp.view<3>(), lse_tmp.view<2>());
+    forward_packed(c, packed, p, opt, out_tmp.view<3>(), lse_tmp.view<2>());
     saved = {out_tmp.view<3>(), lse_tmp.view<2>()};
   }
+  const int threads = packed_threads(c, opt);
+  const HeadMajorIn q(packed.q, threads), k(packed.k, threads), v(packed.v, threads);
+  const HeadMajorIn dout(packed_dout, threads), saved_out(saved.out, threads);
+  const HeadMajorOut dq(g.dq, threads);
+  VarlenArgs<float> a = packed;
+  a.q = q.view, a.k = k.view, a.v = v.view;
   std::vector<detail::FusedSequence> seqs = fused_sequences(a, p, opt);
   for (int64_t b = 0, s = 0; b < p.B; ++b) {
     if (p.L(b) == 0 || p.S(b) == 0) continue;
     const int64_t q0 = p.cq[size_t(b)], k0 = p.ck[size_t(b)];
     detail::FusedSequence& x = seqs[size_t(s++)];
-    x.dout = sequence(dout, q0, p.L(b));
-    x.saved_out = sequence(saved.out, q0, p.L(b));
+    x.dout = sequence(dout.view, q0, p.L(b));
+    x.saved_out = sequence(saved_out.view, q0, p.L(b));
     x.saved_lse = lse_columns(saved.lse, q0, p.L(b));
-    x.dq = sequence(g.dq, q0, p.L(b));
+    x.dq = sequence(dq.view, q0, p.L(b));
     x.dk = sequence(g.dk, k0, p.S(b));
     x.dv = sequence(g.dv, k0, p.S(b));
   }
   detail::fused_backward_packed(seqs, g.dsinks);
+  dq.write_back();
 }
 
 }  // namespace
@@ -203,7 +289,7 @@ void varlen_attention(const VarlenArgs<T>& args, const VarlenOutputs<T>& o, cons
     c.shape(o.lse, "lse", {p.H, p.total_q}, "(H, total_q)");
     c.writable(o.lse, "lse");
   }
-  const bool fused = packed_fused(args, p, opt);
+  const bool fused = check_sequences(c, args, p, opt);
   for (int64_t b = 0; b < p.B; ++b) {
     const int64_t L = p.L(b), S = p.S(b);
     if (L == 0 || (fused && S > 0)) continue;
@@ -222,7 +308,7 @@ void varlen_attention(const VarlenArgs<T>& args, const VarlenOutputs<T>& o, cons
     scaled_dot_product_attention<T>(sequence_args(args, p, b), {out, {}, lse}, opt);
   }
   if constexpr (std::is_same_v<T, float>)
-    if (fused) forward_packed(args, p, opt, o.out, o.lse);
+    if (fused) forward_packed(c, args, p, opt, o.out, o.lse);
 }
 
 template <class T>
@@ -244,7 +330,7 @@ void varlen_attention_backward(const VarlenArgs<T>& args, View3<const T> dout, c
   }
   if (!saved.out.empty()) c.shape(saved.out, "out", {p.total_q, p.H, p.Ev}, "(total_q, H, Ev)");
   if (!saved.lse.empty()) c.shape(saved.lse, "lse", {p.H, p.total_q}, "(H, total_q)");
-  const bool fused = packed_fused(args, p, opt);
+  const bool fused = check_sequences(c, args, p, opt);
   std::vector<double> dsinks(size_t(p.H), 0.0);
   std::vector<T> dsinks_b(size_t(p.H));
   for (int64_t b = 0; b < p.B; ++b) {
@@ -272,7 +358,7 @@ void varlen_attention_backward(const VarlenArgs<T>& args, View3<const T> dout, c
       for (int64_t h = 0; h < p.H; ++h) dsinks[size_t(h)] += double(dsinks_b[size_t(h)]);
   }
   if constexpr (std::is_same_v<T, float>) {
-    if (fused) return backward_packed(args, p, opt, dout, saved, g);
+    if (fused) return backward_packed(c, args, p, opt, dout, saved, g);
   }
   if (!g.dsinks.empty())
     for (int64_t h = 0; h < p.H; ++h) g.dsinks(h) = T(dsinks[size_t(h)]);

@@ -223,4 +223,29 @@ TEST(VarlenFused, NaNStaysInsideItsSequence) {
   }
 }
 
+// A sequence's call is checked under the varlen function's name (the fused
+// packed path once said "resolve_backend"), in both backends.
+TEST(VarlenFused, ErrorsNameTheVarlenFunction) {
+  std::mt19937_64 rng(5);
+  const Batch x({3, 5}, {4, 5}, 2, 1, 4, 4, rng);
+  for (Backend be : {Backend::fused, Backend::reference}) {
+    SCOPED_TRACE(attn::backend_name(be));
+    attn::SdpaOptions opt;
+    opt.backend = be;
+    opt.softcap = -1;
+    EXPECT_TRUE(attn::testing::throws_with([&] { run(x, false, false, opt); },
+                                           {"attn::varlen_attention: ", "softcap"}));
+    opt.softcap = 0;
+    Tensor<float> out({8, 2, 4}), lse({2, 8}), dq({8, 2, 4}), dk({9, 1, 4}), dv({9, 1, 4});
+    attn::varlen_attention<float>(x.args(false, false), {out.view<3>(), lse.view<2>()}, opt);
+    opt.window = {-2, 0};
+    EXPECT_TRUE(attn::testing::throws_with(
+        [&] {
+          attn::varlen_attention_backward<float>(x.args(false, false), x.dout.view<3>(), {out.view<3>(), lse.view<2>()},
+                                                 {dq.view<3>(), dk.view<3>(), dv.view<3>(), {}}, opt);
+        },
+        {"attn::varlen_attention_backward: ", "window"}));
+  }
+}
+
 }  // namespace

@@ -42,6 +42,24 @@ def scores(q, k, mask, causal, scale, gqa):
     return s, scale
 
 
+def band_mask(L, S, causal=False, window=None, offset=0):
+    """The window and causal rule as a boolean mask (L, S), True where query i
+    (at position i + offset) sees key j: window = (left, right) as
+    FlashAttention's window_size, -1 unbounded on that side."""
+    pos = np.arange(L)[:, None] + offset
+    j = np.arange(S)[None, :]
+    see = np.ones((L, S), bool)
+    if causal:
+        see &= j <= pos
+    if window is not None:
+        left, right = window
+        if left >= 0:
+            see &= j >= pos - left
+        if right >= 0:
+            see &= j <= pos + right
+    return see
+
+
 def _softmax(s):
     m = s.max(axis=-1, keepdims=True)
     dead = ~np.isfinite(m)  # rows that see no key

@@ -28,16 +28,7 @@ def reference(params, x, H, window=None, softcap=None, alibi=None, sinks=None, c
     bias = np.zeros((H, N, N))
     if alibi is not None:
         bias -= np.asarray(alibi, np.float64)[:, None, None] * np.abs(i - j)
-    see = np.ones((N, N), bool)
-    if causal:
-        see &= j <= i
-    if window is not None:
-        left, right = window
-        if left >= 0:
-            see &= j >= i - left
-        if right >= 0:
-            see &= j <= i + right
-    s = s + bias + np.where(see, 0.0, -np.inf)
+    s = s + bias + np.where(npref.band_mask(N, N, causal, window), 0.0, -np.inf)
     if sinks is not None:  # one more key: logit sinks[h], value 0
         col = np.broadcast_to(np.asarray(sinks, np.float64)[None, :, None, None], (B, H, N, 1))
         s = np.concatenate([s, col], axis=-1)
@@ -142,7 +133,7 @@ def test_matches_torch_with_dense_masks(parity):
     slopes = np.array([0.5, 0.125])
     # window (2, 1) and ALiBi as one float mask (B·H, L, S), PyTorch's additive form
     i, j = np.arange(N)[:, None], np.arange(N)[None, :]
-    dense = -slopes[:, None, None] * np.abs(i - j) + np.where((j >= i - 2) & (j <= i + 1), 0.0, -np.inf)
+    dense = -slopes[:, None, None] * np.abs(i - j) + np.where(npref.band_mask(N, N, window=(2, 1)), 0.0, -np.inf)
     mask = torch.from_numpy(np.tile(dense, (B, 1, 1)))
     xt = torch.from_numpy(x)
     with torch.no_grad():

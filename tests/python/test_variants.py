@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import attn
+import npref
 
 # ---------------------------------------------------------------- reference
 
@@ -29,16 +30,7 @@ def ref_forward(q, k, v, *, scale=None, causal=False, window=None, alibi=None, s
     j = np.arange(S)[None, :]
     if alibi is not None:  # an additive bias matrix
         s = s - np.asarray(alibi, np.float64)[None, :, None, None] * np.abs(pos - j)
-    see = np.ones((L, S), bool)  # the window and causal as a boolean mask
-    if causal:
-        see &= j <= pos
-    if window is not None:
-        left, right = window
-        if left >= 0:
-            see &= j >= pos - left
-        if right >= 0:
-            see &= j <= pos + right
-    s = np.where(see, s, -np.inf)
+    s = np.where(npref.band_mask(L, S, causal, window, offset), s, -np.inf)  # the window and causal as a boolean mask
     if sinks is not None:  # one more key column whose score is the sink and whose value is zero
         col = np.broadcast_to(np.asarray(sinks, np.float64)[None, :, None, None], (B, H, L, 1))
         s = np.concatenate([s, col], axis=-1)
@@ -293,14 +285,7 @@ def torch_reference(torch, q, k, v, *, causal=False, window=None, alibi=None, si
     S = k.shape[2]
     pos = torch.arange(L)[:, None] + offset
     j = torch.arange(S)[None, :]
-    see = torch.ones(L, S, dtype=torch.bool)
-    if causal:
-        see &= j <= pos
-    if window is not None:
-        if window[0] >= 0:
-            see &= j >= pos - window[0]
-        if window[1] >= 0:
-            see &= j <= pos + window[1]
+    see = torch.from_numpy(npref.band_mask(L, S, causal, window, offset))
     m = torch.zeros(1, H, L, S, dtype=q.dtype).masked_fill(~see, float("-inf"))
     if alibi is not None:
         m = m - alibi[None, :, None, None] * (pos - j).abs().to(q.dtype)

@@ -26,7 +26,10 @@
 //   dQ = scale·dU·K,  dK = scale·dUᵀ·Q,  dbias = dS summed over the bias's
 //   broadcast axes,  d(sink_h) = −Σ_{b,i} exp(sink_h − lse_i)·D_i.
 // The key blocks of a query block and the query blocks of a key block are
-// the band rule's intervals; empty tiles are skipped as in the forward.
+// the band rule's intervals; empty tiles are skipped as in the forward, and
+// each visited tile is cut to its box under the band (the rows that see one
+// of its keys, the keys those rows see), so the tiles on a window's edges
+// cost little beyond the band's scores.
 // No atomics: with plan.own_heads a unit owns one (b, kv head) pair and walks
 // its key blocks in order, accumulating dK/dV for the block in scratch and dQ
 // directly in the (zeroed) output, which no other unit touches. Otherwise two
@@ -247,14 +250,22 @@ void PackQ(const FusedCall& c, BackwardScratch& w, int64_t b, int64_t h, int64_t
   }
 }
 
+// Where a backward tile lies in the packed blocks: its first row is `row`
+// rows into the packed query block, its first key `key` keys into the packed
+// key block (a multiple of the lane count, so the tile's padded columns stay
+// within the block's width).
+struct TileOrigin {
+  int64_t row = 0, key = 0;
+};
+
 // s[r][jj] = s(q_r, k_j) through the score rules for rows i0..i0+nr against
 // keys j0..j0+nk (soft-cap, ALiBi, bias; −∞ outside the band, where the mask
 // says no, and for padding up to nkp); with a soft-cap, dcap receives its
-// derivative. Needs q and kt packed.
+// derivative. Needs q and kt packed (the tile at `at` in them).
 void ScoreTile(const FusedCall& c, BackwardScratch& w, int64_t b, int64_t h, int64_t i0, int64_t nr,
-               int64_t j0, int64_t nk, int64_t nkp) {
+               int64_t j0, int64_t nk, int64_t nkp, TileOrigin at) {
   const Problem& p = *c.p;
-  Gemm(nr, nkp, p.E, w.q, w.Ep, 1, w.kt, w.kbp, w.s, w.kbp, false);
+  Gemm(nr, nkp, p.E, w.q + at.row * w.Ep, w.Ep, 1, w.kt + at.key, w.kbp, w.s, w.kbp, false);
   if (p.softcap > 0)
     for (int64_t r = 0; r < nr; ++r) SoftcapTile(w.s + r * w.kbp, nkp, float(p.softcap), w.dcap + r * w.kbp);
   const rules::Band band = band_of(c, b);
@@ -470,20 +481,27 @@ void PackKeyBlock(const FusedCall& c, BackwardScratch& w, int64_t b, int64_t hk,
   }
 }
 
-// One (query block × key block) tile of the backward; needs both blocks packed.
+// One tile of the backward, rows i0..i0+nr × keys j0..j0+nk, lying at `at`
+// in the packed query and key blocks (dS is left at w.dp's origin; the
+// accumulators are written at the tile's rows and keys).
 void BackwardTile(const FusedCall& c, BackwardScratch& w, int64_t b, int64_t h, int64_t i0, int64_t nr,
-                  int64_t j0, int64_t nk, TileJobs jobs) {
+                  int64_t j0, int64_t nk, TileJobs jobs, TileOrigin at = {}) {
   const Problem& p = *c.p;
   const int64_t lanes = int64_t(hn::Lanes(DF())), nkp = round_up(nk, lanes);
   const DF d;
-  ScoreTile(c, w, b, h, i0, nr, j0, nk, nkp);
-  for (int64_t r = 0; r < nr; ++r) ProbRow(w.s + r * w.kbp, nkp, w.lse[r], w.poisoned[r]);  // P
+  const float* q = w.q + at.row * w.Ep;
+  const float* dy = w.dy + at.row * w.Evp;
+  const float* lse = w.lse + at.row;
+  const float* D = w.D + at.row;
+  const uint8_t* poisoned = w.poisoned + at.row;
+  ScoreTile(c, w, b, h, i0, nr, j0, nk, nkp, at);
+  for (int64_t r = 0; r < nr; ++r) ProbRow(w.s + r * w.kbp, nkp, lse[r], poisoned[r]);  // P
   // dP = dY·Vᵀ
-  Gemm(nr, nkp, p.Ev, w.dy, w.Evp, 1, w.vt, w.kbp, w.dp, w.kbp, false);
+  Gemm(nr, nkp, p.Ev, dy, w.Evp, 1, w.vt + at.key, w.kbp, w.dp, w.kbp, false);
   for (int64_t r = 0; r < nr; ++r) {
     float* dpr = w.dp + r * w.kbp;
     const float* pr = w.s + r * w.kbp;
-    const VF Dr = hn::Set(d, w.D[r]);
+    const VF Dr = hn::Set(d, D[r]);
     for (int64_t j = 0; j < nkp; j += int64_t(hn::Lanes(d)))  // dS = P∘(dP − D)
       hn::Store(hn::Mul(hn::Load(d, pr + j), hn::Sub(hn::Load(d, dpr + j), Dr)), d, dpr + j);
   }
@@ -496,11 +514,28 @@ void BackwardTile(const FusedCall& c, BackwardScratch& w, int64_t b, int64_t h, 
     }
   if (jobs.dkdv) {
     // dV += Pᵀ·dY ; dK += dUᵀ·(scale·Q)
-    Gemm(nk, w.Evp, nr, w.s, 1, w.kbp, w.dy, w.Evp, w.dv, w.Evp, true);
-    Gemm(nk, w.Ep, nr, w.dp, 1, w.kbp, w.q, w.Ep, w.dk, w.Ep, true);
+    Gemm(nk, w.Evp, nr, w.s, 1, w.kbp, dy, w.Evp, w.dv + at.key * w.Evp, w.Evp, true);
+    Gemm(nk, w.Ep, nr, w.dp, 1, w.kbp, q, w.Ep, w.dk + at.key * w.Ep, w.Ep, true);
   }
   if (jobs.dq)  // dQ += dU·K (the scale is applied when written out)
-    Gemm(nr, w.Ep, nk, w.dp, w.kbp, 1, w.kr, w.Ep, w.dq, w.Ep, true);
+    Gemm(nr, w.Ep, nk, w.dp, w.kbp, 1, w.kr + at.key * w.Ep, w.Ep, w.dq + at.row * w.Ep, w.Ep, true);
+}
+
+// A tile cut to its bounding box under the band: the rows [i0, i0 + nr) that
+// see a key of [j0, j0 + nk), and the keys those rows see, from a multiple of
+// `align` keys past j0 (empty: nr = 0). The scores outside it are −∞ under
+// the band, so they add nothing to any gradient.
+struct TileBox {
+  int64_t i0 = 0, nr = 0, j0 = 0, nk = 0;
+};
+TileBox BandBox(const rules::Band& band, int64_t i0, int64_t nr, int64_t j0, int64_t nk, int64_t align) {
+  const auto [r0, r1] = band.rows_seeing(j0, j0 + nk, i0, i0 + nr);
+  if (r0 >= r1) return {};
+  const rules::Keys keys = band.keys_of_rows(r0, r1);
+  const int64_t lo = std::max(keys.lo, j0), hi = std::min(keys.hi, j0 + nk);
+  if (lo >= hi) return {};
+  const int64_t first = j0 + (lo - j0) / align * align;
+  return {r0, r1 - r0, first, hi - first};
 }
 
 // Writes the dK/dV accumulators of a key block (zero where nothing reached).
@@ -535,14 +570,17 @@ void KeyBlockUnit(const FusedCall& c, BackwardScratch& w, const SdpaGrads<float>
     PackKeyBlock(c, w, b, hk, j0, nk, dq_into_output);
     for (int64_t h = hk * p.group(); h < (hk + 1) * p.group(); ++h) {
       for (int64_t qbi = r0 / w.qb; qbi < ceil_div(r1, w.qb); ++qbi) {
-        const int64_t i0 = qbi * w.qb, nr = std::min(w.qb, p.L - i0);
-        if (band.classify(i0, nr, j0, nk) == rules::Tile::empty) continue;
+        const int64_t q0 = qbi * w.qb;
+        // Only the tile's box is packed and computed (the band's edges).
+        const TileBox box = BandBox(band, q0, std::min(w.qb, p.L - q0), j0, nk, Lanes());
+        if (box.nr == 0) continue;
+        const int64_t i0 = box.i0, nr = box.nr;
         PackQueryBlock(c, w, b, h, i0, nr, dout, out, lse);
         TileJobs jobs;
         jobs.dkdv = true;
         jobs.dq = dq_into_output;
         if (jobs.dq) std::fill(w.dq, w.dq + nr * w.Ep, 0.0f);
-        BackwardTile(c, w, b, h, i0, nr, j0, nk, jobs);
+        BackwardTile(c, w, b, h, i0, nr, box.j0, box.nk, jobs, {0, box.j0 - j0});
         if (jobs.dq) {
           for (int64_t r = 0; r < nr; ++r) {
             float* dst = &g.dq(b, h, i0 + r, 0);
@@ -568,12 +606,13 @@ void QueryBlockUnit(const FusedCall& c, BackwardScratch& w, const SdpaGrads<floa
   std::fill(w.dq, w.dq + nr * w.Ep, 0.0f);
   PackQueryBlock(c, w, b, h, i0, nr, dout, out, lse);
   for (int64_t j0 = keys.lo; j0 < keys.hi; j0 += w.kb) {
-    const int64_t nk = std::min(w.kb, keys.hi - j0);
-    if (band.classify(i0, nr, j0, nk) == rules::Tile::empty) continue;
-    PackKeyBlock(c, w, b, hk, j0, nk, true);
+    // Only the tile's box is packed and computed (the band's edges).
+    const TileBox box = BandBox(band, i0, nr, j0, std::min(w.kb, keys.hi - j0), 1);
+    if (box.nr == 0) continue;
+    PackKeyBlock(c, w, b, hk, box.j0, box.nk, true);
     TileJobs jobs;
     jobs.dq = true;
-    BackwardTile(c, w, b, h, i0, nr, j0, nk, jobs);
+    BackwardTile(c, w, b, h, box.i0, box.nr, box.j0, box.nk, jobs, {box.i0 - i0, 0});
   }
   for (int64_t r = 0; r < nr; ++r) {
     float* dst = &g.dq(b, h, i0 + r, 0);

@@ -189,17 +189,18 @@ void ApplyArray(const float* x, float* y, int64_t n) {
 }
 // tanh for the soft-cap, for every float. Near 0 (|x| < 0.625) an odd
 // polynomial x + x³·P(x²) (Cephes's tanhf coefficients), where the exp form
-// would cancel; elsewhere sign(x)·(1 − 2·r) with r = 1/(exp(2|x|) + 1) <
-// 0.23, so the subtraction loses nothing. r is the hardware's approximate
-// reciprocal (x86: about 12 bits) refined by one Newton step,
-// r ← r + r·(1 − y·r), which squares its relative error to about 2^-23:
-// no division (a long-latency, poorly pipelined instruction), and since 2r
-// is under half the result, r's error moves the result by well under an ulp.
-// A vector whose lanes are all near 0 (the common case of soft-capped
-// scores, |s| well below the cap) takes the polynomial alone. exp's argument
-// is clamped at 88 (tanh is 1 in float long before), so ±∞ give ±1; NaN
-// stays NaN. Within a few ulp on every target (tests/test_fused.cpp
-// measures it).
+// would cancel; elsewhere sign(x)·(1 − 2t/(1 + t)) with t = exp(−2|x|) <=
+// 0.29, so 2t/(1 + t) < 0.45 and the subtraction loses nothing. t comes from
+// the forward's base-2 exponential at −2·log2(e)·|x| (cheaper than exp; the
+// rounded argument moves the result by under an ulp, since 2t shrinks faster
+// than |x| grows), which is exactly 0 for large |x| and for ±∞, so ±∞ give
+// ±1 with no clamp, and keeps NaN, which then passes through unchanged.
+// 1/(1 + t) is the hardware's approximate reciprocal (x86: about 12 bits)
+// refined by one Newton step, r ← r + r·(1 − y·r), which squares its
+// relative error to about 2^-23: no division (a long-latency, poorly
+// pipelined instruction). A vector whose lanes are all near 0 (the common
+// case of soft-capped scores, |s| well below the cap) takes the polynomial
+// alone. Within a few ulp on every target (tests/test_fused.cpp measures it).
 HWY_INLINE VF Tanh(DF d, VF x) {
   const VF ax = hn::Abs(x);
   const VF z = hn::Mul(x, x);
@@ -209,11 +210,12 @@ HWY_INLINE VF Tanh(DF d, VF x) {
   const auto near0 = hn::Lt(ax, hn::Set(d, 0.625f));  // false for NaN
   if (hn::AllTrue(d, near0)) return small;
   const VF one = hn::Set(d, 1.0f);
-  const VF y = hn::Add(ExpSoftmax(d, hn::Min(hn::Add(ax, ax), hn::Set(d, 88.0f))), one);
+  const VF t = Exp2Softmax(d, hn::Mul(ax, hn::Set(d, -2.0f * 1.44269504088896341f)));  // exp(−2|x|)
+  const VF y = hn::Add(t, one);
   VF r = hn::ApproximateReciprocal(y);
   r = hn::MulAdd(r, hn::NegMulAdd(y, r, one), r);  // one Newton step
-  const VF big = hn::CopySignToAbs(hn::NegMulAdd(hn::Set(d, 2.0f), r, one), x);
-  return hn::IfThenElse(hn::IsNaN(x), x, hn::IfThenElse(near0, small, big));
+  const VF big = hn::CopySignToAbs(hn::NegMulAdd(hn::Add(t, t), r, one), x);  // NaN stays NaN
+  return hn::IfThenElse(near0, small, big);
 }
 
 void ExpArray(const float* x, float* y, int64_t n) { ApplyArray<ExpSoftmax>(x, y, n); }
