@@ -1,0 +1,256 @@
+// The fused kernels' operands and score tiles, for one SIMD target (included
+// once per target through attention-inl.h; no ordinary include guard): the
+// NaN/±∞ marking of K and V rows, the packing of strided views into dense
+// scratch, and the one function per direction that builds a score tile
+// through the score rules (ScoreTileT for the forward, in base 2 and
+// transposed; ScoreTile for the backward). The units that use them, forward
+// and backward side by side, are in attention-inl.h.
+
+// Per-target include guard, the Highway way (see attention-inl.h).
+#if defined(ATTN_KERNELS_FUSED_SCORES_INL_H_) == defined(HWY_TARGET_TOGGLE)
+#ifdef ATTN_KERNELS_FUSED_SCORES_INL_H_
+#undef ATTN_KERNELS_FUSED_SCORES_INL_H_
+#else
+#define ATTN_KERNELS_FUSED_SCORES_INL_H_
+#endif
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "attn/sdpa.hpp"
+#include "kernels/fused/common.hpp"
+#include "kernels/fused/fused.hpp"
+#include "kernels/fused/online_softmax.hpp"
+#include "kernels/fused/simd-inl.h"
+#include "kernels/fused/tiles.hpp"
+
+HWY_BEFORE_NAMESPACE();
+namespace attn::detail {
+namespace HWY_NAMESPACE {
+namespace {
+
+// ---- NaN and ±∞ in the inputs ------------------------------------------------
+//
+// The rule (docs/fused.md, "NaN and infinities"): a key a row cannot see
+// (causal, key_lengths, mask, bias −∞) never touches the row. A visible pair
+// (i, j) whose query row, key row or value row holds NaN or ±∞ gets a NaN
+// score; a row with a NaN or +∞ visible score is poisoned: output and lse
+// NaN, weights NaN where visible, gradients NaN wherever the row reaches.
+// The kernels keep the products finite and carry the poison in the scores:
+// bad K/V rows and bad query rows are flagged while packing and replaced by
+// zeros in the packed operands, and NaN is written into the visible scores.
+
+// bad[(b·Hkv + hk)·S + j] = 1 where K or V row j of (b, hk) holds NaN or ±∞;
+// returns whether any does. One pass over K and V per call.
+// Row u of that index space, marked; returns whether it is bad.
+bool MarkBadKey(const Problem& p, const SdpaArgs<float>& a, uint8_t* bad, int64_t u) {
+  const int64_t j = u % p.S, hk = (u / p.S) % p.Hkv, b = u / (p.S * p.Hkv);
+  const float* kr = &a.k(b, hk, j, 0);
+  const float* vr = &a.v(b, hk, j, 0);
+  bool row_bad = false;
+  for (int64_t e = 0; e < p.E; ++e) row_bad |= non_finite(kr[e * a.k.strides[3]]);
+  for (int64_t e = 0; e < p.Ev; ++e) row_bad |= non_finite(vr[e * a.v.strides[3]]);
+  bad[u] = row_bad;
+  return row_bad;
+}
+
+bool MarkBadKeys(const Problem& p, const SdpaArgs<float>& a, std::vector<uint8_t>& bad) {
+  const int64_t rows = p.B * p.Hkv * p.S;
+  bad.assign(size_t(rows), 0);
+  bool any = false;
+#pragma omp parallel for num_threads(p.threads) schedule(static) reduction(|| : any)
+  for (int64_t u = 0; u < rows; ++u) any = MarkBadKey(p, a, bad.data(), u) || any;
+  return any;
+}
+
+// A call's shared state, with the bad keys marked (kept alive by `bad`).
+FusedCall MakeCall(const Problem& p, const SdpaArgs<float>& a, const FusedPlan& t, std::vector<uint8_t>& bad) {
+  FusedCall c{&p, &a, t, float(p.scale)};
+  c.any_bad_keys = MarkBadKeys(p, a, bad);
+  c.bad_keys = bad.data();
+  return c;
+}
+
+// ---- packing (strided views → dense scratch) -------------------------------
+
+// Transposed copy of nk rows of a (B, Hx, N, F) view: dst[f][jj] =
+// X(b, hx, j0 + jj, f), row length ld; columns nk..ld are zero.
+void PackTransposed(const View4<const float>& X, int64_t b, int64_t hx, int64_t j0, int64_t nk,
+                    float* dst, int64_t ld) {
+  const int64_t F = X.dim(3), sf = X.strides[3];
+  for (int64_t jj = 0; jj < nk; ++jj) {
+    const float* src = &X(b, hx, j0 + jj, 0);
+    for (int64_t f = 0; f < F; ++f) dst[f * ld + jj] = src[f * sf];
+  }
+  for (int64_t f = 0; f < F; ++f) std::fill(dst + f * ld + nk, dst + (f + 1) * ld, 0.0f);
+}
+
+// Row-major copy of nk rows of a (B, Hx, N, F) view into dst [nk × ld].
+void PackRows(const View4<const float>& X, int64_t b, int64_t hx, int64_t j0, int64_t nk,
+              float* dst, int64_t ld) {
+  const int64_t F = X.dim(3), sf = X.strides[3];
+  for (int64_t jj = 0; jj < nk; ++jj) {
+    const float* src = &X(b, hx, j0 + jj, 0);
+    float* row = dst + jj * ld;
+    if (sf == 1)
+      std::memcpy(row, src, size_t(F) * sizeof(float));
+    else
+      for (int64_t f = 0; f < F; ++f) row[f] = src[f * sf];
+  }
+}
+
+// ---- score tiles: the forward's (transposed) and the backward's ----------
+
+// The forward measures scores in base 2: s·log2(e), so exp(s − m) = 2^(s2 − m2).
+constexpr float kLog2e = 1.44269504088896341f;
+constexpr float kLn2 = 0.693147180559945309f;
+
+// qt[e][r] = scale·log2(e) · Q(b, h, i0 + r, e); columns nr..qbp are zero,
+// and so is the column of a query row with NaN or ±∞ (flagged in qbad).
+void PackQt(const FusedCall& c, ForwardScratch& w, int64_t b, int64_t h, int64_t i0, int64_t nr) {
+  const auto& Q = c.a->q;
+  const int64_t E = c.p->E, se = Q.strides[3];
+  const float s2 = c.scale * kLog2e;
+  float* qt = w.qt;
+  w.any_qbad = false;
+  for (int64_t r = 0; r < nr; ++r) {
+    const float* src = &Q(b, h, i0 + r, 0);
+    bool bad = false;
+    for (int64_t e = 0; e < E; ++e) {
+      bad |= non_finite(src[e * se]);
+      qt[e * w.qbp + r] = s2 * src[e * se];
+    }
+    if (bad)
+      for (int64_t e = 0; e < E; ++e) qt[e * w.qbp + r] = 0.0f;
+    w.qbad[r] = bad;
+    w.any_qbad = w.any_qbad || bad;
+  }
+  for (int64_t e = 0; e < E; ++e) std::fill(qt + e * w.qbp + nr, qt + (e + 1) * w.qbp, 0.0f);
+}
+
+// Transposed score tile, in base 2: st_t[jj][r] = s(q_r, k_j)·log2(e) for keys
+// j0..j0+nk against the unit's queries i0..i0+nr, through the score rules
+// (soft-cap, ALiBi, bias; −∞ outside the band, where the mask says no, and in
+// the padding columns up to nrp). K is read in place. In base 2 the soft-cap
+// c·tanh(u/c) is the same formula with c·log2(e).
+void ScoreTileT(const FusedCall& c, ForwardScratch& w, int64_t b, int64_t h, int64_t i0, int64_t nr, int64_t nrp,
+                int64_t j0, int64_t nk) {
+  const Problem& p = *c.p;
+  const auto& K = c.a->k;
+  const int64_t hk = p.kv_head(h);
+  Gemm(nk, nrp, p.E, &K(b, hk, j0, 0), K.strides[2], K.strides[3], w.qt, w.qbp, w.st, w.qbp,
+       false);
+  if (p.softcap > 0) SoftcapTile(w.st, nk * w.qbp, float(p.softcap) * kLog2e, nullptr);
+  const rules::Band band = band_of(c, b);
+  const bool alibi = has_alibi(c);
+  const float slope2 = slope_of(c, h) * kLog2e;
+  const int64_t off = p.offset();
+  const auto& bias = c.a->bias;
+  const auto& mask = c.a->mask;
+  for (int64_t jj = 0; jj < nk; ++jj) {
+    const int64_t j = j0 + jj;
+    float* row = w.st + jj * w.qbp;
+    // The rows of the block that see key j under the band: [first, end).
+    auto [first, end] = band.rows_seeing(j, j + 1, i0, i0 + nr);
+    first -= i0, end -= i0;
+    // ALiBi on the whole line (|i0 + r + off − j| for row r): rows outside
+    // the band become −∞ just below.
+    if (alibi) AlibiLine(row, w.qbp, float(i0 + off - j), slope2);
+    std::fill(row, row + first, kNegInf);
+    // Poison: NaN in every visible pair of a bad key or a bad query.
+    if (c.bad_key(b, hk, j))
+      std::fill(row + first, row + end, kNaN);
+    else if (w.any_qbad)
+      for (int64_t r = first; r < end; ++r)
+        if (w.qbad[r]) row[r] = kNaN;
+    if (!bias.empty()) {
+      const auto bj = rules::query_column(bias, b, h, j);
+      for (int64_t r = first; r < end; ++r) {
+        const float x = bj.at(i0 + r);
+        row[r] = x == kNegInf ? kNegInf : row[r] + kLog2e * x;  // −∞ masks, even a poisoned pair
+      }
+    }
+    if (!mask.empty()) {
+      const auto mj = rules::query_column(mask, b, h, j);
+      for (int64_t r = first; r < end; ++r)
+        if (!mj.at(i0 + r)) row[r] = kNegInf;
+    }
+    std::fill(row + end, row + nrp, kNegInf);
+  }
+}
+
+// q[r][e] = scale · Q(b, h, i0 + r, e) for r < nr; a row with NaN or ±∞
+// becomes zeros and is flagged poisoned.
+void PackQ(const FusedCall& c, BackwardScratch& w, int64_t b, int64_t h, int64_t i0, int64_t nr) {
+  const auto& Q = c.a->q;
+  const int64_t E = c.p->E;
+  for (int64_t r = 0; r < nr; ++r) {
+    const float* src = &Q(b, h, i0 + r, 0);
+    float* dst = w.q + r * w.Ep;
+    const int64_t se = Q.strides[3];
+    bool bad = false;
+    for (int64_t e = 0; e < E; ++e) {
+      bad |= non_finite(src[e * se]);
+      dst[e] = c.scale * src[e * se];
+    }
+    if (bad) std::fill(dst, dst + E, 0.0f);
+    w.poisoned[r] = bad;
+  }
+}
+
+// Where a backward tile lies in the packed blocks: its first row is `row`
+// rows into the packed query block, its first key `key` keys into the packed
+// key block (a multiple of the lane count, so the tile's padded columns stay
+// within the block's width).
+struct TileOrigin {
+  int64_t row = 0, key = 0;
+};
+
+// s[r][jj] = s(q_r, k_j) through the score rules for rows i0..i0+nr against
+// keys j0..j0+nk (soft-cap, ALiBi, bias; −∞ outside the band, where the mask
+// says no, and for padding up to nkp); with a soft-cap, dcap receives its
+// derivative. Needs q and kt packed (the tile at `at` in them).
+void ScoreTile(const FusedCall& c, BackwardScratch& w, int64_t b, int64_t h, int64_t i0, int64_t nr,
+               int64_t j0, int64_t nk, int64_t nkp, TileOrigin at) {
+  const Problem& p = *c.p;
+  Gemm(nr, nkp, p.E, w.q + at.row * w.Ep, w.Ep, 1, w.kt + at.key, w.kbp, w.s, w.kbp, false);
+  if (p.softcap > 0)
+    for (int64_t r = 0; r < nr; ++r) SoftcapTile(w.s + r * w.kbp, nkp, float(p.softcap), w.dcap + r * w.kbp);
+  const rules::Band band = band_of(c, b);
+  const bool alibi = has_alibi(c);
+  const float slope = slope_of(c, h);
+  const int64_t off = p.offset();
+  const auto& bias = c.a->bias;
+  const auto& mask = c.a->mask;
+  for (int64_t r = 0; r < nr; ++r) {
+    const int64_t i = i0 + r;
+    float* row = w.s + r * w.kbp;
+    // The keys of the tile row i sees under the band: [lo, hi).
+    const rules::Keys keys = band.keys(i);
+    const int64_t lo = std::clamp<int64_t>(keys.lo - j0, 0, nk), hi = std::clamp<int64_t>(keys.hi - j0, lo, nk);
+    if (alibi) AlibiLine(row, nkp, float(j0 - i - off), slope);  // |j0 + jj − (i + off)|
+    std::fill(row, row + lo, kNegInf);
+    if (!bias.empty()) {
+      const auto br = rules::key_row(bias, b, h, i);
+      for (int64_t jj = lo; jj < hi; ++jj) {
+        const float x = br.at(j0 + jj);
+        row[jj] = x == kNegInf ? kNegInf : row[jj] + x;  // −∞ masks
+      }
+    }
+    if (!mask.empty()) {
+      const auto mr = rules::key_row(mask, b, h, i);
+      for (int64_t jj = lo; jj < hi; ++jj)
+        if (!mr.at(j0 + jj)) row[jj] = kNegInf;
+    }
+    std::fill(row + hi, row + nkp, kNegInf);
+  }
+}
+
+}  // namespace
+}  // namespace HWY_NAMESPACE
+}  // namespace attn::detail
+HWY_AFTER_NAMESPACE();
+
+#endif  // ATTN_KERNELS_FUSED_SCORES_INL_H_
