@@ -168,9 +168,10 @@ TEST(Decode, ChunkedPrefillMatchesReference) {
     for (const int64_t page : {int64_t(0), int64_t(300), int64_t(1024)})
       for (const bool causal : {true, false}) {
         DecodeCase c;
-        c.B = 3, c.H = 4, c.Hkv = 2, c.L = 40 + n % 3 * 9, c.E = 24, c.Ev = 16 + n % 2 * 8, c.page = page;
+        c.B = 5, c.H = 4, c.Hkv = 2, c.L = 40 + n % 3 * 9, c.E = 24, c.Ev = 16 + n % 2 * 8, c.page = page;
         c.dtype = t, c.causal = causal;
-        c.lens = {2100 + n, 0, 30};  // three chunks; empty; fewer keys than queries
+        // three chunks; empty; fewer keys than queries; a last chunk of one key; one key
+        c.lens = {2100 + n, 0, 30, 1025, 1};
         ASSERT_FALSE(detail::decode_suits_rows(c.L, c.H / c.Hkv));
         SCOPED_TRACE(c.str());
         const Filled f = fill(c, rng);

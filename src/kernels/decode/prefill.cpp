@@ -28,6 +28,7 @@
 // percent at the sizes that come here.
 #include <cmath>
 #include <limits>
+#include <vector>
 
 #include "attn/merge.hpp"
 #include "kernels/decode/decode.hpp"
@@ -58,7 +59,8 @@ View4<const float> keys_view(const KVLayout& kv, const void* base, int64_t page_
   if (kv.type == KVStorage::f32 && one_page)
     return View4<const float>(reinterpret_cast<const float*>(at(0, j0)), {1, Hkv, n, D},
                               {Hkv * head_stride, head_stride, row_stride, 1});
-  if (scratch.dim(2) != n) scratch = Tensor<float>({1, Hkv, n, D});
+  const std::vector<int64_t> shape{1, Hkv, n, D};
+  if (scratch.shape() != shape) scratch = Tensor<float>(shape);
   float* dst = scratch.data();
   for (int64_t hk = 0; hk < Hkv; ++hk)
     for (int64_t j = j0; j < j0 + n;) {
@@ -83,7 +85,7 @@ View4<const float> keys_view(const KVLayout& kv, const void* base, int64_t page_
 void prefill_forward(const DecodeProblem& p, const KVLayout& kv, View4<const float> q, View4<float> out,
                      View3<float> lse) {
   const float ninf = -std::numeric_limits<float>::infinity();
-  Tensor<float> kbuf({1, 1, 1, 1}), vbuf({1, 1, 1, 1});  // widened chunks (reshaped on first use)
+  Tensor<float> kbuf, vbuf;  // widened chunks (shaped on first use)
   Tensor<float> part({1, p.H, p.L, p.Ev}), plse({1, p.H, p.L}), own_lse;
   if (lse.empty()) own_lse = Tensor<float>({1, p.H, p.L});
   for (int64_t b = 0; b < p.B; ++b) {
