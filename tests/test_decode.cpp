@@ -181,6 +181,14 @@ TEST(Decode, ChunkedPrefillMatchesReference) {
           EXPECT_EQ(r.lse[size_t(c.H * c.L + i)], -std::numeric_limits<float>::infinity());
         ++n;
       }
+  // The first widened chunk holds one key (the scratch's first shape).
+  for (const KVDtype t : {KVDtype::float16, KVDtype::float32}) {
+    DecodeCase c;
+    c.B = 1, c.H = 4, c.Hkv = 2, c.L = 40, c.E = 24, c.Ev = 16, c.page = 1, c.dtype = t, c.lens = {1};
+    SCOPED_TRACE(c.str());
+    const Filled f = fill(c, rng);
+    expect_matches_oracle(c, f, run(c, f));
+  }
 }
 
 // The chunks are fixed by the shape and merged in order: any thread count
