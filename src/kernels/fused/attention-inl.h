@@ -43,8 +43,9 @@
 // block product, then the score rules of kernels/score_rules.hpp in their
 // order (soft-cap, ALiBi), the NaN poison (forward), the bias (−∞ masks),
 // the boolean mask and −∞ outside the band. They sit next to each other in
-// scores-inl.h, with the packing of the operands; a new rule on scores goes into score_rules.hpp and both
-// (and its derivative into BackwardTile's dS). Which key blocks a unit
+// scores-inl.h, with the packing of the operands; a new rule on scores goes
+// into score_rules.hpp and both (and its derivative into BackwardTile's
+// dS). Which key blocks a unit
 // visits at all comes from the band (score_rules.hpp, via common.hpp).
 //
 // NaN. Non-finite inputs are flagged and zeroed in the packed operands, and
