@@ -3,6 +3,7 @@
 // rename; temporaries registered so that errors and termination signals
 // remove them; OutputTransaction for the outputs of one command.
 #include <fcntl.h>
+#include <pthread.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -14,6 +15,7 @@
 #include <filesystem>
 #include <map>
 #include <mutex>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -94,8 +96,44 @@ void unregister_temporary(int slot) {
   if (slot >= 0) g_slots[slot].state.store(kFree);
 }
 
-// Only async-signal-safe calls: unlink, signal, raise.
+// A signal runs its handler on any one thread while the others go on, so
+// a thread may be creating a temporary while the handler scans. Creation
+// happens inside a Creating section (with the handled signals blocked on
+// that thread, so the handler never interrupts its own section): the
+// handler first sets g_dying, then waits until no section is open, then
+// removes what is registered; a section that starts after g_dying stops
+// there and waits for the process to end. Sequentially consistent atomics:
+// either the handler sees the section open and waits, or the section sees
+// g_dying and creates nothing.
+std::atomic<int> g_dying{0}, g_creating{0};
+static_assert(std::atomic<int>::is_always_lock_free, "the signal handler needs lock-free atomics");
+
+struct Creating {
+  sigset_t old{};
+  Creating() {
+    sigset_t set;
+    sigemptyset(&set);
+    for (int sig : {SIGINT, SIGTERM, SIGHUP}) sigaddset(&set, sig);
+    pthread_sigmask(SIG_BLOCK, &set, &old);
+    g_creating.fetch_add(1);
+    if (g_dying.load()) {
+      g_creating.fetch_sub(1);
+      for (;;) ::pause();  // the process is being terminated by another thread
+    }
+  }
+  ~Creating() {
+    g_creating.fetch_sub(1);
+    pthread_sigmask(SIG_SETMASK, &old, nullptr);
+  }
+  Creating(const Creating&) = delete;
+  Creating& operator=(const Creating&) = delete;
+};
+
+// Only async-signal-safe calls: atomics, unlink, signal, raise.
 extern "C" void remove_temporaries_and_die(int sig) {
+  g_dying.store(1);
+  while (g_creating.load() != 0) {
+  }
   for (auto& s : g_slots)
     if (s.state.load() == kReady) ::unlink(s.path);
   std::signal(sig, SIG_DFL);
@@ -133,20 +171,44 @@ fs::path directory_of(const std::string& path) {
   return parent.empty() ? fs::path(".") : parent;
 }
 
-// <dir>/<name>.attn-tmp.XXXXXX, created by mkstemp (mode 0600).
+// <dir>/<name>.attn-tmp.XXXXXX (mode 0600), registered for the signal
+// handler *before* it exists: a signal can reach any thread (OpenMP's too)
+// at any moment, and a file created first and registered after would
+// survive one that lands in between. So the name is drawn here (6 random
+// characters, as mkstemp does), registered, then created with O_EXCL; on a
+// clash the next name is tried. The caller unregisters `slot` once the file
+// is renamed or removed.
 struct CreatedTemp {
   int fd;
   std::string name;
+  int slot;
 };
 CreatedTemp create_temporary(const std::string& path, const std::string& who) {
   const fs::path dest(path);
   if (dest.filename().empty()) detail::fail(who, "output path names a directory, not a file");
-  std::string tmpl = (directory_of(path) / (dest.filename().string() + ".attn-tmp.XXXXXX")).string();
-  std::vector<char> name(tmpl.begin(), tmpl.end());
-  name.push_back('\0');
-  const int fd = ::mkstemp(name.data());
-  if (fd < 0) detail::fail_errno(who, "cannot create a file in directory '" + directory_of(path).string() + "'");
-  return {fd, std::string(name.data())};
+  const std::string stem = (directory_of(path) / (dest.filename().string() + ".attn-tmp.")).string();
+  static const char kChars[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789";
+  static std::atomic<uint64_t> counter{0};
+  std::random_device rd;
+  for (int attempt = 0; attempt < 100; ++attempt) {
+    uint64_t x = (uint64_t(rd()) << 32) ^ rd() ^ (uint64_t(::getpid()) << 20) ^ counter.fetch_add(1);
+    std::string name = stem;
+    for (int i = 0; i < 6; ++i, x /= 62) name += kChars[x % 62];
+    int slot = -1, fd = -1, err = 0;
+    {
+      const Creating section;
+      slot = register_temporary(name);
+      fd = ::open(name.c_str(), O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+      err = errno;
+    }
+    if (fd >= 0) return {fd, name, slot};
+    unregister_temporary(slot);
+    if (err != EEXIST) {
+      errno = err;
+      break;
+    }
+  }
+  detail::fail_errno(who, "cannot create a file in directory '" + directory_of(path).string() + "'");
 }
 
 // Writes all bytes, sets the mode, flushes to disk and closes; on failure
@@ -228,6 +290,7 @@ std::string probe_output_path(const std::string& path, const std::string& what) 
   const CreatedTemp t = create_temporary(path, who);
   ::close(t.fd);
   ::unlink(t.name.c_str());
+  unregister_temporary(t.slot);  // the caller registers the name again while it stages the file
   return t.name;
 }
 
@@ -241,7 +304,13 @@ void write_file_atomic(const std::string& path, const void* bytes, size_t size) 
     if (it != g_staged.end()) {
       const std::string dest = it->second.dest;
       lock.unlock();
-      const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, 0600);
+      int fd = -1, err = 0;
+      {
+        const Creating section;  // registered since OutputTransaction::add
+        fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, 0600);
+        err = errno;
+      }
+      errno = err;
       if (fd < 0) detail::fail_errno(dest, "cannot create the temporary file '" + path + "'");
       write_and_close(fd, path, dest, bytes, size, mode_for(dest));
       lock.lock();
@@ -251,11 +320,10 @@ void write_file_atomic(const std::string& path, const void* bytes, size_t size) 
     }
   }
   const CreatedTemp t = create_temporary(path, path);
-  const int slot = register_temporary(t.name);
   struct Unregister {
     int slot;
     ~Unregister() { unregister_temporary(slot); }
-  } unregister{slot};
+  } unregister{t.slot};
   write_and_close(t.fd, t.name, path, bytes, size, mode_for(path));
   rename_into_place(t.name, path);
 }
