@@ -39,7 +39,7 @@
 //   o = sdpa(q, k, v)  ->  dq', dk', dv from scaled_dot_product_attention_backward
 //                          (dense heads, merged into the projections' GEMM layout)
 //   q', k' = t(q, k)   ->  dq, dk from the transform's backward
-//   p = x·Wᵀ + b       ->  dW += dpᵀ·x,  db += Σ_rows dp,  dx = dp·W
+//   p = x·Wᵀ + b       ->  dW += dpᵀ·x,  db += Σ_rows dp (in the merge),  dx = dp·W
 // In self-attention x feeds all three parts, so dx = [dq | dk | dv]·[W_q; W_k; W_v],
 // one GEMM again when packed.
 #include "attn/multihead.hpp"
@@ -540,8 +540,8 @@ void MultiheadAttention<T>::backward(const MhaCache<T>& cache, View3<const T> do
                     Heads<T>{hv, ps[2].p, ps[2].ld, B, S, H, Ev, nullptr, ps[2].gb}},
                    /*split=*/false, threads);
 
-  // p = x·Wᵀ + b  ->  dW += dpᵀ·x,  db += Σ_rows dp,  dx = dp·W
-  // (a packed self-attention does each as one product over [q | k | v]).
+  // p = x·Wᵀ + b  ->  dW += dpᵀ·x,  dx = dp·W (db came with the merge; a
+  // packed self-attention does each as one product over [q | k | v]).
   if (self && packed_) {
     gemm<T>({3 * D, D, B * L}, true, dproj.data(), 3 * D, false, xs, D, ps[0].gw, D, T(1), T(1));
     if (!g.dquery.empty()) {
