@@ -23,8 +23,8 @@
 //    cross a page, so a tile of one head is one contiguous run of
 //    tile·E (and tile·Ev) elements. Scores of a tile: a register block of
 //    up to 4 rows × 2 keys, E accumulated in vectors (the key vector is
-//    converted once and used by the 4 rows), reduced across lanes at the
-//    end; then the online-softmax step per row (in base 2: the queries are
+//    converted once and used by the 4 rows), the 8 sums reduced across lanes
+//    together by a transposing tree at the end; then the online-softmax step per row (in base 2: the queries are
 //    pre-multiplied by scale·log2(e)); then acc += P·V with a register block
 //    of up to 4 rows × 2 value vectors, each value vector converted once.
 //  * Prefetch. The value loop walks a tile in strips of features (all keys
@@ -38,8 +38,11 @@
 //    huge pages (attn/detail/memory.hpp) they nearly doubled the float32
 //    rate from DRAM (figures in docs/decode.md).
 //  * Storage types: float16 and bfloat16 are widened in registers
-//    (F16C / AVX-512 conversions, a shift for bfloat16, portable code on
-//    other targets); the data never exists as float32 in memory. Queries
+//    (F16C / AVX-512 conversions; bfloat16 by interleaving zeros below the
+//    values, which permutes the features of a group of 2 vectors, so the
+//    queries and the accumulators are kept in that order and the output is
+//    put back in Finalize; portable code on other targets); the data never
+//    exists as float32 in memory. Queries
 //    stay float32: products are float32 × (exactly widened) stored values,
 //    the contract "exact for the stored precision". A native bf16 dot
 //    (AVX512_BF16 vdpbf16ps) would need q rounded to bf16, which breaks
@@ -74,6 +77,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "attn/half.hpp"
@@ -86,6 +90,7 @@
 #pragma GCC diagnostic ignored "-Wunused-function"
 #include "kernels/fused/simd-inl.h"
 #pragma GCC diagnostic pop
+#include "kernels/decode/vectors-inl.h"
 
 #ifndef ATTN_DECODE_COMMON_ONCE
 #define ATTN_DECODE_COMMON_ONCE
@@ -128,51 +133,6 @@ namespace {
 
 using namespace decode_common;  // hn, os, DF, VF come with simd-inl.h
 
-// ---- loads: N stored elements as float32 ---------------------------------
-
-HWY_INLINE VF LoadF(DF d, const float* HWY_RESTRICT p) { return hn::LoadU(d, p); }
-HWY_INLINE VF LoadF(DF d, const hwy::float16_t* HWY_RESTRICT p) {
-  const hn::Rebind<hwy::float16_t, DF> dh;
-  return hn::PromoteTo(d, hn::LoadU(dh, p));
-}
-HWY_INLINE VF LoadF(DF d, const hwy::bfloat16_t* HWY_RESTRICT p) {
-  const hn::Rebind<hwy::bfloat16_t, DF> db;
-  return hn::PromoteTo(d, hn::LoadU(db, p));
-}
-// The first n (< N) elements, zeros after them; never reads past p + n.
-template <class T>
-HWY_INLINE VF LoadTail(DF d, const T* p, int64_t n) {
-  HWY_ALIGN T buf[64];  // >= the lane count of any target
-  std::memset(static_cast<void*>(buf), 0, sizeof(buf));
-  std::memcpy(static_cast<void*>(buf), p, size_t(n) * sizeof(T));
-  return LoadF(d, buf);
-}
-
-// Starts loading n rows of `bytes` bytes, `stride` bytes apart, into the cache.
-HWY_INLINE void PrefetchRows(const char* p, int64_t stride, int64_t n, int64_t bytes) {
-  for (int64_t j = 0; j < n; ++j, p += stride)
-    for (int64_t o = 0; o < bytes; o += 64) hwy::Prefetch(p + o);
-}
-
-// n stored elements widened to float32, a vector at a time (the bulk path of
-// convert_from_storage).
-template <class T>
-void WidenRow(const T* HWY_RESTRICT x, int64_t n, float* HWY_RESTRICT y) {
-  const DF d;
-  const int64_t N = Lanes();
-  int64_t i = 0;
-  for (; i + N <= n; i += N) hn::StoreU(LoadF(d, x + i), d, y + i);
-  if (i < n) {
-    HWY_ALIGN float buf[64];
-    hn::Store(LoadTail(d, x + i, n - i), d, buf);
-    std::memcpy(y + i, buf, size_t(n - i) * sizeof(float));
-  }
-}
-void WidenImpl(KVStorage t, const void* src, int64_t n, float* y) {
-  if (t == KVStorage::f16) return WidenRow(static_cast<const hwy::float16_t*>(src), n, y);
-  WidenRow(static_cast<const hwy::bfloat16_t*>(src), n, y);
-}
-
 // ---- per-thread scratch ------------------------------------------------------
 //   q    [rows × Ep]     the block's queries × scale·log2(e), zero padded
 //   s    [rows × tilep]  scores of a tile → probabilities
@@ -207,11 +167,22 @@ HWY_INLINE void ScoreBlock(const float* HWY_RESTRICT q, int64_t ldq, const T* HW
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = hn::Zero(d);
   int64_t e = 0;
+  for (; e + 2 * N <= E; e += 2 * N) {
+    VF kv[C][2];
+    for (int c = 0; c < C; ++c) LoadPair(d, k + c * krow + e, kv[c][0], kv[c][1]);  // converted once, used by R rows
+    for (int h = 0; h < 2; ++h)
+      for (int r = 0; r < R; ++r) {
+        VF qv = hn::Load(d, q + r * ldq + e + h * N);
+        InRegister(qv);
+        for (int c = 0; c < C; ++c) acc[r][c] = hn::MulAdd(qv, kv[c][h], acc[r][c]);
+      }
+  }
   for (; e + N <= E; e += N) {
     VF kv[C];
-    for (int c = 0; c < C; ++c) kv[c] = LoadF(d, k + c * krow + e);  // converted once, used by R rows
+    for (int c = 0; c < C; ++c) kv[c] = LoadF(d, k + c * krow + e);
     for (int r = 0; r < R; ++r) {
-      const VF qv = hn::Load(d, q + r * ldq + e);
+      VF qv = hn::Load(d, q + r * ldq + e);
+      InRegister(qv);
       for (int c = 0; c < C; ++c) acc[r][c] = hn::MulAdd(qv, kv[c], acc[r][c]);
     }
   }
@@ -223,8 +194,7 @@ HWY_INLINE void ScoreBlock(const float* HWY_RESTRICT q, int64_t ldq, const T* HW
       for (int c = 0; c < C; ++c) acc[r][c] = hn::MulAdd(qv, kv[c], acc[r][c]);
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) s[r * lds + c] = hn::GetLane(hn::SumOfLanes(d, acc[r][c]));
+  StoreSums<R, C>(acc, s, lds);
 }
 
 // Rows to start loading while a loop over keys runs, one per key (p =
@@ -286,7 +256,10 @@ HWY_INLINE void ValueStrip(const float* HWY_RESTRICT p, int64_t ldp, int64_t nk,
     pf.rows(jj, 1);
     const T* vj = v + jj * vrow + e0;
     VF vv[NV];
-    for (int c = 0; c < NV; ++c) vv[c] = TAIL ? LoadTail(d, vj, Ev - e0) : LoadF(d, vj + c * N);
+    if constexpr (NV == 2 && !TAIL)
+      LoadPair(d, vj, vv[0], vv[1]);  // a whole group: in zip order for bfloat16
+    else
+      for (int c = 0; c < NV; ++c) vv[c] = TAIL ? LoadTail(d, vj, Ev - e0) : LoadF(d, vj + c * N);
     for (int r = 0; r < R; ++r) {
       const VF pr = hn::Set(d, p[r * ldp + jj]);
       for (int c = 0; c < NV; ++c) acc[r][c] = hn::MulAdd(pr, vv[c], acc[r][c]);
@@ -337,15 +310,17 @@ void ValueTile(const Call& c, Scratch& w, int64_t nm, const T* v, int64_t vrow, 
 
 // q[r][e] = scale·log2(e)·Q(b, hk·G + g, i, e) for the block's rows m = i·G + g,
 // and each row's key end.
+template <class T>
 void PackQueries(const Call& c, Scratch& w, const Unit& u) {
   const DecodeProblem& p = *c.p;
-  const int64_t G = p.group(), E = p.E, se = c.q.strides[3];
+  const int64_t G = p.group(), E = p.E, se = c.q.strides[3], N = Lanes();
+  const int64_t zend = Zipped<T>() ? E / (2 * N) * (2 * N) : 0;  // in the keys' zip order below zend
   const float s2 = float(p.scale) * kLog2e;
   for (int64_t r = 0; r < u.nm; ++r) {
     const int64_t m = u.m0 + r, i = m / G, h = u.hk * G + m % G;
     const float* src = &c.q(u.b, h, i, 0);
     float* dst = w.q.get() + r * c.Ep;
-    for (int64_t e = 0; e < E; ++e) dst[e] = s2 * src[e * se];
+    for (int64_t e = 0; e < E; ++e) dst[e] = s2 * src[ZipFeature(e, N, zend) * se];
     w.end[size_t(r)] = p.row_end(u.b, i);
   }
 }
@@ -390,7 +365,7 @@ void SoftmaxTile(const Call& c, Scratch& w, int64_t nm, int64_t j0, int64_t nk, 
 template <class T>
 void ChunkT(const Call& c, Scratch& w, const Unit& u, float* acc, os::State<float>* st, uint8_t* nan) {
   const KVLayout& kv = *c.kv;
-  PackQueries(c, w, u);
+  PackQueries<T>(c, w, u);
   std::fill(acc, acc + u.nm * c.Evp, 0.0f);
   for (int64_t r = 0; r < u.nm; ++r) st[r] = os::State<float>{}, nan[r] = 0;
   const int64_t kend = std::min(u.c1, w.end[size_t(u.nm - 1)]);  // rows are in query order
@@ -434,7 +409,9 @@ void Chunk(const Call& c, Scratch& w, const Unit& u, float* acc, os::State<float
 // out = acc / sum and lse for the block's rows (NaN rows stay NaN).
 void Finalize(const Call& c, const Unit& u, const float* acc, const os::State<float>* st, const uint8_t* nan) {
   const DecodeProblem& p = *c.p;
-  const int64_t G = p.group(), se = c.out.strides[3];
+  const int64_t G = p.group(), se = c.out.strides[3], N = Lanes();
+  // bfloat16 accumulators are in zip order below zend (LoadPair).
+  const int64_t zend = c.kv->type == KVStorage::bf16 && kZip ? p.Ev / (2 * N) * (2 * N) : 0;
   const float qnan = std::numeric_limits<float>::quiet_NaN();
   for (int64_t r = 0; r < u.nm; ++r) {
     const int64_t m = u.m0 + r, i = m / G, h = u.hk * G + m % G;
@@ -445,7 +422,10 @@ void Finalize(const Call& c, const Unit& u, const float* acc, const os::State<fl
     for (int64_t e = 0; e < p.Ev; ++e) bad |= !std::isfinite(o[e]);
     const float inv = bad ? qnan : f.inv_sum;
     float* dst = &c.out(u.b, h, i, 0);
-    for (int64_t e = 0; e < p.Ev; ++e) dst[e * se] = o[e] * inv;  // y = acc / sum
+    if (zend == 0)
+      for (int64_t e = 0; e < p.Ev; ++e) dst[e * se] = o[e] * inv;  // y = acc / sum
+    else
+      for (int64_t e = 0; e < p.Ev; ++e) dst[ZipFeature(e, N, zend) * se] = o[e] * inv;
     if (!c.lse.empty()) c.lse(u.b, h, i) = bad ? qnan : f.lse * kLn2;  // natural units
   }
 }
