@@ -71,12 +71,10 @@ using detail::GemmShape;
 using detail::Checker;
 using namespace detail::mha_names;
 
-// Copies a rank-3 view (any strides) into dense row-major storage, rows in
-// parallel when there are many (a copy gives the same result on any thread).
+// Copies a rank-3 view (any strides) into dense row-major storage.
 template <class T>
-void gather(View3<const T> src, T* dst, int threads) {
+void gather(View3<const T> src, T* dst) {
   const int64_t n1 = src.dim(1), F = src.dim(2), rows = src.dim(0) * n1;
-#pragma omp parallel for num_threads(threads) schedule(static) if (rows * F >= (int64_t(1) << 16))
   for (int64_t r = 0; r < rows; ++r) {
     const T* x = &src(r / n1, r % n1, 0);
     T* d = dst + r * F;
@@ -103,10 +101,13 @@ void sized(Tensor<T>& t, std::vector<int64_t> shape) {
 // A dense (rows, width) copy of `src` in `storage`, or src's own data when it
 // is already dense and no copy is wanted.
 template <class T>
-const T* dense(View3<const T> src, Tensor<T>& storage, bool force_copy, int threads) {
+const T* dense(View3<const T> src, Tensor<T>& storage, bool force_copy) {
   if (src.is_contiguous() && !force_copy) return src.data;
   sized(storage, {src.dim(0), src.dim(1), src.dim(2)});
-  gather(src, storage.data(), threads);
+  if (src.is_contiguous())
+    std::copy_n(src.data, storage.size(), storage.data());
+  else
+    gather(src, storage.data());
   return storage.data();
 }
 
@@ -175,49 +176,49 @@ std::array<Part<T>, 3> parts(Layer& layer, const MultiheadConfig& cfg, bool pack
                   self ? ld_self : HEv}};
 }
 
-// One part (q, k, v, dY or Y) copied between its two layouts: the GEMM's,
-// B·N rows with leading dimension ld, whose columns h·F .. h·F + F - 1 are
-// head h, and dense heads (B, H, N, F). A split reads the GEMM layout from
-// src and writes heads to dst, adding bias (nullptr: none); a merge goes the
-// other way and adds the column sums of what it writes to gb (nullptr: none).
+// dst (B, H, N, F), dense, = the heads of one part of the GEMM output plus
+// its bias: dst(b, h, n, f) = src[(b·N + n)·ld + h·F + f] + bias[h·F + f]
+// (src has B·N rows; bias nullptr: none). On the calling thread: a copy
+// is a small part of the layer's time, and on a loaded machine a parallel
+// region costs more than it saves (measured: 40 vs 64 ms on the forward of
+// (8, 128, 256, 4) with the other core busy).
 template <class T>
-struct Heads {
-  const T* src;
-  T* dst;
-  int64_t ld, B, N, H, F;
-  const T* bias = nullptr;
-  T* gb = nullptr;
-};
+void split_heads(const T* src, int64_t ld, const T* bias, int64_t B, int64_t N, int64_t H, int64_t F, T* dst) {
+  const int64_t rows = B * N;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t b = r / N, n = r % N;
+    for (int64_t h = 0; h < H; ++h) {
+      const T* x = src + r * ld + h * F;
+      T* d = dst + ((b * H + h) * N + n) * F;
+      if (bias)
+        for (int64_t f = 0; f < F; ++f) d[f] = x[f] + bias[h * F + f];
+      else
+        std::copy_n(x, F, d);
+    }
+  }
+}
 
-// The splits or merges of a few parts in one parallel loop over (part,
-// head) blocks, each one pass over its memory. A block owns its head's
-// columns, so a column sum runs over the rows in order on one thread, in
-// double, as add_column_sums does: the same result for any thread count.
-// Small copies stay on the calling thread.
-template <class T, size_t P>
-void copy_heads(const std::array<Heads<T>, P>& parts, bool split, int threads) {
-  const int64_t H = parts[0].H, blocks = int64_t(P) * H;
-  int64_t total = 0;
-  for (const Heads<T>& p : parts) total += p.B * p.N * p.H * p.F;
-#pragma omp parallel for num_threads(threads) schedule(static) if (total >= (int64_t(1) << 16))
-  for (int64_t blk = 0; blk < blocks; ++blk) {
-    const Heads<T>& p = parts[size_t(blk / H)];
-    const int64_t h = blk % H, F = p.F;
-    std::vector<double> sums(p.gb ? size_t(F) : 0, 0.0);
-    for (int64_t b = 0; b < p.B; ++b)
-      for (int64_t n = 0; n < p.N; ++n) {
-        const int64_t in_gemm = (b * p.N + n) * p.ld + h * F, in_heads = ((b * H + h) * p.N + n) * F;
-        const T* x = p.src + (split ? in_gemm : in_heads);
-        T* d = p.dst + (split ? in_heads : in_gemm);
-        if (p.bias)
-          for (int64_t f = 0; f < F; ++f) d[f] = x[f] + p.bias[h * F + f];
-        else
-          std::copy_n(x, F, d);
-        if (p.gb)
-          for (int64_t f = 0; f < F; ++f) sums[size_t(f)] += double(d[f]);
-      }
-    if (p.gb)
-      for (int64_t f = 0; f < F; ++f) p.gb[h * F + f] += T(sums[size_t(f)]);
+// The inverse, without bias: dst[(b·N + n)·ld + h·F + f] = src(b, h, n, f)
+// for src (B, H, N, F) dense, and in the same pass gb[h·F + f] += Σ_rows of
+// what it writes (the bias gradient; gb nullptr: none). A head at a time, so
+// that its F sums stay in registers, each over the rows in order, in double,
+// as add_column_sums does (one pass instead of a copy and a column-sum pass:
+// 4.1-4.3 against 5.4-5.6 ms on (1, 2048, 768, 12), load 4; summing whole
+// rows into one vector instead was slower than the two passes).
+template <class T>
+void merge_heads(const T* src, int64_t B, int64_t N, int64_t H, int64_t F, T* dst, int64_t ld, T* gb) {
+  std::vector<double> sums(static_cast<size_t>(F));
+  for (int64_t h = 0; h < H; ++h) {
+    std::fill(sums.begin(), sums.end(), 0.0);
+    for (int64_t r = 0; r < B * N; ++r) {
+      const int64_t b = r / N, n = r % N;
+      T* d = dst + r * ld + h * F;
+      std::copy_n(src + ((b * H + h) * N + n) * F, F, d);
+      if (gb)
+        for (int64_t f = 0; f < F; ++f) sums[size_t(f)] += double(d[f]);
+    }
+    if (gb)
+      for (int64_t f = 0; f < F; ++f) gb[h * F + f] += T(sums[size_t(f)]);
   }
 }
 
@@ -329,7 +330,7 @@ void MultiheadAttention<T>::forward(const MhaArgs<T>& a, const MhaOutputs<T>& o,
   }
   for (const auto& e : written) c.writable(e);
   c.disjoint(written, read);
-  const int threads = c.threads(opt.sdpa.num_threads);
+  (void)c.threads(opt.sdpa.num_threads);
   if (opt.sdpa.check_finite) {
     c.finite(a.query, "query");
     if (!self) {
@@ -365,10 +366,10 @@ void MultiheadAttention<T>::forward(const MhaArgs<T>& a, const MhaOutputs<T>& o,
 
   // Dense inputs: always copied into the cache (so the caller may reuse its
   // buffers before backward), otherwise only when strided.
-  const T* xq = dense(a.query, st.query, cache != nullptr, threads);
+  const T* xq = dense(a.query, st.query, cache != nullptr);
   if (self) st.key = Tensor<T>(), st.value = Tensor<T>();
-  const T* xk = self ? xq : dense(a.key, st.key, cache != nullptr, threads);
-  const T* xv = self ? xq : dense(a.value, st.value, cache != nullptr, threads);
+  const T* xk = self ? xq : dense(a.key, st.key, cache != nullptr);
+  const T* xv = self ? xq : dense(a.value, st.value, cache != nullptr);
 
   // [q | k | v] = x·Wᵀ: one product for a packed self-attention (the three
   // weight blocks are consecutive rows of in_proj_weight), else three; then
@@ -385,10 +386,9 @@ void MultiheadAttention<T>::forward(const MhaArgs<T>& a, const MhaOutputs<T>& o,
   T* const hq = st.proj.data();
   T* const hk = hq + B * L * HE;
   T* const hv = hk + B * S * HE;
-  copy_heads<T, 3>({Heads<T>{ps[0].p, hq, ps[0].ld, B, L, H, E, ps[0].b},
-                    Heads<T>{ps[1].p, hk, ps[1].ld, B, S, H, E, ps[1].b},
-                    Heads<T>{ps[2].p, hv, ps[2].ld, B, S, H, Ev, ps[2].b}},
-                   /*split=*/true, threads);
+  split_heads(ps[0].p, ps[0].ld, ps[0].b, B, L, H, E, hq);
+  split_heads(ps[1].p, ps[1].ld, ps[1].b, B, S, H, E, hk);
+  split_heads(ps[2].p, ps[2].ld, ps[2].b, B, S, H, Ev, hv);
   const View4<T> qh = View4<T>::bhnd(hq, B, H, L, E), kh = View4<T>::bhnd(hk, B, H, S, E),
                  vh = View4<T>::bhnd(hv, B, H, S, Ev);
   if (qk_.forward) qk_.forward(qh, kh);
@@ -486,8 +486,7 @@ void MultiheadAttention<T>::backward(const MhaCache<T>& cache, View3<const T> do
   if (cache.options.sdpa.check_finite) c.finite(dout, "dout");
 
   Tensor<T> dy_storage;
-  const int threads = c.threads(cache.options.sdpa.num_threads);
-  const T* dy = dense(dout, dy_storage, false, threads);
+  const T* dy = dense(dout, dy_storage, false);
 
   // y = o·W_oᵀ + b_o  ->  dW_o += dyᵀ·o,  db_o += Σ_rows dy,  do = dy·W_o
   const Tensor<T>& wo = params_.at(kOutProjWeight);
@@ -504,9 +503,8 @@ void MultiheadAttention<T>::backward(const MhaCache<T>& cache, View3<const T> do
   // pass each to split dY and Y here and to merge dQ, dK, dV below).
   sized(heads_dy_, {B, H, L, Ev});
   sized(heads_y_, {B, H, L, Ev});
-  copy_heads<T, 2>({Heads<T>{d_attn.data(), heads_dy_.data(), HEv, B, L, H, Ev},
-                    Heads<T>{cache.attn_out.data(), heads_y_.data(), HEv, B, L, H, Ev}},
-                   /*split=*/true, threads);
+  split_heads<T>(d_attn.data(), HEv, nullptr, B, L, H, Ev, heads_dy_.data());
+  split_heads<T>(cache.attn_out.data(), HEv, nullptr, B, L, H, Ev, heads_y_.data());
 
   // o = sdpa(q, k, v): the gradients land in dense heads, then in a buffer
   // laid out as the GEMM wrote the projections.
@@ -535,10 +533,9 @@ void MultiheadAttention<T>::backward(const MhaCache<T>& cache, View3<const T> do
   if (qk_.backward) qk_.backward(sg.dq, sg.dk);
   // Back to the GEMM layout, where dW and dx are one product each; the same
   // pass sums the columns into the bias gradient (db += Σ_rows dp).
-  copy_heads<T, 3>({Heads<T>{hq, ps[0].p, ps[0].ld, B, L, H, E, nullptr, ps[0].gb},
-                    Heads<T>{hk, ps[1].p, ps[1].ld, B, S, H, E, nullptr, ps[1].gb},
-                    Heads<T>{hv, ps[2].p, ps[2].ld, B, S, H, Ev, nullptr, ps[2].gb}},
-                   /*split=*/false, threads);
+  merge_heads<T>(hq, B, L, H, E, ps[0].p, ps[0].ld, ps[0].gb);
+  merge_heads<T>(hk, B, S, H, E, ps[1].p, ps[1].ld, ps[1].gb);
+  merge_heads<T>(hv, B, S, H, Ev, ps[2].p, ps[2].ld, ps[2].gb);
 
   // p = x·Wᵀ + b  ->  dW += dpᵀ·x,  dx = dp·W (db came with the merge; a
   // packed self-attention does each as one product over [q | k | v]).
