@@ -38,11 +38,11 @@
 //    huge pages (attn/detail/memory.hpp) they nearly doubled the float32
 //    rate from DRAM (figures in docs/decode.md).
 //  * Storage types: float16 and bfloat16 are widened in registers
-//    (F16C / AVX-512 conversions; bfloat16 by interleaving zeros below the
-//    values, which permutes the features of a group of 2 vectors, so the
-//    queries and the accumulators are kept in that order and the output is
-//    put back in Finalize; portable code on other targets); the data never
-//    exists as float32 in memory. Queries
+//    (F16C / AVX-512 conversions, a shift for bfloat16, portable code on
+//    other targets); the data never exists as float32 in memory. The
+//    products and their order are those of the float32 kernel on the
+//    widened values, so a half-precision cache gives the float32 call's
+//    result on the rounded values, bit for bit. Queries
 //    stay float32: products are float32 × (exactly widened) stored values,
 //    the contract "exact for the stored precision". A native bf16 dot
 //    (AVX512_BF16 vdpbf16ps) would need q rounded to bf16, which breaks
@@ -77,7 +77,6 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
-#include <type_traits>
 #include <vector>
 
 #include "attn/half.hpp"
@@ -167,19 +166,9 @@ HWY_INLINE void ScoreBlock(const float* HWY_RESTRICT q, int64_t ldq, const T* HW
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = hn::Zero(d);
   int64_t e = 0;
-  for (; e + 2 * N <= E; e += 2 * N) {
-    VF kv[C][2];
-    for (int c = 0; c < C; ++c) LoadPair(d, k + c * krow + e, kv[c][0], kv[c][1]);  // converted once, used by R rows
-    for (int h = 0; h < 2; ++h)
-      for (int r = 0; r < R; ++r) {
-        VF qv = hn::Load(d, q + r * ldq + e + h * N);
-        InRegister(qv);
-        for (int c = 0; c < C; ++c) acc[r][c] = hn::MulAdd(qv, kv[c][h], acc[r][c]);
-      }
-  }
   for (; e + N <= E; e += N) {
     VF kv[C];
-    for (int c = 0; c < C; ++c) kv[c] = LoadF(d, k + c * krow + e);
+    for (int c = 0; c < C; ++c) kv[c] = LoadF(d, k + c * krow + e);  // converted once, used by R rows
     for (int r = 0; r < R; ++r) {
       VF qv = hn::Load(d, q + r * ldq + e);
       InRegister(qv);
@@ -256,10 +245,7 @@ HWY_INLINE void ValueStrip(const float* HWY_RESTRICT p, int64_t ldp, int64_t nk,
     pf.rows(jj, 1);
     const T* vj = v + jj * vrow + e0;
     VF vv[NV];
-    if constexpr (NV == 2 && !TAIL)
-      LoadPair(d, vj, vv[0], vv[1]);  // a whole group: in zip order for bfloat16
-    else
-      for (int c = 0; c < NV; ++c) vv[c] = TAIL ? LoadTail(d, vj, Ev - e0) : LoadF(d, vj + c * N);
+    for (int c = 0; c < NV; ++c) vv[c] = TAIL ? LoadTail(d, vj, Ev - e0) : LoadF(d, vj + c * N);
     for (int r = 0; r < R; ++r) {
       const VF pr = hn::Set(d, p[r * ldp + jj]);
       for (int c = 0; c < NV; ++c) acc[r][c] = hn::MulAdd(pr, vv[c], acc[r][c]);
@@ -310,17 +296,15 @@ void ValueTile(const Call& c, Scratch& w, int64_t nm, const T* v, int64_t vrow, 
 
 // q[r][e] = scale·log2(e)·Q(b, hk·G + g, i, e) for the block's rows m = i·G + g,
 // and each row's key end.
-template <class T>
 void PackQueries(const Call& c, Scratch& w, const Unit& u) {
   const DecodeProblem& p = *c.p;
-  const int64_t G = p.group(), E = p.E, se = c.q.strides[3], N = Lanes();
-  const int64_t zend = Zipped<T>() ? E / (2 * N) * (2 * N) : 0;  // in the keys' zip order below zend
+  const int64_t G = p.group(), E = p.E, se = c.q.strides[3];
   const float s2 = float(p.scale) * kLog2e;
   for (int64_t r = 0; r < u.nm; ++r) {
     const int64_t m = u.m0 + r, i = m / G, h = u.hk * G + m % G;
     const float* src = &c.q(u.b, h, i, 0);
     float* dst = w.q.get() + r * c.Ep;
-    for (int64_t e = 0; e < E; ++e) dst[e] = s2 * src[ZipFeature(e, N, zend) * se];
+    for (int64_t e = 0; e < E; ++e) dst[e] = s2 * src[e * se];
     w.end[size_t(r)] = p.row_end(u.b, i);
   }
 }
@@ -365,7 +349,7 @@ void SoftmaxTile(const Call& c, Scratch& w, int64_t nm, int64_t j0, int64_t nk, 
 template <class T>
 void ChunkT(const Call& c, Scratch& w, const Unit& u, float* acc, os::State<float>* st, uint8_t* nan) {
   const KVLayout& kv = *c.kv;
-  PackQueries<T>(c, w, u);
+  PackQueries(c, w, u);
   std::fill(acc, acc + u.nm * c.Evp, 0.0f);
   for (int64_t r = 0; r < u.nm; ++r) st[r] = os::State<float>{}, nan[r] = 0;
   const int64_t kend = std::min(u.c1, w.end[size_t(u.nm - 1)]);  // rows are in query order
@@ -409,9 +393,7 @@ void Chunk(const Call& c, Scratch& w, const Unit& u, float* acc, os::State<float
 // out = acc / sum and lse for the block's rows (NaN rows stay NaN).
 void Finalize(const Call& c, const Unit& u, const float* acc, const os::State<float>* st, const uint8_t* nan) {
   const DecodeProblem& p = *c.p;
-  const int64_t G = p.group(), se = c.out.strides[3], N = Lanes();
-  // bfloat16 accumulators are in zip order below zend (LoadPair).
-  const int64_t zend = c.kv->type == KVStorage::bf16 && kZip ? p.Ev / (2 * N) * (2 * N) : 0;
+  const int64_t G = p.group(), se = c.out.strides[3];
   const float qnan = std::numeric_limits<float>::quiet_NaN();
   for (int64_t r = 0; r < u.nm; ++r) {
     const int64_t m = u.m0 + r, i = m / G, h = u.hk * G + m % G;
@@ -422,10 +404,7 @@ void Finalize(const Call& c, const Unit& u, const float* acc, const os::State<fl
     for (int64_t e = 0; e < p.Ev; ++e) bad |= !std::isfinite(o[e]);
     const float inv = bad ? qnan : f.inv_sum;
     float* dst = &c.out(u.b, h, i, 0);
-    if (zend == 0)
-      for (int64_t e = 0; e < p.Ev; ++e) dst[e * se] = o[e] * inv;  // y = acc / sum
-    else
-      for (int64_t e = 0; e < p.Ev; ++e) dst[ZipFeature(e, N, zend) * se] = o[e] * inv;
+    for (int64_t e = 0; e < p.Ev; ++e) dst[e * se] = o[e] * inv;  // y = acc / sum
     if (!c.lse.empty()) c.lse(u.b, h, i) = bad ? qnan : f.lse * kLn2;  // natural units
   }
 }

@@ -1,9 +1,9 @@
 // The decode kernel's vector helpers, compiled per target with decode.cpp
 // (which includes this header once per target, after the fused kernels'
 // simd-inl.h, so it has no ordinary include guard): loading stored K/V
-// elements (float32, float16, bfloat16) as float32 vectors, the zip order of
-// bfloat16 pairs, software prefetch of rows, and the reduction of a register
-// block of dot products across lanes.
+// elements (float32, float16, bfloat16) as float32 vectors, software
+// prefetch of rows, and the reduction of a register block of dot products
+// across lanes.
 #if defined(ATTN_KERNELS_DECODE_VECTORS_INL_H_) == defined(HWY_TARGET_TOGGLE)
 #ifdef ATTN_KERNELS_DECODE_VECTORS_INL_H_
 #undef ATTN_KERNELS_DECODE_VECTORS_INL_H_
@@ -16,7 +16,6 @@
 
 #include <cstdint>
 #include <cstring>
-#include <type_traits>
 
 #include "kernels/decode/decode.hpp"
 
@@ -45,45 +44,6 @@ HWY_INLINE VF LoadTail(DF d, const T* p, int64_t n) {
   std::memset(static_cast<void*>(buf), 0, sizeof(buf));
   std::memcpy(static_cast<void*>(buf), p, size_t(n) * sizeof(T));
   return LoadF(d, buf);
-}
-
-// Features [e, e + 2N) of a stored row as two vectors. bfloat16 is widened
-// by interleaving zeros below each value (ZipLower/ZipUpper: one load and two
-// shuffles for 2N values, where PromoteTo takes two loads, two widenings and
-// two shifts), which within every 128-bit block puts the block's first four
-// values in lo and the next four in hi: the zip order of ZipFeature below.
-// Queries (scores) and accumulators (values) are held in the same order, so
-// the products are unchanged; Finalize puts the features back.
-template <class T>
-HWY_INLINE void LoadPair(DF d, const T* HWY_RESTRICT p, VF& lo, VF& hi) {
-  lo = LoadF(d, p);
-  hi = LoadF(d, p + hn::Lanes(d));
-}
-#if HWY_TARGET != HWY_SCALAR
-HWY_INLINE void LoadPair(DF d, const hwy::bfloat16_t* HWY_RESTRICT p, VF& lo, VF& hi) {
-  const hn::Repartition<uint16_t, DF> d16;
-  const hn::RebindToUnsigned<DF> d32;
-  const auto raw = hn::LoadU(d16, reinterpret_cast<const uint16_t*>(p));
-  lo = hn::BitCast(d, hn::ZipLower(d32, hn::Zero(d16), raw));  // bf16 bits in the upper half: the float
-  hi = hn::BitCast(d, hn::ZipUpper(d32, hn::Zero(d16), raw));
-}
-constexpr bool kZip = true;
-#else
-constexpr bool kZip = false;
-#endif
-
-// The feature held at position e of a zip-ordered row (T = bfloat16): below
-// `end` (the features in whole groups of 2N), position l of a group holds,
-// for 128-bit block l % N / 4, value l % 4 of the block's lower (l < N) or
-// upper four. Identity with four lanes (one block).
-HWY_INLINE int64_t ZipFeature(int64_t e, int64_t N, int64_t end) {
-  if (e >= end) return e;
-  const int64_t g = e - e % (2 * N), l = e % (2 * N), half = l / N, ll = l % N;
-  return g + (ll / 4) * 8 + half * 4 + ll % 4;
-}
-template <class T>
-constexpr bool Zipped() {
-  return kZip && std::is_same_v<T, hwy::bfloat16_t>;
 }
 
 // Starts loading n rows of `bytes` bytes, `stride` bytes apart, into the cache.
