@@ -114,8 +114,9 @@ void ForwardUnit(const FusedCall& c, ForwardScratch& w, int64_t b, int64_t h, in
   // The keys any row of the block sees (the band is monotone in the row).
   const rules::Band band = band_of(c, b);
   const rules::Keys keys = band.keys_of_rows(i0, i0 + nr);
-  // V is used in place when its rows are dense and a whole number of vectors.
-  const bool v_in_place = V.strides[3] == 1 && p.Ev == w.Evp && V.strides[2] % lanes == 0;
+  // V is used in place when its rows are adjacent and a whole number of
+  // vectors (otherwise copied per tile, as K in ScoreTileT).
+  const bool v_in_place = rows_adjacent(V) && p.Ev == w.Evp;
   PackQt(c, w, b, h, i0, nr);
   std::fill(w.o, w.o + nr * w.Evp, 0.0f);
   // A sink starts every row's softmax as one seen logit with no value.
