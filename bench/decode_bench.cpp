@@ -15,7 +15,10 @@
 //              path the dense call took before the decode kernel), float32
 // GB/s counts the K and V bytes once (B·Hkv·S·(E + Ev)·element size), the
 // minimum any exact kernel must read; "% bw" relates it to the measured read
-// bandwidth (wall time against wall time). GB/cpu-s and "% cpu" do the same
+// bandwidth (wall time against wall time): every timed call follows one pass
+// of the bandwidth measurement (which also evicts the caches, so each call
+// reads K/V from memory), and "% bw" is the median call against the median
+// of those passes (column bw). GB/cpu-s and "% cpu" do the same
 // per CPU-second of the threads (the rate had each thread its core to
 // itself): on a machine other processes load, the steadier pair. GFLOP/s
 // counts 4·E flops per visible (query, key) pair.
@@ -105,15 +108,27 @@ double cpu_seconds() {
 struct Timing {
   double wall = 0, cpu = 0;  // medians, seconds per call (cpu: all threads together)
   int reps = 0;
+  attn_bench::ReadBandwidth bw;  // medians of the bandwidth passes paired with the calls
 };
 
-// Medians of wall and CPU time over at least 3 runs and about min_seconds.
+double median(std::vector<double> x) {
+  std::sort(x.begin(), x.end());
+  return x[x.size() / 2];
+}
+
+// Medians over at least 3 rounds and about min_seconds. A round is one pass
+// of the bandwidth probe, then one timed call: every call reads its K/V from
+// memory (the pass evicts the caches, as the other layers of a model do
+// between two decoding steps), and the bandwidth it is compared with is
+// measured in the same seconds, so the drift of a shared machine cancels.
 template <class F>
-Timing time_it(F&& f, double min_seconds) {
-  f();  // warm-up (page faults, caches)
-  std::vector<double> wall, cpu;
+Timing time_it(F&& f, double min_seconds, const attn_bench::BandwidthProbe& probe) {
+  f();  // warm-up (page faults)
+  std::vector<double> wall, cpu, bw, bw_cpu;
   const auto start = std::chrono::steady_clock::now();
   while (wall.size() < 3 || std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() < min_seconds) {
+    const attn_bench::ReadBandwidth b = probe.pass();
+    bw.push_back(b.wall), bw_cpu.push_back(b.cpu);
     const double c0 = cpu_seconds();
     const auto t0 = std::chrono::steady_clock::now();
     f();
@@ -121,9 +136,7 @@ Timing time_it(F&& f, double min_seconds) {
     cpu.push_back(cpu_seconds() - c0);
     if (wall.size() >= 200) break;
   }
-  std::sort(wall.begin(), wall.end());
-  std::sort(cpu.begin(), cpu.end());
-  return {wall[wall.size() / 2], cpu[cpu.size() / 2], int(wall.size())};
+  return {median(wall), median(cpu), int(wall.size()), {median(bw), median(bw_cpu)}};
 }
 
 double max_abs_diff(const Tensor<float>& a, const Tensor<float>& b) {
@@ -153,7 +166,7 @@ int main(int argc, char** argv) {
   int threads = omp_get_max_threads();
   int64_t page = 0;
   double min_seconds = 1.0;
-  int64_t bw_mib = 1024;
+  int64_t bw_mib = 256;
   std::string json;
   bool no_dense = false;
   app.add_option("--shapes", shapes_text, "B,H,Hkv,L,S,E;... (E = Ev)");
@@ -161,7 +174,7 @@ int main(int argc, char** argv) {
   app.add_option("--threads", threads, "threads for every variant");
   app.add_option("--page", page, "paged cache with pages of this many tokens (0 = contiguous)");
   app.add_option("--min-seconds", min_seconds, "time each variant for at least this long (median of the runs)");
-  app.add_option("--bandwidth-mib", bw_mib, "buffer size of the read-bandwidth measurement");
+  app.add_option("--bandwidth-mib", bw_mib, "buffer size of the read-bandwidth measurement (well above the L3)");
   app.add_option("--json", json, "also write the results as JSON to this file ('-' = stdout only)");
   app.add_flag("--no-dense", no_dense, "skip the dense-call and per-head variants");
   CLI11_PARSE(app, argc, argv);
@@ -175,7 +188,12 @@ int main(int argc, char** argv) {
     return 2;
   }
 
-  const attn_bench::ReadBandwidth rb = attn_bench::read_bandwidth_gbs(threads, bw_mib << 20);
+  const attn_bench::BandwidthProbe probe(threads, bw_mib << 20);
+  attn_bench::ReadBandwidth rb;  // best of 5 passes, for the header
+  for (int rep = 0; rep < 5; ++rep) {
+    const attn_bench::ReadBandwidth r = probe.pass();
+    rb.wall = std::max(rb.wall, r.wall), rb.cpu = std::max(rb.cpu, r.cpu);
+  }
   const double bw = rb.wall, bw_cpu = rb.cpu;
   const double peak = attn_bench::fma_peak_gflops(threads, 0.3);
   nlohmann::json doc;
@@ -187,12 +205,12 @@ int main(int argc, char** argv) {
   doc["page"] = page;
   doc["rows"] = nlohmann::json::array();
   if (!quiet) {
-    std::printf("attn-decode-bench: %d threads, %s, read bandwidth %.1f GB/s (%.1f GB/cpu-s), FMA peak %.0f GFLOP/s, "
-                "%s cache\n",
+    std::printf("attn-decode-bench: %d threads, %s, read bandwidth %.1f GB/s best of 5 (%.1f GB/cpu-s), FMA peak "
+                "%.0f GFLOP/s, %s cache; %% bw: against the passes paired with the calls (column bw)\n",
                 threads, attn::detail::decode_target_name(), bw, bw_cpu, peak,
                 page ? ("paged (" + std::to_string(page) + " tokens/page)").c_str() : "contiguous");
-    std::printf("%-22s %-8s %-9s %9s %8s %6s %8s %6s %8s %8s  %s\n", "B,H,Hkv,L,S,E", "dtype", "variant", "ms",
-                "GB/s", "% bw", "GB/cpu-s", "% cpu", "GFLOP/s", "vs dec", "check");
+    std::printf("%-22s %-8s %-9s %9s %8s %6s %6s %8s %6s %8s %8s  %s\n", "B,H,Hkv,L,S,E", "dtype", "variant", "ms",
+                "GB/s", "bw", "% bw", "GB/cpu-s", "% cpu", "GFLOP/s", "vs dec", "check");
   }
   int status = 0;
   for (const Shape& s : shapes) {
@@ -235,20 +253,21 @@ int main(int argc, char** argv) {
       }
       if (dtype == KVDtype::float32) out_f32 = out;
       const Timing t_dec =
-          time_it([&] { attn::decode_attention(q.view4(), cache, out.view4(), opt, lse.view<3>()); }, min_seconds);
+          time_it([&] { attn::decode_attention(q.view4(), cache, out.view4(), opt, lse.view<3>()); }, min_seconds, probe);
       // Per CPU-second: the rate had each thread run alone on its core (a
       // loaded machine stretches wall time, much less the CPU time).
       auto emit = [&](const char* variant, const Timing& t, const std::string& chk) {
         const double gbs = kv_bytes / t.wall * 1e-9, cpu_gbs = kv_bytes / (t.cpu / threads) * 1e-9;
         if (!quiet)
-          std::printf("%-22s %-8s %-9s %9.3f %8.1f %5.0f%% %8.1f %5.0f%% %8.1f %7.2fx  %s\n", s.str().c_str(),
-                      dt.c_str(), variant, t.wall * 1e3, gbs, 100 * gbs / bw, cpu_gbs, 100 * cpu_gbs / bw_cpu,
-                      fl / t.wall * 1e-9, t.wall / t_dec.wall, chk.c_str());
+          std::printf("%-22s %-8s %-9s %9.3f %8.1f %6.1f %5.0f%% %8.1f %5.0f%% %8.1f %7.2fx  %s\n", s.str().c_str(),
+                      dt.c_str(), variant, t.wall * 1e3, gbs, t.bw.wall, 100 * gbs / t.bw.wall, cpu_gbs,
+                      100 * cpu_gbs / t.bw.cpu, fl / t.wall * 1e-9, t.wall / t_dec.wall, chk.c_str());
         std::fflush(stdout);
         doc["rows"].push_back({{"shape", {s.B, s.H, s.Hkv, s.L, s.S, s.E}}, {"dtype", dt}, {"variant", variant},
                                {"ms", t.wall * 1e3}, {"cpu_ms", t.cpu * 1e3}, {"kv_gbs", gbs},
-                               {"kv_gbs_per_cpu_s", cpu_gbs}, {"pct_bandwidth", 100 * gbs / bw},
-                               {"pct_bandwidth_per_cpu_s", 100 * cpu_gbs / bw_cpu},
+                               {"kv_gbs_per_cpu_s", cpu_gbs}, {"read_bandwidth_gbs", t.bw.wall},
+                               {"read_bandwidth_gbs_per_cpu_s", t.bw.cpu}, {"pct_bandwidth", 100 * gbs / t.bw.wall},
+                               {"pct_bandwidth_per_cpu_s", 100 * cpu_gbs / t.bw.cpu},
                                {"gflops", fl / t.wall * 1e-9}, {"reps", t.reps}, {"check", chk}});
       };
       emit("decode", t_dec, check);
@@ -268,7 +287,7 @@ int main(int argc, char** argv) {
         a.k = View4<const T>(static_cast<const T*>(kv.k), {s.B, s.Hkv, s.S, s.E}, {kv.k_page, kv.k_head, kv.k_row, 1});
         a.v = View4<const T>(static_cast<const T*>(kv.v), {s.B, s.Hkv, s.S, s.E}, {kv.v_page, kv.v_head, kv.v_row, 1});
         const Timing t_dense =
-            time_it([&] { attn::scaled_dot_product_attention(a, {dense_out.view4(), {}, lse.view<3>()}, so); }, min_seconds);
+            time_it([&] { attn::scaled_dot_product_attention(a, {dense_out.view4(), {}, lse.view<3>()}, so); }, min_seconds, probe);
         emit("dense", t_dense, "max |diff| vs decode " + sci(max_abs_diff(dense_out, out)));
         return a;
       };
@@ -288,7 +307,7 @@ int main(int argc, char** argv) {
       p.align = attn::CausalAlign::bottom_right;
       p.threads = threads;
       const Timing t_fused =
-          time_it([&] { attn::detail::fused_forward(p, a, dense_out.view4(), {}, lse.view<3>()); }, min_seconds);
+          time_it([&] { attn::detail::fused_forward(p, a, dense_out.view4(), {}, lse.view<3>()); }, min_seconds, probe);
       emit("per-head", t_fused, "max |diff| vs decode " + sci(max_abs_diff(dense_out, out)));
     }
   }

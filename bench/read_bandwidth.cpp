@@ -16,7 +16,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <memory>
 
 #include "attn/detail/memory.hpp"
 
@@ -55,34 +54,44 @@ static double thread_cpu_seconds() {
   return double(ts.tv_sec) + 1e-9 * double(ts.tv_nsec);
 }
 
-ReadBandwidth read_bandwidth_gbs(int threads, int64_t bytes, int reps) {
+BandwidthProbe::BandwidthProbe(int threads, int64_t bytes) : threads_(std::max(threads, 1)) {
   const int64_t n = bytes / 4 / 1024 * 1024;
-  std::unique_ptr<float, void (*)(void*) noexcept> buf(
-      static_cast<float*>(attn::detail::allocate_streamed(size_t(n) * 4)), attn::detail::free_streamed);
-  const int64_t slice = n / threads / 64 * 64;  // 256-byte aligned slices
+  slice_ = n / threads_ / 64 * 64;  // 256-byte aligned slices
+  buf_ = static_cast<float*>(attn::detail::allocate_streamed(size_t(n) * 4));
   // Each thread touches (first-touch places pages near it) its own slice.
-#pragma omp parallel num_threads(threads)
+#pragma omp parallel num_threads(threads_)
   {
-    float* s = buf.get() + int64_t(omp_get_thread_num()) * slice;
-    std::fill(s, s + slice, 1.0f);
+    float* s = buf_ + int64_t(omp_get_thread_num()) * slice_;
+    std::fill(s, s + slice_, 1.0f);
   }
-  const double pass_bytes = double(slice) * threads * 4;
+}
+
+BandwidthProbe::~BandwidthProbe() { attn::detail::free_streamed(buf_); }
+
+ReadBandwidth BandwidthProbe::pass() const {
+  const double pass_bytes = double(slice_) * threads_ * 4;
+  float total = 0;
+  double cpu = 0;
+  const auto t0 = std::chrono::steady_clock::now();
+#pragma omp parallel num_threads(threads_) reduction(+ : total, cpu)
+  {
+    const double c0 = thread_cpu_seconds();
+    total += HWY_DYNAMIC_DISPATCH(SumFloats)(buf_ + int64_t(omp_get_thread_num()) * slice_, slice_);
+    cpu += thread_cpu_seconds() - c0;
+  }
+  const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  volatile float sink = total;
+  (void)sink;
+  return {pass_bytes / dt * 1e-9, pass_bytes / (cpu / threads_) * 1e-9};
+}
+
+ReadBandwidth read_bandwidth_gbs(int threads, int64_t bytes, int reps) {
+  const BandwidthProbe probe(threads, bytes);
   ReadBandwidth best;
   for (int rep = 0; rep < reps; ++rep) {
-    float total = 0;
-    double cpu = 0;
-    const auto t0 = std::chrono::steady_clock::now();
-#pragma omp parallel num_threads(threads) reduction(+ : total, cpu)
-    {
-      const double c0 = thread_cpu_seconds();
-      total += HWY_DYNAMIC_DISPATCH(SumFloats)(buf.get() + int64_t(omp_get_thread_num()) * slice, slice);
-      cpu += thread_cpu_seconds() - c0;
-    }
-    const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    volatile float sink = total;
-    (void)sink;
-    best.wall = std::max(best.wall, pass_bytes / dt * 1e-9);
-    best.cpu = std::max(best.cpu, pass_bytes / (cpu / threads) * 1e-9);
+    const ReadBandwidth r = probe.pass();
+    best.wall = std::max(best.wall, r.wall);
+    best.cpu = std::max(best.cpu, r.cpu);
   }
   return best;
 }

@@ -14,4 +14,22 @@ struct ReadBandwidth {
   double wall = 0, cpu = 0;
 };
 ReadBandwidth read_bandwidth_gbs(int threads, int64_t bytes, int reps = 5);
+
+// The same measurement one pass at a time, on a buffer allocated (and
+// touched) once, so that a benchmark can alternate passes with the calls it
+// times and compare the two under the same conditions. A pass also evicts
+// the caches, so the call timed after it reads its data from memory.
+class BandwidthProbe {
+ public:
+  BandwidthProbe(int threads, int64_t bytes);
+  ~BandwidthProbe();
+  BandwidthProbe(const BandwidthProbe&) = delete;
+  BandwidthProbe& operator=(const BandwidthProbe&) = delete;
+  ReadBandwidth pass() const;
+
+ private:
+  int threads_;
+  int64_t slice_;
+  float* buf_;
+};
 }  // namespace attn_bench

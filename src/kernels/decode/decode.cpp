@@ -23,8 +23,8 @@
 //    cross a page, so a tile of one head is one contiguous run of
 //    tile·E (and tile·Ev) elements. Scores of a tile: a register block of
 //    up to 4 rows × 2 keys, E accumulated in vectors (the key vector is
-//    converted once and used by the 4 rows), reduced across lanes at the
-//    end; then the online-softmax step per row (in base 2: the queries are
+//    converted once and used by the 4 rows), the 8 sums reduced across lanes
+//    together by a transposing tree at the end; then the online-softmax step per row (in base 2: the queries are
 //    pre-multiplied by scale·log2(e)); then acc += P·V with a register block
 //    of up to 4 rows × 2 value vectors, each value vector converted once.
 //  * Prefetch. The value loop walks a tile in strips of features (all keys
@@ -39,7 +39,10 @@
 //    rate from DRAM (figures in docs/decode.md).
 //  * Storage types: float16 and bfloat16 are widened in registers
 //    (F16C / AVX-512 conversions, a shift for bfloat16, portable code on
-//    other targets); the data never exists as float32 in memory. Queries
+//    other targets); the data never exists as float32 in memory. The
+//    products and their order are those of the float32 kernel on the
+//    widened values, so a half-precision cache gives the float32 call's
+//    result on the rounded values, bit for bit. Queries
 //    stay float32: products are float32 × (exactly widened) stored values,
 //    the contract "exact for the stored precision". A native bf16 dot
 //    (AVX512_BF16 vdpbf16ps) would need q rounded to bf16, which breaks
@@ -86,6 +89,7 @@
 #pragma GCC diagnostic ignored "-Wunused-function"
 #include "kernels/fused/simd-inl.h"
 #pragma GCC diagnostic pop
+#include "kernels/decode/vectors-inl.h"
 
 #ifndef ATTN_DECODE_COMMON_ONCE
 #define ATTN_DECODE_COMMON_ONCE
@@ -128,51 +132,6 @@ namespace {
 
 using namespace decode_common;  // hn, os, DF, VF come with simd-inl.h
 
-// ---- loads: N stored elements as float32 ---------------------------------
-
-HWY_INLINE VF LoadF(DF d, const float* HWY_RESTRICT p) { return hn::LoadU(d, p); }
-HWY_INLINE VF LoadF(DF d, const hwy::float16_t* HWY_RESTRICT p) {
-  const hn::Rebind<hwy::float16_t, DF> dh;
-  return hn::PromoteTo(d, hn::LoadU(dh, p));
-}
-HWY_INLINE VF LoadF(DF d, const hwy::bfloat16_t* HWY_RESTRICT p) {
-  const hn::Rebind<hwy::bfloat16_t, DF> db;
-  return hn::PromoteTo(d, hn::LoadU(db, p));
-}
-// The first n (< N) elements, zeros after them; never reads past p + n.
-template <class T>
-HWY_INLINE VF LoadTail(DF d, const T* p, int64_t n) {
-  HWY_ALIGN T buf[64];  // >= the lane count of any target
-  std::memset(static_cast<void*>(buf), 0, sizeof(buf));
-  std::memcpy(static_cast<void*>(buf), p, size_t(n) * sizeof(T));
-  return LoadF(d, buf);
-}
-
-// Starts loading n rows of `bytes` bytes, `stride` bytes apart, into the cache.
-HWY_INLINE void PrefetchRows(const char* p, int64_t stride, int64_t n, int64_t bytes) {
-  for (int64_t j = 0; j < n; ++j, p += stride)
-    for (int64_t o = 0; o < bytes; o += 64) hwy::Prefetch(p + o);
-}
-
-// n stored elements widened to float32, a vector at a time (the bulk path of
-// convert_from_storage).
-template <class T>
-void WidenRow(const T* HWY_RESTRICT x, int64_t n, float* HWY_RESTRICT y) {
-  const DF d;
-  const int64_t N = Lanes();
-  int64_t i = 0;
-  for (; i + N <= n; i += N) hn::StoreU(LoadF(d, x + i), d, y + i);
-  if (i < n) {
-    HWY_ALIGN float buf[64];
-    hn::Store(LoadTail(d, x + i, n - i), d, buf);
-    std::memcpy(y + i, buf, size_t(n - i) * sizeof(float));
-  }
-}
-void WidenImpl(KVStorage t, const void* src, int64_t n, float* y) {
-  if (t == KVStorage::f16) return WidenRow(static_cast<const hwy::float16_t*>(src), n, y);
-  WidenRow(static_cast<const hwy::bfloat16_t*>(src), n, y);
-}
-
 // ---- per-thread scratch ------------------------------------------------------
 //   q    [rows × Ep]     the block's queries × scale·log2(e), zero padded
 //   s    [rows × tilep]  scores of a tile → probabilities
@@ -211,7 +170,8 @@ HWY_INLINE void ScoreBlock(const float* HWY_RESTRICT q, int64_t ldq, const T* HW
     VF kv[C];
     for (int c = 0; c < C; ++c) kv[c] = LoadF(d, k + c * krow + e);  // converted once, used by R rows
     for (int r = 0; r < R; ++r) {
-      const VF qv = hn::Load(d, q + r * ldq + e);
+      VF qv = hn::Load(d, q + r * ldq + e);
+      InRegister(qv);
       for (int c = 0; c < C; ++c) acc[r][c] = hn::MulAdd(qv, kv[c], acc[r][c]);
     }
   }
@@ -223,8 +183,7 @@ HWY_INLINE void ScoreBlock(const float* HWY_RESTRICT q, int64_t ldq, const T* HW
       for (int c = 0; c < C; ++c) acc[r][c] = hn::MulAdd(qv, kv[c], acc[r][c]);
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) s[r * lds + c] = hn::GetLane(hn::SumOfLanes(d, acc[r][c]));
+  StoreSums<R, C>(acc, s, lds);
 }
 
 // Rows to start loading while a loop over keys runs, one per key (p =

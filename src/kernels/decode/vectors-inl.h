@@ -1,0 +1,147 @@
+// The decode kernel's vector helpers, compiled per target with decode.cpp
+// (which includes this header once per target, after the fused kernels'
+// simd-inl.h, so it has no ordinary include guard): loading stored K/V
+// elements (float32, float16, bfloat16) as float32 vectors, software
+// prefetch of rows, and the reduction of a register block of dot products
+// across lanes.
+#if defined(ATTN_KERNELS_DECODE_VECTORS_INL_H_) == defined(HWY_TARGET_TOGGLE)
+#ifdef ATTN_KERNELS_DECODE_VECTORS_INL_H_
+#undef ATTN_KERNELS_DECODE_VECTORS_INL_H_
+#else
+#define ATTN_KERNELS_DECODE_VECTORS_INL_H_
+#endif
+
+#include <hwy/cache_control.h>
+#include <hwy/highway.h>
+
+#include <cstdint>
+#include <cstring>
+
+#include "kernels/decode/decode.hpp"
+
+HWY_BEFORE_NAMESPACE();
+namespace attn::detail {
+namespace HWY_NAMESPACE {
+namespace {
+
+// hn, DF, VF and Lanes() come with kernels/fused/simd-inl.h, included first.
+
+// ---- loads: N stored elements as float32 ---------------------------------
+
+HWY_INLINE VF LoadF(DF d, const float* HWY_RESTRICT p) { return hn::LoadU(d, p); }
+HWY_INLINE VF LoadF(DF d, const hwy::float16_t* HWY_RESTRICT p) {
+  const hn::Rebind<hwy::float16_t, DF> dh;
+  return hn::PromoteTo(d, hn::LoadU(dh, p));
+}
+HWY_INLINE VF LoadF(DF d, const hwy::bfloat16_t* HWY_RESTRICT p) {
+  const hn::Rebind<hwy::bfloat16_t, DF> db;
+  return hn::PromoteTo(d, hn::LoadU(db, p));
+}
+// The first n (< N) elements, zeros after them; never reads past p + n.
+template <class T>
+HWY_INLINE VF LoadTail(DF d, const T* p, int64_t n) {
+  HWY_ALIGN T buf[64];  // >= the lane count of any target
+  std::memset(static_cast<void*>(buf), 0, sizeof(buf));
+  std::memcpy(static_cast<void*>(buf), p, size_t(n) * sizeof(T));
+  return LoadF(d, buf);
+}
+
+// Starts loading n rows of `bytes` bytes, `stride` bytes apart, into the cache.
+HWY_INLINE void PrefetchRows(const char* p, int64_t stride, int64_t n, int64_t bytes) {
+  for (int64_t j = 0; j < n; ++j, p += stride)
+    for (int64_t o = 0; o < bytes; o += 64) hwy::Prefetch(p + o);
+}
+
+// n stored elements widened to float32, a vector at a time (the bulk path of
+// convert_from_storage).
+template <class T>
+void WidenRow(const T* HWY_RESTRICT x, int64_t n, float* HWY_RESTRICT y) {
+  const DF d;
+  const int64_t N = Lanes();
+  int64_t i = 0;
+  for (; i + N <= n; i += N) hn::StoreU(LoadF(d, x + i), d, y + i);
+  if (i < n) {
+    HWY_ALIGN float buf[64];
+    hn::Store(LoadTail(d, x + i, n - i), d, buf);
+    std::memcpy(y + i, buf, size_t(n - i) * sizeof(float));
+  }
+}
+void WidenImpl(KVStorage t, const void* src, int64_t n, float* y) {
+  if (t == KVStorage::f16) return WidenRow(static_cast<const hwy::float16_t*>(src), n, y);
+  WidenRow(static_cast<const hwy::bfloat16_t*>(src), n, y);
+}
+
+// ---- sums of a register block across lanes ----------------------------------
+
+#if HWY_TARGET != HWY_SCALAR && !HWY_HAVE_SCALABLE
+// The 128-bit vector of the sums of the 128-bit blocks of v.
+template <class D>
+HWY_INLINE auto BlockSum(D d, hn::Vec<D> v) {
+  if constexpr (hn::MaxLanes(d) <= 4) {
+    return v;
+  } else {
+    const hn::Half<D> dh;
+    return BlockSum(dh, hn::Add(hn::LowerHalf(dh, v), hn::UpperHalf(dh, v)));
+  }
+}
+
+// The sums of the lanes of a, b, c and e in lanes 0..3 of one 128-bit
+// vector, by a transposing tree: interleave pairs of lanes and add, then
+// pairs of pairs, then add the 128-bit blocks. About 3 operations per
+// accumulator, where a reduction of each alone costs about 7.
+HWY_INLINE hn::Vec<hn::Full128<float>> Sums4(VF a, VF b, VF c, VF e) {
+  const DF d;
+  const hn::Repartition<double, DF> dd;
+  const VF ab = hn::Add(hn::InterleaveLower(d, a, b), hn::InterleaveUpper(d, a, b));  // per block a0+a2, b0+b2, a1+a3, b1+b3
+  const VF ce = hn::Add(hn::InterleaveLower(d, c, e), hn::InterleaveUpper(d, c, e));
+  const auto x = hn::BitCast(dd, ab), y = hn::BitCast(dd, ce);
+  const VF z = hn::Add(hn::BitCast(d, hn::InterleaveLower(dd, x, y)), hn::BitCast(d, hn::InterleaveUpper(dd, x, y)));
+  return BlockSum(d, z);  // per block: the block's sums of a, b, c, e
+}
+#endif
+
+// s[r·lds + c] = the sum of the lanes of acc[r][c], four accumulators at a
+// time where the target allows.
+template <int R, int C>
+HWY_INLINE void StoreSums(VF (&acc)[R][C], float* HWY_RESTRICT s, int64_t lds) {
+  const DF d;
+  constexpr int kN = R * C;
+  int f = 0;
+#if HWY_TARGET != HWY_SCALAR && !HWY_HAVE_SCALABLE
+  const hn::Full128<float> d4;
+  for (; f + 4 <= kN; f += 4) {
+    const auto v = Sums4(acc[f / C][f % C], acc[(f + 1) / C][(f + 1) % C], acc[(f + 2) / C][(f + 2) % C],
+                         acc[(f + 3) / C][(f + 3) % C]);
+    if constexpr (C == 2) {  // two rows of two keys
+      const hn::Full64<float> d2;
+      hn::StoreU(hn::LowerHalf(d2, v), d2, s + (f / 2) * lds);
+      hn::StoreU(hn::UpperHalf(d2, v), d2, s + (f / 2 + 1) * lds);
+    } else {
+      HWY_ALIGN float t[4];
+      hn::Store(v, d4, t);
+      for (int i = 0; i < 4; ++i) s[((f + i) / C) * lds + (f + i) % C] = t[i];
+    }
+  }
+#endif
+  for (; f < kN; ++f) s[(f / C) * lds + f % C] = hn::GetLane(hn::SumOfLanes(d, acc[f / C][f % C]));
+}
+
+// Keeps v in a register: without it the compiler folds a load into every
+// multiply-add that uses v, loading a query vector once per key where once
+// per block suffices (the load ports, not the FMAs, then bound the loop).
+HWY_INLINE void InRegister(VF& v) {
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
+  asm("" : "+v"(v.raw));
+#elif HWY_ARCH_X86 && HWY_TARGET != HWY_EMU128 && HWY_TARGET != HWY_SCALAR
+  asm("" : "+x"(v.raw));
+#else
+  (void)v;
+#endif
+}
+
+}  // namespace
+}  // namespace HWY_NAMESPACE
+}  // namespace attn::detail
+HWY_AFTER_NAMESPACE();
+
+#endif  // ATTN_KERNELS_DECODE_VECTORS_INL_H_
