@@ -5,10 +5,11 @@
 // Forward. Work is split into units (batch b, head h, block of q_block query
 // rows). A unit packs its queries transposed and pre-multiplied by the scale
 // and log2(e), then streams the keys in blocks of k_block: the score tile
-// S = K·Qᵀ (keys × queries, K read in place) comes from the block product,
-// the masks are applied, each query's running max and sum are updated
+// S = K·Qᵀ (keys × queries, K read in place when its rows are adjacent,
+// else a tile at a time from a copy) comes from the block product, the
+// masks are applied, each query's running max and sum are updated
 // (online_softmax.hpp, in base 2), the output accumulator is rescaled and
-// P·V added (V read in place when its rows are dense). At the end each row
+// P·V added (V likewise). At the end each row
 // is divided once by its sum; the log-sum-exp is the only extra state saved.
 // Memory traffic per unit: Q and the output once, K and V once per query
 // block (re-read L / q_block times from cache or memory); the L×S matrices
