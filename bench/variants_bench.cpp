@@ -21,11 +21,11 @@
 //
 // Every timed configuration is first validated (fused against reference on
 // the same options at a small size, forward and backward), then timed: the
-// median of --reps interleaved repetitions of the fused backend, forward or
-// forward+backward (--modes). --clock cpu times the process's CPU time
-// instead of the wall clock: with --threads 1 on a machine others load,
-// it leaves out the time the thread waited for a core (the ratios are then
-// those of one thread).
+// median (--stat min: the fastest) of --reps interleaved repetitions of the
+// fused backend, forward or forward+backward (--modes). --clock cpu times
+// the process's CPU time instead of the wall clock: with --threads 1 on a
+// machine others load, it leaves out the time the thread waited for a core
+// (the ratios are then those of one thread).
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <chrono>
@@ -59,7 +59,11 @@ double now() {
   return double(ts.tv_sec) + 1e-9 * double(ts.tv_nsec);
 }
 
-// Times each of `fns` `reps` times, interleaved; returns their medians.
+// The statistic over the repetitions (--stat): the median, or the fastest
+// (on a machine others load, the run least disturbed).
+bool g_min_stat = false;
+
+// Times each of `fns` `reps` times, interleaved; returns their medians (or minima).
 std::vector<double> time_interleaved(const std::vector<std::function<void()>>& fns, int reps) {
   std::vector<std::vector<double>> t(fns.size());
   for (auto& f : fns) f();  // warm-up
@@ -70,7 +74,7 @@ std::vector<double> time_interleaved(const std::vector<std::function<void()>>& f
       t[i].push_back(now() - t0);
     }
   std::vector<double> m;
-  for (auto& v : t) m.push_back(median(v));
+  for (auto& v : t) m.push_back(g_min_stat ? *std::min_element(v.begin(), v.end()) : median(v));
   return m;
 }
 
@@ -345,6 +349,9 @@ int main(int argc, char** argv) {
   std::string clock = "wall";
   app.add_option("--clock", clock, "wall or cpu (process CPU time; with --threads 1 for a loaded machine)")
       ->check(CLI::IsMember({"wall", "cpu"}));
+  std::string stat = "median";
+  app.add_option("--stat", stat, "median or min of the repetitions (min: the least disturbed run, on a loaded machine)")
+      ->check(CLI::IsMember({"median", "min"}));
   app.add_option("--seed", c.seed, "seed of the varlen lengths (and values)");
   app.add_option("--case", c.case_name, "case section: plain, causal, window, alibi, softcap, sinks or varlen");
   app.add_option("--case-len", c.case_len, "case section: L = S");
@@ -352,9 +359,10 @@ int main(int argc, char** argv) {
   app.add_option("--varlen-lengths", c.varlen_lengths, "case section, varlen: the sequence lengths")->delimiter(',');
   CLI11_PARSE(app, argc, argv);
   g_cpu_clock = clock == "cpu";
+  g_min_stat = stat == "min";
   if (std::find(c.sections.begin(), c.sections.end(), "case") == c.sections.end())
-    std::printf("attn-bench-variants: fused SIMD target %s, %d threads (0: the library default), %s clock\n",
-                attn::detail::fused_target_name(), c.threads, clock.c_str());
+    std::printf("attn-bench-variants: fused SIMD target %s, %d threads (0: the library default), %s clock, %s of %d\n",
+                attn::detail::fused_target_name(), c.threads, clock.c_str(), stat.c_str(), c.reps);
   for (const auto& mode : c.modes)
     for (const auto& s : c.sections) {
       const bool bwd = mode == "fwdbwd";

@@ -142,14 +142,17 @@ bool check_sequences(const VarlenChecker& c, const VarlenArgs<T>& a, const Packe
 // apart (2 KiB for 8 heads of 64), so a head's rows fall into a few cache
 // sets and the rows a unit reads again and again evict each other: measured
 // 20-45% slower than the same sequence in a dense (1, H, L, E) tensor. The
-// fused path therefore gives the kernels head-major copies, (Hx, total, F)
-// in memory but viewed in the packed index order, of the tensors they read
-// (or write) many times over: K and V in the forward (every query block
-// reads them); in the backward all but dK and dV (every key block's tiles
-// read the query rows and add into dQ, and without plan.own_heads every
-// query block reads K and V); the rest are read or written once per row or
-// block and stay in place. One pass per copy, a few percent of
-// the attention's time. A view whose rows are already adjacent is used as is.
+// forward reads the packed views as they are: its kernel copies each K and
+// V tile into scratch when their rows are not adjacent (scores-inl.h), at
+// 1/(2·q_block) of the tile's multiply-adds, which measured as fast as
+// whole head-major copies made here and needs neither their memory nor
+// their page faults. The backward gets head-major copies, (Hx, total, F)
+// in memory but viewed in the packed index order, of all but dK and dV
+// (every key block's tiles read the query rows and add into dQ, and
+// without plan.own_heads every query block reads K and V); the rest are
+// read or written once per row or block and stay in place. One pass per
+// copy, a few percent of the attention's time. A view whose rows are
+// already adjacent is used as is.
 
 // Whether the rows of one head are adjacent in x (no copy needed).
 template <class T>
@@ -228,13 +231,9 @@ std::vector<detail::FusedSequence> fused_sequences(const VarlenArgs<float>& a, c
 int packed_threads(const VarlenChecker& c, const SdpaOptions& opt) { return c.threads(opt.num_threads); }
 
 // The forward's outputs of the sequences with queries and keys.
-void forward_packed(const VarlenChecker& c, const VarlenArgs<float>& packed, const Packed& p, const SdpaOptions& opt,
+void forward_packed(const VarlenArgs<float>& packed, const Packed& p, const SdpaOptions& opt,
                     const View3<float>& packed_out, const View2<float>& lse) {
-  const int threads = packed_threads(c, opt);
-  const HeadMajorIn k(packed.k, threads), v(packed.v, threads);
-  VarlenArgs<float> a = packed;
-  a.k = k.view, a.v = v.view;
-  std::vector<detail::FusedSequence> seqs = fused_sequences(a, p, opt);
+  std::vector<detail::FusedSequence> seqs = fused_sequences(packed, p, opt);
   for (int64_t b = 0, s = 0; b < p.B; ++b) {
     if (p.L(b) == 0 || p.S(b) == 0) continue;
     seqs[size_t(s)].out = sequence(packed_out, p.cq[size_t(b)], p.L(b));
@@ -252,7 +251,7 @@ void backward_packed(const VarlenChecker& c, const VarlenArgs<float>& packed, co
   if (saved.out.empty() || saved.lse.empty()) {
     out_tmp = Tensor<float>({p.total_q, p.H, p.Ev});
     lse_tmp = Tensor<float>({p.H, p.total_q});
-    forward_packed(c, packed, p, opt, out_tmp.view<3>(), lse_tmp.view<2>());
+    forward_packed(packed, p, opt, out_tmp.view<3>(), lse_tmp.view<2>());
     saved = {out_tmp.view<3>(), lse_tmp.view<2>()};
   }
   const int threads = packed_threads(c, opt);
@@ -308,7 +307,7 @@ void varlen_attention(const VarlenArgs<T>& args, const VarlenOutputs<T>& o, cons
     scaled_dot_product_attention<T>(sequence_args(args, p, b), {out, {}, lse}, opt);
   }
   if constexpr (std::is_same_v<T, float>)
-    if (fused) forward_packed(c, args, p, opt, o.out, o.lse);
+    if (fused) forward_packed(args, p, opt, o.out, o.lse);
 }
 
 template <class T>

@@ -868,6 +868,36 @@ TEST(FusedVariants, WindowTilesVisitedGrowWithTheWindowNotS) {
   }
 }
 
+// Under a narrow window the plan's query blocks are short enough that the
+// masked scores on the band's edges stay under 10% of the visible ones
+// (a block of q rows visits w + q − 1 keys per row: q = 96 would visit 18%
+// more than the window of 512 keys), while a wide window keeps the long
+// blocks (fewer K/V re-reads).
+TEST(FusedVariants, PlanShortensQueryBlocksUnderNarrowWindows) {
+  Problem p;
+  p.B = p.H = p.Hkv = 1;
+  p.L = p.S = 16384;
+  p.E = p.Ev = 64;
+  p.causal = true;
+  p.window_left = 511;
+  const FusedPlan t = attn::detail::fused_plan(p);
+  const attn::detail::rules::Band band = p.band(p.S);
+  int64_t visited = 0, scores = 0;
+  for (int64_t i0 = 0; i0 < p.L; i0 += t.q_block) {
+    const int64_t nr = std::min(t.q_block, p.L - i0);
+    const auto keys = band.keys_of_rows(i0, i0 + nr);
+    for (int64_t j0 = keys.lo; j0 < keys.hi; j0 += t.k_block)
+      if (band.classify(i0, nr, j0, std::min(t.k_block, keys.hi - j0)) != attn::detail::rules::Tile::empty)
+        visited += nr * std::min(t.k_block, keys.hi - j0);
+    for (int64_t i = i0; i < i0 + nr; ++i) scores += band.keys(i).hi - band.keys(i).lo;
+  }
+  EXPECT_LE(double(visited), 1.10 * double(scores)) << "q_block " << t.q_block;
+  p.window_left = 4095;  // wide: the default blocks
+  Problem dense = p;
+  dense.causal = false, dense.window_left = -1;
+  EXPECT_EQ(attn::detail::fused_plan(p).q_block, attn::detail::fused_plan(dense).q_block);
+}
+
 TEST(FusedVariants, VectorisedTanhIsAccurateToAFewUlp) {
   std::vector<float> x;
   for (float v = -12.0f; v < 12.0f; v += 0.00731f)

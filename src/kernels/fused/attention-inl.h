@@ -5,10 +5,11 @@
 // Forward. Work is split into units (batch b, head h, block of q_block query
 // rows). A unit packs its queries transposed and pre-multiplied by the scale
 // and log2(e), then streams the keys in blocks of k_block: the score tile
-// S = K·Qᵀ (keys × queries, K read in place) comes from the block product,
-// the masks are applied, each query's running max and sum are updated
+// S = K·Qᵀ (keys × queries, K read in place when its rows are adjacent,
+// else a tile at a time from a copy) comes from the block product, the
+// masks are applied, each query's running max and sum are updated
 // (online_softmax.hpp, in base 2), the output accumulator is rescaled and
-// P·V added (V read in place when its rows are dense). At the end each row
+// P·V added (V likewise). At the end each row
 // is divided once by its sum; the log-sum-exp is the only extra state saved.
 // Memory traffic per unit: Q and the output once, K and V once per query
 // block (re-read L / q_block times from cache or memory); the L×S matrices
@@ -114,8 +115,9 @@ void ForwardUnit(const FusedCall& c, ForwardScratch& w, int64_t b, int64_t h, in
   // The keys any row of the block sees (the band is monotone in the row).
   const rules::Band band = band_of(c, b);
   const rules::Keys keys = band.keys_of_rows(i0, i0 + nr);
-  // V is used in place when its rows are dense and a whole number of vectors.
-  const bool v_in_place = V.strides[3] == 1 && p.Ev == w.Evp && V.strides[2] % lanes == 0;
+  // V is used in place when its rows are adjacent and a whole number of
+  // vectors (otherwise copied per tile, as K in ScoreTileT).
+  const bool v_in_place = rows_adjacent(V) && p.Ev == w.Evp;
   PackQt(c, w, b, h, i0, nr);
   std::fill(w.o, w.o + nr * w.Evp, 0.0f);
   // A sink starts every row's softmax as one seen logit with no value.

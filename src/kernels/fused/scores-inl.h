@@ -45,13 +45,32 @@ namespace {
 // bad[(b·Hkv + hk)·S + j] = 1 where K or V row j of (b, hk) holds NaN or ±∞;
 // returns whether any does. One pass over K and V per call.
 // Row u of that index space, marked; returns whether it is bad.
+// Whether a row of n floats (stride sx) holds NaN or ±∞: x − x is 0 for
+// every finite x and NaN otherwise, so the sum of x − x over the row is 0
+// exactly when the row is finite (vectors over a dense row).
+bool RowNonFinite(const float* x, int64_t n, int64_t sx) {
+  if (sx != 1) {
+    bool any = false;
+    for (int64_t e = 0; e < n; ++e) any |= non_finite(x[e * sx]);
+    return any;
+  }
+  const DF d;
+  const int64_t N = Lanes();
+  VF acc = hn::Zero(d);
+  int64_t e = 0;
+  for (; e + N <= n; e += N) {
+    const VF v = hn::LoadU(d, x + e);
+    acc = hn::Add(acc, hn::Sub(v, v));
+  }
+  bool any = !hn::AllTrue(d, hn::Eq(acc, hn::Zero(d)));
+  for (; e < n; ++e) any |= non_finite(x[e]);
+  return any;
+}
+
 bool MarkBadKey(const Problem& p, const SdpaArgs<float>& a, uint8_t* bad, int64_t u) {
   const int64_t j = u % p.S, hk = (u / p.S) % p.Hkv, b = u / (p.S * p.Hkv);
-  const float* kr = &a.k(b, hk, j, 0);
-  const float* vr = &a.v(b, hk, j, 0);
-  bool row_bad = false;
-  for (int64_t e = 0; e < p.E; ++e) row_bad |= non_finite(kr[e * a.k.strides[3]]);
-  for (int64_t e = 0; e < p.Ev; ++e) row_bad |= non_finite(vr[e * a.v.strides[3]]);
+  const bool row_bad = RowNonFinite(&a.k(b, hk, j, 0), p.E, a.k.strides[3]) ||
+                       RowNonFinite(&a.v(b, hk, j, 0), p.Ev, a.v.strides[3]);
   bad[u] = row_bad;
   return row_bad;
 }
@@ -86,6 +105,10 @@ void PackTransposed(const View4<const float>& X, int64_t b, int64_t hx, int64_t 
   }
   for (int64_t f = 0; f < F; ++f) std::fill(dst + f * ld + nk, dst + (f + 1) * ld, 0.0f);
 }
+
+// Whether the rows of a (B, Hx, N, F) view are adjacent (row j + 1 starts
+// where row j ends), so a block of them is one dense matrix.
+bool rows_adjacent(const View4<const float>& X) { return X.strides[3] == 1 && X.strides[2] == X.dim(3); }
 
 // Row-major copy of nk rows of a (B, Hx, N, F) view into dst [nk × ld].
 void PackRows(const View4<const float>& X, int64_t b, int64_t hx, int64_t j0, int64_t nk,
@@ -133,15 +156,24 @@ void PackQt(const FusedCall& c, ForwardScratch& w, int64_t b, int64_t h, int64_t
 // Transposed score tile, in base 2: st_t[jj][r] = s(q_r, k_j)·log2(e) for keys
 // j0..j0+nk against the unit's queries i0..i0+nr, through the score rules
 // (soft-cap, ALiBi, bias; −∞ outside the band, where the mask says no, and in
-// the padding columns up to nrp). K is read in place. In base 2 the soft-cap
-// c·tanh(u/c) is the same formula with c·log2(e).
+// the padding columns up to nrp). In base 2 the soft-cap c·tanh(u/c) is the
+// same formula with c·log2(e). K is read in place when its rows are adjacent
+// (a dense (B, H, S, E) tensor), and copied into scratch first otherwise: the
+// rows of a packed (total, H, E) batch lie H·E floats apart, a power-of-two
+// stride at which the block product's re-reads of the tile fall into a few
+// cache sets and evict each other (the copy is 1/(2·q_block) of the tile's
+// multiply-adds).
 void ScoreTileT(const FusedCall& c, ForwardScratch& w, int64_t b, int64_t h, int64_t i0, int64_t nr, int64_t nrp,
                 int64_t j0, int64_t nk) {
   const Problem& p = *c.p;
   const auto& K = c.a->k;
   const int64_t hk = p.kv_head(h);
-  Gemm(nk, nrp, p.E, &K(b, hk, j0, 0), K.strides[2], K.strides[3], w.qt, w.qbp, w.st, w.qbp,
-       false);
+  if (rows_adjacent(K)) {
+    Gemm(nk, nrp, p.E, &K(b, hk, j0, 0), p.E, 1, w.qt, w.qbp, w.st, w.qbp, false);
+  } else {
+    PackRows(K, b, hk, j0, nk, w.kr, p.E);
+    Gemm(nk, nrp, p.E, w.kr, p.E, 1, w.qt, w.qbp, w.st, w.qbp, false);
+  }
   if (p.softcap > 0) SoftcapTile(w.st, nk * w.qbp, float(p.softcap) * kLog2e, nullptr);
   const rules::Band band = band_of(c, b);
   const bool alibi = has_alibi(c);

@@ -52,6 +52,7 @@ enum class Alloc { no, yes };
 // keys are read in place.
 //   qt   [E × qbp]    queries × scale·log2(e), transposed
 //   st   [kb × qbp]   score tile, transposed → probabilities
+//   kr   [kb × E]     keys, when their rows are not adjacent in K
 //   vb   [kb × Evp]   values, when V cannot be read in place
 //   o    [qb × Evp]   output accumulator
 //   colv [4 × qbp]    per query: tile max, shift, rescale factor, tile sum
@@ -59,7 +60,7 @@ enum class Alloc { no, yes };
 //   qbad [qb]         per query: its row holds NaN or ±∞ (any_qbad: some does)
 struct ForwardScratch {
   int64_t qb = 0, kb = 0, qbp = 0, Evp = 0;
-  float *qt = nullptr, *st = nullptr, *vb = nullptr, *o = nullptr, *colv = nullptr;
+  float *qt = nullptr, *st = nullptr, *kr = nullptr, *vb = nullptr, *o = nullptr, *colv = nullptr;
   online_softmax::State<float>* rows = nullptr;
   uint8_t* qbad = nullptr;
   bool any_qbad = false;
