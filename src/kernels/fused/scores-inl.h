@@ -42,9 +42,6 @@ namespace {
 // bad K/V rows and bad query rows are flagged while packing and replaced by
 // zeros in the packed operands, and NaN is written into the visible scores.
 
-// bad[(b·Hkv + hk)·S + j] = 1 where K or V row j of (b, hk) holds NaN or ±∞;
-// returns whether any does. One pass over K and V per call.
-// Row u of that index space, marked; returns whether it is bad.
 // Whether a row of n floats (stride sx) holds NaN or ±∞: x − x is 0 for
 // every finite x and NaN otherwise, so the sum of x − x over the row is 0
 // exactly when the row is finite (vectors over a dense row).
@@ -67,6 +64,7 @@ bool RowNonFinite(const float* x, int64_t n, int64_t sx) {
   return any;
 }
 
+// Row u of the index space of MarkBadKeys, marked; returns whether it is bad.
 bool MarkBadKey(const Problem& p, const SdpaArgs<float>& a, uint8_t* bad, int64_t u) {
   const int64_t j = u % p.S, hk = (u / p.S) % p.Hkv, b = u / (p.S * p.Hkv);
   const bool row_bad = RowNonFinite(&a.k(b, hk, j, 0), p.E, a.k.strides[3]) ||
@@ -75,6 +73,8 @@ bool MarkBadKey(const Problem& p, const SdpaArgs<float>& a, uint8_t* bad, int64_
   return row_bad;
 }
 
+// bad[(b·Hkv + hk)·S + j] = 1 where K or V row j of (b, hk) holds NaN or ±∞;
+// returns whether any does. One pass over K and V per call.
 bool MarkBadKeys(const Problem& p, const SdpaArgs<float>& a, std::vector<uint8_t>& bad) {
   const int64_t rows = p.B * p.Hkv * p.S;
   bad.assign(size_t(rows), 0);
