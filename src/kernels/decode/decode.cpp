@@ -170,8 +170,7 @@ HWY_INLINE void ScoreBlock(const float* HWY_RESTRICT q, int64_t ldq, const T* HW
     VF kv[C];
     for (int c = 0; c < C; ++c) kv[c] = LoadF(d, k + c * krow + e);  // converted once, used by R rows
     for (int r = 0; r < R; ++r) {
-      VF qv = hn::Load(d, q + r * ldq + e);
-      InRegister(qv);
+      const VF qv = hn::Load(d, q + r * ldq + e);
       for (int c = 0; c < C; ++c) acc[r][c] = hn::MulAdd(qv, kv[c], acc[r][c]);
     }
   }

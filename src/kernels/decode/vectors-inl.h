@@ -126,19 +126,6 @@ HWY_INLINE void StoreSums(VF (&acc)[R][C], float* HWY_RESTRICT s, int64_t lds) {
   for (; f < kN; ++f) s[(f / C) * lds + f % C] = hn::GetLane(hn::SumOfLanes(d, acc[f / C][f % C]));
 }
 
-// Keeps v in a register: without it the compiler folds a load into every
-// multiply-add that uses v, loading a query vector once per key where once
-// per block suffices (the load ports, not the FMAs, then bound the loop).
-HWY_INLINE void InRegister(VF& v) {
-#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
-  asm("" : "+v"(v.raw));
-#elif HWY_ARCH_X86 && HWY_TARGET != HWY_EMU128 && HWY_TARGET != HWY_SCALAR
-  asm("" : "+x"(v.raw));
-#else
-  (void)v;
-#endif
-}
-
 }  // namespace
 }  // namespace HWY_NAMESPACE
 }  // namespace attn::detail
