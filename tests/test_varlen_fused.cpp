@@ -223,6 +223,32 @@ TEST(VarlenFused, NaNStaysInsideItsSequence) {
   }
 }
 
+// With several K/V heads the bad keys are marked in memory order (key by
+// key, heads fastest, in the packed layout): a NaN in K/V head 1 of one key
+// poisons exactly the query heads of that group, in that sequence, from the
+// rows that see the key, and a NaN in V alone does the same.
+TEST(VarlenFused, NaNInOneKvHeadPoisonsOnlyItsGroup) {
+  for (const bool in_v : {false, true}) {
+    std::mt19937_64 rng(6);
+    Batch x({40, 50, 30}, {40, 50, 30}, 4, 2, 16, 8, rng);
+    const int64_t j = 17;  // key 17 of sequence 1, K/V head 1 (query heads 2 and 3)
+    if (in_v)
+      x.v.view<3>()(x.cu_k[1] + j, 1, 5) = std::numeric_limits<float>::quiet_NaN();
+    else
+      x.k.view<3>()(x.cu_k[1] + j, 1, 3) = std::numeric_limits<float>::quiet_NaN();
+    Options o;
+    o.causal = true;
+    const Results r = run(x, false, false, o.sdpa(Backend::fused, 2));
+    for (int64_t t = 0; t < x.cu_q.back(); ++t)
+      for (int64_t h = 0; h < 4; ++h) {
+        const bool reached = h >= 2 && t >= x.cu_q[1] + j && t < x.cu_q[2];
+        SCOPED_TRACE("in_v " + std::to_string(in_v) + " token " + std::to_string(t) + " head " + std::to_string(h));
+        EXPECT_EQ(std::isnan(r.out.view<3>()(t, h, 0)), reached);
+        EXPECT_EQ(std::isnan(r.lse.view<2>()(h, t)), reached);
+      }
+  }
+}
+
 // A sequence's call is checked under the varlen function's name (the fused
 // packed path once said "resolve_backend"), in both backends.
 TEST(VarlenFused, ErrorsNameTheVarlenFunction) {
