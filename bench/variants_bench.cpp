@@ -21,7 +21,8 @@
 //
 // Every timed configuration is first validated (fused against reference on
 // the same options at a small size, forward and backward), then timed: the
-// median (--stat min: the fastest) of --reps interleaved repetitions of the
+// median (--stat min: the fastest; --stat paired: ratios as medians of the
+// per-repetition ratios) of --reps interleaved repetitions of the
 // fused backend, forward or forward+backward (--modes). --clock cpu times
 // the process's CPU time instead of the wall clock: with --threads 1 on a
 // machine others load, it leaves out the time the thread waited for a core
@@ -59,22 +60,43 @@ double now() {
   return double(ts.tv_sec) + 1e-9 * double(ts.tv_nsec);
 }
 
-// The statistic over the repetitions (--stat): the median, or the fastest
-// (on a machine others load, the run least disturbed).
-bool g_min_stat = false;
+// The statistic over the repetitions (--stat): the median, the fastest (on
+// a machine others load, the run least disturbed), or paired: times are
+// medians, and a ratio of two configurations is the median over the
+// repetitions of their ratio within one repetition. The configurations of a
+// repetition run back to back, so a slow spell of the machine (this VM's
+// neighbours move the plain call by ±15% from one run to the next) slows
+// both sides of a ratio and cancels in it.
+enum class Stat { median, min, paired };
+Stat g_stat = Stat::median;
 
-// Times each of `fns` `reps` times, interleaved; returns their medians (or minima).
-std::vector<double> time_interleaved(const std::vector<std::function<void()>>& fns, int reps) {
-  std::vector<std::vector<double>> t(fns.size());
+// The times of each configuration over the interleaved repetitions.
+struct Timings {
+  std::vector<std::vector<double>> t;
+  // The statistic of configuration i, in seconds.
+  double operator[](size_t i) const {
+    return g_stat == Stat::min ? *std::min_element(t[i].begin(), t[i].end()) : median(t[i]);
+  }
+  // Time of configuration i over that of configuration j.
+  double ratio(size_t i, size_t j) const {
+    if (g_stat != Stat::paired) return (*this)[i] / (*this)[j];
+    std::vector<double> r;
+    for (size_t k = 0; k < t[i].size(); ++k) r.push_back(t[i][k] / t[j][k]);
+    return median(r);
+  }
+};
+
+// Times each of `fns` `reps` times, interleaved (after one warm-up call each).
+Timings time_interleaved(const std::vector<std::function<void()>>& fns, int reps) {
+  Timings m;
+  m.t.resize(fns.size());
   for (auto& f : fns) f();  // warm-up
   for (int r = 0; r < reps; ++r)
     for (size_t i = 0; i < fns.size(); ++i) {
       const double t0 = now();
       fns[i]();
-      t[i].push_back(now() - t0);
+      m.t[i].push_back(now() - t0);
     }
-  std::vector<double> m;
-  for (auto& v : t) m.push_back(g_min_stat ? *std::min_element(v.begin(), v.end()) : median(v));
   return m;
 }
 
@@ -210,7 +232,7 @@ void window_section(const Config& c, bool bwd) {
   // Visible scores: causal n(n+1)/2; window Σ_i min(i + 1, w).
   const double causal_scores = double(n) * double(n + 1) / 2;
   const double window_scores = double(w) * double(w + 1) / 2 + double(n - w) * double(w);
-  const double fraction = window_scores / causal_scores, ratio = t[1] / t[0];
+  const double fraction = window_scores / causal_scores, ratio = t.ratio(1, 0);
   std::printf("window  %-6s L=S=%lld H=%lld E=%lld window=%lld: causal %.3f s, windowed %.3f s; time ratio %.4f, "
               "visible fraction %.4f, target <= %.4f: %s (ratio / fraction = %.2f)\n",
               bwd ? "fwdbwd" : "fwd", (long long)n, (long long)c.heads, (long long)c.dim, (long long)w, t[0], t[1], ratio,
@@ -233,9 +255,11 @@ void overhead_section(const Config& c, bool bwd) {
   const double targets[] = {1.2, 1.1, 1.1};
   std::printf("overhead %-6s L=S=%lld H=%lld E=%lld: plain %.3f s\n", bwd ? "fwdbwd" : "fwd", (long long)n,
               (long long)c.heads, (long long)c.dim, t[0]);
-  for (int i = 0; i < 3; ++i)
-    std::printf("  %-8s %.3f s, ratio %.3f, target <= %.2f: %s\n", names[i], t[size_t(i + 1)], t[size_t(i + 1)] / t[0],
-                targets[i], t[size_t(i + 1)] / t[0] <= targets[i] ? "met" : "MISSED");
+  for (int i = 0; i < 3; ++i) {
+    const double r = t.ratio(size_t(i + 1), 0);
+    std::printf("  %-8s %.3f s, ratio %.3f, target <= %.2f: %s\n", names[i], t[size_t(i + 1)], r, targets[i],
+                r <= targets[i] ? "met" : "MISSED");
+  }
 }
 
 void varlen_section(const Config& c, bool bwd) {
@@ -280,15 +304,16 @@ void varlen_section(const Config& c, bool bwd) {
                                   c.reps);
   const double f = (bwd ? 3.5 : 1.0) * 4.0 * double(H) * double(E);
   const double g_packed = f * work / t[0] * 1e-9, g_dense = f * double(mean) * double(mean) / t[1] * 1e-9;
+  const double efficiency = work / (double(mean) * double(mean)) * t.ratio(1, 0);  // = g_packed / g_dense
   // The padded call computes every query row (padded ones too) against its
   // sequence's keys: Σ_b longest·L_b scores.
   const double padded_work = double(longest) * double(total);
-  const double pad_ratio = padded_work / work, speedup = t[2] / t[0];
+  const double pad_ratio = padded_work / work, speedup = t.ratio(2, 0);
   std::printf("varlen  %-6s 16 sequences, lengths 32..2048 (total %lld, mean %lld, longest %lld), H=%lld E=%lld:\n"
               "  packed %.3f s = %.1f GFLOP/s on real work; dense at the mean length %.1f GFLOP/s; ratio %.3f, target >= 0.90: %s\n"
               "  padded with key lengths %.3f s; speed-up %.2f, padding ratio %.2f, target >= %.2f: %s\n",
               bwd ? "fwdbwd" : "fwd", (long long)total, (long long)mean, (long long)longest, (long long)H, (long long)E,
-              t[0], g_packed, g_dense, g_packed / g_dense, g_packed / g_dense >= 0.9 ? "met" : "MISSED", t[2], speedup,
+              t[0], g_packed, g_dense, efficiency, efficiency >= 0.9 ? "met" : "MISSED", t[2], speedup,
               pad_ratio, 0.8 * pad_ratio, speedup >= 0.8 * pad_ratio ? "met" : "MISSED");
 }
 
@@ -350,8 +375,10 @@ int main(int argc, char** argv) {
   app.add_option("--clock", clock, "wall or cpu (process CPU time; with --threads 1 for a loaded machine)")
       ->check(CLI::IsMember({"wall", "cpu"}));
   std::string stat = "median";
-  app.add_option("--stat", stat, "median or min of the repetitions (min: the least disturbed run, on a loaded machine)")
-      ->check(CLI::IsMember({"median", "min"}));
+  app.add_option("--stat", stat,
+                 "median, min or paired: the median, the fastest (the least disturbed run), or medians with each ratio "
+                 "the median of the per-repetition ratios")
+      ->check(CLI::IsMember({"median", "min", "paired"}));
   app.add_option("--seed", c.seed, "seed of the varlen lengths (and values)");
   app.add_option("--case", c.case_name, "case section: plain, causal, window, alibi, softcap, sinks or varlen");
   app.add_option("--case-len", c.case_len, "case section: L = S");
@@ -359,7 +386,7 @@ int main(int argc, char** argv) {
   app.add_option("--varlen-lengths", c.varlen_lengths, "case section, varlen: the sequence lengths")->delimiter(',');
   CLI11_PARSE(app, argc, argv);
   g_cpu_clock = clock == "cpu";
-  g_min_stat = stat == "min";
+  g_stat = stat == "min" ? Stat::min : stat == "paired" ? Stat::paired : Stat::median;
   if (std::find(c.sections.begin(), c.sections.end(), "case") == c.sections.end())
     std::printf("attn-bench-variants: fused SIMD target %s, %d threads (0: the library default), %s clock, %s of %d\n",
                 attn::detail::fused_target_name(), c.threads, clock.c_str(), stat.c_str(), c.reps);
