@@ -2,11 +2,12 @@
 // and cu_seqlens, then each sequence as an ordinary (1, H, L_b, E) problem on
 // views into the packed tensors (no padding), so every option applies to it
 // unchanged. Two ways to run them:
-//   - the fused backend (float32, backend auto or fused): all sequences'
+//   - the fused backend (float32, backend auto or fused): the sequences'
 //     units in one parallel region (kernels/fused/fused.hpp,
-//     fused_forward_packed / fused_backward_packed), sums of the sinks'
-//     gradient over all sequences included; the views are into head-major
-//     copies of the packed tensors (see "head-major copies" below);
+//     fused_forward_packed / fused_backward_packed; the forward in groups
+//     of sequences), sums of the sinks' gradient over all sequences
+//     included; the views are into head-major copies of the packed tensors
+//     (see "head-major copies" below);
 //   - otherwise (the reference backend, float64): one dense call per
 //     sequence, the plain formulation the tests hold the fused path to; the
 //     sinks' gradient is gathered here in a fixed order, in double.
@@ -25,8 +26,12 @@
 #include "attn/tensor.hpp"
 #include "kernels/fused/fused.hpp"
 #include "validate.hpp"
+#include "varlen_internal.hpp"
 
 namespace attn {
+
+int64_t detail::varlen_group_bytes = int64_t(16) << 20;
+
 namespace {
 
 // The boundary's one Checker, with the shape check phrased for packed
@@ -142,17 +147,14 @@ bool check_sequences(const VarlenChecker& c, const VarlenArgs<T>& a, const Packe
 // apart (2 KiB for 8 heads of 64), so a head's rows fall into a few cache
 // sets and the rows a unit reads again and again evict each other: measured
 // 20-45% slower than the same sequence in a dense (1, H, L, E) tensor. The
-// forward reads the packed views as they are: its kernel copies each K and
-// V tile into scratch when their rows are not adjacent (scores-inl.h), at
-// 1/(2·q_block) of the tile's multiply-adds, which measured as fast as
-// whole head-major copies made here and needs neither their memory nor
-// their page faults. The backward gets head-major copies, (Hx, total, F)
-// in memory but viewed in the packed index order, of all but dK and dV
-// (every key block's tiles read the query rows and add into dQ, and
-// without plan.own_heads every query block reads K and V); the rest are
-// read or written once per row or block and stay in place. One pass per
-// copy, a few percent of the attention's time. A view whose rows are
-// already adjacent is used as is.
+// forward copies Q, K and V head-major a group of sequences at a time into
+// one reused buffer (see "the forward in groups" below); the backward gets
+// head-major copies, (Hx, total, F) in memory but viewed in the packed index
+// order, of all but dK and dV (every key block's tiles read the query rows
+// and add into dQ, and without plan.own_heads every query block reads K and
+// V); the rest are read or written once per row or block and stay in place.
+// One pass per copy, a few percent of the attention's time. A view whose
+// rows are already adjacent is used as is.
 
 // Whether the rows of one head are adjacent in x (no copy needed).
 template <class T>
@@ -230,6 +232,76 @@ std::vector<detail::FusedSequence> fused_sequences(const VarlenArgs<float>& a, c
 // The threads of the fused path (as every sequence's problem resolves them).
 int packed_threads(const VarlenChecker& c, const SdpaOptions& opt) { return c.threads(opt.num_threads); }
 
+// ---- the forward in groups of sequences -------------------------------------
+//
+// The forward's kernel reads the packed views in place (a K or V tile is
+// copied into scratch when its rows are not adjacent, scores-inl.h), but on
+// a packed layout every first read of a row comes from memory after a jump
+// of H·F floats, and the marking of bad keys, one pass over all of K and V
+// before the units start, leaves little of a large batch in the cache: on
+// 16 sequences of 32..2048 tokens (H = 8, E = 64, Zen 3) that ran at about
+// 0.89 of the dense kernel's GFLOP/s, against 1.03 for the same call on
+// head-major views. So when the rows are not adjacent the sequences run in
+// groups of about detail::varlen_group_bytes (16 MiB) of Q, K and V, the costliest first: a group's
+// rows are copied head-major into one buffer (reused by every group, so it
+// is allocated and faulted in once), and its units then find them in the
+// cache, marking included. Every group runs on the plan of the whole batch,
+// so the results are bitwise those of one call over all sequences.
+// Above this the buffer of the largest group (one long sequence) is not
+// worth its memory and the batch runs in place.
+constexpr int64_t kMaxGroupBuffer = int64_t(256) << 20;
+
+// Floats of sequence s's Q, K and V.
+int64_t sequence_floats(const detail::FusedSequence& s) {
+  const detail::Problem& p = s.p;
+  return p.L * p.H * p.E + p.S * p.Hkv * (p.E + p.Ev);
+}
+
+// seqs[i] as a (1, Hx, n, F) view of `rows` in the packed layout copied
+// head-major to `at` (which then advances past it).
+View4<const float> copy_head_major(const View4<const float>& rows, float*& at, int threads) {
+  const int64_t Hx = rows.dim(1), n = rows.dim(2), F = rows.dim(3);
+  const View3<const float> src(rows.data, {n, Hx, F}, {rows.strides[2], rows.strides[1], rows.strides[3]});
+  const View3<float> dst = head_major_view(at, n, Hx, F);
+  copy_packed(src, dst, threads);
+  at += n * Hx * F;
+  return View4<const float>(dst.data, {1, Hx, n, F}, {0, dst.strides[1], dst.strides[0], dst.strides[2]});
+}
+
+// Runs seqs (their outputs set) in groups as described above; returns false
+// (having run nothing) when the largest group's buffer would be too large.
+bool forward_in_groups(const std::vector<detail::FusedSequence>& seqs) {
+  std::vector<size_t> order(seqs.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  auto cost = [&](size_t i) { return double(seqs[i].p.L) * double(seqs[i].p.S); };
+  std::stable_sort(order.begin(), order.end(), [&](size_t x, size_t y) { return cost(x) > cost(y); });
+  std::vector<std::vector<size_t>> groups;
+  int64_t group_floats = 0, buffer_floats = 0;
+  for (size_t i : order) {
+    const int64_t f = sequence_floats(seqs[i]);
+    if (groups.empty() || (group_floats + f) * int64_t(sizeof(float)) > detail::varlen_group_bytes) groups.emplace_back(), group_floats = 0;
+    groups.back().push_back(i);
+    group_floats += f;
+    buffer_floats = std::max(buffer_floats, group_floats);
+  }
+  if (buffer_floats * int64_t(sizeof(float)) > kMaxGroupBuffer) return false;
+  const detail::Problem plan = detail::fused_packed_plan_problem(seqs);
+  const auto buffer = std::make_unique_for_overwrite<float[]>(size_t(buffer_floats));
+  for (const auto& g : groups) {
+    std::vector<detail::FusedSequence> part;
+    float* at = buffer.get();
+    for (size_t i : g) {
+      detail::FusedSequence s = seqs[i];
+      s.a.q = copy_head_major(s.a.q, at, s.p.threads);
+      s.a.k = copy_head_major(s.a.k, at, s.p.threads);
+      s.a.v = copy_head_major(s.a.v, at, s.p.threads);
+      part.push_back(s);
+    }
+    detail::fused_forward_packed(part, plan);
+  }
+  return true;
+}
+
 // The forward's outputs of the sequences with queries and keys.
 void forward_packed(const VarlenArgs<float>& packed, const Packed& p, const SdpaOptions& opt,
                     const View3<float>& packed_out, const View2<float>& lse) {
@@ -240,7 +312,8 @@ void forward_packed(const VarlenArgs<float>& packed, const Packed& p, const Sdpa
     if (!lse.empty()) seqs[size_t(s)].lse = lse_columns(lse, p.cq[size_t(b)], p.L(b));
     ++s;
   }
-  detail::fused_forward_packed(seqs);
+  const bool in_place = rows_adjacent(packed.q) && rows_adjacent(packed.k) && rows_adjacent(packed.v);
+  if (seqs.empty() || in_place || !forward_in_groups(seqs)) detail::fused_forward_packed(seqs);
 }
 
 // The gradients of the sequences with queries and keys, recomputing the

@@ -18,6 +18,7 @@
 #include "attn/attn.hpp"
 #include "kernels/fused/fused.hpp"
 #include "testing.hpp"
+#include "varlen_internal.hpp"
 
 namespace {
 
@@ -247,6 +248,56 @@ TEST(VarlenFused, NaNInOneKvHeadPoisonsOnlyItsGroup) {
         EXPECT_EQ(std::isnan(r.lse.view<2>()(h, t)), reached);
       }
   }
+}
+
+// The forward of a packed batch (rows not adjacent) runs in groups of
+// sequences copied head-major (varlen.cpp); every group on the plan of the
+// whole batch, so the output and lse are bitwise those of the same batch in
+// one group and of the same call on head-major views (read in place, no
+// groups): with one sequence per group, a few per group, and all in one,
+// for 1, 2 and 3 threads, with the options of the variants.
+TEST(VarlenFused, ForwardInGroupsIsBitwiseTheCallInPlace) {
+  std::mt19937_64 rng(8);
+  // E = Ev = 128, so the plan of a group of short-query sequences alone
+  // would tile the keys differently (the 70-row sequence's 90 keys in one
+  // tile of 96 instead of two of 48): the test sees a group on its own plan.
+  const Batch x({70, 0, 130, 5, 97, 40}, {90, 12, 130, 0, 200, 40}, 4, 2, 128, 128, rng);
+  const int64_t tq = x.cu_q.back();
+  // The same values in head-major memory, viewed in the packed index order.
+  auto head_major = [](const Tensor<float>& t) {
+    const int64_t n = t.shape()[0], hx = t.shape()[1], f = t.shape()[2];
+    Tensor<float> m({hx, n, f});
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t h = 0; h < hx; ++h)
+        for (int64_t e = 0; e < f; ++e) m[size_t((h * n + i) * f + e)] = t.view<3>()(i, h, e);
+    return m;
+  };
+  const Tensor<float> qh = head_major(x.q), kh = head_major(x.k), vh = head_major(x.v);
+  auto hm_view = [](const Tensor<float>& m) {
+    const int64_t hx = m.shape()[0], n = m.shape()[1], f = m.shape()[2];
+    return attn::View3<const float>(m.data(), {n, hx, f}, {f, n * f, 1});
+  };
+  const int64_t saved = attn::detail::varlen_group_bytes;
+  Options plain, variants;
+  variants.causal = true, variants.align = CausalAlign::bottom_right, variants.window = {50, -1};
+  variants.alibi = true, variants.sinks = true;
+  for (const Options& o : {plain, variants})
+    for (const int threads : {1, 2, 3}) {
+      attn::VarlenArgs<float> in_place = x.args(o.alibi, o.sinks);
+      in_place.q = hm_view(qh), in_place.k = hm_view(kh), in_place.v = hm_view(vh);
+      Tensor<float> out0({tq, x.H, x.Ev}), lse0({x.H, tq});
+      attn::varlen_attention<float>(in_place, {out0.view<3>(), lse0.view<2>()}, o.sdpa(Backend::fused, threads));
+      for (const int64_t bytes : {int64_t(1), int64_t(700000), int64_t(1) << 30}) {
+        SCOPED_TRACE(o.str() + " threads " + std::to_string(threads) + " group bytes " + std::to_string(bytes));
+        attn::detail::varlen_group_bytes = bytes;
+        Tensor<float> out({tq, x.H, x.Ev}), lse({x.H, tq});
+        attn::varlen_attention<float>(x.args(o.alibi, o.sinks), {out.view<3>(), lse.view<2>()},
+                                      o.sdpa(Backend::fused, threads));
+        EXPECT_TRUE(bitwise_equal(out, out0));
+        EXPECT_TRUE(bitwise_equal(lse, lse0));
+      }
+      attn::detail::varlen_group_bytes = saved;
+    }
 }
 
 // A sequence's call is checked under the varlen function's name (the fused

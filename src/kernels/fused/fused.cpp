@@ -102,10 +102,16 @@ FusedPlan fused_packed_plan(const std::vector<FusedSequence>& seqs) {
   return fused_plan(packed_plan_problem(seqs));
 }
 
+Problem fused_packed_plan_problem(const std::vector<FusedSequence>& seqs) { return packed_plan_problem(seqs); }
+
 void fused_forward_packed(const std::vector<FusedSequence>& seqs) {
   if (seqs.empty()) return;
-  const Problem p = packed_plan_problem(seqs);
-  HWY_DYNAMIC_DISPATCH(ForwardPackedImpl)(seqs.data(), int64_t(seqs.size()), p, fused_plan(p));
+  fused_forward_packed(seqs, packed_plan_problem(seqs));
+}
+
+void fused_forward_packed(const std::vector<FusedSequence>& seqs, const Problem& plan_p) {
+  if (seqs.empty()) return;
+  HWY_DYNAMIC_DISPATCH(ForwardPackedImpl)(seqs.data(), int64_t(seqs.size()), plan_p, fused_plan(plan_p));
 }
 
 void fused_backward_packed(const std::vector<FusedSequence>& seqs, View1<float> dsinks) {

@@ -45,6 +45,11 @@ struct FusedSequence {
 // longest sequence); results do not depend on the thread count. Sequences
 // with no queries or no keys are the caller's (none may be passed).
 void fused_forward_packed(const std::vector<FusedSequence>& seqs);
+// The same on the plan made for plan_p, e.g. a part of a batch on the plan
+// of the whole (fused_packed_plan_problem of all its sequences), which gives
+// every sequence the bits it gets in one call with all of them.
+void fused_forward_packed(const std::vector<FusedSequence>& seqs, const Problem& plan_p);
+Problem fused_packed_plan_problem(const std::vector<FusedSequence>& seqs);
 // dsinks (empty: not wanted) receives the sinks' gradient summed over all
 // sequences.
 void fused_backward_packed(const std::vector<FusedSequence>& seqs, View1<float> dsinks);
