@@ -238,8 +238,7 @@ void PackQueryBlock(const FusedCall& c, BackwardScratch& w, int64_t b, int64_t h
     const float* y = &out(b, h, i0 + r, 0);
     float* dy = w.dy + r * w.Evp;
     w.lse[r] = lse(b, h, i0 + r);
-    bool bad = false;
-    for (int64_t e = 0; e < Ev; ++e) bad |= non_finite(dy[e]);
+    const bool bad = RowNonFinite(dy, Ev, 1);
     // Poisoned: a bad query (PackQ), a bad dY, or a NaN lse (the forward's
     // poisoned rows). Its dY is zeroed and D = 0; its probabilities carry the NaN.
     w.poisoned[r] = w.poisoned[r] || bad || w.lse[r] != w.lse[r];
@@ -248,9 +247,7 @@ void PackQueryBlock(const FusedCall& c, BackwardScratch& w, int64_t b, int64_t h
       w.D[r] = 0.0f;
       continue;
     }
-    float acc = 0;
-    for (int64_t e = 0; e < Ev; ++e) acc += dy[e] * y[e * se];  // D_i = Σ_e dY_ie·Y_ie
-    w.D[r] = acc;
+    w.D[r] = RowDot(dy, y, Ev, se);  // D_i = Σ_e dY_ie·Y_ie
   }
 }
 
