@@ -242,11 +242,13 @@ int packed_threads(const VarlenChecker& c, const SdpaOptions& opt) { return c.th
 // 16 sequences of 32..2048 tokens (H = 8, E = 64, Zen 3) that ran at about
 // 0.89 of the dense kernel's GFLOP/s, against 1.03 for the same call on
 // head-major views. So when the rows are not adjacent the sequences run in
-// groups of about detail::varlen_group_bytes (16 MiB) of Q, K and V, the costliest first: a group's
-// rows are copied head-major into one buffer (reused by every group, so it
-// is allocated and faulted in once), and its units then find them in the
-// cache, marking included. Every group runs on the plan of the whole batch,
-// so the results are bitwise those of one call over all sequences.
+// groups of about detail::varlen_group_bytes (16 MiB) of Q, K and V, the
+// costliest first: a group's rows are copied head-major into one buffer
+// (reused by every group, so it is allocated and faulted in once), and its
+// units then find them in the cache, marking included. Every group runs on
+// the plan of the whole batch, so the results are bitwise those of one call
+// over all sequences.
+//
 // Above this the buffer of the largest group (one long sequence) is not
 // worth its memory and the batch runs in place.
 constexpr int64_t kMaxGroupBuffer = int64_t(256) << 20;
@@ -257,8 +259,8 @@ int64_t sequence_floats(const detail::FusedSequence& s) {
   return p.L * p.H * p.E + p.S * p.Hkv * (p.E + p.Ev);
 }
 
-// seqs[i] as a (1, Hx, n, F) view of `rows` in the packed layout copied
-// head-major to `at` (which then advances past it).
+// `rows`, a (1, Hx, n, F) view into the packed layout, copied head-major to
+// `at` (which then advances past it); returns the view of the copy.
 View4<const float> copy_head_major(const View4<const float>& rows, float*& at, int threads) {
   const int64_t Hx = rows.dim(1), n = rows.dim(2), F = rows.dim(3);
   const View3<const float> src(rows.data, {n, Hx, F}, {rows.strides[2], rows.strides[1], rows.strides[3]});
@@ -279,7 +281,8 @@ bool forward_in_groups(const std::vector<detail::FusedSequence>& seqs) {
   int64_t group_floats = 0, buffer_floats = 0;
   for (size_t i : order) {
     const int64_t f = sequence_floats(seqs[i]);
-    if (groups.empty() || (group_floats + f) * int64_t(sizeof(float)) > detail::varlen_group_bytes) groups.emplace_back(), group_floats = 0;
+    if (groups.empty() || (group_floats + f) * int64_t(sizeof(float)) > detail::varlen_group_bytes)
+      groups.emplace_back(), group_floats = 0;
     groups.back().push_back(i);
     group_floats += f;
     buffer_floats = std::max(buffer_floats, group_floats);

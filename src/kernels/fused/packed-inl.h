@@ -54,8 +54,9 @@ void LongestFirst(std::vector<PackedUnit>& units) {
 // own order (head by head, query block by query block, as the dense call).
 // Sorting the units themselves by cost would put every sequence's partial
 // last block behind the full blocks of shorter ones, by when its K and V
-// (all of which a block reads) have left the cache; by sequence, measured
-// 0.86 → 0.89 of the dense kernel's GFLOP/s on 16 sequences (Zen 3).
+// (all of which a block reads) have left the cache; by sequence, 0.86 →
+// 0.89 of the dense kernel's GFLOP/s on 16 sequences (Zen 3, one run of 21
+// paired repetitions, before the forward's groups of src/varlen.cpp).
 void SequencesLongestFirst(std::vector<PackedUnit>& units, int64_t n) {
   std::vector<double> cost(size_t(n), 0.0);
   for (const PackedUnit& x : units) cost[size_t(x.seq)] += x.cost;
@@ -74,26 +75,18 @@ double RowBlockCost(const FusedCall& c, int64_t i0, int64_t nr) {
 std::vector<FusedCall> MakePackedCalls(const FusedSequence* seqs, int64_t n, const FusedPlan& t,
                                        std::vector<std::vector<uint8_t>>& bad) {
   std::vector<FusedCall> calls;
+  std::vector<int64_t> start{0};  // first key row of each sequence in one numbering
   bad.resize(size_t(n));
   for (int64_t s = 0; s < n; ++s) {
     const Problem& p = seqs[s].p;
     calls.push_back(FusedCall{&p, &seqs[s].a, t, float(p.scale)});
     bad[size_t(s)].assign(size_t(p.B * p.Hkv * p.S), 0);
+    start.push_back(start.back() + p.B * p.Hkv * p.S);
   }
-  // One numbering of all sequences' key rows, the cheapest sequence first:
-  // the units start with the costliest, whose K and V are then the ones
-  // the marking read last, the likeliest to be still in the cache.
-  std::vector<int64_t> order(static_cast<size_t>(n));
-  for (int64_t s = 0; s < n; ++s) order[size_t(s)] = s;
-  auto cost = [&](int64_t s) { return double(seqs[s].p.L) * double(seqs[s].p.S); };
-  std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return cost(x) < cost(y); });
-  std::vector<int64_t> start{0};  // first row of order[i] in the numbering
-  for (int64_t s : order) start.push_back(start.back() + seqs[s].p.B * seqs[s].p.Hkv * seqs[s].p.S);
 #pragma omp parallel for num_threads(seqs[0].p.threads) schedule(static)
   for (int64_t u = 0; u < start.back(); ++u) {
-    const int64_t i = int64_t(std::upper_bound(start.begin(), start.end(), u) - start.begin()) - 1;
-    const int64_t s = order[size_t(i)];
-    MarkBadKey(seqs[s].p, seqs[s].a, bad[size_t(s)].data(), u - start[size_t(i)]);
+    const int64_t s = int64_t(std::upper_bound(start.begin(), start.end(), u) - start.begin()) - 1;
+    MarkBadKey(seqs[s].p, seqs[s].a, bad[size_t(s)].data(), u - start[size_t(s)]);
   }
   for (int64_t s = 0; s < n; ++s) {
     const auto& marks = bad[size_t(s)];

@@ -1,8 +1,8 @@
 // The fused kernels' operands and score tiles, for one SIMD target (included
 // once per target through attention-inl.h; no ordinary include guard): the
 // NaN/±∞ marking of K and V rows, the packing of strided views into dense
-// scratch (prefetching rows that are not adjacent), and the one function per direction that builds a score tile
-// through the score rules (ScoreTileT for the forward, in base 2 and
+// scratch (prefetching rows that are not adjacent), and the one function
+// per direction that builds a score tile through the score rules (ScoreTileT for the forward, in base 2 and
 // transposed; ScoreTile for the backward). The units that use them, forward
 // and backward side by side, are in attention-inl.h.
 
@@ -72,7 +72,7 @@ bool RowNonFinite(const float* x, int64_t n, int64_t sx) {
 // batch or a (B, S, H, E) tensor), so that consecutive rows are adjacent in
 // memory and a thread's static share is one stream; head-major otherwise.
 // (Walking a packed batch head by head reads every 8th row from memory, 2 KiB
-// apart: measured about 4% of a 16-sequence varlen forward against 1%.) The
+// apart: about 4% of a 16-sequence varlen forward in a profile, against 1%.) The
 // mark always lands at bad[(b·Hkv + hk)·S + j].
 bool MarkBadKey(const Problem& p, const SdpaArgs<float>& a, uint8_t* bad, int64_t u) {
   const bool key_major = a.k.strides[1] < a.k.strides[2];
@@ -126,8 +126,9 @@ bool rows_adjacent(const View4<const float>& X) { return X.strides[3] == 1 && X.
 // are fetched from memory one by one, each a few cache lines after a jump
 // the hardware prefetchers follow badly; the copies below ask for the row
 // kAhead rows on while they copy the current one, so that several rows are
-// in flight at once. (16-sequence varlen forward, Zen 3: 0.86-0.89 of the
-// dense kernel's GFLOP/s without, 0.93 with, median of 21 paired runs.)
+// in flight at once. (16-sequence varlen forward read in place, Zen 3:
+// 0.86-0.87 of the dense kernel's GFLOP/s without, 0.92 with, one run of 21
+// paired repetitions.)
 constexpr int64_t kAhead = 8;
 
 void PrefetchRow(const float* row, int64_t F, int64_t sf) {
