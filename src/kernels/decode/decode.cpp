@@ -474,6 +474,7 @@ void ForwardImpl(const DecodeProblem& p, const KVLayout& kv, View4<const float> 
   const int threads = int(std::min<int64_t>(p.threads, p.split ? nunits : nblocks));
 #pragma omp parallel num_threads(std::max(threads, 1))
   {
+    const FlushToZero ftz;  // as the fused kernels (kernels/fused/common.hpp)
     Scratch w(c);
     if (p.split) {
 #pragma omp for schedule(dynamic, 1)

@@ -200,6 +200,7 @@ void ForwardImpl(const Problem& p, const SdpaArgs<float>& a, View4<float> out, V
   const int64_t units = p.B * p.H * nqb;
 #pragma omp parallel num_threads(p.threads)
   {
+    const FlushToZero ftz;  // common.hpp
     ForwardScratch w(p, t, Lanes());
 #pragma omp for schedule(dynamic, 1)
     for (int64_t u = 0; u < units; ++u) {
@@ -484,6 +485,7 @@ void BackwardImpl(const Problem& p, const SdpaArgs<float>& a, View4<const float>
   const int64_t nkb = ceil_div(p.S, t.k_block), nqb = ceil_div(p.L, t.q_block);
 #pragma omp parallel num_threads(p.threads)
   {
+    const FlushToZero ftz;  // common.hpp
     BackwardScratch w(p, t, Lanes());
     if (t.own_heads) {
 #pragma omp for schedule(dynamic, 1)

@@ -125,6 +125,7 @@ void ForwardPackedImpl(const FusedSequence* seqs, int64_t n, const Problem& plan
   SequencesLongestFirst(units, n);
 #pragma omp parallel num_threads(plan_p.threads)
   {
+    const FlushToZero ftz;  // common.hpp
     ForwardScratch w(plan_p, t, Lanes());
     ForEachUnit(units, seqs, calls, [&](const PackedUnit& x, const FusedSequence& q, const FusedCall& c) {
       ForwardUnit(c, w, 0, x.head, x.first, std::min(t.q_block, q.p.L - x.first), q.out, {}, q.lse);
@@ -167,6 +168,7 @@ void BackwardPackedImpl(const FusedSequence* seqs, int64_t n, const Problem& pla
   LongestFirst(query_units);
 #pragma omp parallel num_threads(plan_p.threads)
   {
+    const FlushToZero ftz;  // common.hpp
     BackwardScratch w(plan_p, t, Lanes());
     ForEachUnit(key_units, seqs, calls, [&](const PackedUnit& x, const FusedSequence& q, const FusedCall& c) {
       const SdpaGrads<float>& g = grads[size_t(x.seq)];
