@@ -75,18 +75,22 @@ double RowBlockCost(const FusedCall& c, int64_t i0, int64_t nr) {
 std::vector<FusedCall> MakePackedCalls(const FusedSequence* seqs, int64_t n, const FusedPlan& t,
                                        std::vector<std::vector<uint8_t>>& bad) {
   std::vector<FusedCall> calls;
-  std::vector<int64_t> start{0};  // first key row of each sequence in one numbering
+  struct Rows {
+    int64_t seq, u0, u1;
+  };
+  std::vector<Rows> items;  // every sequence's key rows, in blocks of kMarkBlock
   bad.resize(size_t(n));
   for (int64_t s = 0; s < n; ++s) {
     const Problem& p = seqs[s].p;
     calls.push_back(FusedCall{&p, &seqs[s].a, t, float(p.scale)});
-    bad[size_t(s)].assign(size_t(p.B * p.Hkv * p.S), 0);
-    start.push_back(start.back() + p.B * p.Hkv * p.S);
+    const int64_t rows = p.B * p.Hkv * p.S;
+    bad[size_t(s)].assign(size_t(rows), 0);
+    for (int64_t u = 0; u < rows; u += kMarkBlock) items.push_back({s, u, std::min(rows, u + kMarkBlock)});
   }
 #pragma omp parallel for num_threads(seqs[0].p.threads) schedule(static)
-  for (int64_t u = 0; u < start.back(); ++u) {
-    const int64_t s = int64_t(std::upper_bound(start.begin(), start.end(), u) - start.begin()) - 1;
-    MarkBadKey(seqs[s].p, seqs[s].a, bad[size_t(s)].data(), u - start[size_t(s)]);
+  for (size_t i = 0; i < items.size(); ++i) {
+    const Rows& x = items[i];
+    MarkBadKeyRange(seqs[x.seq].p, seqs[x.seq].a, bad[size_t(x.seq)].data(), x.u0, x.u1);
   }
   for (int64_t s = 0; s < n; ++s) {
     const auto& marks = bad[size_t(s)];
