@@ -40,6 +40,7 @@
 
 #include "attn/attn.hpp"
 #include "kernels/fused/fused.hpp"
+#include "simd_target.hpp"
 
 namespace {
 
@@ -384,7 +385,13 @@ int main(int argc, char** argv) {
   app.add_option("--case-len", c.case_len, "case section: L = S");
   app.add_option("--case-window", c.case_window, "case section: keys in the window");
   app.add_option("--varlen-lengths", c.varlen_lengths, "case section, varlen: the sequence lengths")->delimiter(',');
+  std::string target = "best";
+  app.add_option("--target", target, "SIMD target of the kernels (AVX3, AVX2, SSE4, ...; best: the best the CPU runs)");
   CLI11_PARSE(app, argc, argv);
+  if (!attn_bench::limit_simd_target(target)) {
+    std::fprintf(stderr, "attn-bench-variants: --target: '%s' is not a SIMD target this CPU runs\n", target.c_str());
+    return 2;
+  }
   g_cpu_clock = clock == "cpu";
   g_stat = stat == "min" ? Stat::min : stat == "paired" ? Stat::paired : Stat::median;
   if (std::find(c.sections.begin(), c.sections.end(), "case") == c.sections.end())

@@ -154,7 +154,11 @@ void ForwardUnit(const FusedCall& c, ForwardScratch& w, int64_t b, int64_t h, in
     const float* o = w.o + r * w.Evp;
     float* dst = &out(b, h, i0 + r, 0);
     const int64_t se = out.strides[3];
-    for (int64_t e = 0; e < p.Ev; ++e) dst[e * se] = o[e] * f.inv_sum;  // y = acc / sum
+    int64_t e = 0;  // y = acc / sum
+    if (se == 1)
+      for (const VF inv = hn::Set(DF(), f.inv_sum); e + lanes <= p.Ev; e += lanes)
+        hn::StoreU(hn::Mul(hn::Load(DF(), o + e), inv), DF(), dst + e);
+    for (; e < p.Ev; ++e) dst[e * se] = o[e] * f.inv_sum;
     if (!lse.empty()) lse(b, h, i0 + r) = row_lse;
   }
 
