@@ -104,6 +104,19 @@ HWY_INLINE void MicroRows(int m, int64_t K, const float* A, int64_t ars, int64_t
 void Gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t ars, int64_t aks,
           const float* B, int64_t ldb, float* C, int64_t ldc, bool accumulate) {
   const int64_t lanes = int64_t(hn::Lanes(DF()));
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
+  // With 32 registers, a width of whole three-vector strips (48 or 96
+  // queries of a forward score tile) runs 8 rows × 3 vectors, rather than
+  // two-vector strips and a one-vector strip that is bound by its loads.
+  // Each element's sum over k keeps its order: the same result bit for bit.
+  if (N % (3 * lanes) == 0) {
+    for (int64_t n0 = 0; n0 < N; n0 += 3 * lanes)
+      for (int64_t m0 = 0; m0 < M; m0 += 8)
+        MicroRows<3, 8>(int(std::min<int64_t>(8, M - m0)), K, A + m0 * ars, ars, aks, B + n0, ldb,
+                        C + m0 * ldc + n0, ldc, accumulate);
+    return;
+  }
+#endif
   for (int64_t n0 = 0; n0 < N; n0 += kNV * lanes) {
     const bool two = N - n0 >= kNV * lanes;
     for (int64_t m0 = 0; m0 < M; m0 += kMR) {
