@@ -57,7 +57,8 @@ static double thread_cpu_seconds() {
 BandwidthProbe::BandwidthProbe(int threads, int64_t bytes) : threads_(std::max(threads, 1)) {
   const int64_t n = bytes / 4 / 1024 * 1024;
   slice_ = n / threads_ / 64 * 64;  // 256-byte aligned slices
-  buf_ = static_cast<float*>(attn::detail::allocate_streamed(size_t(n) * 4));
+  bytes_ = size_t(n) * 4;
+  buf_ = static_cast<float*>(attn::detail::allocate_streamed(bytes_));
   // Each thread touches (first-touch places pages near it) its own slice.
 #pragma omp parallel num_threads(threads_)
   {
@@ -66,7 +67,7 @@ BandwidthProbe::BandwidthProbe(int threads, int64_t bytes) : threads_(std::max(t
   }
 }
 
-BandwidthProbe::~BandwidthProbe() { attn::detail::free_streamed(buf_); }
+BandwidthProbe::~BandwidthProbe() { attn::detail::free_streamed(buf_, bytes_); }
 
 ReadBandwidth BandwidthProbe::pass() const {
   const double pass_bytes = double(slice_) * threads_ * 4;

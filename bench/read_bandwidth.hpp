@@ -1,6 +1,7 @@
 // The memory read bandwidth attn-decode-bench measures the machine with.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 namespace attn_bench {
@@ -30,6 +31,7 @@ class BandwidthProbe {
  private:
   int threads_;
   int64_t slice_;
+  std::size_t bytes_;  // of buf_
   float* buf_;
 };
 }  // namespace attn_bench

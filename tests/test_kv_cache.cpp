@@ -212,7 +212,7 @@ TEST(KVCache, StreamedAllocatorAlignsAndHoldsItsBytes) {
     size_t wrong = 0;
     for (size_t i = 0; i < bytes; ++i) wrong += p[i] != static_cast<unsigned char>(i * 7);
     EXPECT_EQ(wrong, 0u) << bytes << " bytes";
-    detail::free_streamed(p);
+    detail::free_streamed(p, bytes);
   }
   std::vector<float, detail::StreamedAllocator<float>> v(size_t(1) << 20, 0.0f);  // 4 MiB
   EXPECT_EQ(reinterpret_cast<uintptr_t>(v.data()) % (size_t(2) << 20), 0u);

@@ -38,9 +38,11 @@ void check_fits_in_memory(uint64_t bytes, const std::string& what);
 // or "madvise"), before anything touches them: with 4 KiB pages a stream
 // crosses a page, and misses the TLB, every 4 KiB, which costs about a
 // quarter of the read rate on a virtual machine. Smaller buffers: 64-byte
-// aligned. Throws std::bad_alloc when the memory is not there.
+// aligned. Throws std::bad_alloc when the memory is not there. Freed with
+// the size it was allocated with (large buffers are mappings of their own
+// on Linux: src/memory.cpp says why).
 void* allocate_streamed(std::size_t bytes);
-void free_streamed(void* p) noexcept;
+void free_streamed(void* p, std::size_t bytes) noexcept;
 
 template <class T>
 struct StreamedAllocator {
@@ -52,7 +54,7 @@ struct StreamedAllocator {
     if (n > SIZE_MAX / sizeof(T)) throw std::bad_alloc();
     return static_cast<T*>(allocate_streamed(n * sizeof(T)));
   }
-  void deallocate(T* p, std::size_t) noexcept { free_streamed(p); }
+  void deallocate(T* p, std::size_t n) noexcept { free_streamed(p, n * sizeof(T)); }
   template <class U>
   bool operator==(const StreamedAllocator<U>&) const noexcept {
     return true;
