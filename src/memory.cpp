@@ -58,12 +58,14 @@ std::size_t streamed_size(std::size_t bytes, std::size_t align) {
 
 // On Linux a buffer of 2 MiB or more is its own mapping: pages that no one
 // touched before, so the first touch after madvise can take a huge page.
-// Through malloc, a large block freed earlier in the process comes back
-// already touched in 4 KiB pages (glibc raises its mmap threshold after
-// such a free and serves the next blocks from the heap): in one run of
-// attn-decode-bench the third cache of 16 MiB read 20-25% slower than the
-// first (1.20-1.31 against 0.97-1.01 ms, whichever dtype came third).
+// Through malloc, in one run of attn-decode-bench the cache that came third
+// (16 MiB, whichever dtype) read 20-25% slower than the first (1.20-1.31
+// against 0.97-1.01 ms), and the mappings removed that. The likely reason,
+// not confirmed page by page: glibc raises its mmap threshold after a large
+// block is freed and serves the next blocks from heap memory that was
+// already touched in 4 KiB pages.
 void* allocate_streamed(std::size_t bytes) {
+  if (bytes > SIZE_MAX / 2) throw std::bad_alloc();  // (the rounding below would wrap)
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
   if (bytes >= kHuge) {
     const std::size_t size = streamed_size(bytes, kHuge), span = size + kHuge;

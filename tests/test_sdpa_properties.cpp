@@ -2,12 +2,20 @@
 // distributions, self-attention is permutation-equivariant, causal outputs
 // ignore the future, scores are the bilinear form X·M·Xᵀ, layouts and
 // broadcasting agree, and nothing overflows.
+#include <map>
+
 #include "sdpa_case.hpp"
+
+#if defined(__SSE__) || defined(__x86_64__)
+#include <xmmintrin.h>
+#endif
 
 namespace {
 
 using namespace attn::testing;
 using attn::Tensor;
+using attn::Backend;
+using attn::View3;
 using attn::View4;
 
 TEST(SdpaProperties, RowsOfAttentionAreDistributions) {
@@ -305,6 +313,47 @@ TEST(Softmax, StableForLargeInputsAndEmptyRows) {
   EXPECT_TRUE(std::isinf(attn::softmax(none, y, 2)));
   EXPECT_EQ(y[0], 0.0f);
   EXPECT_EQ(y[1], 0.0f);
+}
+
+// The fused kernels flush results below 2^-126 to zero (FlushToZero in
+// kernels/fused/common.hpp) and give the caller's thread its own mode back.
+// One query, two keys: P = (1, e^-85), e^-85 ≈ 1.2e-37 a normal float, and
+// dY = 1e-3, so the second key's exact dV, 1.2e-40, is subnormal: the
+// reference (in double, rounded once) keeps it, the fused backward returns 0.
+TEST(SdpaStability, FusedFlushesSubnormalResultsAndKeepsTheCallersMode) {
+#if defined(__SSE__) || defined(__x86_64__)
+  std::vector<float> q = {1, 0, 0, 0}, k = {0, 0, 0, 0, -170, 0, 0, 0}, v = {1, 2, 3, 4, 5, 6, 7, 8};
+  std::vector<float> dy = {1e-3f, 1e-3f, 1e-3f, 1e-3f};
+  const attn::SdpaArgs<float> args{View4<const float>(q.data(), {1, 1, 1, 4}), View4<const float>(k.data(), {1, 1, 2, 4}),
+                                   View4<const float>(v.data(), {1, 1, 2, 4})};
+  const unsigned saved = _mm_getcsr();
+  for (const unsigned fz : {0u, 0x8000u}) {
+    std::map<Backend, std::vector<float>> dv;
+    for (const Backend be : {Backend::fused, Backend::reference}) {
+      std::vector<float> out(4), lse(1), dq(4), dk(8);
+      dv[be].assign(8, -1.0f);
+      attn::SdpaOptions opt;
+      opt.backend = be;
+      opt.num_threads = 2;
+      _mm_setcsr((saved & ~0x8000u) | fz);
+      attn::scaled_dot_product_attention<float>(args, {View4<float>(out.data(), {1, 1, 1, 4}), {}, View3<float>(lse.data(), {1, 1, 1})}, opt);
+      attn::scaled_dot_product_attention_backward<float>(
+          args, View4<const float>(dy.data(), {1, 1, 1, 4}), {View4<const float>(out.data(), {1, 1, 1, 4}), View3<const float>(lse.data(), {1, 1, 1})},
+          {View4<float>(dq.data(), {1, 1, 1, 4}), View4<float>(dk.data(), {1, 1, 2, 4}), View4<float>(dv[be].data(), {1, 1, 2, 4})}, opt);
+      EXPECT_EQ(_mm_getcsr() & 0x8000u, fz) << "the call changed the caller's flush-to-zero mode";
+      _mm_setcsr(saved);
+    }
+    for (int e = 0; e < 4; ++e) {
+      EXPECT_NEAR(dv[Backend::fused][size_t(e)], 1e-3f, 1e-9f);  // the first key takes P = 1
+      EXPECT_EQ(dv[Backend::fused][size_t(4 + e)], 0.0f) << "flushed: below 2^-126";
+      if (fz) continue;  // (the caller's own flush applies to the reference's rounding to float)
+      EXPECT_GT(dv[Backend::reference][size_t(4 + e)], 1e-41f);  // the exact value, about 1.2e-40
+      EXPECT_LT(dv[Backend::reference][size_t(4 + e)], 1e-39f);
+    }
+  }
+#else
+  GTEST_SKIP() << "flush-to-zero is set on x86 only";
+#endif
 }
 
 }  // namespace
