@@ -153,6 +153,44 @@ TEST(Decode, BitwiseSameForAnyThreadCountSplitOrNot) {
   }
 }
 
+// Rows of 128 features and more take longer tiles (128 keys at E = 128,
+// 16384 / E beyond, a multiple of 8; 64 keys below E = 128): the plan says
+// so, and the long tiles, cut by pages that do not divide them and by the
+// causal end of each row, match the reference and stay bitwise the same for
+// any thread count.
+TEST(Decode, WideRowsTakeLongTilesAndMatchReference) {
+  const auto tile = [](int64_t E, int64_t Ev) {
+    detail::DecodeProblem p;
+    p.B = 1, p.H = 4, p.Hkv = 1, p.L = 1, p.E = E, p.Ev = Ev, p.length = {4096};
+    return detail::decode_plan(p).tile;
+  };
+  EXPECT_EQ(tile(64, 64), 64);
+  EXPECT_EQ(tile(16, 100), 64);
+  EXPECT_EQ(tile(128, 128), 128);
+  EXPECT_EQ(tile(128, 160), 96);  // 16384 / 160 = 102, down to a multiple of 8
+  EXPECT_EQ(tile(256, 64), 64);
+  std::mt19937_64 rng(12);
+  for (const KVDtype t : {KVDtype::float32, KVDtype::bfloat16})
+    for (const int64_t page : {int64_t(0), int64_t(100)}) {
+      DecodeCase c;
+      c.B = 2, c.H = 8, c.Hkv = 2, c.L = 3, c.E = 128, c.Ev = page ? 160 : 128, c.page = page, c.dtype = t;
+      c.causal = true;
+      c.lens = {700, 131};  // several long tiles and chunks; a partial last tile
+      SCOPED_TRACE(c.str());
+      const Filled f = fill(c, rng);
+      DecodeOptions o;
+      o.num_threads = 1;
+      const Result base = run(c, f, o);
+      expect_matches_oracle(c, f, base);
+      for (const int threads : {2, 3}) {
+        o.num_threads = threads;
+        const Result r = run(c, f, o);
+        EXPECT_TRUE(bitwise_equal(r.out, base.out)) << threads << " threads";
+        EXPECT_TRUE(bitwise_equal(r.lse, base.lse)) << threads << " threads";
+      }
+    }
+}
+
 // ---- chunked prefill: many new rows go to the fused kernel ------------------
 
 // Rows beyond what the decode kernel takes (decode_suits_rows) run the fused
