@@ -26,9 +26,11 @@
 //    converted once and used by the 4 rows), the 8 sums reduced across lanes
 //    together by a transposing tree at the end; then the online-softmax step per row (in base 2: the queries are
 //    pre-multiplied by scale·log2(e)); then acc += P·V with a register block
-//    of up to 4 rows × 2 value vectors, each value vector converted once.
+//    of up to 4 rows × a strip of value vectors (as wide as half the
+//    vector registers allow: 4 vectors for 4 rows on AVX-512), each value
+//    vector converted once.
 //  * Prefetch. The value loop walks a tile in strips of features (all keys
-//    for features [e0, e0 + 2 lanes), then the next strip), which from DRAM
+//    for the strip's features, then the next strip), which from DRAM
 //    is a strided pattern the hardware prefetchers follow badly; so while
 //    the score loop streams key row j of a tile it also starts loading value
 //    row j (software prefetch, row order), and while the value loop's first
@@ -254,14 +256,40 @@ HWY_INLINE void ValueStrip(const float* HWY_RESTRICT p, int64_t ldp, int64_t nk,
     for (int c = 0; c < NV; ++c) hn::Store(acc[r][c], d, o + r * ldo + e0 + c * N);
 }
 
+// Strips of NV vectors while they fit, then of NV / 2, ..., 1 (pf goes with
+// the first strip only).
+template <int R, int NV, class T>
+HWY_INLINE void ValueStrips(const float* p, int64_t ldp, int64_t nk, const T* v, int64_t vrow, int64_t& e0,
+                            int64_t Ev, float* o, int64_t ldo, RowPrefetch& pf) {
+  const int64_t N = int64_t(hn::Lanes(DF()));
+  for (; e0 + NV * N <= Ev; e0 += NV * N, pf.p = nullptr)
+    ValueStrip<R, NV, false>(p, ldp, nk, v, vrow, e0, Ev, o, ldo, pf);
+  if constexpr (NV > 1) ValueStrips<R, NV / 2>(p, ldp, nk, v, vrow, e0, Ev, o, ldo, pf);
+}
+
+// The widest strip for R rows: at most half the vector registers as
+// accumulators (16 of 32 on AVX-512, 8 of 16 elsewhere), at most 8 vectors,
+// a power of two. Wide strips read each value row in few long runs (on
+// AVX-512 a row of 128 features in two runs for 4 rows, in one for 1 or 2
+// rows), which the hardware prefetchers follow better than many narrow
+// strips. Each output element still sums its keys in key order, so the
+// strip width does not change a bit.
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
+constexpr int kValueAccs = 16;
+#else
+constexpr int kValueAccs = 8;
+#endif
+constexpr int WidestStrip(int rows) {
+  int nv = 1;
+  while (nv * 2 <= 8 && nv * 2 * rows <= kValueAccs) nv *= 2;
+  return nv;
+}
+
 template <int R, class T>
 HWY_INLINE void ValueRows(const float* p, int64_t ldp, int64_t nk, const T* v, int64_t vrow, int64_t Ev,
                           float* o, int64_t ldo, RowPrefetch pf = {}) {
-  const int64_t N = int64_t(hn::Lanes(DF()));
   int64_t e0 = 0;
-  // pf goes with the first strip only.
-  for (; e0 + 2 * N <= Ev; e0 += 2 * N, pf.p = nullptr) ValueStrip<R, 2, false>(p, ldp, nk, v, vrow, e0, Ev, o, ldo, pf);
-  for (; e0 + N <= Ev; e0 += N, pf.p = nullptr) ValueStrip<R, 1, false>(p, ldp, nk, v, vrow, e0, Ev, o, ldo, pf);
+  ValueStrips<R, WidestStrip(R)>(p, ldp, nk, v, vrow, e0, Ev, o, ldo, pf);
   if (e0 < Ev) ValueStrip<R, 1, true>(p, ldp, nk, v, vrow, e0, Ev, o, ldo, pf);
 }
 
