@@ -98,14 +98,30 @@ void sized(Tensor<T>& t, std::vector<int64_t> shape) {
   if (t.shape() != shape) t = Tensor<T>(std::move(shape));
 }
 
+// f(r) for every r in [0, rows), each row `width` elements of work: on
+// `threads` OpenMP threads (the pool the GEMMs and the attention use) when
+// there are at least 2^16 elements, else on the calling thread. The rows are
+// independent copies, so the result is the same for any thread count. (On
+// a quiet 2-core Zen 4 the layer's copies in parallel cut its forward by
+// 3-6%, docs/multihead.md; on a machine whose other core is busy a
+// parallel region can cost more than it saves.)
+template <class F>
+void parallel_rows(int threads, int64_t rows, int64_t width, const F& f) {
+  const bool par = threads > 1 && rows > 1 && rows * width >= (int64_t(1) << 16);
+#pragma omp parallel for num_threads(threads) schedule(static) if (par)
+  for (int64_t r = 0; r < rows; ++r) f(r);
+}
+
 // A dense (rows, width) copy of `src` in `storage`, or src's own data when it
 // is already dense and no copy is wanted.
 template <class T>
-const T* dense(View3<const T> src, Tensor<T>& storage, bool force_copy) {
+const T* dense(View3<const T> src, Tensor<T>& storage, bool force_copy, int threads) {
   if (src.is_contiguous() && !force_copy) return src.data;
   sized(storage, {src.dim(0), src.dim(1), src.dim(2)});
   if (src.is_contiguous())
-    std::copy_n(src.data, storage.size(), storage.data());
+    parallel_rows(threads, src.dim(0) * src.dim(1), src.dim(2), [&](int64_t r) {
+      std::copy_n(src.data + r * src.dim(2), src.dim(2), storage.data() + r * src.dim(2));
+    });
   else
     gather(src, storage.data());
   return storage.data();
@@ -183,9 +199,9 @@ std::array<Part<T>, 3> parts(Layer& layer, const MultiheadConfig& cfg, bool pack
 // region costs more than it saves (measured: 40 vs 64 ms on the forward of
 // (8, 128, 256, 4) with the other core busy).
 template <class T>
-void split_heads(const T* src, int64_t ld, const T* bias, int64_t B, int64_t N, int64_t H, int64_t F, T* dst) {
-  const int64_t rows = B * N;
-  for (int64_t r = 0; r < rows; ++r) {
+void split_heads(const T* src, int64_t ld, const T* bias, int64_t B, int64_t N, int64_t H, int64_t F, T* dst,
+                 int threads) {
+  parallel_rows(threads, B * N, H * F, [&](int64_t r) {
     const int64_t b = r / N, n = r % N;
     for (int64_t h = 0; h < H; ++h) {
       const T* x = src + r * ld + h * F;
@@ -195,7 +211,7 @@ void split_heads(const T* src, int64_t ld, const T* bias, int64_t B, int64_t N, 
       else
         std::copy_n(x, F, d);
     }
-  }
+  });
 }
 
 // The inverse, without bias: dst[(b·N + n)·ld + h·F + f] = src(b, h, n, f)
@@ -206,10 +222,10 @@ void split_heads(const T* src, int64_t ld, const T* bias, int64_t B, int64_t N, 
 // 4.1-4.3 against 5.4-5.6 ms on (1, 2048, 768, 12), load 4; summing whole
 // rows into one vector instead was slower than the two passes).
 template <class T>
-void merge_heads(const T* src, int64_t B, int64_t N, int64_t H, int64_t F, T* dst, int64_t ld, T* gb) {
-  std::vector<double> sums(static_cast<size_t>(F));
-  for (int64_t h = 0; h < H; ++h) {
-    std::fill(sums.begin(), sums.end(), 0.0);
+void merge_heads(const T* src, int64_t B, int64_t N, int64_t H, int64_t F, T* dst, int64_t ld, T* gb,
+                 int threads) {
+  parallel_rows(threads, H, B * N * F, [&](int64_t h) {
+    std::vector<double> sums(static_cast<size_t>(F));
     for (int64_t r = 0; r < B * N; ++r) {
       const int64_t b = r / N, n = r % N;
       T* d = dst + r * ld + h * F;
@@ -219,15 +235,15 @@ void merge_heads(const T* src, int64_t B, int64_t N, int64_t H, int64_t F, T* ds
     }
     if (gb)
       for (int64_t f = 0; f < F; ++f) gb[h * F + f] += T(sums[size_t(f)]);
-  }
+  });
 }
 
 // Every row of C (m, n), leading dimension ldc, set to bias (n): a GEMM with
 // beta = 1 then adds the product, which saves the pass that adding the bias
 // afterwards takes (with beta = 0 OpenBLAS clears C in a pass of its own).
 template <class T>
-void fill_rows(T* C, int64_t m, int64_t n, int64_t ldc, const T* bias) {
-  for (int64_t i = 0; i < m; ++i) std::copy_n(bias, n, C + i * ldc);
+void fill_rows(T* C, int64_t m, int64_t n, int64_t ldc, const T* bias, int threads) {
+  parallel_rows(threads, m, n, [&](int64_t i) { std::copy_n(bias, n, C + i * ldc); });
 }
 
 template <class T, int R>
@@ -330,7 +346,7 @@ void MultiheadAttention<T>::forward(const MhaArgs<T>& a, const MhaOutputs<T>& o,
   }
   for (const auto& e : written) c.writable(e);
   c.disjoint(written, read);
-  (void)c.threads(opt.sdpa.num_threads);
+  const int threads = c.threads(opt.sdpa.num_threads);
   if (opt.sdpa.check_finite) {
     c.finite(a.query, "query");
     if (!self) {
@@ -366,10 +382,10 @@ void MultiheadAttention<T>::forward(const MhaArgs<T>& a, const MhaOutputs<T>& o,
 
   // Dense inputs: always copied into the cache (so the caller may reuse its
   // buffers before backward), otherwise only when strided.
-  const T* xq = dense(a.query, st.query, cache != nullptr);
+  const T* xq = dense(a.query, st.query, cache != nullptr, threads);
   if (self) st.key = Tensor<T>(), st.value = Tensor<T>();
-  const T* xk = self ? xq : dense(a.key, st.key, cache != nullptr);
-  const T* xv = self ? xq : dense(a.value, st.value, cache != nullptr);
+  const T* xk = self ? xq : dense(a.key, st.key, cache != nullptr, threads);
+  const T* xv = self ? xq : dense(a.value, st.value, cache != nullptr, threads);
 
   // [q | k | v] = x·Wᵀ: one product for a packed self-attention (the three
   // weight blocks are consecutive rows of in_proj_weight), else three; then
@@ -386,9 +402,9 @@ void MultiheadAttention<T>::forward(const MhaArgs<T>& a, const MhaOutputs<T>& o,
   T* const hq = st.proj.data();
   T* const hk = hq + B * L * HE;
   T* const hv = hk + B * S * HE;
-  split_heads(ps[0].p, ps[0].ld, ps[0].b, B, L, H, E, hq);
-  split_heads(ps[1].p, ps[1].ld, ps[1].b, B, S, H, E, hk);
-  split_heads(ps[2].p, ps[2].ld, ps[2].b, B, S, H, Ev, hv);
+  split_heads(ps[0].p, ps[0].ld, ps[0].b, B, L, H, E, hq, threads);
+  split_heads(ps[1].p, ps[1].ld, ps[1].b, B, S, H, E, hk, threads);
+  split_heads(ps[2].p, ps[2].ld, ps[2].b, B, S, H, Ev, hv, threads);
   const View4<T> qh = View4<T>::bhnd(hq, B, H, L, E), kh = View4<T>::bhnd(hk, B, H, S, E),
                  vh = View4<T>::bhnd(hv, B, H, S, Ev);
   if (qk_.forward) qk_.forward(qh, kh);
@@ -443,7 +459,7 @@ void MultiheadAttention<T>::forward(const MhaArgs<T>& a, const MhaOutputs<T>& o,
   const T* bo = cfg_.bias ? parameter(kOutProjBias).data() : nullptr;
   Tensor<T> yscratch;
   T* y = o.out.is_contiguous() ? o.out.data : (yscratch = Tensor<T>({B, L, D})).data();
-  if (bo) fill_rows(y, B * L, D, D, bo);
+  if (bo) fill_rows(y, B * L, D, D, bo, threads);
   gemm<T>({B * L, D, HEv}, false, st.attn_out.data(), HEv, true, wo.data(), HEv, y, D, T(1), bo ? T(1) : T(0));
   if (!o.out.is_contiguous()) scatter<T>(y, o.out);
   if (cache) *cache = std::move(st);
@@ -455,6 +471,7 @@ void MultiheadAttention<T>::backward(const MhaCache<T>& cache, View3<const T> do
   const int64_t D = cfg_.embed_dim, H = cfg_.num_heads, E = cfg_.head_dim, Ev = cfg_.v_head_dim;
   const bool self = cache.self_attention;
   if (!cache.filled()) c.fail("argument 'cache' is empty; pass the same cache to forward first");
+  const int threads = c.threads(cache.options.sdpa.num_threads);
   const int64_t B = cache.B, L = cache.L, S = cache.S;
   const int64_t HE = H * E, HEv = H * Ev;
   const bool consistent =
@@ -486,7 +503,7 @@ void MultiheadAttention<T>::backward(const MhaCache<T>& cache, View3<const T> do
   if (cache.options.sdpa.check_finite) c.finite(dout, "dout");
 
   Tensor<T> dy_storage;
-  const T* dy = dense(dout, dy_storage, false);
+  const T* dy = dense(dout, dy_storage, false, threads);
 
   // y = o·W_oᵀ + b_o  ->  dW_o += dyᵀ·o,  db_o += Σ_rows dy,  do = dy·W_o
   const Tensor<T>& wo = params_.at(kOutProjWeight);
@@ -503,8 +520,8 @@ void MultiheadAttention<T>::backward(const MhaCache<T>& cache, View3<const T> do
   // pass each to split dY and Y here and to merge dQ, dK, dV below).
   sized(heads_dy_, {B, H, L, Ev});
   sized(heads_y_, {B, H, L, Ev});
-  split_heads<T>(d_attn.data(), HEv, nullptr, B, L, H, Ev, heads_dy_.data());
-  split_heads<T>(cache.attn_out.data(), HEv, nullptr, B, L, H, Ev, heads_y_.data());
+  split_heads<T>(d_attn.data(), HEv, nullptr, B, L, H, Ev, heads_dy_.data(), threads);
+  split_heads<T>(cache.attn_out.data(), HEv, nullptr, B, L, H, Ev, heads_y_.data(), threads);
 
   // o = sdpa(q, k, v): the gradients land in dense heads, then in a buffer
   // laid out as the GEMM wrote the projections.
@@ -533,9 +550,9 @@ void MultiheadAttention<T>::backward(const MhaCache<T>& cache, View3<const T> do
   if (qk_.backward) qk_.backward(sg.dq, sg.dk);
   // Back to the GEMM layout, where dW and dx are one product each; the same
   // pass sums the columns into the bias gradient (db += Σ_rows dp).
-  merge_heads<T>(hq, B, L, H, E, ps[0].p, ps[0].ld, ps[0].gb);
-  merge_heads<T>(hk, B, S, H, E, ps[1].p, ps[1].ld, ps[1].gb);
-  merge_heads<T>(hv, B, S, H, Ev, ps[2].p, ps[2].ld, ps[2].gb);
+  merge_heads<T>(hq, B, L, H, E, ps[0].p, ps[0].ld, ps[0].gb, threads);
+  merge_heads<T>(hk, B, S, H, E, ps[1].p, ps[1].ld, ps[1].gb, threads);
+  merge_heads<T>(hv, B, S, H, Ev, ps[2].p, ps[2].ld, ps[2].gb, threads);
 
   // p = x·Wᵀ + b  ->  dW += dpᵀ·x,  dx = dp·W (db came with the merge; a
   // packed self-attention does each as one product over [q | k | v]).
