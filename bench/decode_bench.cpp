@@ -42,6 +42,7 @@
 #include "kernels/decode/decode.hpp"
 #include "kernels/fused/fused.hpp"
 #include "read_bandwidth.hpp"
+#include "simd_target.hpp"
 
 namespace {
 
@@ -177,7 +178,13 @@ int main(int argc, char** argv) {
   app.add_option("--bandwidth-mib", bw_mib, "buffer size of the read-bandwidth measurement (well above the L3)");
   app.add_option("--json", json, "also write the results as JSON to this file ('-' = stdout only)");
   app.add_flag("--no-dense", no_dense, "skip the dense-call and per-head variants");
+  std::string target = "best";
+  app.add_option("--target", target, "SIMD target of the kernels (AVX3, AVX2, SSE4, ...; best: the best the CPU runs)");
   CLI11_PARSE(app, argc, argv);
+  if (!attn_bench::limit_simd_target(target)) {
+    std::fprintf(stderr, "attn-decode-bench: --target: '%s' is not a SIMD target this CPU runs\n", target.c_str());
+    return 2;
+  }
   const bool quiet = json == "-";
   std::vector<Shape> shapes;
   try {
