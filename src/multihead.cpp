@@ -102,9 +102,9 @@ void sized(Tensor<T>& t, std::vector<int64_t> shape) {
 // `threads` OpenMP threads (the pool the GEMMs and the attention use) when
 // there are at least 2^16 elements, else on the calling thread. The rows are
 // independent copies, so the result is the same for any thread count. (On
-// a quiet 2-core Zen 4 the layer's copies in parallel cut its forward by
-// 3-6%, docs/multihead.md; on a machine whose other core is busy a
-// parallel region can cost more than it saves.)
+// a quiet 2-core Zen 4 the layer's copies in parallel cut the small shape's
+// forward by 3-5%, docs/multihead.md; on a Zen 3 whose other core was busy
+// they had cost more than they saved: 55 against 38 ms on that forward.)
 template <class F>
 void parallel_rows(int threads, int64_t rows, int64_t width, const F& f) {
   const bool par = threads > 1 && rows > 1 && rows * width >= (int64_t(1) << 16);
@@ -194,10 +194,8 @@ std::array<Part<T>, 3> parts(Layer& layer, const MultiheadConfig& cfg, bool pack
 
 // dst (B, H, N, F), dense, = the heads of one part of the GEMM output plus
 // its bias: dst(b, h, n, f) = src[(b·N + n)·ld + h·F + f] + bias[h·F + f]
-// (src has B·N rows; bias nullptr: none). On the calling thread: a copy
-// is a small part of the layer's time, and on a loaded machine a parallel
-// region costs more than it saves (measured: 40 vs 64 ms on the forward of
-// (8, 128, 256, 4) with the other core busy).
+// (src has B·N rows; bias nullptr: none). A row per iteration of
+// parallel_rows.
 template <class T>
 void split_heads(const T* src, int64_t ld, const T* bias, int64_t B, int64_t N, int64_t H, int64_t F, T* dst,
                  int threads) {
