@@ -31,6 +31,7 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
@@ -117,18 +118,31 @@ double median(std::vector<double> x) {
   return x[x.size() / 2];
 }
 
+// What comes before each timed call: one pass of the bandwidth probe, or,
+// with --warm, nothing (the call then finds whatever of its K/V the caches
+// kept from the call before; the bandwidth columns show the header's best of
+// 5 passes). Warm calls on a shape whose K/V fit the L2/L3 measure the
+// kernel's arithmetic rate, the bound of the grouped half-precision shapes
+// (docs/decode.md, "Half storage is bound by its arithmetic").
+struct Rounds {
+  const attn_bench::BandwidthProbe& probe;
+  bool warm;
+  attn_bench::ReadBandwidth best;
+  attn_bench::ReadBandwidth before_call() const { return warm ? best : probe.pass(); }
+};
+
 // Medians over at least 3 rounds and about min_seconds. A round is one pass
 // of the bandwidth probe, then one timed call: every call reads its K/V from
 // memory (the pass evicts the caches, as the other layers of a model do
 // between two decoding steps), and the bandwidth it is compared with is
 // measured in the same seconds, so the drift of a shared machine cancels.
 template <class F>
-Timing time_it(F&& f, double min_seconds, const attn_bench::BandwidthProbe& probe) {
+Timing time_it(F&& f, double min_seconds, const Rounds& probe) {
   f();  // warm-up (page faults)
   std::vector<double> wall, cpu, bw, bw_cpu;
   const auto start = std::chrono::steady_clock::now();
   while (wall.size() < 3 || std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() < min_seconds) {
-    const attn_bench::ReadBandwidth b = probe.pass();
+    const attn_bench::ReadBandwidth b = probe.before_call();
     bw.push_back(b.wall), bw_cpu.push_back(b.cpu);
     const double c0 = cpu_seconds();
     const auto t0 = std::chrono::steady_clock::now();
@@ -157,6 +171,54 @@ double visible_pairs(const Shape& s) {
   return double(s.B) * double(s.H) * (double(s.L) * double(s.S - s.L) + double(s.L) * double(s.L + 1) / 2);
 }
 
+// Half storage against float32, paired: rounds in which every storage type's
+// call runs once, each after its own bandwidth pass (which evicts the
+// caches), the order rotating from round to round; the speed-up of a type is
+// the median over the rounds of (float32 time / its time) within a round. On
+// a machine whose memory speed drifts or switches between modes (docs/decode.md),
+// calls of one round meet the same conditions, where the separate medians of
+// the table above may have met different ones.
+template <class Kept>
+void paired_rounds(const Shape& s, const Tensor<float>& q, const std::vector<Kept>& kept, int threads,
+                   double min_seconds, const Rounds& probe, bool quiet, nlohmann::json& doc) {
+  size_t base = kept.size();
+  for (size_t i = 0; i < kept.size(); ++i)
+    if (kept[i].dtype == "float32") base = i;
+  if (base == kept.size() || kept.size() < 2) return;
+  Tensor<float> out({s.B, s.H, s.L, s.E});
+  attn::DecodeOptions opt;
+  opt.num_threads = threads;
+  const size_t n = kept.size();
+  std::vector<std::vector<double>> ratio(n);
+  const auto start = std::chrono::steady_clock::now();
+  for (size_t round = 0; round < 5 || std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() < n * min_seconds; ++round) {
+    std::vector<double> t(n);
+    for (size_t k = 0; k < n; ++k) {
+      const size_t i = (round + k) % n;
+      (void)probe.before_call();
+      const auto t0 = std::chrono::steady_clock::now();
+      attn::decode_attention(q.view4(), *kept[i].cache, out.view4(), opt);
+      t[i] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    }
+    for (size_t i = 0; i < n; ++i) ratio[i].push_back(t[base] / t[i]);
+    if (round >= 199) break;
+  }
+  std::string line;
+  for (size_t i = 0; i < n; ++i) {
+    if (i == base) continue;
+    const double r = median(ratio[i]);
+    char buf[96];
+    std::snprintf(buf, sizeof buf, "%s%s %.2fx", line.empty() ? "" : ", ", kept[i].dtype.c_str(), r);
+    line += buf;
+    doc["paired"].push_back({{"shape", {s.B, s.H, s.Hkv, s.L, s.S, s.E}}, {"dtype", kept[i].dtype},
+                             {"speedup_vs_float32", r}, {"rounds", ratio[i].size()}});
+  }
+  if (!quiet)
+    std::printf("%-22s paired, decode, speed-up over float32 in the same rounds: %s (median of %zu rounds)\n",
+                s.str().c_str(), line.c_str(), ratio[base].size());
+  std::fflush(stdout);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -178,6 +240,9 @@ int main(int argc, char** argv) {
   app.add_option("--bandwidth-mib", bw_mib, "buffer size of the read-bandwidth measurement (well above the L3)");
   app.add_option("--json", json, "also write the results as JSON to this file ('-' = stdout only)");
   app.add_flag("--no-dense", no_dense, "skip the dense-call and per-head variants");
+  bool warm = false;
+  app.add_flag("--warm", warm,
+               "no bandwidth pass before each call: K/V stay in the caches where they fit (the arithmetic rate)");
   std::string target = "best";
   app.add_option("--target", target, "SIMD target of the kernels (AVX3, AVX2, SSE4, ...; best: the best the CPU runs)");
   CLI11_PARSE(app, argc, argv);
@@ -202,6 +267,7 @@ int main(int argc, char** argv) {
     rb.wall = std::max(rb.wall, r.wall), rb.cpu = std::max(rb.cpu, r.cpu);
   }
   const double bw = rb.wall, bw_cpu = rb.cpu;
+  const Rounds rounds{probe, warm, rb};
   const double peak = attn_bench::fma_peak_gflops(threads, 0.3);
   nlohmann::json doc;
   doc["threads"] = threads;
@@ -210,12 +276,16 @@ int main(int argc, char** argv) {
   doc["fma_peak_gflops"] = peak;
   doc["target"] = attn::detail::decode_target_name();
   doc["page"] = page;
+  doc["warm"] = warm;
   doc["rows"] = nlohmann::json::array();
+  doc["paired"] = nlohmann::json::array();
   if (!quiet) {
     std::printf("attn-decode-bench: %d threads, %s, read bandwidth %.1f GB/s best of 5 (%.1f GB/cpu-s), FMA peak "
-                "%.0f GFLOP/s, %s cache; %% bw: against the passes paired with the calls (column bw)\n",
+                "%.0f GFLOP/s, %s cache; %s\n",
                 threads, attn::detail::decode_target_name(), bw, bw_cpu, peak,
-                page ? ("paged (" + std::to_string(page) + " tokens/page)").c_str() : "contiguous");
+                page ? ("paged (" + std::to_string(page) + " tokens/page)").c_str() : "contiguous",
+                warm ? "WARM calls (no bandwidth pass between calls; bw: the best of 5)"
+                     : "% bw: against the passes paired with the calls (column bw)");
     std::printf("%-22s %-8s %-9s %9s %8s %6s %6s %8s %6s %8s %8s  %s\n", "B,H,Hkv,L,S,E", "dtype", "variant", "ms",
                 "GB/s", "bw", "% bw", "GB/cpu-s", "% cpu", "GFLOP/s", "vs dec", "check");
   }
@@ -224,13 +294,20 @@ int main(int argc, char** argv) {
     Tensor<float> q({s.B, s.H, s.L, s.E});
     for (size_t i = 0; i < q.size(); ++i) q[i] = hash_value(i + (uint64_t(3) << 58));
     Tensor<float> out_f32;
+    // The caches of this shape, one per storage type, for the paired rounds.
+    struct Kept {
+      std::string dtype;
+      std::unique_ptr<attn::KVCache> cache;
+    };
+    std::vector<Kept> kept;
     for (const std::string& dt : dtypes) {
       const KVDtype dtype = attn::parse_kv_dtype(dt);
       attn::KVCacheConfig cfg;
       cfg.batch = s.B, cfg.kv_heads = s.Hkv, cfg.capacity = s.S, cfg.head_dim = s.E;
       cfg.dtype = dtype;
       cfg.page_size = page;
-      attn::KVCache cache(cfg);
+      kept.push_back({dt, std::make_unique<attn::KVCache>(cfg)});
+      attn::KVCache& cache = *kept.back().cache;
       fill_cache(cache, s);
       const double elem = dtype == KVDtype::float32 ? 4 : 2;
       const double kv_bytes = double(s.B) * double(s.Hkv) * double(s.S) * double(2 * s.E) * elem;
@@ -260,7 +337,7 @@ int main(int argc, char** argv) {
       }
       if (dtype == KVDtype::float32) out_f32 = out;
       const Timing t_dec =
-          time_it([&] { attn::decode_attention(q.view4(), cache, out.view4(), opt, lse.view<3>()); }, min_seconds, probe);
+          time_it([&] { attn::decode_attention(q.view4(), cache, out.view4(), opt, lse.view<3>()); }, min_seconds, rounds);
       // Per CPU-second: the rate had each thread run alone on its core (a
       // loaded machine stretches wall time, much less the CPU time).
       auto emit = [&](const char* variant, const Timing& t, const std::string& chk) {
@@ -294,7 +371,7 @@ int main(int argc, char** argv) {
         a.k = View4<const T>(static_cast<const T*>(kv.k), {s.B, s.Hkv, s.S, s.E}, {kv.k_page, kv.k_head, kv.k_row, 1});
         a.v = View4<const T>(static_cast<const T*>(kv.v), {s.B, s.Hkv, s.S, s.E}, {kv.v_page, kv.v_head, kv.v_row, 1});
         const Timing t_dense =
-            time_it([&] { attn::scaled_dot_product_attention(a, {dense_out.view4(), {}, lse.view<3>()}, so); }, min_seconds, probe);
+            time_it([&] { attn::scaled_dot_product_attention(a, {dense_out.view4(), {}, lse.view<3>()}, so); }, min_seconds, rounds);
         emit("dense", t_dense, "max |diff| vs decode " + sci(max_abs_diff(dense_out, out)));
         return a;
       };
@@ -314,9 +391,10 @@ int main(int argc, char** argv) {
       p.align = attn::CausalAlign::bottom_right;
       p.threads = threads;
       const Timing t_fused =
-          time_it([&] { attn::detail::fused_forward(p, a, dense_out.view4(), {}, lse.view<3>()); }, min_seconds, probe);
+          time_it([&] { attn::detail::fused_forward(p, a, dense_out.view4(), {}, lse.view<3>()); }, min_seconds, rounds);
       emit("per-head", t_fused, "max |diff| vs decode " + sci(max_abs_diff(dense_out, out)));
     }
+    paired_rounds(s, q, kept, threads, min_seconds, rounds, quiet, doc);
   }
   if (!json.empty()) {
     if (json == "-") std::printf("%s\n", doc.dump(2).c_str());

@@ -29,8 +29,8 @@
 //    of up to 4 rows × a strip of value vectors (as wide as half the
 //    vector registers allow: 4 vectors for 4 rows on AVX-512), each value
 //    vector converted once; where 2 rows' whole value rows fit and 4 rows'
-//    do not (Ev = 128 on AVX-512), blocks of 2 rows read each value row
-//    whole and in order (ValueRowBlock).
+//    do not (Ev = 128 on AVX-512), float32 blocks of 2 rows read each value
+//    row whole and in order (ValueRowBlock).
 //  * Prefetch. The value loop walks a tile in strips of features (all keys
 //    for the strip's features, then the next strip), which from DRAM
 //    is a strided pattern the hardware prefetchers follow badly; so while
@@ -287,18 +287,22 @@ constexpr int WidestStrip(int rows) {
   return nv;
 }
 
-// Rows per value block: 4, or 2 when 4 rows' whole value rows do not fit
-// the strip's accumulators and 2 rows' do, so that each pass over a tile
-// reads every value row whole and in order. On Zen 4 with Ev = 128 (8
-// AVX-512 vectors), blocks of 2 rows × 8 vectors took 10-15% less time than
-// 4 rows × 4 (half rows) for float32 and the same for bfloat16, in
-// alternating runs. Single rows are not taken: a half-precision row is then
-// widened once per row of the block (on AVX2 at Ev = 64, bfloat16 took 25-40%
-// longer). The bits are the same either way (each output element sums its
-// keys in order).
-int64_t ValueRowBlock(int64_t Ev) {
+// Rows per value block: 4, or, for float32 storage, 2 when 4 rows' whole
+// value rows do not fit the strip's accumulators and 2 rows' do, so that
+// each pass over a tile reads every value row whole and in order. On Zen 4
+// with Ev = 128 (8 AVX-512 vectors), float32 blocks of 2 rows × 8 vectors
+// took 10-15% less time than 4 rows × 4 (half rows), in alternating runs.
+// Half storage keeps 4 rows: 2-row blocks widen each value row once per
+// block, twice for a group of 4 rows, and there the widening, not the
+// memory, sets the pace (docs/decode.md, "Half storage is bound by its
+// arithmetic"): 4-row blocks took 5-10% less time with K/V in the cache and
+// raised the paired speed-up over float32 from about 1.75× to 1.83× (Zen 4,
+// 2 threads). Single rows are not taken for the same reason (on AVX2 at
+// Ev = 64, bfloat16 took 25-40% longer). The bits are the same either way
+// (each output element sums its keys in order).
+int64_t ValueRowBlock(int64_t Ev, size_t elem_bytes) {
   const int64_t nv = ceil_div(Ev, Lanes());
-  return 4 * nv > kValueAccs && 2 * nv <= kValueAccs && nv <= 8 ? 2 : 4;
+  return elem_bytes == 4 && 4 * nv > kValueAccs && 2 * nv <= kValueAccs && nv <= 8 ? 2 : 4;
 }
 
 template <int R, class T>
@@ -318,7 +322,7 @@ void ValueTile(const Call& c, Scratch& w, int64_t nm, const T* v, int64_t vrow, 
   const int64_t Ev = c.p->Ev;
   const auto vis = [&](int64_t r) { return std::clamp<int64_t>(w.end[size_t(r)] - j0, 0, nk); };
   const int64_t common = vis(0);  // rows are in query order: row 0 sees the fewest keys
-  const int64_t blk = ValueRowBlock(Ev);
+  const int64_t blk = ValueRowBlock(Ev, sizeof(T));
   for (int64_t r0 = 0; r0 < nm && common > 0; r0 += blk) {
     const float* p = w.s.get() + r0 * c.tilep;
     float* o = acc + r0 * c.Evp;
