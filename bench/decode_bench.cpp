@@ -137,12 +137,12 @@ struct Rounds {
 // between two decoding steps), and the bandwidth it is compared with is
 // measured in the same seconds, so the drift of a shared machine cancels.
 template <class F>
-Timing time_it(F&& f, double min_seconds, const Rounds& probe) {
+Timing time_it(F&& f, double min_seconds, const Rounds& rounds) {
   f();  // warm-up (page faults)
   std::vector<double> wall, cpu, bw, bw_cpu;
   const auto start = std::chrono::steady_clock::now();
   while (wall.size() < 3 || std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() < min_seconds) {
-    const attn_bench::ReadBandwidth b = probe.before_call();
+    const attn_bench::ReadBandwidth b = rounds.before_call();
     bw.push_back(b.wall), bw_cpu.push_back(b.cpu);
     const double c0 = cpu_seconds();
     const auto t0 = std::chrono::steady_clock::now();
@@ -171,16 +171,21 @@ double visible_pairs(const Shape& s) {
   return double(s.B) * double(s.H) * (double(s.L) * double(s.S - s.L) + double(s.L) * double(s.L + 1) / 2);
 }
 
+// One storage type's cache of a shape, kept for the paired rounds.
+struct Kept {
+  std::string dtype;
+  std::unique_ptr<attn::KVCache> cache;
+};
+
 // Half storage against float32, paired: rounds in which every storage type's
 // call runs once, each after its own bandwidth pass (which evicts the
-// caches), the order rotating from round to round; the speed-up of a type is
+// caches; none with --warm), the order rotating from round to round; the speed-up of a type is
 // the median over the rounds of (float32 time / its time) within a round. On
 // a machine whose memory speed drifts or switches between modes (docs/decode.md),
 // calls of one round meet the same conditions, where the separate medians of
 // the table above may have met different ones.
-template <class Kept>
 void paired_rounds(const Shape& s, const Tensor<float>& q, const std::vector<Kept>& kept, int threads,
-                   double min_seconds, const Rounds& probe, bool quiet, nlohmann::json& doc) {
+                   double min_seconds, const Rounds& rounds, bool quiet, nlohmann::json& doc) {
   size_t base = kept.size();
   for (size_t i = 0; i < kept.size(); ++i)
     if (kept[i].dtype == "float32") base = i;
@@ -195,7 +200,7 @@ void paired_rounds(const Shape& s, const Tensor<float>& q, const std::vector<Kep
     std::vector<double> t(n);
     for (size_t k = 0; k < n; ++k) {
       const size_t i = (round + k) % n;
-      (void)probe.before_call();
+      (void)rounds.before_call();
       const auto t0 = std::chrono::steady_clock::now();
       attn::decode_attention(q.view4(), *kept[i].cache, out.view4(), opt);
       t[i] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -294,12 +299,7 @@ int main(int argc, char** argv) {
     Tensor<float> q({s.B, s.H, s.L, s.E});
     for (size_t i = 0; i < q.size(); ++i) q[i] = hash_value(i + (uint64_t(3) << 58));
     Tensor<float> out_f32;
-    // The caches of this shape, one per storage type, for the paired rounds.
-    struct Kept {
-      std::string dtype;
-      std::unique_ptr<attn::KVCache> cache;
-    };
-    std::vector<Kept> kept;
+    std::vector<Kept> kept;  // the caches of this shape, one per storage type
     for (const std::string& dt : dtypes) {
       const KVDtype dtype = attn::parse_kv_dtype(dt);
       attn::KVCacheConfig cfg;
