@@ -33,14 +33,16 @@
 //    row whole and in order (ValueRowBlock).
 //  * Prefetch. The value loop walks a tile in strips of features (all keys
 //    for the strip's features, then the next strip), which from DRAM
-//    is a strided pattern the hardware prefetchers follow badly; so while
-//    the score loop streams key row j of a tile it also starts loading value
-//    row j (software prefetch, row order), and while the value loop's first
-//    strip passes key j it starts loading row j of the next tile's keys
-//    (the next tile found through the block table, so pages are followed).
-//    Only the first row group of a block issues them. With the cache's
-//    huge pages (attn/detail/memory.hpp) they nearly doubled the float32
-//    rate from DRAM (figures in docs/decode.md).
+//    is a strided pattern the hardware prefetchers follow badly; so the
+//    loops start loading rows themselves (software prefetch into the L2,
+//    vectors-inl.h). The rows a chunk reads form one stream: the tile's K
+//    rows, its V rows, the next tile's K rows (found through the block
+//    table, so pages are followed), and so on. While the score loop uses
+//    key j it starts row j + ahead of that stream, and so does the value
+//    loop's first strip, `ahead` being about 8 KiB of rows
+//    (kPrefetchBytes). Only the first row group of a block issues them.
+//    With the cache's huge pages (attn/detail/memory.hpp) the prefetches
+//    nearly doubled the float32 rate from DRAM (figures in docs/decode.md).
 //  * Storage types: float16 and bfloat16 are widened in registers
 //    (F16C / AVX-512 conversions, a shift for bfloat16, portable code on
 //    other targets); the data never exists as float32 in memory. The
@@ -104,6 +106,10 @@ constexpr float kLn2 = 0.693147180559945309f;
 constexpr int64_t kMaxRows = 128;      // query rows per block (the M of one unit)
 constexpr int64_t kTargetUnits = 32;   // split the keys until about this many units exist
 constexpr int64_t kMinChunk = 256;     // ... but never into chunks shorter than this
+// How far ahead of the rows in use the software prefetches run, in bytes of
+// K/V rows (docs/decode.md, "Prefetch distance"): on Zen 4, 6-8 KiB took
+// 5-15% less time than a whole tile ahead at G = 4 and the same at G = 1.
+constexpr int64_t kPrefetchBytes = 8192;
 
 // One chunk of keys [c0, c1) for query rows [m0, m0 + nm) of (b, hk).
 struct Unit {
@@ -189,15 +195,30 @@ HWY_INLINE void ScoreBlock(const float* HWY_RESTRICT q, int64_t ldq, const T* HW
   StoreSums<R, C>(acc, s, lds);
 }
 
-// Rows to start loading while a loop over keys runs, one per key (p =
-// nullptr: none): `bytes` bytes each, `stride` bytes apart.
+// Rows to start loading while a loop over keys runs (a.p = nullptr: none).
+// The rows of segment a, then those of segment b, form one stream; while the
+// loop uses key j it starts loading row j + ahead of the stream.
 struct RowPrefetch {
-  const char* p;
-  int64_t stride, bytes;
+  struct Segment {
+    const char* p = nullptr;
+    int64_t stride = 0, bytes = 0, count = 0;  // count rows of `bytes` bytes, `stride` bytes apart
+  };
+  Segment a, b;
+  int64_t ahead = 0;
   HWY_INLINE void rows(int64_t j, int64_t n) const {
-    if (p) PrefetchRows(p + j * stride, stride, n, bytes);
+    if (!a.p) return;
+    for (int64_t i = j + ahead; i < j + ahead + n; ++i) {
+      if (i < a.count) PrefetchRows(a.p + i * a.stride, a.stride, 1, a.bytes);
+      else if (b.p && i - a.count < b.count) PrefetchRows(b.p + (i - a.count) * b.stride, b.stride, 1, b.bytes);
+    }
   }
 };
+
+// count rows of `width` elements from p, `row` elements apart.
+template <class T>
+RowPrefetch::Segment RowsOf(const T* p, int64_t row, int64_t width, int64_t count) {
+  return {reinterpret_cast<const char*>(p), row * int64_t(sizeof(T)), width * int64_t(sizeof(T)), count};
+}
 
 template <int R, class T>
 HWY_INLINE void ScoreRows(const float* q, int64_t ldq, const T* k, int64_t krow, int64_t nk, int64_t E,
@@ -213,15 +234,17 @@ HWY_INLINE void ScoreRows(const float* q, int64_t ldq, const T* k, int64_t krow,
   }
 }
 
+// The scores of a tile; its first row group starts loading the stream
+// [the tile's K rows, its V rows] `ahead` rows ahead of the key it uses.
 template <class T>
 void ScoreTile(const Call& c, Scratch& w, int64_t nm, const T* k, int64_t krow, int64_t nk, const T* v,
-               int64_t vrow) {
+               int64_t vrow, int64_t ahead) {
   const int64_t E = c.p->E;
   for (int64_t r0 = 0; r0 < nm; r0 += 4) {
     const float* q = w.q.get() + r0 * c.Ep;
     float* s = w.s.get() + r0 * c.tilep;
-    const RowPrefetch pf{r0 == 0 ? reinterpret_cast<const char*>(v) : nullptr, vrow * int64_t(sizeof(T)),
-                         c.p->Ev * int64_t(sizeof(T))};
+    RowPrefetch pf;
+    if (r0 == 0) pf = {RowsOf(k, krow, E, nk), RowsOf(v, vrow, c.p->Ev, nk), ahead};
     switch (std::min<int64_t>(4, nm - r0)) {
       case 4: ScoreRows<4>(q, c.Ep, k, krow, nk, E, s, c.tilep, pf); break;
       case 3: ScoreRows<3>(q, c.Ep, k, krow, nk, E, s, c.tilep, pf); break;
@@ -264,7 +287,7 @@ template <int R, int NV, class T>
 HWY_INLINE void ValueStrips(const float* p, int64_t ldp, int64_t nk, const T* v, int64_t vrow, int64_t& e0,
                             int64_t Ev, float* o, int64_t ldo, RowPrefetch& pf) {
   const int64_t N = int64_t(hn::Lanes(DF()));
-  for (; e0 + NV * N <= Ev; e0 += NV * N, pf.p = nullptr)
+  for (; e0 + NV * N <= Ev; e0 += NV * N, pf.a.p = nullptr)
     ValueStrip<R, NV, false>(p, ldp, nk, v, vrow, e0, Ev, o, ldo, pf);
   if constexpr (NV > 1) ValueStrips<R, NV / 2>(p, ldp, nk, v, vrow, e0, Ev, o, ldo, pf);
 }
@@ -326,7 +349,7 @@ void ValueTile(const Call& c, Scratch& w, int64_t nm, const T* v, int64_t vrow, 
   for (int64_t r0 = 0; r0 < nm && common > 0; r0 += blk) {
     const float* p = w.s.get() + r0 * c.tilep;
     float* o = acc + r0 * c.Evp;
-    if (r0 > 0) pf.p = nullptr;
+    if (r0 > 0) pf.a.p = nullptr;
     switch (std::min<int64_t>(blk, nm - r0)) {
       case 4: ValueRows<4>(p, c.tilep, common, v, vrow, Ev, o, c.Evp, pf); break;
       case 3: ValueRows<3>(p, c.tilep, common, v, vrow, Ev, o, c.Evp, pf); break;
@@ -415,16 +438,23 @@ void ChunkT(const Call& c, Scratch& w, const Unit& u, float* acc, os::State<floa
                 vbase + page * kv.v_page + u.hk * kv.v_head + off * kv.v_row,
                 std::min({c.plan.tile, kend - j0, kv.page_size - off})};
   };
+  // The loops read the stream K, V of a tile, then K, V of the next, and
+  // start loading about kPrefetchBytes of rows ahead of the row they use.
+  const int64_t ahead = ceil_div(kPrefetchBytes, std::max({c.p->E, c.p->Ev, int64_t(1)}) * int64_t(sizeof(T)));
   Tile t = u.c0 < kend ? tile_at(u.c0) : Tile{nullptr, nullptr, 0};
+  // The first rows of the chunk's stream, which no earlier loop started.
+  if (t.nk > 0) PrefetchRows(reinterpret_cast<const char*>(t.k), kv.k_row * int64_t(sizeof(T)),
+                             std::min(t.nk, ahead), c.p->E * int64_t(sizeof(T)));
   for (int64_t j0 = u.c0; j0 < kend;) {
     const Tile next = j0 + t.nk < kend ? tile_at(j0 + t.nk) : Tile{nullptr, nullptr, 0};
-    ScoreTile(c, w, u.nm, t.k, kv.k_row, t.nk, t.v, kv.v_row);
+    const int64_t a = std::min(t.nk, ahead);  // a short tile runs as far ahead as it is long
+    ScoreTile(c, w, u.nm, t.k, kv.k_row, t.nk, t.v, kv.v_row, a);
     SoftmaxTile(c, w, u.nm, j0, t.nk, acc, st, nan);
-    // The next tile's K rows, one per key of this tile's value loop (at most
-    // as many as it has keys).
-    const RowPrefetch kp{next.nk > 0 ? reinterpret_cast<const char*>(next.k) : nullptr, kv.k_row * int64_t(sizeof(T)),
-                         c.p->E * int64_t(sizeof(T))};
-    ValueTile(c, w, u.nm, t.v, kv.v_row, j0, t.nk, acc, kp);
+    // The value loop's first pass continues the stream: the rest of this
+    // tile's V rows, then the next tile's K rows.
+    const RowPrefetch vp{RowsOf(t.v, kv.v_row, c.p->Ev, t.nk),
+                         next.nk > 0 ? RowsOf(next.k, kv.k_row, c.p->E, next.nk) : RowPrefetch::Segment{}, a};
+    ValueTile(c, w, u.nm, t.v, kv.v_row, j0, t.nk, acc, vp);
     j0 += t.nk;
     t = next;
   }
