@@ -75,7 +75,6 @@
 #include <hwy/foreach_target.h>  // IWYU pragma: keep
 // Must come after foreach_target.h.
 #include <hwy/aligned_allocator.h>
-#include <hwy/cache_control.h>
 #include <hwy/highway.h>
 #include <omp.h>
 
@@ -443,8 +442,7 @@ void ChunkT(const Call& c, Scratch& w, const Unit& u, float* acc, os::State<floa
   const int64_t ahead = ceil_div(kPrefetchBytes, std::max({c.p->E, c.p->Ev, int64_t(1)}) * int64_t(sizeof(T)));
   Tile t = u.c0 < kend ? tile_at(u.c0) : Tile{nullptr, nullptr, 0};
   // The first rows of the chunk's stream, which no earlier loop started.
-  if (t.nk > 0) PrefetchRows(reinterpret_cast<const char*>(t.k), kv.k_row * int64_t(sizeof(T)),
-                             std::min(t.nk, ahead), c.p->E * int64_t(sizeof(T)));
+  RowPrefetch{RowsOf(t.k, kv.k_row, c.p->E, t.nk), {}, 0}.rows(0, std::min(t.nk, ahead));
   for (int64_t j0 = u.c0; j0 < kend;) {
     const Tile next = j0 + t.nk < kend ? tile_at(j0 + t.nk) : Tile{nullptr, nullptr, 0};
     const int64_t a = std::min(t.nk, ahead);  // a short tile runs as far ahead as it is long

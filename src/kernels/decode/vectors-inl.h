@@ -11,7 +11,6 @@
 #define ATTN_KERNELS_DECODE_VECTORS_INL_H_
 #endif
 
-#include <hwy/cache_control.h>
 #include <hwy/highway.h>
 
 #include <cstdint>
@@ -53,7 +52,8 @@ HWY_INLINE VF LoadTail(DF d, const T* p, int64_t n) {
 // take prefetcht1 into the L2, whose miss queue is deeper, and the demand
 // loads then hit the L2. On Zen 4 (2 threads, float32 K/V, alternating
 // calls in one process) it took 8-20% less time than prefetcht0 at
-// S = 4096 to 32768 (docs/decode.md, "Prefetch into the L2").
+// S = 4096 to 32768 (docs/decode.md, "Prefetch into the L2"); not measured
+// on Zen 3 or Intel.
 HWY_INLINE void PrefetchRows(const char* p, int64_t stride, int64_t n, int64_t bytes) {
   for (int64_t j = 0; j < n; ++j, p += stride)
     for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + o, /*rw=*/0, /*locality=*/2);
