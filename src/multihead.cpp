@@ -91,11 +91,11 @@ void scatter(const T* src, View3<T> dst) {
       for (int64_t c = 0; c < dst.dim(2); ++c) dst(a, b, c) = *src++;
 }
 
-// `t` with this shape: kept as it is when it has the shape already (the
-// caller overwrites every element), allocated otherwise.
+// `t` with this shape: kept as it is when it has the shape already,
+// allocated without zeroing otherwise (the caller overwrites every element).
 template <class T>
 void sized(Tensor<T>& t, std::vector<int64_t> shape) {
-  if (t.shape() != shape) t = Tensor<T>(std::move(shape));
+  if (t.shape() != shape) t = Tensor<T>::uninitialized(std::move(shape));
 }
 
 // f(r) for every r in [0, rows), each row `width` elements of work: on

@@ -159,6 +159,25 @@ TEST(TensorErrors, RankMismatchAndBadShape) {
   Tensor<float> t({2, 3});
   EXPECT_TRUE(throws_with<attn::InvalidArgument>([&] { (void)t.view4(); }, {"attn::Tensor::view", "rank 2", "rank-4"}));
   EXPECT_TRUE(throws_with<attn::InvalidArgument>([] { Tensor<float> bad({2, -1}); }, {"attn::Tensor", "negative"}));
+  // The uninitialized factory checks its shape the same way.
+  EXPECT_TRUE(throws_with<attn::InvalidArgument>([] { (void)Tensor<float>::uninitialized({2, -1}); },
+                                                 {"attn::Tensor", "negative"}));
+  EXPECT_TRUE(throws_with<attn::InvalidArgument>([] { (void)Tensor<float>::uninitialized({int64_t(1) << 40, int64_t(1) << 40}); },
+                                                 {"attn::Tensor", "too large"}));
+}
+
+// Tensor::uninitialized has the shape asked for and holds what is written;
+// the ordinary constructor and copies start from zeros and the source.
+TEST(Tensor, UninitializedHasTheShapeAndCopiesKeepTheValues) {
+  Tensor<float> u = Tensor<float>::uninitialized({3, 4, 5});
+  EXPECT_EQ(u.shape(), (std::vector<int64_t>{3, 4, 5}));
+  EXPECT_EQ(u.size(), size_t(60));
+  for (size_t i = 0; i < u.size(); ++i) u[i] = float(i) * 0.5f;
+  const Tensor<float> c = u;
+  for (size_t i = 0; i < c.size(); ++i) EXPECT_EQ(c[i], float(i) * 0.5f) << i;
+  const Tensor<float> z({3, 4, 5});
+  for (size_t i = 0; i < z.size(); ++i) EXPECT_EQ(z[i], 0.0f) << i;
+  EXPECT_EQ(Tensor<float>::uninitialized({2, 0, 7}).size(), size_t(0));
 }
 
 }  // namespace

@@ -134,37 +134,22 @@ template <class T> using View3 = View<T, 3>;
 template <class T> using View2 = View<T, 2>;
 template <class T> using View1 = View<T, 1>;
 
-// Owning, contiguous, 64-byte aligned tensor of rank 1..4, zero-initialised.
+// Owning, contiguous, 64-byte aligned tensor of rank 1..4, zero-initialised
+// (Tensor::uninitialized leaves the elements unset).
 template <class T>
 class Tensor {
  public:
   static constexpr size_t kAlign = 64;
 
   Tensor() = default;
-  explicit Tensor(std::vector<int64_t> shape) : shape_(std::move(shape)) {
-    if (shape_.empty() || shape_.size() > 4)
-      throw InvalidArgument("attn::Tensor: rank must be 1 to 4, got " + std::to_string(shape_.size()));
-    size_ = 1;
-    for (auto s : shape_)
-      if (s < 0) throw InvalidArgument("attn::Tensor: negative dimension " + std::to_string(s));
-    for (auto s : shape_) {
-      if (std::find(shape_.begin(), shape_.end(), 0) != shape_.end()) {
-        size_ = 0;  // empty, whatever the other axes
-        break;
-      }
-      if (__builtin_mul_overflow(size_, static_cast<size_t>(s), &size_) || size_ > (size_t(1) << 62) / sizeof(T))
-        throw InvalidArgument("attn::Tensor: shape " + shape_str(shape_) + " is too large to allocate");
-    }
-    if (size_ > 0) {
-      const size_t bytes = ((size_ * sizeof(T) + kAlign - 1) / kAlign) * kAlign;
-      data_.reset(static_cast<T*>(::operator new[](bytes, std::align_val_t(kAlign))));
-      for (size_t i = 0; i < size_; ++i) data_[i] = T(0);
-    }
-  }
+  explicit Tensor(std::vector<int64_t> shape) : Tensor(std::move(shape), true) {}
   Tensor(std::initializer_list<int64_t> shape) : Tensor(std::vector<int64_t>(shape)) {}
+  // A tensor whose elements are left unset (PyTorch's torch.empty), for a
+  // buffer the caller overwrites whole: it skips a pass that writes zeros.
+  static Tensor uninitialized(std::vector<int64_t> shape) { return Tensor(std::move(shape), false); }
   Tensor(const Tensor& o) {
     if (o.shape_.empty()) return;  // copy of an empty tensor
-    Tensor t(o.shape_);
+    Tensor t(o.shape_, false);
     for (size_t i = 0; i < t.size_; ++i) t.data_[i] = o.data_[i];
     *this = std::move(t);
   }
@@ -197,6 +182,27 @@ class Tensor {
   View4<const T> view4() const { return View4<const T>(view<4>()); }
 
  private:
+  Tensor(std::vector<int64_t> shape, bool zero) : shape_(std::move(shape)) {
+    if (shape_.empty() || shape_.size() > 4)
+      throw InvalidArgument("attn::Tensor: rank must be 1 to 4, got " + std::to_string(shape_.size()));
+    size_ = 1;
+    for (auto s : shape_)
+      if (s < 0) throw InvalidArgument("attn::Tensor: negative dimension " + std::to_string(s));
+    for (auto s : shape_) {
+      if (std::find(shape_.begin(), shape_.end(), 0) != shape_.end()) {
+        size_ = 0;  // empty, whatever the other axes
+        break;
+      }
+      if (__builtin_mul_overflow(size_, static_cast<size_t>(s), &size_) || size_ > (size_t(1) << 62) / sizeof(T))
+        throw InvalidArgument("attn::Tensor: shape " + shape_str(shape_) + " is too large to allocate");
+    }
+    if (size_ > 0) {
+      const size_t bytes = ((size_ * sizeof(T) + kAlign - 1) / kAlign) * kAlign;
+      data_.reset(static_cast<T*>(::operator new[](bytes, std::align_val_t(kAlign))));
+      if (zero)
+        for (size_t i = 0; i < size_; ++i) data_[i] = T(0);
+    }
+  }
   struct Deleter {
     void operator()(T* p) const { ::operator delete[](p, std::align_val_t(kAlign)); }
   };
