@@ -379,6 +379,19 @@ void PackQueries(const Call& c, Scratch& w, const Unit& u) {
   }
 }
 
+// Whether one of x[0, n) is NaN or ±inf (x aligned, readable up to a whole
+// vector past n): z = Σ 0·x is NaN exactly then.
+HWY_INLINE bool AnyNonFinite(const float* HWY_RESTRICT x, int64_t n) {
+  const DF d;
+  const int64_t N = Lanes();
+  const VF zero = hn::Zero(d);
+  VF z = zero;
+  int64_t i = 0;
+  for (; i + N <= n; i += N) z = hn::MulAdd(hn::Load(d, x + i), zero, z);
+  if (i < n) z = hn::MulAdd(hn::IfThenElseZero(hn::FirstN(d, size_t(n - i)), hn::Load(d, x + i)), zero, z);
+  return std::isnan(hn::GetLane(hn::SumOfLanes(d, z)));
+}
+
 // Folds tile scores s (nk keys from j0) into the rows' states: masks keys a
 // row does not see (and the padding up to tilep), turns scores into
 // 2^(s − shift), rescales the rows of acc.
@@ -390,15 +403,8 @@ void SoftmaxTile(const Call& c, Scratch& w, int64_t nm, int64_t j0, int64_t nk, 
     float* row = w.s.get() + r * c.tilep;
     const int64_t vis = std::clamp<int64_t>(w.end[size_t(r)] - j0, 0, nk);
     // A visible score that is not finite (NaN, or ±inf from an infinite q or
-    // k) poisons the row; the vector max would drop a NaN. z = Σ 0·s over
-    // the visible scores is NaN exactly when one of them is not finite.
-    const VF zero = hn::Zero(d);
-    VF z = zero;
-    int64_t full = 0;
-    for (; full + N <= vis; full += N) z = hn::MulAdd(hn::Load(d, row + full), zero, z);
-    if (full < vis)
-      z = hn::MulAdd(hn::IfThenElseZero(hn::FirstN(d, size_t(vis - full)), hn::Load(d, row + full)), zero, z);
-    if (std::isnan(hn::GetLane(hn::SumOfLanes(d, z)))) nan[r] = 1;
+    // k) poisons the row; the vector max would drop a NaN.
+    if (AnyNonFinite(row, vis)) nan[r] = 1;
     std::fill(row + vis, row + c.tilep, kNegInf);
     VF vmax = hn::Set(d, kNegInf);
     for (int64_t jj = 0; jj < c.tilep; jj += N) vmax = hn::Max(vmax, hn::Load(d, row + jj));
@@ -469,18 +475,21 @@ void Chunk(const Call& c, Scratch& w, const Unit& u, float* acc, os::State<float
 // out = acc / sum and lse for the block's rows (NaN rows stay NaN).
 void Finalize(const Call& c, const Unit& u, const float* acc, const os::State<float>* st, const uint8_t* nan) {
   const DecodeProblem& p = *c.p;
-  const int64_t G = p.group(), se = c.out.strides[3];
+  const int64_t G = p.group(), se = c.out.strides[3], N = Lanes();
   const float qnan = std::numeric_limits<float>::quiet_NaN();
   for (int64_t r = 0; r < u.nm; ++r) {
     const int64_t m = u.m0 + r, i = m / G, h = u.hk * G + m % G;
     const os::Final<float> f = os::finalize<os::Base2>(st[r]);
     const float* o = acc + r * c.Evp;
     // A non-finite value row the row sees leaves acc non-finite: poisoned too.
-    bool bad = nan[r] || std::isnan(f.lse);
-    for (int64_t e = 0; e < p.Ev; ++e) bad |= !std::isfinite(o[e]);
+    const bool bad = nan[r] || std::isnan(f.lse) || AnyNonFinite(o, p.Ev);
     const float inv = bad ? qnan : f.inv_sum;
     float* dst = &c.out(u.b, h, i, 0);
-    for (int64_t e = 0; e < p.Ev; ++e) dst[e * se] = o[e] * inv;  // y = acc / sum
+    int64_t e = 0;
+    if (se == 1)
+      for (const VF vinv = hn::Set(DF(), inv); e + N <= p.Ev; e += N)
+        hn::StoreU(hn::Mul(hn::Load(DF(), o + e), vinv), DF(), dst + e);
+    for (; e < p.Ev; ++e) dst[e * se] = o[e] * inv;  // y = acc / sum
     if (!c.lse.empty()) c.lse(u.b, h, i) = bad ? qnan : f.lse * kLn2;  // natural units
   }
 }
