@@ -475,6 +475,7 @@ void Chunk(const Call& c, Scratch& w, const Unit& u, float* acc, os::State<float
 // out = acc / sum and lse for the block's rows (NaN rows stay NaN).
 void Finalize(const Call& c, const Unit& u, const float* acc, const os::State<float>* st, const uint8_t* nan) {
   const DecodeProblem& p = *c.p;
+  const DF d;
   const int64_t G = p.group(), se = c.out.strides[3], N = Lanes();
   const float qnan = std::numeric_limits<float>::quiet_NaN();
   for (int64_t r = 0; r < u.nm; ++r) {
@@ -487,8 +488,8 @@ void Finalize(const Call& c, const Unit& u, const float* acc, const os::State<fl
     float* dst = &c.out(u.b, h, i, 0);
     int64_t e = 0;
     if (se == 1)
-      for (const VF vinv = hn::Set(DF(), inv); e + N <= p.Ev; e += N)
-        hn::StoreU(hn::Mul(hn::Load(DF(), o + e), vinv), DF(), dst + e);
+      for (const VF vinv = hn::Set(d, inv); e + N <= p.Ev; e += N)
+        hn::StoreU(hn::Mul(hn::Load(d, o + e), vinv), d, dst + e);
     for (; e < p.Ev; ++e) dst[e * se] = o[e] * inv;  // y = acc / sum
     if (!c.lse.empty()) c.lse(u.b, h, i) = bad ? qnan : f.lse * kLn2;  // natural units
   }
