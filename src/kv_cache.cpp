@@ -316,11 +316,11 @@ void decode_reference(const detail::DecodeProblem& p, View4<const float> q, cons
                       View4<float> out, View3<float> lse) {
   for (int64_t b = 0; b < p.B; ++b) {
     const int64_t S = p.length[size_t(b)];
-    if (S == 0) {  // nothing to see: output 0, lse −inf
+    if (S == 0) {  // nothing to see: output 0, lse −inf (or the head's sink)
       for (int64_t h = 0; h < p.H; ++h)
         for (int64_t i = 0; i < p.L; ++i) {
           for (int64_t e = 0; e < p.Ev; ++e) out(b, h, i, e) = 0.0f;
-          if (!lse.empty()) lse(b, h, i) = -std::numeric_limits<float>::infinity();
+          if (!lse.empty()) lse(b, h, i) = p.sinks.empty() ? -std::numeric_limits<float>::infinity() : p.sinks[size_t(h)];
         }
       continue;
     }
@@ -330,8 +330,12 @@ void decode_reference(const detail::DecodeProblem& p, View4<const float> q, cons
     rp.B = 1, rp.H = p.H, rp.Hkv = p.Hkv, rp.L = p.L, rp.S = S, rp.E = p.E, rp.Ev = p.Ev;
     rp.scale = p.scale;
     rp.causal = p.causal;
-    rp.align = CausalAlign::bottom_right;
+    rp.align = CausalAlign::bottom_right;  // position of query i: length(b) − L + i
+    rp.window_left = p.window_left, rp.window_right = p.window_right;
+    rp.softcap = p.softcap;
     SdpaArgs<float> a;
+    if (!p.slopes.empty()) a.alibi_slopes = View1<const float>(p.slopes.data(), {p.H}, {1});
+    if (!p.sinks.empty()) a.sinks = View1<const float>(p.sinks.data(), {p.H}, {1});
     a.q = View4<const float>(q.data + b * q.strides[0], {1, p.H, p.L, p.E},
                              {q.strides[0], q.strides[1], q.strides[2], q.strides[3]});
     a.k = k.view4();
@@ -365,13 +369,17 @@ void decode_attention(View4<const float> q, const KVCache& cache, View4<float> o
            ", H, L, " + std::to_string(p.E) + ") with H a multiple of the cache's Hkv = " + std::to_string(p.Hkv) +
            " and L >= 1");
   c.shape(out, "out", {p.B, p.H, p.L, p.Ev}, "(B, H, L, Ev) = " + shape_str({p.B, p.H, p.L, p.Ev}));
+  detail::check_variants(c, opt.window, opt.softcap, opt.alibi_slopes, opt.sinks, p.H);
   std::vector<detail::Extent> written{c.extent(out, "out")};
   if (with_lse) {
     c.shape(lse, "lse", {p.B, p.H, p.L}, "(B, H, L) = " + shape_str({p.B, p.H, p.L}));
     written.push_back(c.extent(lse, "lse"));
   }
   for (const auto& e : written) c.writable(e);
-  c.disjoint(written, {c.extent(q, "q")});
+  std::vector<detail::Extent> read{c.extent(q, "q")};
+  if (!opt.alibi_slopes.empty()) read.push_back(c.extent(opt.alibi_slopes, "alibi_slopes"));
+  if (!opt.sinks.empty()) read.push_back(c.extent(opt.sinks, "sinks"));
+  c.disjoint(written, read);
   if (opt.scale && (!std::isfinite(*opt.scale) || *opt.scale <= 0)) {
     std::ostringstream os;
     os << "option 'scale' is " << *opt.scale << ", expected a finite value > 0";
@@ -380,6 +388,11 @@ void decode_attention(View4<const float> q, const KVCache& cache, View4<float> o
   const int threads = c.threads(opt.num_threads);
   p.scale = opt.scale ? *opt.scale : 1.0 / std::sqrt(double(p.E));
   p.causal = opt.causal;
+  p.window_left = std::min(opt.window.left, detail::kMaxPosition);
+  p.window_right = std::min(opt.window.right, detail::kMaxPosition);
+  p.softcap = opt.softcap;
+  for (int64_t h = 0; h < opt.alibi_slopes.dim(0); ++h) p.slopes.push_back(opt.alibi_slopes(h));
+  for (int64_t h = 0; h < opt.sinks.dim(0); ++h) p.sinks.push_back(opt.sinks(h));
   p.threads = threads;
   p.split = opt.split_kv;
   p.length.resize(size_t(p.B));

@@ -35,11 +35,6 @@ Backend parse_backend(std::string_view name) {
 
 namespace detail {
 
-// Positions and window sides beyond this are refused (offset) or clamped
-// (window: a side this long is unbounded), so position arithmetic never
-// overflows.
-constexpr int64_t kMaxPosition = int64_t(1) << 52;
-
 template <class T>
 Problem make_problem(const SdpaArgs<T>& a, const SdpaOptions& opt) {
   Problem p;
@@ -68,23 +63,20 @@ namespace {
 using detail::Checker;
 using detail::Problem;
 
-// The variants' options and per-head arguments (make_problem copies the
-// options into the problem).
-template <class T>
-void validate_variants(const Checker& c, const View1<const compute_t<T>>& alibi, const View1<const compute_t<T>>& sinks,
-                       const SdpaOptions& opt, int64_t H) {
-  for (const auto& [side, name] : {std::pair{opt.window.left, "window.left"}, {opt.window.right, "window.right"}})
+}  // namespace
+
+template <class F>
+void detail::check_variants(const Checker& c, const Window& window, double softcap, const View1<const F>& alibi,
+                            const View1<const F>& sinks, int64_t H) {
+  for (const auto& [side, name] : {std::pair{window.left, "window.left"}, {window.right, "window.right"}})
     if (side < -1)
       c.fail(std::string("option '") + name + "' is " + std::to_string(side) +
              ", expected >= 0 or -1 (unbounded)");
-  if (!std::isfinite(opt.softcap) || opt.softcap < 0) {
+  if (!std::isfinite(softcap) || softcap < 0) {
     std::ostringstream os;
-    os << "option 'softcap' is " << opt.softcap << ", expected a finite value > 0 (or 0 = off)";
+    os << "option 'softcap' is " << softcap << ", expected a finite value > 0 (or 0 = off)";
     c.fail(os.str());
   }
-  if (opt.position_offset &&
-      (*opt.position_offset > detail::kMaxPosition || *opt.position_offset < -detail::kMaxPosition))
-    c.fail("option 'position_offset' is " + std::to_string(*opt.position_offset) + ", expected |offset| <= 2^52");
   if (c.given(alibi, "alibi_slopes")) {
     c.shape(alibi, "alibi_slopes", {H}, "(H,) = " + shape_str({H}) + ", one slope per query head");
     c.finite(alibi, "alibi_slopes");
@@ -93,6 +85,23 @@ void validate_variants(const Checker& c, const View1<const compute_t<T>>& alibi,
     c.shape(sinks, "sinks", {H}, "(H,) = " + shape_str({H}) + ", one logit per query head");
     c.finite(sinks, "sinks", /*allow_neg_inf=*/true);
   }
+}
+template void detail::check_variants<float>(const Checker&, const Window&, double, const View1<const float>&,
+                                            const View1<const float>&, int64_t);
+template void detail::check_variants<double>(const Checker&, const Window&, double, const View1<const double>&,
+                                             const View1<const double>&, int64_t);
+
+namespace {
+
+// The variants' options and per-head arguments (make_problem copies the
+// options into the problem).
+template <class T>
+void validate_variants(const Checker& c, const View1<const compute_t<T>>& alibi, const View1<const compute_t<T>>& sinks,
+                       const SdpaOptions& opt, int64_t H) {
+  detail::check_variants(c, opt.window, opt.softcap, alibi, sinks, H);
+  if (opt.position_offset &&
+      (*opt.position_offset > detail::kMaxPosition || *opt.position_offset < -detail::kMaxPosition))
+    c.fail("option 'position_offset' is " + std::to_string(*opt.position_offset) + ", expected |offset| <= 2^52");
 }
 
 // Validates the inputs shared by forward and backward; returns the problem.
@@ -253,21 +262,8 @@ SdpaArgs<float> shape_only(const SdpaArgs<T>& a) {
 template <class T>
 void decode_forward_half(const Problem& p, const SdpaArgs<T>& a, View4<float> out, View3<float> lse) {
   const Tensor<float> q = widen(a.q, p.threads);
-  detail::DecodeProblem d;
-  d.B = p.B, d.H = p.H, d.Hkv = p.Hkv, d.L = p.L, d.E = p.E, d.Ev = p.Ev;
-  d.scale = p.scale;
-  d.causal = p.causal;
-  d.threads = p.threads;
-  d.offset.assign(size_t(p.B), p.align == CausalAlign::bottom_right ? p.S - p.L : 0);
-  d.length.resize(size_t(p.B));
-  for (int64_t b = 0; b < p.B; ++b) d.length[size_t(b)] = a.key_lengths.empty() ? p.S : a.key_lengths(b);
-  detail::KVLayout kv;
-  kv.type = storage_of<T>();
-  kv.k = a.k.data;
-  kv.v = a.v.data;
-  kv.page_size = p.S;  // one page per sequence: the page of sequence b is b
-  kv.k_page = a.k.strides[0], kv.k_head = a.k.strides[1], kv.k_row = a.k.strides[2];
-  kv.v_page = a.v.strides[0], kv.v_head = a.v.strides[1], kv.v_row = a.v.strides[2];
+  const detail::DecodeProblem d = detail::DecodeProblem::of(p, a.key_lengths, a.alibi_slopes, a.sinks);
+  const auto kv = detail::KVLayout::dense(storage_of<T>(), a.k, a.v);
   detail::decode_forward(d, kv, q.view4(), out, lse);
 }
 

@@ -195,6 +195,18 @@ struct Checker {
 // failing under c's function name, and the backend the call resolves to:
 // for entry points that run attention calls of their own (varlen_attention
 // checks each sequence's call under its own name).
+// Positions and window sides beyond this are refused (offset) or clamped
+// (window: a side this long is unbounded), so position arithmetic never
+// overflows.
+constexpr int64_t kMaxPosition = int64_t(1) << 52;
+
+// The score-rule variants of an attention call for H query heads: window
+// sides >= -1, a finite soft-cap >= 0, (H) finite ALiBi slopes, (H) sinks
+// without NaN or +inf. F: float or double.
+template <class F>
+void check_variants(const Checker& c, const Window& window, double softcap, const View1<const F>& alibi_slopes,
+                    const View1<const F>& sinks, int64_t H);
+
 template <class T>
 Backend check_attention(const Checker& c, const SdpaArgs<T>& args, const SdpaOptions& opt, bool want_weights);
 

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <random>
 #include <string>
@@ -21,12 +22,24 @@ struct DecodeCase {
   KVDtype dtype = KVDtype::float32;
   bool causal = true;
   std::vector<int64_t> lens;  // per sequence
+  // The score-rule variants (none by default).
+  Window window;
+  double softcap = 0;
+  std::vector<float> slopes, sinks;  // (H) each, or empty
+  bool variants() const {
+    return window.left >= 0 || window.right >= 0 || softcap > 0 || !slopes.empty() || !sinks.empty();
+  }
   std::string str() const {
     std::string s = "B=" + std::to_string(B) + " H=" + std::to_string(H) + " Hkv=" + std::to_string(Hkv) +
                     " L=" + std::to_string(L) + " E=" + std::to_string(E) + " Ev=" + std::to_string(Ev) +
                     " page=" + std::to_string(page) + " " + kv_dtype_name(dtype) + (causal ? " causal" : "") +
                     " lens=";
     for (auto n : lens) s += std::to_string(n) + ",";
+    if (window.left >= 0 || window.right >= 0)
+      s += " window=(" + std::to_string(window.left) + "," + std::to_string(window.right) + ")";
+    if (softcap > 0) s += " softcap=" + std::to_string(softcap);
+    if (!slopes.empty()) s += " alibi";
+    if (!sinks.empty()) s += " sinks";
     return s;
   }
   int64_t capacity() const {
@@ -92,30 +105,109 @@ inline Filled fill(const DecodeCase& c, std::mt19937_64& rng) {
 }
 
 // The oracle: per sequence, the dense reference on the stored values, the
-// queries being the last L tokens (bottom-right causal).
+// queries being the last L tokens (bottom-right causal). The window and
+// ALiBi are written here independently of the library's rules, as a boolean
+// mask and an additive bias over positions (query i at S − L + i); the
+// soft-cap and the sinks go to the reference as options.
 inline void oracle(const DecodeCase& c, const Filled& f, Tensor<float>& out, Tensor<float>& lse) {
   out = Tensor<float>({c.B, c.H, c.L, c.Ev});
   lse = Tensor<float>({c.B, c.H, c.L});
   for (int64_t b = 0; b < c.B; ++b) {
     const int64_t S = c.lens[size_t(b)];
     if (S == 0) {
-      for (int64_t i = 0; i < c.H * c.L; ++i) lse[size_t(b * c.H * c.L + i)] = -std::numeric_limits<float>::infinity();
+      for (int64_t h = 0; h < c.H; ++h)
+        for (int64_t i = 0; i < c.L; ++i)
+          lse[size_t((b * c.H + h) * c.L + i)] = c.sinks.empty() ? -std::numeric_limits<float>::infinity() : c.sinks[size_t(h)];
       continue;
     }
+    Tensor<bool> mask({1, 1, c.L, S});
+    Tensor<float> bias({1, c.H, c.L, S});
+    for (int64_t i = 0; i < c.L; ++i)
+      for (int64_t j = 0; j < S; ++j) {
+        const int64_t pos = S - c.L + i;
+        const bool seen = (!c.causal || j <= pos) && (c.window.left < 0 || j >= pos - c.window.left) &&
+                          (c.window.right < 0 || j <= pos + c.window.right);
+        mask[size_t(i * S + j)] = seen;
+        for (int64_t h = 0; h < c.H; ++h)
+          bias[size_t((h * c.L + i) * S + j)] = c.slopes.empty() ? 0.0f : -c.slopes[size_t(h)] * float(std::abs(pos - j));
+      }
     const int64_t kstride = f.k[size_t(b)].dim(1);  // allocated rows (>= 1)
     SdpaArgs<float> a;
     a.q = View4<const float>(f.q.data() + b * c.H * c.L * c.E, {1, c.H, c.L, c.E});
     a.k = View4<const float>(f.k[size_t(b)].data(), {1, c.Hkv, S, c.E}, {0, kstride * c.E, c.E, 1});
     a.v = View4<const float>(f.v[size_t(b)].data(), {1, c.Hkv, S, c.Ev}, {0, kstride * c.Ev, c.Ev, 1});
+    if (c.variants()) {
+      a.mask = mask.view4();
+      if (!c.slopes.empty()) a.bias = bias.view4();
+      if (!c.sinks.empty()) a.sinks = View1<const float>(c.sinks.data(), {c.H}, {1});
+    }
     SdpaOptions o;
     o.backend = Backend::reference;
-    o.causal = c.causal;
+    o.causal = c.causal && !c.variants();  // else in the mask
     o.causal_align = CausalAlign::bottom_right;
+    o.softcap = c.softcap;
     scaled_dot_product_attention(a,
                                  {View4<float>(out.data() + b * c.H * c.L * c.Ev, {1, c.H, c.L, c.Ev}), {},
                                   View3<float>(lse.data() + b * c.H * c.L, {1, c.H, c.L})},
                                  o);
   }
+}
+
+struct Result {
+  Tensor<float> out, lse;
+};
+
+// o with the case's score rules (causal, window, soft-cap, ALiBi, sinks).
+inline DecodeOptions with_rules(const DecodeCase& c, DecodeOptions o = {}) {
+  o.causal = c.causal;
+  o.window = c.window;
+  o.softcap = c.softcap;
+  if (!c.slopes.empty()) o.alibi_slopes = View1<const float>(c.slopes.data(), {c.H}, {1});
+  if (!c.sinks.empty()) o.sinks = View1<const float>(c.sinks.data(), {c.H}, {1});
+  return o;
+}
+
+// decode_attention of q over a cache with the case's rules (o gives the
+// rest: threads, split, backend).
+inline Result run_on(const DecodeCase& c, const KVCache& cache, const Tensor<float>& q, const DecodeOptions& o = {}) {
+  Result r{Tensor<float>({c.B, c.H, c.L, c.Ev}), Tensor<float>({c.B, c.H, c.L})};
+  decode_attention(q.view4(), cache, r.out.view4(), with_rules(c, o), r.lse.view<3>());
+  return r;
+}
+inline Result run(const DecodeCase& c, const Filled& f, const DecodeOptions& o = {}) { return run_on(c, f.cache, f.q, o); }
+
+// Tolerances from the reduction length (keys plus features) and magnitudes.
+inline void expect_matches_oracle(const DecodeCase& c, const Filled& f, const Result& got) {
+  Tensor<float> out, lse;
+  oracle(c, f, out, lse);
+  const int64_t n = c.capacity() + c.E;
+  EXPECT_TRUE(all_close(got.out, out, tolerance<float>(n, 1.0, 40), "out " + c.str()));
+  EXPECT_TRUE(all_close(got.lse, lse, tolerance<float>(n, max_abs(lse.view<3>()), 40), "lse " + c.str()));
+}
+
+inline bool bitwise_equal(const Tensor<float>& a, const Tensor<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+// A random shape: GQA ratio 1-8, 1-3 sequences of 0-120 tokens, L 1-17,
+// odd feature sizes, pages of 5-24 tokens or none, causal or not.
+inline DecodeCase random_case(std::mt19937_64& rng) {
+  const int64_t ratios[] = {1, 2, 4, 8};
+  std::uniform_int_distribution<int> pick(0, 3);
+  DecodeCase c;
+  c.Hkv = std::uniform_int_distribution<int64_t>(1, 3)(rng);
+  c.H = c.Hkv * ratios[pick(rng)];
+  c.B = std::uniform_int_distribution<int64_t>(1, 3)(rng);
+  c.L = std::uniform_int_distribution<int64_t>(1, 17)(rng);
+  const int64_t dims[] = {1, 7, 16, 33, 64};
+  c.E = dims[std::uniform_int_distribution<int>(0, 4)(rng)];
+  c.Ev = dims[std::uniform_int_distribution<int>(0, 4)(rng)];
+  const int64_t pages[] = {0, 5, 16, 24};
+  c.page = pages[pick(rng)];
+  c.causal = pick(rng) != 0;
+  const int64_t maxlen = std::uniform_int_distribution<int64_t>(1, 120)(rng);
+  for (int64_t b = 0; b < c.B; ++b) c.lens.push_back(std::uniform_int_distribution<int64_t>(0, maxlen)(rng));
+  return c;
 }
 
 }  // namespace attn::testing

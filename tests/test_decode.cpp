@@ -19,49 +19,6 @@ namespace {
 using namespace attn;
 using namespace attn::testing;
 
-struct Result {
-  Tensor<float> out, lse;
-};
-
-Result run(const DecodeCase& c, const Filled& f, DecodeOptions o = {}) {
-  Result r{Tensor<float>({c.B, c.H, c.L, c.Ev}), Tensor<float>({c.B, c.H, c.L})};
-  o.causal = c.causal;
-  decode_attention(f.q.view4(), f.cache, r.out.view4(), o, r.lse.view<3>());
-  return r;
-}
-
-// Tolerances from the reduction length (keys plus features) and magnitudes.
-void expect_matches_oracle(const DecodeCase& c, const Filled& f, const Result& got) {
-  Tensor<float> out, lse;
-  oracle(c, f, out, lse);
-  const int64_t n = c.capacity() + c.E;
-  EXPECT_TRUE(all_close(got.out, out, tolerance<float>(n, 1.0, 40), "out " + c.str()));
-  EXPECT_TRUE(all_close(got.lse, lse, tolerance<float>(n, max_abs(lse.view<3>()), 40), "lse " + c.str()));
-}
-
-bool bitwise_equal(const Tensor<float>& a, const Tensor<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
-}
-
-DecodeCase random_case(std::mt19937_64& rng) {
-  const int64_t ratios[] = {1, 2, 4, 8};
-  std::uniform_int_distribution<int> pick(0, 3);
-  DecodeCase c;
-  c.Hkv = std::uniform_int_distribution<int64_t>(1, 3)(rng);
-  c.H = c.Hkv * ratios[pick(rng)];
-  c.B = std::uniform_int_distribution<int64_t>(1, 3)(rng);
-  c.L = std::uniform_int_distribution<int64_t>(1, 17)(rng);
-  const int64_t dims[] = {1, 7, 16, 33, 64};
-  c.E = dims[std::uniform_int_distribution<int>(0, 4)(rng)];
-  c.Ev = dims[std::uniform_int_distribution<int>(0, 4)(rng)];
-  const int64_t pages[] = {0, 5, 16, 24};
-  c.page = pages[pick(rng)];
-  c.causal = pick(rng) != 0;
-  const int64_t maxlen = std::uniform_int_distribution<int64_t>(1, 120)(rng);
-  for (int64_t b = 0; b < c.B; ++b) c.lens.push_back(std::uniform_int_distribution<int64_t>(0, maxlen)(rng));
-  return c;
-}
-
 TEST(Decode, EveryQueryCountMatchesReference) {
   std::mt19937_64 rng(1);
   for (int64_t L = 1; L <= 17; ++L) {

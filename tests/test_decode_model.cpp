@@ -20,6 +20,8 @@ struct Case {
   nn::Positions positions;
   KVDtype dtype;
   int64_t page;
+  int64_t window = -1;  // sliding window (left side), −1: none
+  bool sinks = false;
 };
 
 // Largest |a − b| over the last n positions of each sequence of `full`
@@ -50,7 +52,12 @@ TEST_P(DecodeModel, EveryStepMatchesAFullRecomputation) {
   mc.layers = 2;
   mc.positions = c.positions;
   mc.causal = true;
+  mc.window.left = c.window;
+  mc.sinks = c.sinks;
   nn::Transformer<float> model(mc, 3);
+  for (auto& p : model.parameters())  // sinks away from their initial value, one per head
+    if (p.name.find("sinks") != std::string::npos)
+      for (size_t h = 0; h < p.value->size(); ++h) (*p.value)[h] = 0.5f * float(h) - 0.7f;
   const int64_t B = 2, V = mc.vocab;
   nn::Rng r(17);
   std::vector<int32_t> seq(size_t(B * mc.max_len));
@@ -75,7 +82,7 @@ TEST_P(DecodeModel, EveryStepMatchesAFullRecomputation) {
     const double err = step_error(full, logits, B, N, n, V, &mag);
     const double tol = attn::testing::tolerance<float>(N + mc.dim, mag, 40) + 40 * u * std::max(1.0, mag);
     EXPECT_LE(err, tol) << "after " << N << " tokens (" << nn::positions_name(c.positions) << ", "
-                        << attn::kv_dtype_name(c.dtype) << ")";
+                        << attn::kv_dtype_name(c.dtype) << ", window " << c.window << (c.sinks ? ", sinks" : "") << ")";
   }
   EXPECT_EQ(st.length, N);
   Tensor<float> too_far;
@@ -87,7 +94,11 @@ INSTANTIATE_TEST_SUITE_P(
     Positions, DecodeModel,
     ::testing::Values(Case{nn::Positions::sinusoidal, KVDtype::float32, 0}, Case{nn::Positions::learned, KVDtype::float32, 8},
                       Case{nn::Positions::rope, KVDtype::float32, 0}, Case{nn::Positions::none, KVDtype::float32, 5},
-                      Case{nn::Positions::rope, KVDtype::float16, 0}, Case{nn::Positions::sinusoidal, KVDtype::bfloat16, 16}));
+                      Case{nn::Positions::rope, KVDtype::float16, 0}, Case{nn::Positions::sinusoidal, KVDtype::bfloat16, 16},
+                      // The score-rule variants: ALiBi, a sliding window, sinks (gpt-oss: window and sinks).
+                      Case{nn::Positions::alibi, KVDtype::float32, 0}, Case{nn::Positions::rope, KVDtype::float32, 0, 6, true},
+                      Case{nn::Positions::alibi, KVDtype::bfloat16, 8, 4, true}, Case{nn::Positions::none, KVDtype::float16, 0, -1, true},
+                      Case{nn::Positions::learned, KVDtype::float32, 5, 0}));
 
 TEST(DecodeModel, RefusesModelsThatAreNotCausal) {
   nn::ModelConfig mc;

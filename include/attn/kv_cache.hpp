@@ -119,6 +119,19 @@ struct DecodeOptions {
   // j <= length(b) − L + i, i.e. the L queries are the last L tokens appended.
   // false: every query sees all length(b) keys.
   bool causal = true;
+  // The score rules of the dense call (attn/sdpa.hpp, docs/variants.md),
+  // with query i of sequence b at position length(b) − L + i:
+  //   window        keys at most `left` positions before and `right` after
+  //                 the query's position (−1: unbounded; causal caps right at 0)
+  //   softcap       c > 0: scores become c·tanh(s / c) (Gemma 2); 0 = off
+  //   alibi_slopes  (H): −slope_h·|position − j| added to the scores
+  //   sinks         (H): a logit per head in every row's softmax denominator,
+  //                 with no value (gpt-oss); a row that sees no key then has
+  //                 output 0 and lse = sink_h
+  Window window;
+  double softcap = 0;
+  View1<const float> alibi_slopes{};
+  View1<const float> sinks{};
   // reference: the cache is read back as float32 and each sequence runs the
   // reference backend (for testing); fused/automatic: the decode kernel.
   Backend backend = Backend::automatic;

@@ -188,9 +188,6 @@ DecodeState Transformer<T>::start_decoding(int64_t B, KVDtype dtype, int64_t pag
   const char* fn = "attn::nn::Transformer::start_decoding";
   if (!std::is_same_v<T, float>) throw InvalidArgument(std::string(fn) + ": incremental decoding is float32 only");
   if (!cfg_.causal) throw InvalidArgument(std::string(fn) + ": the model is not causal; every token would see later ones");
-  if (cfg_.positions == Positions::alibi || cfg_.sinks || cfg_.window.left >= 0 || cfg_.window.right >= 0)
-    throw InvalidArgument(std::string(fn) + ": the decode kernel has no ALiBi, window or sinks; this model uses " +
-                          (cfg_.positions == Positions::alibi ? "ALiBi" : cfg_.sinks ? "sinks" : "a window"));
   if (B < 1) throw InvalidArgument(std::string(fn) + ": B is " + std::to_string(B) + ", expected >= 1");
   DecodeState st;
   st.B = B;
@@ -230,11 +227,19 @@ void Transformer<T>::decode_step(DecodeState& st, const int32_t* tokens, int64_t
     embed_.forward(tokens, M, h);  // checks the ids
     if (cfg_.positions == Positions::sinusoidal) add_sinusoidal_positions(h, B, n, pos);
     if (cfg_.positions == Positions::learned) pos_.forward(h, B, n, pos);
+    // The score rules of forward(): the window, ALiBi's slopes and each
+    // block's sinks (the decode kernel applies them as the dense call does).
     DecodeOptions dopt;
     dopt.scale = cfg_.attn_scale;
+    dopt.window = cfg_.window;
+    std::vector<float> slopes;
+    if (cfg_.positions == Positions::alibi)
+      for (const double s : attn::alibi_slopes(H)) slopes.push_back(float(s));
+    if (!slopes.empty()) dopt.alibi_slopes = View1<const float>(slopes.data(), {H}, {1});
     for (size_t l = 0; l < blocks_.size(); ++l) {
       auto& blk = blocks_[l];
       const std::string pre = "blocks." + std::to_string(l) + ".attn.";
+      if (cfg_.sinks) dopt.sinks = View1<const float>(param.at(pre + "sinks")->template view<1>());
       const Tensor<T>& w_in = *param.at(pre + "in_proj_weight");
       const Tensor<T>& b_in = *param.at(pre + "in_proj_bias");
       const Tensor<T>& w_out = *param.at(pre + "out_proj.weight");

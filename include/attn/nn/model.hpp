@@ -86,8 +86,8 @@ class Transformer {
   CrossEntropyResult loss(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t N,
                           bool with_grad);
 
-  // Incremental decoding (causal models without ALiBi, window or sinks,
-  // float32): start_decoding makes the
+  // Incremental decoding (causal models, float32; every kind of positions,
+  // windows and sinks): start_decoding makes the
   // caches (storage float32, float16 or bfloat16; page_size > 0 pages them);
   // decode_step feeds the next n tokens of every sequence (tokens (B, n),
   // row-major), appends their keys and values to the caches and writes the

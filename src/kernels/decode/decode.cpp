@@ -110,9 +110,11 @@ constexpr int64_t kMinChunk = 256;     // ... but never into chunks shorter than
 // 5-15% less time than a whole tile ahead at G = 4 and the same at G = 1.
 constexpr int64_t kPrefetchBytes = 8192;
 
-// One chunk of keys [c0, c1) for query rows [m0, m0 + nm) of (b, hk).
+// One chunk of keys [c0, c1) for query rows [m0, m0 + nm) of (b, hk);
+// first: the block's first chunk (the one whose softmax starts at the sinks).
 struct Unit {
   int64_t b, hk, m0, nm, c0, c1;
+  bool first;
 };
 // The chunks of one row block: units [first, first + count); when count > 1
 // their partials live in slots [slot, slot + count).
@@ -145,11 +147,14 @@ using namespace decode_common;  // hn, os, DF, VF come with simd-inl.h
 //   q    [rows × Ep]     the block's queries × scale·log2(e), zero padded
 //   s    [rows × tilep]  scores of a tile → probabilities
 //   acc  [rows × Evp]    accumulator of a chunk that is finalised directly
-//   end  [rows]          one past the last key each row sees
+//   begin, end [rows]    the keys [begin, end) each row sees
+//   pos  [rows]          each row's position (ALiBi's distances)
+//   slope [rows]         each row's ALiBi slope × log2(e) (0: none)
 //   st, nan [rows]       online-softmax state and NaN flag (direct chunks)
 struct Scratch {
   hwy::AlignedFreeUniquePtr<float[]> q, s, acc;
-  std::vector<int64_t> end;
+  std::vector<int64_t> begin, end, pos;
+  std::vector<float> slope;
   std::vector<os::State<float>> st;
   std::vector<uint8_t> nan;
   explicit Scratch(const Call& c) {
@@ -158,7 +163,10 @@ struct Scratch {
     s = hwy::AllocateAligned<float>(size_t(rows * c.tilep));
     acc = hwy::AllocateAligned<float>(size_t(rows * c.Evp));
     std::fill(q.get(), q.get() + rows * c.Ep, 0.0f);
+    begin.resize(size_t(rows));
     end.resize(size_t(rows));
+    pos.resize(size_t(rows));
+    slope.resize(size_t(rows));
     st.resize(size_t(rows));
     nan.resize(size_t(rows));
   }
@@ -335,37 +343,55 @@ HWY_INLINE void ValueRows(const float* p, int64_t ldp, int64_t nk, const T* v, i
   if (e0 < Ev) ValueStrip<R, 1, true>(p, ldp, nk, v, vrow, e0, Ev, o, ldo, pf);
 }
 
+// The keys [lo, hi) of a tile from j0 (nk keys) that row r sees, tile-relative.
+HWY_INLINE rules::Keys TileKeys(const Scratch& w, int64_t r, int64_t j0, int64_t nk) {
+  return {std::clamp<int64_t>(w.begin[size_t(r)] - j0, 0, nk), std::clamp<int64_t>(w.end[size_t(r)] - j0, 0, nk)};
+}
+
 // Keys a row does not see never touch it (not even as 0·v, which is NaN for
 // a non-finite v): the keys every row sees go through the register blocks,
-// the rest (the causal diagonal of a tile) row by row up to each row's end.
+// the rest (the causal diagonal of a tile, the edge of a window) row by row.
+// The rows are in query order, so both ends of their ranges never decrease:
+// the common keys are [lo of the last row, hi of the first).
 template <class T>
 void ValueTile(const Call& c, Scratch& w, int64_t nm, const T* v, int64_t vrow, int64_t j0, int64_t nk,
                float* acc, RowPrefetch pf) {
   const int64_t Ev = c.p->Ev;
-  const auto vis = [&](int64_t r) { return std::clamp<int64_t>(w.end[size_t(r)] - j0, 0, nk); };
-  const int64_t common = vis(0);  // rows are in query order: row 0 sees the fewest keys
+  const int64_t lo = TileKeys(w, nm - 1, j0, nk).lo, hi = std::max(lo, TileKeys(w, 0, j0, nk).hi);
+  const bool common = hi > lo;
+  // Each row's keys before the common ones ([its lo, lo); all of its keys
+  // when none is common), then the common keys in register blocks, then
+  // each row's keys after them ([hi, its hi)): every row in key order.
+  for (int64_t r = 0; r < nm; ++r) {
+    const rules::Keys k = TileKeys(w, r, j0, nk);
+    const int64_t a = common ? std::min(k.hi, lo) : k.hi;
+    if (a > k.lo)
+      ValueRows<1>(w.s.get() + r * c.tilep + k.lo, c.tilep, a - k.lo, v + k.lo * vrow, vrow, Ev, acc + r * c.Evp, c.Evp);
+  }
   const int64_t blk = ValueRowBlock(Ev, sizeof(T));
-  for (int64_t r0 = 0; r0 < nm && common > 0; r0 += blk) {
-    const float* p = w.s.get() + r0 * c.tilep;
+  pf.ahead += lo;  // the block loop's key 0 is the tile's key lo
+  for (int64_t r0 = 0; r0 < nm && common; r0 += blk) {
+    const float* p = w.s.get() + r0 * c.tilep + lo;
+    const T* vl = v + lo * vrow;
     float* o = acc + r0 * c.Evp;
     if (r0 > 0) pf.a.p = nullptr;
     switch (std::min<int64_t>(blk, nm - r0)) {
-      case 4: ValueRows<4>(p, c.tilep, common, v, vrow, Ev, o, c.Evp, pf); break;
-      case 3: ValueRows<3>(p, c.tilep, common, v, vrow, Ev, o, c.Evp, pf); break;
-      case 2: ValueRows<2>(p, c.tilep, common, v, vrow, Ev, o, c.Evp, pf); break;
-      default: ValueRows<1>(p, c.tilep, common, v, vrow, Ev, o, c.Evp, pf); break;
+      case 4: ValueRows<4>(p, c.tilep, hi - lo, vl, vrow, Ev, o, c.Evp, pf); break;
+      case 3: ValueRows<3>(p, c.tilep, hi - lo, vl, vrow, Ev, o, c.Evp, pf); break;
+      case 2: ValueRows<2>(p, c.tilep, hi - lo, vl, vrow, Ev, o, c.Evp, pf); break;
+      default: ValueRows<1>(p, c.tilep, hi - lo, vl, vrow, Ev, o, c.Evp, pf); break;
     }
   }
-  for (int64_t r = 0; r < nm; ++r)
-    if (vis(r) > common)
-      ValueRows<1>(w.s.get() + r * c.tilep + common, c.tilep, vis(r) - common, v + common * vrow, vrow, Ev,
-                   acc + r * c.Evp, c.Evp);
+  for (int64_t r = 0; r < nm && common; ++r) {
+    const int64_t b = std::max(TileKeys(w, r, j0, nk).lo, hi), e = TileKeys(w, r, j0, nk).hi;
+    if (e > b) ValueRows<1>(w.s.get() + r * c.tilep + b, c.tilep, e - b, v + b * vrow, vrow, Ev, acc + r * c.Evp, c.Evp);
+  }
 }
 
 // ---- one chunk --------------------------------------------------------------
 
 // q[r][e] = scale·log2(e)·Q(b, hk·G + g, i, e) for the block's rows m = i·G + g,
-// and each row's key end.
+// and each row's keys, position and ALiBi slope.
 void PackQueries(const Call& c, Scratch& w, const Unit& u) {
   const DecodeProblem& p = *c.p;
   const int64_t G = p.group(), E = p.E, se = c.q.strides[3];
@@ -375,7 +401,10 @@ void PackQueries(const Call& c, Scratch& w, const Unit& u) {
     const float* src = &c.q(u.b, h, i, 0);
     float* dst = w.q.get() + r * c.Ep;
     for (int64_t e = 0; e < E; ++e) dst[e] = s2 * src[e * se];
-    w.end[size_t(r)] = p.row_end(u.b, i);
+    const rules::Keys k = p.keys(u.b, i);
+    w.begin[size_t(r)] = k.lo, w.end[size_t(r)] = k.hi;
+    w.pos[size_t(r)] = i + p.offset[size_t(u.b)];
+    w.slope[size_t(r)] = p.slopes.empty() ? 0.0f : p.slopes[size_t(h)] * kLog2e;
   }
 }
 
@@ -392,20 +421,33 @@ HWY_INLINE bool AnyNonFinite(const float* HWY_RESTRICT x, int64_t n) {
   return std::isnan(hn::GetLane(hn::SumOfLanes(d, z)));
 }
 
-// Folds tile scores s (nk keys from j0) into the rows' states: masks keys a
-// row does not see (and the padding up to tilep), turns scores into
-// 2^(s − shift), rescales the rows of acc.
+// Folds tile scores s (nk keys from j0) into the rows' states: applies the
+// score modifiers (soft-cap, then ALiBi: the order of score_rules.hpp, in
+// base 2 as the queries were scaled by log2(e)), masks keys a row does not
+// see (and the padding up to tilep), turns scores into 2^(s − shift),
+// rescales the rows of acc.
 void SoftmaxTile(const Call& c, Scratch& w, int64_t nm, int64_t j0, int64_t nk, float* acc,
                  os::State<float>* st, uint8_t* nan) {
   const DF d;
   const int64_t N = Lanes();
+  const float cap2 = float(c.p->softcap) * kLog2e;
   for (int64_t r = 0; r < nm; ++r) {
     float* row = w.s.get() + r * c.tilep;
-    const int64_t vis = std::clamp<int64_t>(w.end[size_t(r)] - j0, 0, nk);
+    const rules::Keys vis = TileKeys(w, r, j0, nk);
+    // The scores the row does not see become 0 first: the NaN check reads
+    // whole vectors, and the soft-cap's tanh picks its formula per vector,
+    // so what lies beside a visible score must be the same on every call
+    // (the padding past nk is left over from earlier tiles).
+    std::fill(row, row + vis.lo, 0.0f);
+    std::fill(row + vis.hi, row + c.tilep, 0.0f);
     // A visible score that is not finite (NaN, or ±inf from an infinite q or
-    // k) poisons the row; the vector max would drop a NaN.
-    if (AnyNonFinite(row, vis)) nan[r] = 1;
-    std::fill(row + vis, row + c.tilep, kNegInf);
+    // k) poisons the row; the vector max would drop a NaN, and the soft-cap
+    // would turn ±inf into a plausible ±c.
+    if (AnyNonFinite(row, c.tilep)) nan[r] = 1;
+    if (cap2 > 0) SoftcapTile(row, c.tilep, cap2, nullptr);
+    if (w.slope[size_t(r)] != 0.0f) AlibiLine(row, c.tilep, float(j0 - w.pos[size_t(r)]), w.slope[size_t(r)]);
+    std::fill(row, row + vis.lo, kNegInf);
+    std::fill(row + vis.hi, row + c.tilep, kNegInf);
     VF vmax = hn::Set(d, kNegInf);
     for (int64_t jj = 0; jj < c.tilep; jj += N) vmax = hn::Max(vmax, hn::Load(d, row + jj));
     const os::Step<float> step = os::begin_tile<os::Base2>(st[r], hn::GetLane(hn::MaxOfLanes(d, vmax)));
@@ -427,7 +469,13 @@ void ChunkT(const Call& c, Scratch& w, const Unit& u, float* acc, os::State<floa
   const KVLayout& kv = *c.kv;
   PackQueries(c, w, u);
   std::fill(acc, acc + u.nm * c.Evp, 0.0f);
-  for (int64_t r = 0; r < u.nm; ++r) st[r] = os::State<float>{}, nan[r] = 0;
+  // The block's first chunk starts each row's softmax at its head's sink (one
+  // seen logit with no value), as the fused kernel does; the merge of the
+  // chunks then counts it once.
+  for (int64_t r = 0; r < u.nm; ++r) {
+    const float sink2 = u.first && !c.p->sinks.empty() ? c.p->sinks[size_t(u.hk * c.p->group() + (u.m0 + r) % c.p->group())] * kLog2e : kNegInf;
+    st[r] = os::State<float>{sink2, sink2 == kNegInf ? 0.0f : 1.0f}, nan[r] = 0;
+  }
   const int64_t kend = std::min(u.c1, w.end[size_t(u.nm - 1)]);  // rows are in query order
   const T* kbase = static_cast<const T*>(kv.k);
   const T* vbase = static_cast<const T*>(kv.v);
@@ -521,7 +569,9 @@ void ForwardImpl(const DecodeProblem& p, const KVLayout& kv, View4<const float> 
                  View3<float> lse, DecodePlan plan) {
   const int64_t lanes = Lanes();
   const Call c{&p, &kv, q, out, lse, plan, round_up(p.E, lanes), round_up(p.Ev, lanes), round_up(plan.tile, lanes)};
-  // The units: every (b, hk, row block) cut into chunks of its visible keys.
+  // The units: every (b, hk, row block) cut into chunks of the keys its rows
+  // see, [lo of its first row, hi of its last) (a block that sees none still
+  // has one, empty, chunk: its rows finalise to 0 and −inf, or the sink).
   const int64_t M = p.group() * p.L;
   std::vector<Unit> units;
   std::vector<Block> blocks;
@@ -530,12 +580,13 @@ void ForwardImpl(const DecodeProblem& p, const KVLayout& kv, View4<const float> 
     for (int64_t hk = 0; hk < p.Hkv; ++hk)
       for (int64_t m0 = 0; m0 < M; m0 += plan.rows) {
         const int64_t nm = std::min(plan.rows, M - m0);
-        const int64_t kend = p.row_end(b, (m0 + nm - 1) / p.group());
-        const int64_t count = std::max<int64_t>(1, ceil_div(kend, plan.chunk));
+        const int64_t klo = p.keys(b, m0 / p.group()).lo;
+        const int64_t khi = std::max(klo, p.keys(b, (m0 + nm - 1) / p.group()).hi);
+        const int64_t count = std::max<int64_t>(1, ceil_div(khi - klo, plan.chunk));
         blocks.push_back({int64_t(units.size()), count, count > 1 ? slots : -1});
         if (count > 1) slots += count;
         for (int64_t k = 0; k < count; ++k)
-          units.push_back({b, hk, m0, nm, k * plan.chunk, std::min(kend, (k + 1) * plan.chunk)});
+          units.push_back({b, hk, m0, nm, klo + k * plan.chunk, std::min(khi, klo + (k + 1) * plan.chunk), k == 0});
       }
   // Partials of the chunks of split blocks, slot by slot (layout as in Scratch).
   const int64_t rows = plan.rows;
@@ -614,8 +665,10 @@ DecodePlan decode_plan(const DecodeProblem& p) {
   // call's bits on the widened values.
   const int64_t width = std::max<int64_t>({p.E, p.Ev, 1});
   plan.tile = width < 128 ? 64 : std::clamp<int64_t>(16384 / width / 8 * 8, 8, 128);
+  // The longest run of keys a row block sees (the whole sequence, unless a
+  // window narrows it); the chunks cut that run.
   int64_t smax = 1;
-  for (int64_t n : p.length) smax = std::max(smax, n);
+  for (int64_t b = 0; b < p.B; ++b) smax = std::max(smax, p.keys(b, p.L - 1).hi - p.keys(b, 0).lo);
   const int64_t nsplit = std::max<int64_t>(1, ceil_div(kTargetUnits, p.B * p.Hkv * nrb));
   plan.chunk = std::max(kMinChunk, round_up(ceil_div(smax, nsplit), plan.tile));
   return plan;
@@ -634,29 +687,31 @@ void decode_forward(const DecodeProblem& p, const KVLayout& kv, View4<const floa
 bool decode_suits_rows(int64_t L, int64_t G) { return L <= 32 && G * L <= decode_common::kMaxRows; }
 
 bool decode_suits_dense(const Problem& p, const SdpaArgs<float>& a, bool want_weights) {
-  // The score-rule variants (window, position offset, soft-cap, ALiBi, sinks)
-  // are not in the decode kernel yet: those calls stay with the fused one.
-  const bool variants = p.windowed() || p.softcap > 0 || !a.alibi_slopes.empty() || !a.sinks.empty();
-  return !variants && !want_weights && a.mask.empty() && a.bias.empty() && decode_suits_rows(p.L, p.group()) &&
+  // Every score rule but the elementwise ones (mask, bias) is the kernel's own.
+  return !want_weights && a.mask.empty() && a.bias.empty() && decode_suits_rows(p.L, p.group()) &&
          a.k.strides[3] == 1 && a.v.strides[3] == 1;
 }
 
-void decode_forward_dense(const Problem& p, const SdpaArgs<float>& a, View4<float> out, View3<float> lse) {
+DecodeProblem DecodeProblem::of(const Problem& p, const View1<const int64_t>& key_lengths,
+                                const View1<const float>& alibi_slopes, const View1<const float>& sinks) {
   DecodeProblem d;
   d.B = p.B, d.H = p.H, d.Hkv = p.Hkv, d.L = p.L, d.E = p.E, d.Ev = p.Ev;
   d.scale = p.scale;
   d.causal = p.causal;
+  d.window_left = p.window_left, d.window_right = p.window_right;
+  d.softcap = p.softcap;
+  for (int64_t h = 0; h < alibi_slopes.dim(0); ++h) d.slopes.push_back(alibi_slopes(h));
+  for (int64_t h = 0; h < sinks.dim(0); ++h) d.sinks.push_back(sinks(h));
   d.threads = p.threads;
+  d.offset.assign(size_t(p.B), p.offset());
   d.length.resize(size_t(p.B));
-  d.offset.assign(size_t(p.B), p.align == CausalAlign::bottom_right ? p.S - p.L : 0);
-  for (int64_t b = 0; b < p.B; ++b) d.length[size_t(b)] = a.key_lengths.empty() ? p.S : a.key_lengths(b);
-  KVLayout kv;
-  kv.k = a.k.data;
-  kv.v = a.v.data;
-  kv.page_size = p.S;  // one page per sequence: the page of sequence b is b
-  kv.k_page = a.k.strides[0], kv.k_head = a.k.strides[1], kv.k_row = a.k.strides[2];
-  kv.v_page = a.v.strides[0], kv.v_head = a.v.strides[1], kv.v_row = a.v.strides[2];
-  decode_forward(d, kv, a.q, out, lse);
+  for (int64_t b = 0; b < p.B; ++b) d.length[size_t(b)] = key_lengths.empty() ? p.S : key_lengths(b);
+  return d;
+}
+
+void decode_forward_dense(const Problem& p, const SdpaArgs<float>& a, View4<float> out, View3<float> lse) {
+  decode_forward(DecodeProblem::of(p, a.key_lengths, a.alibi_slopes, a.sinks),
+                 KVLayout::dense(KVStorage::f32, a.k, a.v), a.q, out, lse);
 }
 
 const char* decode_target_name() { return HWY_DYNAMIC_DISPATCH(TargetNameImpl)(); }

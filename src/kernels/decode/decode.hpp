@@ -30,23 +30,48 @@ struct KVLayout {
   int64_t table_stride = 0;
   int64_t k_page = 0, k_head = 0, k_row = 0;
   int64_t v_page = 0, v_head = 0, v_row = 0;
+
+  // Dense (B, Hkv, S, E) and (B, Hkv, S, Ev) views of storage type t: one
+  // page per sequence (the page of sequence b is b).
+  template <class T>
+  static KVLayout dense(KVStorage t, const View4<const T>& k, const View4<const T>& v) {
+    KVLayout kv;
+    kv.type = t;
+    kv.k = k.data;
+    kv.v = v.data;
+    kv.page_size = k.dim(2);
+    kv.k_page = k.strides[0], kv.k_head = k.strides[1], kv.k_row = k.strides[2];
+    kv.v_page = v.strides[0], kv.v_head = v.strides[1], kv.v_row = v.strides[2];
+    return kv;
+  }
 };
 
 struct DecodeProblem {
   int64_t B = 0, H = 0, Hkv = 0, L = 0, E = 0, Ev = 0;
   double scale = 1.0;
+  // The score rules (src/kernels/score_rules.hpp), as in the dense call:
+  // query i of sequence b sits at position i + offset[b] on its key axis;
+  // causal, the window and length[b] fold into the keys it sees (keys());
+  // softcap, the ALiBi slopes and the sinks change its scores and softmax.
   bool causal = false;
+  int64_t window_left = -1, window_right = -1;  // −1: unbounded
+  double softcap = 0;                           // 0: off
+  std::vector<float> slopes;  // ALiBi slope per query head (empty: none)
+  std::vector<float> sinks;   // sink logit per query head (empty: none)
   std::vector<int64_t> length;  // keys of sequence b
-  std::vector<int64_t> offset;  // causal: query i sees keys j < i + 1 + offset[b]
+  std::vector<int64_t> offset;  // position of query 0 of sequence b
   int threads = 1;
   bool split = true;  // chunks of one (sequence, head) may run on different threads
 
   int64_t group() const { return H / Hkv; }
-  // One past the last key query i of sequence b sees.
-  int64_t row_end(int64_t b, int64_t i) const {
-    const int64_t n = length[size_t(b)];
-    return causal ? std::clamp<int64_t>(i + 1 + offset[size_t(b)], 0, n) : n;
+  // The keys [lo, hi) query i of sequence b sees (lo and hi never decrease with i).
+  rules::Keys keys(int64_t b, int64_t i) const {
+    return rules::Band::make(offset[size_t(b)], window_left, window_right, causal, length[size_t(b)]).keys(i);
   }
+  // The decode problem of a validated dense call (src/sdpa.cpp): its band,
+  // score modifiers and key lengths.
+  static DecodeProblem of(const Problem& p, const View1<const int64_t>& key_lengths,
+                          const View1<const float>& alibi_slopes, const View1<const float>& sinks);
 };
 
 // How the work is cut; depends only on the shape (never on the threads).

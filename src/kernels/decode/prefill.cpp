@@ -20,10 +20,12 @@
 //    Each chunk's output and log-sum-exp are merged into the running result
 //    in chunk order (merge_attention), so the result does not depend on the
 //    thread count.
-//  * Positions: causal query i of sequence b sees keys j <= i + offset(b)
+//  * Positions: query i of sequence b sits at position i + offset(b)
 //    (DecodeProblem; decode_attention sets offset(b) = length(b) − L), so
 //    over a chunk whose keys start at j0 the fused call's position offset
-//    is offset(b) − j0.
+//    is offset(b) − j0; causal, the window and ALiBi all read it. Only the
+//    keys some query sees are read (a window skips the rest), and the sinks
+//    join the first chunk's softmax, so the merge counts them once.
 // The widening is O(S·(E + Ev)) against O(L·S·(E + Ev)) flops, a few
 // percent at the sizes that come here.
 #include <cmath>
@@ -88,37 +90,45 @@ void prefill_forward(const DecodeProblem& p, const KVLayout& kv, View4<const flo
   Tensor<float> kbuf, vbuf;  // widened chunks (shaped on first use)
   Tensor<float> part({1, p.H, p.L, p.Ev}), plse({1, p.H, p.L}), own_lse;
   if (lse.empty()) own_lse = Tensor<float>({1, p.H, p.L});
+  const View1<const float> slopes = p.slopes.empty() ? View1<const float>() : View1<const float>(p.slopes.data(), {p.H}, {1});
+  const View1<const float> sinks = p.sinks.empty() ? View1<const float>() : View1<const float>(p.sinks.data(), {p.H}, {1});
   for (int64_t b = 0; b < p.B; ++b) {
-    const int64_t n = p.length[size_t(b)];
     View4<float> ob(out.data + b * out.strides[0], {1, p.H, p.L, p.Ev},
                     {out.strides[0], out.strides[1], out.strides[2], out.strides[3]});
     View3<float> lb = lse.empty() ? own_lse.view<3>()
                                   : View3<float>(lse.data + b * lse.strides[0], {1, p.H, p.L},
                                                  {lse.strides[0], lse.strides[1], lse.strides[2]});
-    if (n == 0) {  // nothing to see: output 0, lse −inf
+    // The keys any query of the sequence sees (all of them, unless a window
+    // or the causal rule with fewer keys than queries narrows them).
+    const int64_t klo = p.keys(b, 0).lo, khi = std::max(klo, p.keys(b, p.L - 1).hi);
+    if (khi == klo) {  // nothing to see: output 0, lse −inf (or the head's sink)
       for (int64_t h = 0; h < p.H; ++h)
         for (int64_t i = 0; i < p.L; ++i) {
           for (int64_t e = 0; e < p.Ev; ++e) ob(0, h, i, e) = 0.0f;
-          lb(0, h, i) = ninf;
+          lb(0, h, i) = sinks.empty() ? ninf : sinks(h);
         }
       continue;
     }
-    const bool whole = kv.type == KVStorage::f32 && (n - 1) / kv.page_size == 0;
-    const int64_t chunk = whole ? n : kChunk;
+    const bool whole = kv.type == KVStorage::f32 && klo / kv.page_size == (khi - 1) / kv.page_size;
+    const int64_t chunk = whole ? khi - klo : kChunk;
     SdpaArgs<float> a;
     a.q = View4<const float>(q.data + b * q.strides[0], {1, p.H, p.L, p.E},
                              {q.strides[0], q.strides[1], q.strides[2], q.strides[3]});
-    for (int64_t j0 = 0; j0 < n; j0 += chunk) {
-      const int64_t nk = std::min(chunk, n - j0);
+    a.alibi_slopes = slopes;
+    for (int64_t j0 = klo; j0 < khi; j0 += chunk) {
+      const int64_t nk = std::min(chunk, khi - j0);
       a.k = keys_view(kv, kv.k, kv.k_page, kv.k_head, kv.k_row, p.Hkv, p.E, b, j0, nk, kbuf);
       a.v = keys_view(kv, kv.v, kv.v_page, kv.v_head, kv.v_row, p.Hkv, p.Ev, b, j0, nk, vbuf);
+      a.sinks = j0 == klo ? sinks : View1<const float>();  // counted once, in the first chunk
       SdpaOptions opt;
       opt.scale = p.scale;
       opt.causal = p.causal;
-      if (p.causal) opt.position_offset = p.offset[size_t(b)] - j0;  // query 0 sits at this local key
+      opt.window = {p.window_left, p.window_right};
+      opt.softcap = p.softcap;
+      opt.position_offset = p.offset[size_t(b)] - j0;  // query 0 sits at this local key
       opt.num_threads = p.threads;
       const Problem fp = make_problem(a, opt);
-      if (j0 == 0) {
+      if (j0 == klo) {
         fused_forward(fp, a, ob, {}, lb);
       } else {
         fused_forward(fp, a, part.view4(), {}, plse.view<3>());

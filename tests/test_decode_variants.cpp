@@ -1,0 +1,286 @@
+// The score-rule variants in decoding (sliding window, soft-cap, ALiBi,
+// sinks) over the KV cache and through the dense call's decode route. The
+// oracle is the reference backend on the cache's stored values, with the
+// window and ALiBi written independently as a boolean mask and an additive
+// bias (decode_case.hpp). Also: split-KV bitwise for any thread count, keys
+// outside a window never touched (a NaN there changes nothing), poisoned
+// inputs not hidden by the soft-cap, rows that see no key (output 0, lse the
+// sink or −inf), the chunked-prefill path, half storage, and argument errors.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <limits>
+#include <random>
+
+#include "decode_case.hpp"
+#include "kernels/decode/decode.hpp"
+#include "testing.hpp"
+
+namespace {
+
+using namespace attn;
+using namespace attn::testing;
+
+const float kInf = std::numeric_limits<float>::infinity();
+const float kNaN = std::numeric_limits<float>::quiet_NaN();
+
+// Random variants on a case: window sides from none to a few keys, causal
+// or not, a soft-cap, ALiBi slopes and sinks (some −inf), each on or off.
+void add_variants(DecodeCase& c, std::mt19937_64& rng) {
+  const int64_t lefts[] = {-1, 0, 1, 3, 17, 60};
+  const int64_t rights[] = {-1, 0, 2, 9};
+  std::uniform_int_distribution<int> pick6(0, 5), pick4(0, 3), coin(0, 1);
+  c.window.left = lefts[pick6(rng)];
+  c.window.right = c.causal ? -1 : rights[pick4(rng)];
+  c.softcap = coin(rng) ? 0.0 : 1.5;
+  std::uniform_real_distribution<float> u(0.05f, 1.0f), sink(-2.0f, 3.0f);
+  c.slopes.clear(), c.sinks.clear();
+  if (coin(rng))
+    for (int64_t h = 0; h < c.H; ++h) c.slopes.push_back(u(rng));
+  if (coin(rng))
+    for (int64_t h = 0; h < c.H; ++h) c.sinks.push_back(h % 3 == 2 ? -kInf : sink(rng));
+}
+
+TEST(DecodeVariants, RandomCasesMatchTheMaskAndBiasOracle) {
+  std::mt19937_64 rng(31);
+  for (int i = 0; i < 300; ++i) {
+    DecodeCase c = random_case(rng);
+    c.dtype = KVDtype(i % 3);
+    add_variants(c, rng);
+    SCOPED_TRACE(c.str());
+    const Filled f = fill(c, rng);
+    expect_matches_oracle(c, f, run(c, f));
+    if (::testing::Test::HasFailure()) break;
+  }
+}
+
+// Each variant alone and all together, on long sequences cut into several
+// chunks (split-KV) and pages: the oracle, then the same bits for 1, 2, 3
+// and 8 threads with the split on and off.
+TEST(DecodeVariants, LongCachesSplitBitwiseForAnyThreadCount) {
+  std::mt19937_64 rng(32);
+  for (int which = 0; which < 6; ++which) {
+    DecodeCase c;
+    c.B = 2, c.H = 8, c.Hkv = 2, c.L = which % 2 ? 3 : 1, c.E = c.Ev = 32, c.page = 48;
+    c.dtype = which == 5 ? KVDtype::bfloat16 : KVDtype::float32;
+    c.lens = {2500, 777};
+    if (which == 0 || which >= 4) c.window.left = 1000;
+    if (which == 1 || which >= 4) c.softcap = 2.0;
+    if (which == 2 || which >= 4)
+      for (int64_t h = 0; h < c.H; ++h) c.slopes.push_back(0.001f * float(h + 1));
+    if (which == 3 || which >= 4)
+      for (int64_t h = 0; h < c.H; ++h) c.sinks.push_back(0.5f * float(h) - 1.0f);
+    SCOPED_TRACE(c.str());
+    const Filled f = fill(c, rng);
+    DecodeOptions o;
+    o.num_threads = 1, o.split_kv = false;
+    const Result base = run(c, f, o);
+    expect_matches_oracle(c, f, base);
+    for (const int threads : {1, 2, 3, 8})
+      for (const bool split : {false, true}) {
+        o.num_threads = threads, o.split_kv = split;
+        const Result r = run(c, f, o);
+        EXPECT_TRUE(bitwise_equal(r.out, base.out)) << threads << " threads, split " << split;
+        EXPECT_TRUE(bitwise_equal(r.lse, base.lse)) << threads << " threads, split " << split;
+      }
+  }
+}
+
+// A sliding window reads only its keys: NaN in every key and value outside
+// the window of every query changes no bit of the result.
+TEST(DecodeVariants, KeysOutsideTheWindowAreNeverRead) {
+  std::mt19937_64 rng(33);
+  for (const KVDtype t : {KVDtype::float32, KVDtype::float16})
+    for (const int64_t L : {int64_t(1), int64_t(5), int64_t(40)}) {  // 40: the chunked-prefill path
+      DecodeCase c;
+      c.B = 1, c.H = 4, c.Hkv = 2, c.L = L, c.E = c.Ev = 16, c.page = 64, c.dtype = t, c.lens = {3000};
+      c.window.left = 300;
+      SCOPED_TRACE(c.str());
+      Filled f = fill(c, rng);
+      const Result clean = run(c, f);
+      expect_matches_oracle(c, f, clean);
+      const int64_t first_seen = 3000 - L - 300;  // query 0 sits at 3000 − L
+      for (int64_t hk = 0; hk < c.Hkv; ++hk)
+        for (int64_t j = 0; j < first_seen; ++j) {
+          for (int64_t e = 0; e < c.E; ++e) f.k[0][size_t((hk * 3000 + j) * c.E + e)] = kNaN;
+          for (int64_t e = 0; e < c.Ev; ++e) f.v[0][size_t((hk * 3000 + j) * c.Ev + e)] = kNaN;
+        }
+      KVCache poisoned(config_of(c));
+      poisoned.append(0, f.k[0].view<3>(), f.v[0].view<3>());
+      const Result r = run_on(c, poisoned, f.q);
+      EXPECT_TRUE(bitwise_equal(r.out, clean.out));
+      EXPECT_TRUE(bitwise_equal(r.lse, clean.lse));
+    }
+}
+
+// The soft-cap maps ±inf to ±c, a plausible score: an infinite key the row
+// sees must still poison it (and only the rows that see it).
+TEST(DecodeVariants, SoftcapDoesNotHidePoisonedKeys) {
+  std::mt19937_64 rng(34);
+  for (const float bad : {kInf, -kInf, kNaN})
+    for (const int64_t L : {int64_t(3), int64_t(40)}) {
+      DecodeCase c;
+      c.B = 1, c.H = 4, c.Hkv = 2, c.L = L, c.E = c.Ev = 8, c.page = 16, c.lens = {60};
+      c.softcap = 1.0;
+      Filled f = fill(c, rng);
+      f.k[0][size_t((1 * 60 + 59) * c.E + 2)] = bad;  // kv head 1, the last key: only the last row sees it
+      KVCache cache(config_of(c));
+      cache.append(0, f.k[0].view<3>(), f.v[0].view<3>());
+      const Result r = run_on(c, cache, f.q);
+      for (int64_t h = 0; h < c.H; ++h)
+        for (int64_t i = 0; i < c.L; ++i) {
+          const bool poisoned = h >= 2 && i == L - 1;
+          const size_t row = size_t(h * c.L + i);
+          EXPECT_EQ(std::isnan(r.lse[row]), poisoned) << bad << " L " << L << " head " << h << " row " << i;
+          EXPECT_EQ(std::isnan(r.out[row * size_t(c.Ev)]), poisoned) << bad << " L " << L << " head " << h << " row " << i;
+        }
+    }
+}
+
+// A row that sees no key (an empty sequence; a causal query before the
+// first key) gets output 0 and lse = its head's sink, or −inf without one.
+TEST(DecodeVariants, RowsThatSeeNoKeyGetTheSinkOrMinusInfinity) {
+  std::mt19937_64 rng(35);
+  for (const int64_t L : {int64_t(6), int64_t(40)}) {
+    DecodeCase c;
+    c.B = 3, c.H = 4, c.Hkv = 2, c.L = L, c.E = c.Ev = 8, c.lens = {0, 2, 50};
+    c.sinks = {0.25f, -kInf, 1.5f, -3.0f};
+    SCOPED_TRACE(c.str());
+    const Filled f = fill(c, rng);
+    const Result r = run(c, f);
+    expect_matches_oracle(c, f, r);
+    for (int64_t h = 0; h < c.H; ++h)
+      for (int64_t i = 0; i < c.L; ++i) {
+        // Sequence 0 is empty; in sequence 1 query i sits at 2 − L + i and
+        // sees no key while that is negative.
+        for (const int64_t b : {int64_t(0), int64_t(1)}) {
+          if (b == 1 && 2 - L + i >= 0) continue;
+          const size_t row = size_t((b * c.H + h) * c.L + i);
+          EXPECT_EQ(r.lse[row], c.sinks[size_t(h)]) << "b " << b << " h " << h << " i " << i;
+          for (int64_t e = 0; e < c.Ev; ++e) ASSERT_EQ(r.out[row * size_t(c.Ev) + size_t(e)], 0.0f);
+        }
+      }
+  }
+}
+
+// Chunked prefill (many new rows: the fused kernel over chunks of the
+// cache) with each variant, contiguous and paged, every storage type.
+TEST(DecodeVariants, ChunkedPrefillMatchesTheOracle) {
+  std::mt19937_64 rng(36);
+  int n = 0;
+  for (const KVDtype t : {KVDtype::float32, KVDtype::float16, KVDtype::bfloat16})
+    for (const int64_t page : {int64_t(0), int64_t(300)})
+      for (int which = 0; which < 3; ++which) {
+        DecodeCase c;
+        c.B = 3, c.H = 4, c.Hkv = 2, c.L = 45, c.E = 24, c.Ev = 16, c.page = page, c.dtype = t;
+        c.causal = which != 2;
+        c.lens = {2300 + n, 0, 30};
+        if (which == 0) c.window.left = 700;
+        if (which == 2) c.window = {400, 20};
+        c.softcap = which == 1 ? 3.0 : 0.0;
+        for (int64_t h = 0; which >= 1 && h < c.H; ++h) c.slopes.push_back(0.01f * float(h + 1));
+        for (int64_t h = 0; which != 1 && h < c.H; ++h) c.sinks.push_back(float(h) - 1.0f);
+        ASSERT_FALSE(detail::decode_suits_rows(c.L, c.H / c.Hkv));
+        SCOPED_TRACE(c.str());
+        const Filled f = fill(c, rng);
+        expect_matches_oracle(c, f, run(c, f));
+        ++n;
+      }
+}
+
+// Half storage with the variants gives the float32 call's bits on the
+// rounded values (the kernel's widening is exact; the rules run in float32).
+TEST(DecodeVariants, HalfStorageGivesTheFloat32BitsOnRoundedValues) {
+  std::mt19937_64 rng(37);
+  for (const KVDtype t : {KVDtype::float16, KVDtype::bfloat16}) {
+    DecodeCase c;
+    c.B = 2, c.H = 8, c.Hkv = 2, c.L = 2, c.E = 64, c.Ev = 33, c.page = 40, c.dtype = t, c.lens = {900, 130};
+    c.window.left = 200, c.softcap = 2.0;
+    for (int64_t h = 0; h < c.H; ++h) c.slopes.push_back(0.02f * float(h + 1)), c.sinks.push_back(0.1f * float(h));
+    const Filled f = fill(c, rng);  // f.k, f.v hold the rounded values
+    DecodeCase c32 = c;
+    c32.dtype = KVDtype::float32;
+    KVCache cache32(config_of(c32));
+    for (int64_t b = 0; b < c.B; ++b) {
+      const int64_t n = c.lens[size_t(b)];
+      cache32.append(b, View3<const float>(f.k[size_t(b)].data(), {c.Hkv, n, c.E}),
+                     View3<const float>(f.v[size_t(b)].data(), {c.Hkv, n, c.Ev}));
+    }
+    const Result half = run(c, f), full = run_on(c32, cache32, f.q);
+    EXPECT_TRUE(bitwise_equal(half.out, full.out)) << kv_dtype_name(t);
+    EXPECT_TRUE(bitwise_equal(half.lse, full.lse)) << kv_dtype_name(t);
+  }
+}
+
+// scaled_dot_product_attention with few query rows and the variants takes
+// the decode kernel (bitwise its result) and matches the reference, in
+// both layouts, with key lengths and position offsets.
+TEST(DecodeVariants, DenseCallTakesTheKernelWithVariants) {
+  std::mt19937_64 rng(38);
+  for (int i = 0; i < 40; ++i) {
+    const int64_t Hkv = 1 + i % 3, H = Hkv * (int64_t(1) << (i % 4)), B = 1 + i % 2;
+    const int64_t L = 1 + i % 9, S = 1 + (i * 37) % 700, E = 8 + i % 5 * 8, Ev = E + (i % 2) * 8;
+    Tensor<float> q = random_tensor<float>({B, H, L, E}, rng);
+    Tensor<float> k = random_tensor<float>({B, S, Hkv, E}, rng), v = random_tensor<float>({B, S, Hkv, Ev}, rng);
+    Tensor<int64_t> kl({B});
+    for (int64_t b = 0; b < B; ++b) kl[size_t(b)] = std::uniform_int_distribution<int64_t>(0, S)(rng);
+    std::vector<float> slopes, sinks;
+    for (int64_t h = 0; h < H; ++h) slopes.push_back(0.01f * float(h + 1)), sinks.push_back(0.3f * float(h % 4));
+    SdpaArgs<float> a;
+    a.q = q.view4();
+    a.k = i % 3 == 0 ? View4<const float>::bnhd(k.data(), B, S, Hkv, E) : View4<const float>(k.data(), {B, Hkv, S, E});
+    a.v = i % 3 == 0 ? View4<const float>::bnhd(v.data(), B, S, Hkv, Ev) : View4<const float>(v.data(), {B, Hkv, S, Ev});
+    if (i % 4 == 1) a.key_lengths = kl.view<1>();
+    if (i % 2 == 0) a.alibi_slopes = View1<const float>(slopes.data(), {H}, {1});
+    if (i % 3 != 1) a.sinks = View1<const float>(sinks.data(), {H}, {1});
+    SdpaOptions o;
+    o.causal = i % 2 == 0;
+    o.causal_align = i % 4 == 0 ? CausalAlign::top_left : CausalAlign::bottom_right;
+    o.window = {int64_t(i % 5) * 40 - 1, o.causal ? -1 : int64_t(i % 3) * 7 - 1};
+    o.softcap = i % 3 == 2 ? 2.5 : 0.0;
+    if (i % 7 == 3) o.position_offset = S / 2;
+    Tensor<float> out({B, H, L, Ev}), lse({B, H, L}), ref({B, H, L, Ev}), ref_lse({B, H, L});
+    scaled_dot_product_attention(a, {out.view4(), {}, lse.view<3>()}, o);
+    SdpaOptions ro = o;
+    ro.backend = Backend::reference;
+    scaled_dot_product_attention(a, {ref.view4(), {}, ref_lse.view<3>()}, ro);
+    EXPECT_TRUE(all_close(out, ref, tolerance<float>(S + E, 1.0, 40), "out case " + std::to_string(i)));
+    EXPECT_TRUE(all_close(lse, ref_lse, tolerance<float>(S + E, max_abs(ref_lse.view<3>()), 40), "lse case " + std::to_string(i)));
+    const detail::Problem p = detail::make_problem(a, o);
+    ASSERT_TRUE(detail::decode_suits_dense(p, a, false)) << "case " << i;
+    Tensor<float> direct({B, H, L, Ev});
+    detail::decode_forward_dense(p, a, direct.view4(), {});
+    EXPECT_TRUE(bitwise_equal(direct, out)) << "case " << i;
+  }
+}
+
+TEST(DecodeVariants, ArgumentErrors) {
+  KVCacheConfig cfg;
+  cfg.batch = 1, cfg.kv_heads = 2, cfg.capacity = 8, cfg.head_dim = 4;
+  KVCache cache(cfg);
+  Tensor<float> q({1, 4, 1, 4}), out({1, 4, 1, 4});
+  auto call = [&](const DecodeOptions& o) { return [&, o] { decode_attention(q.view4(), cache, out.view4(), o); }; };
+  DecodeOptions o;
+  o.window.left = -2;
+  EXPECT_TRUE(throws_with(call(o), {"decode_attention", "option 'window.left' is -2, expected >= 0 or -1"}));
+  o = {}, o.softcap = -1.0;
+  EXPECT_TRUE(throws_with(call(o), {"decode_attention", "option 'softcap'"}));
+  o = {}, o.softcap = kNaN;
+  EXPECT_TRUE(throws_with(call(o), {"decode_attention", "option 'softcap'"}));
+  std::vector<float> three{1, 2, 3}, four{1, 2, 3, 4}, bad{1, kNaN, 0, 0}, plus_inf{0, kInf, 0, 0};
+  o = {}, o.alibi_slopes = View1<const float>(three.data(), {3}, {1});
+  EXPECT_TRUE(throws_with(call(o), {"decode_attention", "'alibi_slopes'", "one slope per query head"}));
+  o = {}, o.alibi_slopes = View1<const float>(bad.data(), {4}, {1});
+  EXPECT_TRUE(throws_with(call(o), {"decode_attention", "'alibi_slopes'"}));
+  o = {}, o.sinks = View1<const float>(three.data(), {3}, {1});
+  EXPECT_TRUE(throws_with(call(o), {"decode_attention", "'sinks'", "one logit per query head"}));
+  o = {}, o.sinks = View1<const float>(plus_inf.data(), {4}, {1});
+  EXPECT_TRUE(throws_with(call(o), {"decode_attention", "'sinks'"}));
+  o = {}, o.sinks = View1<const float>(out.data(), {4}, {1});
+  EXPECT_TRUE(throws_with(call(o), {"decode_attention", "output 'out' overlaps input 'sinks'"}));
+  o = {}, o.alibi_slopes = View1<const float>(four.data(), {4}, {1}), o.sinks = View1<const float>(four.data(), {4}, {1});
+  Tensor<float> ok({1, 4, 1, 4});
+  EXPECT_NO_THROW(decode_attention(q.view4(), cache, ok.view4(), o));
+}
+
+}  // namespace
