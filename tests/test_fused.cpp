@@ -1048,7 +1048,8 @@ TEST(FusedVariants, VarlenMatchesReference) {
 namespace {
 
 // Decoding shapes (a few query rows, no weights) with the variants: the
-// dense call must not hand them to a kernel without the rules.
+// dense call hands them to the decode kernel (L <= 32), which must apply
+// every rule, forward and backward.
 TEST(FusedVariants, DecodingShapesKeepTheRules) {
   for (int64_t L : {1, 3, 32}) {
     Case c;

@@ -252,6 +252,10 @@ def decode_attention(
     backend: Backend = "auto",
     split_kv: bool = True,
     num_threads: int = 0,
+    window: Optional[Tuple[int, int]] = None,
+    softcap: Optional[float] = None,
+    alibi_slopes: Optional[ArrayLike] = None,
+    sinks: Optional[ArrayLike] = None,
 ) -> Any:
     """Attention of q (B, H, L, E), the last L tokens of each sequence, over
     the cache; out (B, H, L, Ev) (and lse (B, H, L) with return_lse)."""

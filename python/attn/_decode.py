@@ -18,6 +18,7 @@ import numpy as np
 
 from . import _attn
 from ._arrays import is_torch_tensor, to_numpy
+from ._variants import variant_kwargs
 
 _F32 = np.dtype(np.float32)
 
@@ -106,13 +107,22 @@ class KVCache:
 
 def decode_attention(q: Any, cache: KVCache, *, scale: Optional[float] = None, causal: bool = True,
                      return_lse: bool = False, backend: str = "auto", split_kv: bool = True,
-                     num_threads: int = 0):
+                     num_threads: int = 0, window=None, softcap=None, alibi_slopes=None, sinks=None):
     """Attention of L new queries per sequence, q (B, H, L, E), over the cache.
 
-    The queries are the last L tokens of each sequence: query i sees keys
-    j <= length - L + i (causal=False: all keys). H must be a multiple of the
-    cache's kv_heads (grouped-query attention). Returns out (B, H, L, Ev), and
-    lse (B, H, L) with return_lse. A sequence of length 0 gives 0 and lse -inf.
+    The queries are the last L tokens of each sequence: query i sits at
+    position p = length - L + i and sees keys j <= p (causal=False: all keys).
+    H must be a multiple of the cache's kv_heads (grouped-query attention).
+    Returns out (B, H, L, Ev), and lse (B, H, L) with return_lse. A sequence
+    of length 0 gives 0 and lse -inf.
+
+    The score rules of attn.scaled_dot_product_attention, at those positions:
+      window  (left, right): keys p-left <= j <= p+right (-1: unbounded); a
+              sliding window reads only its keys from the cache
+      softcap  c > 0: scores become c * tanh(s / c) (Gemma 2)
+      alibi_slopes  H values: -slope_h * |p - j| added to the scores
+      sinks  H values: one extra logit per head in every row's softmax, with no
+              value (gpt-oss); a row that sees no key then has lse = sink
     """
     fn = "attn.decode_attention"
     if not isinstance(cache, KVCache):
@@ -120,8 +130,10 @@ def decode_attention(q: Any, cache: KVCache, *, scale: Optional[float] = None, c
     qa = _f32(q, fn, "q", 4)
     out = np.empty(qa.shape[:3] + (cache.value_dim,), np.float32)
     lse = np.empty(qa.shape[:3], np.float32) if return_lse else None
+    var = variant_kwargs(fn, qa.shape[1], np.dtype(np.float32), window, alibi_slopes, softcap, sinks, None)
+    del var["position_offset"]  # the cache fixes the positions
     _attn.decode_attention(qa, cache._c, out, lse, scale, bool(causal), str(backend), bool(split_kv),
-                           int(num_threads))
+                           int(num_threads), **var)
     if is_torch_tensor(q):
         import torch
 

@@ -121,3 +121,95 @@ def test_errors_name_the_argument():
         cache.append(np.zeros((1, 2, 9, 4), np.float32), np.zeros((1, 2, 9, 4), np.float32))
     with pytest.raises(ValueError, match="fp8"):
         attn.KVCache(1, 1, 1, 1, dtype="fp8")
+
+
+def variant_oracle(q, cache, window=(-1, -1), softcap=None, slopes=None, sinks=None):
+    """float64, written out: scores, soft-cap, ALiBi over positions, the
+    window and causal rule as a mask, the sinks as an extra logit with no
+    value. Query i of sequence b sits at position length_b - L + i."""
+    B, H, L, E = q.shape
+    out = np.zeros((B, H, L, cache.value_dim))
+    lse = np.zeros((B, H, L))
+    for b, S in enumerate(cache.lengths):
+        k, v = (np.zeros((cache.kv_heads, 0, d)) for d in (E, cache.value_dim)) if S == 0 else cache.read(b)
+        g = H // cache.kv_heads
+        k = np.repeat(k.astype(np.float64), g, axis=0)
+        v = np.repeat(v.astype(np.float64), g, axis=0)
+        s = q[b].astype(np.float64) @ np.swapaxes(k, -1, -2) / np.sqrt(E)  # (H, L, S)
+        if softcap:
+            s = softcap * np.tanh(s / softcap)
+        pos = S - L + np.arange(L)[:, None]
+        j = np.arange(S)[None, :]
+        if slopes is not None:
+            s = s - np.asarray(slopes, np.float64)[:, None, None] * np.abs(pos - j)[None]
+        seen = j <= pos
+        if window[0] >= 0:
+            seen &= j >= pos - window[0]
+        s = np.where(seen[None], s, -np.inf)
+        sink = np.full((H, L, 1), -np.inf) if sinks is None else np.broadcast_to(
+            np.asarray(sinks, np.float64)[:, None, None], (H, L, 1))
+        full = np.concatenate([s, sink], axis=-1)
+        m = full.max(axis=-1, keepdims=True)
+        m = np.where(np.isneginf(m), 0.0, m)
+        e = np.exp(full - m)
+        tot = e.sum(axis=-1, keepdims=True)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            out[b] = np.where(tot > 0, (e[..., :S] / tot) @ v, 0.0)
+            lse[b] = np.where(tot[..., 0] > 0, np.log(tot[..., 0]) + m[..., 0], -np.inf)
+    return out, lse
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("page_size", [0, 16])
+@pytest.mark.parametrize("L", [1, 4, 40])
+def test_decode_variants_match_a_written_out_oracle(dtype, page_size, L):
+    rng = np.random.default_rng(hash((dtype, page_size, L, "variants")) % 2**32)
+    H, Hkv, E = 8, 2, 16
+    lengths = [300, 0, 37]
+    cache = attn.KVCache(3, Hkv, 320, E, dtype=dtype, page_size=page_size)
+    fill(cache, lengths, rng, pieces=(1, 5, 33))
+    q = rng.standard_normal((3, H, L, E)).astype(np.float32)
+    slopes = 2.0 ** (-8.0 * np.arange(1, H + 1) / H)  # the standard ALiBi slopes
+    sinks = rng.standard_normal(H).astype(np.float32)
+    tol = npref.tol(np.float32, 320 + E, factor=40)
+    for kw in (dict(window=(50, 0)), dict(softcap=2.0), dict(alibi_slopes=slopes), dict(sinks=sinks),
+               dict(window=(20, 0), softcap=1.5, alibi_slopes=slopes, sinks=sinks)):
+        out, lse = attn.decode_attention(q, cache, return_lse=True, **kw)
+        want, want_lse = variant_oracle(q, cache, kw.get("window", (-1, -1)), kw.get("softcap"),
+                                        kw.get("alibi_slopes"), kw.get("sinks"))
+        np.testing.assert_allclose(out, want, atol=tol, rtol=0, err_msg=str(kw))
+        np.testing.assert_allclose(lse, want_lse, atol=npref.tol(np.float32, 320 + E, 8.0, factor=40), rtol=0,
+                                   err_msg=str(kw))
+
+
+def test_gpt_oss_style_decode_loop_equals_the_dense_call():
+    """A sliding window with sinks, one token at a time, against
+    attn.scaled_dot_product_attention over the whole prefix."""
+    rng = np.random.default_rng(5)
+    B, H, Hkv, E, steps, W = 2, 8, 2, 16, 40, 7
+    ks = rng.standard_normal((B, Hkv, steps, E)).astype(np.float32)
+    vs = rng.standard_normal((B, Hkv, steps, E)).astype(np.float32)
+    qs = rng.standard_normal((B, H, steps, E)).astype(np.float32)
+    sinks = rng.standard_normal(H).astype(np.float32)
+    cache = attn.KVCache(batch=B, kv_heads=Hkv, capacity=64, head_dim=E, page_size=16)
+    outs = []
+    for t in range(steps):
+        cache.append(ks[:, :, t:t + 1], vs[:, :, t:t + 1])
+        outs.append(attn.decode_attention(qs[:, :, t:t + 1], cache, window=(W, 0), sinks=sinks))
+    got = np.concatenate(outs, axis=2)
+    want = attn.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True, window=(W, 0),
+                                             sinks=sinks, backend="reference")
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+
+
+def test_variant_errors_name_the_argument():
+    cache = attn.KVCache(1, 2, 8, 4)
+    q = np.zeros((1, 4, 1, 4), np.float32)
+    with pytest.raises(ValueError, match="'window'"):
+        attn.decode_attention(q, cache, window=(-2, 0))
+    with pytest.raises(ValueError, match="'softcap'"):
+        attn.decode_attention(q, cache, softcap=-1.0)
+    with pytest.raises(ValueError, match="'sinks'"):
+        attn.decode_attention(q, cache, sinks=np.zeros(3, np.float32))
+    with pytest.raises(ValueError, match="'alibi_slopes'"):
+        attn.decode_attention(q, cache, alibi_slopes=np.array([0, np.nan, 0, 0], np.float32))
