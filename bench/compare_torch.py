@@ -46,6 +46,13 @@ repository that prints one JSON line, see docs/decode.md).
     python3 bench/compare_torch.py --decode [--attn-decode-bench build/bench/attn-decode-bench]
                                    [--shapes "1,32,8,1,4096,128;..."] [--threads 2]
                                    [--ggml-driver /path/to/fa_bench] [--json out.json]
+                                   [--decode-window W]
+
+With --decode-window W every query sees itself and the W keys before it (a
+causal sliding window, Mistral's and gpt-oss's): attn runs over the whole
+cache of S tokens with the window (`attn-decode-bench --window W`), reading
+only the last L + W keys; PyTorch and ggml get those L + W keys already cut
+out of the cache (what a rolling window cache holds), their best case.
 
 Variants mode (--variants): each variant of docs/variants.md (attn through
 `attn-bench-variants --sections case`, which validates fused against
@@ -129,8 +136,9 @@ def median_time(fn, reps, before=None):
     return statistics.median(times[1:])
 
 
-def time_torch_decode(torch, shape, threads, reps):
-    """(grouped, packed) medians in seconds for one decode shape, float32."""
+def time_torch_decode(torch, shape, threads, reps, window=-1):
+    """(grouped, packed) medians in seconds for one decode shape, float32; with
+    window >= 0 query i sees keys S - L + i - window .. S - L + i."""
     B, H, Hkv, L, S, E = shape
     G = H // Hkv
     torch.set_num_threads(threads)
@@ -141,7 +149,10 @@ def time_torch_decode(torch, shape, threads, reps):
     # Bottom-right causal: query i sees keys j <= S - L + i (no mask needed for L = 1).
     mask = None
     if L > 1:
-        mask = torch.arange(S)[None, :] <= (S - L + torch.arange(L))[:, None]
+        pos = (S - L + torch.arange(L))[:, None]
+        mask = torch.arange(S)[None, :] <= pos
+        if window >= 0:
+            mask &= torch.arange(S)[None, :] >= pos - window
     sdpa = torch.nn.functional.scaled_dot_product_attention
     # Each call reads K/V from memory, as attn-decode-bench's do: a pass over
     # 256 MiB (well above the L3) evicts the caches before it, untimed.
@@ -165,16 +176,22 @@ def decode_main(args, torch):
     if args.ggml_driver:
         head += f" {'ggml f32':>9} {'ggml f16':>9}"
     print(head + "   (ms; GB/s of f32 K/V for attn)")
+    W = args.decode_window
+    if W >= 0:
+        print(f"sliding window of {W} keys: attn over the whole cache, torch and ggml over the last L + {W} keys")
     rows = []
     for shape in shapes:
         text = ",".join(str(x) for x in shape)
-        g1, p1 = time_torch_decode(torch, shape, threads, args.reps)
+        B, H, Hkv, L, S, E = shape
+        peer = shape if W < 0 else (B, H, Hkv, L, min(S, L + W), E)  # the peers' cache: the keys the window holds
+        g1, p1 = time_torch_decode(torch, peer, threads, args.reps, W)
         res = subprocess.run([args.attn_decode_bench, "--json", "-", "--shapes", text, "--threads", str(threads),
-                              "--no-dense", "--bandwidth-mib", "256"], check=True, capture_output=True, text=True)
+                              "--no-dense", "--bandwidth-mib", "256", "--window", str(W)],
+                             check=True, capture_output=True, text=True)
         doc = json.loads(res.stdout)
         attn = {r["dtype"]: r for r in doc["rows"] if r["variant"] == "decode"}
-        g2, p2 = time_torch_decode(torch, shape, threads, args.reps)
-        row = dict(shape=shape, threads=threads, torch_gqa_ms=1e3 * statistics.median([g1, g2]),
+        g2, p2 = time_torch_decode(torch, peer, threads, args.reps, W)
+        row = dict(shape=shape, window=W, threads=threads, torch_gqa_ms=1e3 * statistics.median([g1, g2]),
                    torch_packed_ms=1e3 * statistics.median([p1, p2]),
                    read_bandwidth_gbs=attn["float32"]["read_bandwidth_gbs"] if "float32" in attn else None,
                    attn={k: dict(ms=r["ms"], kv_gbs=r["kv_gbs"], check=r["check"]) for k, r in attn.items()})
@@ -183,7 +200,7 @@ def decode_main(args, torch):
         if args.ggml_driver:
             row["ggml"] = {}
             for kv in ("f32", "f16"):
-                out = subprocess.run([args.ggml_driver, *[str(x) for x in shape], kv, str(threads), str(max(args.reps, 5))],
+                out = subprocess.run([args.ggml_driver, *[str(x) for x in peer], kv, str(threads), str(max(args.reps, 5))],
                                      check=True, capture_output=True, text=True).stdout
                 row["ggml"][kv] = json.loads(out.strip().splitlines()[-1])["ms"]
             line += f" {row['ggml']['f32']:9.2f} {row['ggml']['f16']:9.2f}"
@@ -514,6 +531,8 @@ def main():
     ap.add_argument("--attn-decode-bench", default=os.path.join("build", "bench", "attn-decode-bench"))
     ap.add_argument("--shapes", default=DECODE_SHAPES, help="decode mode: B,H,Hkv,L,S,E;...")
     ap.add_argument("--ggml-driver", default="", help="decode mode: time ggml flash_attn_ext with this driver")
+    ap.add_argument("--decode-window", type=int, default=-1,
+                    help="decode mode: a causal sliding window of this many keys before each query (-1: none)")
     ap.add_argument("--layer", action="store_true", help="time the multi-head layers (see above)")
     ap.add_argument("--layer-shapes", default="8,128,256,4;4,512,512,8;1,2048,768,12",
                     help="layer and gemm modes: B,N,D,H;...")

@@ -13,7 +13,8 @@
 //              as half k, v (and q rounded to it), read in place
 //   per-head   the fused kernel called directly, one unit per query head (the
 //              path the dense call took before the decode kernel), float32
-// GB/s counts the K and V bytes once (B·Hkv·S·(E + Ev)·element size), the
+// GB/s counts the K and V bytes once (B·Hkv·S·(E + Ev)·element size; with
+// --window W, of the last L + W keys, the ones some query sees), the
 // minimum any exact kernel must read; "% bw" relates it to the measured read
 // bandwidth (wall time against wall time): every timed call follows one pass
 // of the bandwidth measurement (which also evicts the caches, so each call
@@ -166,10 +167,23 @@ std::string sci(double x) {
   return buf;
 }
 
+// A causal sliding window of `window` keys before each query (−1: none),
+// the one score rule the benchmark can add (--window).
+int64_t g_window = -1;
+
 double visible_pairs(const Shape& s) {
-  // Bottom-right causal: query i sees S − L + i + 1 keys.
-  return double(s.B) * double(s.H) * (double(s.L) * double(s.S - s.L) + double(s.L) * double(s.L + 1) / 2);
+  // Bottom-right causal: query i sits at S − L + i and sees the keys from
+  // max(0, that − window) to it.
+  double n = 0;
+  for (int64_t i = 0; i < s.L; ++i) {
+    const int64_t pos = s.S - s.L + i;
+    n += double(pos + 1 - (g_window < 0 ? 0 : std::max<int64_t>(0, pos - g_window)));
+  }
+  return double(s.B) * double(s.H) * n;
 }
+
+// Keys any query of a sequence sees: all S, or the last L + window.
+int64_t keys_read(const Shape& s) { return g_window < 0 ? s.S : std::min(s.S, s.L + g_window); }
 
 // One storage type's cache of a shape, kept for the paired rounds.
 struct Kept {
@@ -193,6 +207,7 @@ void paired_rounds(const Shape& s, const Tensor<float>& q, const std::vector<Kep
   Tensor<float> out({s.B, s.H, s.L, s.E});
   attn::DecodeOptions opt;
   opt.num_threads = threads;
+  opt.window = {g_window, 0};
   const size_t n = kept.size();
   std::vector<std::vector<double>> ratio(n);
   const auto start = std::chrono::steady_clock::now();
@@ -245,6 +260,9 @@ int main(int argc, char** argv) {
   app.add_option("--bandwidth-mib", bw_mib, "buffer size of the read-bandwidth measurement (well above the L3)");
   app.add_option("--json", json, "also write the results as JSON to this file ('-' = stdout only)");
   app.add_flag("--no-dense", no_dense, "skip the dense-call and per-head variants");
+  app.add_option("--window", g_window,
+                 "a causal sliding window: each query sees itself and this many keys before it (-1 = none); "
+                 "GB/s then counts the keys some query sees");
   bool warm = false;
   app.add_flag("--warm", warm,
                "no bandwidth pass before each call: K/V stay in the caches where they fit (the arithmetic rate)");
@@ -282,13 +300,15 @@ int main(int argc, char** argv) {
   doc["target"] = attn::detail::decode_target_name();
   doc["page"] = page;
   doc["warm"] = warm;
+  doc["window"] = g_window;
   doc["rows"] = nlohmann::json::array();
   doc["paired"] = nlohmann::json::array();
   if (!quiet) {
     std::printf("attn-decode-bench: %d threads, %s, read bandwidth %.1f GB/s best of 5 (%.1f GB/cpu-s), FMA peak "
-                "%.0f GFLOP/s, %s cache; %s\n",
+                "%.0f GFLOP/s, %s cache%s; %s\n",
                 threads, attn::detail::decode_target_name(), bw, bw_cpu, peak,
                 page ? ("paged (" + std::to_string(page) + " tokens/page)").c_str() : "contiguous",
+                g_window < 0 ? "" : (", sliding window of " + std::to_string(g_window) + " keys").c_str(),
                 warm ? "WARM calls (no bandwidth pass between calls; bw: the best of 5)"
                      : "% bw: against the passes paired with the calls (column bw)");
     std::printf("%-22s %-8s %-9s %9s %8s %6s %6s %8s %6s %8s %8s  %s\n", "B,H,Hkv,L,S,E", "dtype", "variant", "ms",
@@ -310,11 +330,12 @@ int main(int argc, char** argv) {
       attn::KVCache& cache = *kept.back().cache;
       fill_cache(cache, s);
       const double elem = dtype == KVDtype::float32 ? 4 : 2;
-      const double kv_bytes = double(s.B) * double(s.Hkv) * double(s.S) * double(2 * s.E) * elem;
+      const double kv_bytes = double(s.B) * double(s.Hkv) * double(keys_read(s)) * double(2 * s.E) * elem;
       const double fl = 4.0 * double(s.E) * visible_pairs(s);
       Tensor<float> out({s.B, s.H, s.L, s.E}), lse({s.B, s.H, s.L});
       attn::DecodeOptions opt;
       opt.num_threads = threads;
+      opt.window = {g_window, 0};
       attn::decode_attention(q.view4(), cache, out.view4(), opt, lse.view<3>());
       // Validate: the reference on the stored values where affordable,
       // otherwise agreement with the float32 cache's result.
@@ -363,6 +384,7 @@ int main(int argc, char** argv) {
       attn::SdpaOptions so;
       so.causal = true;
       so.causal_align = attn::CausalAlign::bottom_right;
+      so.window = {g_window, 0};
       so.num_threads = threads;
       Tensor<float> dense_out({s.B, s.H, s.L, s.E});
       const auto dense = [&]<class T>(const Tensor<T>& qt) {
@@ -389,6 +411,7 @@ int main(int argc, char** argv) {
       p.scale = 1.0 / std::sqrt(double(s.E));
       p.causal = true;
       p.align = attn::CausalAlign::bottom_right;
+      p.window_left = g_window;
       p.threads = threads;
       const Timing t_fused =
           time_it([&] { attn::detail::fused_forward(p, a, dense_out.view4(), {}, lse.view<3>()); }, min_seconds, rounds);
