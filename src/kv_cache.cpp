@@ -336,6 +336,8 @@ void decode_reference(const detail::DecodeProblem& p, View4<const float> q, cons
     SdpaArgs<float> a;
     if (!p.slopes.empty()) a.alibi_slopes = View1<const float>(p.slopes.data(), {p.H}, {1});
     if (!p.sinks.empty()) a.sinks = View1<const float>(p.sinks.data(), {p.H}, {1});
+    a.mask = detail::sequence_keys(p.mask, b, 0, S);
+    a.bias = detail::sequence_keys(p.bias, b, 0, S);
     a.q = View4<const float>(q.data + b * q.strides[0], {1, p.H, p.L, p.E},
                              {q.strides[0], q.strides[1], q.strides[2], q.strides[3]});
     a.k = k.view4();
@@ -370,6 +372,12 @@ void decode_attention(View4<const float> q, const KVCache& cache, View4<float> o
            " and L >= 1");
   c.shape(out, "out", {p.B, p.H, p.L, p.Ev}, "(B, H, L, Ev) = " + shape_str({p.B, p.H, p.L, p.Ev}));
   detail::check_variants(c, opt.window, opt.softcap, opt.alibi_slopes, opt.sinks, p.H);
+  const std::array<int64_t, 4> keys_full{p.B, p.H, p.L, cache.capacity()};
+  if (c.given(opt.mask, "mask")) c.broadcastable(opt.mask, "mask", keys_full);
+  if (c.given(opt.bias, "bias")) {
+    c.broadcastable(opt.bias, "bias", keys_full);
+    c.finite(opt.bias, "bias", /*allow_neg_inf=*/true);
+  }
   std::vector<detail::Extent> written{c.extent(out, "out")};
   if (with_lse) {
     c.shape(lse, "lse", {p.B, p.H, p.L}, "(B, H, L) = " + shape_str({p.B, p.H, p.L}));
@@ -379,6 +387,8 @@ void decode_attention(View4<const float> q, const KVCache& cache, View4<float> o
   std::vector<detail::Extent> read{c.extent(q, "q")};
   if (!opt.alibi_slopes.empty()) read.push_back(c.extent(opt.alibi_slopes, "alibi_slopes"));
   if (!opt.sinks.empty()) read.push_back(c.extent(opt.sinks, "sinks"));
+  if (!opt.mask.empty()) read.push_back(c.extent(opt.mask, "mask"));
+  if (!opt.bias.empty()) read.push_back(c.extent(opt.bias, "bias"));
   c.disjoint(written, read);
   if (opt.scale && (!std::isfinite(*opt.scale) || *opt.scale <= 0)) {
     std::ostringstream os;
@@ -393,6 +403,8 @@ void decode_attention(View4<const float> q, const KVCache& cache, View4<float> o
   p.softcap = opt.softcap;
   for (int64_t h = 0; h < opt.alibi_slopes.dim(0); ++h) p.slopes.push_back(opt.alibi_slopes(h));
   for (int64_t h = 0; h < opt.sinks.dim(0); ++h) p.sinks.push_back(opt.sinks(h));
+  p.mask = opt.mask;
+  p.bias = opt.bias;
   p.threads = threads;
   p.split = opt.split_kv;
   p.length.resize(size_t(p.B));

@@ -247,8 +247,9 @@ struct Widened {
 };
 
 // The arguments' shapes, strides and presence as a float32 request, for the
-// dispatch rules that look at nothing else (decode_suits_dense); q, k and v
-// are never read through it.
+// dispatch rules and the decode problem, which look at nothing else of q, k
+// and v (decode_suits_dense, DecodeProblem::of); q, k and v are never read
+// through it.
 template <class T>
 SdpaArgs<float> shape_only(const SdpaArgs<T>& a) {
   const auto as = [](const View4<const T>& x) {
@@ -262,7 +263,7 @@ SdpaArgs<float> shape_only(const SdpaArgs<T>& a) {
 template <class T>
 void decode_forward_half(const Problem& p, const SdpaArgs<T>& a, View4<float> out, View3<float> lse) {
   const Tensor<float> q = widen(a.q, p.threads);
-  const detail::DecodeProblem d = detail::DecodeProblem::of(p, a.key_lengths, a.alibi_slopes, a.sinks);
+  const detail::DecodeProblem d = detail::DecodeProblem::of(p, shape_only(a));
   const auto kv = detail::KVLayout::dense(storage_of<T>(), a.k, a.v);
   detail::decode_forward(d, kv, q.view4(), out, lse);
 }

@@ -26,8 +26,12 @@ struct DecodeCase {
   Window window;
   double softcap = 0;
   std::vector<float> slopes, sinks;  // (H) each, or empty
+  // Elementwise rules over key positions: (B|1, H|1, L|1, capacity), or empty.
+  Tensor<bool> mask;
+  Tensor<float> bias;
   bool variants() const {
-    return window.left >= 0 || window.right >= 0 || softcap > 0 || !slopes.empty() || !sinks.empty();
+    return window.left >= 0 || window.right >= 0 || softcap > 0 || !slopes.empty() || !sinks.empty() ||
+           mask.size() > 0 || bias.size() > 0;
   }
   std::string str() const {
     std::string s = "B=" + std::to_string(B) + " H=" + std::to_string(H) + " Hkv=" + std::to_string(Hkv) +
@@ -40,6 +44,8 @@ struct DecodeCase {
     if (softcap > 0) s += " softcap=" + std::to_string(softcap);
     if (!slopes.empty()) s += " alibi";
     if (!sinks.empty()) s += " sinks";
+    if (mask.size() > 0) s += " mask" + shape_str(mask.shape());
+    if (bias.size() > 0) s += " bias" + shape_str(bias.shape());
     return s;
   }
   int64_t capacity() const {
@@ -104,11 +110,20 @@ inline Filled fill(const DecodeCase& c, std::mt19937_64& rng) {
   return f;
 }
 
+// Element (b, h, i, j) of a broadcastable (B|1, H|1, L|1, K) tensor.
+template <class T>
+T at_broadcast(const Tensor<T>& x, int64_t b, int64_t h, int64_t i, int64_t j) {
+  const auto& s = x.shape();
+  const int64_t bb = s[0] == 1 ? 0 : b, hh = s[1] == 1 ? 0 : h, ii = s[2] == 1 ? 0 : i, jj = s[3] == 1 ? 0 : j;
+  return x[size_t(((bb * s[1] + hh) * s[2] + ii) * s[3] + jj)];
+}
+
 // The oracle: per sequence, the dense reference on the stored values, the
 // queries being the last L tokens (bottom-right causal). The window and
 // ALiBi are written here independently of the library's rules, as a boolean
-// mask and an additive bias over positions (query i at S − L + i); the
-// soft-cap and the sinks go to the reference as options.
+// mask and an additive bias over positions (query i at S − L + i), combined
+// with the case's own mask and bias; the soft-cap and the sinks go to the
+// reference as options.
 inline void oracle(const DecodeCase& c, const Filled& f, Tensor<float>& out, Tensor<float>& lse) {
   out = Tensor<float>({c.B, c.H, c.L, c.Ev});
   lse = Tensor<float>({c.B, c.H, c.L});
@@ -120,17 +135,19 @@ inline void oracle(const DecodeCase& c, const Filled& f, Tensor<float>& out, Ten
           lse[size_t((b * c.H + h) * c.L + i)] = c.sinks.empty() ? -std::numeric_limits<float>::infinity() : c.sinks[size_t(h)];
       continue;
     }
-    Tensor<bool> mask({1, 1, c.L, S});
+    Tensor<bool> mask({1, c.H, c.L, S});
     Tensor<float> bias({1, c.H, c.L, S});
-    for (int64_t i = 0; i < c.L; ++i)
-      for (int64_t j = 0; j < S; ++j) {
-        const int64_t pos = S - c.L + i;
-        const bool seen = (!c.causal || j <= pos) && (c.window.left < 0 || j >= pos - c.window.left) &&
-                          (c.window.right < 0 || j <= pos + c.window.right);
-        mask[size_t(i * S + j)] = seen;
-        for (int64_t h = 0; h < c.H; ++h)
-          bias[size_t((h * c.L + i) * S + j)] = c.slopes.empty() ? 0.0f : -c.slopes[size_t(h)] * float(std::abs(pos - j));
-      }
+    for (int64_t h = 0; h < c.H; ++h)
+      for (int64_t i = 0; i < c.L; ++i)
+        for (int64_t j = 0; j < S; ++j) {
+          const int64_t pos = S - c.L + i;
+          const bool seen = (!c.causal || j <= pos) && (c.window.left < 0 || j >= pos - c.window.left) &&
+                            (c.window.right < 0 || j <= pos + c.window.right);
+          const size_t e = size_t((h * c.L + i) * S + j);
+          mask[e] = seen && (c.mask.size() == 0 || at_broadcast(c.mask, b, h, i, j));
+          bias[e] = (c.slopes.empty() ? 0.0f : -c.slopes[size_t(h)] * float(std::abs(pos - j))) +
+                    (c.bias.size() == 0 ? 0.0f : at_broadcast(c.bias, b, h, i, j));
+        }
     const int64_t kstride = f.k[size_t(b)].dim(1);  // allocated rows (>= 1)
     SdpaArgs<float> a;
     a.q = View4<const float>(f.q.data() + b * c.H * c.L * c.E, {1, c.H, c.L, c.E});
@@ -138,7 +155,7 @@ inline void oracle(const DecodeCase& c, const Filled& f, Tensor<float>& out, Ten
     a.v = View4<const float>(f.v[size_t(b)].data(), {1, c.Hkv, S, c.Ev}, {0, kstride * c.Ev, c.Ev, 1});
     if (c.variants()) {
       a.mask = mask.view4();
-      if (!c.slopes.empty()) a.bias = bias.view4();
+      if (!c.slopes.empty() || c.bias.size() > 0) a.bias = bias.view4();
       if (!c.sinks.empty()) a.sinks = View1<const float>(c.sinks.data(), {c.H}, {1});
     }
     SdpaOptions o;
@@ -164,6 +181,8 @@ inline DecodeOptions with_rules(const DecodeCase& c, DecodeOptions o = {}) {
   o.softcap = c.softcap;
   if (!c.slopes.empty()) o.alibi_slopes = View1<const float>(c.slopes.data(), {c.H}, {1});
   if (!c.sinks.empty()) o.sinks = View1<const float>(c.sinks.data(), {c.H}, {1});
+  if (c.mask.size() > 0) o.mask = c.mask.view4();
+  if (c.bias.size() > 0) o.bias = c.bias.view4();
   return o;
 }
 

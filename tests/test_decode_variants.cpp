@@ -1,5 +1,5 @@
 // The score-rule variants in decoding (sliding window, soft-cap, ALiBi,
-// sinks) over the KV cache and through the dense call's decode route. The
+// sinks, a boolean mask, an additive bias) over the KV cache and through the dense call's decode route. The
 // oracle is the reference backend on the cache's stored values, with the
 // window and ALiBi written independently as a boolean mask and an additive
 // bias (decode_case.hpp). Also: split-KV bitwise for any thread count, keys
@@ -54,6 +54,83 @@ TEST(DecodeVariants, RandomCasesMatchTheMaskAndBiasOracle) {
   }
 }
 
+// A random boolean mask (about 1 key in 5 hidden) and a random bias (some
+// −inf) of random broadcast shapes over the cache's key positions.
+void add_mask_and_bias(DecodeCase& c, std::mt19937_64& rng) {
+  const int64_t C = c.capacity();
+  std::uniform_int_distribution<int> pick(0, 4);
+  const auto shape = [&]() -> std::vector<int64_t> {
+    switch (pick(rng)) {
+      case 0: return {c.B, 1, c.L, C};
+      case 1: return {1, c.H, 1, C};
+      case 2: return {1, 1, 1, C};
+      case 3: return {c.B, c.H, c.L, 1};
+      default: return {c.B, c.H, c.L, C};
+    }
+  };
+  std::uniform_real_distribution<float> u(0.0f, 1.0f);
+  std::normal_distribution<float> n;
+  if (pick(rng) < 4) {
+    c.mask = Tensor<bool>(shape());
+    for (size_t e = 0; e < c.mask.size(); ++e) c.mask[e] = u(rng) > 0.2f;
+  }
+  if (pick(rng) < 3) {
+    c.bias = Tensor<float>(shape());
+    for (size_t e = 0; e < c.bias.size(); ++e) c.bias[e] = u(rng) < 0.1f ? -kInf : n(rng);
+  }
+}
+
+TEST(DecodeVariants, MasksAndBiasesMatchTheOracle) {
+  std::mt19937_64 rng(39);
+  for (int i = 0; i < 200; ++i) {
+    DecodeCase c = random_case(rng);
+    c.dtype = KVDtype(i % 3);
+    if (i % 10 == 0) c.L = 40 + i % 7, c.H = c.Hkv * 4;  // chunked prefill
+    if (i % 2) add_variants(c, rng);
+    add_mask_and_bias(c, rng);
+    SCOPED_TRACE(c.str());
+    const Filled f = fill(c, rng);
+    expect_matches_oracle(c, f, run(c, f));
+    if (::testing::Test::HasFailure()) break;
+  }
+}
+
+// A key the mask or a −inf bias hides never touches the row: NaN in its
+// value and ±inf in its key change no bit; the same key visible poisons.
+TEST(DecodeVariants, KeysTheMaskHidesAreNeverTouched) {
+  std::mt19937_64 rng(40);
+  for (const int64_t L : {int64_t(1), int64_t(3), int64_t(40)})
+    for (const bool by_bias : {false, true}) {
+      DecodeCase c;
+      c.B = 1, c.H = 8, c.Hkv = 2, c.L = L, c.E = c.Ev = 16, c.page = 32, c.lens = {700};
+      const int64_t hidden = 300;  // seen by every query under the causal rule
+      if (by_bias) {
+        c.bias = Tensor<float>({1, 1, 1, 700});
+        c.bias[size_t(hidden)] = -kInf;
+      } else {
+        c.mask = Tensor<bool>({1, 1, 1, 700});
+        for (size_t e = 0; e < c.mask.size(); ++e) c.mask[e] = e != size_t(hidden);
+      }
+      SCOPED_TRACE(c.str());
+      Filled f = fill(c, rng);
+      const Result clean = run(c, f);
+      expect_matches_oracle(c, f, clean);
+      for (int64_t hk = 0; hk < c.Hkv; ++hk) {
+        f.k[0][size_t((hk * 700 + hidden) * c.E + 1)] = kInf;
+        f.v[0][size_t((hk * 700 + hidden) * c.Ev + 2)] = kNaN;
+      }
+      KVCache poisoned(config_of(c));
+      poisoned.append(0, f.k[0].view<3>(), f.v[0].view<3>());
+      const Result r = run_on(c, poisoned, f.q);
+      EXPECT_TRUE(bitwise_equal(r.out, clean.out));
+      EXPECT_TRUE(bitwise_equal(r.lse, clean.lse));
+      DecodeCase open = c;  // no mask, no bias: the key is seen and poisons every row
+      open.mask = Tensor<bool>(), open.bias = Tensor<float>();
+      const Result p = run_on(open, poisoned, f.q);
+      for (size_t e = 0; e < p.lse.size(); ++e) ASSERT_TRUE(std::isnan(p.lse[e])) << e;
+    }
+}
+
 // Each variant alone and all together, on long sequences cut into several
 // chunks (split-KV) and pages: the oracle, then the same bits for 1, 2, 3
 // and 8 threads with the split on and off.
@@ -70,6 +147,12 @@ TEST(DecodeVariants, LongCachesSplitBitwiseForAnyThreadCount) {
       for (int64_t h = 0; h < c.H; ++h) c.slopes.push_back(0.001f * float(h + 1));
     if (which == 3 || which >= 4)
       for (int64_t h = 0; h < c.H; ++h) c.sinks.push_back(0.5f * float(h) - 1.0f);
+    if (which == 4) {  // and a mask and a bias (some −inf) over the 2500 key positions
+      c.mask = Tensor<bool>({c.B, 1, 1, 2500});
+      c.bias = Tensor<float>({1, c.H, 1, 2500});
+      for (size_t e = 0; e < c.mask.size(); ++e) c.mask[e] = (e * 2654435761u) % 7 != 0;
+      for (size_t e = 0; e < c.bias.size(); ++e) c.bias[e] = e % 11 == 0 ? -kInf : 0.01f * float(e % 13);
+    }
     SCOPED_TRACE(c.str());
     const Filled f = fill(c, rng);
     DecodeOptions o;
@@ -233,6 +316,11 @@ TEST(DecodeVariants, DenseCallTakesTheKernelWithVariants) {
     if (i % 4 == 1) a.key_lengths = kl.view<1>();
     if (i % 2 == 0) a.alibi_slopes = View1<const float>(slopes.data(), {H}, {1});
     if (i % 3 != 1) a.sinks = View1<const float>(sinks.data(), {H}, {1});
+    Tensor<bool> mask({B, 1, L, S});
+    for (size_t e = 0; e < mask.size(); ++e) mask[e] = (e * 7919) % 5 != 0;
+    Tensor<float> bias = random_tensor<float>({1, H, L, S}, rng);
+    if (i % 5 == 4) a.mask = mask.view4();
+    if (i % 6 == 1) a.bias = bias.view4();
     SdpaOptions o;
     o.causal = i % 2 == 0;
     o.causal_align = i % 4 == 0 ? CausalAlign::top_left : CausalAlign::bottom_right;
@@ -278,6 +366,13 @@ TEST(DecodeVariants, ArgumentErrors) {
   EXPECT_TRUE(throws_with(call(o), {"decode_attention", "'sinks'"}));
   o = {}, o.sinks = View1<const float>(out.data(), {4}, {1});
   EXPECT_TRUE(throws_with(call(o), {"decode_attention", "output 'out' overlaps input 'sinks'"}));
+  Tensor<bool> mask({1, 4, 1, 7});
+  o = {}, o.mask = mask.view4();
+  EXPECT_TRUE(throws_with(call(o), {"decode_attention", "argument 'mask' has shape (1, 4, 1, 7)", "(1, 4, 1, 8)"}));
+  Tensor<float> bias({1, 1, 1, 8});
+  bias[3] = kNaN;
+  o = {}, o.bias = bias.view4();
+  EXPECT_TRUE(throws_with(call(o), {"decode_attention", "'bias'"}));
   o = {}, o.alibi_slopes = View1<const float>(four.data(), {4}, {1}), o.sinks = View1<const float>(four.data(), {4}, {1});
   Tensor<float> ok({1, 4, 1, 4});
   EXPECT_NO_THROW(decode_attention(q.view4(), cache, ok.view4(), o));

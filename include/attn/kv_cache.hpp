@@ -128,10 +128,16 @@ struct DecodeOptions {
   //   sinks         (H): a logit per head in every row's softmax denominator,
   //                 with no value (gpt-oss); a row that sees no key then has
   //                 output 0 and lse = sink_h
+  //   mask          bool (B|1, H|1, L|1, C|1) over key positions 0..C−1,
+  //                 C = the capacity: true = query i may attend to key j
+  //   bias          float, the same shape, added to the scores (−inf masks)
+  // A key the window, the mask or the bias hides never touches the row.
   Window window;
   double softcap = 0;
   View1<const float> alibi_slopes{};
   View1<const float> sinks{};
+  View4<const bool> mask{};
+  View4<const float> bias{};
   // reference: the cache is read back as float32 and each sequence runs the
   // reference backend (for testing); fused/automatic: the decode kernel.
   Backend backend = Backend::automatic;

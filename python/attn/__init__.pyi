@@ -256,6 +256,7 @@ def decode_attention(
     softcap: Optional[float] = None,
     alibi_slopes: Optional[ArrayLike] = None,
     sinks: Optional[ArrayLike] = None,
+    attn_mask: Optional[ArrayLike] = None,
 ) -> Any:
     """Attention of q (B, H, L, E), the last L tokens of each sequence, over
     the cache; out (B, H, L, Ev) (and lse (B, H, L) with return_lse)."""

@@ -17,7 +17,7 @@ from typing import Any, Optional, Sequence, Tuple
 import numpy as np
 
 from . import _attn
-from ._arrays import is_torch_tensor, to_numpy
+from ._arrays import is_torch_tensor, to_numpy, widen_half
 from ._variants import variant_kwargs
 
 _F32 = np.dtype(np.float32)
@@ -107,7 +107,8 @@ class KVCache:
 
 def decode_attention(q: Any, cache: KVCache, *, scale: Optional[float] = None, causal: bool = True,
                      return_lse: bool = False, backend: str = "auto", split_kv: bool = True,
-                     num_threads: int = 0, window=None, softcap=None, alibi_slopes=None, sinks=None):
+                     num_threads: int = 0, window=None, softcap=None, alibi_slopes=None, sinks=None,
+                     attn_mask=None):
     """Attention of L new queries per sequence, q (B, H, L, E), over the cache.
 
     The queries are the last L tokens of each sequence: query i sits at
@@ -123,6 +124,10 @@ def decode_attention(q: Any, cache: KVCache, *, scale: Optional[float] = None, c
       alibi_slopes  H values: -slope_h * |p - j| added to the scores
       sinks  H values: one extra logit per head in every row's softmax, with no
               value (gpt-oss); a row that sees no key then has lse = sink
+      attn_mask  bool (True = the query may attend to the key) or float (added
+              to the scores; -inf masks), (B|1, H|1, L|1, capacity|1) over the
+              cache's key positions 0..capacity-1 (a speculative-decoding
+              tree, say); combined with causal and the window
     """
     fn = "attn.decode_attention"
     if not isinstance(cache, KVCache):
@@ -132,6 +137,19 @@ def decode_attention(q: Any, cache: KVCache, *, scale: Optional[float] = None, c
     lse = np.empty(qa.shape[:3], np.float32) if return_lse else None
     var = variant_kwargs(fn, qa.shape[1], np.dtype(np.float32), window, alibi_slopes, softcap, sinks, None)
     del var["position_offset"]  # the cache fixes the positions
+    if attn_mask is not None:
+        m = to_numpy(widen_half(attn_mask), fn, "attn_mask")
+        if m.ndim != 4:
+            raise ValueError(f"{fn}: 'attn_mask' has shape {m.shape}, expected 4 dimensions "
+                             f"(B|1, H|1, L|1, capacity|1) = ({qa.shape[0]}, {qa.shape[1]}, {qa.shape[2]}, "
+                             f"{cache.capacity})")
+        if m.dtype == np.bool_:
+            var["mask"] = np.ascontiguousarray(m)
+        elif m.dtype.kind == "f":
+            var["bias"] = np.ascontiguousarray(m, dtype=np.float32)
+        else:
+            raise ValueError(f"{fn}: 'attn_mask' has dtype {m.dtype}, expected bool (True = attend) or float "
+                             "(added to the scores)")
     _attn.decode_attention(qa, cache._c, out, lse, scale, bool(causal), str(backend), bool(split_kv),
                            int(num_threads), **var)
     if is_torch_tensor(q):

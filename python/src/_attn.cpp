@@ -444,7 +444,8 @@ void bind_decode(nb::module_& m) {
       [](const Arr<const float, 4>& q, const KVCache& cache, const Arr<float, 4>& out,
          const std::optional<Arr<float, 3>>& lse, std::optional<double> scale, bool causal, const std::string& backend,
          bool split_kv, int num_threads, int64_t window_left, int64_t window_right, double softcap,
-         const Opt<Arr<const float, 1>>& alibi_slopes, const Opt<Arr<const float, 1>>& sinks) {
+         const Opt<Arr<const float, 1>>& alibi_slopes, const Opt<Arr<const float, 1>>& sinks,
+         const Opt<Arr<const bool, 4>>& mask, const Opt<Arr<const float, 4>>& bias) {
         attn::DecodeOptions o;
         o.scale = scale;
         o.causal = causal;
@@ -452,6 +453,8 @@ void bind_decode(nb::module_& m) {
         o.softcap = softcap;
         o.alibi_slopes = view_of<const float, 1>(alibi_slopes, "alibi_slopes");
         o.sinks = view_of<const float, 1>(sinks, "sinks");
+        o.mask = view_of<const bool, 4>(mask, "mask");
+        o.bias = view_of<const float, 4>(bias, "bias");
         o.backend = attn::parse_backend(backend);
         o.split_kv = split_kv;
         o.num_threads = num_threads;
@@ -464,7 +467,9 @@ void bind_decode(nb::module_& m) {
       "q"_a.noconvert(), "cache"_a, "out"_a.noconvert(), "lse"_a.noconvert().none(), "scale"_a.none(), "causal"_a,
       "backend"_a, "split_kv"_a, "num_threads"_a, "window_left"_a = -1, "window_right"_a = -1, "softcap"_a = 0.0,
       "alibi_slopes"_a.noconvert().none() = nb::none(), "sinks"_a.noconvert().none() = nb::none(),
-      "Attention of q (B, H, L, E) over the cache into out (and lse); the score-rule variants as in sdpa.");
+      "mask"_a.noconvert().none() = nb::none(), "bias"_a.noconvert().none() = nb::none(),
+      "Attention of q (B, H, L, E) over the cache into out (and lse); the score-rule variants as in sdpa;\n"
+      "mask (bool) / bias (float) of shape (B|1, H|1, L|1, capacity|1).");
 }
 
 }  // namespace

@@ -123,7 +123,7 @@ def test_errors_name_the_argument():
         attn.KVCache(1, 1, 1, 1, dtype="fp8")
 
 
-def variant_oracle(q, cache, window=(-1, -1), softcap=None, slopes=None, sinks=None):
+def variant_oracle(q, cache, window=(-1, -1), softcap=None, slopes=None, sinks=None, attn_mask=None):
     """float64, written out: scores, soft-cap, ALiBi over positions, the
     window and causal rule as a mask, the sinks as an extra logit with no
     value. Query i of sequence b sits at position length_b - L + i."""
@@ -142,10 +142,16 @@ def variant_oracle(q, cache, window=(-1, -1), softcap=None, slopes=None, sinks=N
         j = np.arange(S)[None, :]
         if slopes is not None:
             s = s - np.asarray(slopes, np.float64)[:, None, None] * np.abs(pos - j)[None]
-        seen = j <= pos
+        seen = np.broadcast_to(j <= pos, (H, L, S)).copy()
         if window[0] >= 0:
-            seen &= j >= pos - window[0]
-        s = np.where(seen[None], s, -np.inf)
+            seen &= (j >= pos - window[0])[None]
+        if attn_mask is not None:
+            m = np.broadcast_to(np.asarray(attn_mask)[b if attn_mask.shape[0] > 1 else 0], (H, L, cache.capacity))
+            if m.dtype == np.bool_:
+                seen &= m[..., :S]
+            else:
+                s = s + m[..., :S]
+        s = np.where(seen, s, -np.inf)
         sink = np.full((H, L, 1), -np.inf) if sinks is None else np.broadcast_to(
             np.asarray(sinks, np.float64)[:, None, None], (H, L, 1))
         full = np.concatenate([s, sink], axis=-1)
@@ -213,3 +219,33 @@ def test_variant_errors_name_the_argument():
         attn.decode_attention(q, cache, sinks=np.zeros(3, np.float32))
     with pytest.raises(ValueError, match="'alibi_slopes'"):
         attn.decode_attention(q, cache, alibi_slopes=np.array([0, np.nan, 0, 0], np.float32))
+
+
+@pytest.mark.parametrize("L", [1, 3, 40])
+def test_decode_attn_mask_bool_and_float(L):
+    """A tree of draft tokens (speculative decoding): the L new tokens see the
+    cache and only their own ancestors among themselves, as a bool mask; and
+    a float bias with -inf entries, per head."""
+    rng = np.random.default_rng(L)
+    H, Hkv, E, C = 8, 2, 16, 200
+    lengths = [150, 60]
+    cache = attn.KVCache(2, Hkv, C, E, page_size=16)
+    fill(cache, lengths, rng, pieces=(3, 17))
+    q = rng.standard_normal((2, H, L, E)).astype(np.float32)
+    tree = np.ones((2, 1, L, C), bool)
+    for b, n in enumerate(lengths):
+        for i in range(L):
+            for t in range(L):
+                tree[b, 0, i, n - L + t] = t <= i and (t % 2 == 0 or t == i)  # odd drafts are siblings
+    bias = rng.standard_normal((1, H, 1, C)).astype(np.float32)
+    bias[0, :, 0, ::9] = -np.inf
+    tol = npref.tol(np.float32, C + E, factor=40)
+    for m in (tree, bias):
+        out, lse = attn.decode_attention(q, cache, return_lse=True, attn_mask=m, sinks=np.zeros(H, np.float32))
+        want, want_lse = variant_oracle(q, cache, sinks=np.zeros(H), attn_mask=m)
+        np.testing.assert_allclose(out, want, atol=tol, rtol=0)
+        np.testing.assert_allclose(lse, want_lse, atol=npref.tol(np.float32, C + E, 8.0, factor=40), rtol=0)
+    with pytest.raises(ValueError, match="'mask'"):
+        attn.decode_attention(q, cache, attn_mask=np.ones((2, 1, L, C - 1), bool))
+    with pytest.raises(ValueError, match="'attn_mask'"):
+        attn.decode_attention(q, cache, attn_mask=np.ones((2, L, C), bool))

@@ -150,11 +150,17 @@ using namespace decode_common;  // hn, os, DF, VF come with simd-inl.h
 //   begin, end [rows]    the keys [begin, end) each row sees
 //   pos  [rows]          each row's position (ALiBi's distances)
 //   slope [rows]         each row's ALiBi slope × log2(e) (0: none)
+//   mask, bias [rows]    each row's line of the elementwise mask and bias
+//   holes [rows]         the tile has a key in the row's range that the mask
+//                        or a −inf bias hides (its value loop skips it)
 //   st, nan [rows]       online-softmax state and NaN flag (direct chunks)
 struct Scratch {
   hwy::AlignedFreeUniquePtr<float[]> q, s, acc;
   std::vector<int64_t> begin, end, pos;
   std::vector<float> slope;
+  std::vector<rules::Line<bool>> mask;
+  std::vector<rules::Line<float>> bias;
+  std::vector<uint8_t> holes;
   std::vector<os::State<float>> st;
   std::vector<uint8_t> nan;
   explicit Scratch(const Call& c) {
@@ -167,6 +173,9 @@ struct Scratch {
     end.resize(size_t(rows));
     pos.resize(size_t(rows));
     slope.resize(size_t(rows));
+    mask.resize(size_t(rows));
+    bias.resize(size_t(rows));
+    holes.resize(size_t(rows));
     st.resize(size_t(rows));
     nan.resize(size_t(rows));
   }
@@ -348,6 +357,12 @@ HWY_INLINE rules::Keys TileKeys(const Scratch& w, int64_t r, int64_t j0, int64_t
   return {std::clamp<int64_t>(w.begin[size_t(r)] - j0, 0, nk), std::clamp<int64_t>(w.end[size_t(r)] - j0, 0, nk)};
 }
 
+// Whether the elementwise rules hide key j from row r (the mask says no, or
+// the bias is −inf).
+HWY_INLINE bool Hidden(const DecodeProblem& p, const Scratch& w, int64_t r, int64_t j) {
+  return (!p.mask.empty() && !w.mask[size_t(r)].at(j)) || (!p.bias.empty() && w.bias[size_t(r)].at(j) == kNegInf);
+}
+
 // Keys a row does not see never touch it (not even as 0·v, which is NaN for
 // a non-finite v): the keys every row sees go through the register blocks,
 // the rest (the causal diagonal of a tile, the edge of a window) row by row.
@@ -357,6 +372,24 @@ template <class T>
 void ValueTile(const Call& c, Scratch& w, int64_t nm, const T* v, int64_t vrow, int64_t j0, int64_t nk,
                float* acc, RowPrefetch pf) {
   const int64_t Ev = c.p->Ev;
+  // A key the mask or bias hides never touches the row either: a tile with
+  // such keys goes row by row over the runs of keys each row sees.
+  if (std::any_of(w.holes.begin(), w.holes.begin() + nm, [](uint8_t x) { return x != 0; })) {
+    for (int64_t r = 0; r < nm; ++r) {
+      const rules::Keys k = TileKeys(w, r, j0, nk);
+      for (int64_t a = k.lo; a < k.hi;) {
+        if (Hidden(*c.p, w, r, j0 + a)) {
+          ++a;
+          continue;
+        }
+        int64_t b = a + 1;
+        while (b < k.hi && !Hidden(*c.p, w, r, j0 + b)) ++b;
+        ValueRows<1>(w.s.get() + r * c.tilep + a, c.tilep, b - a, v + a * vrow, vrow, Ev, acc + r * c.Evp, c.Evp);
+        a = b;
+      }
+    }
+    return;
+  }
   const int64_t lo = TileKeys(w, nm - 1, j0, nk).lo, hi = std::max(lo, TileKeys(w, 0, j0, nk).hi);
   const bool common = hi > lo;
   // Each row's keys before the common ones ([its lo, lo); all of its keys
@@ -405,8 +438,11 @@ void PackQueries(const Call& c, Scratch& w, const Unit& u) {
     w.begin[size_t(r)] = k.lo, w.end[size_t(r)] = k.hi;
     w.pos[size_t(r)] = i + p.offset[size_t(u.b)];
     w.slope[size_t(r)] = p.slopes.empty() ? 0.0f : p.slopes[size_t(h)] * kLog2e;
+    if (!p.mask.empty()) w.mask[size_t(r)] = rules::key_row(p.mask, u.b, h, i);
+    if (!p.bias.empty()) w.bias[size_t(r)] = rules::key_row(p.bias, u.b, h, i);
   }
 }
+
 
 // Whether one of x[0, n) is NaN or ±inf (x aligned, readable up to a whole
 // vector past n): z = Σ 0·x is NaN exactly then.
@@ -440,12 +476,24 @@ void SoftmaxTile(const Call& c, Scratch& w, int64_t nm, int64_t j0, int64_t nk, 
     // (the padding past nk is left over from earlier tiles).
     std::fill(row, row + vis.lo, 0.0f);
     std::fill(row + vis.hi, row + c.tilep, 0.0f);
+    // So do the keys the mask or a −inf bias hides: an infinite hidden key
+    // does not poison the row either.
+    const bool elementwise = !c.p->bias.empty() || !c.p->mask.empty();
+    w.holes[size_t(r)] = 0;
+    for (int64_t jj = vis.lo; elementwise && jj < vis.hi; ++jj)
+      if (Hidden(*c.p, w, r, j0 + jj)) row[jj] = 0.0f, w.holes[size_t(r)] = 1;
     // A visible score that is not finite (NaN, or ±inf from an infinite q or
     // k) poisons the row; the vector max would drop a NaN, and the soft-cap
     // would turn ±inf into a plausible ±c.
     if (AnyNonFinite(row, c.tilep)) nan[r] = 1;
     if (cap2 > 0) SoftcapTile(row, c.tilep, cap2, nullptr);
     if (w.slope[size_t(r)] != 0.0f) AlibiLine(row, c.tilep, float(j0 - w.pos[size_t(r)]), w.slope[size_t(r)]);
+    // The elementwise rules, in base 2 like the scores: + bias·log2(e), or
+    // −inf where the mask or the bias hides the key.
+    for (int64_t jj = vis.lo; elementwise && jj < vis.hi; ++jj)
+      row[jj] = Hidden(*c.p, w, r, j0 + jj) ? kNegInf
+                : c.p->bias.empty()         ? row[jj]
+                                            : row[jj] + w.bias[size_t(r)].at(j0 + jj) * kLog2e;
     std::fill(row, row + vis.lo, kNegInf);
     std::fill(row + vis.hi, row + c.tilep, kNegInf);
     VF vmax = hn::Set(d, kNegInf);
@@ -687,19 +735,22 @@ void decode_forward(const DecodeProblem& p, const KVLayout& kv, View4<const floa
 bool decode_suits_rows(int64_t L, int64_t G) { return L <= 32 && G * L <= decode_common::kMaxRows; }
 
 bool decode_suits_dense(const Problem& p, const SdpaArgs<float>& a, bool want_weights) {
-  // Every score rule but the elementwise ones (mask, bias) is the kernel's own.
-  return !want_weights && a.mask.empty() && a.bias.empty() && decode_suits_rows(p.L, p.group()) &&
-         a.k.strides[3] == 1 && a.v.strides[3] == 1;
+  // Every score rule is the kernel's own (masks and bias included).
+  return !want_weights && decode_suits_rows(p.L, p.group()) && a.k.strides[3] == 1 && a.v.strides[3] == 1;
 }
 
-DecodeProblem DecodeProblem::of(const Problem& p, const View1<const int64_t>& key_lengths,
-                                const View1<const float>& alibi_slopes, const View1<const float>& sinks) {
+DecodeProblem DecodeProblem::of(const Problem& p, const SdpaArgs<float>& a) {
+  const View1<const int64_t>& key_lengths = a.key_lengths;
+  const View1<const float>& alibi_slopes = a.alibi_slopes;
+  const View1<const float>& sinks = a.sinks;
   DecodeProblem d;
   d.B = p.B, d.H = p.H, d.Hkv = p.Hkv, d.L = p.L, d.E = p.E, d.Ev = p.Ev;
   d.scale = p.scale;
   d.causal = p.causal;
   d.window_left = p.window_left, d.window_right = p.window_right;
   d.softcap = p.softcap;
+  d.mask = a.mask;
+  d.bias = a.bias;
   for (int64_t h = 0; h < alibi_slopes.dim(0); ++h) d.slopes.push_back(alibi_slopes(h));
   for (int64_t h = 0; h < sinks.dim(0); ++h) d.sinks.push_back(sinks(h));
   d.threads = p.threads;
@@ -710,7 +761,7 @@ DecodeProblem DecodeProblem::of(const Problem& p, const View1<const int64_t>& ke
 }
 
 void decode_forward_dense(const Problem& p, const SdpaArgs<float>& a, View4<float> out, View3<float> lse) {
-  decode_forward(DecodeProblem::of(p, a.key_lengths, a.alibi_slopes, a.sinks),
+  decode_forward(DecodeProblem::of(p, a),
                  KVLayout::dense(KVStorage::f32, a.k, a.v), a.q, out, lse);
 }
 

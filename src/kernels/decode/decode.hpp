@@ -58,6 +58,11 @@ struct DecodeProblem {
   double softcap = 0;                           // 0: off
   std::vector<float> slopes;  // ALiBi slope per query head (empty: none)
   std::vector<float> sinks;   // sink logit per query head (empty: none)
+  // Elementwise rules, (B|1, H|1, L|1, K|1) over key positions j (K: the
+  // dense call's S, the cache's capacity); optional: a boolean mask (true =
+  // the query may attend) and an additive bias (−inf masks).
+  View4<const bool> mask;
+  View4<const float> bias;
   std::vector<int64_t> length;  // keys of sequence b
   std::vector<int64_t> offset;  // position of query 0 of sequence b
   int threads = 1;
@@ -70,9 +75,19 @@ struct DecodeProblem {
   }
   // The decode problem of a validated dense call (src/sdpa.cpp): its band,
   // score modifiers and key lengths.
-  static DecodeProblem of(const Problem& p, const View1<const int64_t>& key_lengths,
-                          const View1<const float>& alibi_slopes, const View1<const float>& sinks);
+  static DecodeProblem of(const Problem& p, const SdpaArgs<float>& a);
 };
+
+// A (B|1, H|1, L|1, K|1) operand (mask or bias) of sequence b over keys
+// [j0, j0 + n): a (1, H|1, L|1, n|1) view, for the calls that take one
+// sequence's keys at a time (chunked prefill, the reference).
+template <class T>
+View4<const T> sequence_keys(const View4<const T>& x, int64_t b, int64_t j0, int64_t n) {
+  if (x.empty()) return {};
+  const bool along = x.dim(3) != 1;
+  return View4<const T>(x.data + (x.dim(0) == 1 ? 0 : b * x.strides[0]) + (along ? j0 * x.strides[3] : 0),
+                        {1, x.dim(1), x.dim(2), along ? n : 1}, x.strides);
+}
 
 // How the work is cut; depends only on the shape (never on the threads).
 // The G·L query rows of a (sequence, kv head) are split into blocks of at

@@ -120,6 +120,8 @@ void prefill_forward(const DecodeProblem& p, const KVLayout& kv, View4<const flo
       a.k = keys_view(kv, kv.k, kv.k_page, kv.k_head, kv.k_row, p.Hkv, p.E, b, j0, nk, kbuf);
       a.v = keys_view(kv, kv.v, kv.v_page, kv.v_head, kv.v_row, p.Hkv, p.Ev, b, j0, nk, vbuf);
       a.sinks = j0 == klo ? sinks : View1<const float>();  // counted once, in the first chunk
+      a.mask = sequence_keys(p.mask, b, j0, nk);
+      a.bias = sequence_keys(p.bias, b, j0, nk);
       SdpaOptions opt;
       opt.scale = p.scale;
       opt.causal = p.causal;
