@@ -7,8 +7,10 @@
 #
 #   bash bench/second_wave.sh TAG [SECTION ...]
 #
-# SECTION: decode, compare-decode, variants, compare-variants, layer, gemm,
-# base (default: all of them, in that order). Raw outputs go to
+# SECTION: decode, compare-decode, decode-window, variants, compare-variants,
+# layer, gemm, base (default: all of them, in that order). decode-window is
+# sliding-window decoding (a 4096-key window over caches of up to 131072
+# tokens) in attn-decode-bench and against torch and ggml. Raw outputs go to
 # docs/bench/<section>-<date>-TAG.txt, each headed by the machine (CPU model,
 # SIMD target the kernels run, load average), the commit and the command.
 #
@@ -25,7 +27,7 @@ cd "$(dirname "$0")/.."
 tag=${1:?usage: bash bench/second_wave.sh TAG [SECTION ...]}
 shift
 sections=("$@")
-[ ${#sections[@]} -gt 0 ] || sections=(decode compare-decode variants compare-variants layer gemm base)
+[ ${#sections[@]} -gt 0 ] || sections=(decode compare-decode decode-window variants compare-variants layer gemm base)
 BUILD=${BUILD:-build}
 TORCH_PYTHON=${TORCH_PYTHON:-build-py/venv/bin/python}
 GGML_DRIVER=${GGML_DRIVER:-}
@@ -33,6 +35,7 @@ THREADS=${THREADS:-2}
 day=$(date -u +%Y-%m-%d)
 out_dir=docs/bench
 decode_shapes='1,32,8,1,4096,128;1,32,8,1,32768,128;1,8,8,1,16384,64;4,32,8,1,8192,128;1,32,8,1,131072,128'
+window_shapes='1,32,8,1,32768,128;1,32,8,1,131072,128;4,32,8,1,8192,128;1,32,8,16,131072,128'
 
 for tool in attn-decode-bench attn-bench-variants attn-bench attn-gemm-bench; do
   [ -x "$BUILD/bench/$tool" ] || { echo "second_wave.sh: $BUILD/bench/$tool is missing (make build)" >&2; exit 2; }
@@ -79,6 +82,13 @@ for s in "${sections[@]}"; do
       run compare-decode "$TORCH_PYTHON" bench/compare_torch.py --decode \
         --attn-decode-bench "$BUILD/bench/attn-decode-bench" --shapes "$decode_shapes" \
         --threads "$THREADS" --reps 3 ${GGML_DRIVER:+--ggml-driver "$GGML_DRIVER"} ;;
+    decode-window)
+      run decode-window "$BUILD/bench/attn-decode-bench" --threads "$THREADS" --window 4096 \
+        --shapes "$window_shapes" --dtypes float32,float16,bfloat16 --min-seconds 0.3
+      torch_or_skip $s || continue
+      run compare-decode-window "$TORCH_PYTHON" bench/compare_torch.py --decode --decode-window 4096 \
+        --attn-decode-bench "$BUILD/bench/attn-decode-bench" --shapes "$window_shapes" \
+        --threads "$THREADS" --reps 3 ${GGML_DRIVER:+--ggml-driver "$GGML_DRIVER"} ;;
     variants)
       run variants "$BUILD/bench/attn-bench-variants" --threads "$THREADS" \
         --sections window overhead varlen --modes fwd fwdbwd
@@ -101,6 +111,6 @@ for s in "${sections[@]}"; do
       torch_or_skip $s || continue
       run compare-torch "$TORCH_PYTHON" bench/compare_torch.py --attn-bench "$BUILD/bench/attn-bench" \
         --lengths 512,1024,2048,4096 --threads 1,2 --reps 3 ;;
-    *) echo "second_wave.sh: unknown section '$s' (decode, compare-decode, variants, compare-variants, layer, gemm, base)" >&2; exit 2 ;;
+    *) echo "second_wave.sh: unknown section '$s' (decode, compare-decode, decode-window, variants, compare-variants, layer, gemm, base)" >&2; exit 2 ;;
   esac
 done
