@@ -122,7 +122,7 @@ TEST(Decode, BitwiseSameForAnyThreadCountSplitOrNot) {
     c.lens = {1500, 777};  // several chunks each
     const Filled f = fill(c, rng);
     detail::DecodeProblem p;
-    p.B = c.B, p.H = c.H, p.Hkv = c.Hkv, p.L = c.L, p.E = c.E, p.Ev = c.Ev, p.length = c.lens;
+    p.B = c.B, p.H = c.H, p.Hkv = c.Hkv, p.L = c.L, p.E = c.E, p.Ev = c.Ev, p.length = c.lens, p.offset = {0, 0};
     ASSERT_GT(c.lens[0], 2 * detail::decode_plan(p).chunk) << "the case must split";
     DecodeOptions o;
     o.num_threads = 1;
@@ -148,7 +148,7 @@ TEST(Decode, BitwiseSameForAnyThreadCountSplitOrNot) {
 TEST(Decode, WideRowsTakeLongTilesAndMatchReference) {
   const auto tile = [](int64_t E, int64_t Ev) {
     detail::DecodeProblem p;
-    p.B = 1, p.H = 4, p.Hkv = 1, p.L = 1, p.E = E, p.Ev = Ev, p.length = {4096};
+    p.B = 1, p.H = 4, p.Hkv = 1, p.L = 1, p.E = E, p.Ev = Ev, p.length = {4096}, p.offset = {0};
     return detail::decode_plan(p).tile;
   };
   EXPECT_EQ(tile(64, 64), 64);

@@ -63,8 +63,8 @@ struct DecodeProblem {
   // the query may attend) and an additive bias (−inf masks).
   View4<const bool> mask;
   View4<const float> bias;
-  std::vector<int64_t> length;  // keys of sequence b
-  std::vector<int64_t> offset;  // position of query 0 of sequence b
+  std::vector<int64_t> length;  // keys of sequence b (B entries)
+  std::vector<int64_t> offset;  // position of query 0 of sequence b (B entries)
   int threads = 1;
   bool split = true;  // chunks of one (sequence, head) may run on different threads
 
