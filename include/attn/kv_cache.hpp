@@ -149,8 +149,12 @@ struct DecodeOptions {
 //   q (B, H, L, E) with Hkv dividing H (query head h reads cache head
 //   h / (H / Hkv)); out (B, H, L, Ev); lse (B, H, L) when given.
 // A sequence of length 0 (or a query that sees no key) gets output 0 and
-// lse −inf. Results do not depend on the thread count or on split_kv (the
-// chunks are fixed by the shape and merged in the same order either way).
+// lse −inf (with sinks: lse = the head's sink). NaN or ±inf in a q, k or v
+// row a query sees makes its output row and lse NaN; keys it does not see
+// (causal, window, mask, −inf bias) never touch it. Results do not depend on
+// the thread count or on split_kv (the chunks are fixed by the shape and
+// merged in the same order either way). Figures, layouts and the kernel:
+// docs/decode.md.
 void decode_attention(View4<const float> q, const KVCache& cache, View4<float> out,
                       const DecodeOptions& opt = {}, View3<float> lse = {});
 
