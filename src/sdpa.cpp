@@ -202,8 +202,21 @@ template <class T>
 void dispatch_backward(const Checker& c, const Problem& p, const SdpaArgs<T>& args, View4<const T> dout,
                        const SdpaSaved<T>& saved, const SdpaGrads<T>& g, const SdpaOptions& opt) {
   if constexpr (std::is_same_v<T, float>) {
-    if (choose(c, p, args, opt, false) == Backend::fused)
+    if (choose(c, p, args, opt, false) == Backend::fused) {
+      // The fused backward uses the forward's out and lse. Without them it
+      // would recompute them with its own forward; a call with few query
+      // rows runs the decode kernel forward instead, whose last bits differ.
+      // So the missing ones come from the forward this call's forward runs,
+      // and the gradients are the same bits with the saved state or without.
+      if ((saved.out.empty() || saved.lse.empty()) && detail::decode_suits_dense(p, args, false)) {
+        auto o = Tensor<float>::uninitialized({p.B, p.H, p.L, p.Ev});
+        auto l = Tensor<float>::uninitialized({p.B, p.H, p.L});
+        detail::decode_forward_dense(p, args, o.view4(), l.view<3>());
+        return detail::fused_backward(p, args, dout, g, saved.out.empty() ? View4<const float>(o.view4()) : saved.out,
+                                      saved.lse.empty() ? View3<const float>(l.view<3>()) : saved.lse);
+      }
       return detail::fused_backward(p, args, dout, g, saved.out, saved.lse);
+    }
   } else {
     (void)choose(c, p, args, opt, false);
   }

@@ -342,6 +342,53 @@ TEST(DecodeVariants, DenseCallTakesTheKernelWithVariants) {
   }
 }
 
+// The dense decode route reads K and V with any strides (features that are
+// not contiguous are gathered per tile): the same bits as contiguous K/V.
+// And the backward gives the same bits with the forward's saved out and lse
+// or without them (it then recomputes them with the decode kernel too).
+TEST(DecodeVariants, StridedFeaturesAndTheSavedStateDoNotChangeABit) {
+  std::mt19937_64 rng(41);
+  const int64_t B = 2, H = 4, Hkv = 2, L = 3, S = 200, E = 12, Ev = 8;
+  Tensor<float> q = random_tensor<float>({B, H, L, E}, rng), k = random_tensor<float>({B, Hkv, S, E}, rng),
+                v = random_tensor<float>({B, Hkv, S, Ev}, rng), bias = random_tensor<float>({B, 1, L, S}, rng);
+  Tensor<float> k2({B, Hkv, S, E * 3}), v2({B, Hkv, S, Ev * 2});  // every third / second element
+  for (size_t e = 0; e < k.size(); ++e) k2[3 * e] = k[e];
+  for (size_t e = 0; e < v.size(); ++e) v2[2 * e] = v[e];
+  std::vector<float> sinks{0.5f, -1.0f, 2.0f, 0.0f};
+  SdpaArgs<float> a;
+  a.q = q.view4(), a.k = k.view4(), a.v = v.view4(), a.bias = bias.view4();
+  a.sinks = View1<const float>(sinks.data(), {H}, {1});
+  SdpaArgs<float> a2 = a;
+  a2.k = View4<const float>(k2.data(), {B, Hkv, S, E}, {Hkv * S * E * 3, S * E * 3, E * 3, 3});
+  a2.v = View4<const float>(v2.data(), {B, Hkv, S, Ev}, {Hkv * S * Ev * 2, S * Ev * 2, Ev * 2, 2});
+  SdpaOptions o;
+  o.causal = true, o.causal_align = CausalAlign::bottom_right, o.window = {50, 0}, o.softcap = 3.0;
+  Tensor<float> out({B, H, L, Ev}), lse({B, H, L}), out2({B, H, L, Ev}), lse2({B, H, L});
+  scaled_dot_product_attention(a, {out.view4(), {}, lse.view<3>()}, o);
+  scaled_dot_product_attention(a2, {out2.view4(), {}, lse2.view<3>()}, o);
+  EXPECT_TRUE(bitwise_equal(out, out2));
+  EXPECT_TRUE(bitwise_equal(lse, lse2));
+  const detail::Problem p = detail::make_problem(a2, o);
+  ASSERT_TRUE(detail::decode_suits_dense(p, a2, false));
+  Tensor<float> dout = random_tensor<float>({B, H, L, Ev}, rng);
+  struct Grads {
+    Tensor<float> dq, dk, dv, dbias, dsinks;
+  };
+  auto backward = [&](const SdpaSaved<float>& saved) {
+    Grads g{Tensor<float>({B, H, L, E}), Tensor<float>({B, Hkv, S, E}), Tensor<float>({B, Hkv, S, Ev}),
+            Tensor<float>({B, 1, L, S}), Tensor<float>({H})};
+    scaled_dot_product_attention_backward(a, View4<const float>(dout.view4()), saved,
+                                          {g.dq.view4(), g.dk.view4(), g.dv.view4(), g.dbias.view4(), g.dsinks.view<1>()}, o);
+    return g;
+  };
+  const Grads with = backward({out.view4(), lse.view<3>()}), without = backward({});
+  EXPECT_TRUE(bitwise_equal(with.dq, without.dq));
+  EXPECT_TRUE(bitwise_equal(with.dk, without.dk));
+  EXPECT_TRUE(bitwise_equal(with.dv, without.dv));
+  EXPECT_TRUE(bitwise_equal(with.dbias, without.dbias));
+  EXPECT_TRUE(bitwise_equal(with.dsinks, without.dsinks));
+}
+
 TEST(DecodeVariants, ArgumentErrors) {
   KVCacheConfig cfg;
   cfg.batch = 1, cfg.kv_heads = 2, cfg.capacity = 8, cfg.head_dim = 4;

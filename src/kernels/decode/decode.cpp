@@ -153,6 +153,10 @@ using namespace decode_common;  // hn, os, DF, VF come with simd-inl.h
 //   mask, bias [rows]    each row's line of the elementwise mask and bias
 //   holes [rows]         the tile has a key in the row's range that the mask
 //                        or a −inf bias hides (its value loop skips it)
+//   kt, vt [tile × E|Ev] a tile's K and V rows gathered contiguous, when the
+//                        features are not (a dense view with feature
+//                        strides != 1), in the storage type (4 bytes each
+//                        allocated, enough for any)
 //   st, nan [rows]       online-softmax state and NaN flag (direct chunks)
 struct Scratch {
   hwy::AlignedFreeUniquePtr<float[]> q, s, acc;
@@ -161,6 +165,7 @@ struct Scratch {
   std::vector<rules::Line<bool>> mask;
   std::vector<rules::Line<float>> bias;
   std::vector<uint8_t> holes;
+  hwy::AlignedFreeUniquePtr<uint8_t[]> kt, vt;
   std::vector<os::State<float>> st;
   std::vector<uint8_t> nan;
   explicit Scratch(const Call& c) {
@@ -176,6 +181,10 @@ struct Scratch {
     mask.resize(size_t(rows));
     bias.resize(size_t(rows));
     holes.resize(size_t(rows));
+    if (c.kv->k_elem != 1 || c.kv->v_elem != 1) {  // float32 slots hold any storage type's rows
+      kt = hwy::AllocateAligned<uint8_t>(size_t(c.plan.tile * c.p->E) * 4);
+      vt = hwy::AllocateAligned<uint8_t>(size_t(c.plan.tile * c.p->Ev) * 4);
+    }
     st.resize(size_t(rows));
     nan.resize(size_t(rows));
   }
@@ -539,6 +548,19 @@ void ChunkT(const Call& c, Scratch& w, const Unit& u, float* acc, os::State<floa
                 vbase + page * kv.v_page + u.hk * kv.v_head + off * kv.v_row,
                 std::min({c.plan.tile, kend - j0, kv.page_size - off})};
   };
+  // A tile's rows with their features gathered contiguous (a dense view
+  // whose features are strided): the kernel then reads the same values in
+  // the same order, so the layout does not change a bit of the result.
+  const auto gather = [&](const Tile& src) {
+    T* kd = reinterpret_cast<T*>(w.kt.get());
+    T* vd = reinterpret_cast<T*>(w.vt.get());
+    const int64_t E = c.p->E, Ev = c.p->Ev;
+    for (int64_t j = 0; j < src.nk; ++j) {
+      for (int64_t e = 0; e < E; ++e) kd[j * E + e] = src.k[j * kv.k_row + e * kv.k_elem];
+      for (int64_t e = 0; e < Ev; ++e) vd[j * Ev + e] = src.v[j * kv.v_row + e * kv.v_elem];
+    }
+    return Tile{kd, vd, src.nk};
+  };
   // The loops read the stream K, V of a tile, then K, V of the next, and
   // start loading about kPrefetchBytes of rows ahead of the row they use.
   const int64_t ahead = ceil_div(kPrefetchBytes, std::max({c.p->E, c.p->Ev, int64_t(1)}) * int64_t(sizeof(T)));
@@ -548,6 +570,15 @@ void ChunkT(const Call& c, Scratch& w, const Unit& u, float* acc, os::State<floa
   for (int64_t j0 = u.c0; j0 < kend;) {
     const Tile next = j0 + t.nk < kend ? tile_at(j0 + t.nk) : Tile{nullptr, nullptr, 0};
     const int64_t a = std::min(t.nk, ahead);  // a short tile runs as far ahead as it is long
+    if (kv.k_elem != 1 || kv.v_elem != 1) {  // strided features: the tile's rows gathered, then as usual
+      const Tile g = gather(t);
+      ScoreTile(c, w, u.nm, g.k, c.p->E, g.nk, g.v, c.p->Ev, 0);
+      SoftmaxTile(c, w, u.nm, j0, t.nk, acc, st, nan);
+      ValueTile(c, w, u.nm, g.v, c.p->Ev, j0, g.nk, acc, RowPrefetch{});
+      j0 += t.nk;
+      t = next;
+      continue;
+    }
     ScoreTile(c, w, u.nm, t.k, kv.k_row, t.nk, t.v, kv.v_row, a);
     SoftmaxTile(c, w, u.nm, j0, t.nk, acc, st, nan);
     // The value loop's first pass continues the stream: the rest of this
@@ -734,9 +765,10 @@ void decode_forward(const DecodeProblem& p, const KVLayout& kv, View4<const floa
 
 bool decode_suits_rows(int64_t L, int64_t G) { return L <= 32 && G * L <= decode_common::kMaxRows; }
 
-bool decode_suits_dense(const Problem& p, const SdpaArgs<float>& a, bool want_weights) {
-  // Every score rule is the kernel's own (masks and bias included).
-  return !want_weights && decode_suits_rows(p.L, p.group()) && a.k.strides[3] == 1 && a.v.strides[3] == 1;
+bool decode_suits_dense(const Problem& p, const SdpaArgs<float>&, bool want_weights) {
+  // Every score rule is the kernel's own (masks and bias included), and any
+  // strides (features that are not contiguous are gathered per tile).
+  return !want_weights && decode_suits_rows(p.L, p.group());
 }
 
 DecodeProblem DecodeProblem::of(const Problem& p, const SdpaArgs<float>& a) {

@@ -19,8 +19,8 @@ enum class KVStorage { f32, f16, bf16 };
 // Key j of sequence b, head hk starts at element
 //   page·k_page + hk·k_head + (j % page_size)·k_row      of k,
 // page = table ? table[b·table_stride + j / page_size] : b; its E features
-// are contiguous. The same for v. A dense (B, Hkv, S, E) view is one page
-// of S keys per sequence.
+// are k_elem apart (1 in a cache: contiguous). The same for v. A dense
+// (B, Hkv, S, E) view is one page of S keys per sequence.
 struct KVLayout {
   KVStorage type = KVStorage::f32;
   const void* k = nullptr;
@@ -28,8 +28,8 @@ struct KVLayout {
   int64_t page_size = 0;
   const int32_t* table = nullptr;
   int64_t table_stride = 0;
-  int64_t k_page = 0, k_head = 0, k_row = 0;
-  int64_t v_page = 0, v_head = 0, v_row = 0;
+  int64_t k_page = 0, k_head = 0, k_row = 0, k_elem = 1;
+  int64_t v_page = 0, v_head = 0, v_row = 0, v_elem = 1;
 
   // Dense (B, Hkv, S, E) and (B, Hkv, S, Ev) views of storage type t: one
   // page per sequence (the page of sequence b is b).
@@ -40,8 +40,8 @@ struct KVLayout {
     kv.k = k.data;
     kv.v = v.data;
     kv.page_size = k.dim(2);
-    kv.k_page = k.strides[0], kv.k_head = k.strides[1], kv.k_row = k.strides[2];
-    kv.v_page = v.strides[0], kv.v_head = v.strides[1], kv.v_row = v.strides[2];
+    kv.k_page = k.strides[0], kv.k_head = k.strides[1], kv.k_row = k.strides[2], kv.k_elem = k.strides[3];
+    kv.v_page = v.strides[0], kv.v_head = v.strides[1], kv.v_row = v.strides[2], kv.v_elem = v.strides[3];
     return kv;
   }
 };
