@@ -89,6 +89,12 @@ View4<const T> sequence_keys(const View4<const T>& x, int64_t b, int64_t j0, int
                         {1, x.dim(1), x.dim(2), along ? n : 1}, x.strides);
 }
 
+namespace decode_common {
+constexpr int64_t kMaxRows = 128;      // query rows per block (the M of one unit)
+constexpr int64_t kTargetUnits = 32;   // split the keys until about this many units exist
+constexpr int64_t kMinChunk = 256;     // ... but never into chunks shorter than this
+}  // namespace decode_common
+
 // How the work is cut; depends only on the shape (never on the threads).
 // The G·L query rows of a (sequence, kv head) are split into blocks of at
 // most `rows`; the keys of each block into chunks of `chunk` keys (merged by
