@@ -116,16 +116,10 @@ void KVCache::write(int64_t b, int64_t t, int64_t n, const View3<const float>& k
   for (int64_t i = 0; i < n;) {
     const int64_t pos = t + i, slot = pos / page_size_, off = pos % page_size_;
     int32_t& page = table_[size_t(b * table_width_ + slot)];
-    if (page < 0) {
+    if (page < 0) {  // there is one: new_pages() counted it
       const auto it = std::find(refs_.begin(), refs_.end(), 0);
-      if (it == refs_.end())
-        detail::Checker{"KVCache::append"}.fail("the page pool is exhausted (" + std::to_string(num_pages_) +
-                                                " pages of " + std::to_string(page_size_) + " tokens all in use)");
       page = int32_t(it - refs_.begin());
       ++*it;
-    } else if (refs_[size_t(page)] > 1) {
-      detail::Checker{"KVCache::append"}.fail("sequence " + std::to_string(b) + " would write page " +
-                                              std::to_string(page) + ", which is shared with another sequence");
     }
     const int64_t run = std::min(n - i, page_size_ - off);
     for (int64_t hk = 0; hk < Hkv; ++hk)
@@ -137,6 +131,28 @@ void KVCache::write(int64_t b, int64_t t, int64_t n, const View3<const float>& k
       }
     i += run;
   }
+}
+
+int64_t KVCache::new_pages(const detail::Checker& c, int64_t b, int64_t n) const {
+  if (!paged() || n == 0) return 0;
+  const int64_t len = len_[size_t(b)];
+  int64_t count = 0;
+  for (int64_t slot = len / page_size_; slot <= (len + n - 1) / page_size_; ++slot) {
+    const int32_t page = table_[size_t(b * table_width_ + slot)];
+    if (page < 0)
+      ++count;
+    else if (refs_[size_t(page)] > 1)
+      c.fail("sequence " + std::to_string(b) + " would write page " + std::to_string(page) +
+             ", which is shared with another sequence");
+  }
+  return count;
+}
+
+void KVCache::check_pages(const detail::Checker& c, int64_t wanted) const {
+  if (wanted > free_pages())
+    c.fail("the page pool is exhausted: appending needs " + std::to_string(wanted) + " new pages of " +
+           std::to_string(page_size_) + " tokens, " + std::to_string(free_pages()) + " of " +
+           std::to_string(num_pages_) + " are free");
 }
 
 void KVCache::append(int64_t b, View3<const float> k, View3<const float> v) {
@@ -154,6 +170,7 @@ void KVCache::append(int64_t b, View3<const float> k, View3<const float> v) {
   if (len + n > cfg_.capacity)
     c.fail("sequence " + std::to_string(b) + " holds " + std::to_string(len) + " tokens; appending " +
            std::to_string(n) + " exceeds the capacity " + std::to_string(cfg_.capacity));
+  check_pages(c, new_pages(c, b, n));
   // Feature strides other than 1 go through the conversion's stride; the
   // conversion writes one row at a time, so any view layout works.
   write(b, len, n, k, v);
@@ -170,12 +187,17 @@ void KVCache::append(View4<const float> k, View4<const float> v) {
   if (v.dim(0) != cfg_.batch)
     c.fail("argument 'v' has shape " + shape_str(v.shape) + ", expected (B, Hkv, n, Ev) with B = " +
            std::to_string(cfg_.batch));
-  // Check every sequence before writing any, so an error leaves the cache unchanged.
-  for (int64_t b = 0; b < cfg_.batch; ++b)
+  // Check every sequence before writing any (capacity, shared pages, the
+  // pool's free pages), so an error leaves the cache unchanged.
+  int64_t wanted = 0;
+  for (int64_t b = 0; b < cfg_.batch; ++b) {
     if (len_[size_t(b)] + k.dim(2) > cfg_.capacity)
       c.fail("sequence " + std::to_string(b) + " holds " + std::to_string(len_[size_t(b)]) +
              " tokens; appending " + std::to_string(k.dim(2)) + " exceeds the capacity " +
              std::to_string(cfg_.capacity));
+    wanted += new_pages(c, b, k.dim(2));
+  }
+  check_pages(c, wanted);
   for (int64_t b = 0; b < cfg_.batch; ++b) {
     const View3<const float> kb(k.data + b * k.strides[0], {k.dim(1), k.dim(2), k.dim(3)},
                                 {k.strides[1], k.strides[2], k.strides[3]});
@@ -353,6 +375,20 @@ void decode_reference(const detail::DecodeProblem& p, View4<const float> q, cons
 
 }  // namespace
 
+int detail::check_decode_options(const Checker& c, const DecodeOptions& opt, const std::array<int64_t, 4>& full,
+                                 std::vector<Extent>& read) {
+  check_variants(c, opt.window, opt.softcap, opt.alibi_slopes, opt.sinks, full[1]);
+  if (!opt.alibi_slopes.empty()) read.push_back(c.extent(opt.alibi_slopes, "alibi_slopes"));
+  if (!opt.sinks.empty()) read.push_back(c.extent(opt.sinks, "sinks"));
+  c.mask_and_bias(opt.mask, "mask", opt.bias, "bias", full, read);
+  if (opt.scale && (!std::isfinite(*opt.scale) || *opt.scale <= 0)) {
+    std::ostringstream os;
+    os << "option 'scale' is " << *opt.scale << ", expected a finite value > 0";
+    c.fail(os.str());
+  }
+  return c.threads(opt.num_threads);
+}
+
 void decode_attention(View4<const float> q, const KVCache& cache, View4<float> out, const DecodeOptions& opt,
                       View3<float> lse) {
   const detail::Checker c{"decode_attention"};
@@ -371,13 +407,6 @@ void decode_attention(View4<const float> q, const KVCache& cache, View4<float> o
            ", H, L, " + std::to_string(p.E) + ") with H a multiple of the cache's Hkv = " + std::to_string(p.Hkv) +
            " and L >= 1");
   c.shape(out, "out", {p.B, p.H, p.L, p.Ev}, "(B, H, L, Ev) = " + shape_str({p.B, p.H, p.L, p.Ev}));
-  detail::check_variants(c, opt.window, opt.softcap, opt.alibi_slopes, opt.sinks, p.H);
-  const std::array<int64_t, 4> keys_full{p.B, p.H, p.L, cache.capacity()};
-  if (c.given(opt.mask, "mask")) c.broadcastable(opt.mask, "mask", keys_full);
-  if (c.given(opt.bias, "bias")) {
-    c.broadcastable(opt.bias, "bias", keys_full);
-    c.finite(opt.bias, "bias", /*allow_neg_inf=*/true);
-  }
   std::vector<detail::Extent> written{c.extent(out, "out")};
   if (with_lse) {
     c.shape(lse, "lse", {p.B, p.H, p.L}, "(B, H, L) = " + shape_str({p.B, p.H, p.L}));
@@ -385,17 +414,8 @@ void decode_attention(View4<const float> q, const KVCache& cache, View4<float> o
   }
   for (const auto& e : written) c.writable(e);
   std::vector<detail::Extent> read{c.extent(q, "q")};
-  if (!opt.alibi_slopes.empty()) read.push_back(c.extent(opt.alibi_slopes, "alibi_slopes"));
-  if (!opt.sinks.empty()) read.push_back(c.extent(opt.sinks, "sinks"));
-  if (!opt.mask.empty()) read.push_back(c.extent(opt.mask, "mask"));
-  if (!opt.bias.empty()) read.push_back(c.extent(opt.bias, "bias"));
+  const int threads = detail::check_decode_options(c, opt, {p.B, p.H, p.L, cache.capacity()}, read);
   c.disjoint(written, read);
-  if (opt.scale && (!std::isfinite(*opt.scale) || *opt.scale <= 0)) {
-    std::ostringstream os;
-    os << "option 'scale' is " << *opt.scale << ", expected a finite value > 0";
-    c.fail(os.str());
-  }
-  const int threads = c.threads(opt.num_threads);
   p.scale = opt.scale ? *opt.scale : 1.0 / std::sqrt(double(p.E));
   p.causal = opt.causal;
   p.window_left = std::min(opt.window.left, detail::kMaxPosition);

@@ -124,11 +124,8 @@ Problem validate_inputs(const Checker& c, const SdpaArgs<T>& a, const SdpaOption
   for (int64_t i = 0, n = 1; i < 4; ++i)
     if (!detail::checked_mul(n, full[size_t(i)], &n))
       c.fail("the score matrix (B, H, L, S) = " + shape_str(full) + " has more elements than int64 can count");
-  if (c.given(a.mask, "mask")) c.broadcastable(a.mask, "mask", full);
-  if (c.given(a.bias, "bias")) {
-    c.broadcastable(a.bias, "bias", full);
-    c.finite(a.bias, "bias", /*allow_neg_inf=*/true);
-  }
+  std::vector<detail::Extent> masks;  // joined to the inputs' extents by input_extents()
+  c.mask_and_bias(a.mask, "mask", a.bias, "bias", full, masks);
   if (c.given(a.key_lengths, "key_lengths")) {
     c.shape(a.key_lengths, "key_lengths", {B});
     for (int64_t b = 0; b < B; ++b) {

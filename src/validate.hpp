@@ -29,6 +29,10 @@
 #include "attn/sdpa.hpp"
 #include "attn/tensor.hpp"
 
+namespace attn {
+struct DecodeOptions;  // attn/kv_cache.hpp
+}
+
 namespace attn::detail {
 
 // a·b, or nullopt-like false when it does not fit in int64.
@@ -145,6 +149,24 @@ struct Checker {
              ", expected each axis of (B, H, L, S) = " + shape_str(full) + " or 1 (broadcast)");
   }
 
+  // An optional boolean mask (true = may attend) and an optional additive
+  // bias, each broadcastable to `full`; the bias may hold -Inf (it masks)
+  // but no NaN or +Inf. The extents of those given join `read` (for
+  // disjoint()).
+  template <class F>
+  void mask_and_bias(const View4<const bool>& mask, const char* mask_name, const View4<const F>& bias,
+                     const char* bias_name, const std::array<int64_t, 4>& full, std::vector<Extent>& read) const {
+    if (given(mask, mask_name)) {
+      broadcastable(mask, mask_name, full);
+      read.push_back(extent(mask, mask_name));
+    }
+    if (given(bias, bias_name)) {
+      broadcastable(bias, bias_name, full);
+      finite(bias, bias_name, /*allow_neg_inf=*/true);
+      read.push_back(extent(bias, bias_name));
+    }
+  }
+
   // No NaN or Inf (with allow_neg_inf: -Inf is allowed, it masks).
   template <class T, int R>
   void finite(const View<T, R>& v, const char* name, bool allow_neg_inf = false) const {
@@ -206,6 +228,14 @@ constexpr int64_t kMaxPosition = int64_t(1) << 52;
 template <class F>
 void check_variants(const Checker& c, const Window& window, double softcap, const View1<const F>& alibi_slopes,
                     const View1<const F>& sinks, int64_t H);
+
+// The options of a decode_attention call (attn/kv_cache.hpp) with
+// full = (B, H, L, C), C the cache's capacity: the score rules, mask, bias,
+// scale and thread count. The extents of the views given join `read`;
+// returns the thread count to use. For callers that must check everything
+// before they change the cache (the multi-head layer's decode).
+int check_decode_options(const Checker& c, const DecodeOptions& opt, const std::array<int64_t, 4>& full,
+                         std::vector<Extent>& read);
 
 template <class T>
 Backend check_attention(const Checker& c, const SdpaArgs<T>& args, const SdpaOptions& opt, bool want_weights);

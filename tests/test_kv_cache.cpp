@@ -102,10 +102,42 @@ TEST(KVCache, PagesComeFromThePoolAndReturnToIt) {
   append_tokens(c, 1, 2, 2.0f);  // fills page 2 (4 tokens), takes page 4
   EXPECT_EQ(c.free_pages(), 0);
   EXPECT_TRUE(throws_with([&] { append_tokens(c, 1, 4, 0.0f); }, {"KVCache::append", "exhausted"}));
+  EXPECT_EQ(c.length(1), 5);  // the failed append took nothing
+  EXPECT_EQ(c.block_table(1), (std::vector<int32_t>{2, 4}));
   EXPECT_TRUE(throws_with([&] { append_tokens(c, 0, 2, 0.0f); }, {"capacity 10"}));
   c.reset(0);
   EXPECT_EQ(c.free_pages(), 3);
   EXPECT_EQ(c.length(0), 0);
+}
+
+// Appending to every sequence checks all of them before writing any: a
+// pool that runs out at the second sequence leaves the first one as it was.
+TEST(KVCache, AFailedBatchAppendChangesNoSequence) {
+  KVCache c(paged(2, 12, 4, 3));
+  append_tokens(c, 0, 4, 1.0f);  // page 0, full
+  append_tokens(c, 1, 1, 2.0f);  // page 1
+  Tensor<float> k({2, 1, 4, 2});
+  k.fill(5.0f);
+  // Four more tokens each: sequence 0 needs a new page, sequence 1 one
+  // more after page 1's three free slots; one page is free.
+  EXPECT_TRUE(throws_with([&] { c.append(k.view4(), k.view4()); },
+                          {"KVCache::append", "exhausted", "needs 2 new pages", "1 of 3 are free"}));
+  EXPECT_EQ(c.length(0), 4);
+  EXPECT_EQ(c.length(1), 1);
+  EXPECT_EQ(c.free_pages(), 1);
+  EXPECT_EQ(c.block_table(0), (std::vector<int32_t>{0}));
+  EXPECT_EQ(c.block_table(1), (std::vector<int32_t>{1}));
+  // Three tokens each fit (sequence 0 takes page 2, sequence 1 fills page 1).
+  Tensor<float> k3({2, 1, 3, 2});
+  k3.fill(6.0f);
+  c.append(k3.view4(), k3.view4());
+  EXPECT_EQ(c.length(0), 7);
+  EXPECT_EQ(c.length(1), 4);
+  EXPECT_EQ(c.free_pages(), 0);
+  Tensor<float> back({1, 4, 2}), vb({1, 4, 2});
+  c.read(1, back.view<3>(), vb.view<3>());
+  EXPECT_EQ(back[0], 2.0f);
+  EXPECT_EQ(back[2], 6.0f);
 }
 
 TEST(KVCache, SharedPrefixPagesAreReadOnlyAndGiveTheSameAttention) {

@@ -46,6 +46,7 @@ namespace attn {
 
 namespace detail {
 struct KVCacheAccess;  // the kernels' read access to the storage
+struct Checker;        // src/validate.hpp
 }
 
 enum class KVDtype { float32, float16, bfloat16 };
@@ -104,6 +105,10 @@ class KVCache {
  private:
   friend struct detail::KVCacheAccess;
   void check_seq(const char* fn, int64_t b) const;
+  // Pages appending n tokens to sequence b takes from the pool (an error
+  // when it would write a shared page), and the check that `wanted` are free.
+  int64_t new_pages(const detail::Checker& c, int64_t b, int64_t n) const;
+  void check_pages(const detail::Checker& c, int64_t wanted) const;
   void write(int64_t b, int64_t t, int64_t n, const View3<const float>& k, const View3<const float>& v);
   KVCacheConfig cfg_;
   int64_t page_size_ = 0, num_pages_ = 0, table_width_ = 0, elem_ = 4;
