@@ -54,6 +54,7 @@
 #include <utility>
 #include <vector>
 
+#include "attn/kv_cache.hpp"
 #include "attn/rng.hpp"
 #include "kernels/gemm/gemm.hpp"
 #include "multihead_names.hpp"
@@ -244,6 +245,41 @@ void fill_rows(T* C, int64_t m, int64_t n, int64_t ldc, const T* bias, int threa
   parallel_rows(threads, m, n, [&](int64_t i) { std::copy_n(bias, n, C + i * ldc); });
 }
 
+// The projections as dense heads: [q | k | v] = x·Wᵀ (into the parts' GEMM
+// output: one product when `one_gemm`, a packed self-attention whose three
+// weight blocks are consecutive rows of in_proj_weight; else three), then
+// + b and the split into q (B, H, L, E), k (B, H, S, E), v (B, H, S, Ev)
+// laid out one after the other in `proj` (MhaCache::proj's layout).
+template <class T>
+std::array<View4<T>, 3> project(const std::array<Part<T>, 3>& ps, bool one_gemm, int64_t B, int64_t L, int64_t S,
+                                int64_t H, int64_t E, int64_t Ev, T* proj, int threads) {
+  if (one_gemm) {
+    const Part<T>& p = ps[0];
+    gemm<T>({p.rows, p.ld, p.cols}, false, p.x, p.cols, true, p.w, p.cols, p.p, p.ld);
+  } else {
+    for (const Part<T>& p : ps) gemm<T>({p.rows, p.width, p.cols}, false, p.x, p.cols, true, p.w, p.cols, p.p, p.ld);
+  }
+  T* const hq = proj;
+  T* const hk = hq + B * L * H * E;
+  T* const hv = hk + B * S * H * E;
+  split_heads(ps[0].p, ps[0].ld, ps[0].b, B, L, H, E, hq, threads);
+  split_heads(ps[1].p, ps[1].ld, ps[1].b, B, S, H, E, hk, threads);
+  split_heads(ps[2].p, ps[2].ld, ps[2].b, B, S, H, Ev, hv, threads);
+  return {View4<T>::bhnd(hq, B, H, L, E), View4<T>::bhnd(hk, B, H, S, E), View4<T>::bhnd(hv, B, H, S, Ev)};
+}
+
+// out = o·W_oᵀ + b_o for the concatenated head outputs o (B·L, HEv) dense,
+// W_o [D, HEv], b_o [D] (nullptr: none), out (B, L, D) any strides.
+template <class T>
+void project_out(const T* o, const T* wo, const T* bo, int64_t HEv, View3<T> out, int threads) {
+  const int64_t M = out.dim(0) * out.dim(1), D = out.dim(2);
+  Tensor<T> scratch;
+  T* y = out.is_contiguous() ? out.data : (scratch = Tensor<T>({out.dim(0), out.dim(1), D})).data();
+  if (bo) fill_rows(y, M, D, D, bo, threads);
+  gemm<T>({M, D, HEv}, false, o, HEv, true, wo, HEv, y, D, T(1), bo ? T(1) : T(0));
+  if (!out.is_contiguous()) scatter<T>(y, out);
+}
+
 template <class T, int R>
 Tensor<T> copy_of(View<const T, R> v) {
   std::vector<int64_t> shape(v.shape.begin(), v.shape.end());
@@ -319,15 +355,7 @@ void MultiheadAttention<T>::forward(const MhaArgs<T>& a, const MhaOutputs<T>& o,
     read.push_back(c.extent(a.key, "key"));
     read.push_back(c.extent(a.value, "value"));
   }
-  if (c.given(a.attn_mask, "attn_mask")) {
-    c.broadcastable(a.attn_mask, "attn_mask", full);
-    read.push_back(c.extent(a.attn_mask, "attn_mask"));
-  }
-  if (c.given(a.attn_bias, "attn_bias")) {
-    c.broadcastable(a.attn_bias, "attn_bias", full);
-    c.finite(a.attn_bias, "attn_bias", /*allow_neg_inf=*/true);
-    read.push_back(c.extent(a.attn_bias, "attn_bias"));
-  }
+  c.mask_and_bias(a.attn_mask, "attn_mask", a.attn_bias, "attn_bias", full, read);
   c.optional(a.key_padding_mask, "key_padding_mask", {B, S}, read, "(B, S) = " + shape_str({B, S}));
   if (c.given(a.key_lengths, "key_lengths")) {
     c.shape(a.key_lengths, "key_lengths", {B}, "(B,) = " + shape_str({B}));
@@ -392,19 +420,7 @@ void MultiheadAttention<T>::forward(const MhaArgs<T>& a, const MhaOutputs<T>& o,
   sized(st.packed, {proj_size});
   sized(st.proj, {proj_size});
   const auto ps = parts<T>(*this, cfg_, packed_, self, B, L, S, xq, xk, xv, st.packed.data(), nullptr);
-  if (self && packed_) {
-    gemm<T>({B * L, 3 * D, D}, false, xq, D, true, ps[0].w, D, st.packed.data(), 3 * D);
-  } else {
-    for (const Part<T>& p : ps) gemm<T>({p.rows, p.width, p.cols}, false, p.x, p.cols, true, p.w, p.cols, p.p, p.ld);
-  }
-  T* const hq = st.proj.data();
-  T* const hk = hq + B * L * HE;
-  T* const hv = hk + B * S * HE;
-  split_heads(ps[0].p, ps[0].ld, ps[0].b, B, L, H, E, hq, threads);
-  split_heads(ps[1].p, ps[1].ld, ps[1].b, B, S, H, E, hk, threads);
-  split_heads(ps[2].p, ps[2].ld, ps[2].b, B, S, H, Ev, hv, threads);
-  const View4<T> qh = View4<T>::bhnd(hq, B, H, L, E), kh = View4<T>::bhnd(hk, B, H, S, E),
-                 vh = View4<T>::bhnd(hv, B, H, S, Ev);
+  const auto [qh, kh, vh] = project(ps, self && packed_, B, L, S, H, E, Ev, st.proj.data(), threads);
   if (qk_.forward) qk_.forward(qh, kh);
 
   // The masks, owned by the cache: key_padding_mask (true = padding) folds
@@ -453,14 +469,95 @@ void MultiheadAttention<T>::forward(const MhaArgs<T>& a, const MhaOutputs<T>& o,
         }
 
   // y = o·W_oᵀ + b_o
-  const Tensor<T>& wo = parameter(kOutProjWeight);
-  const T* bo = cfg_.bias ? parameter(kOutProjBias).data() : nullptr;
-  Tensor<T> yscratch;
-  T* y = o.out.is_contiguous() ? o.out.data : (yscratch = Tensor<T>({B, L, D})).data();
-  if (bo) fill_rows(y, B * L, D, D, bo, threads);
-  gemm<T>({B * L, D, HEv}, false, st.attn_out.data(), HEv, true, wo.data(), HEv, y, D, T(1), bo ? T(1) : T(0));
-  if (!o.out.is_contiguous()) scatter<T>(y, o.out);
+  project_out(st.attn_out.data(), parameter(kOutProjWeight).data(),
+              cfg_.bias ? parameter(kOutProjBias).data() : nullptr, HEv, o.out, threads);
   if (cache) *cache = std::move(st);
+}
+
+// Decoding: the forward's steps for the L new rows of each sequence, with
+// the keys and values of the earlier rows read from the cache:
+//   [q | k | v] = x·Wᵀ + b;  q, k ← transform at positions length(b)..length(b)+L−1
+//   cache ← cache + (k, v);  o = decode_attention(q, cache)
+//   y = o·W_oᵀ + b_o
+// Every argument is checked before the cache is appended to.
+template <class T>
+void MultiheadAttention<T>::decode(const MhaArgs<T>& a, KVCache& cache, View3<T> out, const MhaOptions& opt) const {
+  const Checker c{"MultiheadAttention::decode"};
+  if constexpr (!std::is_same_v<T, float>) {
+    (void)a, (void)cache, (void)out, (void)opt;
+    c.fail("decoding over a KV cache is float32 only (the cache computes in float32); use MultiheadAttention<float>");
+  } else {
+    const int64_t D = cfg_.embed_dim, H = cfg_.num_heads, E = cfg_.head_dim, Ev = cfg_.v_head_dim;
+    c.require(a.query, "query");
+    const auto refuse = [&](const char* name, const char* why) {
+      c.fail(std::string("argument '") + name + "' is not taken: " + why);
+    };
+    const char* self_only = "decoding is self-attention over the cache (leave key and value empty)";
+    const char* lengths = "the cache's lengths say which keys each sequence has; use attn_mask to hide some";
+    if (c.given(a.key, "key")) refuse("key", self_only);
+    if (c.given(a.value, "value")) refuse("value", self_only);
+    if (c.given(a.key_padding_mask, "key_padding_mask")) refuse("key_padding_mask", lengths);
+    if (c.given(a.key_lengths, "key_lengths")) refuse("key_lengths", lengths);
+    if (opt.sdpa.position_offset)
+      c.fail("option 'position_offset' is not taken: the new rows of sequence b sit at positions length(b) .. "
+             "length(b) + L - 1 of the cache");
+    if (cfg_.kdim != D || cfg_.vdim != D)
+      c.fail("decoding is self-attention, which needs kdim = vdim = embed_dim = " + std::to_string(D) +
+             ", but this layer has kdim = " + std::to_string(cfg_.kdim) + ", vdim = " + std::to_string(cfg_.vdim));
+    const int64_t B = a.query.dim(0), L = a.query.dim(1);
+    if (B != cache.batch() || L < 1 || a.query.dim(2) != D)
+      c.fail("argument 'query' has shape " + shape_str(a.query.shape) + ", expected (B, L, D) = (" +
+             std::to_string(cache.batch()) + ", L, " + std::to_string(D) + ") with B the cache's batch and L >= 1");
+    if (cache.kv_heads() != H || cache.head_dim() != E || cache.value_dim() != Ev)
+      c.fail("argument 'cache' has (kv_heads, head_dim, value_dim) = " +
+             shape_str({cache.kv_heads(), cache.head_dim(), cache.value_dim()}) + ", expected the layer's (H, E, Ev) = " +
+             shape_str({H, E, Ev}));
+    for (int64_t b = 0; b < B; ++b)
+      if (cache.length(b) + L > cache.capacity())
+        c.fail("argument 'cache': sequence " + std::to_string(b) + " holds " + std::to_string(cache.length(b)) +
+               " tokens; " + std::to_string(L) + " more exceed its capacity " + std::to_string(cache.capacity()));
+    if (qk_.forward && !qk_.forward_at)
+      c.fail("the layer's Q/K transform has no forward_at (the transform at given positions), which decoding needs");
+    c.require(out, "out");
+    c.shape(out, "out", {B, L, D});
+    const std::vector<detail::Extent> written{c.extent(out, "out")};
+    c.writable(written[0]);
+    std::vector<detail::Extent> read{c.extent(a.query, "query")};
+    DecodeOptions dopt;
+    dopt.scale = opt.sdpa.scale;
+    dopt.causal = opt.sdpa.causal;
+    dopt.window = opt.sdpa.window;
+    dopt.softcap = opt.sdpa.softcap;
+    dopt.alibi_slopes = a.alibi_slopes;
+    if (cfg_.sinks) dopt.sinks = params_.at(kSinks).template view<1>();
+    dopt.mask = a.attn_mask;
+    dopt.bias = a.attn_bias;
+    dopt.backend = opt.sdpa.backend == Backend::reference ? Backend::reference : Backend::automatic;
+    dopt.num_threads = opt.sdpa.num_threads;
+    const int threads = detail::check_decode_options(c, dopt, {B, H, L, cache.capacity()}, read);
+    c.disjoint(written, read);
+    if (opt.sdpa.check_finite) c.finite(a.query, "query");
+
+    Tensor<T> xs;
+    const T* x = dense(a.query, xs, false, threads);
+    const int64_t HE = H * E, HEv = H * Ev;
+    Tensor<T> packed = Tensor<T>::uninitialized({B * L * (2 * HE + HEv)});
+    Tensor<T> proj = Tensor<T>::uninitialized({B * L * (2 * HE + HEv)});
+    const auto ps = parts<T>(*this, cfg_, packed_, true, B, L, L, x, x, x, packed.data(), nullptr);
+    const auto [qh, kh, vh] = project(ps, packed_, B, L, L, H, E, Ev, proj.data(), threads);
+    if (qk_.forward_at)
+      for (int64_t b = 0; b < B; ++b) {
+        auto one = [b](View4<T> v) {
+          return View4<T>(v.data + b * v.strides[0], {1, v.dim(1), v.dim(2), v.dim(3)}, v.strides);
+        };
+        qk_.forward_at(one(qh), one(kh), cache.length(b));
+      }
+    cache.append(View4<const T>(kh), View4<const T>(vh));
+    Tensor<T> o = Tensor<T>::uninitialized({B, L, HEv});
+    decode_attention(View4<const T>(qh), cache, View4<T>::bnhd(o.data(), B, L, H, Ev), dopt);
+    project_out(o.data(), parameter(kOutProjWeight).data(), cfg_.bias ? parameter(kOutProjBias).data() : nullptr,
+                HEv, out, threads);
+  }
 }
 
 template <class T>

@@ -42,6 +42,7 @@
 #include <string>
 #include <vector>
 
+#include "attn/kv_cache.hpp"
 #include "attn/sdpa.hpp"
 #include "attn/tensor.hpp"
 
@@ -69,14 +70,14 @@ std::vector<double> alibi_slopes(int64_t num_heads);
 // returns the total gradient of the input in dquery.
 template <class T>
 struct MhaArgs {
-  View3<const T> query;               // (B, L, D)
-  View3<const T> key;                 // (B, S, kdim)
-  View3<const T> value;               // (B, S, vdim)
-  View4<const bool> attn_mask;        // (Bm, Hm, L, S) broadcastable; true = may attend
-  View4<const T> attn_bias;           // (Bb, Hb, L, S) broadcastable; added to scores
-  View2<const bool> key_padding_mask; // (B, S); true = padding, ignored
-  View1<const int64_t> key_lengths;   // (B)
-  View1<const T> alibi_slopes;        // (H); adds -slope_h·|p - j| to head h's scores
+  View3<const T> query;                 // (B, L, D)
+  View3<const T> key{};                 // (B, S, kdim)
+  View3<const T> value{};               // (B, S, vdim)
+  View4<const bool> attn_mask{};        // (Bm, Hm, L, S) broadcastable; true = may attend
+  View4<const T> attn_bias{};           // (Bb, Hb, L, S) broadcastable; added to scores
+  View2<const bool> key_padding_mask{}; // (B, S); true = padding, ignored
+  View1<const int64_t> key_lengths{};   // (B)
+  View1<const T> alibi_slopes{};        // (H); adds -slope_h·|p - j| to head h's scores
 };
 
 // Everything the forward writes. `out` is required; the weights, per head
@@ -110,10 +111,16 @@ struct MhaOptions {
 // them with the gradients with respect to the projections (for a linear
 // transform: apply its transpose). Both run inside forward/backward, on the
 // calling thread, and must not keep the views.
+//
+// `forward_at` is the same forward for rows at positions p, p + 1, ... of one
+// sequence (q, k (1, H, L, E), p = first_position): decode() applies it to
+// each sequence's new rows, which sit after the cache's earlier ones. A layer
+// with a `forward` but no `forward_at` refuses to decode.
 template <class T>
 struct QkTransform {
   std::function<void(View4<T> q, View4<T> k)> forward;
   std::function<void(View4<T> dq, View4<T> dk)> backward;
+  std::function<void(View4<T> q, View4<T> k, int64_t first_position)> forward_at{};
 };
 
 // What the forward saves for the backward. It owns everything (copies of
@@ -191,6 +198,24 @@ class MultiheadAttention {
   // is given it receives what backward needs.
   void forward(const MhaArgs<T>& args, const MhaOutputs<T>& outputs, const MhaOptions& opt = {},
                MhaCache<T>* cache = nullptr) const;
+
+  // Incremental decoding (self-attention; float only): args.query (B, L, D)
+  // holds the next L tokens of each of the KV cache's B sequences
+  // (attn/kv_cache.hpp; kv_heads = H, head_dim = E, value_dim = Ev). The
+  // layer projects them, applies the Q/K transform's forward_at at positions
+  // length(b) .. length(b) + L − 1, appends their keys and values to `cache`,
+  // attends over everything the cache holds (decode_attention) and projects
+  // the result into out (B, L, D). With opt.sdpa.causal (bottom-right) the
+  // rows equal forward() over the whole sequence so far.
+  //   taken: opt.sdpa's scale, causal, window, softcap, backend (reference,
+  //          or else the decode kernel), num_threads, check_finite; the
+  //          layer's sinks; args.alibi_slopes; args.attn_mask / attn_bias
+  //          as (B|1, H|1, L|1, C|1) over the cache's key positions
+  //          (C = capacity; DecodeOptions::mask)
+  //   refused: key, value, key_padding_mask, key_lengths, position_offset
+  // Every argument is checked before the cache changes, so an error leaves
+  // the cache as it was.
+  void decode(const MhaArgs<T>& args, KVCache& cache, View3<T> out, const MhaOptions& opt = {}) const;
 
   // Backward from dout = dL/dY (B, L, D) of the forward that filled `cache`.
   // Parameter gradients are ADDED to grad(name) (call zero_grad() between

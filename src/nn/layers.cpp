@@ -405,6 +405,10 @@ SelfAttention<T>::SelfAttention(int64_t d, int64_t h, const MhaOptions& opt, Pos
                             [](View4<T> dq, View4<T> dk) {
                               apply_rotary(dq, /*inverse=*/true);
                               apply_rotary(dk, /*inverse=*/true);
+                            },
+                            [](View4<T> q, View4<T> k, int64_t first) {
+                              apply_rotary(q, false, first);
+                              apply_rotary(k, false, first);
                             }});
 }
 
@@ -425,6 +429,20 @@ void SelfAttention<T>::forward(const Tensor<T>& x, int64_t B, int64_t N, Tensor<
   args.query = View3<const T>(x.data(), {B, N, D});
   if (alibi_slopes.rank() == 1) args.alibi_slopes = alibi_slopes.template view<1>();
   layer.forward(args, {View3<T>(y.data(), {B, N, D}), weights, {}}, options, &cache_);
+}
+
+template <class T>
+void SelfAttention<T>::decode(const Tensor<T>& x, int64_t B, int64_t n, KVCache& cache, Tensor<T>& y) const {
+  const int64_t D = layer.embed_dim();
+  const int64_t M = rows_of(x, D, "attn::nn::SelfAttention::decode", "x");
+  if (B < 1 || n < 1 || M != B * n)
+    throw InvalidArgument("attn::nn::SelfAttention::decode: x has " + std::to_string(M) + " rows, expected B·n = " +
+                          std::to_string(B) + "·" + std::to_string(n));
+  ensure_shape(y, {M, D});
+  MhaArgs<T> args;
+  args.query = View3<const T>(x.data(), {B, n, D});
+  if (alibi_slopes.rank() == 1) args.alibi_slopes = alibi_slopes.template view<1>();
+  layer.decode(args, cache, View3<T>(y.data(), {B, n, D}), options);
 }
 
 template <class T>

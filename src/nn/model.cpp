@@ -203,74 +203,37 @@ DecodeState Transformer<T>::start_decoding(int64_t B, KVDtype dtype, int64_t pag
 }
 
 // The same composition as forward(), for the n new positions only; the
-// attention of each block reads the earlier positions' keys and values from
-// its cache instead of recomputing them:
-//   [q | k | v] = LN1(h)·W_inᵀ + b_in, rotated at positions length..length+n−1 (RoPE)
-//   cache ← cache + (k, v);   o = decode_attention(q, cache)   (causal, bottom-right)
-//   a = h + o·W_oᵀ + b_o;     h' = a + MLP(LN2(a))
+// attention of each block (the multi-head layer's decode) reads the earlier
+// positions' keys and values from its cache instead of recomputing them:
+//   a = h + Attn.decode(LN1(h), cache);   h' = a + MLP(LN2(a))
 template <class T>
 void Transformer<T>::decode_step(DecodeState& st, const int32_t* tokens, int64_t n, Tensor<T>& logits) {
   const char* fn = "attn::nn::Transformer::decode_step";
-  if constexpr (!std::is_same_v<T, float>) {
-    (void)st, (void)tokens, (void)n, (void)logits;
-    throw InvalidArgument(std::string(fn) + ": incremental decoding is float32 only");
-  } else {
-    if (st.caches.size() != blocks_.size() || st.B < 1)
-      throw InvalidArgument(std::string(fn) + ": the state does not come from this model's start_decoding");
-    if (n < 1 || st.length + n > cfg_.max_len)
-      throw InvalidArgument(std::string(fn) + ": feeding " + std::to_string(n) + " tokens after " + std::to_string(st.length) +
-                  " needs 1 <= n and length + n <= max_len = " + std::to_string(cfg_.max_len));
-    const int64_t B = st.B, M = B * n, D = cfg_.dim, H = cfg_.heads, E = D / H, pos = st.length;
-    std::map<std::string, Tensor<T>*> param;
-    for (auto& p : parameters()) param[p.name] = p.value;
-    Tensor<T> h, x, qkv({M, 3 * D}), o({M, D}), y, a;
-    embed_.forward(tokens, M, h);  // checks the ids
-    if (cfg_.positions == Positions::sinusoidal) add_sinusoidal_positions(h, B, n, pos);
-    if (cfg_.positions == Positions::learned) pos_.forward(h, B, n, pos);
-    // The score rules of forward(): the window, ALiBi's slopes and each
-    // block's sinks (the decode kernel applies them as the dense call does).
-    DecodeOptions dopt;
-    dopt.scale = cfg_.attn_scale;
-    dopt.window = cfg_.window;
-    std::vector<float> slopes;
-    if (cfg_.positions == Positions::alibi)
-      for (const double s : attn::alibi_slopes(H)) slopes.push_back(float(s));
-    if (!slopes.empty()) dopt.alibi_slopes = View1<const float>(slopes.data(), {H}, {1});
-    for (size_t l = 0; l < blocks_.size(); ++l) {
-      auto& blk = blocks_[l];
-      const std::string pre = "blocks." + std::to_string(l) + ".attn.";
-      if (cfg_.sinks) dopt.sinks = View1<const float>(param.at(pre + "sinks")->template view<1>());
-      const Tensor<T>& w_in = *param.at(pre + "in_proj_weight");
-      const Tensor<T>& b_in = *param.at(pre + "in_proj_bias");
-      const Tensor<T>& w_out = *param.at(pre + "out_proj.weight");
-      const Tensor<T>& b_out = *param.at(pre + "out_proj.bias");
-      blk.ln1.forward(h, x);
-      detail::gemm<T>({M, 3 * D, D}, false, x.data(), D, true, w_in.data(), D, qkv.data(), 3 * D);
-      for (int64_t m = 0; m < M; ++m)
-        for (int64_t j = 0; j < 3 * D; ++j) qkv[size_t(m * 3 * D + j)] += b_in[size_t(j)];
-      // Per-head views (B, H, n, E) of the packed rows [q | k | v].
-      auto head = [&](int which) {
-        return View4<T>(qkv.data() + which * D, {B, H, n, E}, {n * 3 * D, E, 3 * D, 1});
-      };
-      if (cfg_.positions == Positions::rope) {
-        apply_rotary(head(0), false, pos);
-        apply_rotary(head(1), false, pos);
-      }
-      st.caches[l].append(View4<const T>(head(1)), View4<const T>(head(2)));
-      decode_attention(head(0), st.caches[l], View4<T>(o.data(), {B, H, n, E}, {n * D, E, D, 1}), dopt);
-      ensure_shape(y, {M, D});
-      detail::gemm<T>({M, D, D}, false, o.data(), D, true, w_out.data(), D, y.data(), D);
-      ensure_shape(a, {M, D});
-      for (int64_t m = 0; m < M; ++m)
-        for (int64_t j = 0; j < D; ++j) a[size_t(m * D + j)] = h[size_t(m * D + j)] + y[size_t(m * D + j)] + b_out[size_t(j)];
-      blk.ln2.forward(a, x);
-      blk.mlp.forward(x, y);
-      for (size_t i = 0; i < h.size(); ++i) h[i] = a[i] + y[i];
-    }
-    st.length += n;
-    ln_f_.forward(h, x);
-    head_.forward(x, logits);
+  if (!std::is_same_v<T, float>) throw InvalidArgument(std::string(fn) + ": incremental decoding is float32 only");
+  if (st.caches.size() != blocks_.size() || st.B < 1)
+    throw InvalidArgument(std::string(fn) + ": the state does not come from this model's start_decoding");
+  if (n < 1 || st.length + n > cfg_.max_len)
+    throw InvalidArgument(std::string(fn) + ": feeding " + std::to_string(n) + " tokens after " +
+                          std::to_string(st.length) + " needs 1 <= n and length + n <= max_len = " +
+                          std::to_string(cfg_.max_len));
+  const int64_t B = st.B, M = B * n, pos = st.length;
+  Tensor<T> h, x, y, a;
+  embed_.forward(tokens, M, h);  // checks the ids
+  if (cfg_.positions == Positions::sinusoidal) add_sinusoidal_positions(h, B, n, pos);
+  if (cfg_.positions == Positions::learned) pos_.forward(h, B, n, pos);
+  for (size_t l = 0; l < blocks_.size(); ++l) {
+    auto& blk = blocks_[l];
+    blk.ln1.forward(h, x);
+    blk.attn.decode(x, B, n, st.caches[l], y);
+    ensure_shape(a, {M, cfg_.dim});
+    for (size_t i = 0; i < a.size(); ++i) a[i] = h[i] + y[i];
+    blk.ln2.forward(a, x);
+    blk.mlp.forward(x, y);
+    for (size_t i = 0; i < h.size(); ++i) h[i] = a[i] + y[i];
   }
+  st.length += n;
+  ln_f_.forward(h, x);
+  head_.forward(x, logits);
 }
 
 template <class T>

@@ -184,6 +184,10 @@ class SelfAttention {
   // attention matrices (B, H, N, N).
   void forward(const Tensor<T>& x, int64_t B, int64_t N, Tensor<T>& y, View4<T> weights = {});
   void backward(const Tensor<T>& x, const Tensor<T>& dy, Tensor<T>* dx);
+  // Incremental decoding (MultiheadAttention::decode, float only): x (B·n, D)
+  // holds the next n tokens of each of the cache's B sequences; their keys
+  // and values join `cache`, y (B·n, D) gets their attention over it.
+  void decode(const Tensor<T>& x, int64_t B, int64_t n, KVCache& cache, Tensor<T>& y) const;
   void zero_grad() { layer.zero_grad(); }
   void collect(const std::string& prefix, std::vector<ParamRef<T>>& out);
 
