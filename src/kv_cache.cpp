@@ -376,11 +376,11 @@ void decode_reference(const detail::DecodeProblem& p, View4<const float> q, cons
 }  // namespace
 
 int detail::check_decode_options(const Checker& c, const DecodeOptions& opt, const std::array<int64_t, 4>& full,
-                                 std::vector<Extent>& read) {
+                                 std::vector<Extent>& read, const char* mask_name, const char* bias_name) {
   check_variants(c, opt.window, opt.softcap, opt.alibi_slopes, opt.sinks, full[1]);
   if (!opt.alibi_slopes.empty()) read.push_back(c.extent(opt.alibi_slopes, "alibi_slopes"));
   if (!opt.sinks.empty()) read.push_back(c.extent(opt.sinks, "sinks"));
-  c.mask_and_bias(opt.mask, "mask", opt.bias, "bias", full, read);
+  c.mask_and_bias(opt.mask, mask_name, opt.bias, bias_name, full, read);
   if (opt.scale && (!std::isfinite(*opt.scale) || *opt.scale <= 0)) {
     std::ostringstream os;
     os << "option 'scale' is " << *opt.scale << ", expected a finite value > 0";

@@ -534,7 +534,8 @@ void MultiheadAttention<T>::decode(const MhaArgs<T>& a, KVCache& cache, View3<T>
     dopt.bias = a.attn_bias;
     dopt.backend = opt.sdpa.backend == Backend::reference ? Backend::reference : Backend::automatic;
     dopt.num_threads = opt.sdpa.num_threads;
-    const int threads = detail::check_decode_options(c, dopt, {B, H, L, cache.capacity()}, read);
+    const int threads =
+        detail::check_decode_options(c, dopt, {B, H, L, cache.capacity()}, read, "attn_mask", "attn_bias");
     c.disjoint(written, read);
     if (opt.sdpa.check_finite) c.finite(a.query, "query");
 

@@ -233,9 +233,10 @@ void check_variants(const Checker& c, const Window& window, double softcap, cons
 // full = (B, H, L, C), C the cache's capacity: the score rules, mask, bias,
 // scale and thread count. The extents of the views given join `read`;
 // returns the thread count to use. For callers that must check everything
-// before they change the cache (the multi-head layer's decode).
+// before they change the cache (the multi-head layer's decode, whose mask
+// and bias arguments have names of their own).
 int check_decode_options(const Checker& c, const DecodeOptions& opt, const std::array<int64_t, 4>& full,
-                         std::vector<Extent>& read);
+                         std::vector<Extent>& read, const char* mask_name = "mask", const char* bias_name = "bias");
 
 template <class T>
 Backend check_attention(const Checker& c, const SdpaArgs<T>& args, const SdpaOptions& opt, bool want_weights);

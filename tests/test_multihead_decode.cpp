@@ -256,7 +256,7 @@ TEST(MultiheadDecode, BadArgumentsLeaveTheCacheAsItWas) {
   a = good;
   Tensor<bool> mask({2, 1, 3, 5});  // S = 5 instead of the capacity 16
   a.attn_mask = mask.view4();
-  refused(a, {"'mask'", "16"}, cache);
+  refused(a, {"'attn_mask'", "16"}, cache);
   a = good;
   Tensor<float> slopes({3});
   a.alibi_slopes = slopes.view<1>();

@@ -192,6 +192,22 @@ class MultiheadAttention:
         position_offset: Optional[int] = None,
     ) -> Tuple[Any, Optional[Any]]:
         """(attn_output, attn_weights); also saves what backward() needs."""
+    def decode(
+        self,
+        query: ArrayLike,
+        cache: "KVCache",
+        *,
+        is_causal: bool = True,
+        attn_mask: Optional[ArrayLike] = None,
+        backend: Backend = "auto",
+        num_threads: int = 0,
+        window: Optional[Tuple[int, int]] = None,
+        softcap: Optional[float] = None,
+        alibi_slopes: Optional[ArrayLike] = None,
+    ) -> Any:
+        """Incremental self-attention of the next tokens query ((L, N, E), (N, L, E)
+        with batch_first, or (L, E)) over a KV cache, whose keys and values it
+        extends; the output has query's shape (float32 layers)."""
     def __call__(
         self,
         query: ArrayLike,

@@ -23,6 +23,7 @@ import numpy as np
 
 from . import _attn
 from ._arrays import float_array, is_torch_tensor, to_numpy
+from ._decode import KVCache
 from ._variants import variant_kwargs
 
 _FN = "attn.MultiheadAttention"
@@ -50,6 +51,27 @@ _CLASSES = {
     np.dtype(np.float32): (_attn.MultiheadAttentionF32, _attn.MhaCacheF32),
     np.dtype(np.float64): (_attn.MultiheadAttentionF64, _attn.MhaCacheF64),
 }
+
+
+def _layer_mask(attn_mask: Any, fn: str, dtype: np.dtype, B: int, H: int, L: int, S: int,
+                batched: bool) -> Tuple[Optional[np.ndarray], Optional[np.ndarray]]:
+    """The layer's attn_mask, (L, S) or (N·num_heads, L, S) (unbatched: (num_heads, L, S)), as
+    (mask, bias) of rank 4: a bool mask flipped to attn's polarity (True = may attend), or a float bias."""
+    m = _canon_mask(attn_mask, "attn_mask", dtype)
+    if m is None:
+        return None, None
+    if m.ndim == 2:
+        m = m[None, None]
+    elif m.ndim == 3 and m.shape[0] == B * H:
+        m = m.reshape(B, H, *m.shape[1:])
+    elif m.ndim == 3 and not batched and m.shape[0] == H:
+        m = m[None]
+    else:
+        raise ValueError(f"{fn}: 'attn_mask' has shape {m.shape}, expected (L, S) = {(L, S)} or "
+                         f"(N·num_heads, L, S) = {(B * H, L, S)}")
+    if m.dtype == np.bool_:
+        return ~m, None  # PyTorch: True = blocked; attn: True = may attend
+    return None, m
 
 
 def _input(x: Any, fn: str, name: str, dtype: np.dtype) -> np.ndarray:
@@ -280,22 +302,8 @@ class MultiheadAttention:
         B, L, S = q.shape[0], q.shape[1], k.shape[1]
         H = self.num_heads
 
-        mask = bias = kpm = None
-        m = _canon_mask(attn_mask, "attn_mask", self.dtype)
-        if m is not None:
-            if m.ndim == 2:
-                m = m[None, None]
-            elif m.ndim == 3 and m.shape[0] == B * H:
-                m = m.reshape(B, H, *m.shape[1:])
-            elif m.ndim == 3 and not batched and m.shape[0] == H:
-                m = m[None]
-            else:
-                raise ValueError(f"{fn}: 'attn_mask' has shape {m.shape}, expected (L, S) = {(L, S)} or "
-                                 f"(N·num_heads, L, S) = {(B * H, L, S)}")
-            if m.dtype == np.bool_:
-                mask = ~m  # PyTorch: True = blocked; attn: True = may attend
-            else:
-                bias = m
+        kpm = None
+        mask, bias = _layer_mask(attn_mask, fn, self.dtype, B, H, L, S, batched)
         p = _canon_mask(key_padding_mask, "key_padding_mask", self.dtype)
         if p is not None:
             if not batched and p.ndim == 1:
@@ -338,6 +346,59 @@ class MultiheadAttention:
         return out_buf, w
 
     __call__ = forward
+
+    # Decoding -----------------------------------------------------------------
+
+    def decode(self, query: Any, cache: Any, *, is_causal: bool = True, attn_mask: Any = None,
+               backend: str = "auto", num_threads: int = 0, window: Any = None, softcap: Any = None,
+               alibi_slopes: Any = None) -> Any:
+        """Incremental self-attention over a KV cache (float32 layers).
+
+        query holds the next L tokens of each of the cache's N sequences: (L, N, E),
+        (N, L, E) with batch_first, or unbatched (L, E) for a cache of one
+        sequence. The layer projects them, appends their keys and values to
+        `cache` (an attn.KVCache with kv_heads = num_heads and head_dim =
+        value_dim = embed_dim // num_heads, any dtype and layout) and returns
+        their attention over everything the cache holds, projected: the rows
+        forward(x, x, x, is_causal=True) over the whole sequence gives for
+        these tokens.
+        Token i of sequence b sits at position length(b) + i.
+
+        attn_mask: as in forward() (bool True = NOT allowed, or float added),
+        (L, C) or (N·num_heads, L, C) over the cache's key positions 0..C-1
+        (C = cache.capacity), combined with is_causal and the window.
+        window, softcap, alibi_slopes: as in forward(); the layer's sinks
+        apply. Errors leave the cache as it was. No backward: decoding is
+        inference.
+        """
+        fn = _FN + ".decode"
+        if not isinstance(cache, KVCache):
+            raise TypeError(f"{fn}: 'cache' must be an attn.KVCache, got {type(cache).__name__}")
+        variants = variant_kwargs(fn, self.num_heads, self.dtype, window, alibi_slopes, softcap, None, None)
+        del variants["sinks"], variants["position_offset"]  # the layer's own; the cache's positions
+        if is_torch_tensor(query) and _torch().is_grad_enabled() and query.requires_grad:
+            raise ValueError(f"{fn}: 'query' requires grad; decoding is inference, call it under torch.no_grad()")
+        q = _input(query, fn, "query", self.dtype)
+        if q.ndim not in (2, 3):
+            raise ValueError(f"{fn}: 'query' has shape {q.shape}, expected (L, N, E), (N, L, E) with batch_first, "
+                             "or unbatched (L, E)")
+        batched = q.ndim == 3
+        if not batched:
+            q = q[None]
+        elif not self.batch_first:
+            q = np.swapaxes(q, 0, 1)
+        B, L = q.shape[0], q.shape[1]
+        mask, bias = _layer_mask(attn_mask, fn, self.dtype, B, self.num_heads, L, cache.capacity, batched)
+        if batched and not self.batch_first:
+            out_buf = np.empty((L, B, self.embed_dim), self.dtype)
+            out = np.swapaxes(out_buf, 0, 1)
+        else:
+            out_buf = out = np.empty((B, L, self.embed_dim), self.dtype)
+        self._layer.decode(q, cache._c, out, attn_mask=mask, attn_bias=bias, causal=bool(is_causal),
+                           backend=str(backend), num_threads=int(num_threads), **variants)
+        if not batched:
+            out_buf = out_buf[0]
+        return _torch().from_numpy(out_buf) if is_torch_tensor(query) else out_buf
 
     # Backward -----------------------------------------------------------------
 
