@@ -12,7 +12,7 @@ target_link_libraries(attn_core PRIVATE hwy::hwy)  # attnConfig.cmake finds hwy 
 
 # The files compiled per target: fused.cpp includes the SIMD bodies
 # (simd-inl.h, scores-inl.h, attention-inl.h, packed-inl.h) once per target, and so does the decode
-# kernel (decode.cpp, which reuses simd-inl.h and adds vectors-inl.h). tiles.cpp is compiled once,
+# kernel (decode.cpp, which reuses simd-inl.h and adds vectors-inl.h and blocks-inl.h). tiles.cpp is compiled once,
 # like the rest of src/.
 set(ATTN_FUSED_SOURCES ${PROJECT_SOURCE_DIR}/src/kernels/fused/fused.cpp
   ${PROJECT_SOURCE_DIR}/src/kernels/decode/decode.cpp)

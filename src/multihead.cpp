@@ -513,7 +513,7 @@ void MultiheadAttention<T>::decode(const MhaArgs<T>& a, KVCache& cache, View3<T>
              shape_str({cache.kv_heads(), cache.head_dim(), cache.value_dim()}) + ", expected the layer's (H, E, Ev) = " +
              shape_str({H, E, Ev}));
     for (int64_t b = 0; b < B; ++b)
-      if (cache.length(b) + L > cache.capacity())
+      if (L > cache.capacity() - cache.length(b))
         c.fail("argument 'cache': sequence " + std::to_string(b) + " holds " + std::to_string(cache.length(b)) +
                " tokens; " + std::to_string(L) + " more exceed its capacity " + std::to_string(cache.capacity()));
     if (qk_.forward && !qk_.forward_at)
