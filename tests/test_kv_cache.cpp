@@ -1,7 +1,8 @@
 // The KV cache: appends (in pieces, across page boundaries) read back
 // exactly; float16/bfloat16 rounding to nearest even; pages taken from and
 // returned to the pool; block tables: sharing a prefix, and the argument
-// errors for bad tables, capacities and shapes; the storage's allocator.
+// errors for bad tables, capacities and shapes; the storage's allocator;
+// random operation sequences against a shadow model of the pages.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -252,3 +253,185 @@ TEST(KVCache, StreamedAllocatorAlignsAndHoldsItsBytes) {
 }
 
 }  // namespace
+
+// ---------------------------------------------------------------------------
+// Random operations against a shadow model of the paged cache: its own page
+// pool (lowest free page first), block tables, reference counts and page
+// contents, and the block-table rules written out as the header states
+// them. After every operation, success or failure must match the model
+// (a failed operation changes nothing), and the lengths, free pages, block
+// tables and every stored token must agree; every few operations the
+// decode kernel over the (shared, reused) pages is compared with the
+// reference backend.
+namespace shadow {
+
+struct Model {
+  int64_t B, capacity, page, pages, width;
+  std::vector<int64_t> len;
+  std::vector<std::vector<int32_t>> table;  // per sequence, in token order
+  std::vector<int32_t> refs;
+  std::vector<std::vector<float>> content;  // per page, a value per slot
+
+  Model(int64_t b, int64_t cap, int64_t ps, int64_t np)
+      : B(b), capacity(cap), page(ps), pages(np), width((cap + ps - 1) / ps), len(size_t(b), 0),
+        table(size_t(b)), refs(size_t(np), 0), content(size_t(np), std::vector<float>(size_t(ps), 0.0f)) {}
+
+  int64_t free_pages() const { return std::count(refs.begin(), refs.end(), 0); }
+  // New pages appending n tokens to b takes, or -1 when it would write a shared page.
+  int64_t wanted(int64_t b, int64_t n) const {
+    int64_t count = 0;
+    for (int64_t slot = len[size_t(b)] / page; slot <= (len[size_t(b)] + n - 1) / page; ++slot) {
+      if (slot >= int64_t(table[size_t(b)].size())) ++count;
+      else if (refs[size_t(table[size_t(b)][size_t(slot)])] > 1) return -1;
+    }
+    return count;
+  }
+  void write(int64_t b, int64_t n, float first) {
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t t = len[size_t(b)] + i;
+      auto& tb = table[size_t(b)];
+      if (t / page >= int64_t(tb.size())) {
+        const int32_t p = int32_t(std::find(refs.begin(), refs.end(), 0) - refs.begin());
+        ++refs[size_t(p)];
+        tb.push_back(p);
+      }
+      content[size_t(tb[size_t(t / page)])][size_t(t % page)] = first + float(i);
+    }
+    len[size_t(b)] += n;
+  }
+  bool append(int64_t b, int64_t n, float first) {
+    const int64_t w = wanted(b, n);
+    if (len[size_t(b)] + n > capacity || w < 0 || w > free_pages()) return false;
+    write(b, n, first);
+    return true;
+  }
+  bool append_all(int64_t n, float first) {
+    int64_t total = 0;
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t w = wanted(b, n);
+      if (len[size_t(b)] + n > capacity || w < 0) return false;
+      total += w;
+    }
+    if (total > free_pages()) return false;
+    for (int64_t b = 0; b < B; ++b) write(b, n, first + float(b * n));
+    return true;
+  }
+  void reset(int64_t b) {
+    for (int32_t p : table[size_t(b)]) --refs[size_t(p)];
+    table[size_t(b)].clear();
+    len[size_t(b)] = 0;
+  }
+  // The header's rules: ids in range, none twice, a page another sequence
+  // uses must be full here and full there.
+  bool set_table(int64_t b, const std::vector<int32_t>& pg, int64_t length) {
+    const int64_t n = int64_t(pg.size());
+    if (n > width || length < 0 || length > n * page || length > capacity) return false;
+    for (int64_t s = 0; s < n; ++s) {
+      const int32_t p = pg[size_t(s)];
+      if (p < 0 || p >= pages || std::count(pg.begin(), pg.begin() + s, p) > 0) return false;
+      for (int64_t o = 0; o < B; ++o) {
+        if (o == b) continue;
+        const auto& to = table[size_t(o)];
+        const auto at = std::find(to.begin(), to.end(), p);
+        if (at == to.end()) continue;
+        const bool full_there = (at - to.begin() + 1) * page <= len[size_t(o)];
+        const bool full_here = (s + 1) * page <= length;
+        if (!full_there || !full_here) return false;
+      }
+    }
+    reset(b);
+    table[size_t(b)] = pg;
+    for (int32_t p : pg) ++refs[size_t(p)];
+    len[size_t(b)] = length;
+    return true;
+  }
+};
+
+}  // namespace shadow
+
+TEST(KVCache, RandomOperationsMatchAShadowModel) {
+  for (const uint64_t seed : {1, 2, 3, 4}) {
+    std::mt19937_64 rng(seed);
+    const int64_t B = 3, capacity = 10, page = seed % 2 ? 3 : 4, pages = seed < 3 ? 7 : 12;
+    KVCacheConfig cfg;
+    cfg.batch = B, cfg.kv_heads = 1, cfg.capacity = capacity, cfg.head_dim = 2, cfg.page_size = page;
+    cfg.num_pages = pages;
+    KVCache cache(cfg);
+    shadow::Model m(B, capacity, page, pages);
+    auto pick = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
+    float next = 1;
+    int successes = 0, failures = 0, table_successes = 0;
+    for (int op = 0; op < 600; ++op) {
+      SCOPED_TRACE("seed " + std::to_string(seed) + " op " + std::to_string(op));
+      const int64_t kind = pick(0, 9), b = pick(0, B - 1);
+      bool ok = true, want = true;
+      try {
+        if (kind <= 3) {  // append to one sequence
+          const int64_t n = pick(1, 5);
+          Tensor<float> k({1, n, 2});
+          for (int64_t i = 0; i < n; ++i) k[size_t(2 * i)] = next + float(i), k[size_t(2 * i + 1)] = 1;
+          want = m.append(b, n, next);
+          next += float(n);
+          cache.append(b, k.view<3>(), k.view<3>());
+        } else if (kind <= 5) {  // append to every sequence
+          const int64_t n = pick(1, 3);
+          Tensor<float> k({B, 1, n, 2});
+          for (int64_t i = 0; i < B * n; ++i) k[size_t(2 * i)] = next + float(i), k[size_t(2 * i + 1)] = 1;
+          want = m.append_all(n, next);
+          next += float(B * n);
+          cache.append(k.view4(), k.view4());
+        } else if (kind == 6) {
+          m.reset(b);
+          cache.reset(b);
+        } else {  // a new table: another sequence's full prefix and maybe a page of its own, or noise
+          std::vector<int32_t> pg;
+          int64_t length = 0;
+          const int64_t a = pick(0, B - 1);
+          if (kind <= 8) {
+            const int64_t full = m.len[size_t(a)] / page;
+            const int64_t k = pick(0, full);
+            pg.assign(m.table[size_t(a)].begin(), m.table[size_t(a)].begin() + k);
+            length = k * page;
+            if (pick(0, 1) && k < m.width) {
+              pg.push_back(int32_t(pick(0, pages - 1)));
+              length += pick(0, page);
+            }
+          } else {
+            for (int64_t s = pick(0, m.width + 1); s > 0; --s) pg.push_back(int32_t(pick(-1, pages)));
+            length = pick(-1, int64_t(pg.size()) * page + 1);
+          }
+          want = m.set_table(b, pg, length);
+          if (want) ++table_successes;
+          cache.set_block_table(b, pg, length);
+        }
+      } catch (const InvalidArgument&) {
+        ok = false;
+      }
+      ASSERT_EQ(ok, want) << "operation kind " << kind << " on sequence " << b;
+      (ok ? successes : failures) += 1;
+      ASSERT_EQ(cache.free_pages(), m.free_pages());
+      for (int64_t s = 0; s < B; ++s) {
+        ASSERT_EQ(cache.length(s), m.len[size_t(s)]) << "sequence " << s;
+        ASSERT_EQ(cache.block_table(s), m.table[size_t(s)]) << "sequence " << s;
+        const int64_t n = m.len[size_t(s)];
+        Tensor<float> k({1, std::max<int64_t>(n, 1), 2}), v({1, std::max<int64_t>(n, 1), 2});
+        cache.read(s, View3<float>(k.data(), {1, n, 2}), View3<float>(v.data(), {1, n, 2}));
+        for (int64_t t = 0; t < n; ++t)
+          ASSERT_EQ(k[size_t(2 * t)], m.content[size_t(m.table[size_t(s)][size_t(t / page)])][size_t(t % page)])
+              << "sequence " << s << " token " << t;
+      }
+      if (op % 10 == 0) {  // the kernel follows the tables as the reference does
+        Tensor<float> q = random_tensor<float>({B, 2, 2, 2}, rng), out({B, 2, 2, 2}), ref({B, 2, 2, 2});
+        DecodeOptions o;
+        o.causal = false;
+        decode_attention(q.view4(), cache, out.view4(), o);
+        o.backend = Backend::reference;
+        decode_attention(q.view4(), cache, ref.view4(), o);
+        ASSERT_TRUE(all_close(out, ref, tolerance<float>(capacity, 60, 40), "decode over the tables"));
+      }
+    }
+    EXPECT_GT(successes, 150) << "seed " << seed;
+    EXPECT_GT(failures, 50) << "seed " << seed;
+    EXPECT_GT(table_successes, 20) << "seed " << seed;
+  }
+}
