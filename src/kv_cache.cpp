@@ -116,7 +116,7 @@ void KVCache::write(int64_t b, int64_t t, int64_t n, const View3<const float>& k
   for (int64_t i = 0; i < n;) {
     const int64_t pos = t + i, slot = pos / page_size_, off = pos % page_size_;
     int32_t& page = table_[size_t(b * table_width_ + slot)];
-    if (page < 0) {  // there is one: new_pages() counted it
+    if (page < 0) {  // there is one: seq_refusal() counted it
       const auto it = std::find(refs_.begin(), refs_.end(), 0);
       page = int32_t(it - refs_.begin());
       ++*it;
@@ -133,26 +133,36 @@ void KVCache::write(int64_t b, int64_t t, int64_t n, const View3<const float>& k
   }
 }
 
-int64_t KVCache::new_pages(const detail::Checker& c, int64_t b, int64_t n) const {
-  if (!paged() || n == 0) return 0;
+std::string KVCache::seq_refusal(int64_t b, int64_t n, int64_t& pages) const {
   const int64_t len = len_[size_t(b)];
-  int64_t count = 0;
+  if (n > cfg_.capacity - len)
+    return "sequence " + std::to_string(b) + " holds " + std::to_string(len) + " tokens; appending " +
+           std::to_string(n) + " exceeds the capacity " + std::to_string(cfg_.capacity);
+  if (!paged() || n == 0) return {};
   for (int64_t slot = len / page_size_; slot <= (len + n - 1) / page_size_; ++slot) {
     const int32_t page = table_[size_t(b * table_width_ + slot)];
     if (page < 0)
-      ++count;
+      ++pages;
     else if (refs_[size_t(page)] > 1)
-      c.fail("sequence " + std::to_string(b) + " would write page " + std::to_string(page) +
-             ", which is shared with another sequence");
+      return "sequence " + std::to_string(b) + " would write page " + std::to_string(page) +
+             ", which is shared with another sequence";
   }
-  return count;
+  return {};
 }
 
-void KVCache::check_pages(const detail::Checker& c, int64_t wanted) const {
-  if (wanted > free_pages())
-    c.fail("the page pool is exhausted: appending needs " + std::to_string(wanted) + " new pages of " +
-           std::to_string(page_size_) + " tokens, " + std::to_string(free_pages()) + " of " +
-           std::to_string(num_pages_) + " are free");
+std::string KVCache::pool_refusal(int64_t pages) const {
+  if (pages <= free_pages()) return {};
+  return "the page pool is exhausted: appending needs " + std::to_string(pages) + " new pages of " +
+         std::to_string(page_size_) + " tokens, " + std::to_string(free_pages()) + " of " +
+         std::to_string(num_pages_) + " are free";
+}
+
+std::string KVCache::append_refusal(int64_t n) const {
+  if (n < 0) return "cannot append a negative number of tokens (" + std::to_string(n) + ")";
+  int64_t pages = 0;
+  for (int64_t b = 0; b < cfg_.batch; ++b)
+    if (std::string why = seq_refusal(b, n, pages); !why.empty()) return why;
+  return pool_refusal(pages);
 }
 
 void KVCache::append(int64_t b, View3<const float> k, View3<const float> v) {
@@ -166,13 +176,12 @@ void KVCache::append(int64_t b, View3<const float> k, View3<const float> v) {
            std::to_string(cfg_.kv_heads) + ", n, " + std::to_string(cfg_.head_dim) + ")");
   c.shape(v, "v", {cfg_.kv_heads, n, cfg_.value_dim},
           "(Hkv, n, Ev) = " + shape_str({cfg_.kv_heads, n, cfg_.value_dim}) + " (n of 'k')");
-  const int64_t len = len_[size_t(b)];
-  if (len + n > cfg_.capacity)
-    c.fail("sequence " + std::to_string(b) + " holds " + std::to_string(len) + " tokens; appending " +
-           std::to_string(n) + " exceeds the capacity " + std::to_string(cfg_.capacity));
-  check_pages(c, new_pages(c, b, n));
+  int64_t pages = 0;
+  if (std::string why = seq_refusal(b, n, pages); !why.empty()) c.fail(why);
+  if (std::string why = pool_refusal(pages); !why.empty()) c.fail(why);
   // Feature strides other than 1 go through the conversion's stride; the
   // conversion writes one row at a time, so any view layout works.
+  const int64_t len = len_[size_t(b)];
   write(b, len, n, k, v);
   len_[size_t(b)] = len + n;
 }
@@ -189,15 +198,7 @@ void KVCache::append(View4<const float> k, View4<const float> v) {
            std::to_string(cfg_.batch));
   // Check every sequence before writing any (capacity, shared pages, the
   // pool's free pages), so an error leaves the cache unchanged.
-  int64_t wanted = 0;
-  for (int64_t b = 0; b < cfg_.batch; ++b) {
-    if (len_[size_t(b)] + k.dim(2) > cfg_.capacity)
-      c.fail("sequence " + std::to_string(b) + " holds " + std::to_string(len_[size_t(b)]) +
-             " tokens; appending " + std::to_string(k.dim(2)) + " exceeds the capacity " +
-             std::to_string(cfg_.capacity));
-    wanted += new_pages(c, b, k.dim(2));
-  }
-  check_pages(c, wanted);
+  if (std::string why = append_refusal(k.dim(2)); !why.empty()) c.fail(why);
   for (int64_t b = 0; b < cfg_.batch; ++b) {
     const View3<const float> kb(k.data + b * k.strides[0], {k.dim(1), k.dim(2), k.dim(3)},
                                 {k.strides[1], k.strides[2], k.strides[3]});

@@ -481,7 +481,8 @@ void MultiheadAttention<T>::forward(const MhaArgs<T>& a, const MhaOutputs<T>& o,
 //   y = o·W_oᵀ + b_o
 // Every argument is checked before the cache is appended to.
 template <class T>
-void MultiheadAttention<T>::decode(const MhaArgs<T>& a, KVCache& cache, View3<T> out, const MhaOptions& opt) const {
+void MultiheadAttention<T>::decode(const MhaArgs<T>& a, KVCache& cache, View3<T> out,
+                                   const MhaDecodeOptions& opt) const {
   const Checker c{"MultiheadAttention::decode"};
   if constexpr (!std::is_same_v<T, float>) {
     (void)a, (void)cache, (void)out, (void)opt;
@@ -512,10 +513,8 @@ void MultiheadAttention<T>::decode(const MhaArgs<T>& a, KVCache& cache, View3<T>
       c.fail("argument 'cache' has (kv_heads, head_dim, value_dim) = " +
              shape_str({cache.kv_heads(), cache.head_dim(), cache.value_dim()}) + ", expected the layer's (H, E, Ev) = " +
              shape_str({H, E, Ev}));
-    for (int64_t b = 0; b < B; ++b)
-      if (L > cache.capacity() - cache.length(b))
-        c.fail("argument 'cache': sequence " + std::to_string(b) + " holds " + std::to_string(cache.length(b)) +
-               " tokens; " + std::to_string(L) + " more exceed its capacity " + std::to_string(cache.capacity()));
+    if (std::string why = cache.append_refusal(L); !why.empty())
+      c.fail("argument 'cache' cannot take the " + std::to_string(L) + " new tokens of each sequence: " + why);
     if (qk_.forward && !qk_.forward_at)
       c.fail("the layer's Q/K transform has no forward_at (the transform at given positions), which decoding needs");
     c.require(out, "out");
@@ -553,6 +552,11 @@ void MultiheadAttention<T>::decode(const MhaArgs<T>& a, KVCache& cache, View3<T>
         };
         qk_.forward_at(one(qh), one(kh), cache.length(b));
       }
+    if (opt.sdpa.check_finite) {  // what reaches the cache stays there for every later token
+      c.finite(qh, "q (the projected query)");
+      c.finite(kh, "k (the projected keys)");
+      c.finite(vh, "v (the projected values)");
+    }
     cache.append(View4<const T>(kh), View4<const T>(vh));
     Tensor<T> o = Tensor<T>::uninitialized({B, L, HEv});
     decode_attention(View4<const T>(qh), cache, View4<T>::bnhd(o.data(), B, L, H, Ev), dopt);

@@ -100,6 +100,35 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{nn::Positions::alibi, KVDtype::bfloat16, 8, 4, true}, Case{nn::Positions::none, KVDtype::float16, 0, -1, true},
                       Case{nn::Positions::learned, KVDtype::float32, 5, 0}));
 
+// decode_step checks every block's cache before it appends to any: a cache
+// that cannot take the tokens (block 1's, a pool of 2 pages of 4 tokens for
+// 2 sequences) or one whose length disagrees with the state leaves every
+// cache as it was.
+TEST(DecodeModel, AStepOneBlockCannotTakeChangesNoCache) {
+  nn::ModelConfig mc;
+  mc.vocab = 5, mc.max_len = 16, mc.dim = 8, mc.heads = 2, mc.layers = 2, mc.causal = true;
+  nn::Transformer<float> model(mc, 1);
+  nn::DecodeState st = model.start_decoding(2, KVDtype::float32, 4);
+  attn::KVCacheConfig small = st.caches[1].config();
+  small.num_pages = 2;
+  st.caches[1] = attn::KVCache(small);
+  const std::vector<int32_t> tokens(10, 1);
+  Tensor<float> logits;
+  EXPECT_TRUE(attn::testing::throws_with([&] { model.decode_step(st, tokens.data(), 5, logits); },
+                                         {"decode_step", "block 1", "page pool is exhausted"}));
+  for (int b = 0; b < 2; ++b) EXPECT_EQ(st.caches[0].length(b), 0);
+  EXPECT_EQ(st.caches[0].free_pages(), st.caches[0].num_pages());
+  EXPECT_EQ(st.length, 0);
+  model.decode_step(st, tokens.data(), 1, logits);  // a page per sequence: fits
+  EXPECT_EQ(st.caches[0].length(1), 1);
+  EXPECT_EQ(st.caches[1].length(1), 1);
+  st.caches[1].reset(0);
+  EXPECT_TRUE(attn::testing::throws_with([&] { model.decode_step(st, tokens.data(), 1, logits); },
+                                         {"block 1", "holds 0 tokens of sequence 0"}));
+  EXPECT_EQ(st.caches[0].length(0), 1);
+  EXPECT_EQ(st.length, 1);
+}
+
 TEST(DecodeModel, RefusesModelsThatAreNotCausal) {
   nn::ModelConfig mc;
   mc.vocab = 5, mc.max_len = 8, mc.dim = 8, mc.heads = 2, mc.layers = 1;

@@ -349,6 +349,17 @@ struct Model {
 
 }  // namespace shadow
 
+// The two features of token x's key and value: distinct in every feature, so
+// a swap of k and v or of features, or a lost write to either, shows.
+// Tokens count from 1; x = 0 is a slot never written, which holds zeros.
+static void fill_token(float* k, float* v, float x) {
+  if (x == 0) {
+    k[0] = k[1] = v[0] = v[1] = 0;
+    return;
+  }
+  k[0] = x, k[1] = x + 0.5f, v[0] = -x, v[1] = 0.25f - x;
+}
+
 TEST(KVCache, RandomOperationsMatchAShadowModel) {
   for (const uint64_t seed : {1, 2, 3, 4}) {
     std::mt19937_64 rng(seed);
@@ -368,18 +379,18 @@ TEST(KVCache, RandomOperationsMatchAShadowModel) {
       try {
         if (kind <= 3) {  // append to one sequence
           const int64_t n = pick(1, 5);
-          Tensor<float> k({1, n, 2});
-          for (int64_t i = 0; i < n; ++i) k[size_t(2 * i)] = next + float(i), k[size_t(2 * i + 1)] = 1;
+          Tensor<float> k({1, n, 2}), v({1, n, 2});
+          for (int64_t i = 0; i < n; ++i) fill_token(&k[size_t(2 * i)], &v[size_t(2 * i)], next + float(i));
           want = m.append(b, n, next);
           next += float(n);
-          cache.append(b, k.view<3>(), k.view<3>());
+          cache.append(b, k.view<3>(), v.view<3>());
         } else if (kind <= 5) {  // append to every sequence
           const int64_t n = pick(1, 3);
-          Tensor<float> k({B, 1, n, 2});
-          for (int64_t i = 0; i < B * n; ++i) k[size_t(2 * i)] = next + float(i), k[size_t(2 * i + 1)] = 1;
+          Tensor<float> k({B, 1, n, 2}), v({B, 1, n, 2});
+          for (int64_t i = 0; i < B * n; ++i) fill_token(&k[size_t(2 * i)], &v[size_t(2 * i)], next + float(i));
           want = m.append_all(n, next);
           next += float(B * n);
-          cache.append(k.view4(), k.view4());
+          cache.append(k.view4(), v.view4());
         } else if (kind == 6) {
           m.reset(b);
           cache.reset(b);
@@ -416,9 +427,15 @@ TEST(KVCache, RandomOperationsMatchAShadowModel) {
         const int64_t n = m.len[size_t(s)];
         Tensor<float> k({1, std::max<int64_t>(n, 1), 2}), v({1, std::max<int64_t>(n, 1), 2});
         cache.read(s, View3<float>(k.data(), {1, n, 2}), View3<float>(v.data(), {1, n, 2}));
-        for (int64_t t = 0; t < n; ++t)
-          ASSERT_EQ(k[size_t(2 * t)], m.content[size_t(m.table[size_t(s)][size_t(t / page)])][size_t(t % page)])
-              << "sequence " << s << " token " << t;
+        for (int64_t t = 0; t < n; ++t) {
+          const float x = m.content[size_t(m.table[size_t(s)][size_t(t / page)])][size_t(t % page)];
+          float kw[2], vw[2];
+          fill_token(kw, vw, x);
+          for (int e = 0; e < 2; ++e) {
+            ASSERT_EQ(k[size_t(2 * t + e)], kw[e]) << "k of sequence " << s << " token " << t << " feature " << e;
+            ASSERT_EQ(v[size_t(2 * t + e)], vw[e]) << "v of sequence " << s << " token " << t << " feature " << e;
+          }
+        }
       }
       if (op % 10 == 0) {  // the kernel follows the tables as the reference does
         Tensor<float> q = random_tensor<float>({B, 2, 2, 2}, rng), out({B, 2, 2, 2}), ref({B, 2, 2, 2});

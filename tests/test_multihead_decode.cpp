@@ -64,7 +64,7 @@ TEST_P(MultiheadDecode, EveryStepEqualsTheExplicitComputationOverThePrefix) {
   for (size_t h = 0; h < slopes.size(); ++h) slopes[h] = std::abs(slopes[h]);
   Tensor<bool> mask = random_bools({B, 1, 1, kCapacity}, rng, 0.75);
   KVCache cache = cache_for(m, B, c.page);
-  MhaOptions opt;
+  MhaDecodeOptions opt;
   opt.sdpa = c.variants;
   opt.sdpa.causal = c.causal;
   int64_t len = 0;
@@ -142,8 +142,7 @@ TEST(MultiheadDecode, TheTransformRunsAtTheCachePositions) {
   m.set_qk_transform(position_scaling());
   const int64_t B = 2, N = 9, D = 8;
   const Tensor<float> x = random_tensor<float>({B, N, D}, rng);
-  MhaOptions opt;
-  opt.sdpa.causal = true;
+  MhaDecodeOptions opt;
   Tensor<float> full({B, N, D});
   m.forward({x.view<3>()}, {full.view<3>()}, opt);
   KVCache cache = cache_for(m, B, 4);
@@ -175,8 +174,7 @@ TEST(MultiheadDecode, SequencesKeepTheirOwnLengths) {
   const int64_t D = 6, N = 10;
   const Tensor<float> x = random_tensor<float>({2, N, D}, rng);
   KVCache cache = cache_for(m, 2, 3);
-  MhaOptions opt;
-  opt.sdpa.causal = true;
+  const MhaDecodeOptions opt;
   Tensor<float> out({2, 5, D});
   m.decode({rows(x, 0, 5)}, cache, out.view<3>(), opt);
   cache.reset(1);
@@ -207,8 +205,7 @@ TEST(MultiheadDecode, NanReachesTheRowsThatSeeIt) {
   Tensor<float> x = random_tensor<float>({2, 6, D}, rng);
   x[size_t(2 * D + 1)] = std::numeric_limits<float>::quiet_NaN();  // sequence 0, token 2
   KVCache cache = cache_for(m, 2, 0);
-  MhaOptions opt;
-  opt.sdpa.causal = true;
+  const MhaDecodeOptions opt;
   for (int64_t t = 0; t < 6; ++t) {
     Tensor<float> out({2, 1, D});
     m.decode({rows(x, t, 1)}, cache, out.view<3>(), opt);
@@ -219,7 +216,97 @@ TEST(MultiheadDecode, NanReachesTheRowsThatSeeIt) {
   }
 }
 
-// Every refused argument names itself, and the cache keeps its length.
+// Without options decoding is causal (bottom-right), as decode_attention
+// and Python's decode are: a chunk of 5 tokens gives the causal forward's
+// rows. MhaDecodeOptions(MhaOptions{}) takes the forward's default, not
+// causal, and gives the non-causal rows.
+TEST(MultiheadDecode, IsCausalUnlessToldOtherwise) {
+  std::mt19937_64 rng(11);
+  MultiheadAttention<float> m(config(6, 2), 6);
+  randomize(m, rng, 0.5);
+  const int64_t B = 2, N = 5, D = 6;
+  const Tensor<float> x = random_tensor<float>({B, N, D}, rng);
+  MhaOptions causal;
+  causal.sdpa.causal = true;
+  Tensor<float> want_causal({B, N, D}), want_full({B, N, D}), got({B, N, D});
+  m.forward({x.view<3>()}, {want_causal.view<3>()}, causal);
+  m.forward({x.view<3>()}, {want_full.view<3>()});
+  const double tol_mag = std::max(max_abs(want_causal.view<3>()), 1.0);
+  KVCache a = cache_for(m, B, 0);
+  m.decode({x.view<3>()}, a, got.view<3>());
+  EXPECT_TRUE(all_close(got.view<3>(), View3<const float>(want_causal.view<3>()), tolerance<float>(N * D, tol_mag, 40),
+                        "default"));
+  KVCache b = cache_for(m, B, 0);
+  m.decode({x.view<3>()}, b, got.view<3>(), MhaDecodeOptions(MhaOptions{}));
+  EXPECT_TRUE(all_close(got.view<3>(), View3<const float>(want_full.view<3>()), tolerance<float>(N * D, tol_mag, 40),
+                        "not causal"));
+  EXPECT_FALSE(all_close(want_causal.view<3>(), View3<const float>(want_full.view<3>()), 1e-3, "the two differ"));
+}
+
+// A float attn_bias over the cache's key positions gives the rows of the
+// forward with the same bias over the prefix; the output may be any strided
+// view (here the (L, B, D) layout), with the same bits as a dense one.
+TEST(MultiheadDecode, BiasOverTheCacheAndAStridedOutput) {
+  std::mt19937_64 rng(12);
+  MultiheadAttention<float> m(config(6, 3), 7);
+  randomize(m, rng, 0.5);
+  const int64_t B = 2, D = 6;
+  int64_t N = 0;
+  for (int64_t n : kSteps) N += n;
+  const Tensor<float> x = random_tensor<float>({B, N, D}, rng);
+  const Tensor<float> bias = random_tensor<float>({B, 1, 1, kCapacity}, rng, 2.0);
+  KVCache cache = cache_for(m, B, 3), twin = cache_for(m, B, 3);
+  int64_t len = 0;
+  for (const int64_t n : kSteps) {
+    SCOPED_TRACE("after " + std::to_string(len) + " tokens, " + std::to_string(n) + " more");
+    MhaArgs<float> a;
+    a.query = rows(x, len, n);
+    a.attn_bias = bias.view4();
+    Tensor<float> dense({B, n, D}), lbd({n, B, D});
+    m.decode(a, cache, dense.view<3>());
+    m.decode(a, twin, View3<float>(lbd.data(), {B, n, D}, {D, B * D, 1}));
+    len += n;
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t d = 0; d < D; ++d)
+          ASSERT_EQ(dense[size_t((b * n + i) * D + d)], lbd[size_t((i * B + b) * D + d)]) << b << "," << i << "," << d;
+    MhaArgs<float> f;
+    f.query = rows(x, 0, len);
+    f.attn_bias = View4<const float>(bias.data(), {B, 1, 1, len}, {kCapacity, kCapacity, kCapacity, 1});
+    MhaOptions causal;
+    causal.sdpa.causal = true;
+    Tensor<float> full({B, len, D});
+    m.forward(f, {full.view<3>()}, causal);
+    const View3<const float> want(full.data() + (len - n) * D, {B, n, D}, {len * D, D, 1});
+    EXPECT_TRUE(all_close(dense.view<3>(), want, tolerance<float>(len * D, std::max(max_abs(want), 1.0), 40), "bias"));
+  }
+}
+
+// What a cache holds: lengths, tables, free pages and the stored rows.
+struct CacheState {
+  std::vector<int64_t> lengths;
+  std::vector<std::vector<int32_t>> tables;
+  int64_t free_pages = 0;
+  std::vector<std::vector<float>> rows;  // per sequence: its k, then its v
+  bool operator==(const CacheState&) const = default;
+};
+
+CacheState state_of(const KVCache& c) {
+  CacheState s;
+  s.free_pages = c.free_pages();
+  for (int64_t b = 0; b < c.batch(); ++b) {
+    const int64_t n = c.length(b), Hkv = c.kv_heads(), E = c.head_dim(), Ev = c.value_dim();
+    s.lengths.push_back(n);
+    if (c.paged()) s.tables.push_back(c.block_table(b));
+    std::vector<float> kv(size_t(Hkv * n * (E + Ev)));
+    c.read(b, View3<float>(kv.data(), {Hkv, n, E}), View3<float>(kv.data() + Hkv * n * E, {Hkv, n, Ev}));
+    s.rows.push_back(std::move(kv));
+  }
+  return s;
+}
+
+// Every refused argument names itself, and the cache keeps its lengths,
+// tables, pages and contents.
 TEST(MultiheadDecode, BadArgumentsLeaveTheCacheAsItWas) {
   std::mt19937_64 rng(10);
   MultiheadAttention<float> m(config(6, 2), 2);
@@ -228,9 +315,9 @@ TEST(MultiheadDecode, BadArgumentsLeaveTheCacheAsItWas) {
   Tensor<float> out({2, 3, 6});
   m.decode({x.view<3>()}, cache, out.view<3>());
   auto refused = [&](const MhaArgs<float>& a, const std::vector<std::string>& words, KVCache& c,
-                     const MhaOptions& opt = {}, View3<float> o = {}) {
+                     const MhaDecodeOptions& opt = {}, View3<float> o = {}) {
     if (o.empty()) o = out.view<3>();
-    const int64_t before = c.length(0);
+    const CacheState before = state_of(c);
     bool ok = false;
     try {
       m.decode(a, c, o, opt);
@@ -239,7 +326,7 @@ TEST(MultiheadDecode, BadArgumentsLeaveTheCacheAsItWas) {
       for (const auto& w : words) EXPECT_NE(std::string(e.what()).find(w), std::string::npos) << e.what();
     }
     EXPECT_TRUE(ok) << "no error for " << words.back();
-    EXPECT_EQ(c.length(0), before) << words.back();
+    EXPECT_TRUE(state_of(c) == before) << "the cache changed: " << words.back();
   };
   const MhaArgs<float> good{x.view<3>()};
   MhaArgs<float> a = good;
@@ -250,7 +337,7 @@ TEST(MultiheadDecode, BadArgumentsLeaveTheCacheAsItWas) {
   Tensor<bool> kpm({2, 3});
   a.key_padding_mask = kpm.view<2>();
   refused(a, {"'key_padding_mask'"}, cache);
-  MhaOptions with_offset;
+  MhaDecodeOptions with_offset;
   with_offset.sdpa.position_offset = 2;
   refused(good, {"'position_offset'"}, cache, with_offset);
   a = good;
@@ -261,7 +348,7 @@ TEST(MultiheadDecode, BadArgumentsLeaveTheCacheAsItWas) {
   Tensor<float> slopes({3});
   a.alibi_slopes = slopes.view<1>();
   refused(a, {"'alibi_slopes'"}, cache);
-  MhaOptions bad_window;
+  MhaDecodeOptions bad_window;
   bad_window.sdpa.window = {-3, -1};
   refused(good, {"window"}, cache, bad_window);
   Tensor<float> narrow({2, 3, 5});
@@ -276,6 +363,34 @@ TEST(MultiheadDecode, BadArgumentsLeaveTheCacheAsItWas) {
   // 3 + 3·4 = 15 tokens fit in 16; the fifth call would need 18.
   for (int i = 0; i < 4; ++i) m.decode(good, cache, out.view<3>());
   refused(good, {"'cache'", "capacity 16"}, cache);
+  // A pool of 3 pages of 4 tokens for 2 sequences: 3 tokens each take a
+  // page each; 2 more need a page for each sequence, and one is free.
+  kc = KVCacheConfig{};
+  kc.batch = 2, kc.kv_heads = 2, kc.capacity = 16, kc.head_dim = 3, kc.page_size = 4, kc.num_pages = 3;
+  KVCache small_pool(kc);
+  m.decode(good, small_pool, out.view<3>());
+  const Tensor<float> x2 = random_tensor<float>({2, 2, 6}, rng);
+  Tensor<float> out2({2, 2, 6});
+  refused({x2.view<3>()}, {"'cache'", "page pool is exhausted"}, small_pool, {}, out2.view<3>());
+  // With check_finite, projections that are not finite (here the keys, from
+  // a NaN in the key rows of the packed weight) never reach the cache.
+  MultiheadAttention<float> poisoned = m;
+  poisoned.parameter("in_proj_weight")[size_t(6 * 6)] = std::numeric_limits<float>::quiet_NaN();  // row D: k
+  MhaDecodeOptions checked;
+  checked.sdpa.check_finite = true;
+  KVCache fresh = cache_for(m, 2, 4);
+  const CacheState empty = state_of(fresh);
+  EXPECT_TRUE(throws_with([&] { poisoned.decode(good, fresh, out.view<3>(), checked); },
+                          {"MultiheadAttention::decode", "'k (the projected keys)'", "NaN"}));
+  EXPECT_TRUE(state_of(fresh) == empty);
+  Tensor<float> nan_query = x;
+  nan_query[0] = std::numeric_limits<float>::infinity();
+  EXPECT_TRUE(throws_with([&] { m.decode({nan_query.view<3>()}, fresh, out.view<3>(), checked); }, {"'query'"}));
+  EXPECT_TRUE(state_of(fresh) == empty);
+  // Without it the NaN goes in and reaches every row that sees that key.
+  poisoned.decode(good, fresh, out.view<3>());
+  EXPECT_EQ(fresh.length(0), 3);
+  for (size_t i = 0; i < out.size(); ++i) EXPECT_TRUE(std::isnan(out[i])) << i;
   MultiheadAttention<double> md(config(6, 2), 2);
   Tensor<double> xd({2, 3, 6}), od({2, 3, 6});
   EXPECT_TRUE(throws_with([&] { md.decode({xd.view<3>()}, other, od.view<3>()); }, {"float32 only"}));

@@ -34,6 +34,7 @@
 #include <cstdint>
 #include <optional>
 #include <span>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -46,7 +47,6 @@ namespace attn {
 
 namespace detail {
 struct KVCacheAccess;  // the kernels' read access to the storage
-struct Checker;        // src/validate.hpp
 }
 
 enum class KVDtype { float32, float16, bfloat16 };
@@ -87,6 +87,12 @@ class KVCache {
   void append(int64_t b, View3<const float> k, View3<const float> v);
   // Appends n tokens to every sequence: k (B, Hkv, n, E), v (B, Hkv, n, Ev).
   void append(View4<const float> k, View4<const float> v);
+  // Why appending n tokens to every sequence would be refused (a sequence's
+  // capacity, a page shared with another sequence, too few free pages), or
+  // "" when it would not: the check both appends make before they write, for
+  // callers that must refuse before they change anything else (the
+  // multi-head layer's decode, a model's decoding step over its layers).
+  std::string append_refusal(int64_t n) const;
   // Length of sequence b back to 0 (its pages return to the pool), or of all.
   void reset(int64_t b);
   void clear();
@@ -105,10 +111,11 @@ class KVCache {
  private:
   friend struct detail::KVCacheAccess;
   void check_seq(const char* fn, int64_t b) const;
-  // Pages appending n tokens to sequence b takes from the pool (an error
-  // when it would write a shared page), and the check that `wanted` are free.
-  int64_t new_pages(const detail::Checker& c, int64_t b, int64_t n) const;
-  void check_pages(const detail::Checker& c, int64_t wanted) const;
+  // Why appending n tokens to sequence b would be refused (its capacity, a
+  // shared page), or ""; adds the pages it would take from the pool to
+  // `pages`. Then pool_refusal(pages): too few free pages, or "".
+  std::string seq_refusal(int64_t b, int64_t n, int64_t& pages) const;
+  std::string pool_refusal(int64_t pages) const;
   void write(int64_t b, int64_t t, int64_t n, const View3<const float>& k, const View3<const float>& v);
   KVCacheConfig cfg_;
   int64_t page_size_ = 0, num_pages_ = 0, table_width_ = 0, elem_ = 4;

@@ -104,6 +104,16 @@ struct MhaOptions {
   SdpaOptions sdpa;
 };
 
+// The options of MultiheadAttention::decode: the forward's, but bottom-right
+// causal unless set otherwise, as decode_attention's DecodeOptions and
+// Python's decode are (decoding one token at a time is causal either way;
+// a chunk of L > 1 tokens is not, when not causal). MhaDecodeOptions(o)
+// takes a forward's options o as they are, causal or not.
+struct MhaDecodeOptions : MhaOptions {
+  MhaDecodeOptions() { sdpa.causal = true; }
+  explicit MhaDecodeOptions(const MhaOptions& o) : MhaOptions(o) {}
+};
+
 // A transform of the projected queries and keys before the attention, in
 // place, e.g. rotary position embeddings. q is (B, H, L, E), k (B, H, S, E),
 // any strides; axis 2 is the position in the sequence. `backward` receives
@@ -205,17 +215,20 @@ class MultiheadAttention {
   // layer projects them, applies the Q/K transform's forward_at at positions
   // length(b) .. length(b) + L − 1, appends their keys and values to `cache`,
   // attends over everything the cache holds (decode_attention) and projects
-  // the result into out (B, L, D). With opt.sdpa.causal (bottom-right) the
-  // rows equal forward() over the whole sequence so far.
+  // the result into out (B, L, D). Causal (bottom-right) by default
+  // (MhaDecodeOptions); then the rows equal forward() with causal over the
+  // whole sequence so far.
   //   taken: opt.sdpa's scale, causal, window, softcap, backend (reference,
-  //          or else the decode kernel), num_threads, check_finite; the
-  //          layer's sinks; args.alibi_slopes; args.attn_mask / attn_bias
-  //          as (B|1, H|1, L|1, C|1) over the cache's key positions
-  //          (C = capacity; DecodeOptions::mask)
+  //          or else the decode kernel), num_threads, check_finite (of the
+  //          query and of its projections, before they reach the cache);
+  //          the layer's sinks; args.alibi_slopes; args.attn_mask /
+  //          attn_bias as (B|1, H|1, L|1, C|1) over the cache's key
+  //          positions (C = capacity; DecodeOptions::mask)
   //   refused: key, value, key_padding_mask, key_lengths, position_offset
-  // Every argument is checked before the cache changes, so an error leaves
-  // the cache as it was.
-  void decode(const MhaArgs<T>& args, KVCache& cache, View3<T> out, const MhaOptions& opt = {}) const;
+  // Every argument, and whether the cache can take L more tokens of each
+  // sequence (capacity, pages), is checked before the cache changes, so an
+  // error leaves the cache as it was.
+  void decode(const MhaArgs<T>& args, KVCache& cache, View3<T> out, const MhaDecodeOptions& opt = {}) const;
 
   // Backward from dout = dL/dY (B, L, D) of the forward that filled `cache`.
   // Parameter gradients are ADDED to grad(name) (call zero_grad() between

@@ -35,15 +35,15 @@ def _torch() -> Any:
     return torch
 
 
-def _canon_mask(x: Any, name: str, dtype: np.dtype) -> Optional[np.ndarray]:
+def _canon_mask(x: Any, fn: str, name: str, dtype: np.dtype) -> Optional[np.ndarray]:
     if x is None:
         return None
-    m = to_numpy(x, _FN + ".forward", name)
+    m = to_numpy(x, fn, name)
     if m.dtype == np.bool_:
         return m
     if m.dtype.kind == "f":
         return m if m.dtype == dtype else m.astype(dtype)
-    raise ValueError(f"{_FN}.forward: '{name}' has dtype {m.dtype}, expected bool or a float dtype")
+    raise ValueError(f"{fn}: '{name}' has dtype {m.dtype}, expected bool or a float dtype")
 
 
 # The extension's classes for each dtype.
@@ -57,7 +57,7 @@ def _layer_mask(attn_mask: Any, fn: str, dtype: np.dtype, B: int, H: int, L: int
                 batched: bool) -> Tuple[Optional[np.ndarray], Optional[np.ndarray]]:
     """The layer's attn_mask, (L, S) or (N·num_heads, L, S) (unbatched: (num_heads, L, S)), as
     (mask, bias) of rank 4: a bool mask flipped to attn's polarity (True = may attend), or a float bias."""
-    m = _canon_mask(attn_mask, "attn_mask", dtype)
+    m = _canon_mask(attn_mask, fn, "attn_mask", dtype)
     if m is None:
         return None, None
     if m.ndim == 2:
@@ -69,6 +69,12 @@ def _layer_mask(attn_mask: Any, fn: str, dtype: np.dtype, B: int, H: int, L: int
     else:
         raise ValueError(f"{fn}: 'attn_mask' has shape {m.shape}, expected (L, S) = {(L, S)} or "
                          f"(N·num_heads, L, S) = {(B * H, L, S)}")
+    if m.shape[2] not in (1, L) or m.shape[3] not in (1, S):
+        raise ValueError(f"{fn}: 'attn_mask' has shape {tuple(np.shape(attn_mask))}, expected its last two "
+                         f"dimensions (L, S) = {(L, S)} (or 1 to broadcast)")
+    if m.dtype != np.bool_ and (np.isnan(m).any() or np.isposinf(m).any()):
+        raise ValueError(f"{fn}: 'attn_mask' (a float mask, added to the scores) contains NaN or +inf; "
+                         "-inf blocks a position")
     if m.dtype == np.bool_:
         return ~m, None  # PyTorch: True = blocked; attn: True = may attend
     return None, m
@@ -304,7 +310,7 @@ class MultiheadAttention:
 
         kpm = None
         mask, bias = _layer_mask(attn_mask, fn, self.dtype, B, H, L, S, batched)
-        p = _canon_mask(key_padding_mask, "key_padding_mask", self.dtype)
+        p = _canon_mask(key_padding_mask, fn, "key_padding_mask", self.dtype)
         if p is not None:
             if not batched and p.ndim == 1:
                 p = p[None]

@@ -375,7 +375,7 @@ void bind_multihead(nb::module_& m, const char* name, const char* cache_name) {
             a.attn_bias = view_of<const T, 4>(attn_bias, "attn_bias");
             a.alibi_slopes = view_of<const T, 1>(alibi_slopes, "alibi_slopes");
             const attn::View3<T> o = view_of<T, 3>(out, "out");
-            attn::MhaOptions opt;
+            attn::MhaDecodeOptions opt;
             opt.sdpa = sdpa_options(std::nullopt, causal, backend, num_threads,
                                     variants(window_left, window_right, softcap, std::nullopt));
             nb::gil_scoped_release release;

@@ -442,7 +442,7 @@ void SelfAttention<T>::decode(const Tensor<T>& x, int64_t B, int64_t n, KVCache&
   MhaArgs<T> args;
   args.query = View3<const T>(x.data(), {B, n, D});
   if (alibi_slopes.rank() == 1) args.alibi_slopes = alibi_slopes.template view<1>();
-  layer.decode(args, cache, View3<T>(y.data(), {B, n, D}), options);
+  layer.decode(args, cache, View3<T>(y.data(), {B, n, D}), MhaDecodeOptions(options));
 }
 
 template <class T>

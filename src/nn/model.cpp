@@ -216,6 +216,22 @@ void Transformer<T>::decode_step(DecodeState& st, const int32_t* tokens, int64_t
     throw InvalidArgument(std::string(fn) + ": feeding " + std::to_string(n) + " tokens after " +
                           std::to_string(st.length) + " needs 1 <= n and length + n <= max_len = " +
                           std::to_string(cfg_.max_len));
+  // Every block's cache must take the n tokens before the first one is
+  // appended to (each block's decode checks only its own).
+  for (size_t l = 0; l < blocks_.size(); ++l) {
+    const KVCache& c = st.caches[l];
+    const std::string which = "the cache of block " + std::to_string(l);
+    if (c.batch() != st.B || c.kv_heads() != cfg_.heads || c.head_dim() != cfg_.dim / cfg_.heads)
+      throw InvalidArgument(std::string(fn) + ": " + which + " does not come from this model's start_decoding");
+    for (int64_t b = 0; b < st.B; ++b)
+      if (c.length(b) != st.length)
+        throw InvalidArgument(std::string(fn) + ": " + which + " holds " + std::to_string(c.length(b)) +
+                              " tokens of sequence " + std::to_string(b) + ", the state " +
+                              std::to_string(st.length));
+    if (std::string why = c.append_refusal(n); !why.empty())
+      throw InvalidArgument(std::string(fn) + ": " + which + " cannot take " + std::to_string(n) + " more tokens: " +
+                            why);
+  }
   const int64_t B = st.B, M = B * n, pos = st.length;
   Tensor<T> h, x, y, a;
   embed_.forward(tokens, M, h);  // checks the ids

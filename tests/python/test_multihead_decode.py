@@ -63,6 +63,19 @@ def test_mask_over_the_cache_uses_the_layers_polarity():
         np.testing.assert_allclose(out, want[:, length - n:], rtol=2e-5, atol=2e-5)
 
 
+def test_a_float_mask_is_added_to_the_scores():
+    rng = np.random.default_rng(9)
+    layer, sd, x = layer_and_tokens(rng)
+    blocked = rng.random(16) < 0.3
+    blocked[0] = False
+    additive = np.where(blocked, -np.inf, rng.standard_normal(16)).astype(np.float32)[None]  # (1, C)
+    cache = cache_for(layer, 2, page_size=3)
+    for length, n, out in steps(layer, x, cache, attn_mask=additive):
+        pre = x[:, :length]
+        want, _ = npref.mha(sd, pre, pre, pre, layer.num_heads, is_causal=True, attn_mask=additive[:, :length])
+        np.testing.assert_allclose(out, want[:, length - n:], rtol=2e-5, atol=2e-5)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_score_rules_equal_the_forward_over_the_prefix(dtype):
     rng = np.random.default_rng(6)
@@ -114,6 +127,9 @@ def test_errors_leave_the_cache_as_it_was():
         (dict(window=(-3, 0)), "'window'"),
         (dict(alibi_slopes=np.ones(3, np.float32)), "'alibi_slopes'"),
         (dict(attn_mask=np.zeros((3, 5), bool)), "'attn_mask'"),
+        (dict(attn_mask=np.zeros((2, 5), np.float32)), "'attn_mask' has shape"),
+        (dict(attn_mask=np.full((1, 8), np.nan, np.float32)), "'attn_mask'.*NaN"),
+        (dict(attn_mask=np.zeros((1, 8), np.int32)), r"MultiheadAttention\.decode: 'attn_mask' has dtype int32"),
         (dict(x=x[:, :6]), "capacity 8"),
     ]
     for kw, words in bad:
