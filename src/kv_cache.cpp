@@ -219,6 +219,46 @@ void KVCache::reset(int64_t b) {
   }
 }
 
+void KVCache::truncate(int64_t b, int64_t length) {
+  const detail::Checker c{"KVCache::truncate"};
+  check_seq(c.fn.c_str(), b);
+  const int64_t len = len_[size_t(b)];
+  if (length < 0 || length > len)
+    c.fail("argument 'length' is " + std::to_string(length) + ", expected 0 <= length <= length(" +
+           std::to_string(b) + ") = " + std::to_string(len));
+  if (paged()) {
+    int32_t* row = table_.data() + b * table_width_;
+    const int64_t keep = ceil_div(length, page_size_);  // table entries that hold kept tokens
+    const int64_t part = length % page_size_;           // tokens kept in the last of them (0: all of it)
+    const int32_t last = keep > 0 ? row[keep - 1] : -1;
+    int32_t own = -1;  // the private copy of a shared, partly kept last page
+    if (part != 0 && refs_[size_t(last)] > 1) {
+      const auto it = std::find(refs_.begin(), refs_.end(), 0);
+      if (it == refs_.end())
+        c.fail("the page pool is exhausted: sequence " + std::to_string(b) + " keeps " + std::to_string(part) +
+               " tokens of page " + std::to_string(last) +
+               ", which it shares with another sequence, and needs a free page for a copy of its own");
+      own = int32_t(it - refs_.begin());
+    }
+    for (int64_t s = keep; s < table_width_; ++s) {
+      if (row[s] >= 0) --refs_[size_t(row[s])];
+      row[s] = -1;
+    }
+    if (own >= 0) {  // per head, the kept rows of K and of V
+      for (int64_t hk = 0; hk < cfg_.kv_heads; ++hk)
+        for (auto [store, width] : {std::pair{&kstore_, cfg_.head_dim}, std::pair{&vstore_, cfg_.value_dim}}) {
+          const int64_t rows = width * elem_ * page_size_;  // bytes of one head's rows in a page
+          std::memcpy(store->data() + (int64_t(own) * cfg_.kv_heads + hk) * rows,
+                      store->data() + (int64_t(last) * cfg_.kv_heads + hk) * rows, size_t(part * width * elem_));
+        }
+      --refs_[size_t(last)];
+      ++refs_[size_t(own)];
+      row[keep - 1] = own;
+    }
+  }
+  len_[size_t(b)] = length;
+}
+
 void KVCache::clear() {
   for (int64_t b = 0; b < cfg_.batch; ++b) reset(b);
 }

@@ -557,11 +557,18 @@ void MultiheadAttention<T>::decode(const MhaArgs<T>& a, KVCache& cache, View3<T>
       c.finite(kh, "k (the projected keys)");
       c.finite(vh, "v (the projected values)");
     }
+    std::vector<int64_t> before(static_cast<size_t>(B));
+    for (int64_t b = 0; b < B; ++b) before[size_t(b)] = cache.length(b);
     cache.append(View4<const T>(kh), View4<const T>(vh));
-    Tensor<T> o = Tensor<T>::uninitialized({B, L, HEv});
-    decode_attention(View4<const T>(qh), cache, View4<T>::bnhd(o.data(), B, L, H, Ev), dopt);
-    project_out(o.data(), parameter(kOutProjWeight).data(), cfg_.bias ? parameter(kOutProjBias).data() : nullptr,
-                HEv, out, threads);
+    try {
+      Tensor<T> o = Tensor<T>::uninitialized({B, L, HEv});
+      decode_attention(View4<const T>(qh), cache, View4<T>::bnhd(o.data(), B, L, H, Ev), dopt);
+      project_out(o.data(), parameter(kOutProjWeight).data(),
+                  cfg_.bias ? parameter(kOutProjBias).data() : nullptr, HEv, out, threads);
+    } catch (...) {  // checked above, so only e.g. std::bad_alloc: the cache as it was
+      for (int64_t b = 0; b < B; ++b) cache.truncate(b, before[size_t(b)]);
+      throw;
+    }
   }
 }
 

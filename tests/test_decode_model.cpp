@@ -129,6 +129,29 @@ TEST(DecodeModel, AStepOneBlockCannotTakeChangesNoCache) {
   EXPECT_EQ(st.length, 1);
 }
 
+// A step that fails inside a later block (block 1 checks finiteness and its
+// key projection holds a NaN) takes the step's tokens out of the earlier
+// blocks' caches again: every cache keeps the length of the state.
+TEST(DecodeModel, AStepThatFailsInALaterBlockLeavesEveryCacheAsItWas) {
+  nn::ModelConfig mc;
+  mc.vocab = 5, mc.max_len = 16, mc.dim = 8, mc.heads = 2, mc.layers = 2, mc.causal = true;
+  nn::Transformer<float> model(mc, 1);
+  nn::DecodeState st = model.start_decoding(2, KVDtype::float32, 4);
+  const std::vector<int32_t> tokens(10, 2);
+  Tensor<float> logits;
+  model.decode_step(st, tokens.data(), 3, logits);
+  model.blocks()[1].attn.options.sdpa.check_finite = true;
+  model.blocks()[1].attn.layer.parameter("in_proj_weight")[size_t(mc.dim * mc.dim)] = NAN;  // first key row
+  EXPECT_TRUE(attn::testing::throws_with([&] { model.decode_step(st, tokens.data(), 2, logits); },
+                                         {"k (the projected keys)"}));
+  for (const auto& c : st.caches) {
+    EXPECT_EQ(c.length(0), 3);
+    EXPECT_EQ(c.length(1), 3);
+    EXPECT_EQ(c.free_pages(), c.num_pages() - 2);
+  }
+  EXPECT_EQ(st.length, 3);
+}
+
 TEST(DecodeModel, RefusesModelsThatAreNotCausal) {
   nn::ModelConfig mc;
   mc.vocab = 5, mc.max_len = 8, mc.dim = 8, mc.heads = 2, mc.layers = 1;

@@ -182,6 +182,82 @@ TEST(KVCache, SharedPrefixPagesAreReadOnlyAndGiveTheSameAttention) {
   EXPECT_EQ(cache.length(0), 11);
 }
 
+// Appending A, dropping all but its first keep tokens and appending C holds
+// what appending A[:keep] then C holds, and decoding over it gives the same
+// bits, for every storage type and layout; a paged sequence that keeps part
+// of a page it shares gets a copy of its own, which the other sequence
+// never sees written.
+TEST(KVCache, TruncateThenAppendEqualsTheShorterHistory) {
+  std::mt19937_64 rng(21);
+  const int64_t Hkv = 2, E = 5, Ev = 3, cap = 24;
+  for (const KVDtype t : {KVDtype::float32, KVDtype::bfloat16})
+    for (const int64_t page : {0, 3, 4})
+      for (const int64_t keep : {0, 1, 4, 7, 11}) {
+        SCOPED_TRACE(std::string(kv_dtype_name(t)) + " page " + std::to_string(page) + " keep " + std::to_string(keep));
+        KVCacheConfig cfg;
+        cfg.batch = 1, cfg.kv_heads = Hkv, cfg.capacity = cap, cfg.head_dim = E, cfg.value_dim = Ev;
+        cfg.page_size = page, cfg.dtype = t;
+        KVCache cut(cfg), fresh(cfg);
+        const Tensor<float> ka = random_tensor<float>({Hkv, 11, E}, rng), va = random_tensor<float>({Hkv, 11, Ev}, rng);
+        const Tensor<float> kc = random_tensor<float>({Hkv, 6, E}, rng), vc = random_tensor<float>({Hkv, 6, Ev}, rng);
+        cut.append(0, ka.view<3>(), va.view<3>());
+        cut.truncate(0, keep);
+        ASSERT_EQ(cut.length(0), keep);
+        if (page) {
+          ASSERT_EQ(int64_t(cut.block_table(0).size()), (keep + page - 1) / page);
+          ASSERT_EQ(cut.free_pages(), cut.num_pages() - (keep + page - 1) / page);
+        }
+        cut.append(0, kc.view<3>(), vc.view<3>());
+        if (keep)
+          fresh.append(0, View3<const float>(ka.data(), {Hkv, keep, E}, {11 * E, E, 1}),
+                       View3<const float>(va.data(), {Hkv, keep, Ev}, {11 * Ev, Ev, 1}));
+        fresh.append(0, kc.view<3>(), vc.view<3>());
+        const int64_t n = keep + 6;
+        Tensor<float> k1({Hkv, n, E}), v1({Hkv, n, Ev}), k2({Hkv, n, E}), v2({Hkv, n, Ev});
+        cut.read(0, k1.view<3>(), v1.view<3>());
+        fresh.read(0, k2.view<3>(), v2.view<3>());
+        ASSERT_EQ(std::memcmp(k1.data(), k2.data(), k1.size() * 4), 0);
+        ASSERT_EQ(std::memcmp(v1.data(), v2.data(), v1.size() * 4), 0);
+        const Tensor<float> q = random_tensor<float>({1, 4, 2, E}, rng);
+        Tensor<float> o1({1, 4, 2, Ev}), o2({1, 4, 2, Ev});
+        decode_attention(q.view4(), cut, o1.view4());
+        decode_attention(q.view4(), fresh, o2.view4());
+        ASSERT_EQ(std::memcmp(o1.data(), o2.data(), o1.size() * 4), 0);
+      }
+  // Sequence 1 shares sequence 0's two full pages, keeps 6 of their 8 tokens
+  // and writes 2 new ones: into a copy of page 1, not page 1 itself.
+  KVCache c(paged(2, 12, 4, 5));
+  Tensor<float> k = random_tensor<float>({1, 8, 2}, rng), k0({1, 8, 2}), v0({1, 8, 2});
+  c.append(0, k.view<3>(), k.view<3>());
+  const std::vector<int32_t> prefix = c.block_table(0);
+  c.set_block_table(1, prefix, 8);
+  c.truncate(1, 6);
+  EXPECT_EQ(c.block_table(1)[0], prefix[0]);
+  EXPECT_NE(c.block_table(1)[1], prefix[1]);
+  EXPECT_EQ(c.free_pages(), 2);
+  const Tensor<float> two = random_tensor<float>({1, 2, 2}, rng);
+  c.append(1, two.view<3>(), two.view<3>());
+  c.read(0, k0.view<3>(), v0.view<3>());
+  EXPECT_EQ(std::memcmp(k0.data(), k.data(), k.size() * 4), 0) << "sequence 0 changed";
+  Tensor<float> k1({1, 8, 2}), v1({1, 8, 2});
+  c.read(1, k1.view<3>(), v1.view<3>());
+  EXPECT_EQ(std::memcmp(k1.data(), k.data(), 12 * 4), 0);
+  EXPECT_EQ(std::memcmp(k1.data() + 12, two.data(), 4 * 4), 0);
+  // The same with no free page for the copy: refused, nothing changes.
+  KVCache full(paged(2, 8, 4, 2));
+  full.append(0, k.view<3>(), k.view<3>());
+  full.set_block_table(1, full.block_table(0), 8);
+  EXPECT_TRUE(throws_with([&] { full.truncate(1, 5); }, {"KVCache::truncate", "page pool is exhausted", "copy"}));
+  EXPECT_EQ(full.length(1), 8);
+  EXPECT_EQ(full.block_table(1), full.block_table(0));
+  full.truncate(1, 4);  // a whole page dropped: no copy needed
+  EXPECT_EQ(full.block_table(1), std::vector<int32_t>{full.block_table(0)[0]});
+  EXPECT_EQ(full.free_pages(), 0);
+  EXPECT_TRUE(throws_with([&] { full.truncate(1, 5); }, {"'length' is 5", "length(1) = 4"}));
+  EXPECT_TRUE(throws_with([&] { full.truncate(1, -1); }, {"'length'"}));
+  EXPECT_TRUE(throws_with([&] { full.truncate(2, 0); }, {"'b' is 2"}));
+}
+
 TEST(KVCache, BadBlockTablesAreArgumentErrors) {
   KVCache c(paged(3, 12, 4, 8));
   append_tokens(c, 0, 6, 1.0f);  // pages 0 (full), 1 (partial)
@@ -271,6 +347,7 @@ struct Model {
   std::vector<std::vector<int32_t>> table;  // per sequence, in token order
   std::vector<int32_t> refs;
   std::vector<std::vector<float>> content;  // per page, a value per slot
+  int copies = 0;                           // shared pages truncate copied
 
   Model(int64_t b, int64_t cap, int64_t ps, int64_t np)
       : B(b), capacity(cap), page(ps), pages(np), width((cap + ps - 1) / ps), len(size_t(b), 0),
@@ -321,6 +398,31 @@ struct Model {
     table[size_t(b)].clear();
     len[size_t(b)] = 0;
   }
+  // Pages past the kept tokens go back to the pool; a shared page kept in
+  // part is first copied to the lowest free page (false: none is free).
+  bool truncate(int64_t b, int64_t length) {
+    auto& tb = table[size_t(b)];
+    if (length < 0 || length > len[size_t(b)]) return false;
+    const int64_t keep = (length + page - 1) / page, part = length % page;
+    int32_t own = -1;
+    if (part != 0 && refs[size_t(tb[size_t(keep - 1)])] > 1) {
+      const auto it = std::find(refs.begin(), refs.end(), 0);
+      if (it == refs.end()) return false;
+      own = int32_t(it - refs.begin());
+    }
+    for (size_t s = size_t(keep); s < tb.size(); ++s) --refs[size_t(tb[s])];
+    tb.resize(size_t(keep));
+    if (own >= 0) {
+      ++copies;
+      const int32_t last = tb[size_t(keep - 1)];
+      for (int64_t i = 0; i < part; ++i) content[size_t(own)][size_t(i)] = content[size_t(last)][size_t(i)];
+      --refs[size_t(last)];
+      ++refs[size_t(own)];
+      tb[size_t(keep - 1)] = own;
+    }
+    len[size_t(b)] = length;
+    return true;
+  }
   // The header's rules: ids in range, none twice, a page another sequence
   // uses must be full here and full there.
   bool set_table(int64_t b, const std::vector<int32_t>& pg, int64_t length) {
@@ -361,6 +463,7 @@ static void fill_token(float* k, float* v, float x) {
 }
 
 TEST(KVCache, RandomOperationsMatchAShadowModel) {
+  int copies = 0;  // over the seeds: truncations that copied a shared page
   for (const uint64_t seed : {1, 2, 3, 4}) {
     std::mt19937_64 rng(seed);
     const int64_t B = 3, capacity = 10, page = seed % 2 ? 3 : 4, pages = seed < 3 ? 7 : 12;
@@ -371,10 +474,10 @@ TEST(KVCache, RandomOperationsMatchAShadowModel) {
     shadow::Model m(B, capacity, page, pages);
     auto pick = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
     float next = 1;
-    int successes = 0, failures = 0, table_successes = 0;
+    int successes = 0, failures = 0, table_successes = 0, truncations = 0;
     for (int op = 0; op < 600; ++op) {
       SCOPED_TRACE("seed " + std::to_string(seed) + " op " + std::to_string(op));
-      const int64_t kind = pick(0, 9), b = pick(0, B - 1);
+      const int64_t kind = pick(0, 11), b = pick(0, B - 1);
       bool ok = true, want = true;
       try {
         if (kind <= 3) {  // append to one sequence
@@ -394,6 +497,11 @@ TEST(KVCache, RandomOperationsMatchAShadowModel) {
         } else if (kind == 6) {
           m.reset(b);
           cache.reset(b);
+        } else if (kind >= 10) {  // drop a tail (now and then a length out of range)
+          const int64_t length = pick(-1, m.len[size_t(b)] + 1);
+          want = m.truncate(b, length);
+          if (want) ++truncations;
+          cache.truncate(b, length);
         } else {  // a new table: another sequence's full prefix and maybe a page of its own, or noise
           std::vector<int32_t> pg;
           int64_t length = 0;
@@ -450,5 +558,8 @@ TEST(KVCache, RandomOperationsMatchAShadowModel) {
     EXPECT_GT(successes, 150) << "seed " << seed;
     EXPECT_GT(failures, 50) << "seed " << seed;
     EXPECT_GT(table_successes, 20) << "seed " << seed;
+    EXPECT_GT(truncations, 40) << "seed " << seed;
+    copies += m.copies;
   }
+  EXPECT_GT(copies, 3);
 }

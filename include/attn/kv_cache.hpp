@@ -96,6 +96,14 @@ class KVCache {
   // Length of sequence b back to 0 (its pages return to the pool), or of all.
   void reset(int64_t b);
   void clear();
+  // Drops the tokens of sequence b from position `length` on (0 <= length <=
+  // length(b)), e.g. the rejected draft tokens of speculative decoding: the
+  // next append writes at `length`. Paged: the pages past the kept tokens
+  // return to the pool; a page the sequence keeps part of and shares with
+  // another sequence is first copied to a free page of its own (an error
+  // naming the pool when there is none), since a page a sequence may still
+  // write belongs to it alone. Nothing changes when it fails.
+  void truncate(int64_t b, int64_t length);
 
   // Paged layout only. The pages of sequence b in token order (ceil(length /
   // page_size) entries, more when set_block_table gave more).

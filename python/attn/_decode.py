@@ -81,6 +81,12 @@ class KVCache:
         else:
             self._c.reset(int(seq))
 
+    def truncate(self, seq: int, length: int) -> None:
+        """Drop the tokens of sequence `seq` from position `length` on (e.g. rejected
+        draft tokens); the next append writes at `length`. Paged: pages past the kept
+        tokens return to the pool, and a shared page kept in part is copied first."""
+        self._c.truncate(int(seq), int(length))
+
     def block_table(self, seq: int) -> list:
         """Paged caches: the pages of sequence `seq` in token order."""
         return list(self._c.block_table(int(seq)))

@@ -450,6 +450,7 @@ void bind_decode(nb::module_& m) {
           },
           "k"_a.noconvert(), "v"_a.noconvert())
       .def("reset", &KVCache::reset, "b"_a)
+      .def("truncate", &KVCache::truncate, "b"_a, "length"_a)
       .def("clear", &KVCache::clear)
       .def("block_table", &KVCache::block_table, "b"_a)
       .def(

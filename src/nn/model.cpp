@@ -237,15 +237,23 @@ void Transformer<T>::decode_step(DecodeState& st, const int32_t* tokens, int64_t
   embed_.forward(tokens, M, h);  // checks the ids
   if (cfg_.positions == Positions::sinusoidal) add_sinusoidal_positions(h, B, n, pos);
   if (cfg_.positions == Positions::learned) pos_.forward(h, B, n, pos);
-  for (size_t l = 0; l < blocks_.size(); ++l) {
-    auto& blk = blocks_[l];
-    blk.ln1.forward(h, x);
-    blk.attn.decode(x, B, n, st.caches[l], y);
-    ensure_shape(a, {M, cfg_.dim});
-    for (size_t i = 0; i < a.size(); ++i) a[i] = h[i] + y[i];
-    blk.ln2.forward(a, x);
-    blk.mlp.forward(x, y);
-    for (size_t i = 0; i < h.size(); ++i) h[i] = a[i] + y[i];
+  size_t appended = 0;  // blocks whose caches took the step's tokens
+  try {
+    for (size_t l = 0; l < blocks_.size(); ++l) {
+      auto& blk = blocks_[l];
+      blk.ln1.forward(h, x);
+      blk.attn.decode(x, B, n, st.caches[l], y);
+      appended = l + 1;
+      ensure_shape(a, {M, cfg_.dim});
+      for (size_t i = 0; i < a.size(); ++i) a[i] = h[i] + y[i];
+      blk.ln2.forward(a, x);
+      blk.mlp.forward(x, y);
+      for (size_t i = 0; i < h.size(); ++i) h[i] = a[i] + y[i];
+    }
+  } catch (...) {  // e.g. check_finite in a later block: the earlier caches drop the step's tokens again
+    for (size_t l = 0; l < appended; ++l)
+      for (int64_t b = 0; b < B; ++b) st.caches[l].truncate(b, pos);
+    throw;
   }
   st.length += n;
   ln_f_.forward(h, x);

@@ -85,6 +85,36 @@ def test_shared_prefix_pages():
         cache.set_block_table(1, [5, 5], 4)
 
 
+def test_truncate_drops_a_draft_and_copies_a_shared_page():
+    """Speculative decoding's rollback: 4 draft tokens appended, 3 rejected;
+    the cache then equals one that never saw them, and a sequence that keeps
+    part of a shared page writes into a copy of it."""
+    rng = np.random.default_rng(12)
+    cache = attn.KVCache(2, 2, 32, 8, page_size=4, dtype="bfloat16")
+    k = rng.standard_normal((2, 2, 14, 8)).astype(np.float32)
+    v = rng.standard_normal((2, 2, 14, 8)).astype(np.float32)
+    cache.append(k[:, :, :10], v[:, :, :10])
+    cache.append(k[:, :, 10:14], v[:, :, 10:14])  # the draft
+    cache.truncate(0, 11)
+    cache.truncate(1, 11)
+    assert cache.lengths == (11, 11)
+    plain = attn.KVCache(2, 2, 32, 8, page_size=4, dtype="bfloat16")
+    plain.append(k[:, :, :11], v[:, :, :11])
+    q = rng.standard_normal((2, 4, 1, 8)).astype(np.float32)
+    np.testing.assert_array_equal(attn.decode_attention(q, cache), attn.decode_attention(q, plain))
+    # Sequence 1 takes sequence 0's two full pages, keeps 6 of their 8 tokens.
+    cache.set_block_table(1, cache.block_table(0)[:2], 8)
+    cache.truncate(1, 6)
+    assert cache.block_table(1)[0] == cache.block_table(0)[0]
+    assert cache.block_table(1)[1] != cache.block_table(0)[1]
+    before = cache.read(0)
+    cache.append(k[1, :, 6:8], v[1, :, 6:8], seq=1)
+    for got, want in zip(cache.read(0), before):
+        np.testing.assert_array_equal(got, want)
+    with pytest.raises(ValueError, match="'length'"):
+        cache.truncate(0, 12)
+
+
 def test_readme_decode_loop_equals_attention_over_the_whole_prefix():
     rng = np.random.default_rng(4)
     B, H, Hkv, E, steps = 2, 8, 2, 16, 6
