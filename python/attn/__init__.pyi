@@ -250,6 +250,9 @@ class KVCache:
     value_dim: int
     dtype: str
     page_size: int
+    num_pages: int
+    free_pages: int
+    storage_bytes: int
     @property
     def lengths(self) -> Tuple[int, ...]: ...
     def append(self, k: ArrayLike, v: ArrayLike, seq: Optional[int] = None) -> None: ...

@@ -57,6 +57,9 @@ class KVCache:
     value_dim = property(lambda self: self._c.value_dim)
     dtype = property(lambda self: self._c.dtype)
     page_size = property(lambda self: self._c.page_size)
+    num_pages = property(lambda self: self._c.num_pages, doc="Pages in the pool (batch when contiguous).")
+    free_pages = property(lambda self: self._c.free_pages, doc="Pages no sequence uses.")
+    storage_bytes = property(lambda self: self._c.storage_bytes, doc="Bytes of K and V storage.")
 
     @property
     def lengths(self) -> Tuple[int, ...]:

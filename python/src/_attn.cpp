@@ -431,6 +431,9 @@ void bind_decode(nb::module_& m) {
       .def_prop_ro("value_dim", &KVCache::value_dim)
       .def_prop_ro("page_size", &KVCache::page_size)
       .def_prop_ro("paged", &KVCache::paged)
+      .def_prop_ro("num_pages", &KVCache::num_pages)
+      .def_prop_ro("free_pages", &KVCache::free_pages)
+      .def_prop_ro("storage_bytes", &KVCache::storage_bytes)
       .def_prop_ro("dtype", [](const KVCache& c) { return std::string(attn::kv_dtype_name(c.dtype())); })
       .def("length", &KVCache::length, "b"_a)
       .def(

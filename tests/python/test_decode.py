@@ -95,16 +95,21 @@ def test_truncate_drops_a_draft_and_copies_a_shared_page():
     v = rng.standard_normal((2, 2, 14, 8)).astype(np.float32)
     cache.append(k[:, :, :10], v[:, :, :10])
     cache.append(k[:, :, 10:14], v[:, :, 10:14])  # the draft
+    assert (cache.num_pages, cache.free_pages) == (16, 8)  # 2 · 32 / 4 pages, 4 per sequence in use
+    assert cache.storage_bytes == 2 * 16 * 2 * 4 * 8 * 2  # K and V: pages · Hkv · page · E · 2 bytes
     cache.truncate(0, 11)
     cache.truncate(1, 11)
     assert cache.lengths == (11, 11)
+    assert cache.free_pages == 10
     plain = attn.KVCache(2, 2, 32, 8, page_size=4, dtype="bfloat16")
     plain.append(k[:, :, :11], v[:, :, :11])
     q = rng.standard_normal((2, 4, 1, 8)).astype(np.float32)
     np.testing.assert_array_equal(attn.decode_attention(q, cache), attn.decode_attention(q, plain))
     # Sequence 1 takes sequence 0's two full pages, keeps 6 of their 8 tokens.
     cache.set_block_table(1, cache.block_table(0)[:2], 8)
+    assert cache.free_pages == 13  # sequence 1 now only shares sequence 0's pages
     cache.truncate(1, 6)
+    assert cache.free_pages == 12  # the copy of the shared page
     assert cache.block_table(1)[0] == cache.block_table(0)[0]
     assert cache.block_table(1)[1] != cache.block_table(0)[1]
     before = cache.read(0)
