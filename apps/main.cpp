@@ -3,12 +3,14 @@
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
+#include <cstring>
 #include <exception>
 #include <new>
 
 #include "attn/detail/output.hpp"
 #include "commands.hpp"
 #include "common.hpp"
+#include "passive_wait.hpp"
 #include "train.hpp"
 
 namespace {
@@ -62,6 +64,17 @@ std::string failure_message(const CLI::App* app, const CLI::Error& e) {
 }
 
 }  // namespace
+
+// OpenMP's wait policy when the user set none (apps/passive_wait): `generate`
+// runs a decode loop, whose short parallel regions follow each other within
+// microseconds, so its threads spin briefly between them; every other
+// command waits passively. The command is the first argument that is not
+// an option (the tool has no options of its own that take a value).
+extern "C" const char* attn_wait_policy(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i)
+    if (argv[i][0] != '-') return std::strcmp(argv[i], "generate") == 0 ? kDecodeSpin : nullptr;
+  return nullptr;
+}
 
 int main(int argc, char** argv) {
   // A signal removes the temporary files of outputs being written.

@@ -23,6 +23,17 @@
 // per CPU-second of the threads (the rate had each thread its core to
 // itself): on a machine other processes load, the steadier pair. GFLOP/s
 // counts 4·E flops per visible (query, key) pair.
+//
+// Threads: a decode loop's parallel regions follow each other closely, so
+// this program, like `attn generate`, lets OpenMP's threads spin briefly
+// between regions (GOMP_SPINCOUNT=10000, apps/passive_wait) when the
+// environment sets no policy; the bandwidth pass before each call then
+// leaves them awake, as the layers before attention do in a model. The
+// header and the JSON name the policy in effect; OMP_WAIT_POLICY=passive
+// measures calls that first wake a sleeping thread. GB/cpu-s and "% cpu"
+// mean something only with passive waiting: Linux adds a thread's CPU time
+// to the process's clock when it stops running, and a spinning thread runs
+// on, so those columns then undercount the CPU time (% cpu over 100).
 #include <omp.h>
 #include <time.h>
 
@@ -31,6 +42,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -43,6 +55,7 @@
 #include "fma_peak.hpp"
 #include "kernels/decode/decode.hpp"
 #include "kernels/fused/fused.hpp"
+#include "passive_wait.hpp"
 #include "read_bandwidth.hpp"
 #include "simd_target.hpp"
 
@@ -239,7 +252,20 @@ void paired_rounds(const Shape& s, const Tensor<float>& q, const std::vector<Kep
   std::fflush(stdout);
 }
 
+// OpenMP's wait policy in effect, as the environment gives it.
+std::string wait_policy() {
+  const char* policy = std::getenv("OMP_WAIT_POLICY");
+  const char* spin = std::getenv("GOMP_SPINCOUNT");
+  std::string s;
+  if (policy) s += std::string("OMP_WAIT_POLICY=") + policy;
+  if (spin) s += std::string(s.empty() ? "" : " ") + "GOMP_SPINCOUNT=" + spin;
+  return s.empty() ? "libgomp's default" : s;
+}
+
 }  // namespace
+
+// The decode loop's brief spin unless the environment chose a policy.
+extern "C" const char* attn_wait_policy(int, char**) { return kDecodeSpin; }
 
 int main(int argc, char** argv) {
   CLI::App app{"attn-decode-bench: decoding over a KV cache against memory bandwidth, PyTorch and ggml"};
@@ -298,15 +324,16 @@ int main(int argc, char** argv) {
   doc["read_bandwidth_gbs_per_cpu_s"] = bw_cpu;
   doc["fma_peak_gflops"] = peak;
   doc["target"] = attn::detail::decode_target_name();
+  doc["wait_policy"] = wait_policy();
   doc["page"] = page;
   doc["warm"] = warm;
   doc["window"] = g_window;
   doc["rows"] = nlohmann::json::array();
   doc["paired"] = nlohmann::json::array();
   if (!quiet) {
-    std::printf("attn-decode-bench: %d threads, %s, read bandwidth %.1f GB/s best of 5 (%.1f GB/cpu-s), FMA peak "
-                "%.0f GFLOP/s, %s cache%s; %s\n",
-                threads, attn::detail::decode_target_name(), bw, bw_cpu, peak,
+    std::printf("attn-decode-bench: %d threads (%s), %s, read bandwidth %.1f GB/s best of 5 (%.1f GB/cpu-s), FMA "
+                "peak %.0f GFLOP/s, %s cache%s; %s\n",
+                threads, wait_policy().c_str(), attn::detail::decode_target_name(), bw, bw_cpu, peak,
                 page ? ("paged (" + std::to_string(page) + " tokens/page)").c_str() : "contiguous",
                 g_window < 0 ? "" : (", sliding window of " + std::to_string(g_window) + " keys").c_str(),
                 warm ? "WARM calls (no bandwidth pass between calls; bw: the best of 5)"

@@ -20,12 +20,32 @@
 // (valgrind, gdb) see the exec: set OMP_WAIT_POLICY to avoid it.
 //
 // Linked into the programs built here (object library attn_passive_wait):
-// the attn tool, the examples and attn-bench. A program of your own that
+// the attn tool, the examples and the benchmarks. A program of your own that
 // links libattn sets the variable in its environment (README, "Threads").
+//
+// Decoding is the exception. A decode step is many short parallel regions
+// back to back (projections, attention over the cache, the output
+// projection, for every block), and waking a sleeping thread costs more than
+// a whole step of a small model: on the 2-vCPU development VM a thread woke
+// about 60 µs after the region that needed it began (an empty region took
+// about 110 µs with passive waiting, under 1 µs with spinning), and
+// `attn generate` at batch 1 took 0.23-0.25 ms per step with passive waiting
+// against 0.03-0.04 ms with a short spin (docs/decode.md, "Threads between
+// the regions of a decode step"). A program that runs decode loops defines
+// attn_wait_policy (below) to choose a bounded spin for them instead: with
+// GOMP_SPINCOUNT=10000 a waiting thread spins for well under a millisecond
+// here, which bridges the gaps inside and between steps, and then sleeps,
+// so on a busy machine it wastes at most that much per region.
 #include <unistd.h>
 
 #include <cstddef>
 #include <cstring>
+
+// The environment entry to add when the user set no policy, chosen by the
+// program from its arguments (a weak symbol: programs that do not define it
+// wait passively). It runs before the C library is initialised: no
+// allocation, nothing but plain reads of argv.
+extern "C" const char* attn_wait_policy(int argc, char** argv) __attribute__((weak));  // passive_wait.hpp
 
 namespace {
 
@@ -36,14 +56,15 @@ bool is_set(char** envp, const char* name_eq) {
   return false;
 }
 
-void passive_wait_by_default(int, char** argv, char** envp) {
+void passive_wait_by_default(int argc, char** argv, char** envp) {
   if (envp == nullptr || is_set(envp, "OMP_WAIT_POLICY=") || is_set(envp, "GOMP_SPINCOUNT=")) return;
   // A static block: the C library is not initialised yet, so no malloc.
   constexpr size_t kMax = 4096;
   static char* env[kMax];
   static char passive[] = "OMP_WAIT_POLICY=passive";
+  const char* chosen = attn_wait_policy ? attn_wait_policy(argc, argv) : nullptr;
   size_t n = 0;
-  env[n++] = passive;
+  env[n++] = chosen ? const_cast<char*>(chosen) : passive;
   for (char** e = envp; *e != nullptr; ++e) {
     if (n + 1 >= kMax) return;  // an environment this large keeps libgomp's default
     env[n++] = *e;
