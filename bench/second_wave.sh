@@ -51,7 +51,7 @@ header() {  # the machine, the commit and the load, at the top of every raw outp
        "amx: $(grep -qw amx_tile /proc/cpuinfo && echo yes || echo no)"
   local wait
   wait=$(env | grep -E '^(OMP_WAIT_POLICY|GOMP_SPINCOUNT)=' | tr '\n' ' ' || true)
-  echo "# OpenMP wait policy from the environment: ${wait:-none (each program's default, apps/passive_wait)}"
+  echo "# OpenMP wait policy from the environment: ${wait:-none, each program chooses (apps/passive_wait)}"
   echo "# transparent huge pages: $(cat /sys/kernel/mm/transparent_hugepage/enabled 2>/dev/null || echo unknown)"
   [ $have_torch -eq 1 ] && echo "# torch $("$TORCH_PYTHON" -c 'import torch; print(torch.__version__, torch.backends.cpu.get_cpu_capability())')"
   echo "# load before: $(cut -d' ' -f1-3 /proc/loadavg)"
