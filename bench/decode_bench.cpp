@@ -7,6 +7,8 @@
 // per sequence (the L queries are its last L tokens, bottom-right causal),
 // then
 //   decode     attn::decode_attention (the grouped split-KV kernel)
+//   read       the bound: one plain read of the bytes decode reads, in place
+//              (contiguous caches), by the same threads, also cold
 //   dense      attn::scaled_dot_product_attention on the contiguous cache's
 //              storage viewed as dense (B, Hkv, S, E) tensors (auto backend;
 //              few query rows take the same kernel); float16/bfloat16 storage
@@ -388,26 +390,44 @@ int main(int argc, char** argv) {
           time_it([&] { attn::decode_attention(q.view4(), cache, out.view4(), opt, lse.view<3>()); }, min_seconds, rounds);
       // Per CPU-second: the rate had each thread run alone on its core (a
       // loaded machine stretches wall time, much less the CPU time).
-      auto emit = [&](const char* variant, const Timing& t, const std::string& chk) {
+      auto emit = [&](const char* variant, const Timing& t, const std::string& chk, double flops) {
         const double gbs = kv_bytes / t.wall * 1e-9, cpu_gbs = kv_bytes / (t.cpu / threads) * 1e-9;
         if (!quiet)
           std::printf("%-22s %-8s %-9s %9.3f %8.1f %6.1f %5.0f%% %8.1f %5.0f%% %8.1f %7.2fx  %s\n", s.str().c_str(),
                       dt.c_str(), variant, t.wall * 1e3, gbs, t.bw.wall, 100 * gbs / t.bw.wall, cpu_gbs,
-                      100 * cpu_gbs / t.bw.cpu, fl / t.wall * 1e-9, t.wall / t_dec.wall, chk.c_str());
+                      100 * cpu_gbs / t.bw.cpu, flops / t.wall * 1e-9, t.wall / t_dec.wall, chk.c_str());
         std::fflush(stdout);
         doc["rows"].push_back({{"shape", {s.B, s.H, s.Hkv, s.L, s.S, s.E}}, {"dtype", dt}, {"variant", variant},
                                {"ms", t.wall * 1e3}, {"cpu_ms", t.cpu * 1e3}, {"kv_gbs", gbs},
                                {"kv_gbs_per_cpu_s", cpu_gbs}, {"read_bandwidth_gbs", t.bw.wall},
                                {"read_bandwidth_gbs_per_cpu_s", t.bw.cpu}, {"pct_bandwidth", 100 * gbs / t.bw.wall},
                                {"pct_bandwidth_per_cpu_s", 100 * cpu_gbs / t.bw.cpu},
-                               {"gflops", fl / t.wall * 1e-9}, {"reps", t.reps}, {"check", chk}});
+                               {"gflops", flops / t.wall * 1e-9}, {"reps", t.reps}, {"check", chk}});
       };
-      emit("decode", t_dec, check);
-      if (no_dense || page != 0) continue;
+      emit("decode", t_dec, check, fl);
+      if (page != 0) continue;
+      // The bound: one plain read of exactly the bytes decode reads (each
+      // (sequence, kv head)'s last keys_read rows of K and of V, in place),
+      // by the same threads, in the same rounds (cold, after a pass).
+      const attn::detail::KVLayout kv = attn::detail::KVCacheAccess::layout(cache);
+      std::vector<attn_bench::Run> runs;
+      const int64_t first = s.S - keys_read(s), esz = int64_t(elem);
+      for (int64_t b = 0; b < s.B; ++b)
+        for (int64_t hk = 0; hk < s.Hkv; ++hk) {
+          const auto run_of = [&](const void* base, int64_t page_stride, int64_t head, int64_t row) {
+            const char* p = static_cast<const char*>(base) + (b * page_stride + hk * head + first * row) * esz;
+            return attn_bench::Run{reinterpret_cast<const float*>(p), keys_read(s) * row * esz / 4};
+          };
+          runs.push_back(run_of(kv.k, kv.k_page, kv.k_head, kv.k_row));
+          runs.push_back(run_of(kv.v, kv.v_page, kv.v_head, kv.v_row));
+        }
+      volatile float read_sink = 0;
+      const Timing t_read = time_it([&] { read_sink = read_sink + attn_bench::read_runs(runs, threads); }, min_seconds, rounds);
+      emit("read", t_read, "a plain read of the same bytes (the bound)", 0);
+      if (no_dense) continue;
       // The same keys and values as dense tensors: the contiguous cache's
       // storage, viewed (half storage as attn::float16_t / bfloat16_t k, v,
       // with q rounded to the same type: the dense call's half route).
-      const attn::detail::KVLayout kv = attn::detail::KVCacheAccess::layout(cache);
       attn::SdpaOptions so;
       so.causal = true;
       so.causal_align = attn::CausalAlign::bottom_right;
@@ -421,7 +441,7 @@ int main(int argc, char** argv) {
         a.v = View4<const T>(static_cast<const T*>(kv.v), {s.B, s.Hkv, s.S, s.E}, {kv.v_page, kv.v_head, kv.v_row, 1});
         const Timing t_dense =
             time_it([&] { attn::scaled_dot_product_attention(a, {dense_out.view4(), {}, lse.view<3>()}, so); }, min_seconds, rounds);
-        emit("dense", t_dense, "max |diff| vs decode " + sci(max_abs_diff(dense_out, out)));
+        emit("dense", t_dense, "max |diff| vs decode " + sci(max_abs_diff(dense_out, out)), fl);
         return a;
       };
       const auto rounded_q = [&]<class T>(T) {
@@ -442,7 +462,7 @@ int main(int argc, char** argv) {
       p.threads = threads;
       const Timing t_fused =
           time_it([&] { attn::detail::fused_forward(p, a, dense_out.view4(), {}, lse.view<3>()); }, min_seconds, rounds);
-      emit("per-head", t_fused, "max |diff| vs decode " + sci(max_abs_diff(dense_out, out)));
+      emit("per-head", t_fused, "max |diff| vs decode " + sci(max_abs_diff(dense_out, out)), fl);
     }
     paired_rounds(s, q, kept, threads, min_seconds, rounds, quiet, doc);
   }

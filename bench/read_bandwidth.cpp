@@ -26,16 +26,17 @@ namespace attn_bench {
 namespace HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 
-// Σ p[0..n) with four accumulators; n a multiple of 4 lanes.
+// Σ p[0..n) with four accumulators (up to 4 vectors at the end unread); any
+// alignment (unaligned loads cost nothing extra on aligned data).
 float SumFloats(const float* HWY_RESTRICT p, int64_t n) {
   const hn::ScalableTag<float> d;
   const int64_t N = int64_t(hn::Lanes(d));
   auto a0 = hn::Zero(d), a1 = a0, a2 = a0, a3 = a0;
   for (int64_t i = 0; i + 4 * N <= n; i += 4 * N) {
-    a0 = hn::Add(a0, hn::Load(d, p + i));
-    a1 = hn::Add(a1, hn::Load(d, p + i + N));
-    a2 = hn::Add(a2, hn::Load(d, p + i + 2 * N));
-    a3 = hn::Add(a3, hn::Load(d, p + i + 3 * N));
+    a0 = hn::Add(a0, hn::LoadU(d, p + i));
+    a1 = hn::Add(a1, hn::LoadU(d, p + i + N));
+    a2 = hn::Add(a2, hn::LoadU(d, p + i + 2 * N));
+    a3 = hn::Add(a3, hn::LoadU(d, p + i + 3 * N));
   }
   return hn::GetLane(hn::SumOfLanes(d, hn::Add(hn::Add(a0, a1), hn::Add(a2, a3))));
 }
@@ -95,6 +96,25 @@ ReadBandwidth read_bandwidth_gbs(int threads, int64_t bytes, int reps) {
     best.cpu = std::max(best.cpu, r.cpu);
   }
   return best;
+}
+
+float read_runs(const std::vector<Run>& runs, int threads) {
+  int64_t total = 0;
+  for (const Run& r : runs) total += r.n;
+  threads = std::max(threads, 1);
+  float sum = 0;
+#pragma omp parallel num_threads(threads) reduction(+ : sum)
+  {
+    const int64_t t = omp_get_thread_num();
+    int64_t lo = total * t / threads, hi = total * (t + 1) / threads;  // this thread's part of the concatenation
+    int64_t at = 0;                                                      // where the current run starts in it
+    for (const Run& r : runs) {
+      const int64_t a = std::max(lo, at), b = std::min(hi, at + r.n);
+      if (a < b) sum += HWY_DYNAMIC_DISPATCH(SumFloats)(r.p + (a - at), b - a);
+      at += r.n;
+    }
+  }
+  return sum;
 }
 
 }  // namespace attn_bench

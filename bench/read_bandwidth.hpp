@@ -3,6 +3,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 namespace attn_bench {
 // Best of `reps` passes in which `threads` threads each read their own slice
@@ -34,4 +35,15 @@ class BandwidthProbe {
   std::size_t bytes_;  // of buf_
   float* buf_;
 };
+
+// One read of some runs of memory (n floats each from p, any alignment),
+// their total split evenly over `threads` threads in order, each thread
+// summing its part with vector loads: what any kernel that reads those bytes
+// once costs at least. Returns the sum, so that no read can be dropped.
+// Up to 4 vectors at the end of each thread's part of a run stay unread.
+struct Run {
+  const float* p;
+  int64_t n;
+};
+float read_runs(const std::vector<Run>& runs, int threads);
 }  // namespace attn_bench
