@@ -175,7 +175,7 @@ def decode_main(args, torch):
     head = f"{'B,H,Hkv,L,S,E':22} {'torch gqa':>9} {'torch pk':>9} {'attn f32':>9} {'attn f16':>9} {'attn bf16':>9}"
     if args.ggml_driver:
         head += f" {'ggml f32':>9} {'ggml f16':>9}"
-    print(head + "   (ms; GB/s of f32 K/V for attn)")
+    print(head + "   (ms; GB/s of f32 K/V for attn, of the probe, of a plain read of the same bytes)")
     W = args.decode_window
     if W >= 0:
         print(f"sliding window of {W} keys: attn over the whole cache, torch and ggml over the last L + {W} keys")
@@ -190,11 +190,13 @@ def decode_main(args, torch):
                              check=True, capture_output=True, text=True)
         doc = json.loads(res.stdout)
         attn = {r["dtype"]: r for r in doc["rows"] if r["variant"] == "decode"}
+        reads = {r["dtype"]: r for r in doc["rows"] if r["variant"] == "read"}  # a plain read of the same bytes
         g2, p2 = time_torch_decode(torch, peer, threads, args.reps, W)
         row = dict(shape=shape, window=W, threads=threads, torch_gqa_ms=1e3 * statistics.median([g1, g2]),
                    torch_packed_ms=1e3 * statistics.median([p1, p2]),
                    read_bandwidth_gbs=attn["float32"]["read_bandwidth_gbs"] if "float32" in attn else None,
-                   attn={k: dict(ms=r["ms"], kv_gbs=r["kv_gbs"], check=r["check"]) for k, r in attn.items()})
+                   attn={k: dict(ms=r["ms"], kv_gbs=r["kv_gbs"], check=r["check"]) for k, r in attn.items()},
+                   read={k: dict(ms=r["ms"], kv_gbs=r["kv_gbs"]) for k, r in reads.items()})
         line = (f"{text:22} {row['torch_gqa_ms']:9.2f} {row['torch_packed_ms']:9.2f} "
                 + " ".join(f"{attn[d]['ms']:9.2f}" if d in attn else f"{'-':>9}" for d in ("float32", "float16", "bfloat16")))
         if args.ggml_driver:
@@ -206,6 +208,8 @@ def decode_main(args, torch):
             line += f" {row['ggml']['f32']:9.2f} {row['ggml']['f16']:9.2f}"
         if "float32" in attn:
             line += f"   {attn['float32']['kv_gbs']:.1f} GB/s of {attn['float32']['read_bandwidth_gbs']:.1f}"
+            if "float32" in reads:
+                line += f", a plain read {reads['float32']['kv_gbs']:.1f}"
         print(line, flush=True)
         rows.append(row)
     if args.json:
