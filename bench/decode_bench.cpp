@@ -35,8 +35,10 @@
 // measures calls that first wake a sleeping thread. GB/cpu-s and "% cpu"
 // mean something only with passive waiting: Linux adds a thread's CPU time
 // to the process's clock when it stops running, and a spinning thread runs
-// on, so those columns then undercount the CPU time (% cpu over 100).
+// on, so the CPU time would be undercounted (% cpu over 100): the columns
+// show "-" unless the threads sleep (OMP_WAIT_POLICY=passive).
 #include <omp.h>
+#include <strings.h>
 #include <time.h>
 
 #include <CLI/CLI.hpp>
@@ -45,6 +47,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -254,6 +257,14 @@ void paired_rounds(const Shape& s, const Tensor<float>& q, const std::vector<Kep
   std::fflush(stdout);
 }
 
+// Whether OpenMP's waiting threads sleep at once (then the process's CPU
+// clock accounts for every thread by the end of a call).
+bool threads_sleep() {
+  const char* policy = std::getenv("OMP_WAIT_POLICY");
+  const char* spin = std::getenv("GOMP_SPINCOUNT");
+  return (policy && strcasecmp(policy, "passive") == 0 && !spin) || (spin && std::strcmp(spin, "0") == 0);
+}
+
 // OpenMP's wait policy in effect, as the environment gives it.
 std::string wait_policy() {
   const char* policy = std::getenv("OMP_WAIT_POLICY");
@@ -327,6 +338,7 @@ int main(int argc, char** argv) {
   doc["fma_peak_gflops"] = peak;
   doc["target"] = attn::detail::decode_target_name();
   doc["wait_policy"] = wait_policy();
+  const bool cpu_columns = threads_sleep();
   doc["page"] = page;
   doc["warm"] = warm;
   doc["window"] = g_window;
@@ -390,18 +402,24 @@ int main(int argc, char** argv) {
           time_it([&] { attn::decode_attention(q.view4(), cache, out.view4(), opt, lse.view<3>()); }, min_seconds, rounds);
       // Per CPU-second: the rate had each thread run alone on its core (a
       // loaded machine stretches wall time, much less the CPU time).
+      // Only where waiting threads sleep (spinning ones undercount: see the
+      // top of the file); "-" and null otherwise.
       auto emit = [&](const char* variant, const Timing& t, const std::string& chk, double flops) {
         const double gbs = kv_bytes / t.wall * 1e-9, cpu_gbs = kv_bytes / (t.cpu / threads) * 1e-9;
+        char cpu_cols[32] = "       -      -";
+        if (cpu_columns) std::snprintf(cpu_cols, sizeof cpu_cols, "%8.1f %5.0f%%", cpu_gbs, 100 * cpu_gbs / t.bw.cpu);
         if (!quiet)
-          std::printf("%-22s %-8s %-9s %9.3f %8.1f %6.1f %5.0f%% %8.1f %5.0f%% %8.1f %7.2fx  %s\n", s.str().c_str(),
-                      dt.c_str(), variant, t.wall * 1e3, gbs, t.bw.wall, 100 * gbs / t.bw.wall, cpu_gbs,
-                      100 * cpu_gbs / t.bw.cpu, flops / t.wall * 1e-9, t.wall / t_dec.wall, chk.c_str());
+          std::printf("%-22s %-8s %-9s %9.3f %8.1f %6.1f %5.0f%% %s %8.1f %7.2fx  %s\n", s.str().c_str(), dt.c_str(),
+                      variant, t.wall * 1e3, gbs, t.bw.wall, 100 * gbs / t.bw.wall, cpu_cols, flops / t.wall * 1e-9,
+                      t.wall / t_dec.wall, chk.c_str());
         std::fflush(stdout);
+        const nlohmann::json none;
         doc["rows"].push_back({{"shape", {s.B, s.H, s.Hkv, s.L, s.S, s.E}}, {"dtype", dt}, {"variant", variant},
-                               {"ms", t.wall * 1e3}, {"cpu_ms", t.cpu * 1e3}, {"kv_gbs", gbs},
-                               {"kv_gbs_per_cpu_s", cpu_gbs}, {"read_bandwidth_gbs", t.bw.wall},
-                               {"read_bandwidth_gbs_per_cpu_s", t.bw.cpu}, {"pct_bandwidth", 100 * gbs / t.bw.wall},
-                               {"pct_bandwidth_per_cpu_s", 100 * cpu_gbs / t.bw.cpu},
+                               {"ms", t.wall * 1e3}, {"cpu_ms", cpu_columns ? nlohmann::json(t.cpu * 1e3) : none},
+                               {"kv_gbs", gbs}, {"kv_gbs_per_cpu_s", cpu_columns ? nlohmann::json(cpu_gbs) : none},
+                               {"read_bandwidth_gbs", t.bw.wall}, {"read_bandwidth_gbs_per_cpu_s", t.bw.cpu},
+                               {"pct_bandwidth", 100 * gbs / t.bw.wall},
+                               {"pct_bandwidth_per_cpu_s", cpu_columns ? nlohmann::json(100 * cpu_gbs / t.bw.cpu) : none},
                                {"gflops", flops / t.wall * 1e-9}, {"reps", t.reps}, {"check", chk}});
       };
       emit("decode", t_dec, check, fl);
