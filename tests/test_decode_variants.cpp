@@ -272,27 +272,42 @@ TEST(DecodeVariants, ChunkedPrefillMatchesTheOracle) {
 }
 
 // Half storage with the variants gives the float32 call's bits on the
-// rounded values (the kernel's widening is exact; the rules run in float32).
+// rounded values (the kernel's widening is exact; the rules run in float32),
+// although half storage interleaves the values of a tile with the scores of
+// the next and float32 runs them in turn: with a window, the soft-cap, ALiBi
+// and sinks on pages that cut the tiles, and with a mask and a bias whose
+// holes send tiles row by row, on whole tiles of 128 keys.
 TEST(DecodeVariants, HalfStorageGivesTheFloat32BitsOnRoundedValues) {
   std::mt19937_64 rng(37);
-  for (const KVDtype t : {KVDtype::float16, KVDtype::bfloat16}) {
-    DecodeCase c;
-    c.B = 2, c.H = 8, c.Hkv = 2, c.L = 2, c.E = 64, c.Ev = 33, c.page = 40, c.dtype = t, c.lens = {900, 130};
-    c.window.left = 200, c.softcap = 2.0;
-    for (int64_t h = 0; h < c.H; ++h) c.slopes.push_back(0.02f * float(h + 1)), c.sinks.push_back(0.1f * float(h));
-    const Filled f = fill(c, rng);  // f.k, f.v hold the rounded values
-    DecodeCase c32 = c;
-    c32.dtype = KVDtype::float32;
-    KVCache cache32(config_of(c32));
-    for (int64_t b = 0; b < c.B; ++b) {
-      const int64_t n = c.lens[size_t(b)];
-      cache32.append(b, View3<const float>(f.k[size_t(b)].data(), {c.Hkv, n, c.E}),
-                     View3<const float>(f.v[size_t(b)].data(), {c.Hkv, n, c.Ev}));
+  for (const KVDtype t : {KVDtype::float16, KVDtype::bfloat16})
+    for (const bool holes : {false, true}) {
+      DecodeCase c;
+      c.B = 2, c.H = 8, c.Hkv = 2, c.L = 2, c.E = 64, c.Ev = 33, c.page = 40, c.dtype = t, c.lens = {900, 130};
+      if (!holes) {
+        c.window.left = 200, c.softcap = 2.0;
+        for (int64_t h = 0; h < c.H; ++h) c.slopes.push_back(0.02f * float(h + 1)), c.sinks.push_back(0.1f * float(h));
+      } else {
+        c.L = 3, c.E = c.Ev = 128, c.page = 0;
+        c.mask = Tensor<bool>({c.B, 1, c.L, c.capacity()});
+        c.bias = Tensor<float>({1, c.H, 1, c.capacity()});
+        for (size_t e = 0; e < c.mask.size(); ++e) c.mask[e] = (e * 2654435761u) % 9 != 0;
+        for (size_t e = 0; e < c.bias.size(); ++e) c.bias[e] = e % 37 == 0 ? -kInf : 0.01f * float(e % 13);
+      }
+      SCOPED_TRACE(c.str());
+      const Filled f = fill(c, rng);  // f.k, f.v hold the rounded values
+      DecodeCase c32 = c;
+      c32.dtype = KVDtype::float32;
+      KVCache cache32(config_of(c32));
+      for (int64_t b = 0; b < c.B; ++b) {
+        const int64_t n = c.lens[size_t(b)];
+        cache32.append(b, View3<const float>(f.k[size_t(b)].data(), {c.Hkv, n, c.E}),
+                       View3<const float>(f.v[size_t(b)].data(), {c.Hkv, n, c.Ev}));
+      }
+      const Result half = run(c, f), full = run_on(c32, cache32, f.q);
+      expect_matches_oracle(c, f, half);
+      EXPECT_TRUE(bitwise_equal(half.out, full.out)) << kv_dtype_name(t);
+      EXPECT_TRUE(bitwise_equal(half.lse, full.lse)) << kv_dtype_name(t);
     }
-    const Result half = run(c, f), full = run_on(c32, cache32, f.q);
-    EXPECT_TRUE(bitwise_equal(half.out, full.out)) << kv_dtype_name(t);
-    EXPECT_TRUE(bitwise_equal(half.lse, full.lse)) << kv_dtype_name(t);
-  }
 }
 
 // scaled_dot_product_attention with few query rows and the variants takes

@@ -44,6 +44,9 @@
 //    (kPrefetchBytes). Only the first row group of a block issues them.
 //    With the cache's huge pages (attn/detail/memory.hpp) the prefetches
 //    nearly doubled the float32 rate from DRAM (figures in docs/decode.md).
+//    Half storage interleaves the values of a tile with the scores of the
+//    next, 16 keys of each in turn, so K and V are two steady streams, each
+//    prefetched ahead of its own loop (ChunkT; 0-20% less time on Zen 4).
 //  * Storage types: float16 and bfloat16 are widened in registers
 //    (F16C / AVX-512 conversions, a shift for bfloat16, portable code on
 //    other targets); the data never exists as float32 in memory. The
@@ -108,6 +111,9 @@ constexpr float kLn2 = 0.693147180559945309f;
 // K/V rows (docs/decode.md, "Prefetch distance"): on Zen 4, 6-8 KiB took
 // 5-15% less time than a whole tile ahead at G = 4 and the same at G = 1.
 constexpr int64_t kPrefetchBytes = 8192;
+// Keys of each loop in turn when half storage interleaves the values of a
+// tile with the scores of the next (docs/decode.md, "Interleaved tiles").
+constexpr int64_t kInterleaveKeys = 16;
 
 // One chunk of keys [c0, c1) for query rows [m0, m0 + nm) of (b, hk);
 // first: the block's first chunk (the one whose softmax starts at the sinks).
@@ -145,6 +151,8 @@ using namespace decode_common;  // hn, os, DF, VF come with simd-inl.h
 // ---- per-thread scratch ------------------------------------------------------
 //   q    [rows × Ep]     the block's queries × scale·log2(e), zero padded
 //   s    [rows × tilep]  scores of a tile → probabilities
+//   s2   [rows × tilep]  the next tile's scores, while the values of a tile
+//                        run (half storage interleaves the two)
 //   acc  [rows × Evp]    accumulator of a chunk that is finalised directly
 //   begin, end [rows]    the keys [begin, end) each row sees
 //   pos  [rows]          each row's position (ALiBi's distances)
@@ -158,7 +166,7 @@ using namespace decode_common;  // hn, os, DF, VF come with simd-inl.h
 //                        allocated, enough for any)
 //   st, nan [rows]       online-softmax state and NaN flag (direct chunks)
 struct Scratch {
-  hwy::AlignedFreeUniquePtr<float[]> q, s, acc;
+  hwy::AlignedFreeUniquePtr<float[]> q, s, s2, acc;
   std::vector<int64_t> begin, end, pos;
   std::vector<float> slope;
   std::vector<rules::Line<bool>> mask;
@@ -171,6 +179,7 @@ struct Scratch {
     const int64_t rows = c.plan.rows;
     q = hwy::AllocateAligned<float>(size_t(rows * c.Ep));
     s = hwy::AllocateAligned<float>(size_t(rows * c.tilep));
+    s2 = hwy::AllocateAligned<float>(size_t(rows * c.tilep));
     acc = hwy::AllocateAligned<float>(size_t(rows * c.Evp));
     std::fill(q.get(), q.get() + rows * c.Ep, 0.0f);
     begin.resize(size_t(rows));
@@ -191,22 +200,20 @@ struct Scratch {
 
 // ---- scores of a tile (the register blocks are in blocks-inl.h) -------------
 
-// The scores of a tile; its first row group starts loading the stream
-// [the tile's K rows, its V rows] `ahead` rows ahead of the key it uses.
+// The scores of nk keys from k into s (row r at s + r·tilep); the first row
+// group runs the prefetch stream pf along with its keys.
 template <class T>
-void ScoreTile(const Call& c, Scratch& w, int64_t nm, const T* k, int64_t krow, int64_t nk, const T* v,
-               int64_t vrow, int64_t ahead) {
+void ScoreTile(const Call& c, Scratch& w, int64_t nm, const T* k, int64_t krow, int64_t nk, float* s,
+               RowPrefetch pf) {
   const int64_t E = c.p->E;
-  for (int64_t r0 = 0; r0 < nm; r0 += 4) {
+  for (int64_t r0 = 0; r0 < nm; r0 += 4, pf.a.p = nullptr) {
     const float* q = w.q.get() + r0 * c.Ep;
-    float* s = w.s.get() + r0 * c.tilep;
-    RowPrefetch pf;
-    if (r0 == 0) pf = {RowsOf(k, krow, E, nk), RowsOf(v, vrow, c.p->Ev, nk), ahead};
+    float* sr = s + r0 * c.tilep;
     switch (std::min<int64_t>(4, nm - r0)) {
-      case 4: ScoreRows<4>(q, c.Ep, k, krow, nk, E, s, c.tilep, pf); break;
-      case 3: ScoreRows<3>(q, c.Ep, k, krow, nk, E, s, c.tilep, pf); break;
-      case 2: ScoreRows<2>(q, c.Ep, k, krow, nk, E, s, c.tilep, pf); break;
-      default: ScoreRows<1>(q, c.Ep, k, krow, nk, E, s, c.tilep, pf); break;
+      case 4: ScoreRows<4>(q, c.Ep, k, krow, nk, E, sr, c.tilep, pf); break;
+      case 3: ScoreRows<3>(q, c.Ep, k, krow, nk, E, sr, c.tilep, pf); break;
+      case 2: ScoreRows<2>(q, c.Ep, k, krow, nk, E, sr, c.tilep, pf); break;
+      default: ScoreRows<1>(q, c.Ep, k, krow, nk, E, sr, c.tilep, pf); break;
     }
   }
 }
@@ -229,9 +236,10 @@ HWY_INLINE bool Hidden(const DecodeProblem& p, const Scratch& w, int64_t r, int6
 // the rest (the causal diagonal of a tile, the edge of a window) row by row.
 // The rows are in query order, so both ends of their ranges never decrease:
 // the common keys are [lo of the last row, hi of the first).
+// The probabilities of the nk keys from j0 are at s (row r at s + r·tilep).
 template <class T>
-void ValueTile(const Call& c, Scratch& w, int64_t nm, const T* v, int64_t vrow, int64_t j0, int64_t nk,
-               float* acc, RowPrefetch pf) {
+void ValueTile(const Call& c, Scratch& w, int64_t nm, const float* s, const T* v, int64_t vrow, int64_t j0,
+               int64_t nk, float* acc, RowPrefetch pf) {
   const int64_t Ev = c.p->Ev;
   // A key the mask or bias hides never touches the row either: a tile with
   // such keys goes row by row over the runs of keys each row sees.
@@ -245,7 +253,7 @@ void ValueTile(const Call& c, Scratch& w, int64_t nm, const T* v, int64_t vrow, 
         }
         int64_t b = a + 1;
         while (b < k.hi && !Hidden(*c.p, w, r, j0 + b)) ++b;
-        ValueRows<1>(w.s.get() + r * c.tilep + a, c.tilep, b - a, v + a * vrow, vrow, Ev, acc + r * c.Evp, c.Evp);
+        ValueRows<1>(s + r * c.tilep + a, c.tilep, b - a, v + a * vrow, vrow, Ev, acc + r * c.Evp, c.Evp);
         a = b;
       }
     }
@@ -260,12 +268,12 @@ void ValueTile(const Call& c, Scratch& w, int64_t nm, const T* v, int64_t vrow, 
     const rules::Keys k = TileKeys(w, r, j0, nk);
     const int64_t a = common ? std::min(k.hi, lo) : k.hi;
     if (a > k.lo)
-      ValueRows<1>(w.s.get() + r * c.tilep + k.lo, c.tilep, a - k.lo, v + k.lo * vrow, vrow, Ev, acc + r * c.Evp, c.Evp);
+      ValueRows<1>(s + r * c.tilep + k.lo, c.tilep, a - k.lo, v + k.lo * vrow, vrow, Ev, acc + r * c.Evp, c.Evp);
   }
   const int64_t blk = ValueRowBlock(Ev, sizeof(T));
   pf.ahead += lo;  // the block loop's key 0 is the tile's key lo
   for (int64_t r0 = 0; r0 < nm && common; r0 += blk) {
-    const float* p = w.s.get() + r0 * c.tilep + lo;
+    const float* p = s + r0 * c.tilep + lo;
     const T* vl = v + lo * vrow;
     float* o = acc + r0 * c.Evp;
     if (r0 > 0) pf.a.p = nullptr;
@@ -278,7 +286,7 @@ void ValueTile(const Call& c, Scratch& w, int64_t nm, const T* v, int64_t vrow, 
   }
   for (int64_t r = 0; r < nm && common; ++r) {
     const int64_t b = std::max(TileKeys(w, r, j0, nk).lo, hi), e = TileKeys(w, r, j0, nk).hi;
-    if (e > b) ValueRows<1>(w.s.get() + r * c.tilep + b, c.tilep, e - b, v + b * vrow, vrow, Ev, acc + r * c.Evp, c.Evp);
+    if (e > b) ValueRows<1>(s + r * c.tilep + b, c.tilep, e - b, v + b * vrow, vrow, Ev, acc + r * c.Evp, c.Evp);
   }
 }
 
@@ -413,34 +421,73 @@ void ChunkT(const Call& c, Scratch& w, const Unit& u, float* acc, os::State<floa
     }
     return Tile{kd, vd, src.nk};
   };
-  // The loops read the stream K, V of a tile, then K, V of the next, and
-  // start loading about kPrefetchBytes of rows ahead of the row they use.
-  const int64_t ahead = ceil_div(kPrefetchBytes, std::max({c.p->E, c.p->Ev, int64_t(1)}) * int64_t(sizeof(T)));
+  const int64_t E = c.p->E, Ev = c.p->Ev, krow = kv.k_row, vrow = kv.v_row;
+  const auto next_tile = [&](int64_t j0, const Tile& x) { return j0 + x.nk < kend ? tile_at(j0 + x.nk) : Tile{nullptr, nullptr, 0}; };
+  const auto k_rows = [&](const Tile& x, int64_t from) { return x.nk > from ? RowsOf(x.k + from * krow, krow, E, x.nk - from) : RowPrefetch::Segment{}; };
+  const auto v_rows = [&](const Tile& x, int64_t from) { return x.nk > from ? RowsOf(x.v + from * vrow, vrow, Ev, x.nk - from) : RowPrefetch::Segment{}; };
   Tile t = u.c0 < kend ? tile_at(u.c0) : Tile{nullptr, nullptr, 0};
-  // The first rows of the chunk's stream, which no earlier loop started.
-  RowPrefetch{RowsOf(t.k, kv.k_row, c.p->E, t.nk), {}, 0}.rows(0, std::min(t.nk, ahead));
-  for (int64_t j0 = u.c0; j0 < kend;) {
-    const Tile next = j0 + t.nk < kend ? tile_at(j0 + t.nk) : Tile{nullptr, nullptr, 0};
-    const int64_t a = std::min(t.nk, ahead);  // a short tile runs as far ahead as it is long
-    if (kv.k_elem != 1 || kv.v_elem != 1) {  // strided features: the tile's rows gathered, then as usual
-      const Tile g = gather(t);
-      ScoreTile(c, w, u.nm, g.k, c.p->E, g.nk, g.v, c.p->Ev, 0);
+  if (kv.k_elem != 1 || kv.v_elem != 1) {  // strided features: each tile's rows gathered, then as usual
+    for (int64_t j0 = u.c0; j0 < kend;) {
+      const Tile next = next_tile(j0, t), g = gather(t);
+      ScoreTile(c, w, u.nm, g.k, E, g.nk, w.s.get(), RowPrefetch{});
       SoftmaxTile(c, w, u.nm, j0, t.nk, acc, st, nan);
-      ValueTile(c, w, u.nm, g.v, c.p->Ev, j0, g.nk, acc, RowPrefetch{});
+      ValueTile(c, w, u.nm, w.s.get(), g.v, Ev, j0, g.nk, acc, RowPrefetch{});
       j0 += t.nk;
       t = next;
-      continue;
     }
-    ScoreTile(c, w, u.nm, t.k, kv.k_row, t.nk, t.v, kv.v_row, a);
-    SoftmaxTile(c, w, u.nm, j0, t.nk, acc, st, nan);
-    // The value loop's first pass continues the stream: the rest of this
-    // tile's V rows, then the next tile's K rows.
-    const RowPrefetch vp{RowsOf(t.v, kv.v_row, c.p->Ev, t.nk),
-                         next.nk > 0 ? RowsOf(next.k, kv.k_row, c.p->E, next.nk) : RowPrefetch::Segment{}, a};
-    ValueTile(c, w, u.nm, t.v, kv.v_row, j0, t.nk, acc, vp);
-    j0 += t.nk;
-    t = next;
+    return;
   }
+  // The loops start loading rows about kPrefetchBytes ahead of the row they
+  // use (a short tile runs as far ahead as it is long), first the rows of
+  // the chunk's first tile that no earlier loop started.
+  const int64_t ahead = ceil_div(kPrefetchBytes, std::max({E, Ev, int64_t(1)}) * int64_t(sizeof(T)));
+  RowPrefetch{k_rows(t, 0), {}, 0}.rows(0, std::min(t.nk, ahead));
+  if constexpr (sizeof(T) == 4) {
+    // float32: the scores of a tile, then its values. The stream is K and V
+    // of a tile, then K and V of the next: the score loop runs ahead into
+    // the tile's V rows, the value loop's first pass into the next K rows.
+    for (int64_t j0 = u.c0; j0 < kend;) {
+      const Tile next = next_tile(j0, t);
+      const int64_t a = std::min(t.nk, ahead);
+      ScoreTile(c, w, u.nm, t.k, krow, t.nk, w.s.get(), RowPrefetch{k_rows(t, 0), v_rows(t, 0), a});
+      SoftmaxTile(c, w, u.nm, j0, t.nk, acc, st, nan);
+      ValueTile(c, w, u.nm, w.s.get(), t.v, vrow, j0, t.nk, acc, RowPrefetch{v_rows(t, 0), k_rows(next, 0), a});
+      j0 += t.nk;
+      t = next;
+    }
+    return;
+  }
+  // Half storage: the values of a tile interleaved with the scores of the
+  // next, kInterleaveKeys keys of each in turn, so the K and V rows are read
+  // as two steady streams rather than in bursts (the value loop, widening
+  // each row once for 4 query rows, reads its rows several times faster
+  // than the score loop). Each stream runs about kPrefetchBytes ahead. The
+  // next tile's softmax waits for this tile's values (it rescales acc), and
+  // every output element still sums its keys in order: the float32 loop's
+  // bits on the widened values (docs/decode.md, "Interleaved tiles").
+  if (t.nk == 0) return;
+  ScoreTile(c, w, u.nm, t.k, krow, t.nk, w.s.get(), RowPrefetch{k_rows(t, 0), v_rows(t, 0), std::min(t.nk, ahead)});
+  SoftmaxTile(c, w, u.nm, u.c0, t.nk, acc, st, nan);
+  Tile next = next_tile(u.c0, t);
+  RowPrefetch{k_rows(next, 0), {}, 0}.rows(0, std::min(next.nk, ahead));
+  int64_t j0 = u.c0;
+  while (next.nk > 0) {
+    const Tile after = next_tile(j0 + t.nk, next);
+    for (int64_t b0 = 0; b0 < std::max(t.nk, next.nk); b0 += kInterleaveKeys) {
+      if (b0 < next.nk)
+        ScoreTile(c, w, u.nm, next.k + b0 * krow, krow, std::min(kInterleaveKeys, next.nk - b0), w.s2.get() + b0,
+                  RowPrefetch{k_rows(next, b0), k_rows(after, 0), ahead});
+      if (b0 < t.nk)
+        ValueTile(c, w, u.nm, w.s.get() + b0, t.v + b0 * vrow, vrow, j0 + b0, std::min(kInterleaveKeys, t.nk - b0),
+                  acc, RowPrefetch{v_rows(t, b0), v_rows(next, 0), ahead});
+    }
+    std::swap(w.s, w.s2);
+    j0 += t.nk;
+    SoftmaxTile(c, w, u.nm, j0, next.nk, acc, st, nan);
+    t = next;
+    next = after;
+  }
+  ValueTile(c, w, u.nm, w.s.get(), t.v, vrow, j0, t.nk, acc, RowPrefetch{v_rows(t, 0), {}, std::min(t.nk, ahead)});
 }
 
 void Chunk(const Call& c, Scratch& w, const Unit& u, float* acc, os::State<float>* st, uint8_t* nan) {
