@@ -230,7 +230,7 @@ constexpr detail::KVStorage storage_of() {
 // A contiguous float32 copy of a half view (exact), rows in parallel.
 template <class T>
 Tensor<float> widen(const View4<const T>& v, int threads) {
-  Tensor<float> t({v.dim(0), v.dim(1), v.dim(2), v.dim(3)});
+  auto t = Tensor<float>::uninitialized({v.dim(0), v.dim(1), v.dim(2), v.dim(3)});
   const int64_t n1 = v.dim(1), n2 = v.dim(2), F = v.dim(3), rows = v.dim(0) * n1 * n2;
 #pragma omp parallel for num_threads(threads) schedule(static) if (rows * F >= (int64_t(1) << 16))
   for (int64_t r = 0; r < rows; ++r) {

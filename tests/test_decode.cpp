@@ -224,6 +224,7 @@ TEST(Decode, ChunkedPrefillBitwiseForAnyThreadCountAndNaN) {
   for (const int64_t page : {int64_t(0), int64_t(256), int64_t(100)}) {
     DecodeCase c;
     c.B = 1, c.H = 8, c.Hkv = 2, c.L = 64, c.E = c.Ev = 32, c.page = page, c.lens = {2200};
+    if (page == 100) c.dtype = KVDtype::float16;  // widened chunks (by the threads) from half storage
     Filled f = fill(c, rng);
     DecodeOptions o;
     o.num_threads = 1;

@@ -1,12 +1,15 @@
 // merge_attention: two partial results over disjoint key sets merge into the
 // attention over all keys (checked against one dense call in double), empty
 // parts (lse −inf) are neutral, the merge is associative up to rounding,
-// NaN reaches the merged row, and bad shapes are argument errors.
+// NaN reaches the merged row, any thread count gives the same bits, and bad
+// shapes are argument errors.
 #include <array>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <random>
 
+#include "attn/rng.hpp"
 #include "testing.hpp"
 
 namespace {
@@ -149,6 +152,33 @@ TEST(MergeAttention, MismatchedShapesAreArgumentErrors) {
   } catch (const attn::Error& e) {
     EXPECT_NE(std::string(e.what()).find("'lse_b' has shape (1, 2, 4)"), std::string::npos) << e.what();
   }
+}
+
+// The rows are shared among threads, each merged on its own: every thread
+// count gives the same bits, on a part set that holds all the special rows
+// (an empty part on either side, both empty, NaN) between ordinary ones, and
+// enough rows (2·3·40 of 64 features) for the threads to start.
+TEST(MergeAttention, AnyThreadCountGivesTheSameBits) {
+  const float ninf = -std::numeric_limits<float>::infinity(), nan = std::numeric_limits<float>::quiet_NaN();
+  Tensor<float> oa({2, 3, 40, 64}), la({2, 3, 40}), ob({2, 3, 40, 64}), lb({2, 3, 40});
+  attn::Rng rng(17);
+  for (size_t i = 0; i < oa.size(); ++i) oa[i] = float(rng.normal()), ob[i] = float(rng.normal());
+  for (size_t i = 0; i < la.size(); ++i) la[i] = float(3 * rng.normal()), lb[i] = float(3 * rng.normal());
+  la[5] = ninf, lb[6] = ninf, la[7] = lb[7] = ninf, lb[8] = nan;
+  Tensor<float> want_o = oa, want_l = la;
+  attn::merge_attention<float>(want_o.view4(), want_l.view<3>(), ob.view4(), lb.view<3>(), 1);
+  EXPECT_EQ(want_l[7], ninf);
+  EXPECT_EQ(want_o[7 * 64], 0.0f);
+  EXPECT_TRUE(std::isnan(want_l[8]) && std::isnan(want_o[8 * 64 + 3]));
+  for (int threads : {0, 2, 3, 8}) {
+    Tensor<float> o = oa, l = la;
+    attn::merge_attention<float>(o.view4(), l.view<3>(), ob.view4(), lb.view<3>(), threads);
+    EXPECT_EQ(std::memcmp(o.data(), want_o.data(), o.size() * sizeof(float)), 0) << threads << " threads";
+    EXPECT_EQ(std::memcmp(l.data(), want_l.data(), l.size() * sizeof(float)), 0) << threads << " threads";
+  }
+  using attn::testing::throws_with;
+  EXPECT_TRUE(throws_with([&] { attn::merge_attention<float>(oa.view4(), la.view<3>(), ob.view4(), lb.view<3>(), -1); },
+                          {"attn::merge_attention", "'num_threads' is -1"}));
 }
 
 // The boundary's Checker: missing, negative, aliased and broadcast views.

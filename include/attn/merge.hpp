@@ -23,8 +23,12 @@
 namespace attn {
 
 // (out_a, lse_a) ← merge of (out_a, lse_a) and (out_b, lse_b), row by row.
-// Throws attn::InvalidArgument when shapes disagree or an output broadcasts.
+// The rows are shared among num_threads OpenMP threads (0 = OpenMP's
+// default); each row is merged on its own, so the result is the same for
+// any count. Throws attn::InvalidArgument when shapes disagree or an output
+// broadcasts.
 template <class T>
-void merge_attention(View4<T> out_a, View3<T> lse_a, View4<const T> out_b, View3<const T> lse_b);
+void merge_attention(View4<T> out_a, View3<T> lse_a, View4<const T> out_b, View3<const T> lse_b,
+                     int num_threads = 1);
 
 }  // namespace attn

@@ -49,7 +49,7 @@ int64_t element_bytes(KVStorage t) { return t == KVStorage::f32 ? 4 : 2; }
 // `page`, `head`, `row` are the layout's strides of K or of V.
 View4<const float> keys_view(const KVLayout& kv, const void* base, int64_t page_stride, int64_t head_stride,
                              int64_t row_stride, int64_t Hkv, int64_t D, int64_t b, int64_t j0, int64_t n,
-                             Tensor<float>& scratch) {
+                             Tensor<float>& scratch, int threads) {
   const auto page_of = [&](int64_t j) {
     return kv.table ? int64_t(kv.table[b * kv.table_stride + j / kv.page_size]) : b;
   };
@@ -62,23 +62,14 @@ View4<const float> keys_view(const KVLayout& kv, const void* base, int64_t page_
     return View4<const float>(reinterpret_cast<const float*>(at(0, j0)), {1, Hkv, n, D},
                               {Hkv * head_stride, head_stride, row_stride, 1});
   const std::vector<int64_t> shape{1, Hkv, n, D};
-  if (scratch.shape() != shape) scratch = Tensor<float>(shape);
+  if (scratch.shape() != shape) scratch = Tensor<float>::uninitialized(shape);
   float* dst = scratch.data();
+  // Row by row (a row is D contiguous elements wherever it lies), the rows
+  // shared among the threads; the conversion is exact, so the split does
+  // not show in the result.
+#pragma omp parallel for collapse(2) num_threads(threads) schedule(static) if (threads > 1 && Hkv * n * D >= (int64_t(1) << 16))
   for (int64_t hk = 0; hk < Hkv; ++hk)
-    for (int64_t j = j0; j < j0 + n;) {
-      // A run of rows inside one page is contiguous (rows of one head are
-      // D elements apart); widen it in one go.
-      const int64_t run = std::min(j0 + n - j, kv.page_size - j % kv.page_size);
-      const char* src = at(hk, j);
-      if (row_stride == D) {
-        convert_from_storage(kv.type, src, run * D, dst + (hk * n + j - j0) * D);
-      } else {
-        for (int64_t r = 0; r < run; ++r)
-          convert_from_storage(kv.type, src + r * row_stride * element_bytes(kv.type), D,
-                               dst + (hk * n + j - j0 + r) * D);
-      }
-      j += run;
-    }
+    for (int64_t r = 0; r < n; ++r) convert_from_storage(kv.type, at(hk, j0 + r), D, dst + (hk * n + r) * D);
   return scratch.view4();
 }
 
@@ -88,7 +79,8 @@ void prefill_forward(const DecodeProblem& p, const KVLayout& kv, View4<const flo
                      View3<float> lse) {
   const float ninf = -std::numeric_limits<float>::infinity();
   Tensor<float> kbuf, vbuf;  // widened chunks (shaped on first use)
-  Tensor<float> part({1, p.H, p.L, p.Ev}), plse({1, p.H, p.L}), own_lse;
+  Tensor<float> part = Tensor<float>::uninitialized({1, p.H, p.L, p.Ev}), plse = Tensor<float>::uninitialized({1, p.H, p.L}),
+                own_lse;
   if (lse.empty()) own_lse = Tensor<float>({1, p.H, p.L});
   const View1<const float> slopes = p.slopes.empty() ? View1<const float>() : View1<const float>(p.slopes.data(), {p.H}, {1});
   const View1<const float> sinks = p.sinks.empty() ? View1<const float>() : View1<const float>(p.sinks.data(), {p.H}, {1});
@@ -117,8 +109,8 @@ void prefill_forward(const DecodeProblem& p, const KVLayout& kv, View4<const flo
     a.alibi_slopes = slopes;
     for (int64_t j0 = klo; j0 < khi; j0 += chunk) {
       const int64_t nk = std::min(chunk, khi - j0);
-      a.k = keys_view(kv, kv.k, kv.k_page, kv.k_head, kv.k_row, p.Hkv, p.E, b, j0, nk, kbuf);
-      a.v = keys_view(kv, kv.v, kv.v_page, kv.v_head, kv.v_row, p.Hkv, p.Ev, b, j0, nk, vbuf);
+      a.k = keys_view(kv, kv.k, kv.k_page, kv.k_head, kv.k_row, p.Hkv, p.E, b, j0, nk, kbuf, p.threads);
+      a.v = keys_view(kv, kv.v, kv.v_page, kv.v_head, kv.v_row, p.Hkv, p.Ev, b, j0, nk, vbuf, p.threads);
       a.sinks = j0 == klo ? sinks : View1<const float>();  // counted once, in the first chunk
       a.mask = sequence_keys(p.mask, b, j0, nk);
       a.bias = sequence_keys(p.bias, b, j0, nk);
@@ -134,7 +126,7 @@ void prefill_forward(const DecodeProblem& p, const KVLayout& kv, View4<const flo
         fused_forward(fp, a, ob, {}, lb);
       } else {
         fused_forward(fp, a, part.view4(), {}, plse.view<3>());
-        merge_attention<float>(ob, lb, View4<const float>(part.view4()), View3<const float>(plse.view<3>()));
+        merge_attention<float>(ob, lb, View4<const float>(part.view4()), View3<const float>(plse.view<3>()), p.threads);
       }
     }
   }
