@@ -182,7 +182,7 @@ TEST(Decode, WideRowsTakeLongTilesAndMatchReference) {
 
 // Rows beyond what the decode kernel takes (decode_suits_rows) run the fused
 // kernel on float32 views of the cache (kernels/decode/prefill.cpp): one view
-// per float32 sequence in one page, else chunks of 1024 keys widened or
+// per float32 sequence in one page, else chunks of 4096 keys (at these sizes) widened or
 // gathered across pages and merged by log-sum-exp. Lengths beyond one and two
 // chunks, pages that divide the chunk (views) and that do not (gathers), half
 // storage, queries that see no key (L > length), empty sequences.
@@ -196,7 +196,7 @@ TEST(Decode, ChunkedPrefillMatchesReference) {
         c.B = 5, c.H = 4, c.Hkv = 2, c.L = 40 + n % 3 * 9, c.E = 24, c.Ev = 16 + n % 2 * 8, c.page = page;
         c.dtype = t, c.causal = causal;
         // three chunks; empty; fewer keys than queries; a last chunk of one key; one key
-        c.lens = {2100 + n, 0, 30, 1025, 1};
+        c.lens = {8300 + n, 0, 30, 4097, 1};
         ASSERT_FALSE(detail::decode_suits_rows(c.L, c.H / c.Hkv));
         SCOPED_TRACE(c.str());
         const Filled f = fill(c, rng);
@@ -223,7 +223,7 @@ TEST(Decode, ChunkedPrefillBitwiseForAnyThreadCountAndNaN) {
   std::mt19937_64 rng(12);
   for (const int64_t page : {int64_t(0), int64_t(256), int64_t(100)}) {
     DecodeCase c;
-    c.B = 1, c.H = 8, c.Hkv = 2, c.L = 64, c.E = c.Ev = 32, c.page = page, c.lens = {2200};
+    c.B = 1, c.H = 8, c.Hkv = 2, c.L = 64, c.E = c.Ev = 32, c.page = page, c.lens = {8400};
     if (page == 100) c.dtype = KVDtype::float16;  // widened chunks (by the threads) from half storage
     Filled f = fill(c, rng);
     DecodeOptions o;
@@ -236,11 +236,11 @@ TEST(Decode, ChunkedPrefillBitwiseForAnyThreadCountAndNaN) {
       EXPECT_TRUE(bitwise_equal(r.out, base.out)) << "page " << page << ", " << threads << " threads";
       EXPECT_TRUE(bitwise_equal(r.lse, base.lse)) << "page " << page << ", " << threads << " threads";
     }
-    // Key 2150 (third chunk) of kv head 1 is NaN: rows i of heads 4..7 with
-    // 2200 − 64 + i >= 2150, i.e. i >= 14, become NaN; nothing else does.
+    // Key 8350 (third chunk) of kv head 1 is NaN: rows i of heads 4..7 with
+    // 8400 − 64 + i >= 8350, i.e. i >= 14, become NaN; nothing else does.
     KVCache cache(config_of(c));
     Tensor<float>& k = f.k[0];
-    k[size_t((1 * 2200 + 2150) * c.E + 5)] = std::numeric_limits<float>::quiet_NaN();
+    k[size_t((1 * 8400 + 8350) * c.E + 5)] = std::numeric_limits<float>::quiet_NaN();
     cache.append(0, k.view<3>(), f.v[0].view<3>());
     Tensor<float> out({1, c.H, c.L, c.Ev}), lse({1, c.H, c.L});
     decode_attention(f.q.view4(), cache, out.view4(), {}, lse.view<3>());

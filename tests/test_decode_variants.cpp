@@ -257,12 +257,14 @@ TEST(DecodeVariants, ChunkedPrefillMatchesTheOracle) {
         DecodeCase c;
         c.B = 3, c.H = 4, c.Hkv = 2, c.L = 45, c.E = 24, c.Ev = 16, c.page = page, c.dtype = t;
         c.causal = which != 2;
-        c.lens = {2300 + n, 0, 30};
-        if (which == 0) c.window.left = 700;
+        c.lens = {4400 + n, 0, 30};       // two chunks of keys (4096 each at most)
+        if (which == 0) c.window.left = 4300;  // still two chunks, the sinks in the first
         if (which == 2) c.window = {400, 20};
         c.softcap = which == 1 ? 3.0 : 0.0;
         for (int64_t h = 0; which >= 1 && h < c.H; ++h) c.slopes.push_back(0.01f * float(h + 1));
-        for (int64_t h = 0; which != 1 && h < c.H; ++h) c.sinks.push_back(float(h) - 1.0f);
+        // Sinks near the log of the key count weigh like many keys: a sink
+        // counted in each chunk instead of once moves the output visibly.
+        for (int64_t h = 0; which != 1 && h < c.H; ++h) c.sinks.push_back(float(h) + 6.0f);
         ASSERT_FALSE(detail::decode_suits_rows(c.L, c.H / c.Hkv));
         SCOPED_TRACE(c.str());
         const Filled f = fill(c, rng);

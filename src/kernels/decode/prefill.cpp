@@ -12,11 +12,12 @@
 //
 //  * A float32 sequence that lies in one page (always, for the contiguous
 //    layout) is one fused call on views of the storage itself: no copy.
-//  * Otherwise the sequence's keys are taken in chunks of kChunk keys (a
-//    constant: the split depends on nothing but the shape). A float32 chunk
-//    inside one page is again a view; any other chunk (crossing pages, or
-//    float16/bfloat16 storage) is widened into a scratch block first, one
-//    page run at a time, exactly (the conversion of convert_from_storage).
+//  * Otherwise the sequence's keys are taken in chunks of chunk_keys keys
+//    (a function of Hkv, E and Ev: the split depends on nothing but the
+//    shape). A float32 chunk inside one page is again a view; any other
+//    chunk (crossing pages, or float16/bfloat16 storage) is widened into a
+//    scratch block first, row by row on the call's threads, exactly (the
+//    conversion of convert_from_storage).
 //    Each chunk's output and log-sum-exp are merged into the running result
 //    in chunk order (merge_attention), so the result does not depend on the
 //    thread count.
@@ -28,6 +29,7 @@
 //    join the first chunk's softmax, so the merge counts them once.
 // The widening is O(S·(E + Ev)) against O(L·S·(E + Ev)) flops, a few
 // percent at the sizes that come here.
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -40,7 +42,19 @@ namespace attn::detail {
 
 namespace {
 
-constexpr int64_t kChunk = 1024;  // keys per chunk when a sequence is not one float32 view
+// Keys per chunk when a sequence is not one float32 view: 4096, or fewer
+// (a multiple of 1024, at least 1024) where the widened K and V of 4096
+// keys would pass kScratchBytes. Longer chunks keep the fused kernel's
+// speed (on Zen 5, L = 512 over S = 8192 float16 with Hkv = 8, E = 128 ran
+// at 0.91× the float32 cache's speed in chunks of 1024 keys, 0.99× in
+// chunks of 4096); the bound keeps the scratch small where heads are many
+// and wide (Hkv = 32, E = Ev = 128: 1024 keys, 32 MiB).
+constexpr int64_t kChunkStep = 1024, kChunkMax = 4096;
+constexpr int64_t kScratchBytes = int64_t(32) << 20;
+int64_t chunk_keys(const DecodeProblem& p) {
+  const int64_t per_key = std::max<int64_t>(1, p.Hkv * (p.E + p.Ev) * int64_t(sizeof(float)));
+  return std::clamp(kScratchBytes / per_key / kChunkStep * kChunkStep, kChunkStep, kChunkMax);
+}
 
 int64_t element_bytes(KVStorage t) { return t == KVStorage::f32 ? 4 : 2; }
 
@@ -102,7 +116,7 @@ void prefill_forward(const DecodeProblem& p, const KVLayout& kv, View4<const flo
       continue;
     }
     const bool whole = kv.type == KVStorage::f32 && klo / kv.page_size == (khi - 1) / kv.page_size;
-    const int64_t chunk = whole ? khi - klo : kChunk;
+    const int64_t chunk = whole ? khi - klo : chunk_keys(p);
     SdpaArgs<float> a;
     a.q = View4<const float>(q.data + b * q.strides[0], {1, p.H, p.L, p.E},
                              {q.strides[0], q.strides[1], q.strides[2], q.strides[3]});
