@@ -107,8 +107,11 @@ float hash_value(uint64_t i) {
 void fill_cache(attn::KVCache& cache, const Shape& s) {
   const int64_t block = 1024;
   Tensor<float> k({s.Hkv, block, s.E}), v({s.Hkv, block, s.E});
-  for (int64_t b = 0; b < s.B; ++b)
-    for (int64_t t0 = 0; t0 < s.S; t0 += block) {
+  // The sequences grow together, block by block, as a server's do: in a
+  // paged cache their pages interleave in the pool (one page in B is each
+  // sequence's), not one sequence's pages in a row.
+  for (int64_t t0 = 0; t0 < s.S; t0 += block)
+    for (int64_t b = 0; b < s.B; ++b) {
       const int64_t n = std::min(block, s.S - t0);
       for (size_t i = 0; i < k.size(); ++i) {
         k[i] = hash_value(uint64_t((b * s.S + t0) * s.Hkv * s.E) * 2 + i);

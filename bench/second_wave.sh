@@ -7,8 +7,10 @@
 #
 #   bash bench/second_wave.sh TAG [SECTION ...]
 #
-# SECTION: decode, compare-decode, decode-window, variants, compare-variants,
-# layer, gemm, base (default: all of them, in that order). decode-window is
+# SECTION: decode, decode-paged, compare-decode, decode-window, variants,
+# compare-variants, layer, gemm, base (default: all of them, in that order).
+# decode-paged is the decode section on paged caches (pages of 256 tokens, as
+# FlashAttention's block_table wants, and of 16, vLLM's default). decode-window is
 # sliding-window decoding (a 4096-key window over caches of up to 131072
 # tokens) in attn-decode-bench and against torch and ggml. Raw outputs go to
 # docs/bench/<section>-<date>-TAG.txt, each headed by the machine (CPU model,
@@ -27,7 +29,7 @@ cd "$(dirname "$0")/.."
 tag=${1:?usage: bash bench/second_wave.sh TAG [SECTION ...]}
 shift
 sections=("$@")
-[ ${#sections[@]} -gt 0 ] || sections=(decode compare-decode decode-window variants compare-variants layer gemm base)
+[ ${#sections[@]} -gt 0 ] || sections=(decode decode-paged compare-decode decode-window variants compare-variants layer gemm base)
 BUILD=${BUILD:-build}
 TORCH_PYTHON=${TORCH_PYTHON:-build-py/venv/bin/python}
 GGML_DRIVER=${GGML_DRIVER:-}
@@ -80,6 +82,11 @@ for s in "${sections[@]}"; do
       run decode "$BUILD/bench/attn-decode-bench" --threads "$THREADS" \
         --shapes "$decode_shapes;1,32,8,512,8192,128" \
         --dtypes float32,float16,bfloat16 --min-seconds 0.3 ;;
+    decode-paged)
+      for page in 256 16; do
+        run decode-paged$page "$BUILD/bench/attn-decode-bench" --threads "$THREADS" --page $page --no-dense \
+          --shapes "$decode_shapes;1,32,8,512,8192,128" --dtypes float32,float16,bfloat16 --min-seconds 0.3
+      done ;;
     compare-decode)
       torch_or_skip $s || continue
       run compare-decode "$TORCH_PYTHON" bench/compare_torch.py --decode \
@@ -114,6 +121,6 @@ for s in "${sections[@]}"; do
       torch_or_skip $s || continue
       run compare-torch "$TORCH_PYTHON" bench/compare_torch.py --attn-bench "$BUILD/bench/attn-bench" \
         --lengths 512,1024,2048,4096 --threads 1,2 --reps 3 ;;
-    *) echo "second_wave.sh: unknown section '$s' (decode, compare-decode, decode-window, variants, compare-variants, layer, gemm, base)" >&2; exit 2 ;;
+    *) echo "second_wave.sh: unknown section '$s' (decode, decode-paged, compare-decode, decode-window, variants, compare-variants, layer, gemm, base)" >&2; exit 2 ;;
   esac
 done
