@@ -41,7 +41,9 @@
 //    table, so pages are followed), and so on. While the score loop uses
 //    key j it starts row j + ahead of that stream, and so does the value
 //    loop's first strip, `ahead` being about 8 KiB of rows
-//    (kPrefetchBytes). Only the first row group of a block issues them.
+//    (kPrefetchBytes), or one tile where tiles are shorter (small pages:
+//    the stream a loop sees ends with the next tile). Only the first row
+//    group of a block issues them.
 //    With the cache's huge pages (attn/detail/memory.hpp) the prefetches
 //    nearly doubled the float32 rate from DRAM (figures in docs/decode.md).
 //    Half storage interleaves the values of a tile with the scores of the
@@ -336,6 +338,11 @@ void SoftmaxTile(const Call& c, Scratch& w, int64_t nm, int64_t j0, int64_t nk, 
   const DF d;
   const int64_t N = Lanes();
   const float cap2 = float(c.p->softcap) * kLog2e;
+  // Only the vectors that hold the tile's keys: a short tile (pages of 16
+  // tokens) costs its length, not tilep. Past them every score would be
+  // −inf (a 0 added to the sum, nothing to the max), so the bits are those
+  // of the whole row.
+  const int64_t span = std::min(c.tilep, round_up(nk, N));
   for (int64_t r = 0; r < nm; ++r) {
     float* row = w.s.get() + r * c.tilep;
     const rules::Keys vis = TileKeys(w, r, j0, nk);
@@ -344,7 +351,7 @@ void SoftmaxTile(const Call& c, Scratch& w, int64_t nm, int64_t j0, int64_t nk, 
     // so what lies beside a visible score must be the same on every call
     // (the padding past nk is left over from earlier tiles).
     std::fill(row, row + vis.lo, 0.0f);
-    std::fill(row + vis.hi, row + c.tilep, 0.0f);
+    std::fill(row + vis.hi, row + span, 0.0f);
     // So do the keys the mask or a −inf bias hides: an infinite hidden key
     // does not poison the row either.
     const bool elementwise = !c.p->bias.empty() || !c.p->mask.empty();
@@ -354,9 +361,9 @@ void SoftmaxTile(const Call& c, Scratch& w, int64_t nm, int64_t j0, int64_t nk, 
     // A visible score that is not finite (NaN, or ±inf from an infinite q or
     // k) poisons the row; the vector max would drop a NaN, and the soft-cap
     // would turn ±inf into a plausible ±c.
-    if (AnyNonFinite(row, c.tilep)) nan[r] = 1;
-    if (cap2 > 0) SoftcapTile(row, c.tilep, cap2, nullptr);
-    if (w.slope[size_t(r)] != 0.0f) AlibiLine(row, c.tilep, float(j0 - w.pos[size_t(r)]), w.slope[size_t(r)]);
+    if (AnyNonFinite(row, span)) nan[r] = 1;
+    if (cap2 > 0) SoftcapTile(row, span, cap2, nullptr);
+    if (w.slope[size_t(r)] != 0.0f) AlibiLine(row, span, float(j0 - w.pos[size_t(r)]), w.slope[size_t(r)]);
     // The elementwise rules, in base 2 like the scores: + bias·log2(e), or
     // −inf where the mask or the bias hides the key.
     for (int64_t jj = vis.lo; elementwise && jj < vis.hi; ++jj)
@@ -364,13 +371,13 @@ void SoftmaxTile(const Call& c, Scratch& w, int64_t nm, int64_t j0, int64_t nk, 
                 : c.p->bias.empty()         ? row[jj]
                                             : row[jj] + w.bias[size_t(r)].at(j0 + jj) * kLog2e;
     std::fill(row, row + vis.lo, kNegInf);
-    std::fill(row + vis.hi, row + c.tilep, kNegInf);
+    std::fill(row + vis.hi, row + span, kNegInf);
     VF vmax = hn::Set(d, kNegInf);
-    for (int64_t jj = 0; jj < c.tilep; jj += N) vmax = hn::Max(vmax, hn::Load(d, row + jj));
+    for (int64_t jj = 0; jj < span; jj += N) vmax = hn::Max(vmax, hn::Load(d, row + jj));
     const os::Step<float> step = os::begin_tile<os::Base2>(st[r], hn::GetLane(hn::MaxOfLanes(d, vmax)));
     const VF shift = hn::Set(d, step.shift);
     VF sum = hn::Zero(d);
-    for (int64_t jj = 0; jj < c.tilep; jj += N) {
+    for (int64_t jj = 0; jj < span; jj += N) {
       const VF pj = Exp2Softmax(d, hn::Sub(hn::Load(d, row + jj), shift));  // 0 where masked
       hn::Store(pj, d, row + jj);
       sum = hn::Add(sum, pj);
@@ -476,10 +483,10 @@ void ChunkT(const Call& c, Scratch& w, const Unit& u, float* acc, os::State<floa
     for (int64_t b0 = 0; b0 < std::max(t.nk, next.nk); b0 += kInterleaveKeys) {
       if (b0 < next.nk)
         ScoreTile(c, w, u.nm, next.k + b0 * krow, krow, std::min(kInterleaveKeys, next.nk - b0), w.s2.get() + b0,
-                  RowPrefetch{k_rows(next, b0), k_rows(after, 0), ahead});
+                  RowPrefetch{k_rows(next, b0), k_rows(after, 0), std::min(ahead, next.nk)});
       if (b0 < t.nk)
         ValueTile(c, w, u.nm, w.s.get() + b0, t.v + b0 * vrow, vrow, j0 + b0, std::min(kInterleaveKeys, t.nk - b0),
-                  acc, RowPrefetch{v_rows(t, b0), v_rows(next, 0), ahead});
+                  acc, RowPrefetch{v_rows(t, b0), v_rows(next, 0), std::min(ahead, t.nk)});
     }
     std::swap(w.s, w.s2);
     j0 += t.nk;
