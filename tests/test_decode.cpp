@@ -112,6 +112,45 @@ TEST(Decode, HalfStorageGivesTheFloat32BitsOnRoundedValues) {
       }
 }
 
+// A tile is the same run of keys whatever the layout: in a paged cache it
+// gathers the page runs it spans (up to kMaxRuns of them), so pages of 9
+// tokens or more give the contiguous cache's bits, in every storage type,
+// with the score rules, several chunks and sequences of different lengths.
+TEST(Decode, PagedCachesGiveTheContiguousBits) {
+  std::mt19937_64 rng(14);
+  for (const KVDtype t : {KVDtype::float32, KVDtype::float16, KVDtype::bfloat16})
+    for (const int64_t page : {int64_t(9), int64_t(16), int64_t(48), int64_t(100), int64_t(256)}) {
+      DecodeCase c;
+      c.B = 3, c.H = 8, c.Hkv = 2, c.L = page % 2 ? 3 : 1, c.E = 64, c.Ev = 40, c.dtype = t;
+      c.lens = {1500, 0, 333};  // 1500: several chunks; an empty sequence
+      if (page == 100) {
+        c.window.left = 700, c.softcap = 3.0;
+        for (int64_t h = 0; h < c.H; ++h) c.sinks.push_back(0.3f * float(h)), c.slopes.push_back(0.01f * float(h + 1));
+      }
+      SCOPED_TRACE(c.str() + " page " + std::to_string(page));
+      const Filled contiguous = fill(c, rng);
+      DecodeCase cp = c;
+      cp.page = page;
+      KVCache paged(config_of(cp));
+      for (int64_t b = 0; b < c.B; ++b) {
+        const int64_t n = c.lens[size_t(b)];
+        if (n == 0) continue;
+        // The stored values of the contiguous cache (rounded already), appended in pieces.
+        for (int64_t t0 = 0; t0 < n; t0 += 77) {
+          const int64_t m = std::min<int64_t>(77, n - t0);
+          paged.append(b, View3<const float>(contiguous.k[size_t(b)].data() + t0 * c.E, {c.Hkv, m, c.E}, {n * c.E, c.E, 1}),
+                       View3<const float>(contiguous.v[size_t(b)].data() + t0 * c.Ev, {c.Hkv, m, c.Ev}, {n * c.Ev, c.Ev, 1}));
+        }
+      }
+      DecodeOptions o;
+      o.num_threads = 2;
+      const Result a = run(c, contiguous, o), b = run_on(cp, paged, contiguous.q, o);
+      expect_matches_oracle(c, contiguous, a);
+      EXPECT_TRUE(bitwise_equal(a.out, b.out));
+      EXPECT_TRUE(bitwise_equal(a.lse, b.lse));
+    }
+}
+
 // The chunks are fixed by the shape and merged in one order, so neither the
 // thread count nor running the chunks of a sequence in parallel changes a bit.
 TEST(Decode, BitwiseSameForAnyThreadCountSplitOrNot) {

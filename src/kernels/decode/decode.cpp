@@ -19,9 +19,11 @@
 //    a function of the shape only (decode_plan), and the same chunks are
 //    merged in the same order whether they ran on one thread or many, so the
 //    result is bitwise the same for any thread count, split or not.
-//  * Tiles. A chunk is walked in tiles of at most `tile` keys that never
-//    cross a page, so a tile of one head is one contiguous run of
-//    tile·E (and tile·Ev) elements. Scores of a tile: a register block of
+//  * Tiles. A chunk is walked in tiles of `tile` keys (fewer at its end),
+//    whatever the layout: a tile of one head is one contiguous run of
+//    tile·E (and tile·Ev) elements, or in a paged cache the runs of the
+//    pages it spans (at most kMaxRuns), so paged and contiguous caches give
+//    the same bits and small pages do not make short tiles. Scores: a register block of
 //    up to 4 rows × 2 keys, E accumulated in vectors (the key vector is
 //    converted once and used by the 4 rows), the 8 sums reduced across lanes
 //    together by a transposing tree at the end; then the online-softmax step per row (in base 2: the queries are
@@ -56,14 +58,8 @@
 //    widened values, so a half-precision cache gives the float32 call's
 //    result on the rounded values, bit for bit. Queries
 //    stay float32: products are float32 × (exactly widened) stored values,
-//    the contract "exact for the stored precision". A native bf16 dot
-//    (AVX512_BF16 vdpbf16ps) would need q rounded to bf16, which breaks
-//    that contract, or q split into three bf16 parts (three instructions
-//    per pair of vectors, with the instruction's flush of denormals to
-//    zero); and the Highway the build uses (1.0.3) has no target that
-//    emits it (its bf16 ReorderWidenMulAccumulate widens like this code).
-//    Decoding is bound by the bytes read, which bf16 storage halves either
-//    way, so every target widens.
+//    the contract "exact for the stored precision"; a native bf16 dot
+//    (vdpbf16ps) would round q, so every target widens (docs/decode.md).
 //
 // NaN, the rule of the dense call: keys a row does not see never touch it;
 // a visible key with NaN/inf in its q, k or v row poisons the row (output
@@ -85,6 +81,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -103,45 +100,7 @@
 #include "kernels/decode/vectors-inl.h"
 #include "kernels/decode/blocks-inl.h"
 
-#ifndef ATTN_DECODE_COMMON_ONCE
-#define ATTN_DECODE_COMMON_ONCE
-namespace attn::detail::decode_common {
-
-constexpr float kLog2e = 1.44269504088896341f;
-constexpr float kLn2 = 0.693147180559945309f;
-// How far ahead of the rows in use the software prefetches run, in bytes of
-// K/V rows (docs/decode.md, "Prefetch distance"): on Zen 4, 6-8 KiB took
-// 5-15% less time than a whole tile ahead at G = 4 and the same at G = 1.
-constexpr int64_t kPrefetchBytes = 8192;
-// Keys of each loop in turn when half storage interleaves the values of a
-// tile with the scores of the next (docs/decode.md, "Interleaved tiles").
-constexpr int64_t kInterleaveKeys = 16;
-
-// One chunk of keys [c0, c1) for query rows [m0, m0 + nm) of (b, hk);
-// first: the block's first chunk (the one whose softmax starts at the sinks).
-struct Unit {
-  int64_t b, hk, m0, nm, c0, c1;
-  bool first;
-};
-// The chunks of one row block: units [first, first + count); when count > 1
-// their partials live in slots [slot, slot + count).
-struct Block {
-  int64_t first, count, slot;
-};
-
-// Everything the units of one call share.
-struct Call {
-  const DecodeProblem* p;
-  const KVLayout* kv;
-  View4<const float> q;
-  View4<float> out;
-  View3<float> lse;
-  DecodePlan plan;
-  int64_t Ep, Evp, tilep;
-};
-
-}  // namespace attn::detail::decode_common
-#endif
+#include "kernels/decode/call.hpp"
 
 HWY_BEFORE_NAMESPACE();
 namespace attn::detail {
@@ -149,56 +108,6 @@ namespace HWY_NAMESPACE {
 namespace {
 
 using namespace decode_common;  // hn, os, DF, VF come with simd-inl.h
-
-// ---- per-thread scratch ------------------------------------------------------
-//   q    [rows × Ep]     the block's queries × scale·log2(e), zero padded
-//   s    [rows × tilep]  scores of a tile → probabilities
-//   s2   [rows × tilep]  the next tile's scores, while the values of a tile
-//                        run (half storage interleaves the two)
-//   acc  [rows × Evp]    accumulator of a chunk that is finalised directly
-//   begin, end [rows]    the keys [begin, end) each row sees
-//   pos  [rows]          each row's position (ALiBi's distances)
-//   slope [rows]         each row's ALiBi slope × log2(e) (0: none)
-//   mask, bias [rows]    each row's line of the elementwise mask and bias
-//   holes [rows]         the tile has a key in the row's range that the mask
-//                        or a −inf bias hides (its value loop skips it)
-//   kt, vt [tile × E|Ev] a tile's K and V rows gathered contiguous, when the
-//                        features are not (a dense view with feature
-//                        strides != 1), in the storage type (4 bytes each
-//                        allocated, enough for any)
-//   st, nan [rows]       online-softmax state and NaN flag (direct chunks)
-struct Scratch {
-  hwy::AlignedFreeUniquePtr<float[]> q, s, s2, acc;
-  std::vector<int64_t> begin, end, pos;
-  std::vector<float> slope;
-  std::vector<rules::Line<bool>> mask;
-  std::vector<rules::Line<float>> bias;
-  std::vector<uint8_t> holes;
-  hwy::AlignedFreeUniquePtr<uint8_t[]> kt, vt;
-  std::vector<os::State<float>> st;
-  std::vector<uint8_t> nan;
-  explicit Scratch(const Call& c) {
-    const int64_t rows = c.plan.rows;
-    q = hwy::AllocateAligned<float>(size_t(rows * c.Ep));
-    s = hwy::AllocateAligned<float>(size_t(rows * c.tilep));
-    s2 = hwy::AllocateAligned<float>(size_t(rows * c.tilep));
-    acc = hwy::AllocateAligned<float>(size_t(rows * c.Evp));
-    std::fill(q.get(), q.get() + rows * c.Ep, 0.0f);
-    begin.resize(size_t(rows));
-    end.resize(size_t(rows));
-    pos.resize(size_t(rows));
-    slope.resize(size_t(rows));
-    mask.resize(size_t(rows));
-    bias.resize(size_t(rows));
-    holes.resize(size_t(rows));
-    if (c.kv->k_elem != 1 || c.kv->v_elem != 1) {  // float32 slots hold any storage type's rows
-      kt = hwy::AllocateAligned<uint8_t>(size_t(c.plan.tile * c.p->E) * 4);
-      vt = hwy::AllocateAligned<uint8_t>(size_t(c.plan.tile * c.p->Ev) * 4);
-    }
-    st.resize(size_t(rows));
-    nan.resize(size_t(rows));
-  }
-};
 
 // ---- scores of a tile (the register blocks are in blocks-inl.h) -------------
 
@@ -403,98 +312,161 @@ void ChunkT(const Call& c, Scratch& w, const Unit& u, float* acc, os::State<floa
   const int64_t kend = std::min(u.c1, w.end[size_t(u.nm - 1)]);  // rows are in query order
   const T* kbase = static_cast<const T*>(kv.k);
   const T* vbase = static_cast<const T*>(kv.v);
-  // The tile of keys from j0: its K and V rows and its length.
-  struct Tile {
+  // The tile of keys from j0: up to plan.tile keys in up to kMaxRuns runs,
+  // each run the keys of one page (contiguous K rows, contiguous V rows),
+  // `off` its first key in the tile. A contiguous layout gives one run.
+  struct Run {
     const T *k, *v;
-    int64_t nk;
+    int64_t off, nk;
+  };
+  struct Tile {
+    std::array<Run, kMaxRuns> run;
+    int nr = 0;
+    int64_t nk = 0;
   };
   const auto tile_at = [&](int64_t j0) {
-    const int64_t slot = j0 / kv.page_size, off = j0 % kv.page_size;
-    const int64_t page = kv.table ? kv.table[u.b * kv.table_stride + slot] : u.b;
-    return Tile{kbase + page * kv.k_page + u.hk * kv.k_head + off * kv.k_row,
-                vbase + page * kv.v_page + u.hk * kv.v_head + off * kv.v_row,
-                std::min({c.plan.tile, kend - j0, kv.page_size - off})};
-  };
-  // A tile's rows with their features gathered contiguous (a dense view
-  // whose features are strided): the kernel then reads the same values in
-  // the same order, so the layout does not change a bit of the result.
-  const auto gather = [&](const Tile& src) {
-    T* kd = reinterpret_cast<T*>(w.kt.get());
-    T* vd = reinterpret_cast<T*>(w.vt.get());
-    const int64_t E = c.p->E, Ev = c.p->Ev;
-    for (int64_t j = 0; j < src.nk; ++j) {
-      for (int64_t e = 0; e < E; ++e) kd[j * E + e] = src.k[j * kv.k_row + e * kv.k_elem];
-      for (int64_t e = 0; e < Ev; ++e) vd[j * Ev + e] = src.v[j * kv.v_row + e * kv.v_elem];
+    Tile x;
+    for (int64_t j = j0; j < kend && x.nk < c.plan.tile && x.nr < kMaxRuns;) {
+      const int64_t slot = j / kv.page_size, off = j % kv.page_size;
+      const int64_t page = kv.table ? kv.table[u.b * kv.table_stride + slot] : u.b;
+      const int64_t n = std::min({c.plan.tile - x.nk, kend - j, kv.page_size - off});
+      x.run[size_t(x.nr++)] = Run{kbase + page * kv.k_page + u.hk * kv.k_head + off * kv.k_row,
+                                  vbase + page * kv.v_page + u.hk * kv.v_head + off * kv.v_row, x.nk, n};
+      x.nk += n, j += n;
     }
-    return Tile{kd, vd, src.nk};
+    return x;
   };
   const int64_t E = c.p->E, Ev = c.p->Ev, krow = kv.k_row, vrow = kv.v_row;
-  const auto next_tile = [&](int64_t j0, const Tile& x) { return j0 + x.nk < kend ? tile_at(j0 + x.nk) : Tile{nullptr, nullptr, 0}; };
-  const auto k_rows = [&](const Tile& x, int64_t from) { return x.nk > from ? RowsOf(x.k + from * krow, krow, E, x.nk - from) : RowPrefetch::Segment{}; };
-  const auto v_rows = [&](const Tile& x, int64_t from) { return x.nk > from ? RowsOf(x.v + from * vrow, vrow, Ev, x.nk - from) : RowPrefetch::Segment{}; };
-  Tile t = u.c0 < kend ? tile_at(u.c0) : Tile{nullptr, nullptr, 0};
+  const auto next_tile = [&](int64_t j0, const Tile& x) { return j0 + x.nk < kend ? tile_at(j0 + x.nk) : Tile{}; };
+  const auto k_rows = [&](const Run& x, int64_t from) { return x.nk > from ? RowsOf(x.k + from * krow, krow, E, x.nk - from) : RowPrefetch::Segment{}; };
+  const auto v_rows = [&](const Run& x, int64_t from) { return x.nk > from ? RowsOf(x.v + from * vrow, vrow, Ev, x.nk - from) : RowPrefetch::Segment{}; };
+  // The first run of a tile (none: an empty run, which no stream follows).
+  const auto first = [](const Tile& x) { return x.nr > 0 ? x.run[0] : Run{nullptr, nullptr, 0, 0}; };
+  Tile t = u.c0 < kend ? tile_at(u.c0) : Tile{};
   if (kv.k_elem != 1 || kv.v_elem != 1) {  // strided features: each tile's rows gathered, then as usual
+    // A tile's rows with their features gathered contiguous (a dense view
+    // whose features are strided): the kernel then reads the same values in
+    // the same order, so the layout does not change a bit of the result.
+    T* kd = reinterpret_cast<T*>(w.kt.get());
+    T* vd = reinterpret_cast<T*>(w.vt.get());
     for (int64_t j0 = u.c0; j0 < kend;) {
-      const Tile next = next_tile(j0, t), g = gather(t);
-      ScoreTile(c, w, u.nm, g.k, E, g.nk, w.s.get(), RowPrefetch{});
+      const Tile next = next_tile(j0, t);
+      for (int i = 0; i < t.nr; ++i) {
+        const Run& x = t.run[size_t(i)];
+        for (int64_t j = 0; j < x.nk; ++j) {
+          for (int64_t e = 0; e < E; ++e) kd[(x.off + j) * E + e] = x.k[j * kv.k_row + e * kv.k_elem];
+          for (int64_t e = 0; e < Ev; ++e) vd[(x.off + j) * Ev + e] = x.v[j * kv.v_row + e * kv.v_elem];
+        }
+      }
+      ScoreTile(c, w, u.nm, kd, E, t.nk, w.s.get(), RowPrefetch{});
       SoftmaxTile(c, w, u.nm, j0, t.nk, acc, st, nan);
-      ValueTile(c, w, u.nm, w.s.get(), g.v, Ev, j0, g.nk, acc, RowPrefetch{});
+      ValueTile(c, w, u.nm, w.s.get(), vd, Ev, j0, t.nk, acc, RowPrefetch{});
       j0 += t.nk;
       t = next;
     }
     return;
   }
   // The loops start loading rows about kPrefetchBytes ahead of the row they
-  // use (a short tile runs as far ahead as it is long), first the rows of
-  // the chunk's first tile that no earlier loop started.
+  // use, along a stream of the rows they read next (a short run runs as far
+  // ahead as it is long), first the rows of the chunk's first tile that no
+  // earlier loop started.
   const int64_t ahead = ceil_div(kPrefetchBytes, std::max({E, Ev, int64_t(1)}) * int64_t(sizeof(T)));
-  RowPrefetch{k_rows(t, 0), {}, 0}.rows(0, std::min(t.nk, ahead));
+  RowPrefetch{k_rows(first(t), 0), {}, 0}.rows(0, std::min(first(t).nk, ahead));
   if constexpr (sizeof(T) == 4) {
-    // float32: the scores of a tile, then its values. The stream is K and V
-    // of a tile, then K and V of the next: the score loop runs ahead into
-    // the tile's V rows, the value loop's first pass into the next K rows.
+    // float32: the scores of a tile, then its values, run by run. The stream
+    // is K of each run, then V of each, then K of the next tile: each loop
+    // runs ahead into the rows the next one reads.
     for (int64_t j0 = u.c0; j0 < kend;) {
       const Tile next = next_tile(j0, t);
-      const int64_t a = std::min(t.nk, ahead);
-      ScoreTile(c, w, u.nm, t.k, krow, t.nk, w.s.get(), RowPrefetch{k_rows(t, 0), v_rows(t, 0), a});
+      for (int i = 0; i < t.nr; ++i) {
+        const Run& x = t.run[size_t(i)];
+        const auto then = i + 1 < t.nr ? k_rows(t.run[size_t(i + 1)], 0) : v_rows(t.run[0], 0);
+        ScoreTile(c, w, u.nm, x.k, krow, x.nk, w.s.get() + x.off, RowPrefetch{k_rows(x, 0), then, std::min(x.nk, ahead)});
+      }
       SoftmaxTile(c, w, u.nm, j0, t.nk, acc, st, nan);
-      ValueTile(c, w, u.nm, w.s.get(), t.v, vrow, j0, t.nk, acc, RowPrefetch{v_rows(t, 0), k_rows(next, 0), a});
+      for (int i = 0; i < t.nr; ++i) {
+        const Run& x = t.run[size_t(i)];
+        const auto then = i + 1 < t.nr ? v_rows(t.run[size_t(i + 1)], 0) : k_rows(first(next), 0);
+        ValueTile(c, w, u.nm, w.s.get() + x.off, x.v, vrow, j0 + x.off, x.nk, acc,
+                  RowPrefetch{v_rows(x, 0), then, std::min(x.nk, ahead)});
+      }
       j0 += t.nk;
       t = next;
     }
     return;
   }
   // Half storage: the values of a tile interleaved with the scores of the
-  // next, kInterleaveKeys keys of each in turn, so the K and V rows are read
-  // as two steady streams rather than in bursts (the value loop, widening
-  // each row once for 4 query rows, reads its rows several times faster
-  // than the score loop). Each stream runs about kPrefetchBytes ahead. The
-  // next tile's softmax waits for this tile's values (it rescales acc), and
-  // every output element still sums its keys in order: the float32 loop's
-  // bits on the widened values (docs/decode.md, "Interleaved tiles").
+  // next, a piece of at most kInterleaveKeys keys of each in turn (pieces cut
+  // from the start of each run), so the K and V rows are read as two steady
+  // streams rather than in bursts (the value loop, widening each row once
+  // for 4 query rows, reads its rows several times faster than the score
+  // loop). Each stream runs about kPrefetchBytes ahead. The next tile's
+  // softmax waits for this tile's values (it rescales acc), and every output
+  // element still sums its keys in order, and every score is the float32
+  // loop's (its run is cut at even offsets, so its keys pair the same way):
+  // the float32 loop's bits on the widened values (docs/decode.md,
+  // "Interleaved tiles").
   if (t.nk == 0) return;
-  ScoreTile(c, w, u.nm, t.k, krow, t.nk, w.s.get(), RowPrefetch{k_rows(t, 0), v_rows(t, 0), std::min(t.nk, ahead)});
-  SoftmaxTile(c, w, u.nm, u.c0, t.nk, acc, st, nan);
+  struct Piece {
+    int run;
+    int64_t from, nk;  // keys [from, from + nk) of the run
+  };
+  const auto pieces = [](const Tile& x, std::vector<Piece>& out) {
+    out.clear();
+    for (int i = 0; i < x.nr; ++i)
+      for (int64_t b = 0; b < x.run[size_t(i)].nk; b += kInterleaveKeys)
+        out.push_back({i, b, std::min(kInterleaveKeys, x.run[size_t(i)].nk - b)});
+  };
+  // The stream after piece p of tile x: the rest of its run, then the next
+  // run of x, or the first run of `then` after x's last run.
+  const auto k_stream = [&](const Tile& x, const Piece& p, const Tile& then) {
+    const Run& r = x.run[size_t(p.run)];
+    return RowPrefetch{k_rows(r, p.from), k_rows(p.run + 1 < x.nr ? x.run[size_t(p.run + 1)] : first(then), 0),
+                       std::min(ahead, r.nk)};
+  };
+  const auto v_stream = [&](const Tile& x, const Piece& p, const Tile& then) {
+    const Run& r = x.run[size_t(p.run)];
+    return RowPrefetch{v_rows(r, p.from), v_rows(p.run + 1 < x.nr ? x.run[size_t(p.run + 1)] : first(then), 0),
+                       std::min(ahead, r.nk)};
+  };
+  std::vector<Piece> pt, pn;
   Tile next = next_tile(u.c0, t);
-  RowPrefetch{k_rows(next, 0), {}, 0}.rows(0, std::min(next.nk, ahead));
+  pieces(t, pt);
+  for (const Piece& p : pt) {
+    const Run& r = t.run[size_t(p.run)];
+    ScoreTile(c, w, u.nm, r.k + p.from * krow, krow, p.nk, w.s.get() + r.off + p.from, k_stream(t, p, next));
+  }
+  SoftmaxTile(c, w, u.nm, u.c0, t.nk, acc, st, nan);
+  RowPrefetch{k_rows(first(next), 0), {}, 0}.rows(0, std::min(first(next).nk, ahead));
   int64_t j0 = u.c0;
   while (next.nk > 0) {
     const Tile after = next_tile(j0 + t.nk, next);
-    for (int64_t b0 = 0; b0 < std::max(t.nk, next.nk); b0 += kInterleaveKeys) {
-      if (b0 < next.nk)
-        ScoreTile(c, w, u.nm, next.k + b0 * krow, krow, std::min(kInterleaveKeys, next.nk - b0), w.s2.get() + b0,
-                  RowPrefetch{k_rows(next, b0), k_rows(after, 0), std::min(ahead, next.nk)});
-      if (b0 < t.nk)
-        ValueTile(c, w, u.nm, w.s.get() + b0, t.v + b0 * vrow, vrow, j0 + b0, std::min(kInterleaveKeys, t.nk - b0),
-                  acc, RowPrefetch{v_rows(t, b0), v_rows(next, 0), std::min(ahead, t.nk)});
+    pieces(next, pn);
+    for (size_t i = 0; i < std::max(pt.size(), pn.size()); ++i) {
+      if (i < pn.size()) {
+        const Piece& p = pn[i];
+        const Run& r = next.run[size_t(p.run)];
+        ScoreTile(c, w, u.nm, r.k + p.from * krow, krow, p.nk, w.s2.get() + r.off + p.from, k_stream(next, p, after));
+      }
+      if (i < pt.size()) {
+        const Piece& p = pt[i];
+        const Run& r = t.run[size_t(p.run)];
+        ValueTile(c, w, u.nm, w.s.get() + r.off + p.from, r.v + p.from * vrow, vrow, j0 + r.off + p.from, p.nk, acc,
+                  v_stream(t, p, next));
+      }
     }
     std::swap(w.s, w.s2);
     j0 += t.nk;
     SoftmaxTile(c, w, u.nm, j0, next.nk, acc, st, nan);
     t = next;
     next = after;
+    std::swap(pt, pn);
   }
-  ValueTile(c, w, u.nm, w.s.get(), t.v, vrow, j0, t.nk, acc, RowPrefetch{v_rows(t, 0), {}, std::min(t.nk, ahead)});
+  for (const Piece& p : pt) {
+    const Run& r = t.run[size_t(p.run)];
+    ValueTile(c, w, u.nm, w.s.get() + r.off + p.from, r.v + p.from * vrow, vrow, j0 + r.off + p.from, p.nk, acc,
+              v_stream(t, p, Tile{}));
+  }
 }
 
 void Chunk(const Call& c, Scratch& w, const Unit& u, float* acc, os::State<float>* st, uint8_t* nan) {

@@ -1,0 +1,104 @@
+// The decode kernel's target-independent parts (src/kernels/decode/decode.cpp
+// compiles once per SIMD target and includes this once): its constants, the
+// units a call is cut into, what the units share, and each thread's scratch.
+#pragma once
+
+#include <hwy/aligned_allocator.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "kernels/decode/decode.hpp"
+#include "kernels/fused/online_softmax.hpp"
+#include "kernels/score_rules.hpp"
+
+namespace attn::detail::decode_common {
+
+constexpr float kLog2e = 1.44269504088896341f;
+constexpr float kLn2 = 0.693147180559945309f;
+// How far ahead of the rows in use the software prefetches run, in bytes of
+// K/V rows (docs/decode.md, "Prefetch distance"): on Zen 4, 6-8 KiB took
+// 5-15% less time than a whole tile ahead at G = 4 and the same at G = 1.
+constexpr int64_t kPrefetchBytes = 8192;
+// Keys of each loop in turn when half storage interleaves the values of a
+// tile with the scores of the next (docs/decode.md, "Interleaved tiles").
+constexpr int64_t kInterleaveKeys = 16;
+// Page runs per tile at most (pages of 16 tokens: 8 in a tile of 128 keys;
+// smaller pages make shorter tiles).
+constexpr int kMaxRuns = 16;
+
+// One chunk of keys [c0, c1) for query rows [m0, m0 + nm) of (b, hk);
+// first: the block's first chunk (the one whose softmax starts at the sinks).
+struct Unit {
+  int64_t b, hk, m0, nm, c0, c1;
+  bool first;
+};
+// The chunks of one row block: units [first, first + count); when count > 1
+// their partials live in slots [slot, slot + count).
+struct Block {
+  int64_t first, count, slot;
+};
+
+// Everything the units of one call share.
+struct Call {
+  const DecodeProblem* p;
+  const KVLayout* kv;
+  View4<const float> q;
+  View4<float> out;
+  View3<float> lse;
+  DecodePlan plan;
+  int64_t Ep, Evp, tilep;
+};
+
+// ---- per-thread scratch ------------------------------------------------------
+//   q    [rows × Ep]     the block's queries × scale·log2(e), zero padded
+//   s    [rows × tilep]  scores of a tile → probabilities
+//   s2   [rows × tilep]  the next tile's scores, while the values of a tile
+//                        run (half storage interleaves the two)
+//   acc  [rows × Evp]    accumulator of a chunk that is finalised directly
+//   begin, end [rows]    the keys [begin, end) each row sees
+//   pos  [rows]          each row's position (ALiBi's distances)
+//   slope [rows]         each row's ALiBi slope × log2(e) (0: none)
+//   mask, bias [rows]    each row's line of the elementwise mask and bias
+//   holes [rows]         the tile has a key in the row's range that the mask
+//                        or a −inf bias hides (its value loop skips it)
+//   kt, vt [tile × E|Ev] a tile's K and V rows gathered contiguous, when the
+//                        features are not (a dense view with feature
+//                        strides != 1), in the storage type (4 bytes each
+//                        allocated, enough for any)
+//   st, nan [rows]       online-softmax state and NaN flag (direct chunks)
+struct Scratch {
+  hwy::AlignedFreeUniquePtr<float[]> q, s, s2, acc;
+  std::vector<int64_t> begin, end, pos;
+  std::vector<float> slope;
+  std::vector<rules::Line<bool>> mask;
+  std::vector<rules::Line<float>> bias;
+  std::vector<uint8_t> holes;
+  hwy::AlignedFreeUniquePtr<uint8_t[]> kt, vt;
+  std::vector<online_softmax::State<float>> st;
+  std::vector<uint8_t> nan;
+  explicit Scratch(const Call& c) {
+    const int64_t rows = c.plan.rows;
+    q = hwy::AllocateAligned<float>(size_t(rows * c.Ep));
+    s = hwy::AllocateAligned<float>(size_t(rows * c.tilep));
+    s2 = hwy::AllocateAligned<float>(size_t(rows * c.tilep));
+    acc = hwy::AllocateAligned<float>(size_t(rows * c.Evp));
+    std::fill(q.get(), q.get() + rows * c.Ep, 0.0f);
+    begin.resize(size_t(rows));
+    end.resize(size_t(rows));
+    pos.resize(size_t(rows));
+    slope.resize(size_t(rows));
+    mask.resize(size_t(rows));
+    bias.resize(size_t(rows));
+    holes.resize(size_t(rows));
+    if (c.kv->k_elem != 1 || c.kv->v_elem != 1) {  // float32 slots hold any storage type's rows
+      kt = hwy::AllocateAligned<uint8_t>(size_t(c.plan.tile * c.p->E) * 4);
+      vt = hwy::AllocateAligned<uint8_t>(size_t(c.plan.tile * c.p->Ev) * 4);
+    }
+    st.resize(size_t(rows));
+    nan.resize(size_t(rows));
+  }
+};
+
+}  // namespace attn::detail::decode_common
