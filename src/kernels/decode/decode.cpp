@@ -372,17 +372,22 @@ void ChunkT(const Call& c, Scratch& w, const Unit& u, float* acc, os::State<floa
   // earlier loop started.
   const int64_t ahead = ceil_div(kPrefetchBytes, std::max({E, Ev, int64_t(1)}) * int64_t(sizeof(T)));
   RowPrefetch{k_rows(first(t), 0), {}, 0}.rows(0, std::min(first(t).nk, ahead));
+  // The scores of a whole tile into w.s, run by run; the stream is K of each
+  // run, then V of the first: the loop runs ahead into the rows the value
+  // loop reads next.
+  const auto score_tile = [&](const Tile& x) {
+    for (int i = 0; i < x.nr; ++i) {
+      const Run& r = x.run[size_t(i)];
+      const auto then = i + 1 < x.nr ? k_rows(x.run[size_t(i + 1)], 0) : v_rows(x.run[0], 0);
+      ScoreTile(c, w, u.nm, r.k, krow, r.nk, w.s.get() + r.off, RowPrefetch{k_rows(r, 0), then, std::min(r.nk, ahead)});
+    }
+  };
   if constexpr (sizeof(T) == 4) {
-    // float32: the scores of a tile, then its values, run by run. The stream
-    // is K of each run, then V of each, then K of the next tile: each loop
-    // runs ahead into the rows the next one reads.
+    // float32: the scores of a tile, then its values, run by run; the value
+    // loop's stream is V of each run, then K of the next tile.
     for (int64_t j0 = u.c0; j0 < kend;) {
       const Tile next = next_tile(j0, t);
-      for (int i = 0; i < t.nr; ++i) {
-        const Run& x = t.run[size_t(i)];
-        const auto then = i + 1 < t.nr ? k_rows(t.run[size_t(i + 1)], 0) : v_rows(t.run[0], 0);
-        ScoreTile(c, w, u.nm, x.k, krow, x.nk, w.s.get() + x.off, RowPrefetch{k_rows(x, 0), then, std::min(x.nk, ahead)});
-      }
+      score_tile(t);
       SoftmaxTile(c, w, u.nm, j0, t.nk, acc, st, nan);
       for (int i = 0; i < t.nr; ++i) {
         const Run& x = t.run[size_t(i)];
@@ -432,10 +437,7 @@ void ChunkT(const Call& c, Scratch& w, const Unit& u, float* acc, os::State<floa
   std::vector<Piece> pt, pn;
   Tile next = next_tile(u.c0, t);
   pieces(t, pt);
-  for (const Piece& p : pt) {
-    const Run& r = t.run[size_t(p.run)];
-    ScoreTile(c, w, u.nm, r.k + p.from * krow, krow, p.nk, w.s.get() + r.off + p.from, k_stream(t, p, next));
-  }
+  score_tile(t);  // the first tile's scores as the float32 loop's (nothing to interleave with)
   SoftmaxTile(c, w, u.nm, u.c0, t.nk, acc, st, nan);
   RowPrefetch{k_rows(first(next), 0), {}, 0}.rows(0, std::min(first(next).nk, ahead));
   int64_t j0 = u.c0;

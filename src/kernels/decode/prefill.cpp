@@ -46,7 +46,7 @@ namespace {
 // (a multiple of 1024, at least 1024) where the widened K and V of 4096
 // keys would pass kScratchBytes. Longer chunks keep the fused kernel's
 // speed (on Zen 5, L = 512 over S = 8192 float16 with Hkv = 8, E = 128 ran
-// at 0.91× the float32 cache's speed in chunks of 1024 keys, 0.99× in
+// at 0.91× the float32 cache's speed in chunks of 1024 keys, 0.95-0.99× in
 // chunks of 4096); the bound keeps the scratch small where heads are many
 // and wide (Hkv = 32, E = Ev = 128: 1024 keys, 32 MiB).
 constexpr int64_t kChunkStep = 1024, kChunkMax = 4096;
