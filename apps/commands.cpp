@@ -153,7 +153,7 @@ void run_sdpa_typed(const SdpaOpts& o, const SdpaPaths& paths, const io::Array<d
   View3<R> lv;
   try {
     // Validates the inputs before any output is allocated.
-    used = resolve_backend(args, opt, !o.weights.empty());
+    used = resolve_backend(args, opt);
     out.resize(output_elements<R>({B, H, L, Ev}, "--out", "B x H x L x Ev"));
     if (!o.weights.empty()) {
       w.resize(output_elements<R>({B, H, L, S}, "--weights", "B x H x L x S"));

@@ -56,7 +56,7 @@ void run_generate(const GenerateOpts& o) {
     throw UsageError("attn generate: the checkpoint's model is not causal (every position sees later ones), so it "
                      "cannot decode one token at a time; train with --causal");
   if (o.batch < 1 || o.batch > 4096) throw UsageError(fmt::format("attn generate: --batch {} is outside 1..4096", o.batch));
-  const KVDtype dtype = parse_kv_dtype(o.cache_dtype);
+  const Dtype dtype = parse_dtype(o.cache_dtype);
   nn::Transformer<float> model(mc);
   const int64_t step = nn::load_training_checkpoint<float>(o.checkpoint, model, nullptr);
   const nn::Task task(c.task);
@@ -119,7 +119,7 @@ void run_generate(const GenerateOpts& o) {
   const int64_t steps = N - first;
 
   fmt::print("{} (step {}): {} layers, D = {}, {} heads, {} positions; cache {}{}\n", o.checkpoint, step, mc.layers,
-             mc.dim, mc.heads, nn::positions_name(mc.positions), kv_dtype_name(dtype),
+             mc.dim, mc.heads, nn::positions_name(mc.positions), dtype_name(dtype),
              o.page ? fmt::format(", paged ({} tokens/page)", o.page) : std::string());
   int64_t right = 0, scored = 0;
   for (int64_t b = 0; b < std::min<int64_t>(B, std::max<int64_t>(o.examples, 1)); ++b) {

@@ -87,7 +87,7 @@ void speed(const TourOpts& o) {
     SdpaOptions so;
     so.backend = Backend::fused;
     try {
-      (void)resolve_backend(a, so, false);
+      (void)resolve_backend(a, so);
       backends.push_back(Backend::fused);
     } catch (const Error& e) {
       fmt::print("  fused backend unavailable here ({})\n", e.what());

@@ -66,10 +66,18 @@
 
 namespace {
 
-using attn::KVDtype;
+using attn::Dtype;
 using attn::Tensor;
 using attn::View3;
 using attn::View4;
+
+// The arguments of decode_attention: q over `cache`, no rule operands.
+attn::DecodeArgs decode_args(const Tensor<float>& q, const attn::KVCache& cache) {
+  attn::DecodeArgs a;
+  a.q = q.view4();
+  a.cache = &cache;
+  return a;
+}
 
 struct Shape {
   int64_t B, H, Hkv, L, S, E;
@@ -226,8 +234,9 @@ void paired_rounds(const Shape& s, const Tensor<float>& q, const std::vector<Kep
     if (kept[i].dtype == "float32") base = i;
   if (base == kept.size() || kept.size() < 2) return;
   Tensor<float> out({s.B, s.H, s.L, s.E});
-  attn::DecodeOptions opt;
+  attn::SdpaOptions opt;
   opt.num_threads = threads;
+  opt.causal = true;
   opt.window = {g_window, 0};
   const size_t n = kept.size();
   std::vector<std::vector<double>> ratio(n);
@@ -238,7 +247,7 @@ void paired_rounds(const Shape& s, const Tensor<float>& q, const std::vector<Kep
       const size_t i = (round + k) % n;
       (void)rounds.before_call();
       const auto t0 = std::chrono::steady_clock::now();
-      attn::decode_attention(q.view4(), *kept[i].cache, out.view4(), opt);
+      attn::decode_attention(decode_args(q, *kept[i].cache), {out.view4()}, opt);
       t[i] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     }
     for (size_t i = 0; i < n; ++i) ratio[i].push_back(t[base] / t[i]);
@@ -319,7 +328,7 @@ int main(int argc, char** argv) {
   std::vector<Shape> shapes;
   try {
     shapes = parse_shapes(shapes_text);
-    for (auto& d : dtypes) (void)attn::parse_kv_dtype(d);
+    for (auto& d : dtypes) (void)attn::parse_dtype(d);
   } catch (const attn::Error& e) {
     std::fprintf(stderr, "%s\n", e.what());
     return 2;
@@ -365,7 +374,7 @@ int main(int argc, char** argv) {
     Tensor<float> out_f32;
     std::vector<Kept> kept;  // the caches of this shape, one per storage type
     for (const std::string& dt : dtypes) {
-      const KVDtype dtype = attn::parse_kv_dtype(dt);
+      const Dtype dtype = attn::parse_dtype(dt);
       attn::KVCacheConfig cfg;
       cfg.batch = s.B, cfg.kv_heads = s.Hkv, cfg.capacity = s.S, cfg.head_dim = s.E;
       cfg.dtype = dtype;
@@ -373,36 +382,37 @@ int main(int argc, char** argv) {
       kept.push_back({dt, std::make_unique<attn::KVCache>(cfg)});
       attn::KVCache& cache = *kept.back().cache;
       fill_cache(cache, s);
-      const double elem = dtype == KVDtype::float32 ? 4 : 2;
+      const double elem = dtype == Dtype::float32 ? 4 : 2;
       const double kv_bytes = double(s.B) * double(s.Hkv) * double(keys_read(s)) * double(2 * s.E) * elem;
       const double fl = 4.0 * double(s.E) * visible_pairs(s);
       Tensor<float> out({s.B, s.H, s.L, s.E}), lse({s.B, s.H, s.L});
-      attn::DecodeOptions opt;
+      attn::SdpaOptions opt;
       opt.num_threads = threads;
+      opt.causal = true;
       opt.window = {g_window, 0};
-      attn::decode_attention(q.view4(), cache, out.view4(), opt, lse.view<3>());
+      attn::decode_attention(decode_args(q, cache), {out.view4(), {}, lse.view<3>()}, opt);
       // Validate: the reference on the stored values where affordable,
       // otherwise agreement with the float32 cache's result.
       std::string check;
       const bool small = double(s.H) * double(s.L) * double(s.S) * double(s.B) <= double(1 << 22);
       if (small) {
-        attn::DecodeOptions ro = opt;
+        attn::SdpaOptions ro = opt;
         ro.backend = attn::Backend::reference;
         Tensor<float> ref({s.B, s.H, s.L, s.E});
-        attn::decode_attention(q.view4(), cache, ref.view4(), ro);
+        attn::decode_attention(decode_args(q, cache), {ref.view4()}, ro);
         const double d = max_abs_diff(out, ref);
         check = (d < 1e-4 ? "ok vs reference " : "MISMATCH vs reference ") + sci(d);
         if (d >= 1e-4) status = 1;
       } else if (!out_f32.size()) {
         check = "not checked (large; float32 runs first to check the others)";
       } else {
-        const double d = max_abs_diff(out, out_f32), tol = dtype == KVDtype::float16 ? 5e-3 : 4e-2;
+        const double d = max_abs_diff(out, out_f32), tol = dtype == Dtype::float16 ? 5e-3 : 4e-2;
         check = (d < tol ? "ok vs float32 " : "MISMATCH vs float32 ") + sci(d);
         if (d >= tol) status = 1;
       }
-      if (dtype == KVDtype::float32) out_f32 = out;
+      if (dtype == Dtype::float32) out_f32 = out;
       const Timing t_dec =
-          time_it([&] { attn::decode_attention(q.view4(), cache, out.view4(), opt, lse.view<3>()); }, min_seconds, rounds);
+          time_it([&] { attn::decode_attention(decode_args(q, cache), {out.view4(), {}, lse.view<3>()}, opt); }, min_seconds, rounds);
       // Per CPU-second: the rate had each thread run alone on its core (a
       // loaded machine stretches wall time, much less the CPU time).
       // Only where waiting threads sleep (spinning ones undercount: see the
@@ -470,17 +480,16 @@ int main(int argc, char** argv) {
         for (size_t i = 0; i < q.size(); ++i) qt[i] = T(q[i]);
         return qt;
       };
-      if (dtype == KVDtype::float16) dense(rounded_q(attn::float16_t{}));
-      if (dtype == KVDtype::bfloat16) dense(rounded_q(attn::bfloat16_t{}));
-      if (dtype != KVDtype::float32) continue;
+      if (dtype == Dtype::float16) dense(rounded_q(attn::float16_t{}));
+      if (dtype == Dtype::bfloat16) dense(rounded_q(attn::bfloat16_t{}));
+      if (dtype != Dtype::float32) continue;
       const attn::SdpaArgs<float> a = dense(q);
-      attn::detail::Problem p;
-      p.B = s.B, p.H = s.H, p.Hkv = s.Hkv, p.L = s.L, p.S = s.S, p.E = p.Ev = s.E;
-      p.scale = 1.0 / std::sqrt(double(s.E));
-      p.causal = true;
-      p.align = attn::CausalAlign::bottom_right;
-      p.window_left = g_window;
-      p.threads = threads;
+      attn::SdpaOptions po;
+      po.causal = true;
+      po.causal_align = attn::CausalAlign::bottom_right;
+      po.window = {g_window, -1};
+      po.num_threads = threads;
+      const attn::detail::Problem p = attn::detail::make_problem(a, po);
       const Timing t_fused =
           time_it([&] { attn::detail::fused_forward(p, a, dense_out.view4(), {}, lse.view<3>()); }, min_seconds, rounds);
       emit("per-head", t_fused, "max |diff| vs decode " + sci(max_abs_diff(dense_out, out)), fl);

@@ -75,7 +75,7 @@ int main() {
   std::vector<float> x(N * D, 0.0f), y(N * D), a(N * N);
   for (int i = 0; i < N; ++i) x[size_t(i * D + i)] = 1.0f;
 
-  attn::MhaCache<float> cache;  // keeps Q, K, V for display (and for backward)
+  attn::MhaSaved<float> cache;  // keeps Q, K, V for display (and for backward)
   attn::MhaArgs<float> args;  // query only: self-attention
   args.query = attn::View3<const float>(x.data(), {1, N, D});
   layer.forward(args, {attn::View3<float>(y.data(), {1, N, D}), attn::View4<float>(a.data(), {1, 1, N, N}), {}}, {},

@@ -6,6 +6,10 @@
 // which read float16 .npy files, need no SIMD code).
 #include "attn/half.hpp"
 
+#include <string>
+
+#include "validate.hpp"
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -67,6 +71,23 @@ bfloat16_t::Half16(float x) {
 template <>
 bfloat16_t::operator float() const {
   return float_of(uint32_t(bits) << 16);
+}
+
+const char* dtype_name(Dtype t) {
+  switch (t) {
+    case Dtype::float32: return "float32";
+    case Dtype::float16: return "float16";
+    case Dtype::bfloat16: return "bfloat16";
+  }
+  return "?";
+}
+
+Dtype parse_dtype(std::string_view name) {
+  if (name == "float32" || name == "f32") return Dtype::float32;
+  if (name == "float16" || name == "f16") return Dtype::float16;
+  if (name == "bfloat16" || name == "bf16") return Dtype::bfloat16;
+  detail::Checker{"parse_dtype"}.fail("unknown dtype '" + std::string(name) +
+                                          "', expected one of float32, float16, bfloat16");
 }
 
 }  // namespace attn

@@ -1,7 +1,6 @@
-// The KV cache (storage, appends, block tables) and decode_attention:
-// validation at the boundary, then the decode kernel (kernels/decode; many
-// new rows go to the fused kernel through kernels/decode/prefill.cpp) or, for
-// testing, the reference backend on the cache read back as float32.
+// The KV cache: storage, appends, block tables and paging, and the
+// kernels' read access to it (KVCacheAccess). Attention over it,
+// decode_attention, is src/decode_call.cpp.
 #include "attn/kv_cache.hpp"
 
 #include <algorithm>
@@ -12,39 +11,13 @@
 #include <string>
 
 #include "kernels/decode/decode.hpp"
-#include "kernels/reference/sdpa_reference.hpp"
 #include "validate.hpp"
 
 namespace attn {
 
-const char* kv_dtype_name(KVDtype t) {
-  switch (t) {
-    case KVDtype::float32: return "float32";
-    case KVDtype::float16: return "float16";
-    case KVDtype::bfloat16: return "bfloat16";
-  }
-  return "?";
-}
-
-KVDtype parse_kv_dtype(std::string_view name) {
-  if (name == "float32" || name == "f32") return KVDtype::float32;
-  if (name == "float16" || name == "f16") return KVDtype::float16;
-  if (name == "bfloat16" || name == "bf16") return KVDtype::bfloat16;
-  detail::Checker{"parse_kv_dtype"}.fail("unknown dtype '" + std::string(name) +
-                                          "', expected one of float32, float16, bfloat16");
-}
-
 namespace {
 
 
-detail::KVStorage storage_of(KVDtype t) {
-  switch (t) {
-    case KVDtype::float16: return detail::KVStorage::f16;
-    case KVDtype::bfloat16: return detail::KVStorage::bf16;
-    case KVDtype::float32: break;
-  }
-  return detail::KVStorage::f32;
-}
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -65,7 +38,7 @@ KVCache::KVCache(const KVCacheConfig& config) : cfg_(config) {
   if (cfg_.num_pages < 0) c.fail("config 'num_pages' is " + std::to_string(cfg_.num_pages) + ", expected >= 0");
   if (cfg_.page_size == 0 && cfg_.num_pages != 0)
     c.fail("config 'num_pages' is " + std::to_string(cfg_.num_pages) + " but the layout is contiguous (page_size = 0)");
-  elem_ = cfg_.dtype == KVDtype::float32 ? 4 : 2;
+  elem_ = cfg_.dtype == Dtype::float32 ? 4 : 2;
   if (cfg_.page_size == 0) {
     page_size_ = cfg_.capacity;
     num_pages_ = cfg_.batch;
@@ -111,7 +84,7 @@ int64_t KVCache::free_pages() const {
 // Copies n tokens (positions t..t+n) of k/v into sequence b's pages, taking
 // fresh pages from the pool where the table has none yet.
 void KVCache::write(int64_t b, int64_t t, int64_t n, const View3<const float>& k, const View3<const float>& v) {
-  const auto st = storage_of(cfg_.dtype);
+  const auto st = cfg_.dtype;
   const int64_t Hkv = cfg_.kv_heads, E = cfg_.head_dim, Ev = cfg_.value_dim;
   for (int64_t i = 0; i < n;) {
     const int64_t pos = t + i, slot = pos / page_size_, off = pos % page_size_;
@@ -334,7 +307,7 @@ void KVCache::read(int64_t b, View3<float> k, View3<float> v) const {
   const std::vector<detail::Extent> written{c.extent(k, "k"), c.extent(v, "v")};
   for (const auto& e : written) c.writable(e);
   c.disjoint(written, {});
-  const auto st = storage_of(cfg_.dtype);
+  const auto st = cfg_.dtype;
   std::vector<float> row(size_t(std::max(E, Ev)));
   for (int64_t t = 0; t < len; ++t) {
     const int64_t page = table_[size_t(b * table_width_ + t / page_size_)], off = t % page_size_;
@@ -352,7 +325,7 @@ namespace detail {
 
 KVLayout KVCacheAccess::layout(const KVCache& c) {
   KVLayout kv;
-  kv.type = storage_of(c.cfg_.dtype);
+  kv.type = c.cfg_.dtype;
   kv.k = c.kstore_.data();
   kv.v = c.vstore_.data();
   kv.page_size = c.page_size_;
@@ -369,117 +342,5 @@ KVLayout KVCacheAccess::layout(const KVCache& c) {
 }
 
 }  // namespace detail
-
-// ---- decode_attention ------------------------------------------------------
-
-namespace {
-
-// Each sequence through the reference backend on its keys read back as float32.
-void decode_reference(const detail::DecodeProblem& p, View4<const float> q, const KVCache& cache,
-                      View4<float> out, View3<float> lse) {
-  for (int64_t b = 0; b < p.B; ++b) {
-    const int64_t S = p.length[size_t(b)];
-    if (S == 0) {  // nothing to see: output 0, lse −inf (or the head's sink)
-      for (int64_t h = 0; h < p.H; ++h)
-        for (int64_t i = 0; i < p.L; ++i) {
-          for (int64_t e = 0; e < p.Ev; ++e) out(b, h, i, e) = 0.0f;
-          if (!lse.empty()) lse(b, h, i) = p.sinks.empty() ? -std::numeric_limits<float>::infinity() : p.sinks[size_t(h)];
-        }
-      continue;
-    }
-    Tensor<float> k({1, p.Hkv, S, p.E}), v({1, p.Hkv, S, p.Ev});
-    cache.read(b, View3<float>(k.data(), {p.Hkv, S, p.E}), View3<float>(v.data(), {p.Hkv, S, p.Ev}));
-    detail::Problem rp;
-    rp.B = 1, rp.H = p.H, rp.Hkv = p.Hkv, rp.L = p.L, rp.S = S, rp.E = p.E, rp.Ev = p.Ev;
-    rp.scale = p.scale;
-    rp.causal = p.causal;
-    rp.align = CausalAlign::bottom_right;  // position of query i: length(b) − L + i
-    rp.window_left = p.window_left, rp.window_right = p.window_right;
-    rp.softcap = p.softcap;
-    SdpaArgs<float> a;
-    if (!p.slopes.empty()) a.alibi_slopes = View1<const float>(p.slopes.data(), {p.H}, {1});
-    if (!p.sinks.empty()) a.sinks = View1<const float>(p.sinks.data(), {p.H}, {1});
-    a.mask = detail::sequence_keys(p.mask, b, 0, S);
-    a.bias = detail::sequence_keys(p.bias, b, 0, S);
-    a.q = View4<const float>(q.data + b * q.strides[0], {1, p.H, p.L, p.E},
-                             {q.strides[0], q.strides[1], q.strides[2], q.strides[3]});
-    a.k = k.view4();
-    a.v = v.view4();
-    View4<float> ob(out.data + b * out.strides[0], {1, p.H, p.L, p.Ev},
-                    {out.strides[0], out.strides[1], out.strides[2], out.strides[3]});
-    View3<float> lb;
-    if (!lse.empty())
-      lb = View3<float>(lse.data + b * lse.strides[0], {1, p.H, p.L}, {lse.strides[0], lse.strides[1], lse.strides[2]});
-    detail::reference_forward(rp, a, ob, {}, lb);
-  }
-}
-
-}  // namespace
-
-int detail::check_decode_options(const Checker& c, const DecodeOptions& opt, const std::array<int64_t, 4>& full,
-                                 std::vector<Extent>& read, const char* mask_name, const char* bias_name) {
-  check_variants(c, opt.window, opt.softcap, opt.alibi_slopes, opt.sinks, full[1]);
-  if (!opt.alibi_slopes.empty()) read.push_back(c.extent(opt.alibi_slopes, "alibi_slopes"));
-  if (!opt.sinks.empty()) read.push_back(c.extent(opt.sinks, "sinks"));
-  c.mask_and_bias(opt.mask, mask_name, opt.bias, bias_name, full, read);
-  if (opt.scale && (!std::isfinite(*opt.scale) || *opt.scale <= 0)) {
-    std::ostringstream os;
-    os << "option 'scale' is " << *opt.scale << ", expected a finite value > 0";
-    c.fail(os.str());
-  }
-  return c.threads(opt.num_threads);
-}
-
-void decode_attention(View4<const float> q, const KVCache& cache, View4<float> out, const DecodeOptions& opt,
-                      View3<float> lse) {
-  const detail::Checker c{"decode_attention"};
-  c.require(q, "q");
-  c.require(out, "out");
-  const bool with_lse = c.given(lse, "lse");
-  detail::DecodeProblem p;
-  p.B = cache.batch();
-  p.Hkv = cache.kv_heads();
-  p.E = cache.head_dim();
-  p.Ev = cache.value_dim();
-  p.H = q.dim(1);
-  p.L = q.dim(2);
-  if (q.dim(0) != p.B || q.dim(3) != p.E || p.H < 1 || p.L < 1 || p.H % p.Hkv != 0)
-    c.fail("argument 'q' has shape " + shape_str(q.shape) + ", expected (B, H, L, E) = (" + std::to_string(p.B) +
-           ", H, L, " + std::to_string(p.E) + ") with H a multiple of the cache's Hkv = " + std::to_string(p.Hkv) +
-           " and L >= 1");
-  c.shape(out, "out", {p.B, p.H, p.L, p.Ev}, "(B, H, L, Ev) = " + shape_str({p.B, p.H, p.L, p.Ev}));
-  std::vector<detail::Extent> written{c.extent(out, "out")};
-  if (with_lse) {
-    c.shape(lse, "lse", {p.B, p.H, p.L}, "(B, H, L) = " + shape_str({p.B, p.H, p.L}));
-    written.push_back(c.extent(lse, "lse"));
-  }
-  for (const auto& e : written) c.writable(e);
-  std::vector<detail::Extent> read{c.extent(q, "q")};
-  const int threads = detail::check_decode_options(c, opt, {p.B, p.H, p.L, cache.capacity()}, read);
-  c.disjoint(written, read);
-  p.scale = opt.scale ? *opt.scale : 1.0 / std::sqrt(double(p.E));
-  p.causal = opt.causal;
-  p.window_left = std::min(opt.window.left, detail::kMaxPosition);
-  p.window_right = std::min(opt.window.right, detail::kMaxPosition);
-  p.softcap = opt.softcap;
-  for (int64_t h = 0; h < opt.alibi_slopes.dim(0); ++h) p.slopes.push_back(opt.alibi_slopes(h));
-  for (int64_t h = 0; h < opt.sinks.dim(0); ++h) p.sinks.push_back(opt.sinks(h));
-  p.mask = opt.mask;
-  p.bias = opt.bias;
-  p.threads = threads;
-  p.split = opt.split_kv;
-  p.length.resize(size_t(p.B));
-  p.offset.resize(size_t(p.B));
-  for (int64_t b = 0; b < p.B; ++b) {
-    p.length[size_t(b)] = cache.length(b);
-    p.offset[size_t(b)] = cache.length(b) - p.L;  // the queries are the last L tokens
-  }
-  if (opt.backend == Backend::reference) return decode_reference(p, q, cache, out, lse);
-  const detail::KVLayout kv = detail::KVCacheAccess::layout(cache);
-  // Many new rows (chunked prefill) are bound by arithmetic, not by reading
-  // the cache: the fused kernel on float32 views of it (kernels/decode/prefill.cpp).
-  if (!detail::decode_suits_rows(p.L, p.group())) return detail::prefill_forward(p, kv, q, out, lse);
-  detail::decode_forward(p, kv, q, out, lse);
-}
 
 }  // namespace attn

@@ -93,7 +93,7 @@ Tensor<T> copy_of(View<const T, R> v) {
 // The attention's arguments: the heads of the projections, the masks, bias,
 // key lengths and ALiBi slopes the cache owns, and the layer's sinks.
 template <class T>
-SdpaArgs<T> sdpa_args(const MhaCache<T>& st, View4<const T> q, View4<const T> k, View4<const T> v,
+SdpaArgs<T> sdpa_args(const MhaSaved<T>& st, View4<const T> q, View4<const T> k, View4<const T> v,
                       const Tensor<T>* sinks) {
   SdpaArgs<T> args;
   args.q = q, args.k = k, args.v = v;
@@ -109,7 +109,7 @@ SdpaArgs<T> sdpa_args(const MhaCache<T>& st, View4<const T> q, View4<const T> k,
 
 template <class T>
 void MultiheadAttention<T>::forward(const MhaArgs<T>& a, const MhaOutputs<T>& o, const MhaOptions& opt,
-                                    MhaCache<T>* cache) const {
+                                    MhaSaved<T>* cache) const {
   const Checker c{"MultiheadAttention::forward"};
   const int64_t D = cfg_.embed_dim, H = cfg_.num_heads, E = cfg_.head_dim, Ev = cfg_.v_head_dim;
   const bool self = a.key.empty() && a.value.empty();
@@ -148,7 +148,9 @@ void MultiheadAttention<T>::forward(const MhaArgs<T>& a, const MhaOutputs<T>& o,
     read.push_back(c.extent(a.key, "key"));
     read.push_back(c.extent(a.value, "value"));
   }
-  c.mask_and_bias(a.attn_mask, "attn_mask", a.attn_bias, "attn_bias", full, read);
+  if (c.given(a.sinks, "sinks"))
+    c.fail("argument 'sinks' is not taken: the layer's sinks are its parameter 'sinks' (MultiheadConfig::sinks)");
+  const int threads = detail::check_rules<T>(c, a, opt.sdpa, full, read);
   c.optional(a.key_padding_mask, "key_padding_mask", {B, S}, read, "(B, S) = " + shape_str({B, S}));
   if (c.given(a.key_lengths, "key_lengths")) {
     c.shape(a.key_lengths, "key_lengths", {B}, "(B,) = " + shape_str({B}));
@@ -158,14 +160,8 @@ void MultiheadAttention<T>::forward(const MhaArgs<T>& a, const MhaOutputs<T>& o,
                std::to_string(b) + ", expected 0 <= key_lengths[b] <= S = " + std::to_string(S));
     read.push_back(c.extent(a.key_lengths, "key_lengths"));
   }
-  if (c.given(a.alibi_slopes, "alibi_slopes")) {
-    c.shape(a.alibi_slopes, "alibi_slopes", {H}, "(num_heads,) = " + shape_str({H}) + ", one slope per head");
-    c.finite(a.alibi_slopes, "alibi_slopes");
-    read.push_back(c.extent(a.alibi_slopes, "alibi_slopes"));
-  }
   for (const auto& e : written) c.writable(e);
   c.disjoint(written, read);
-  const int threads = c.threads(opt.sdpa.num_threads);
   if (opt.sdpa.check_finite) {
     c.finite(a.query, "query");
     if (!self) {
@@ -176,12 +172,12 @@ void MultiheadAttention<T>::forward(const MhaArgs<T>& a, const MhaOutputs<T>& o,
 
   // Filled here and moved into *cache at the end, so that inputs which alias
   // the caller's old cache stay valid while they are read.
-  MhaCache<T> st;
+  MhaSaved<T> st;
   // A cache refilled call after call (a training loop) lends its buffers to
   // the new state, unless an argument points into one of them.
   if (cache) {
-    const void* ptrs[] = {a.query.data,   a.key.data,      a.value.data,         a.attn_mask.data,
-                          a.attn_bias.data, a.key_padding_mask.data, a.key_lengths.data, a.alibi_slopes.data,
+    const void* ptrs[] = {a.query.data,   a.key.data,      a.value.data,         a.mask.data,
+                          a.bias.data, a.key_padding_mask.data, a.key_lengths.data, a.alibi_slopes.data,
                           o.out.data, o.head_weights.data, o.avg_weights.data};
     bool aliased = false;
     for (const void* p : ptrs)
@@ -218,7 +214,7 @@ void MultiheadAttention<T>::forward(const MhaArgs<T>& a, const MhaOutputs<T>& o,
 
   // The masks, owned by the cache: key_padding_mask (true = padding) folds
   // into the bool mask (true = attend).
-  const auto& am = a.attn_mask;
+  const auto& am = a.mask;
   if (!a.key_padding_mask.empty()) {
     const int64_t Hm = am.empty() ? 1 : am.dim(1), Lm = am.empty() ? 1 : am.dim(2);
     st.mask = Tensor<bool>({B, Hm, Lm, S});
@@ -235,7 +231,7 @@ void MultiheadAttention<T>::forward(const MhaArgs<T>& a, const MhaOutputs<T>& o,
   } else if (!am.empty()) {
     st.mask = copy_of<bool, 4>(am);
   }
-  if (!a.attn_bias.empty()) st.bias = copy_of<T, 4>(a.attn_bias);
+  if (!a.bias.empty()) st.bias = copy_of<T, 4>(a.bias);
   if (!a.key_lengths.empty()) st.key_lengths = copy_of<int64_t, 1>(a.key_lengths);
   if (!a.alibi_slopes.empty()) st.alibi_slopes = copy_of<T, 1>(a.alibi_slopes);
 
@@ -267,7 +263,7 @@ void MultiheadAttention<T>::forward(const MhaArgs<T>& a, const MhaOutputs<T>& o,
   if (cache) *cache = std::move(st);
 }
 template <class T>
-void MultiheadAttention<T>::backward(const MhaCache<T>& cache, View3<const T> dout, const MhaGrads<T>& g) {
+void MultiheadAttention<T>::backward(const MhaSaved<T>& cache, View3<const T> dout, const MhaGrads<T>& g) {
   const Checker c{"MultiheadAttention::backward"};
   const int64_t D = cfg_.embed_dim, H = cfg_.num_heads, E = cfg_.head_dim, Ev = cfg_.v_head_dim;
   const bool self = cache.self_attention;

@@ -110,7 +110,7 @@ struct Part {
 };
 
 // The projections of one call: for each of q, k, v its input, weight rows,
-// bias and place in the projection buffer `proj` (laid out as MhaCache::proj
+// bias and place in the projection buffer `proj` (laid out as MhaSaved::proj
 // documents). `grads` points gw/gb at the gradient tensors.
 template <class T, class Layer>
 std::array<Part<T>, 3> parts(Layer& layer, const MultiheadConfig& cfg, bool packed, bool self, int64_t B,
@@ -198,7 +198,7 @@ void fill_rows(T* C, int64_t m, int64_t n, int64_t ldc, const T* bias, int threa
 // output: one product when `one_gemm`, a packed self-attention whose three
 // weight blocks are consecutive rows of in_proj_weight; else three), then
 // + b and the split into q (B, H, L, E), k (B, H, S, E), v (B, H, S, Ev)
-// laid out one after the other in `proj` (MhaCache::proj's layout).
+// laid out one after the other in `proj` (MhaSaved::proj's layout).
 template <class T>
 std::array<View4<T>, 3> project(const std::array<Part<T>, 3>& ps, bool one_gemm, int64_t B, int64_t L, int64_t S,
                                 int64_t H, int64_t E, int64_t Ev, T* proj, int threads) {

@@ -28,6 +28,7 @@
 #include "attn/error.hpp"
 #include "attn/sdpa.hpp"
 #include "attn/tensor.hpp"
+#include "kernels/score_rules.hpp"
 
 namespace attn {
 struct DecodeOptions;  // attn/kv_cache.hpp
@@ -213,32 +214,44 @@ struct Checker {
                   const char* name) const;
 };
 
-// The checks of one attention call's arguments and options (src/sdpa.cpp),
-// failing under c's function name, and the backend the call resolves to:
-// for entry points that run attention calls of their own (varlen_attention
-// checks each sequence's call under its own name).
-// Positions and window sides beyond this are refused (offset) or clamped
-// (window: a side this long is unbounded), so position arithmetic never
-// overflows.
+// Positions, window sides and chunk lengths beyond this are refused
+// (offsets, chunks) or clamped (window: a side this long is unbounded), so
+// position arithmetic never overflows.
 constexpr int64_t kMaxPosition = int64_t(1) << 52;
 
-// The score-rule variants of an attention call for H query heads: window
-// sides >= -1, a finite soft-cap >= 0, (H) finite ALiBi slopes, (H) sinks
-// without NaN or +inf. F: float or double.
+// The score rules of one attention call (src/rules.cpp), the one place every
+// entry point checks and resolves them.
+//
+// check_rules: the rule operands against full = (B, H, L, S) (S: the key
+// positions, a cache's capacity): mask and bias broadcastable, (H) finite
+// slopes, (H) sinks without NaN or +inf; and the options: scale, window
+// sides >= -1, chunk_size >= 0, a finite soft-cap >= 0, position_offset,
+// num_threads. The extents of the operands given join `read`; returns the
+// thread count to use. F: float or double.
 template <class F>
-void check_variants(const Checker& c, const Window& window, double softcap, const View1<const F>& alibi_slopes,
-                    const View1<const F>& sinks, int64_t H);
+int check_rules(const Checker& c, const ScoreArgs<F>& a, const SdpaOptions& opt, const std::array<int64_t, 4>& full,
+                std::vector<Extent>& read);
 
-// The options of a decode_attention call (attn/kv_cache.hpp) with
-// full = (B, H, L, C), C the cache's capacity: the score rules, mask, bias,
-// scale and thread count. The extents of the views given join `read`;
-// returns the thread count to use. For callers that must check everything
-// before they change the cache (the multi-head layer's decode, whose mask
-// and bias arguments have names of their own).
-int check_decode_options(const Checker& c, const DecodeOptions& opt, const std::array<int64_t, 4>& full,
-                         std::vector<Extent>& read, const char* mask_name = "mask", const char* bias_name = "bias");
+// resolve_rules: the rule set of a call that passed check_rules, for head
+// size E (the default scale 1/sqrt(E)), with B per-sequence query offsets
+// and key ends (see ScoreRules).
+template <class F>
+ScoreRules<F> resolve_rules(const ScoreArgs<F>& a, const SdpaOptions& opt, int64_t E, std::vector<int64_t> offset,
+                            std::vector<int64_t> key_end);
 
+// The position of query row 0 of a dense call with L queries over S keys:
+// opt.position_offset when given, else by opt.causal_align.
+int64_t dense_offset(const SdpaOptions& opt, int64_t L, int64_t S);
+
+// Every option of a call as numbers, in a fixed order, with their names: for
+// the distributed calls, whose ranks must agree on all of them.
+std::vector<std::pair<const char*, int64_t>> option_fingerprint(const SdpaOptions& opt);
+
+// The checks of one dense attention call's arguments and options
+// (src/sdpa.cpp) under c's function name, and the backend the call resolves
+// to: for entry points that run attention calls of their own
+// (varlen_attention checks each sequence's call under its own name).
 template <class T>
-Backend check_attention(const Checker& c, const SdpaArgs<T>& args, const SdpaOptions& opt, bool want_weights);
+Backend check_attention(const Checker& c, const SdpaArgs<T>& args, const SdpaOptions& opt);
 
 }  // namespace attn::detail

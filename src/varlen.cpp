@@ -80,7 +80,7 @@ void check_cu(const VarlenChecker& c, const View1<const int64_t>& cu, const char
 }
 
 template <class T>
-Packed validate(const VarlenChecker& c, const VarlenArgs<T>& a) {
+Packed validate(const VarlenChecker& c, const VarlenArgs<T>& a, const SdpaOptions& opt) {
   c.present(a.q, "q", "of (total_q, H, E)");
   c.present(a.k, "k", "of (total_k, Hkv, E)");
   c.present(a.v, "v", "of (total_k, Hkv, Ev)");
@@ -103,9 +103,12 @@ Packed validate(const VarlenChecker& c, const VarlenArgs<T>& a) {
     c.fail("arguments 'cu_seqlens_q' and 'cu_seqlens_k' have " + std::to_string(p.cq.size()) + " and " +
            std::to_string(p.ck.size()) + " entries, expected the same B + 1");
   p.B = int64_t(p.cq.size()) - 1;
-  // (Their values are checked by the dense call of each sequence.)
-  if (!a.alibi_slopes.empty()) c.shape(a.alibi_slopes, "alibi_slopes", {p.H}, "(H), one slope per query head");
-  if (!a.sinks.empty()) c.shape(a.sinks, "sinks", {p.H}, "(H), one logit per query head");
+  if (c.given(a.mask, "mask")) c.fail("argument 'mask' is not taken by a packed batch (it has no packed layout)");
+  if (c.given(a.bias, "bias")) c.fail("argument 'bias' is not taken by a packed batch (it has no packed layout)");
+  // The rule operands and options are checked by the dense call of each
+  // sequence (check_sequences), and once for the whole batch here.
+  std::vector<detail::Extent> read;
+  (void)detail::check_rules<T>(c, a, opt, {p.B, p.H, 1, 1}, read);
   return p;
 }
 
@@ -126,8 +129,7 @@ SdpaArgs<T> sequence_args(const VarlenArgs<T>& a, const Packed& p, int64_t b) {
   s.q = sequence(a.q, p.cq[size_t(b)], p.L(b));
   s.k = sequence(a.k, p.ck[size_t(b)], p.S(b));
   s.v = sequence(a.v, p.ck[size_t(b)], p.S(b));
-  s.alibi_slopes = a.alibi_slopes;
-  s.sinks = a.sinks;
+  static_cast<ScoreArgs<T>&>(s) = a;  // the per-head rules (mask and bias were refused)
   return s;
 }
 
@@ -137,7 +139,7 @@ SdpaArgs<T> sequence_args(const VarlenArgs<T>& a, const Packed& p, int64_t b) {
 template <class T>
 bool check_sequences(const VarlenChecker& c, const VarlenArgs<T>& a, const Packed& p, const SdpaOptions& opt) {
   for (int64_t b = 0; b < p.B; ++b)
-    if (p.L(b) > 0 && p.S(b) > 0) (void)detail::check_attention<T>(c, sequence_args(a, p, b), opt, false);
+    if (p.L(b) > 0 && p.S(b) > 0) (void)detail::check_attention<T>(c, sequence_args(a, p, b), opt);
   return std::is_same_v<T, float> && opt.backend != Backend::reference;
 }
 
@@ -357,7 +359,7 @@ void backward_packed(const VarlenChecker& c, const VarlenArgs<float>& packed, co
 template <class T>
 void varlen_attention(const VarlenArgs<T>& args, const VarlenOutputs<T>& o, const SdpaOptions& opt) {
   const VarlenChecker c{{"varlen_attention"}};
-  const Packed p = validate(c, args);
+  const Packed p = validate(c, args, opt);
   c.shape(o.out, "out", {p.total_q, p.H, p.Ev}, "(total_q, H, Ev)");
   c.writable(o.out, "out");
   if (!o.lse.empty()) {
@@ -390,7 +392,7 @@ template <class T>
 void varlen_attention_backward(const VarlenArgs<T>& args, View3<const T> dout, const VarlenSaved<T>& saved,
                                const VarlenGrads<T>& g, const SdpaOptions& opt) {
   const VarlenChecker c{{"varlen_attention_backward"}};
-  const Packed p = validate(c, args);
+  const Packed p = validate(c, args, opt);
   c.shape(dout, "dout", {p.total_q, p.H, p.Ev}, "(total_q, H, Ev)");
   c.shape(g.dq, "dq", {p.total_q, p.H, p.E}, "(total_q, H, E)");
   c.shape(g.dk, "dk", {p.total_k, p.Hkv, p.E}, "(total_k, Hkv, E)");

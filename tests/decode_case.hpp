@@ -19,7 +19,7 @@ namespace attn::testing {
 struct DecodeCase {
   int64_t B = 1, H = 4, Hkv = 1, L = 1, E = 16, Ev = 16;
   int64_t page = 0;  // 0 = contiguous
-  KVDtype dtype = KVDtype::float32;
+  Dtype dtype = Dtype::float32;
   bool causal = true;
   std::vector<int64_t> lens;  // per sequence
   // The score-rule variants (none by default).
@@ -36,7 +36,7 @@ struct DecodeCase {
   std::string str() const {
     std::string s = "B=" + std::to_string(B) + " H=" + std::to_string(H) + " Hkv=" + std::to_string(Hkv) +
                     " L=" + std::to_string(L) + " E=" + std::to_string(E) + " Ev=" + std::to_string(Ev) +
-                    " page=" + std::to_string(page) + " " + kv_dtype_name(dtype) + (causal ? " causal" : "") +
+                    " page=" + std::to_string(page) + " " + dtype_name(dtype) + (causal ? " causal" : "") +
                     " lens=";
     for (auto n : lens) s += std::to_string(n) + ",";
     if (window.left >= 0 || window.right >= 0)
@@ -59,12 +59,12 @@ struct DecodeCase {
 // keep `bits` significant bits (11 for float16, 8 for bfloat16), ties to
 // even (nearbyint in the default rounding mode); float16 has a fixed
 // quantum 2^-24 below its smallest normal 2^-14.
-inline float round_to(KVDtype t, float x) {
-  if (t == KVDtype::float32 || !std::isfinite(x) || x == 0.0f) return x;
+inline float round_to(Dtype t, float x) {
+  if (t == Dtype::float32 || !std::isfinite(x) || x == 0.0f) return x;
   int e = 0;
   std::frexp(double(x), &e);  // x = m·2^e, 0.5 <= |m| < 1
-  const int bits = t == KVDtype::float16 ? 11 : 8;
-  if (t == KVDtype::float16) e = std::max(e, -13);
+  const int bits = t == Dtype::float16 ? 11 : 8;
+  if (t == Dtype::float16) e = std::max(e, -13);
   const double ulp = std::ldexp(1.0, e - bits);
   return float(std::nearbyint(double(x) / ulp) * ulp);
 }
@@ -174,8 +174,23 @@ struct Result {
   Tensor<float> out, lse;
 };
 
+// A decode_attention call as the tests spell it: the options and the rule
+// operands in one value, causal by default (the tests' new rows are the last
+// tokens of their sequences).
+struct DecodeCall : SdpaOptions, ScoreArgs<float> {
+  DecodeCall() { causal = true; }
+};
+inline void decode_call(View4<const float> q, const KVCache& cache, View4<float> out, const DecodeCall& o = {},
+                        View3<float> lse = {}) {
+  DecodeArgs a;
+  static_cast<ScoreArgs<float>&>(a) = o;
+  a.q = q;
+  a.cache = &cache;
+  decode_attention(a, {out, {}, lse}, static_cast<const SdpaOptions&>(o));
+}
+
 // o with the case's score rules (causal, window, soft-cap, ALiBi, sinks).
-inline DecodeOptions with_rules(const DecodeCase& c, DecodeOptions o = {}) {
+inline DecodeCall with_rules(const DecodeCase& c, DecodeCall o = {}) {
   o.causal = c.causal;
   o.window = c.window;
   o.softcap = c.softcap;
@@ -187,13 +202,13 @@ inline DecodeOptions with_rules(const DecodeCase& c, DecodeOptions o = {}) {
 }
 
 // decode_attention of q over a cache with the case's rules (o gives the
-// rest: threads, split, backend).
-inline Result run_on(const DecodeCase& c, const KVCache& cache, const Tensor<float>& q, const DecodeOptions& o = {}) {
+// rest: threads, backend).
+inline Result run_on(const DecodeCase& c, const KVCache& cache, const Tensor<float>& q, const DecodeCall& o = {}) {
   Result r{Tensor<float>({c.B, c.H, c.L, c.Ev}), Tensor<float>({c.B, c.H, c.L})};
-  decode_attention(q.view4(), cache, r.out.view4(), with_rules(c, o), r.lse.view<3>());
+  decode_call(q.view4(), cache, r.out.view4(), with_rules(c, o), r.lse.view<3>());
   return r;
 }
-inline Result run(const DecodeCase& c, const Filled& f, const DecodeOptions& o = {}) { return run_on(c, f.cache, f.q, o); }
+inline Result run(const DecodeCase& c, const Filled& f, const DecodeCall& o = {}) { return run_on(c, f.cache, f.q, o); }
 
 // Tolerances from the reduction length (keys plus features) and magnitudes.
 inline void expect_matches_oracle(const DecodeCase& c, const Filled& f, const Result& got) {

@@ -147,8 +147,8 @@ RefResult reference_mha(const MultiheadAttention<T>& m, const MhaArgs<T>& a, boo
           if (win.right >= 0 && j > pos + win.right) v = false;
           if (!mk.key_padding_mask.empty() && mk.key_padding_mask(b, j)) v = false;
           if (!mk.key_lengths.empty() && j >= mk.key_lengths(b)) v = false;
-          if (!mk.attn_mask.empty()) {
-            const auto& am = mk.attn_mask;
+          if (!mk.mask.empty()) {
+            const auto& am = mk.mask;
             if (!am(bc(b, am.dim(0)), bc(h, am.dim(1)), bc(i, am.dim(2)), bc(j, am.dim(3)))) v = false;
           }
           double s = 0;
@@ -156,8 +156,8 @@ RefResult reference_mha(const MultiheadAttention<T>& m, const MhaArgs<T>& a, boo
           s /= std::sqrt(double(E));
           if (cap > 0) s = cap * std::tanh(s / cap);
           if (!mk.alibi_slopes.empty()) s -= double(mk.alibi_slopes(h)) * double(std::abs(pos - j));
-          if (!mk.attn_bias.empty()) {
-            const auto& ab = mk.attn_bias;
+          if (!mk.bias.empty()) {
+            const auto& ab = mk.bias;
             s += double(ab(bc(b, ab.dim(0)), bc(h, ab.dim(1)), bc(i, ab.dim(2)), bc(j, ab.dim(3))));
           }
           vis[size_t(j)] = v;
@@ -237,7 +237,7 @@ struct LayerCase {
   bool self;
   bool causal = false;
   CausalAlign align = CausalAlign::top_left;
-  bool kpm = false, attn_mask = false, attn_bias = false, key_lengths = false;
+  bool kpm = false, mask = false, bias = false, key_lengths = false;
   bool transform = false;  // the position_scaling Q/K transform (backward tests)
   // Variants: window, softcap and position_offset in `variants`; ALiBi with
   // random slopes in [0, 1); sinks: set cfg.sinks (random values are loaded).

@@ -220,16 +220,16 @@ TEST_F(Boundary, MakeProblemResolvesDefaults) {
   EXPECT_EQ(p.S, 5);
   EXPECT_EQ(p.E, 8);
   EXPECT_EQ(p.Ev, 6);
-  EXPECT_DOUBLE_EQ(p.scale, 1.0 / std::sqrt(8.0));
+  EXPECT_DOUBLE_EQ(p.rules.scale, 1.0 / std::sqrt(8.0));
   EXPECT_EQ(p.threads, omp_get_max_threads());
   c.opt.scale = 0.5;
   c.opt.causal = true;
   c.opt.causal_align = attn::CausalAlign::bottom_right;
   c.opt.num_threads = 1;
   const auto q = attn::detail::make_problem(c.args, c.opt);
-  EXPECT_EQ(q.scale, 0.5);
-  EXPECT_TRUE(q.causal);
-  EXPECT_EQ(q.align, attn::CausalAlign::bottom_right);
+  EXPECT_EQ(q.rules.scale, 0.5);
+  EXPECT_TRUE(q.rules.causal);
+  EXPECT_EQ(q.rules.offset, std::vector<int64_t>(2, 5 - 3));  // bottom-right: S - L
   EXPECT_EQ(q.threads, 1);
 }
 
@@ -267,16 +267,16 @@ TEST(LayerBoundary, MasksWithoutDataAndAliasedOutputsAreRefused) {
     return a;
   };
   attn::MhaArgs<float> a = self();
-  a.attn_mask = View4<const bool>(nullptr, {1, 1, 3, 3});
+  a.mask = View4<const bool>(nullptr, {1, 1, 3, 3});
   EXPECT_TRUE(throws_with<InvalidArgument>([&] { m.forward(a, {y.view<3>()}); },
-                                           {fn, "'attn_mask' has shape (1, 1, 3, 3) but no data"}));
+                                           {fn, "'mask' has shape (1, 1, 3, 3) but no data"}));
   a = self();
   a.key_padding_mask = attn::View2<const bool>(nullptr, {2, 3});
   EXPECT_TRUE(throws_with<InvalidArgument>([&] { m.forward(a, {y.view<3>()}); },
                                            {fn, "'key_padding_mask'", "no data"}));
   EXPECT_TRUE(throws_with<InvalidArgument>([&] { m.forward(self(), {x.view<3>()}); },
                                            {fn, "output 'out' overlaps input 'query'"}));
-  attn::MhaCache<float> cache;
+  attn::MhaSaved<float> cache;
   m.forward(self(), {y.view<3>()}, {}, &cache);
   Tensor<float> dy = random_tensor<float>({2, 3, 4}, rng);
   attn::MhaGrads<float> g;

@@ -71,7 +71,7 @@ TEST(Decode, LengthsFromOneToSeveralPages) {
 
 TEST(Decode, HalfPrecisionStorageMatchesReferenceOnRoundedValues) {
   std::mt19937_64 rng(5);
-  for (const KVDtype t : {KVDtype::float16, KVDtype::bfloat16}) {
+  for (const Dtype t : {Dtype::float16, Dtype::bfloat16}) {
     for (int i = 0; i < 30; ++i) {
       DecodeCase c = random_case(rng);
       c.dtype = t;
@@ -88,7 +88,7 @@ TEST(Decode, HalfPrecisionStorageMatchesReferenceOnRoundedValues) {
 // blocks of 2 rows and half ones of 4).
 TEST(Decode, HalfStorageGivesTheFloat32BitsOnRoundedValues) {
   std::mt19937_64 rng(13);
-  for (const KVDtype t : {KVDtype::float16, KVDtype::bfloat16})
+  for (const Dtype t : {Dtype::float16, Dtype::bfloat16})
     for (const int64_t Ev : {int64_t(33), int64_t(64), int64_t(128), int64_t(160)})
       for (const int64_t L : {int64_t(1), int64_t(3)}) {
         DecodeCase c;
@@ -97,7 +97,7 @@ TEST(Decode, HalfStorageGivesTheFloat32BitsOnRoundedValues) {
         SCOPED_TRACE(c.str());
         const Filled half = fill(c, rng);
         DecodeCase c32 = c;
-        c32.dtype = KVDtype::float32;
+        c32.dtype = Dtype::float32;
         KVCache f32(config_of(c32));
         for (int64_t b = 0; b < c.B; ++b) {
           const int64_t n = c.lens[size_t(b)];
@@ -106,7 +106,7 @@ TEST(Decode, HalfStorageGivesTheFloat32BitsOnRoundedValues) {
         }
         const Result a = run(c, half);
         Result b{Tensor<float>({c.B, c.H, c.L, c.Ev}), Tensor<float>({c.B, c.H, c.L})};
-        decode_attention(half.q.view4(), f32, b.out.view4(), {}, b.lse.view<3>());
+        decode_call(half.q.view4(), f32, b.out.view4(), {}, b.lse.view<3>());
         EXPECT_TRUE(bitwise_equal(a.out, b.out));
         EXPECT_TRUE(bitwise_equal(a.lse, b.lse));
       }
@@ -118,7 +118,7 @@ TEST(Decode, HalfStorageGivesTheFloat32BitsOnRoundedValues) {
 // with the score rules, several chunks and sequences of different lengths.
 TEST(Decode, PagedCachesGiveTheContiguousBits) {
   std::mt19937_64 rng(14);
-  for (const KVDtype t : {KVDtype::float32, KVDtype::float16, KVDtype::bfloat16})
+  for (const Dtype t : {Dtype::float32, Dtype::float16, Dtype::bfloat16})
     for (const int64_t page : {int64_t(9), int64_t(16), int64_t(48), int64_t(100), int64_t(256)}) {
       DecodeCase c;
       c.B = 3, c.H = 8, c.Hkv = 2, c.L = page % 2 ? 3 : 1, c.E = 64, c.Ev = 40, c.dtype = t;
@@ -142,7 +142,7 @@ TEST(Decode, PagedCachesGiveTheContiguousBits) {
                        View3<const float>(contiguous.v[size_t(b)].data() + t0 * c.Ev, {c.Hkv, m, c.Ev}, {n * c.Ev, c.Ev, 1}));
         }
       }
-      DecodeOptions o;
+      DecodeCall o;
       o.num_threads = 2;
       const Result a = run(c, contiguous, o), b = run_on(cp, paged, contiguous.q, o);
       expect_matches_oracle(c, contiguous, a);
@@ -155,27 +155,25 @@ TEST(Decode, PagedCachesGiveTheContiguousBits) {
 // thread count nor running the chunks of a sequence in parallel changes a bit.
 TEST(Decode, BitwiseSameForAnyThreadCountSplitOrNot) {
   std::mt19937_64 rng(6);
-  for (const KVDtype t : {KVDtype::float32, KVDtype::float16}) {
+  for (const Dtype t : {Dtype::float32, Dtype::float16}) {
     DecodeCase c;
     c.B = 2, c.H = 8, c.Hkv = 2, c.L = 3, c.E = c.Ev = 64, c.page = 48, c.dtype = t;
     c.lens = {1500, 777};  // several chunks each
     const Filled f = fill(c, rng);
-    detail::DecodeProblem p;
-    p.B = c.B, p.H = c.H, p.Hkv = c.Hkv, p.L = c.L, p.E = c.E, p.Ev = c.Ev, p.length = c.lens, p.offset = {0, 0};
+    detail::Problem p;
+    p.B = c.B, p.H = c.H, p.Hkv = c.Hkv, p.L = c.L, p.E = c.E, p.Ev = c.Ev;
+    p.rules.key_end = c.lens, p.rules.offset = {0, 0};
     ASSERT_GT(c.lens[0], 2 * detail::decode_plan(p).chunk) << "the case must split";
-    DecodeOptions o;
+    DecodeCall o;
     o.num_threads = 1;
-    o.split_kv = false;
     const Result base = run(c, f, o);
     expect_matches_oracle(c, f, base);
-    for (const int threads : {1, 2, 3, 8})
-      for (const bool split : {false, true}) {
-        o.num_threads = threads;
-        o.split_kv = split;
-        const Result r = run(c, f, o);
-        EXPECT_TRUE(bitwise_equal(r.out, base.out)) << threads << " threads, split " << split;
-        EXPECT_TRUE(bitwise_equal(r.lse, base.lse)) << threads << " threads, split " << split;
-      }
+    for (const int threads : {1, 2, 3, 8}) {
+      o.num_threads = threads;
+      const Result r = run(c, f, o);
+      EXPECT_TRUE(bitwise_equal(r.out, base.out)) << threads << " threads";
+      EXPECT_TRUE(bitwise_equal(r.lse, base.lse)) << threads << " threads";
+    }
   }
 }
 
@@ -186,8 +184,9 @@ TEST(Decode, BitwiseSameForAnyThreadCountSplitOrNot) {
 // any thread count.
 TEST(Decode, WideRowsTakeLongTilesAndMatchReference) {
   const auto tile = [](int64_t E, int64_t Ev) {
-    detail::DecodeProblem p;
-    p.B = 1, p.H = 4, p.Hkv = 1, p.L = 1, p.E = E, p.Ev = Ev, p.length = {4096}, p.offset = {0};
+    detail::Problem p;
+    p.B = 1, p.H = 4, p.Hkv = 1, p.L = 1, p.E = E, p.Ev = Ev;
+    p.rules.key_end = {4096}, p.rules.offset = {0};
     return detail::decode_plan(p).tile;
   };
   EXPECT_EQ(tile(64, 64), 64);
@@ -196,7 +195,7 @@ TEST(Decode, WideRowsTakeLongTilesAndMatchReference) {
   EXPECT_EQ(tile(128, 160), 96);  // 16384 / 160 = 102, down to a multiple of 8
   EXPECT_EQ(tile(256, 64), 64);
   std::mt19937_64 rng(12);
-  for (const KVDtype t : {KVDtype::float32, KVDtype::bfloat16})
+  for (const Dtype t : {Dtype::float32, Dtype::bfloat16})
     for (const int64_t page : {int64_t(0), int64_t(100)}) {
       DecodeCase c;
       c.B = 2, c.H = 8, c.Hkv = 2, c.L = 3, c.E = 128, c.Ev = page ? 160 : 128, c.page = page, c.dtype = t;
@@ -204,7 +203,7 @@ TEST(Decode, WideRowsTakeLongTilesAndMatchReference) {
       c.lens = {700, 131};  // several long tiles and chunks; a partial last tile
       SCOPED_TRACE(c.str());
       const Filled f = fill(c, rng);
-      DecodeOptions o;
+      DecodeCall o;
       o.num_threads = 1;
       const Result base = run(c, f, o);
       expect_matches_oracle(c, f, base);
@@ -228,7 +227,7 @@ TEST(Decode, WideRowsTakeLongTilesAndMatchReference) {
 TEST(Decode, ChunkedPrefillMatchesReference) {
   std::mt19937_64 rng(11);
   int n = 0;
-  for (const KVDtype t : {KVDtype::float32, KVDtype::float16, KVDtype::bfloat16})
+  for (const Dtype t : {Dtype::float32, Dtype::float16, Dtype::bfloat16})
     for (const int64_t page : {int64_t(0), int64_t(300), int64_t(1024)})
       for (const bool causal : {true, false}) {
         DecodeCase c;
@@ -246,7 +245,7 @@ TEST(Decode, ChunkedPrefillMatchesReference) {
         ++n;
       }
   // The first widened chunk holds one key (the scratch's first shape).
-  for (const KVDtype t : {KVDtype::float16, KVDtype::float32}) {
+  for (const Dtype t : {Dtype::float16, Dtype::float32}) {
     DecodeCase c;
     c.B = 1, c.H = 4, c.Hkv = 2, c.L = 40, c.E = 24, c.Ev = 16, c.page = 1, c.dtype = t, c.lens = {1};
     SCOPED_TRACE(c.str());
@@ -263,9 +262,9 @@ TEST(Decode, ChunkedPrefillBitwiseForAnyThreadCountAndNaN) {
   for (const int64_t page : {int64_t(0), int64_t(256), int64_t(100)}) {
     DecodeCase c;
     c.B = 1, c.H = 8, c.Hkv = 2, c.L = 64, c.E = c.Ev = 32, c.page = page, c.lens = {8400};
-    if (page == 100) c.dtype = KVDtype::float16;  // widened chunks (by the threads) from half storage
+    if (page == 100) c.dtype = Dtype::float16;  // widened chunks (by the threads) from half storage
     Filled f = fill(c, rng);
-    DecodeOptions o;
+    DecodeCall o;
     o.num_threads = 1;
     const Result base = run(c, f, o);
     expect_matches_oracle(c, f, base);
@@ -282,7 +281,7 @@ TEST(Decode, ChunkedPrefillBitwiseForAnyThreadCountAndNaN) {
     k[size_t((1 * 8400 + 8350) * c.E + 5)] = std::numeric_limits<float>::quiet_NaN();
     cache.append(0, k.view<3>(), f.v[0].view<3>());
     Tensor<float> out({1, c.H, c.L, c.Ev}), lse({1, c.H, c.L});
-    decode_attention(f.q.view4(), cache, out.view4(), {}, lse.view<3>());
+    decode_call(f.q.view4(), cache, out.view4(), {}, lse.view<3>());
     for (int64_t h = 0; h < c.H; ++h)
       for (int64_t i = 0; i < c.L; ++i) {
         const bool poisoned = h >= 4 && i >= 14;
@@ -316,7 +315,7 @@ TEST(Decode, NaNReachesTheRowsThatSeeIt) {
       cache.append(b, k.view<3>(), v.view<3>());
     }
   Tensor<float> out({c.B, c.H, c.L, c.Ev}), lse({c.B, c.H, c.L});
-  decode_attention(f.q.view4(), cache, out.view4(), {}, lse.view<3>());
+  decode_call(f.q.view4(), cache, out.view4(), {}, lse.view<3>());
   for (int64_t h = 0; h < c.H; ++h)
     for (int64_t i = 0; i < c.L; ++i) {
       const size_t row = size_t((1 * c.H + h) * c.L + i);
@@ -344,7 +343,7 @@ TEST(Decode, NonFiniteKeysAndValuesPoisonOnlyTheRowsThatSeeThem) {
     if (which == 2) k[size_t((1 * 20 + t) * c.E + 2)] = -inf;
     cache.append(0, k.view<3>(), v.view<3>());
     Tensor<float> out({1, c.H, c.L, c.Ev}), lse({1, c.H, c.L});
-    decode_attention(f.q.view4(), cache, out.view4(), {}, lse.view<3>());
+    decode_call(f.q.view4(), cache, out.view4(), {}, lse.view<3>());
     for (int64_t h = 0; h < c.H; ++h)
       for (int64_t i = 0; i < c.L; ++i) {
         const bool poisoned = h >= 2 && i == 2;  // heads 2, 3 read kv head 1
@@ -361,23 +360,23 @@ TEST(Decode, ArgumentErrors) {
   cfg.batch = 2, cfg.kv_heads = 2, cfg.capacity = 8, cfg.head_dim = 4;
   KVCache cache(cfg);
   Tensor<float> q({2, 3, 1, 4}), out({2, 3, 1, 4});
-  EXPECT_TRUE(throws_with([&] { decode_attention(q.view4(), cache, out.view4()); }, {"decode_attention", "'q'", "Hkv = 2"}));
+  EXPECT_TRUE(throws_with([&] { decode_call(q.view4(), cache, out.view4()); }, {"decode_attention", "'q'", "Hkv = 2"}));
   Tensor<float> q2({2, 4, 1, 4}), out2({2, 4, 2, 4});
-  EXPECT_TRUE(throws_with([&] { decode_attention(q2.view4(), cache, out2.view4()); }, {"'out'", "(2, 4, 1, 4)"}));
+  EXPECT_TRUE(throws_with([&] { decode_call(q2.view4(), cache, out2.view4()); }, {"'out'", "(2, 4, 1, 4)"}));
   Tensor<float> out3({2, 4, 1, 4});
-  DecodeOptions o;
+  DecodeCall o;
   o.scale = -1.0;
-  EXPECT_TRUE(throws_with([&] { decode_attention(q2.view4(), cache, out3.view4(), o); }, {"'scale'"}));
+  EXPECT_TRUE(throws_with([&] { decode_call(q2.view4(), cache, out3.view4(), o); }, {"'scale'"}));
   // The boundary's Checker: thread counts, outputs that alias or broadcast.
-  DecodeOptions t;
+  DecodeCall t;
   t.num_threads = -1;
-  EXPECT_TRUE(throws_with([&] { decode_attention(q2.view4(), cache, out3.view4(), t); },
+  EXPECT_TRUE(throws_with([&] { decode_call(q2.view4(), cache, out3.view4(), t); },
                           {"decode_attention", "option 'num_threads' is -1, expected 0 (the default) to"}));
-  EXPECT_TRUE(throws_with([&] { decode_attention(q2.view4(), cache, {}); }, {"'out' is required"}));
-  EXPECT_TRUE(throws_with([&] { decode_attention(q2.view4(), cache, View4<float>(q2.data(), {2, 4, 1, 4})); },
+  EXPECT_TRUE(throws_with([&] { decode_call(q2.view4(), cache, {}); }, {"'out' is required"}));
+  EXPECT_TRUE(throws_with([&] { decode_call(q2.view4(), cache, View4<float>(q2.data(), {2, 4, 1, 4})); },
                           {"output 'out' overlaps input 'q'"}));
   Tensor<float> lse({2, 4, 1});
-  auto with_lse = [&](View3<float> l) { return [&, l] { decode_attention(q2.view4(), cache, out3.view4(), {}, l); }; };
+  auto with_lse = [&](View3<float> l) { return [&, l] { decode_call(q2.view4(), cache, out3.view4(), {}, l); }; };
   EXPECT_TRUE(throws_with(with_lse(View3<float>(lse.data(), {2, 4, 1}, {0, 1, 1})), {"output 'lse' has stride 0 on axis 0"}));
   EXPECT_TRUE(throws_with(with_lse(View3<float>(out3.data(), {2, 4, 1})), {"output 'out' overlaps output 'lse'"}));
 }
@@ -397,7 +396,7 @@ TEST(Decode, EveryCompiledTargetThisCpuRunsMatchesReference) {
     std::mt19937_64 rng(100 + uint64_t(t));
     for (int i = 0; i < 24; ++i) {
       DecodeCase c = random_case(rng);
-      c.dtype = KVDtype(i % 3);
+      c.dtype = Dtype(i % 3);
       SCOPED_TRACE(std::string(hwy::TargetName(t)) + " " + c.str());
       const Filled f = fill(c, rng);
       expect_matches_oracle(c, f, run(c, f));
@@ -443,13 +442,10 @@ TEST(Decode, DenseCallWithFewRowsUsesTheKernel) {
     EXPECT_TRUE(all_close(out, ref, tolerance<float>(S + E, 1.0, 40), "out"));
     EXPECT_TRUE(all_close(lse, ref_lse, tolerance<float>(S + E, max_abs(ref_lse.view<3>()), 40), "lse"));
     // Bitwise the kernel's own result: the dense call went this way.
-    detail::Problem p;
-    p.B = B, p.H = H, p.Hkv = Hkv, p.L = L, p.S = S, p.E = E, p.Ev = Ev;
-    p.scale = 1.0 / std::sqrt(double(E));
-    p.causal = o.causal;
-    p.align = o.causal_align;
-    p.threads = 2;
-    ASSERT_TRUE(detail::decode_suits_dense(p, a, false));
+    SdpaOptions po = o;
+    po.num_threads = 2;
+    const detail::Problem p = detail::make_problem(a, po);
+    ASSERT_TRUE(detail::decode_suits_dense(p));
     Tensor<float> direct({B, H, L, Ev});
     detail::decode_forward_dense(p, a, direct.view4(), {});
     EXPECT_TRUE(bitwise_equal(direct, out)) << "case " << i;

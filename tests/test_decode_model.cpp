@@ -12,13 +12,13 @@
 
 namespace {
 
-using attn::KVDtype;
+using attn::Dtype;
 using attn::Tensor;
 namespace nn = attn::nn;
 
 struct Case {
   nn::Positions positions;
-  KVDtype dtype;
+  Dtype dtype;
   int64_t page;
   int64_t window = -1;  // sliding window (left side), −1: none
   bool sinks = false;
@@ -65,7 +65,7 @@ TEST_P(DecodeModel, EveryStepMatchesAFullRecomputation) {
   // The storage's unit roundoff: the stored K and V are off by that much
   // relatively; through softmax-weighted averages and two residual blocks
   // the logits move by a small multiple of it times their magnitude.
-  const double u = c.dtype == KVDtype::float32 ? 0.0 : c.dtype == KVDtype::float16 ? 0x1p-11 : 0x1p-8;
+  const double u = c.dtype == Dtype::float32 ? 0.0 : c.dtype == Dtype::float16 ? 0x1p-11 : 0x1p-8;
   nn::DecodeState st = model.start_decoding(B, c.dtype, c.page);
   int64_t N = 0;
   for (const int64_t n : {5, 1, 1, 1, 3, 1, 7, 1, 1}) {
@@ -82,7 +82,7 @@ TEST_P(DecodeModel, EveryStepMatchesAFullRecomputation) {
     const double err = step_error(full, logits, B, N, n, V, &mag);
     const double tol = attn::testing::tolerance<float>(N + mc.dim, mag, 40) + 40 * u * std::max(1.0, mag);
     EXPECT_LE(err, tol) << "after " << N << " tokens (" << nn::positions_name(c.positions) << ", "
-                        << attn::kv_dtype_name(c.dtype) << ", window " << c.window << (c.sinks ? ", sinks" : "") << ")";
+                        << attn::dtype_name(c.dtype) << ", window " << c.window << (c.sinks ? ", sinks" : "") << ")";
   }
   EXPECT_EQ(st.length, N);
   Tensor<float> too_far;
@@ -92,13 +92,13 @@ TEST_P(DecodeModel, EveryStepMatchesAFullRecomputation) {
 
 INSTANTIATE_TEST_SUITE_P(
     Positions, DecodeModel,
-    ::testing::Values(Case{nn::Positions::sinusoidal, KVDtype::float32, 0}, Case{nn::Positions::learned, KVDtype::float32, 8},
-                      Case{nn::Positions::rope, KVDtype::float32, 0}, Case{nn::Positions::none, KVDtype::float32, 5},
-                      Case{nn::Positions::rope, KVDtype::float16, 0}, Case{nn::Positions::sinusoidal, KVDtype::bfloat16, 16},
+    ::testing::Values(Case{nn::Positions::sinusoidal, Dtype::float32, 0}, Case{nn::Positions::learned, Dtype::float32, 8},
+                      Case{nn::Positions::rope, Dtype::float32, 0}, Case{nn::Positions::none, Dtype::float32, 5},
+                      Case{nn::Positions::rope, Dtype::float16, 0}, Case{nn::Positions::sinusoidal, Dtype::bfloat16, 16},
                       // The score-rule variants: ALiBi, a sliding window, sinks (gpt-oss: window and sinks).
-                      Case{nn::Positions::alibi, KVDtype::float32, 0}, Case{nn::Positions::rope, KVDtype::float32, 0, 6, true},
-                      Case{nn::Positions::alibi, KVDtype::bfloat16, 8, 4, true}, Case{nn::Positions::none, KVDtype::float16, 0, -1, true},
-                      Case{nn::Positions::learned, KVDtype::float32, 5, 0}));
+                      Case{nn::Positions::alibi, Dtype::float32, 0}, Case{nn::Positions::rope, Dtype::float32, 0, 6, true},
+                      Case{nn::Positions::alibi, Dtype::bfloat16, 8, 4, true}, Case{nn::Positions::none, Dtype::float16, 0, -1, true},
+                      Case{nn::Positions::learned, Dtype::float32, 5, 0}));
 
 // decode_step checks every block's cache before it appends to any: a cache
 // that cannot take the tokens (block 1's, a pool of 2 pages of 4 tokens for
@@ -108,7 +108,7 @@ TEST(DecodeModel, AStepOneBlockCannotTakeChangesNoCache) {
   nn::ModelConfig mc;
   mc.vocab = 5, mc.max_len = 16, mc.dim = 8, mc.heads = 2, mc.layers = 2, mc.causal = true;
   nn::Transformer<float> model(mc, 1);
-  nn::DecodeState st = model.start_decoding(2, KVDtype::float32, 4);
+  nn::DecodeState st = model.start_decoding(2, Dtype::float32, 4);
   attn::KVCacheConfig small = st.caches[1].config();
   small.num_pages = 2;
   st.caches[1] = attn::KVCache(small);
@@ -136,7 +136,7 @@ TEST(DecodeModel, AStepThatFailsInALaterBlockLeavesEveryCacheAsItWas) {
   nn::ModelConfig mc;
   mc.vocab = 5, mc.max_len = 16, mc.dim = 8, mc.heads = 2, mc.layers = 2, mc.causal = true;
   nn::Transformer<float> model(mc, 1);
-  nn::DecodeState st = model.start_decoding(2, KVDtype::float32, 4);
+  nn::DecodeState st = model.start_decoding(2, Dtype::float32, 4);
   const std::vector<int32_t> tokens(10, 2);
   Tensor<float> logits;
   model.decode_step(st, tokens.data(), 3, logits);

@@ -45,7 +45,7 @@ TEST(DecodeVariants, RandomCasesMatchTheMaskAndBiasOracle) {
   std::mt19937_64 rng(31);
   for (int i = 0; i < 300; ++i) {
     DecodeCase c = random_case(rng);
-    c.dtype = KVDtype(i % 3);
+    c.dtype = Dtype(i % 3);
     add_variants(c, rng);
     SCOPED_TRACE(c.str());
     const Filled f = fill(c, rng);
@@ -84,7 +84,7 @@ TEST(DecodeVariants, MasksAndBiasesMatchTheOracle) {
   std::mt19937_64 rng(39);
   for (int i = 0; i < 200; ++i) {
     DecodeCase c = random_case(rng);
-    c.dtype = KVDtype(i % 3);
+    c.dtype = Dtype(i % 3);
     if (i % 10 == 0) c.L = 40 + i % 7, c.H = c.Hkv * 4;  // chunked prefill
     if (i % 2) add_variants(c, rng);
     add_mask_and_bias(c, rng);
@@ -133,13 +133,13 @@ TEST(DecodeVariants, KeysTheMaskHidesAreNeverTouched) {
 
 // Each variant alone and all together, on long sequences cut into several
 // chunks (split-KV) and pages: the oracle, then the same bits for 1, 2, 3
-// and 8 threads with the split on and off.
+// and 8 threads.
 TEST(DecodeVariants, LongCachesSplitBitwiseForAnyThreadCount) {
   std::mt19937_64 rng(32);
   for (int which = 0; which < 6; ++which) {
     DecodeCase c;
     c.B = 2, c.H = 8, c.Hkv = 2, c.L = which % 2 ? 3 : 1, c.E = c.Ev = 32, c.page = 48;
-    c.dtype = which == 5 ? KVDtype::bfloat16 : KVDtype::float32;
+    c.dtype = which == 5 ? Dtype::bfloat16 : Dtype::float32;
     c.lens = {2500, 777};
     if (which == 0 || which >= 4) c.window.left = 1000;
     if (which == 1 || which >= 4) c.softcap = 2.0;
@@ -155,17 +155,16 @@ TEST(DecodeVariants, LongCachesSplitBitwiseForAnyThreadCount) {
     }
     SCOPED_TRACE(c.str());
     const Filled f = fill(c, rng);
-    DecodeOptions o;
-    o.num_threads = 1, o.split_kv = false;
+    DecodeCall o;
+    o.num_threads = 1;
     const Result base = run(c, f, o);
     expect_matches_oracle(c, f, base);
-    for (const int threads : {1, 2, 3, 8})
-      for (const bool split : {false, true}) {
-        o.num_threads = threads, o.split_kv = split;
-        const Result r = run(c, f, o);
-        EXPECT_TRUE(bitwise_equal(r.out, base.out)) << threads << " threads, split " << split;
-        EXPECT_TRUE(bitwise_equal(r.lse, base.lse)) << threads << " threads, split " << split;
-      }
+    for (const int threads : {1, 2, 3, 8}) {
+      o.num_threads = threads;
+      const Result r = run(c, f, o);
+      EXPECT_TRUE(bitwise_equal(r.out, base.out)) << threads << " threads";
+      EXPECT_TRUE(bitwise_equal(r.lse, base.lse)) << threads << " threads";
+    }
   }
 }
 
@@ -173,7 +172,7 @@ TEST(DecodeVariants, LongCachesSplitBitwiseForAnyThreadCount) {
 // the window of every query changes no bit of the result.
 TEST(DecodeVariants, KeysOutsideTheWindowAreNeverRead) {
   std::mt19937_64 rng(33);
-  for (const KVDtype t : {KVDtype::float32, KVDtype::float16})
+  for (const Dtype t : {Dtype::float32, Dtype::float16})
     for (const int64_t L : {int64_t(1), int64_t(5), int64_t(40)}) {  // 40: the chunked-prefill path
       DecodeCase c;
       c.B = 1, c.H = 4, c.Hkv = 2, c.L = L, c.E = c.Ev = 16, c.page = 64, c.dtype = t, c.lens = {3000};
@@ -251,7 +250,7 @@ TEST(DecodeVariants, RowsThatSeeNoKeyGetTheSinkOrMinusInfinity) {
 TEST(DecodeVariants, ChunkedPrefillMatchesTheOracle) {
   std::mt19937_64 rng(36);
   int n = 0;
-  for (const KVDtype t : {KVDtype::float32, KVDtype::float16, KVDtype::bfloat16})
+  for (const Dtype t : {Dtype::float32, Dtype::float16, Dtype::bfloat16})
     for (const int64_t page : {int64_t(0), int64_t(300)})
       for (int which = 0; which < 3; ++which) {
         DecodeCase c;
@@ -281,7 +280,7 @@ TEST(DecodeVariants, ChunkedPrefillMatchesTheOracle) {
 // holes send tiles row by row, on whole tiles of 128 keys.
 TEST(DecodeVariants, HalfStorageGivesTheFloat32BitsOnRoundedValues) {
   std::mt19937_64 rng(37);
-  for (const KVDtype t : {KVDtype::float16, KVDtype::bfloat16})
+  for (const Dtype t : {Dtype::float16, Dtype::bfloat16})
     for (const bool holes : {false, true}) {
       DecodeCase c;
       c.B = 2, c.H = 8, c.Hkv = 2, c.L = 2, c.E = 64, c.Ev = 33, c.page = 40, c.dtype = t, c.lens = {900, 130};
@@ -298,7 +297,7 @@ TEST(DecodeVariants, HalfStorageGivesTheFloat32BitsOnRoundedValues) {
       SCOPED_TRACE(c.str());
       const Filled f = fill(c, rng);  // f.k, f.v hold the rounded values
       DecodeCase c32 = c;
-      c32.dtype = KVDtype::float32;
+      c32.dtype = Dtype::float32;
       KVCache cache32(config_of(c32));
       for (int64_t b = 0; b < c.B; ++b) {
         const int64_t n = c.lens[size_t(b)];
@@ -307,8 +306,8 @@ TEST(DecodeVariants, HalfStorageGivesTheFloat32BitsOnRoundedValues) {
       }
       const Result half = run(c, f), full = run_on(c32, cache32, f.q);
       expect_matches_oracle(c, f, half);
-      EXPECT_TRUE(bitwise_equal(half.out, full.out)) << kv_dtype_name(t);
-      EXPECT_TRUE(bitwise_equal(half.lse, full.lse)) << kv_dtype_name(t);
+      EXPECT_TRUE(bitwise_equal(half.out, full.out)) << dtype_name(t);
+      EXPECT_TRUE(bitwise_equal(half.lse, full.lse)) << dtype_name(t);
     }
 }
 
@@ -352,7 +351,7 @@ TEST(DecodeVariants, DenseCallTakesTheKernelWithVariants) {
     EXPECT_TRUE(all_close(out, ref, tolerance<float>(S + E, 1.0, 40), "out case " + std::to_string(i)));
     EXPECT_TRUE(all_close(lse, ref_lse, tolerance<float>(S + E, max_abs(ref_lse.view<3>()), 40), "lse case " + std::to_string(i)));
     const detail::Problem p = detail::make_problem(a, o);
-    ASSERT_TRUE(detail::decode_suits_dense(p, a, false)) << "case " << i;
+    ASSERT_TRUE(detail::decode_suits_dense(p)) << "case " << i;
     Tensor<float> direct({B, H, L, Ev});
     detail::decode_forward_dense(p, a, direct.view4(), {});
     EXPECT_TRUE(bitwise_equal(direct, out)) << "case " << i;
@@ -386,7 +385,7 @@ TEST(DecodeVariants, StridedFeaturesAndTheSavedStateDoNotChangeABit) {
   EXPECT_TRUE(bitwise_equal(out, out2));
   EXPECT_TRUE(bitwise_equal(lse, lse2));
   const detail::Problem p = detail::make_problem(a2, o);
-  ASSERT_TRUE(detail::decode_suits_dense(p, a2, false));
+  ASSERT_TRUE(detail::decode_suits_dense(p));
   Tensor<float> dout = random_tensor<float>({B, H, L, Ev}, rng);
   struct Grads {
     Tensor<float> dq, dk, dv, dbias, dsinks;
@@ -411,8 +410,8 @@ TEST(DecodeVariants, ArgumentErrors) {
   cfg.batch = 1, cfg.kv_heads = 2, cfg.capacity = 8, cfg.head_dim = 4;
   KVCache cache(cfg);
   Tensor<float> q({1, 4, 1, 4}), out({1, 4, 1, 4});
-  auto call = [&](const DecodeOptions& o) { return [&, o] { decode_attention(q.view4(), cache, out.view4(), o); }; };
-  DecodeOptions o;
+  auto call = [&](const DecodeCall& o) { return [&, o] { decode_call(q.view4(), cache, out.view4(), o); }; };
+  DecodeCall o;
   o.window.left = -2;
   EXPECT_TRUE(throws_with(call(o), {"decode_attention", "option 'window.left' is -2, expected >= 0 or -1"}));
   o = {}, o.softcap = -1.0;
@@ -439,7 +438,7 @@ TEST(DecodeVariants, ArgumentErrors) {
   EXPECT_TRUE(throws_with(call(o), {"decode_attention", "'bias'"}));
   o = {}, o.alibi_slopes = View1<const float>(four.data(), {4}, {1}), o.sinks = View1<const float>(four.data(), {4}, {1});
   Tensor<float> ok({1, 4, 1, 4});
-  EXPECT_NO_THROW(decode_attention(q.view4(), cache, ok.view4(), o));
+  EXPECT_NO_THROW(decode_call(q.view4(), cache, ok.view4(), o));
 }
 
 }  // namespace

@@ -160,11 +160,11 @@ TEST(Fused, IsPickedByAutoForFloatOnly) {
   c.L = c.S = 5;
   c.E = c.Ev = 4;
   Data d(c);
-  EXPECT_EQ(attn::resolve_backend(d.args, d.opt, true), Backend::fused);
+  EXPECT_EQ(attn::resolve_backend(d.args, d.opt), Backend::fused);
   std::vector<double> z(20, 0.0);
   attn::SdpaArgs<double> a64;
   a64.q = a64.k = a64.v = View4<const double>::bhnd(z.data(), 1, 1, 5, 4);
-  EXPECT_EQ(attn::resolve_backend(a64, {}, false), Backend::reference);
+  EXPECT_EQ(attn::resolve_backend(a64, {}), Backend::reference);
   std::printf("fused SIMD target: %s\n", attn::detail::fused_target_name());
 }
 
@@ -848,10 +848,11 @@ TEST(FusedVariants, WindowTilesVisitedGrowWithTheWindowNotS) {
     p.B = p.H = p.Hkv = 1;
     p.L = p.S = S;
     p.E = p.Ev = 64;
-    p.causal = true;
-    p.window_left = 128;
+    p.rules.causal = true;
+    p.rules.window_left = 128;
+    p.rules.offset = {0}, p.rules.key_end = {S};
     const FusedPlan t = attn::detail::fused_plan(p);
-    const attn::detail::rules::Band band = p.band(S);
+    const attn::detail::rules::Band band = p.band(0);
     int64_t visited = 0, scores = 0;
     for (int64_t i0 = 0; i0 < S; i0 += t.q_block) {
       const int64_t nr = std::min(t.q_block, S - i0);
@@ -878,10 +879,11 @@ TEST(FusedVariants, PlanShortensQueryBlocksUnderNarrowWindows) {
   p.B = p.H = p.Hkv = 1;
   p.L = p.S = 16384;
   p.E = p.Ev = 64;
-  p.causal = true;
-  p.window_left = 511;
+  p.rules.causal = true;
+  p.rules.window_left = 511;
+  p.rules.offset = {0}, p.rules.key_end = {p.S};
   const FusedPlan t = attn::detail::fused_plan(p);
-  const attn::detail::rules::Band band = p.band(p.S);
+  const attn::detail::rules::Band band = p.band(0);
   int64_t visited = 0, scores = 0;
   for (int64_t i0 = 0; i0 < p.L; i0 += t.q_block) {
     const int64_t nr = std::min(t.q_block, p.L - i0);
@@ -892,9 +894,9 @@ TEST(FusedVariants, PlanShortensQueryBlocksUnderNarrowWindows) {
     for (int64_t i = i0; i < i0 + nr; ++i) scores += band.keys(i).hi - band.keys(i).lo;
   }
   EXPECT_LE(double(visited), 1.10 * double(scores)) << "q_block " << t.q_block;
-  p.window_left = 4095;  // wide: the default blocks
+  p.rules.window_left = 4095;  // wide: the default blocks
   Problem dense = p;
-  dense.causal = false, dense.window_left = -1;
+  dense.rules.causal = false, dense.rules.window_left = -1;
   EXPECT_EQ(attn::detail::fused_plan(p).q_block, attn::detail::fused_plan(dense).q_block);
 }
 

@@ -82,13 +82,13 @@ TEST(HalfTypes, Float16AgreesWithTheCompilersConversion) {
 TEST(HalfTypes, AgreeWithTheKVCacheStorage) {
   std::mt19937_64 rng(7);
   const Tensor<float> x = random_tensor<float>({1, 1, 64, 8}, rng, 100.0);
-  for (KVDtype t : {KVDtype::float16, KVDtype::bfloat16}) {
+  for (Dtype t : {Dtype::float16, Dtype::bfloat16}) {
     KVCache cache({.batch = 1, .kv_heads = 1, .capacity = 64, .head_dim = 8, .value_dim = 8, .dtype = t});
     cache.append(x.view4(), x.view4());
     Tensor<float> k({1, 64, 8}), v({1, 64, 8});
     cache.read(0, k.view<3>(), v.view<3>());
     for (size_t i = 0; i < x.size(); ++i)
-      ASSERT_EQ(k[i], t == KVDtype::float16 ? float(float16_t(x[i])) : float(bfloat16_t(x[i]))) << i;
+      ASSERT_EQ(k[i], t == Dtype::float16 ? float(float16_t(x[i])) : float(bfloat16_t(x[i]))) << i;
   }
 }
 
@@ -180,7 +180,8 @@ struct RefRun {
 RefRun reference(const SdpaArgs<float>& a, SdpaOptions opt, const Tensor<float>& dout) {
   const Tensor<double> q = to_double(a.q), k = to_double(a.k), v = to_double(a.v);
   Tensor<double> bias, alibi, sinks;
-  SdpaArgs<double> d{q.view4(), k.view4(), v.view4(), a.mask, {}, a.key_lengths};
+  SdpaArgs<double> d;
+  d.q = q.view4(), d.k = k.view4(), d.v = v.view4(), d.mask = a.mask, d.key_lengths = a.key_lengths;
   if (!a.bias.empty()) bias = to_double(a.bias), d.bias = bias.view4();
   if (!a.alibi_slopes.empty()) alibi = to_double(a.alibi_slopes), d.alibi_slopes = alibi.view<1>();
   if (!a.sinks.empty()) sinks = to_double(a.sinks), d.sinks = sinks.view<1>();
@@ -341,7 +342,7 @@ TYPED_TEST(HalfInputs, BadArgumentsNameTheArgument) {
   }
   Tensor<float> small({1, 2, 4, 7});
   EXPECT_THROW(scaled_dot_product_attention(c.args(), {small.view4()}), InvalidArgument);
-  EXPECT_EQ(resolve_backend(c.args(), {}, false), Backend::fused);
+  EXPECT_EQ(resolve_backend(c.args(), {}), Backend::fused);
 }
 
 }  // namespace

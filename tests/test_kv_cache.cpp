@@ -39,7 +39,7 @@ void expect_reads_back(const DecodeCase& c, const Filled& f) {
 
 TEST(KVCache, AppendsAcrossPagesReadBackExactly) {
   std::mt19937_64 rng(11);
-  for (const KVDtype t : {KVDtype::float32, KVDtype::float16, KVDtype::bfloat16})
+  for (const Dtype t : {Dtype::float32, Dtype::float16, Dtype::bfloat16})
     for (const int64_t page : {0, 1, 3, 16})
       for (int i = 0; i < 4; ++i) {
         DecodeCase c;
@@ -55,7 +55,7 @@ TEST(KVCache, HalfPrecisionRoundsToNearestEven) {
   const float bf16_tie_up = 1.0f + 3.0f / 256;      // halfway between 1 + 2^-7 and 1 + 2^-6
   const float specials[] = {0.0f, -0.0f, 1.0f, f16_tie, bf16_tie_up, 65504.0f, 1e-7f, -3.3e-5f,
                             std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN()};
-  for (const KVDtype t : {KVDtype::float16, KVDtype::bfloat16}) {
+  for (const Dtype t : {Dtype::float16, Dtype::bfloat16}) {
     KVCacheConfig cfg;
     cfg.capacity = 1, cfg.head_dim = 10, cfg.dtype = t;
     KVCache cache(cfg);
@@ -68,11 +68,11 @@ TEST(KVCache, HalfPrecisionRoundsToNearestEven) {
         EXPECT_TRUE(std::isnan(back[size_t(e)]));
         continue;
       }
-      EXPECT_EQ(back[size_t(e)], round_to(t, specials[e])) << kv_dtype_name(t) << " " << specials[e];
+      EXPECT_EQ(back[size_t(e)], round_to(t, specials[e])) << dtype_name(t) << " " << specials[e];
     }
   }
-  EXPECT_EQ(round_to(KVDtype::float16, 1.0f + 1.0f / 2048), 1.0f);  // the oracle's ties go to even
-  EXPECT_EQ(round_to(KVDtype::bfloat16, 1.0f + 3.0f / 256), 1.0f + 4.0f / 256);
+  EXPECT_EQ(round_to(Dtype::float16, 1.0f + 1.0f / 2048), 1.0f);  // the oracle's ties go to even
+  EXPECT_EQ(round_to(Dtype::bfloat16, 1.0f + 3.0f / 256), 1.0f + 4.0f / 256);
 }
 
 KVCacheConfig paged(int64_t B, int64_t capacity, int64_t page, int64_t pages = 0) {
@@ -163,10 +163,10 @@ TEST(KVCache, SharedPrefixPagesAreReadOnlyAndGiveTheSameAttention) {
   // Sequence 1 now holds tokens 0..15 of k/v; its attention equals the dense reference.
   Tensor<float> q = random_tensor<float>({c.B, c.H, c.L, c.E}, rng);
   Tensor<float> out({c.B, c.H, c.L, c.Ev}), ref({c.B, c.H, c.L, c.Ev});
-  decode_attention(q.view4(), cache, out.view4());
-  DecodeOptions ro;
+  decode_call(q.view4(), cache, out.view4());
+  DecodeCall ro;
   ro.backend = Backend::reference;
-  decode_attention(q.view4(), cache, ref.view4(), ro);
+  decode_call(q.view4(), cache, ref.view4(), ro);
   EXPECT_TRUE(all_close(out, ref, tolerance<float>(30, 1.0, 40), "shared prefix"));
   Filled f{KVCache(cfg), {}, {}, std::move(q)};
   DecodeCase c1 = c;
@@ -190,10 +190,10 @@ TEST(KVCache, SharedPrefixPagesAreReadOnlyAndGiveTheSameAttention) {
 TEST(KVCache, TruncateThenAppendEqualsTheShorterHistory) {
   std::mt19937_64 rng(21);
   const int64_t Hkv = 2, E = 5, Ev = 3, cap = 24;
-  for (const KVDtype t : {KVDtype::float32, KVDtype::bfloat16})
+  for (const Dtype t : {Dtype::float32, Dtype::bfloat16})
     for (const int64_t page : {0, 3, 4})
       for (const int64_t keep : {0, 1, 4, 7, 11}) {
-        SCOPED_TRACE(std::string(kv_dtype_name(t)) + " page " + std::to_string(page) + " keep " + std::to_string(keep));
+        SCOPED_TRACE(std::string(dtype_name(t)) + " page " + std::to_string(page) + " keep " + std::to_string(keep));
         KVCacheConfig cfg;
         cfg.batch = 1, cfg.kv_heads = Hkv, cfg.capacity = cap, cfg.head_dim = E, cfg.value_dim = Ev;
         cfg.page_size = page, cfg.dtype = t;
@@ -220,8 +220,8 @@ TEST(KVCache, TruncateThenAppendEqualsTheShorterHistory) {
         ASSERT_EQ(std::memcmp(v1.data(), v2.data(), v1.size() * 4), 0);
         const Tensor<float> q = random_tensor<float>({1, 4, 2, E}, rng);
         Tensor<float> o1({1, 4, 2, Ev}), o2({1, 4, 2, Ev});
-        decode_attention(q.view4(), cut, o1.view4());
-        decode_attention(q.view4(), fresh, o2.view4());
+        decode_call(q.view4(), cut, o1.view4());
+        decode_call(q.view4(), fresh, o2.view4());
         ASSERT_EQ(std::memcmp(o1.data(), o2.data(), o1.size() * 4), 0);
       }
   // Sequence 1 shares sequence 0's two full pages, keeps 6 of their 8 tokens
@@ -292,8 +292,8 @@ TEST(KVCache, ConfigAndAppendErrors) {
   EXPECT_TRUE(throws_with([&] { c.append(0, k.view<3>(), k.view<3>()); }, {"argument 'k'", "(1, n, 2)"}));
   Tensor<float> k2({1, 2, 2});
   EXPECT_TRUE(throws_with([&] { c.append(1, k2.view<3>(), k2.view<3>()); }, {"argument 'b' is 1"}));
-  EXPECT_TRUE(throws_with([] { parse_kv_dtype("fp8"); }, {"attn::parse_kv_dtype", "fp8"}));
-  EXPECT_EQ(parse_kv_dtype("bf16"), KVDtype::bfloat16);
+  EXPECT_TRUE(throws_with([] { parse_dtype("fp8"); }, {"attn::parse_dtype", "fp8"}));
+  EXPECT_EQ(parse_dtype("bf16"), Dtype::bfloat16);
   // The boundary's Checker: each missing view by name, shapes against each other,
   // outputs that cannot be written.
   EXPECT_TRUE(throws_with([&] { c.append(0, {}, k2.view<3>()); }, {"KVCache::append", "'k' is required"}));
@@ -547,11 +547,11 @@ TEST(KVCache, RandomOperationsMatchAShadowModel) {
       }
       if (op % 10 == 0) {  // the kernel follows the tables as the reference does
         Tensor<float> q = random_tensor<float>({B, 2, 2, 2}, rng), out({B, 2, 2, 2}), ref({B, 2, 2, 2});
-        DecodeOptions o;
+        DecodeCall o;
         o.causal = false;
-        decode_attention(q.view4(), cache, out.view4(), o);
+        decode_call(q.view4(), cache, out.view4(), o);
         o.backend = Backend::reference;
-        decode_attention(q.view4(), cache, ref.view4(), o);
+        decode_call(q.view4(), cache, ref.view4(), o);
         ASSERT_TRUE(all_close(out, ref, tolerance<float>(capacity, 60, 40), "decode over the tables"));
       }
     }

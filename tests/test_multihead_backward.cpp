@@ -53,13 +53,13 @@ void check_gradients(const GradCase& c, uint64_t seed) {
     if (c.B > 1) kpm[size_t(c.S)] = true;  // batch 1: first key is padding
     mk.key_padding_mask = kpm.view<2>();
   }
-  if (c.attn_mask) {
+  if (c.mask) {
     am = random_bools({c.B, H, c.L, c.S}, rng, 0.75);
-    mk.attn_mask = am.view4();
+    mk.mask = am.view4();
   }
-  if (c.attn_bias) {
+  if (c.bias) {
     ab = random_tensor<double>({1, H, c.L, c.S}, rng);
-    mk.attn_bias = ab.view4();
+    mk.bias = ab.view4();
   }
   if (c.key_lengths) {
     lens = Tensor<int64_t>({c.B});
@@ -84,7 +84,7 @@ void check_gradients(const GradCase& c, uint64_t seed) {
   // Analytic: one forward with cache, one backward. Input gradients are
   // overwritten, so start them from garbage. The cache owns the masks: the
   // caller's are overwritten before the backward.
-  MhaCache<double> cache;
+  MhaSaved<double> cache;
   Tensor<double> y({c.B, c.L, D});
   m.forward(mk, {v3(y)}, opt, &cache);
   const Tensor<bool> kpm_kept = kpm, am_kept = am;
@@ -145,7 +145,7 @@ TEST(MultiheadAttentionGrad, SelfAttentionCausalKeyPadding) {
 
 TEST(MultiheadAttentionGrad, CrossAttentionKdimVdimAllMasks) {
   GradCase c{"cross_all_masks", config(4, 2, true, 3, 5), 2, 2, 4, false};
-  c.kpm = c.attn_mask = c.attn_bias = true;
+  c.kpm = c.mask = c.bias = true;
   check_gradients(c, 13);
 }
 
@@ -159,7 +159,7 @@ TEST(MultiheadAttentionGrad, ExplicitHeadDimsNoBiasBottomRightCausalKeyLengths) 
 
 TEST(MultiheadAttentionGrad, ExplicitHeadDimsSelfAttentionWithMask) {
   GradCase c{"explicit_dims_self", config(3, 2, true, 0, 0, 2, 3), 1, 4, 4, true};
-  c.attn_mask = true;
+  c.mask = true;
   check_gradients(c, 15);
 }
 
@@ -183,7 +183,7 @@ TEST(MultiheadAttentionGrad, SelfAttentionSinks) {
 
 TEST(MultiheadAttentionGrad, CrossAttentionSinksWithMasks) {
   GradCase c{"cross_sinks_masks", with_sinks(config(4, 2, true, 3, 5)), 2, 3, 4, false};
-  c.kpm = c.attn_mask = true;
+  c.kpm = c.mask = true;
   check_gradients(c, 22);
 }
 
@@ -204,7 +204,7 @@ TEST(MultiheadAttentionGrad, SelfAttentionSoftcapWindowSinksTransform) {
 
 TEST(MultiheadAttentionGrad, CrossAttentionEverythingWithOffset) {
   GradCase c{"cross_everything_offset", with_sinks(config(5, 2, false, 3, 4, 3, 2)), 2, 3, 6, false};
-  c.causal = c.alibi = c.attn_bias = c.key_lengths = true;
+  c.causal = c.alibi = c.bias = c.key_lengths = true;
   c.variants.position_offset = 2;
   c.variants.window = {2, 1};
   c.variants.softcap = 2.0;
@@ -245,8 +245,8 @@ TEST(MultiheadAttentionGrad, FusedFloatMatchesReferenceWithVariants) {
   ad.alibi_slopes = View1<const double>(slopes_d, {2});
   MhaArgs<float> af = inputs<float>(v3(std::as_const(xf)));
   af.alibi_slopes = View1<const float>(slopes_f, {2});
-  MhaCache<double> cd;
-  MhaCache<float> cf;
+  MhaSaved<double> cd;
+  MhaSaved<float> cf;
   Tensor<double> yd({B, N, 8}), dxd({B, N, 8});
   Tensor<float> yf({B, N, 8}), dxf({B, N, 8});
   md.forward(ad, {v3(yd)}, od, &cd);
@@ -272,7 +272,7 @@ TEST(MultiheadAttention, QkTransformSeesTheProjections) {
   MultiheadAttention<double> plain(config(4, 2), 3), scaled(config(4, 2), 3);
   scaled.set_qk_transform(position_scaling<double>());
   Tensor<double> x = random_tensor<double>({1, 3, 4}, rng), y({1, 3, 4});
-  MhaCache<double> cp, cs;
+  MhaSaved<double> cp, cs;
   plain.forward(inputs<double>(v3(x)), {v3(y)}, {}, &cp);
   scaled.forward(inputs<double>(v3(x)), {v3(y)}, {}, &cs);
   for (int64_t h = 0; h < 2; ++h)
@@ -297,7 +297,7 @@ TEST(MultiheadAttentionGrad, ReusedBuffersAcrossShapesChangeNothing) {
     std::mt19937_64 r(seed);
     const Tensor<float> x = random_tensor<float>({B, L, 8}, r), g = random_tensor<float>({B, L, 8}, r);
     Tensor<float> y({B, L, 8}), dx({B, L, 8});
-    MhaCache<float> cache;
+    MhaSaved<float> cache;
     m.forward(inputs<float>(x.view<3>()), {y.view<3>()}, {}, &cache);
     m.zero_grad();
     m.backward(cache, g.view<3>(), {dx.view<3>()});
@@ -341,7 +341,7 @@ TEST(MultiheadAttentionGrad, BitwiseIdenticalForAnyThreadCount) {
       opt.sdpa.num_threads = threads;
       Result r{Tensor<float>({B, L, 96}), Tensor<float>({B, L, 96}), Tensor<float>({B, S, 20}),
                Tensor<float>({B, S, 12}), {}};
-      MhaCache<float> cache;
+      MhaSaved<float> cache;
       const MhaArgs<float> a = self ? inputs<float>(xq.view<3>()) : inputs<float>(xq.view<3>(), xk.view<3>(), xv.view<3>());
       m.forward(a, {r.y.view<3>()}, opt, &cache);
       m.zero_grad();

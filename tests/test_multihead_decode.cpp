@@ -18,6 +18,19 @@ namespace {
 using namespace attn;
 using namespace attn::testing;
 
+// The options of a causal decoding step (the rows equal a causal forward's).
+MhaOptions causal_decode() {
+  MhaOptions o;
+  o.sdpa.causal = true;
+  return o;
+}
+
+// Whether MultiheadAttention<T> has a decode (float only: the cache stores float32 or narrower).
+template <class T>
+concept Decodes = requires(const MultiheadAttention<T>& l, const MhaArgs<T>& a, KVCache& k, View3<T> o) {
+  l.decode(a, k, o);
+};
+
 struct DecodeLayerCase {
   const char* name;
   MultiheadConfig cfg;
@@ -32,7 +45,7 @@ struct DecodeLayerCase {
 constexpr int64_t kCapacity = 16;
 const std::vector<int64_t> kSteps = {3, 1, 1, 4, 2, 1};  // 12 tokens
 
-KVCache cache_for(const MultiheadAttention<float>& m, int64_t B, int64_t page, KVDtype dtype = KVDtype::float32) {
+KVCache cache_for(const MultiheadAttention<float>& m, int64_t B, int64_t page, Dtype dtype = Dtype::float32) {
   KVCacheConfig kc;
   kc.batch = B;
   kc.kv_heads = m.num_heads();
@@ -64,7 +77,7 @@ TEST_P(MultiheadDecode, EveryStepEqualsTheExplicitComputationOverThePrefix) {
   for (size_t h = 0; h < slopes.size(); ++h) slopes[h] = std::abs(slopes[h]);
   Tensor<bool> mask = random_bools({B, 1, 1, kCapacity}, rng, 0.75);
   KVCache cache = cache_for(m, B, c.page);
-  MhaDecodeOptions opt;
+  MhaOptions opt = causal_decode();
   opt.sdpa = c.variants;
   opt.sdpa.causal = c.causal;
   int64_t len = 0;
@@ -73,7 +86,7 @@ TEST_P(MultiheadDecode, EveryStepEqualsTheExplicitComputationOverThePrefix) {
     MhaArgs<float> a;
     a.query = rows(x, len, n);
     if (c.alibi) a.alibi_slopes = slopes.view<1>();
-    if (c.mask) a.attn_mask = mask.view4();
+    if (c.mask) a.mask = mask.view4();
     Tensor<float> out({B, n, D});
     m.decode(a, cache, out.view<3>(), opt);
     len += n;
@@ -82,7 +95,7 @@ TEST_P(MultiheadDecode, EveryStepEqualsTheExplicitComputationOverThePrefix) {
     MhaArgs<float> r;
     r.query = rows(x, 0, len);
     r.alibi_slopes = a.alibi_slopes;
-    if (c.mask) r.attn_mask = View4<const bool>(mask.data(), {B, 1, 1, len}, {kCapacity, kCapacity, kCapacity, 1});
+    if (c.mask) r.mask = View4<const bool>(mask.data(), {B, 1, 1, len}, {kCapacity, kCapacity, kCapacity, 1});
     const RefResult want = reference_mha(m, r, c.causal, CausalAlign::top_left, c.variants);
     const View3<const double> want_new(want.y.data() + (len - n) * D, {B, n, D}, {len * D, D, 1});
     const double mag = std::max(max_abs(want.y.view<3>()), 1.0);
@@ -142,14 +155,14 @@ TEST(MultiheadDecode, TheTransformRunsAtTheCachePositions) {
   m.set_qk_transform(position_scaling());
   const int64_t B = 2, N = 9, D = 8;
   const Tensor<float> x = random_tensor<float>({B, N, D}, rng);
-  MhaDecodeOptions opt;
+  MhaOptions opt = causal_decode();
   Tensor<float> full({B, N, D});
-  m.forward({x.view<3>()}, {full.view<3>()}, opt);
+  m.forward(MhaArgs<float>{{}, x.view<3>()}, {full.view<3>()}, opt);
   KVCache cache = cache_for(m, B, 4);
   int64_t len = 0;
   for (const int64_t n : {4, 1, 3, 1}) {
     Tensor<float> out({B, n, D});
-    m.decode({rows(x, len, n)}, cache, out.view<3>(), opt);
+    m.decode(MhaArgs<float>{{}, rows(x, len, n)}, cache, out.view<3>(), opt);
     const View3<const float> want(full.data() + len * D, {B, n, D}, {N * D, D, 1});
     EXPECT_TRUE(all_close(out.view<3>(), want, tolerance<float>(N * D, max_abs(want), 40), "transform"));
     len += n;
@@ -159,7 +172,7 @@ TEST(MultiheadDecode, TheTransformRunsAtTheCachePositions) {
   only_forward.forward_at = nullptr;
   m.set_qk_transform(only_forward);
   Tensor<float> out({B, 1, D});
-  EXPECT_TRUE(throws_with([&] { m.decode({rows(x, 0, 1)}, cache, out.view<3>(), opt); },
+  EXPECT_TRUE(throws_with([&] { m.decode(MhaArgs<float>{{}, rows(x, 0, 1)}, cache, out.view<3>(), opt); },
                           {"MultiheadAttention::decode", "forward_at"}));
   EXPECT_EQ(cache.length(0), len);
 }
@@ -174,9 +187,9 @@ TEST(MultiheadDecode, SequencesKeepTheirOwnLengths) {
   const int64_t D = 6, N = 10;
   const Tensor<float> x = random_tensor<float>({2, N, D}, rng);
   KVCache cache = cache_for(m, 2, 3);
-  const MhaDecodeOptions opt;
+  const MhaOptions opt = causal_decode();
   Tensor<float> out({2, 5, D});
-  m.decode({rows(x, 0, 5)}, cache, out.view<3>(), opt);
+  m.decode(MhaArgs<float>{{}, rows(x, 0, 5)}, cache, out.view<3>(), opt);
   cache.reset(1);
   // Sequence 0 continues with x[0, 5:10]; sequence 1 starts over with x[1, 0:5].
   Tensor<float> next({2, 5, D});
@@ -185,11 +198,11 @@ TEST(MultiheadDecode, SequencesKeepTheirOwnLengths) {
       next[size_t(i * D + d)] = x[size_t((5 + i) * D + d)];
       next[size_t((5 + i) * D + d)] = x[size_t((N + i) * D + d)];
     }
-  m.decode({next.view<3>()}, cache, out.view<3>(), opt);
+  m.decode(MhaArgs<float>{{}, next.view<3>()}, cache, out.view<3>(), opt);
   EXPECT_EQ(cache.length(0), 10);
   EXPECT_EQ(cache.length(1), 5);
-  const RefResult r0 = reference_mha(m, MhaArgs<float>{View3<const float>(x.data(), {1, N, D})}, true);
-  const RefResult r1 = reference_mha(m, MhaArgs<float>{View3<const float>(x.data() + N * D, {1, 5, D})}, true);
+  const RefResult r0 = reference_mha(m, MhaArgs<float>{{}, View3<const float>(x.data(), {1, N, D})}, true);
+  const RefResult r1 = reference_mha(m, MhaArgs<float>{{}, View3<const float>(x.data() + N * D, {1, 5, D})}, true);
   const View3<const float> got0(out.data(), {1, 5, D}), got1(out.data() + 5 * D, {1, 5, D});
   EXPECT_TRUE(all_close(got0, View3<const double>(r0.y.data() + 5 * D, {1, 5, D}), tolerance<float>(N * D, 4, 40)));
   EXPECT_TRUE(all_close(got1, View3<const double>(r1.y.data(), {1, 5, D}), tolerance<float>(N * D, 4, 40)));
@@ -205,10 +218,10 @@ TEST(MultiheadDecode, NanReachesTheRowsThatSeeIt) {
   Tensor<float> x = random_tensor<float>({2, 6, D}, rng);
   x[size_t(2 * D + 1)] = std::numeric_limits<float>::quiet_NaN();  // sequence 0, token 2
   KVCache cache = cache_for(m, 2, 0);
-  const MhaDecodeOptions opt;
+  const MhaOptions opt = causal_decode();
   for (int64_t t = 0; t < 6; ++t) {
     Tensor<float> out({2, 1, D});
-    m.decode({rows(x, t, 1)}, cache, out.view<3>(), opt);
+    m.decode(MhaArgs<float>{{}, rows(x, t, 1)}, cache, out.view<3>(), opt);
     for (int64_t d = 0; d < D; ++d) {
       EXPECT_EQ(std::isnan(out[size_t(d)]), t >= 2) << "sequence 0, token " << t;
       EXPECT_TRUE(std::isfinite(out[size_t(D + d)])) << "sequence 1, token " << t;
@@ -218,7 +231,7 @@ TEST(MultiheadDecode, NanReachesTheRowsThatSeeIt) {
 
 // Without options decoding is causal (bottom-right), as decode_attention
 // and Python's decode are: a chunk of 5 tokens gives the causal forward's
-// rows. MhaDecodeOptions(MhaOptions{}) takes the forward's default, not
+// rows. MhaOptions{} takes the forward's default, not
 // causal, and gives the non-causal rows.
 TEST(MultiheadDecode, IsCausalUnlessToldOtherwise) {
   std::mt19937_64 rng(11);
@@ -229,15 +242,15 @@ TEST(MultiheadDecode, IsCausalUnlessToldOtherwise) {
   MhaOptions causal;
   causal.sdpa.causal = true;
   Tensor<float> want_causal({B, N, D}), want_full({B, N, D}), got({B, N, D});
-  m.forward({x.view<3>()}, {want_causal.view<3>()}, causal);
-  m.forward({x.view<3>()}, {want_full.view<3>()});
+  m.forward(MhaArgs<float>{{}, x.view<3>()}, {want_causal.view<3>()}, causal);
+  m.forward(MhaArgs<float>{{}, x.view<3>()}, {want_full.view<3>()});
   const double tol_mag = std::max(max_abs(want_causal.view<3>()), 1.0);
   KVCache a = cache_for(m, B, 0);
-  m.decode({x.view<3>()}, a, got.view<3>());
+  m.decode(MhaArgs<float>{{}, x.view<3>()}, a, got.view<3>());
   EXPECT_TRUE(all_close(got.view<3>(), View3<const float>(want_causal.view<3>()), tolerance<float>(N * D, tol_mag, 40),
                         "default"));
   KVCache b = cache_for(m, B, 0);
-  m.decode({x.view<3>()}, b, got.view<3>(), MhaDecodeOptions(MhaOptions{}));
+  m.decode(MhaArgs<float>{{}, x.view<3>()}, b, got.view<3>(), MhaOptions{});
   EXPECT_TRUE(all_close(got.view<3>(), View3<const float>(want_full.view<3>()), tolerance<float>(N * D, tol_mag, 40),
                         "not causal"));
   EXPECT_FALSE(all_close(want_causal.view<3>(), View3<const float>(want_full.view<3>()), 1e-3, "the two differ"));
@@ -261,7 +274,7 @@ TEST(MultiheadDecode, BiasOverTheCacheAndAStridedOutput) {
     SCOPED_TRACE("after " + std::to_string(len) + " tokens, " + std::to_string(n) + " more");
     MhaArgs<float> a;
     a.query = rows(x, len, n);
-    a.attn_bias = bias.view4();
+    a.bias = bias.view4();
     Tensor<float> dense({B, n, D}), lbd({n, B, D});
     m.decode(a, cache, dense.view<3>());
     m.decode(a, twin, View3<float>(lbd.data(), {B, n, D}, {D, B * D, 1}));
@@ -272,7 +285,7 @@ TEST(MultiheadDecode, BiasOverTheCacheAndAStridedOutput) {
           ASSERT_EQ(dense[size_t((b * n + i) * D + d)], lbd[size_t((i * B + b) * D + d)]) << b << "," << i << "," << d;
     MhaArgs<float> f;
     f.query = rows(x, 0, len);
-    f.attn_bias = View4<const float>(bias.data(), {B, 1, 1, len}, {kCapacity, kCapacity, kCapacity, 1});
+    f.bias = View4<const float>(bias.data(), {B, 1, 1, len}, {kCapacity, kCapacity, kCapacity, 1});
     MhaOptions causal;
     causal.sdpa.causal = true;
     Tensor<float> full({B, len, D});
@@ -313,9 +326,9 @@ TEST(MultiheadDecode, BadArgumentsLeaveTheCacheAsItWas) {
   KVCache cache = cache_for(m, 2, 4);
   const Tensor<float> x = random_tensor<float>({2, 3, 6}, rng);
   Tensor<float> out({2, 3, 6});
-  m.decode({x.view<3>()}, cache, out.view<3>());
+  m.decode(MhaArgs<float>{{}, x.view<3>()}, cache, out.view<3>());
   auto refused = [&](const MhaArgs<float>& a, const std::vector<std::string>& words, KVCache& c,
-                     const MhaDecodeOptions& opt = {}, View3<float> o = {}) {
+                     const MhaOptions& opt = causal_decode(), View3<float> o = {}) {
     if (o.empty()) o = out.view<3>();
     const CacheState before = state_of(c);
     bool ok = false;
@@ -328,7 +341,7 @@ TEST(MultiheadDecode, BadArgumentsLeaveTheCacheAsItWas) {
     EXPECT_TRUE(ok) << "no error for " << words.back();
     EXPECT_TRUE(state_of(c) == before) << "the cache changed: " << words.back();
   };
-  const MhaArgs<float> good{x.view<3>()};
+  const MhaArgs<float> good{{}, x.view<3>()};
   MhaArgs<float> a = good;
   a.key = x.view<3>();
   a.value = x.view<3>();
@@ -337,22 +350,22 @@ TEST(MultiheadDecode, BadArgumentsLeaveTheCacheAsItWas) {
   Tensor<bool> kpm({2, 3});
   a.key_padding_mask = kpm.view<2>();
   refused(a, {"'key_padding_mask'"}, cache);
-  MhaDecodeOptions with_offset;
+  MhaOptions with_offset = causal_decode();
   with_offset.sdpa.position_offset = 2;
   refused(good, {"'position_offset'"}, cache, with_offset);
   a = good;
   Tensor<bool> mask({2, 1, 3, 5});  // S = 5 instead of the capacity 16
-  a.attn_mask = mask.view4();
-  refused(a, {"'attn_mask'", "16"}, cache);
+  a.mask = mask.view4();
+  refused(a, {"'mask'", "16"}, cache);
   a = good;
   Tensor<float> slopes({3});
   a.alibi_slopes = slopes.view<1>();
   refused(a, {"'alibi_slopes'"}, cache);
-  MhaDecodeOptions bad_window;
+  MhaOptions bad_window = causal_decode();
   bad_window.sdpa.window = {-3, -1};
   refused(good, {"window"}, cache, bad_window);
   Tensor<float> narrow({2, 3, 5});
-  refused(MhaArgs<float>{narrow.view<3>()}, {"'query'", "(B, L, D)"}, cache);
+  refused(MhaArgs<float>{{}, narrow.view<3>()}, {"'query'", "(B, L, D)"}, cache);
   refused(good, {"'out'"}, cache, {}, Tensor<float>({2, 2, 6}).view<3>());
   KVCache other = cache_for(m, 3, 0);
   refused(good, {"'query'", "batch"}, other);
@@ -371,12 +384,12 @@ TEST(MultiheadDecode, BadArgumentsLeaveTheCacheAsItWas) {
   m.decode(good, small_pool, out.view<3>());
   const Tensor<float> x2 = random_tensor<float>({2, 2, 6}, rng);
   Tensor<float> out2({2, 2, 6});
-  refused({x2.view<3>()}, {"'cache'", "page pool is exhausted"}, small_pool, {}, out2.view<3>());
+  refused(MhaArgs<float>{{}, x2.view<3>()}, {"'cache'", "page pool is exhausted"}, small_pool, {}, out2.view<3>());
   // With check_finite, projections that are not finite (here the keys, from
   // a NaN in the key rows of the packed weight) never reach the cache.
   MultiheadAttention<float> poisoned = m;
   poisoned.parameter("in_proj_weight")[size_t(6 * 6)] = std::numeric_limits<float>::quiet_NaN();  // row D: k
-  MhaDecodeOptions checked;
+  MhaOptions checked = causal_decode();
   checked.sdpa.check_finite = true;
   KVCache fresh = cache_for(m, 2, 4);
   const CacheState empty = state_of(fresh);
@@ -385,15 +398,14 @@ TEST(MultiheadDecode, BadArgumentsLeaveTheCacheAsItWas) {
   EXPECT_TRUE(state_of(fresh) == empty);
   Tensor<float> nan_query = x;
   nan_query[0] = std::numeric_limits<float>::infinity();
-  EXPECT_TRUE(throws_with([&] { m.decode({nan_query.view<3>()}, fresh, out.view<3>(), checked); }, {"'query'"}));
+  EXPECT_TRUE(throws_with([&] { m.decode(MhaArgs<float>{{}, nan_query.view<3>()}, fresh, out.view<3>(), checked); }, {"'query'"}));
   EXPECT_TRUE(state_of(fresh) == empty);
   // Without it the NaN goes in and reaches every row that sees that key.
   poisoned.decode(good, fresh, out.view<3>());
   EXPECT_EQ(fresh.length(0), 3);
   for (size_t i = 0; i < out.size(); ++i) EXPECT_TRUE(std::isnan(out[i])) << i;
-  MultiheadAttention<double> md(config(6, 2), 2);
-  Tensor<double> xd({2, 3, 6}), od({2, 3, 6});
-  EXPECT_TRUE(throws_with([&] { md.decode({xd.view<3>()}, other, od.view<3>()); }, {"float32 only"}));
+  // Only MultiheadAttention<float> decodes; for double it does not compile.
+  static_assert(Decodes<float> && !Decodes<double>);
 }
 
 }  // namespace

@@ -122,18 +122,18 @@ TEST_F(ErrorFixture, ForwardMasksAndOptions) {
   const char* fn = "attn::MultiheadAttention::forward:";
   Tensor<bool> am{2, 2, 3, 4};
   MhaArgs<float> mk = args();
-  mk.attn_mask = am.view4();
-  EXPECT_TRUE(throws_with(fwd(mk), {fn, "'attn_mask' has shape (2, 2, 3, 4)", "(B, H, L, S) = (2, 2, 3, 6) or 1"}));
+  mk.mask = am.view4();
+  EXPECT_TRUE(throws_with(fwd(mk), {fn, "'mask' has shape (2, 2, 3, 4)", "(B, H, L, S) = (2, 2, 3, 6) or 1"}));
   Tensor<float> ab{3, 1, 1, 6};
   mk = args();
-  mk.attn_bias = ab.view4();
-  EXPECT_TRUE(throws_with(fwd(mk), {fn, "'attn_bias' has shape (3, 1, 1, 6)", "(2, 2, 3, 6) or 1"}));
+  mk.bias = ab.view4();
+  EXPECT_TRUE(throws_with(fwd(mk), {fn, "'bias' has shape (3, 1, 1, 6)", "(2, 2, 3, 6) or 1"}));
   Tensor<float> ab2{1, 1, 3, 6};
   ab2[4] = std::numeric_limits<float>::quiet_NaN();
-  mk.attn_bias = ab2.view4();
-  EXPECT_TRUE(throws_with(fwd(mk), {fn, "'attn_bias' contains NaN or +Inf at (0, 0, 0, 4)"}));
+  mk.bias = ab2.view4();
+  EXPECT_TRUE(throws_with(fwd(mk), {fn, "'bias' contains NaN or +Inf at (0, 0, 0, 4)"}));
   ab2[4] = std::numeric_limits<float>::infinity();
-  EXPECT_TRUE(throws_with(fwd(mk), {fn, "'attn_bias'", "+Inf"}));
+  EXPECT_TRUE(throws_with(fwd(mk), {fn, "'bias'", "+Inf"}));
   ab2[4] = -std::numeric_limits<float>::infinity();  // -inf masks the key
   EXPECT_NO_THROW(fwd(mk)());
   Tensor<bool> kpm{2, 3};
@@ -190,9 +190,9 @@ TEST_F(ErrorFixture, ForwardSelf) {
 
 TEST_F(ErrorFixture, Backward) {
   const char* fn = "attn::MultiheadAttention::backward:";
-  MhaCache<float> empty;
+  MhaSaved<float> empty;
   EXPECT_TRUE(throws_with([&] { m.backward(empty, y.view<3>()); }, {fn, "'cache' is empty"}));
-  MhaCache<float> cache;
+  MhaSaved<float> cache;
   m.forward(args(), {y.view<3>()}, {}, &cache);
   MultiheadAttention<float> other(config(4, 1, true, 3, 5));
   EXPECT_TRUE(throws_with([&] { other.backward(cache, y.view<3>()); },
@@ -212,7 +212,7 @@ TEST_F(ErrorFixture, Backward) {
   EXPECT_TRUE(throws_with([&] { m.backward(cache, y.view<3>(), {View3<float>(dq2.data(), {2, 3, 4}, {12, 0, 1})}); },
                           {fn, "'dquery' has stride 0 on axis 1"}));
 
-  MhaCache<float> scache;
+  MhaSaved<float> scache;
   s.forward(inputs<float>(cq()), {y.view<3>()}, {}, &scache);
   Tensor<float> dx{2, 3, 4}, dk2{2, 3, 4};
   EXPECT_TRUE(throws_with([&] { s.backward(scache, y.view<3>(), {dx.view<3>(), dk2.view<3>()}); },

@@ -39,13 +39,13 @@ std::vector<Case> cases() {
   c.align = CausalAlign::bottom_right;
   cs.push_back(c);
   c = {"cross_attn_mask", config(4, 2, true, 3, 5), 2, 3, 4, false};
-  c.attn_mask = true;
+  c.mask = true;
   cs.push_back(c);
   c = {"all_masks", config(5, 2, true, 3, 4, 3, 2), 2, 4, 6, false};
-  c.kpm = c.attn_mask = c.attn_bias = c.key_lengths = c.causal = true;
+  c.kpm = c.mask = c.bias = c.key_lengths = c.causal = true;
   cs.push_back(c);
   c = {"self_bias_and_lengths", config(6, 3), 3, 4, 4, true};
-  c.attn_bias = c.key_lengths = true;
+  c.bias = c.key_lengths = true;
   cs.push_back(c);
   // The variants, each alone and combined with masks and each other.
   c = {"self_window", config(6, 2), 2, 7, 7, true};
@@ -64,7 +64,7 @@ std::vector<Case> cases() {
   c.variants.softcap = 0.7;
   cs.push_back(c);
   c = {"cross_sinks_fully_masked_rows", with_sinks(config(4, 2, true, 3, 5)), 2, 3, 4, false};
-  c.attn_mask = true;  // some rows see no key: all their weight goes to the sink
+  c.mask = true;  // some rows see no key: all their weight goes to the sink
   cs.push_back(c);
   c = {"cross_window_alibi_offset", config(4, 2, true, 3, 5), 2, 3, 8, false};
   c.variants.window = {2, 2};
@@ -72,7 +72,7 @@ std::vector<Case> cases() {
   c.alibi = true;
   cs.push_back(c);
   c = {"self_everything", with_sinks(config(6, 2)), 2, 6, 6, true};
-  c.causal = c.alibi = c.kpm = c.attn_bias = true;
+  c.causal = c.alibi = c.kpm = c.bias = true;
   c.variants.window = {3, -1};
   c.variants.softcap = 1.5;
   cs.push_back(c);
@@ -111,14 +111,14 @@ void check_against_reference(const Case& c, uint64_t seed) {
     kpm[0] = false;  // batch 0 keeps its first key
     mk.key_padding_mask = kpm.template view<2>();
   }
-  if (c.attn_mask) {
+  if (c.mask) {
     am = random_bools({1, H, c.L, c.S}, rng, 0.7);  // broadcast over the batch
     for (int64_t j = 0; j < c.S; ++j) am[size_t(j)] = false;  // head 0's first query sees no key
-    mk.attn_mask = am.view4();
+    mk.mask = am.view4();
   }
-  if (c.attn_bias) {
+  if (c.bias) {
     ab = random_tensor<T>({c.B, 1, 1, c.S}, rng);  // per-key bias, broadcast over heads and queries
-    mk.attn_bias = ab.view4();
+    mk.bias = ab.view4();
   }
   if (c.key_lengths) {
     lens = Tensor<int64_t>({c.B});
@@ -219,7 +219,7 @@ TEST(MultiheadAttention, ANanWeightReachesEveryOutputItTouches) {
     m.parameter("in_proj_weight")[1] = std::numeric_limits<float>::quiet_NaN();  // row 0 (head 0's q)
     MhaOptions opt;
     opt.sdpa.backend = be;
-    MhaCache<float> cache;
+    MhaSaved<float> cache;
     m.forward(inputs<float>(v3(x)), {v3(y)}, opt, &cache);
     for (size_t i = 0; i < y.size(); ++i) EXPECT_TRUE(std::isnan(y[i])) << backend_name(be) << " out " << i;
     Tensor<float> dy({2, 3, 4}), dx({2, 3, 4});
@@ -326,7 +326,7 @@ void check_stability() {
   for (int64_t i = 0; i < 2 * D * D; ++i) w[size_t(i)] *= T(30);
   Tensor<T> x = random_tensor<T>({B, N, D}, rng, 3.0);
   Tensor<T> y({B, N, D}), hw({B, H, N, N});
-  MhaCache<T> cache;
+  MhaSaved<T> cache;
   m.forward(inputs<T>(v3(x)), {v3(y), hw.view4()}, {}, &cache);
   double max_score = 0;
   for (size_t i = 0; i < cache.lse.size(); ++i) max_score = std::max(max_score, std::abs(double(cache.lse[i])));
@@ -363,9 +363,9 @@ void check_fully_masked() {
   for (int64_t j = 0; j < S; ++j) am[size_t(1 * S + j)] = false;  // query 1 sees nothing, in every batch
   MhaArgs<T> mk = inputs<T>(v3(q), v3(k), v3(v));
   mk.key_padding_mask = kpm.template view<2>();
-  mk.attn_mask = am.view4();
+  mk.mask = am.view4();
   Tensor<T> y({B, L, D}), hw({B, H, L, S}), aw({B, L, S});
-  MhaCache<T> cache;
+  MhaSaved<T> cache;
   m.forward(mk, {v3(y), hw.view4(), v3(aw)}, {}, &cache);
   EXPECT_TRUE(all_finite(y));
   EXPECT_TRUE(all_finite(hw));
@@ -439,7 +439,7 @@ void check_strided() {
 
   // Batch-first, contiguous.
   Tensor<T> y({B, L, D}), dq({B, L, D}), dk({B, S, 3}), dv({B, S, 4});
-  MhaCache<T> cache;
+  MhaSaved<T> cache;
   m.forward(inputs<T>(v3(q), v3(k), v3(v), mk), {v3(y)}, {}, &cache);
   m.zero_grad();
   m.backward(cache, v3(std::as_const(G)), {v3(dq), v3(dk), v3(dv)});
@@ -451,7 +451,7 @@ void check_strided() {
   for (int64_t b = 0; b < B; ++b)
     for (int64_t i = 0; i < L; ++i)
       for (int64_t d = 0; d < D; ++d) seq_first(G_nb)(b, i, d) = G[size_t((b * L + i) * D + d)];
-  MhaCache<T> cache2;
+  MhaSaved<T> cache2;
   const MhaArgs<T> strided = inputs<T>(seq_first(q_nb), seq_first(k_nb), seq_first(v_nb), mk);
   m.forward(strided, {seq_first(y_nb)}, {}, &cache2);
   m.zero_grad();
@@ -481,7 +481,7 @@ TEST(MultiheadAttentionLayout, CacheOwnsItsInputs) {
   MultiheadAttention<double> m(config(4, 2), 31);
   Tensor<double> x = random_tensor<double>({2, 3, 4}, rng), y({2, 3, 4}), G = random_tensor<double>({2, 3, 4}, rng);
   Tensor<double> dx1({2, 3, 4}), dx2({2, 3, 4});
-  MhaCache<double> cache;
+  MhaSaved<double> cache;
   m.forward(inputs<double>(v3(x)), {v3(y)}, {}, &cache);
   m.backward(cache, v3(std::as_const(G)), {v3(dx1)});
   Tensor<double> x_saved = x;
@@ -503,14 +503,14 @@ TEST(MultiheadAttentionLayout, RefilledCacheEqualsAFreshOne) {
   std::mt19937_64 rng(33);
   MultiheadAttention<double> m(config(4, 2), 33);
   randomize(m, rng);
-  MhaCache<double> reused;
+  MhaSaved<double> reused;
   for (const auto& [L, S, self] : {std::tuple{3, 5, false}, {3, 3, true}, {4, 2, false}, {4, 4, true}, {2, 6, false}}) {
     SCOPED_TRACE(std::to_string(L) + " " + std::to_string(S) + (self ? " self" : " cross"));
     Tensor<double> q = random_tensor<double>({2, L, 4}, rng), k = random_tensor<double>({2, S, 4}, rng),
                    v = random_tensor<double>({2, S, 4}, rng), G = random_tensor<double>({2, L, 4}, rng);
     const MhaArgs<double> a = self ? inputs<double>(v3(q)) : inputs<double>(v3(q), v3(k), v3(v));
     Tensor<double> y1({2, L, 4}), y2({2, L, 4}), dq1({2, L, 4}), dq2({2, L, 4});
-    MhaCache<double> fresh;
+    MhaSaved<double> fresh;
     m.forward(a, {v3(y1)}, {}, &fresh);
     m.forward(a, {v3(y2)}, {}, &reused);
     EXPECT_TRUE(all_close(y2, y1, 0.0, "out"));

@@ -58,7 +58,7 @@ struct SelfAttention {
   Tensor<double> run(const Tensor<double>& X, bool causal, Tensor<double>* A = nullptr) const {
     const Tensor<double> Q = project(X, Wq), K = project(X, Wk), V = project(X, Wv);
     Tensor<double> Y({1, 1, X.dim(0), Wv.dim(0)});
-    attn::SdpaArgs<double> args{Q.view4(), K.view4(), V.view4(), {}, {}, {}};
+    attn::SdpaArgs<double> args{{}, Q.view4(), K.view4(), V.view4()};
     attn::SdpaOptions opt;
     opt.causal = causal;
     View4<double> w;
@@ -324,7 +324,7 @@ TEST(SdpaStability, FusedFlushesSubnormalResultsAndKeepsTheCallersMode) {
 #if defined(__SSE__) || defined(__x86_64__)
   std::vector<float> q = {1, 0, 0, 0}, k = {0, 0, 0, 0, -170, 0, 0, 0}, v = {1, 2, 3, 4, 5, 6, 7, 8};
   std::vector<float> dy = {1e-3f, 1e-3f, 1e-3f, 1e-3f};
-  const attn::SdpaArgs<float> args{View4<const float>(q.data(), {1, 1, 1, 4}), View4<const float>(k.data(), {1, 1, 2, 4}),
+  const attn::SdpaArgs<float> args{{}, View4<const float>(q.data(), {1, 1, 1, 4}), View4<const float>(k.data(), {1, 1, 2, 4}),
                                    View4<const float>(v.data(), {1, 1, 2, 4})};
   const unsigned saved = _mm_getcsr();
   for (const unsigned fz : {0u, 0x8000u}) {

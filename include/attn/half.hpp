@@ -18,13 +18,21 @@
 #pragma once
 
 #include <cstdint>
+#include <string_view>
+#include <type_traits>
 
 namespace attn {
 
-enum class HalfFormat { ieee_binary16, brain_float };
+// The storage types attn reads and writes: float32 and the two halves. One
+// enum for every place that names one (a KV cache's storage, the CLI's and
+// Python's dtype arguments).
+enum class Dtype { float32, float16, bfloat16 };
+const char* dtype_name(Dtype t);                // "float32", "float16", "bfloat16"
+Dtype parse_dtype(std::string_view name);       // also "f32", "f16", "bf16"; throws attn::InvalidArgument
 
-// One 16-bit value of the given format; float16_t and bfloat16_t below.
-template <HalfFormat F>
+// One 16-bit value of the given format (float16 or bfloat16); float16_t and
+// bfloat16_t below.
+template <Dtype F>
 struct Half16 {
   uint16_t bits = 0;
   Half16() = default;
@@ -39,8 +47,8 @@ struct Half16 {
   }
 };
 
-using float16_t = Half16<HalfFormat::ieee_binary16>;
-using bfloat16_t = Half16<HalfFormat::brain_float>;
+using float16_t = Half16<Dtype::float16>;
+using bfloat16_t = Half16<Dtype::bfloat16>;
 
 // The conversions, in the library (src/half.cpp).
 template <> float16_t::Half16(float x);
@@ -61,5 +69,11 @@ template <>
 inline constexpr bool is_half_v<bfloat16_t> = true;
 template <>
 inline constexpr bool is_half_v<const bfloat16_t> = true;
+
+// The Dtype of float and of the half types (dtype_of<float16_t> = Dtype::float16).
+template <class T>
+inline constexpr Dtype dtype_of = std::is_same_v<T, float16_t> ? Dtype::float16
+                                  : std::is_same_v<T, bfloat16_t> ? Dtype::bfloat16
+                                                                  : Dtype::float32;
 
 }  // namespace attn

@@ -49,9 +49,6 @@ namespace detail {
 struct KVCacheAccess;  // the kernels' read access to the storage
 }
 
-enum class KVDtype { float32, float16, bfloat16 };
-const char* kv_dtype_name(KVDtype t);           // "float32", "float16", "bfloat16"
-KVDtype parse_kv_dtype(std::string_view name);  // also "f32", "f16", "bf16"; throws attn::InvalidArgument
 
 struct KVCacheConfig {
   int64_t batch = 1;       // B sequences
@@ -59,7 +56,7 @@ struct KVCacheConfig {
   int64_t capacity = 0;    // most tokens one sequence can hold
   int64_t head_dim = 0;    // E
   int64_t value_dim = 0;   // Ev (0 = E)
-  KVDtype dtype = KVDtype::float32;
+  Dtype dtype = Dtype::float32;
   int64_t page_size = 0;   // 0 = contiguous; > 0 = paged with pages of this many tokens
   int64_t num_pages = 0;   // paged: pool size (0 = B · ceil(capacity / page_size))
 };
@@ -74,7 +71,7 @@ class KVCache {
   int64_t capacity() const { return cfg_.capacity; }
   int64_t head_dim() const { return cfg_.head_dim; }
   int64_t value_dim() const { return cfg_.value_dim; }
-  KVDtype dtype() const { return cfg_.dtype; }
+  Dtype dtype() const { return cfg_.dtype; }
   bool paged() const { return cfg_.page_size > 0; }
   int64_t page_size() const { return page_size_; }  // capacity when contiguous
   int64_t num_pages() const { return num_pages_; }  // B when contiguous
@@ -133,49 +130,41 @@ class KVCache {
   std::vector<int32_t> refs_;   // per page: how many table entries name it
 };
 
-struct DecodeOptions {
-  std::optional<double> scale;  // default 1/sqrt(E); finite and > 0
-  // Bottom-right causal: new query i (of L) of sequence b sees keys
-  // j <= length(b) − L + i, i.e. the L queries are the last L tokens appended.
-  // false: every query sees all length(b) keys.
-  bool causal = true;
-  // The score rules of the dense call (attn/sdpa.hpp, docs/variants.md),
-  // with query i of sequence b at position length(b) − L + i:
-  //   window        keys at most `left` positions before and `right` after
-  //                 the query's position (−1: unbounded; causal caps right at 0)
-  //   softcap       c > 0: scores become c·tanh(s / c) (Gemma 2); 0 = off
-  //   alibi_slopes  (H): −slope_h·|position − j| added to the scores
-  //   sinks         (H): a logit per head in every row's softmax denominator,
-  //                 with no value (gpt-oss); a row that sees no key then has
-  //                 output 0 and lse = sink_h
-  //   mask          bool (B|1, H|1, L|1, C|1) over key positions 0..C−1,
-  //                 C = the capacity: true = query i may attend to key j
-  //   bias          float, the same shape, added to the scores (−inf masks)
-  // A key the window, the mask or the bias hides never touches the row.
-  Window window;
-  double softcap = 0;
-  View1<const float> alibi_slopes{};
-  View1<const float> sinks{};
-  View4<const bool> mask{};
-  View4<const float> bias{};
-  // reference: the cache is read back as float32 and each sequence runs the
-  // reference backend (for testing); fused/automatic: the decode kernel.
-  Backend backend = Backend::automatic;
-  bool split_kv = true;  // chunks of one sequence's keys may run on different threads
-  int num_threads = 0;   // 0 = the library default
+// The arguments of attention over a cache: L new queries per sequence, the
+// cache, and the score-rule operands (ScoreArgs, attn/sdpa.hpp) over the
+// cache's key positions:
+//   q     (B, H, L, E) with Hkv dividing H (query head h reads cache head
+//         h / (H / Hkv))
+//   cache the keys and values (not owned; must outlive the call)
+//   mask  bool (B|1, H|1, L|1, C|1) over key positions 0..C−1, C = the
+//         capacity: true = query i may attend to key j
+//   bias  float, the same shape, added to the scores (−inf masks)
+//   alibi_slopes, sinks (H), as in the dense call
+struct DecodeArgs : ScoreArgs<float> {
+  View4<const float> q;
+  const KVCache* cache = nullptr;
 };
 
-// Attention of L new queries per sequence over the cache.
-//   q (B, H, L, E) with Hkv dividing H (query head h reads cache head
-//   h / (H / Hkv)); out (B, H, L, Ev); lse (B, H, L) when given.
+// Attention of L new queries per sequence over the cache, the dense call's
+// shape (arguments, outputs, options):
+//   outputs.out (B, H, L, Ev); outputs.lse (B, H, L) when given;
+//   outputs.weights must be empty (the kernel never forms them).
+// Positions: the new queries are the last L tokens of each sequence, so
+// query i of sequence b sits at position length(b) − L + i (the
+// bottom-right alignment; opt.causal_align does not apply and
+// opt.position_offset is refused). Every SdpaOptions rule applies as in the
+// dense call (causal, window, chunk_size, softcap, scale); causal defaults to
+// false as there: one new token per sequence sees every key either way, a
+// block of L > 1 new tokens needs opt.causal = true to be causal.
+// opt.backend: reference reads the cache back as float32 and runs the
+// reference backend per sequence (for testing); fused/automatic run the
+// decode kernel (chunked prefill through the fused kernel for many rows).
 // A sequence of length 0 (or a query that sees no key) gets output 0 and
 // lse −inf (with sinks: lse = the head's sink). NaN or ±inf in a q, k or v
 // row a query sees makes its output row and lse NaN; keys it does not see
-// (causal, window, mask, −inf bias) never touch it. Results do not depend on
-// the thread count or on split_kv (the chunks are fixed by the shape and
-// merged in the same order either way). Figures, layouts and the kernel:
-// docs/decode.md.
-void decode_attention(View4<const float> q, const KVCache& cache, View4<float> out,
-                      const DecodeOptions& opt = {}, View3<float> lse = {});
+// (causal, window, chunks, mask, −inf bias) never touch it. Results do not
+// depend on the thread count (the chunks are fixed by the shape and merged
+// in a fixed order). Figures, layouts and the kernel: docs/decode.md.
+void decode_attention(const DecodeArgs& args, const SdpaOutputs<float>& outputs, const SdpaOptions& opt = {});
 
 }  // namespace attn

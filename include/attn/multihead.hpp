@@ -24,18 +24,20 @@
 // Biases exist only when config.bias is true. PyTorch's bias_k / bias_v /
 // add_zero_attn are not supported.
 //
-// Variants (docs/variants.md): window, softcap and position_offset are
-// options (MhaOptions::sdpa); ALiBi slopes are an argument (MhaArgs::
-// alibi_slopes, alibi_slopes(H) gives the standard ones); sinks are the
-// parameter above, trained like the weights.
+// The score rules (attn/sdpa.hpp, docs/variants.md) are the dense call's:
+// the options in MhaOptions::sdpa, the operands (mask, bias, per-head
+// slopes) in MhaArgs's ScoreArgs; the standard slopes come from
+// alibi_slopes(H) below. The sinks are the layer's parameter above, trained
+// like the weights (MhaArgs::sinks is refused).
 //
 // Mask polarity. PyTorch is inconsistent here (SDPA: true = attend;
 // nn.MultiheadAttention attn_mask: true = blocked). attn uses one rule for
-// attention masks everywhere: `attn_mask` true = MAY attend. The exception is
+// attention masks everywhere: `mask` true = MAY attend. The exception is
 // `key_padding_mask`, whose name says what true means: true = this key is
 // padding and is ignored (the same as PyTorch).
 #pragma once
 
+#include <concepts>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -68,16 +70,16 @@ std::vector<double> alibi_slopes(int64_t num_heads);
 // Everything the forward reads. key and value both empty means
 // self-attention: key = value = query, one packed projection, and backward
 // returns the total gradient of the input in dquery.
+// ScoreArgs: mask (Bm, Hm, L, S) and bias (Bb, Hb, L, S) broadcastable
+// (true = may attend; the bias is added to the scores), the per-head slopes
+// (H); sinks must be empty (the layer's own parameter).
 template <class T>
-struct MhaArgs {
+struct MhaArgs : ScoreArgs<T> {
   View3<const T> query;                 // (B, L, D)
   View3<const T> key{};                 // (B, S, kdim)
   View3<const T> value{};               // (B, S, vdim)
-  View4<const bool> attn_mask{};        // (Bm, Hm, L, S) broadcastable; true = may attend
-  View4<const T> attn_bias{};           // (Bb, Hb, L, S) broadcastable; added to scores
   View2<const bool> key_padding_mask{}; // (B, S); true = padding, ignored
   View1<const int64_t> key_lengths{};   // (B)
-  View1<const T> alibi_slopes{};        // (H); adds -slope_h·|p - j| to head h's scores
 };
 
 // Everything the forward writes. `out` is required; the weights, per head
@@ -97,21 +99,11 @@ struct MhaGrads {
   View3<T> dvalue{};  // (B, S, vdim); empty after self-attention
 };
 
-// The attention options, passed to scaled_dot_product_attention unchanged
-// (scale, causal and its alignment, backend, num_threads, check_finite);
-// check_finite also covers the layer's own inputs and dout.
+// The attention options, passed to scaled_dot_product_attention (and to
+// decode_attention) unchanged; check_finite also covers the layer's own
+// inputs and dout.
 struct MhaOptions {
   SdpaOptions sdpa;
-};
-
-// The options of MultiheadAttention::decode: the forward's, but bottom-right
-// causal unless set otherwise, as decode_attention's DecodeOptions and
-// Python's decode are (decoding one token at a time is causal either way;
-// a chunk of L > 1 tokens is not, when not causal). MhaDecodeOptions(o)
-// takes a forward's options o as they are, causal or not.
-struct MhaDecodeOptions : MhaOptions {
-  MhaDecodeOptions() { sdpa.causal = true; }
-  explicit MhaDecodeOptions(const MhaOptions& o) : MhaOptions(o) {}
 };
 
 // A transform of the projected queries and keys before the attention, in
@@ -137,7 +129,7 @@ struct QkTransform {
 // the inputs and masks), so the caller's buffers may be reused or freed
 // between forward and backward.
 template <class T>
-struct MhaCache {
+struct MhaSaved {
   int64_t B = 0, L = 0, S = 0;   // shapes of the forward call
   int64_t H = 0, E = 0, Ev = 0;  // the layer's heads
   bool self_attention = false;
@@ -149,8 +141,8 @@ struct MhaCache {
   Tensor<T> packed;              // the forward's scratch: the projections as the GEMM writes them
   Tensor<T> attn_out;            // concatenated head outputs, (B, L, H·Ev)
   Tensor<T> lse;                 // (B, H, L)
-  Tensor<bool> mask;             // attn_mask combined with key_padding_mask, in its broadcast shape
-  Tensor<T> bias;                // attn_bias, in its broadcast shape
+  Tensor<bool> mask;             // mask combined with key_padding_mask, in its broadcast shape
+  Tensor<T> bias;                // bias, in its broadcast shape
   Tensor<int64_t> key_lengths;   // (B)
   Tensor<T> alibi_slopes;        // (H)
   MhaOptions options;
@@ -204,10 +196,10 @@ class MultiheadAttention {
   void set_qk_transform(QkTransform<T> transform) { qk_ = std::move(transform); }
 
   // Forward: query (B, L, D), key (B, S, kdim), value (B, S, vdim) -> out
-  // (B, L, D), or self-attention when key and value are empty. When `cache`
+  // (B, L, D), or self-attention when key and value are empty. When `saved`
   // is given it receives what backward needs.
   void forward(const MhaArgs<T>& args, const MhaOutputs<T>& outputs, const MhaOptions& opt = {},
-               MhaCache<T>* cache = nullptr) const;
+               MhaSaved<T>* saved = nullptr) const;
 
   // Incremental decoding (self-attention; float only): args.query (B, L, D)
   // holds the next L tokens of each of the KV cache's B sequences
@@ -215,25 +207,28 @@ class MultiheadAttention {
   // layer projects them, applies the Q/K transform's forward_at at positions
   // length(b) .. length(b) + L − 1, appends their keys and values to `cache`,
   // attends over everything the cache holds (decode_attention) and projects
-  // the result into out (B, L, D). Causal (bottom-right) by default
-  // (MhaDecodeOptions); then the rows equal forward() with causal over the
-  // whole sequence so far.
-  //   taken: opt.sdpa's scale, causal, window, softcap, backend (reference,
-  //          or else the decode kernel), num_threads, check_finite (of the
+  // the result into out (B, L, D). With opt.sdpa.causal the rows equal
+  // forward() with causal over the whole sequence so far (one token per
+  // sequence needs no causal rule: it sees every key either way).
+  //   taken: every rule of opt.sdpa as decode_attention takes it (backend
+  //          reference, or else the decode kernel; check_finite also of the
   //          query and of its projections, before they reach the cache);
-  //          the layer's sinks; args.alibi_slopes; args.attn_mask /
-  //          attn_bias as (B|1, H|1, L|1, C|1) over the cache's key
-  //          positions (C = capacity; DecodeOptions::mask)
+  //          the layer's sinks; args' mask, bias and slopes, the mask and
+  //          bias as (B|1, H|1, L|1, C|1) over the cache's key positions
+  //          (C = capacity; see DecodeArgs)
   //   refused: key, value, key_padding_mask, key_lengths, position_offset
+  // Only MultiheadAttention<float> decodes (the cache stores float32 or
+  // narrower).
   // Every argument, and whether the cache can take L more tokens of each
   // sequence (capacity, pages), is checked before the cache changes, so an
   // error leaves the cache as it was.
-  void decode(const MhaArgs<T>& args, KVCache& cache, View3<T> out, const MhaDecodeOptions& opt = {}) const;
+  void decode(const MhaArgs<T>& args, KVCache& cache, View3<T> out, const MhaOptions& opt = {}) const
+    requires std::same_as<T, float>;
 
-  // Backward from dout = dL/dY (B, L, D) of the forward that filled `cache`.
+  // Backward from dout = dL/dY (B, L, D) of the forward that filled `saved`.
   // Parameter gradients are ADDED to grad(name) (call zero_grad() between
   // steps); the input gradients given are overwritten.
-  void backward(const MhaCache<T>& cache, View3<const T> dout, const MhaGrads<T>& grads = {});
+  void backward(const MhaSaved<T>& saved, View3<const T> dout, const MhaGrads<T>& grads = {});
 
  private:
   MultiheadConfig cfg_;

@@ -8,31 +8,33 @@
 // Hkv must divide H; query head h reads key/value head h / (H / Hkv)
 // (grouped-query attention; Hkv = 1 is multi-query), without copying K or V.
 //
-// Masks (all optional, all combined):
-//   mask        bool (Bm, Hm, Lm, Sm), each axis 1 (broadcast) or full size.
-//               true = the query MAY attend to the key (PyTorch SDPA polarity).
-//   bias        additive float (Bb, Hb, Lb, Sb), same broadcasting; -inf
-//               entries mask. Its gradient dbias has the bias's own shape
-//               (summed over the broadcast axes).
-//   key_lengths int64 (B): in batch b only keys j < key_lengths[b] are seen.
-//   causal      query i sees key j iff j <= i (top_left, PyTorch is_causal) or
-//               j <= i + (S - L) (bottom_right, the alignment used when new
-//               queries are appended after a cache of S - L keys).
-//
-// Variants (all optional, all combinable; formulas and examples in
-// docs/variants.md, the one statement of the rules in
-// src/kernels/score_rules.hpp):
-//   window          (left, right): query at position p sees keys
-//                   p - left <= j <= p + right; -1 = unbounded on that side.
-//   softcap         c > 0: scores become c·tanh(s / c) after scaling, before
-//                   masks and biases (Gemma 2).
-//   alibi_slopes    (H): adds -slope_h·|p - j| (FlashAttention 2's ALiBi).
-//   sinks           (H): one logit per head that joins every row's softmax
-//                   denominator and contributes no value (gpt-oss).
+// The score rules (all optional, all combined; formulas and examples in
+// docs/variants.md). Operands, in ScoreArgs (shared by every attention call:
+// sdpa, varlen, decode over a cache, the multi-head layer, dist):
+//   mask         bool (Bm, Hm, Lm, Sm), each axis 1 (broadcast) or full size.
+//                true = the query MAY attend to the key (PyTorch SDPA polarity).
+//   bias         additive float (Bb, Hb, Lb, Sb), same broadcasting; -inf
+//                entries mask. Its gradient dbias has the bias's own shape
+//                (summed over the broadcast axes).
+//   alibi_slopes (H): adds -slope_h·|p - j| (FlashAttention 2's ALiBi).
+//   sinks        (H): one logit per head that joins every row's softmax
+//                denominator and contributes no value (gpt-oss).
+// Options, in SdpaOptions (the same struct for every attention call):
+//   causal       query i sees key j iff j <= i (top_left, PyTorch is_causal) or
+//                j <= i + (S - L) (bottom_right, the alignment used when new
+//                queries are appended after a cache of S - L keys).
+//   window       (left, right): query at position p sees keys
+//                p - left <= j <= p + right; -1 = unbounded on that side.
+//   chunk_size   C > 0: query at position p sees only the keys of its own
+//                chunk, p / C == j / C rounding down (Llama 4's local layers).
+//   softcap      c > 0: scores become c·tanh(s / c) after scaling, before
+//                ALiBi, biases and masks (Gemma 2).
 //   position_offset query row i sits at key position p = i + offset. When not
-//                   given, offset is 0 (top_left) or S - L (bottom_right); it
-//                   is the one rule causal, window and ALiBi use.
-//
+//                given, offset is 0 (top_left) or S - L (bottom_right); it
+//                is the one rule causal, window, chunks and ALiBi use.
+// And, per call, key_lengths int64 (B): in batch b only keys j < key_lengths[b]
+// are seen.
+
 // A query row that can see no key at all ("fully masked") gets output 0,
 // weights 0, lse = -inf, and contributes zero gradient. Never NaN. With
 // sinks, such a row puts all its weight on the sink: output 0, lse = sink_h.
@@ -79,7 +81,7 @@ namespace attn {
 enum class Backend {
   automatic,  // the fastest backend that supports the request
   reference,  // plain, materialises the L×S matrices; float and double
-  fused,      // tiled online-softmax CPU kernel (float); see the fused issue
+  fused,      // tiled online-softmax CPU kernel (float32); docs/fused.md
 };
 enum class CausalAlign { top_left, bottom_right };
 
@@ -101,6 +103,7 @@ struct SdpaOptions {
   bool causal = false;          // same as window.right = 0 (both may be given)
   CausalAlign causal_align = CausalAlign::top_left;
   Window window;                // default: unbounded
+  int64_t chunk_size = 0;       // 0 = off; else > 0 (keys of the query's own chunk)
   double softcap = 0;           // 0 = off; else finite and > 0
   std::optional<int64_t> position_offset;  // replaces causal_align when given
   Backend backend = Backend::automatic;
@@ -117,14 +120,20 @@ struct SdpaOptions {
 template <class T>
 using compute_t = std::conditional_t<is_half_v<T>, float, T>;
 
+// The operands of the score rules, optional, shared by every attention
+// call (see "The score rules" above). F is the call's compute type.
+template <class F>
+struct ScoreArgs {
+  View4<const bool> mask{};        // (B|1, H|1, L|1, S|1)
+  View4<const F> bias{};           // (B|1, H|1, L|1, S|1)
+  View1<const F> alibi_slopes{};   // (H); finite
+  View1<const F> sinks{};          // (H); no NaN or +Inf
+};
+
 template <class T>
-struct SdpaArgs {
+struct SdpaArgs : ScoreArgs<compute_t<T>> {
   View4<const T> q, k, v;
-  View4<const bool> mask{};                         // optional
-  View4<const compute_t<T>> bias{};                 // optional
-  View1<const int64_t> key_lengths{};               // optional
-  View1<const compute_t<T>> alibi_slopes{};         // optional, (H); finite
-  View1<const compute_t<T>> sinks{};                // optional, (H); no NaN or +Inf
+  View1<const int64_t> key_lengths{};  // optional, (B)
 };
 
 // What the forward writes. `out` is required; `weights` (B, H, L, S) and
@@ -172,7 +181,7 @@ void scaled_dot_product_attention_backward(const SdpaArgs<T>& args, View4<const 
 
 // The backend `opt.backend` resolves to for this request (after validation).
 template <class T>
-Backend resolve_backend(const SdpaArgs<T>& args, const SdpaOptions& opt, bool want_weights);
+Backend resolve_backend(const SdpaArgs<T>& args, const SdpaOptions& opt);
 
 // The softmax every attn backend and layer uses, public on purpose (tools
 // and tests compare against it): y = exp(x - max) / sum, numerically stable

@@ -10,8 +10,8 @@
 // Sequence b owns query tokens [cu_q[b], cu_q[b+1]) and key tokens
 // [cu_k[b], cu_k[b+1]), and attends only within itself. Every option of
 // SdpaOptions applies per sequence, with that sequence's lengths L_b and S_b:
-// causal and the window are aligned per sequence (causal_align or
-// position_offset, as in the dense call), ALiBi distances are measured
+// causal, the window and chunks are aligned per sequence (causal_align or
+// position_offset, as in the dense call), per-head slopes measure distances
 // within the sequence, and the sinks join every row's softmax. The result
 // is exactly the dense call run once per sequence; no padding is computed.
 //
@@ -25,13 +25,13 @@
 
 namespace attn {
 
+// ScoreArgs: the per-head slopes and sinks (H) apply to every sequence; a
+// mask or bias is refused (they have no packed layout; use the rules).
 template <class T>
-struct VarlenArgs {
+struct VarlenArgs : ScoreArgs<T> {
   View3<const T> q, k, v;
   View1<const int64_t> cu_seqlens_q, cu_seqlens_k;  // (B + 1)
   int64_t max_seqlen_q = 0, max_seqlen_k = 0;
-  View1<const T> alibi_slopes;  // optional, (H)
-  View1<const T> sinks;         // optional, (H)
 };
 
 // What the forward writes: `out` required, `lse` when given.

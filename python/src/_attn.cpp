@@ -286,7 +286,7 @@ template <class T>
 void bind_multihead(nb::module_& m, const char* name, const char* cache_name) {
   using namespace nb::literals;
   using Layer = attn::MultiheadAttention<T>;
-  using Cache = attn::MhaCache<T>;
+  using Cache = attn::MhaSaved<T>;
   nb::class_<Cache>(m, cache_name, "What backward needs from one forward call (inputs, projections, masks).")
       .def(nb::init<>())
       .def_prop_ro("filled", &Cache::filled, "True once a forward call filled it.")
@@ -419,7 +419,7 @@ void bind_decode(nb::module_& m) {
              const std::string& dtype, int64_t page_size, int64_t num_pages) {
             attn::KVCacheConfig c;
             c.batch = batch, c.kv_heads = kv_heads, c.capacity = capacity, c.head_dim = head_dim;
-            c.value_dim = value_dim, c.dtype = attn::parse_kv_dtype(dtype), c.page_size = page_size;
+            c.value_dim = value_dim, c.dtype = attn::parse_dtype(dtype), c.page_size = page_size;
             c.num_pages = num_pages;
             new (self) KVCache(c);
           },
@@ -434,7 +434,7 @@ void bind_decode(nb::module_& m) {
       .def_prop_ro("num_pages", &KVCache::num_pages)
       .def_prop_ro("free_pages", &KVCache::free_pages)
       .def_prop_ro("storage_bytes", &KVCache::storage_bytes)
-      .def_prop_ro("dtype", [](const KVCache& c) { return std::string(attn::kv_dtype_name(c.dtype())); })
+      .def_prop_ro("dtype", [](const KVCache& c) { return std::string(attn::dtype_name(c.dtype())); })
       .def("length", &KVCache::length, "b"_a)
       .def(
           "append",

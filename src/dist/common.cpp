@@ -320,6 +320,9 @@ Geometry validate(MPI_Comm comm, const char* fn, const Request& req) {
     c.fail("option 'softcap' is " + std::to_string(opt.sdpa.softcap) + ", expected a finite value > 0 (or 0 = off)");
   if (opt.sdpa.position_offset && (*opt.sdpa.position_offset > kMaxOffset || *opt.sdpa.position_offset < -kMaxOffset))
     c.fail("option 'position_offset' is " + std::to_string(*opt.sdpa.position_offset) + ", expected |offset| <= 2^52");
+  if (opt.sdpa.chunk_size != 0)
+    c.fail("option 'chunk_size' is not supported across processes (the blocks' calls place keys relative to "
+           "their block, and chunk boundaries are absolute positions)");
   if (given(a.alibi_slopes)) {
     c.present(a.alibi_slopes, "alibi_slopes");
     c.shape(a.alibi_slopes, "alibi_slopes", {g.H}, "(H), one slope per query head");
@@ -433,7 +436,7 @@ Geometry validate(MPI_Comm comm, const char* fn, const Request& req) {
                           std::to_string(*opt.sdpa.position_offset) + ", expected |offset| <= 2^52 - L - S = " +
                           std::to_string(kMaxOffset - g.L - g.S) + " (the blocks' offsets add chunk starts)");
   // The position rule, resolved once on the global lengths (as the single-process call does).
-  g.offset = attn::detail::rules::query_offset(opt.sdpa.position_offset ? &*opt.sdpa.position_offset : nullptr,
+  g.offset = attn::detail::query_offset(opt.sdpa.position_offset ? &*opt.sdpa.position_offset : nullptr,
                                          opt.sdpa.causal_align == CausalAlign::bottom_right, g.L, g.S);
   const int64_t reach = g.L + g.S + std::abs(g.offset);  // a window side this long sees every key
   g.window_left = opt.sdpa.window.left >= reach ? -1 : opt.sdpa.window.left;

@@ -108,7 +108,8 @@ std::vector<Task> tasks(const Geometry& g, int o) {
   const bool alibi = !g.alibi_slopes.empty();
   // The global band: rows and keys in global positions.
   namespace rules = attn::detail::rules;
-  const rules::Band band = rules::Band::make(g.offset, g.window_left, g.window_right, false, g.S);
+  rules::Band band;
+  band.offset = g.offset, band.left = g.window_left, band.right = g.window_right, band.key_end = g.S;
   int64_t i0 = 0;
   for (const Chunk& qc : g.qc[size_t(g.r)]) {
     int64_t s0 = 0;

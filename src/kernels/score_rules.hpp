@@ -1,19 +1,27 @@
 // Internal: the score rules, the one place that says which keys a query sees
-// and what its score is. Every backend (reference and fused) asks these
-// functions; none re-derives a rule of its own.
+// and what its score is. The boundary resolves a call's arguments and
+// options into one ScoreRules (src/rules.cpp, after validation); every
+// backend (reference, fused forward and backward, decode, chunked prefill,
+// varlen, ring) reads that struct and asks these functions; none re-derives
+// a rule of its own. The SIMD twin of the per-score part is
+// kernels/fused/pipeline-inl.h.
 //
-// Positions. Key j sits at position j. Query row i sits at position
-// i + offset, where offset is the call's `position_offset` when given, else
-// 0 (top-left alignment) or S - L (bottom-right). Every rule that uses
-// positions (causal, window, ALiBi) reads them from here; a packed
-// variable-length batch applies them per sequence with that sequence's L
-// and S (see src/varlen.cpp).
+// Positions. Key j sits at position key_origin + j. Query row i of sequence
+// b sits at position key_origin + i + offset[b], where offset[b] is the
+// call's `position_offset` when given, else 0 (top-left alignment) or
+// S − L (bottom-right); over a KV cache it is length(b) − L (the new rows
+// are the last L tokens). key_origin is 0 for a whole call; a piece of a
+// call that starts at key j0 (a chunk of chunked prefill, a block of the
+// ring) has key_origin j0, so every rule still sees whole-call positions.
+// Every rule that uses positions (causal, window, chunks, ALiBi) reads them
+// from here; a packed variable-length batch applies them per sequence with
+// that sequence's L and S (see src/varlen.cpp).
 //
 // A score goes through the rules in this order:
 //
 //   u = scale · q_i · k_j                               (the backends' product)
 //   s = c · tanh(u / c)            soft-cap, when c > 0 (Gemma 2)
-//     − slope_h · |pos_i − j|      ALiBi, when slopes are given (FlashAttention 2)
+//     − slope_h · |pos_i − pos_j|  ALiBi, when slopes are given (FlashAttention 2)
 //     + bias_bhij                  additive bias, when given
 //   s = −∞ where the key is not visible (band or boolean mask)
 //
@@ -24,9 +32,10 @@
 //   lse = sink_h (finite); without a sink it has out = 0, lse = −∞.
 //
 // Visibility has two kinds of rule:
-//  * the band, structured and per row: causal (j <= pos_i), the window
-//    (pos_i − left <= j <= pos_i + right, −1 = unbounded on that side;
-//    causal is right = 0) and key lengths (j < key_lengths[b]). Row i sees
+//  * the band, structured and per row: causal (pos_j <= pos_i), the window
+//    (pos_i − left <= pos_j <= pos_i + right, −1 = unbounded on that side;
+//    causal is right = 0), chunks (pos_i / C == pos_j / C, rounding down:
+//    Llama 4's local attention) and key lengths (j < key_end[b]). Row i sees
 //    exactly the keys [lo(i), hi(i)); lo and hi never decrease with i, so a
 //    whole tile of rows × keys is classified as empty, full or partial in
 //    O(rows), and the rows that see a range of keys are an interval found by
@@ -46,11 +55,15 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <limits>
 #include <utility>
+#include <vector>
 
 #include "attn/tensor.hpp"
 
-namespace attn::detail::rules {
+namespace attn::detail {
+
+namespace rules {
 
 // The keys [lo, hi) one query row sees (lo == hi: none).
 struct Keys {
@@ -60,30 +73,31 @@ struct Keys {
 
 enum class Tile { empty, partial, full };
 
-// The band rule of one (batch, head) slice: causal, window and key length
-// folded into one interval per row.
-struct Band {
-  int64_t offset = 0;    // position of query row 0
-  int64_t left = -1;     // keys at most `left` positions before the query (−1: any)
-  int64_t right = -1;    // keys at most `right` positions after it (−1: any; causal: 0)
-  int64_t key_end = 0;   // keys at or past this are not visible (S or the key length)
+// ⌊a / b⌋ for b > 0 (positions may be negative).
+inline int64_t floor_div(int64_t a, int64_t b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
 
-  // Causal folds into the window as right = 0 (it intersects a wider right side).
-  static Band make(int64_t offset, int64_t left, int64_t right, bool causal, int64_t key_end) {
-    Band b;
-    b.offset = offset;
-    b.left = left;
-    b.right = causal ? 0 : right;
-    b.key_end = key_end;
-    return b;
-  }
-  bool unbounded() const { return left < 0 && right < 0; }
+// The band rule of one (batch, head) slice: causal, window, chunks and key
+// length folded into one interval per row.
+struct Band {
+  int64_t offset = 0;      // position of query row 0 minus that of key 0
+  int64_t left = -1;       // keys at most `left` positions before the query (−1: any)
+  int64_t right = -1;      // keys at most `right` positions after it (−1: any; causal: 0)
+  int64_t chunk = 0;       // chunk length in positions (0: no chunks)
+  int64_t key_origin = 0;  // position of key 0 (where the chunks start)
+  int64_t key_end = 0;     // keys at or past this are not visible (S or the key length)
+
+  bool unbounded() const { return left < 0 && right < 0 && chunk == 0; }
 
   Keys keys(int64_t i) const {
-    const int64_t pos = i + offset;
+    const int64_t pos = i + offset;  // relative to key 0
     int64_t lo = 0, hi = key_end;
     if (left >= 0) lo = std::max(lo, pos - left);
     if (right >= 0) hi = std::min(hi, pos + right + 1);
+    if (chunk > 0) {  // the keys of the query's own chunk
+      const int64_t first = floor_div(pos + key_origin, chunk) * chunk - key_origin;
+      lo = std::max(lo, first);
+      hi = std::min(hi, first + chunk);
+    }
     lo = std::clamp<int64_t>(lo, 0, key_end);
     return {lo, std::clamp<int64_t>(hi, lo, key_end)};
   }
@@ -131,40 +145,6 @@ struct Band {
   }
 };
 
-// The position of query row 0 on the key axis for L queries and S keys.
-inline int64_t query_offset(const int64_t* position_offset, bool bottom_right, int64_t L, int64_t S) {
-  if (position_offset) return *position_offset;
-  return bottom_right ? S - L : 0;
-}
-
-// |pos_i − j|, the distance ALiBi penalises.
-inline int64_t distance(int64_t i, int64_t j, int64_t offset) { return std::abs(i + offset - j); }
-
-// The score modifiers of one head, in the order of the essay above.
-template <class F>
-struct Modifiers {
-  F softcap = F(0);  // c; 0 = off
-  F slope = F(0);    // ALiBi slope of this head; 0 = off
-  int64_t offset = 0;
-
-  // s before the bias: soft-cap then ALiBi.
-  F capped(F u) const { return softcap > F(0) ? softcap * std::tanh(u / softcap) : u; }
-  F alibi(int64_t i, int64_t j) const { return -slope * F(distance(i, j, offset)); }
-  F apply(F u, int64_t i, int64_t j) const { return capped(u) + alibi(i, j); }
-  // ∂s/∂u from the capped value (1 without a soft-cap).
-  F dcapped(F capped_u) const {
-    if (!(softcap > F(0))) return F(1);
-    const F t = capped_u / softcap;
-    return F(1) - t * t;
-  }
-};
-
-// Reads a per-head value from an optional (H) view: `none` when absent.
-template <class T>
-double per_head(const View1<const T>& v, int64_t h, double none) {
-  return v.empty() ? none : double(v(h));
-}
-
 // One line of a broadcastable (Bx, Hx, Lx, Sx) operand (mask or bias) for
 // (b, h): along the keys of query row i (key_row) or along the queries of
 // key j (query_column); size-1 axes broadcast. at(n) = X(b, h, i, n) or
@@ -190,4 +170,104 @@ Line<T> query_column(const View4<const T>& x, int64_t b, int64_t h, int64_t j) {
   return broadcast_line(x, b, h, j, 3);
 }
 
-}  // namespace attn::detail::rules
+// A (B|1, H|1, L|1, K|1) operand (mask or bias) of sequence b over keys
+// [j0, j0 + n): a (1, H|1, L|1, n|1) view.
+template <class T>
+View4<const T> sequence_keys(const View4<const T>& x, int64_t b, int64_t j0, int64_t n) {
+  if (x.empty()) return {};
+  const bool along = x.dim(3) != 1;
+  return View4<const T>(x.data + (x.dim(0) == 1 ? 0 : b * x.strides[0]) + (along ? j0 * x.strides[3] : 0),
+                        {1, x.dim(1), x.dim(2), along ? n : 1}, x.strides);
+}
+
+}  // namespace rules
+
+// The resolved rule set of one call: everything that decides a score. Built
+// once by resolve_rules (src/rules.cpp) from the public arguments and
+// options after validation; F is the call's compute type (float, or double
+// for the reference backend in double). Per-sequence entries have B
+// elements.
+template <class F>
+struct ScoreRules {
+  double scale = 1.0;
+  // The band (see Band): causal, the window, chunks, positions, key lengths.
+  bool causal = false;
+  int64_t window_left = -1, window_right = -1;  // −1: unbounded
+  int64_t chunk = 0;                            // 0: no chunks
+  int64_t key_origin = 0;                       // position of key 0
+  std::vector<int64_t> offset;   // per sequence: position of query row 0 − that of key 0
+  std::vector<int64_t> key_end;  // per sequence: keys at or past this are not visible
+  // The score modifiers, in the order of the essay above.
+  double softcap = 0;             // c; 0 = off
+  View1<const F> alibi_slopes{};  // (H) or empty
+  View4<const F> bias{};          // (B|1, H|1, L|1, S|1) or empty; −∞ hides
+  View4<const bool> mask{};       // the same shape or empty; true = visible
+  View1<const F> sinks{};         // (H) or empty
+
+  rules::Band band(int64_t b) const {
+    rules::Band r;
+    r.offset = offset[size_t(b)];
+    r.left = window_left;
+    r.right = causal ? 0 : window_right;  // causal intersects a wider right side
+    r.chunk = chunk;
+    r.key_origin = key_origin;
+    r.key_end = key_end[size_t(b)];
+    return r;
+  }
+  // Whether any rule beyond causal and key lengths narrows the band.
+  bool windowed() const { return window_left >= 0 || window_right >= 0 || chunk > 0; }
+  bool capped() const { return softcap > 0; }
+  bool alibi() const { return !alibi_slopes.empty(); }
+  bool has_sinks() const { return !sinks.empty(); }
+  bool elementwise() const { return !mask.empty() || !bias.empty(); }
+  F slope(int64_t h) const { return alibi_slopes.empty() ? F(0) : alibi_slopes(h); }
+  // Head h's sink logit (−∞: none).
+  F sink(int64_t h) const { return sinks.empty() ? -std::numeric_limits<F>::infinity() : sinks(h); }
+
+  // The rules of sequence b's keys [j0, j0 + n) as a call of batch 1 over
+  // those keys (a chunk of chunked prefill, a sequence of the reference's
+  // cache read-back): the same positions, mask and bias sliced.
+  ScoreRules keys_of(int64_t b, int64_t j0, int64_t n) const {
+    ScoreRules r = *this;
+    r.key_origin = key_origin + j0;
+    r.offset = {offset[size_t(b)] - j0};
+    r.key_end = {std::clamp<int64_t>(key_end[size_t(b)] - j0, 0, n)};
+    r.mask = rules::sequence_keys(mask, b, j0, n);
+    r.bias = rules::sequence_keys(bias, b, j0, n);
+    return r;
+  }
+
+  // ---- the scalar pipeline (the reference backend) ----
+  // s from u = scale·q·k for a visible pair (b, h, i, j) without its bias:
+  // soft-cap then ALiBi; *ds_du receives ∂s/∂u.
+  double modified(double u, int64_t b, int64_t h, int64_t i, int64_t j, double* ds_du) const {
+    double s = u, d = 1;
+    if (capped()) {
+      s = softcap * std::tanh(u / softcap);
+      const double t = s / softcap;
+      d = 1 - t * t;
+    }
+    if (alibi()) s -= double(slope(h)) * double(std::abs(i + offset[size_t(b)] - j));
+    if (ds_du) *ds_du = d;
+    return s;
+  }
+  // The elementwise part for a pair inside the band: whether the mask and
+  // the bias leave it visible, and the bias to add.
+  bool elementwise_visible(int64_t b, int64_t h, int64_t i, int64_t j, double* add) const {
+    *add = 0;
+    if (!mask.empty() && !rules::key_row(mask, b, h, i).at(j)) return false;
+    if (!bias.empty()) {
+      *add = double(rules::key_row(bias, b, h, i).at(j));
+      if (*add == -std::numeric_limits<double>::infinity()) return false;
+    }
+    return true;
+  }
+};
+
+// The position of query row 0 on the key axis for L queries and S keys.
+inline int64_t query_offset(const int64_t* position_offset, bool bottom_right, int64_t L, int64_t S) {
+  if (position_offset) return *position_offset;
+  return bottom_right ? S - L : 0;
+}
+
+}  // namespace attn::detail

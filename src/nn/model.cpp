@@ -184,9 +184,10 @@ CrossEntropyResult Transformer<T>::loss(const int32_t* tokens, const int32_t* ta
 }
 
 template <class T>
-DecodeState Transformer<T>::start_decoding(int64_t B, KVDtype dtype, int64_t page_size) const {
+DecodeState Transformer<T>::start_decoding(int64_t B, Dtype dtype, int64_t page_size) const
+  requires std::same_as<T, float>
+{
   const char* fn = "attn::nn::Transformer::start_decoding";
-  if (!std::is_same_v<T, float>) throw InvalidArgument(std::string(fn) + ": incremental decoding is float32 only");
   if (!cfg_.causal) throw InvalidArgument(std::string(fn) + ": the model is not causal; every token would see later ones");
   if (B < 1) throw InvalidArgument(std::string(fn) + ": B is " + std::to_string(B) + ", expected >= 1");
   DecodeState st;
@@ -207,7 +208,9 @@ DecodeState Transformer<T>::start_decoding(int64_t B, KVDtype dtype, int64_t pag
 // positions' keys and values from its cache instead of recomputing them:
 //   a = h + Attn.decode(LN1(h), cache);   h' = a + MLP(LN2(a))
 template <class T>
-void Transformer<T>::decode_step(DecodeState& st, const int32_t* tokens, int64_t n, Tensor<T>& logits) {
+void Transformer<T>::decode_step(DecodeState& st, const int32_t* tokens, int64_t n, Tensor<T>& logits)
+  requires std::same_as<T, float>
+{
   const char* fn = "attn::nn::Transformer::decode_step";
   if (!std::is_same_v<T, float>) throw InvalidArgument(std::string(fn) + ": incremental decoding is float32 only");
   if (st.caches.size() != blocks_.size() || st.B < 1)

@@ -19,6 +19,7 @@
 // by the finite-difference gradient checks.
 #pragma once
 
+#include <concepts>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -187,7 +188,8 @@ class SelfAttention {
   // Incremental decoding (MultiheadAttention::decode, float only): x (B·n, D)
   // holds the next n tokens of each of the cache's B sequences; their keys
   // and values join `cache`, y (B·n, D) gets their attention over it.
-  void decode(const Tensor<T>& x, int64_t B, int64_t n, KVCache& cache, Tensor<T>& y) const;
+  void decode(const Tensor<T>& x, int64_t B, int64_t n, KVCache& cache, Tensor<T>& y) const
+    requires std::same_as<T, float>;
   void zero_grad() { layer.zero_grad(); }
   void collect(const std::string& prefix, std::vector<ParamRef<T>>& out);
 
@@ -205,7 +207,7 @@ class SelfAttention {
   Tensor<T> alibi_slopes;  // (H) with ALiBi positions, else empty
 
  private:
-  MhaCache<T> cache_;  // the last forward's state
+  MhaSaved<T> cache_;  // the last forward's state
 };
 
 // Softmax cross-entropy over the rows of logits (M, V) against targets

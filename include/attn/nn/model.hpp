@@ -14,6 +14,7 @@
 //   blocks.<l>.ln2.*, blocks.<l>.mlp.{fc1,fc2}.{weight,bias}, ln_f.*, head.*
 #pragma once
 
+#include <concepts>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -93,8 +94,10 @@ class Transformer {
   // row-major), appends their keys and values to the caches and writes the
   // logits (B·n, V) of those positions: the rows forward() would give for
   // them on the whole prefix, without recomputing the prefix.
-  DecodeState start_decoding(int64_t B, KVDtype dtype = KVDtype::float32, int64_t page_size = 0) const;
-  void decode_step(DecodeState& state, const int32_t* tokens, int64_t n, Tensor<T>& logits);
+  DecodeState start_decoding(int64_t B, Dtype dtype = Dtype::float32, int64_t page_size = 0) const
+    requires std::same_as<T, float>;
+  void decode_step(DecodeState& state, const int32_t* tokens, int64_t n, Tensor<T>& logits)
+    requires std::same_as<T, float>;
 
   std::vector<ParamRef<T>> parameters();
   void zero_grad();

@@ -42,7 +42,7 @@ struct Block {
 
 // Everything the units of one call share.
 struct Call {
-  const DecodeProblem* p;
+  const Problem* p;
   const KVLayout* kv;
   View4<const float> q;
   View4<float> out;

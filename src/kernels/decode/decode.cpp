@@ -18,7 +18,7 @@
 //    merged in chunk order by the online softmax's merge. The chunk size is
 //    a function of the shape only (decode_plan), and the same chunks are
 //    merged in the same order whether they ran on one thread or many, so the
-//    result is bitwise the same for any thread count, split or not.
+//    result is bitwise the same for any thread count.
 //  * Tiles. A chunk is walked in tiles of `tile` keys (fewer at its end),
 //    whatever the layout: a tile of one head is one contiguous run of
 //    tile·E (and tile·Ev) elements, or in a paged cache the runs of the
@@ -138,8 +138,8 @@ HWY_INLINE rules::Keys TileKeys(const Scratch& w, int64_t r, int64_t j0, int64_t
 
 // Whether the elementwise rules hide key j from row r (the mask says no, or
 // the bias is −inf).
-HWY_INLINE bool Hidden(const DecodeProblem& p, const Scratch& w, int64_t r, int64_t j) {
-  return (!p.mask.empty() && !w.mask[size_t(r)].at(j)) || (!p.bias.empty() && w.bias[size_t(r)].at(j) == kNegInf);
+HWY_INLINE bool Hidden(const Problem& p, const Scratch& w, int64_t r, int64_t j) {
+  return (!p.rules.mask.empty() && !w.mask[size_t(r)].at(j)) || (!p.rules.bias.empty() && w.bias[size_t(r)].at(j) == kNegInf);
 }
 
 // Keys a row does not see never touch it (not even as 0·v, which is NaN for
@@ -206,9 +206,9 @@ void ValueTile(const Call& c, Scratch& w, int64_t nm, const float* s, const T* v
 // q[r][e] = scale·log2(e)·Q(b, hk·G + g, i, e) for the block's rows m = i·G + g,
 // and each row's keys, position and ALiBi slope.
 void PackQueries(const Call& c, Scratch& w, const Unit& u) {
-  const DecodeProblem& p = *c.p;
+  const Problem& p = *c.p;
   const int64_t G = p.group(), E = p.E, se = c.q.strides[3];
-  const float s2 = float(p.scale) * kLog2e;
+  const float s2 = float(p.rules.scale) * kLog2e;
   for (int64_t r = 0; r < u.nm; ++r) {
     const int64_t m = u.m0 + r, i = m / G, h = u.hk * G + m % G;
     const float* src = &c.q(u.b, h, i, 0);
@@ -216,10 +216,10 @@ void PackQueries(const Call& c, Scratch& w, const Unit& u) {
     for (int64_t e = 0; e < E; ++e) dst[e] = s2 * src[e * se];
     const rules::Keys k = p.keys(u.b, i);
     w.begin[size_t(r)] = k.lo, w.end[size_t(r)] = k.hi;
-    w.pos[size_t(r)] = i + p.offset[size_t(u.b)];
-    w.slope[size_t(r)] = p.slopes.empty() ? 0.0f : p.slopes[size_t(h)] * kLog2e;
-    if (!p.mask.empty()) w.mask[size_t(r)] = rules::key_row(p.mask, u.b, h, i);
-    if (!p.bias.empty()) w.bias[size_t(r)] = rules::key_row(p.bias, u.b, h, i);
+    w.pos[size_t(r)] = i + p.rules.offset[size_t(u.b)];
+    w.slope[size_t(r)] = p.rules.slope(h) * kLog2e;
+    if (!p.rules.mask.empty()) w.mask[size_t(r)] = rules::key_row(p.rules.mask, u.b, h, i);
+    if (!p.rules.bias.empty()) w.bias[size_t(r)] = rules::key_row(p.rules.bias, u.b, h, i);
   }
 }
 
@@ -246,7 +246,7 @@ void SoftmaxTile(const Call& c, Scratch& w, int64_t nm, int64_t j0, int64_t nk, 
                  os::State<float>* st, uint8_t* nan) {
   const DF d;
   const int64_t N = Lanes();
-  const float cap2 = float(c.p->softcap) * kLog2e;
+  const float cap2 = float(c.p->rules.softcap) * kLog2e;
   // Only the vectors that hold the tile's keys: a short tile (pages of 16
   // tokens) costs its length, not tilep. Past them every score would be
   // −inf (a 0 added to the sum, nothing to the max), so the bits are those
@@ -263,7 +263,7 @@ void SoftmaxTile(const Call& c, Scratch& w, int64_t nm, int64_t j0, int64_t nk, 
     std::fill(row + vis.hi, row + span, 0.0f);
     // So do the keys the mask or a −inf bias hides: an infinite hidden key
     // does not poison the row either.
-    const bool elementwise = !c.p->bias.empty() || !c.p->mask.empty();
+    const bool elementwise = c.p->rules.elementwise();
     w.holes[size_t(r)] = 0;
     for (int64_t jj = vis.lo; elementwise && jj < vis.hi; ++jj)
       if (Hidden(*c.p, w, r, j0 + jj)) row[jj] = 0.0f, w.holes[size_t(r)] = 1;
@@ -277,7 +277,7 @@ void SoftmaxTile(const Call& c, Scratch& w, int64_t nm, int64_t j0, int64_t nk, 
     // −inf where the mask or the bias hides the key.
     for (int64_t jj = vis.lo; elementwise && jj < vis.hi; ++jj)
       row[jj] = Hidden(*c.p, w, r, j0 + jj) ? kNegInf
-                : c.p->bias.empty()         ? row[jj]
+                : c.p->rules.bias.empty()   ? row[jj]
                                             : row[jj] + w.bias[size_t(r)].at(j0 + jj) * kLog2e;
     std::fill(row, row + vis.lo, kNegInf);
     std::fill(row + vis.hi, row + span, kNegInf);
@@ -306,7 +306,7 @@ void ChunkT(const Call& c, Scratch& w, const Unit& u, float* acc, os::State<floa
   // seen logit with no value), as the fused kernel does; the merge of the
   // chunks then counts it once.
   for (int64_t r = 0; r < u.nm; ++r) {
-    const float sink2 = u.first && !c.p->sinks.empty() ? c.p->sinks[size_t(u.hk * c.p->group() + (u.m0 + r) % c.p->group())] * kLog2e : kNegInf;
+    const float sink2 = u.first ? c.p->rules.sink(u.hk * c.p->group() + (u.m0 + r) % c.p->group()) * kLog2e : kNegInf;
     st[r] = os::State<float>{sink2, sink2 == kNegInf ? 0.0f : 1.0f}, nan[r] = 0;
   }
   const int64_t kend = std::min(u.c1, w.end[size_t(u.nm - 1)]);  // rows are in query order
@@ -473,15 +473,15 @@ void ChunkT(const Call& c, Scratch& w, const Unit& u, float* acc, os::State<floa
 
 void Chunk(const Call& c, Scratch& w, const Unit& u, float* acc, os::State<float>* st, uint8_t* nan) {
   switch (c.kv->type) {
-    case KVStorage::f32: return ChunkT<float>(c, w, u, acc, st, nan);
-    case KVStorage::f16: return ChunkT<hwy::float16_t>(c, w, u, acc, st, nan);
-    case KVStorage::bf16: return ChunkT<hwy::bfloat16_t>(c, w, u, acc, st, nan);
+    case Dtype::float32: return ChunkT<float>(c, w, u, acc, st, nan);
+    case Dtype::float16: return ChunkT<hwy::float16_t>(c, w, u, acc, st, nan);
+    case Dtype::bfloat16: return ChunkT<hwy::bfloat16_t>(c, w, u, acc, st, nan);
   }
 }
 
 // out = acc / sum and lse for the block's rows (NaN rows stay NaN).
 void Finalize(const Call& c, const Unit& u, const float* acc, const os::State<float>* st, const uint8_t* nan) {
-  const DecodeProblem& p = *c.p;
+  const Problem& p = *c.p;
   const DF d;
   const int64_t G = p.group(), se = c.out.strides[3], N = Lanes();
   const float qnan = std::numeric_limits<float>::quiet_NaN();
@@ -524,7 +524,7 @@ void MergeBlock(const Call& c, const Unit& u, const Block& blk, float* pacc, os:
   Finalize(c, u, acc0, st0, nan0);
 }
 
-void ForwardImpl(const DecodeProblem& p, const KVLayout& kv, View4<const float> q, View4<float> out,
+void ForwardImpl(const Problem& p, const KVLayout& kv, View4<const float> q, View4<float> out,
                  View3<float> lse, DecodePlan plan) {
   const int64_t lanes = Lanes();
   const Call c{&p, &kv, q, out, lse, plan, round_up(p.E, lanes), round_up(p.Ev, lanes), round_up(plan.tile, lanes)};
@@ -568,29 +568,20 @@ void ForwardImpl(const DecodeProblem& p, const KVLayout& kv, View4<const float> 
   for (size_t k = 0; k < blocks.size(); ++k)
     for (int64_t i = 0; i < blocks[k].count; ++i) unit_block[size_t(blocks[k].first + i)] = int64_t(k);
   const int64_t nunits = int64_t(units.size()), nblocks = int64_t(blocks.size());
-  const int threads = int(std::min<int64_t>(p.threads, p.split ? nunits : nblocks));
+  const int threads = int(std::min<int64_t>(p.threads, nunits));
 #pragma omp parallel num_threads(std::max(threads, 1))
   {
     const FlushToZero ftz;  // as the fused kernels (kernels/fused/common.hpp)
     Scratch w(c);
-    if (p.split) {
 #pragma omp for schedule(dynamic, 1)
-      for (int64_t i = 0; i < nunits; ++i) {
-        const Block& blk = blocks[size_t(unit_block[size_t(i)])];
-        run_unit(w, blk, i - blk.first);
-      }
-#pragma omp for schedule(dynamic, 1)
-      for (int64_t k = 0; k < nblocks; ++k)
-        if (blocks[size_t(k)].count > 1)
-          MergeBlock(c, units[size_t(blocks[size_t(k)].first)], blocks[size_t(k)], pacc.get(), pst.data(), pnan.data());
-    } else {
-#pragma omp for schedule(dynamic, 1)
-      for (int64_t k = 0; k < nblocks; ++k) {
-        const Block& blk = blocks[size_t(k)];
-        for (int64_t i = 0; i < blk.count; ++i) run_unit(w, blk, i);
-        if (blk.count > 1) MergeBlock(c, units[size_t(blk.first)], blk, pacc.get(), pst.data(), pnan.data());
-      }
+    for (int64_t i = 0; i < nunits; ++i) {
+      const Block& blk = blocks[size_t(unit_block[size_t(i)])];
+      run_unit(w, blk, i - blk.first);
     }
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t k = 0; k < nblocks; ++k)
+      if (blocks[size_t(k)].count > 1)
+        MergeBlock(c, units[size_t(blocks[size_t(k)].first)], blocks[size_t(k)], pacc.get(), pst.data(), pnan.data());
   }
 }
 
@@ -608,12 +599,12 @@ HWY_EXPORT(ForwardImpl);
 HWY_EXPORT(TargetNameImpl);
 HWY_EXPORT(WidenImpl);
 
-void decode_forward_planned(const DecodeProblem& p, const KVLayout& kv, View4<const float> q, View4<float> out,
+void decode_forward_planned(const Problem& p, const KVLayout& kv, View4<const float> q, View4<float> out,
                             View3<float> lse, DecodePlan plan) {
   HWY_DYNAMIC_DISPATCH(ForwardImpl)(p, kv, q, out, lse, plan);
 }
 
-void decode_forward(const DecodeProblem& p, const KVLayout& kv, View4<const float> q, View4<float> out,
+void decode_forward(const Problem& p, const KVLayout& kv, View4<const float> q, View4<float> out,
                     View3<float> lse) {
   decode_forward_planned(p, kv, q, out, lse, decode_plan(p));
 }
@@ -622,10 +613,10 @@ const char* decode_target_name() { return HWY_DYNAMIC_DISPATCH(TargetNameImpl)()
 
 // ---- storage conversions ----------------------------------------------------
 
-void convert_from_storage(KVStorage t, const void* src, int64_t n, float* y) {
+void convert_from_storage(Dtype t, const void* src, int64_t n, float* y) {
   // Widening is exact: the kernel's own vector conversions (F16C where the
   // CPU has it; a shift for bfloat16).
-  if (t == KVStorage::f32) return (void)std::memcpy(y, src, size_t(n) * 4);
+  if (t == Dtype::float32) return (void)std::memcpy(y, src, size_t(n) * 4);
   HWY_DYNAMIC_DISPATCH(WidenImpl)(t, src, n, y);
 }
 

@@ -21,10 +21,9 @@
 //    Each chunk's output and log-sum-exp are merged into the running result
 //    in chunk order (merge_attention), so the result does not depend on the
 //    thread count.
-//  * Positions: query i of sequence b sits at position i + offset(b)
-//    (DecodeProblem; decode_attention sets offset(b) = length(b) − L), so
-//    over a chunk whose keys start at j0 the fused call's position offset
-//    is offset(b) − j0; causal, the window and ALiBi all read it. Only the
+//  * Positions: a chunk whose keys start at j0 is the problem of those keys
+//    (Problem::keys_of: the same positions, key_origin j0, the mask and
+//    bias sliced), so every rule sees the whole call's positions. Only the
 //    keys some query sees are read (a window skips the rest), and the sinks
 //    join the first chunk's softmax, so the merge counts them once.
 // The widening is O(S·(E + Ev)) against O(L·S·(E + Ev)) flops, a few
@@ -51,12 +50,12 @@ namespace {
 // and wide (Hkv = 32, E = Ev = 128: 1024 keys, 32 MiB).
 constexpr int64_t kChunkStep = 1024, kChunkMax = 4096;
 constexpr int64_t kScratchBytes = int64_t(32) << 20;
-int64_t chunk_keys(const DecodeProblem& p) {
+int64_t chunk_keys(const Problem& p) {
   const int64_t per_key = std::max<int64_t>(1, p.Hkv * (p.E + p.Ev) * int64_t(sizeof(float)));
   return std::clamp(kScratchBytes / per_key / kChunkStep * kChunkStep, kChunkStep, kChunkMax);
 }
 
-int64_t element_bytes(KVStorage t) { return t == KVStorage::f32 ? 4 : 2; }
+int64_t element_bytes(Dtype t) { return t == Dtype::float32 ? 4 : 2; }
 
 // Keys [j0, j0 + n) of (b, every kv head) as a (1, Hkv, n, D) float32 view:
 // of the storage itself when possible, else widened into `scratch`.
@@ -72,7 +71,7 @@ View4<const float> keys_view(const KVLayout& kv, const void* base, int64_t page_
            (page_of(j) * page_stride + hk * head_stride + (j % kv.page_size) * row_stride) * element_bytes(kv.type);
   };
   const bool one_page = j0 / kv.page_size == (j0 + n - 1) / kv.page_size;
-  if (kv.type == KVStorage::f32 && one_page)
+  if (kv.type == Dtype::float32 && one_page)
     return View4<const float>(reinterpret_cast<const float*>(at(0, j0)), {1, Hkv, n, D},
                               {Hkv * head_stride, head_stride, row_stride, 1});
   const std::vector<int64_t> shape{1, Hkv, n, D};
@@ -89,57 +88,45 @@ View4<const float> keys_view(const KVLayout& kv, const void* base, int64_t page_
 
 }  // namespace
 
-void prefill_forward(const DecodeProblem& p, const KVLayout& kv, View4<const float> q, View4<float> out,
+void prefill_forward(const Problem& p, const KVLayout& kv, View4<const float> q, View4<float> out,
                      View3<float> lse) {
   const float ninf = -std::numeric_limits<float>::infinity();
   Tensor<float> kbuf, vbuf;  // widened chunks (shaped on first use)
   Tensor<float> part = Tensor<float>::uninitialized({1, p.H, p.L, p.Ev}), plse = Tensor<float>::uninitialized({1, p.H, p.L}),
                 own_lse;
   if (lse.empty()) own_lse = Tensor<float>({1, p.H, p.L});
-  const View1<const float> slopes = p.slopes.empty() ? View1<const float>() : View1<const float>(p.slopes.data(), {p.H}, {1});
-  const View1<const float> sinks = p.sinks.empty() ? View1<const float>() : View1<const float>(p.sinks.data(), {p.H}, {1});
   for (int64_t b = 0; b < p.B; ++b) {
     View4<float> ob(out.data + b * out.strides[0], {1, p.H, p.L, p.Ev},
                     {out.strides[0], out.strides[1], out.strides[2], out.strides[3]});
     View3<float> lb = lse.empty() ? own_lse.view<3>()
                                   : View3<float>(lse.data + b * lse.strides[0], {1, p.H, p.L},
                                                  {lse.strides[0], lse.strides[1], lse.strides[2]});
-    // The keys any query of the sequence sees (all of them, unless a window
-    // or the causal rule with fewer keys than queries narrows them).
+    // The keys any query of the sequence sees (all of them, unless a window,
+    // chunks or the causal rule with fewer keys than queries narrow them).
     const int64_t klo = p.keys(b, 0).lo, khi = std::max(klo, p.keys(b, p.L - 1).hi);
     if (khi == klo) {  // nothing to see: output 0, lse −inf (or the head's sink)
       for (int64_t h = 0; h < p.H; ++h)
         for (int64_t i = 0; i < p.L; ++i) {
           for (int64_t e = 0; e < p.Ev; ++e) ob(0, h, i, e) = 0.0f;
-          lb(0, h, i) = sinks.empty() ? ninf : sinks(h);
+          lb(0, h, i) = p.rules.sink(h);
         }
       continue;
     }
-    const bool whole = kv.type == KVStorage::f32 && klo / kv.page_size == (khi - 1) / kv.page_size;
+    const bool whole = kv.type == Dtype::float32 && klo / kv.page_size == (khi - 1) / kv.page_size;
     const int64_t chunk = whole ? khi - klo : chunk_keys(p);
     SdpaArgs<float> a;
     a.q = View4<const float>(q.data + b * q.strides[0], {1, p.H, p.L, p.E},
                              {q.strides[0], q.strides[1], q.strides[2], q.strides[3]});
-    a.alibi_slopes = slopes;
     for (int64_t j0 = klo; j0 < khi; j0 += chunk) {
       const int64_t nk = std::min(chunk, khi - j0);
       a.k = keys_view(kv, kv.k, kv.k_page, kv.k_head, kv.k_row, p.Hkv, p.E, b, j0, nk, kbuf, p.threads);
       a.v = keys_view(kv, kv.v, kv.v_page, kv.v_head, kv.v_row, p.Hkv, p.Ev, b, j0, nk, vbuf, p.threads);
-      a.sinks = j0 == klo ? sinks : View1<const float>();  // counted once, in the first chunk
-      a.mask = sequence_keys(p.mask, b, j0, nk);
-      a.bias = sequence_keys(p.bias, b, j0, nk);
-      SdpaOptions opt;
-      opt.scale = p.scale;
-      opt.causal = p.causal;
-      opt.window = {p.window_left, p.window_right};
-      opt.softcap = p.softcap;
-      opt.position_offset = p.offset[size_t(b)] - j0;  // query 0 sits at this local key
-      opt.num_threads = p.threads;
-      const Problem fp = make_problem(a, opt);
+      Problem cp = p.keys_of(b, j0, nk);
+      if (j0 != klo) cp.rules.sinks = {};  // counted once, in the first chunk
       if (j0 == klo) {
-        fused_forward(fp, a, ob, {}, lb);
+        fused_forward(cp, a, ob, {}, lb);
       } else {
-        fused_forward(fp, a, part.view4(), {}, plse.view<3>());
+        fused_forward(cp, a, part.view4(), {}, plse.view<3>());
         merge_attention<float>(ob, lb, View4<const float>(part.view4()), View3<const float>(plse.view<3>()), p.threads);
       }
     }

@@ -73,8 +73,8 @@ void WidenRow(const T* HWY_RESTRICT x, int64_t n, float* HWY_RESTRICT y) {
     std::memcpy(y + i, buf, size_t(n - i) * sizeof(float));
   }
 }
-void WidenImpl(KVStorage t, const void* src, int64_t n, float* y) {
-  if (t == KVStorage::f16) return WidenRow(static_cast<const hwy::float16_t*>(src), n, y);
+void WidenImpl(Dtype t, const void* src, int64_t n, float* y) {
+  if (t == Dtype::float16) return WidenRow(static_cast<const hwy::float16_t*>(src), n, y);
   WidenRow(static_cast<const hwy::bfloat16_t*>(src), n, y);
 }
 

@@ -121,7 +121,7 @@ void ForwardUnit(const FusedCall& c, ForwardScratch& w, int64_t b, int64_t h, in
   PackQt(c, w, b, h, i0, nr);
   std::fill(w.o, w.o + nr * w.Evp, 0.0f);
   // A sink starts every row's softmax as one seen logit with no value.
-  const float sink2 = sink_of(c, h) * kLog2e;
+  const float sink2 = c.p->rules.sink(h) * kLog2e;
   for (int64_t r = 0; r < nr; ++r) w.rows[r] = os::State<float>{sink2, sink2 == kNegInf ? 0.0f : 1.0f};
 
   for (int64_t j0 = keys.lo; j0 < keys.hi; j0 += w.kb) {
@@ -294,7 +294,7 @@ void BackwardTile(const FusedCall& c, BackwardScratch& w, int64_t b, int64_t h, 
     for (int64_t j = 0; j < nkp; j += int64_t(hn::Lanes(d)))  // dS = P∘(dP − D)
       hn::Store(hn::Mul(hn::Load(d, pr + j), hn::Sub(hn::Load(d, dpr + j), Dr)), d, dpr + j);
   }
-  if (p.softcap > 0 && (jobs.dkdv || jobs.dq))  // dU = dS ∘ ∂s/∂u (the dbias pass keeps dS)
+  if (p.rules.capped() && (jobs.dkdv || jobs.dq))  // dU = dS ∘ ∂s/∂u (the dbias pass keeps dS)
     for (int64_t r = 0; r < nr; ++r) {
       float* dpr = w.dp + r * w.kbp;
       const float* gr = w.dcap + r * w.kbp;
@@ -472,7 +472,7 @@ void OwnedHeadUnit(const FusedCall& c, BackwardScratch& w, const SdpaGrads<float
 void AddSinkGradient(const FusedCall& c, int64_t h, const View4<const float>& dout, const View4<const float>& out,
                      const View3<const float>& lse, double& acc) {
   const Problem& p = *c.p;
-  const float sink = sink_of(c, h);
+  const float sink = c.p->rules.sink(h);
   for (int64_t b = 0; sink != kNegInf && b < p.B; ++b)
     for (int64_t i = 0; i < p.L; ++i) {
       double D = 0;

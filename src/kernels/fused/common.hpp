@@ -1,6 +1,6 @@
 // Internal: the plain (non-SIMD) helpers every part of the fused kernels
-// shares: what one call's units read, and their access to the score rules
-// (kernels/score_rules.hpp).
+// shares: what one call's units read (q, k, v from the args; every score
+// rule from the problem's ScoreRules, kernels/score_rules.hpp).
 // Included by the per-target SIMD bodies and by code compiled once alike, so
 // it holds no Highway types.
 #pragma once
@@ -40,18 +40,8 @@ struct FusedCall {
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 inline int64_t round_up(int64_t a, int64_t m) { return ceil_div(a, m) * m; }
 
-inline int64_t key_len(const FusedCall& c, int64_t b) {
-  return c.a->key_lengths.empty() ? c.p->S : c.a->key_lengths(b);
-}
-// The band rule of batch b (score_rules.hpp: causal, window, key length).
-inline rules::Band band_of(const FusedCall& c, int64_t b) { return c.p->band(key_len(c, b)); }
-// Whether the call has an ALiBi slope per head, and head h's slope.
-inline bool has_alibi(const FusedCall& c) { return !c.a->alibi_slopes.empty(); }
-inline float slope_of(const FusedCall& c, int64_t h) { return float(rules::per_head(c.a->alibi_slopes, h, 0.0)); }
-// Head h's sink logit (−∞: none).
-inline float sink_of(const FusedCall& c, int64_t h) {
-  return float(rules::per_head(c.a->sinks, h, -std::numeric_limits<double>::infinity()));
-}
+// The band rule of batch b (score_rules.hpp: causal, window, chunks, key length).
+inline rules::Band band_of(const FusedCall& c, int64_t b) { return c.p->band(b); }
 
 // Flush to zero, for one thread, while it lives: a result below the smallest
 // normal float (2^-126, about 1.2e-38) becomes 0. Every parallel region of

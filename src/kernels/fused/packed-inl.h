@@ -82,7 +82,7 @@ std::vector<FusedCall> MakePackedCalls(const FusedSequence* seqs, int64_t n, con
   bad.resize(size_t(n));
   for (int64_t s = 0; s < n; ++s) {
     const Problem& p = seqs[s].p;
-    calls.push_back(FusedCall{&p, &seqs[s].a, t, float(p.scale)});
+    calls.push_back(FusedCall{&p, &seqs[s].a, t, float(p.rules.scale)});
     const int64_t rows = p.B * p.Hkv * p.S;
     bad[size_t(s)].assign(size_t(rows), 0);
     for (int64_t u = 0; u < rows; u += kMarkBlock) items.push_back({s, u, std::min(rows, u + kMarkBlock)});

@@ -26,6 +26,7 @@
 #include "kernels/fused/fused.hpp"
 #include "kernels/fused/online_softmax.hpp"
 #include "kernels/fused/simd-inl.h"
+#include "kernels/fused/pipeline-inl.h"
 #include "kernels/fused/tiles.hpp"
 
 HWY_BEFORE_NAMESPACE();
@@ -113,7 +114,7 @@ bool MarkBadKeys(const Problem& p, const SdpaArgs<float>& a, std::vector<uint8_t
 
 // A call's shared state, with the bad keys marked (kept alive by `bad`).
 FusedCall MakeCall(const Problem& p, const SdpaArgs<float>& a, const FusedPlan& t, std::vector<uint8_t>& bad) {
-  FusedCall c{&p, &a, t, float(p.scale)};
+  FusedCall c{&p, &a, t, float(p.rules.scale)};
   c.any_bad_keys = MarkBadKeys(p, a, bad);
   c.bad_keys = bad.data();
   return c;
@@ -238,10 +239,9 @@ void PackQt(const FusedCall& c, ForwardScratch& w, int64_t b, int64_t h, int64_t
 }
 
 // Transposed score tile, in base 2: st_t[jj][r] = s(q_r, k_j)·log2(e) for keys
-// j0..j0+nk against the unit's queries i0..i0+nr, through the score rules
-// (soft-cap, ALiBi, bias; −∞ outside the band, where the mask says no, and in
-// the padding columns up to nrp). In base 2 the soft-cap c·tanh(u/c) is the
-// same formula with c·log2(e). K is read in place when its rows are adjacent
+// j0..j0+nk against the unit's queries i0..i0+nr, through the score
+// pipeline (pipeline-inl.h; −∞ also in the padding columns up to nrp). In
+// base 2 the soft-cap c·tanh(u/c) is the same formula with c·log2(e). K is read in place when its rows are adjacent
 // (a dense (B, H, S, E) tensor), and copied into scratch first otherwise: the
 // rows of a packed (total, H, E) batch lie H·E floats apart, a power-of-two
 // stride at which the block product's re-reads of the tile fall into a few
@@ -258,13 +258,10 @@ void ScoreTileT(const FusedCall& c, ForwardScratch& w, int64_t b, int64_t h, int
     PackRows(K, b, hk, j0, nk, w.kr, p.E);
     Gemm(nk, nrp, p.E, w.kr, p.E, 1, w.qt, w.qbp, w.st, w.qbp, false);
   }
-  if (p.softcap > 0) SoftcapTile(w.st, nk * w.qbp, float(p.softcap) * kLog2e, nullptr);
+  const ScoreRules<float>& sr = p.rules;
   const rules::Band band = band_of(c, b);
-  const bool alibi = has_alibi(c);
-  const float slope2 = slope_of(c, h) * kLog2e;
-  const int64_t off = p.offset();
-  const auto& bias = c.a->bias;
-  const auto& mask = c.a->mask;
+  const float slope = sr.slope(h);
+  const int64_t off = sr.offset[size_t(b)];
   // The rows of the block that see key j under the band are [first, end);
   // both ends only grow with j (the band is monotone), so two pointers walk
   // them across the tile (Band::rows_seeing's two binary searches per key
@@ -276,29 +273,19 @@ void ScoreTileT(const FusedCall& c, ForwardScratch& w, int64_t b, int64_t h, int
     while (first < nr && band.keys(i0 + first).hi <= j) ++first;
     end = std::max(end, first);
     while (end < nr && band.keys(i0 + end).lo <= j) ++end;
-    // ALiBi on the whole line (|i0 + r + off − j| for row r): rows outside
-    // the band become −∞ just below.
-    if (alibi) AlibiLine(row, w.qbp, float(i0 + off - j), slope2);
-    std::fill(row, row + first, kNegInf);
     // Poison: NaN in every visible pair of a bad key or a bad query.
     if (c.bad_key(b, hk, j))
       std::fill(row + first, row + end, kNaN);
     else if (w.any_qbad)
       for (int64_t r = first; r < end; ++r)
         if (w.qbad[r]) row[r] = kNaN;
-    if (!bias.empty()) {
-      const auto bj = rules::query_column(bias, b, h, j);
-      for (int64_t r = first; r < end; ++r) {
-        const float x = bj.at(i0 + r);
-        row[r] = x == kNegInf ? kNegInf : row[r] + kLog2e * x;  // −∞ masks, even a poisoned pair
-      }
-    }
-    if (!mask.empty()) {
-      const auto mj = rules::query_column(mask, b, h, j);
-      for (int64_t r = first; r < end; ++r)
-        if (!mj.at(i0 + r)) row[r] = kNegInf;
-    }
-    std::fill(row + end, row + nrp, kNegInf);
+    ScoreLine line;
+    line.lo = first, line.hi = end;
+    line.distance = float(i0 + off - j), line.slope = slope;  // |i0 + r + off − j| for row r
+    if (!sr.bias.empty()) line.bias = rules::query_column(sr.bias, b, h, j);
+    if (!sr.mask.empty()) line.mask = rules::query_column(sr.mask, b, h, j);
+    line.at = i0;
+    ApplyScoreRules(row, nrp, line, float(sr.softcap), kLog2e, nullptr);
   }
 }
 
@@ -349,43 +336,29 @@ struct TileOrigin {
   int64_t row = 0, key = 0;
 };
 
-// s[r][jj] = s(q_r, k_j) through the score rules for rows i0..i0+nr against
-// keys j0..j0+nk (soft-cap, ALiBi, bias; −∞ outside the band, where the mask
-// says no, and for padding up to nkp); with a soft-cap, dcap receives its
-// derivative. Needs q and kt packed (the tile at `at` in them).
+// s[r][jj] = s(q_r, k_j) through the score pipeline (pipeline-inl.h) for
+// rows i0..i0+nr against keys j0..j0+nk (−∞ also for padding up to nkp);
+// with a soft-cap, dcap receives its derivative. Needs q and kt packed (the
+// tile at `at` in them).
 void ScoreTile(const FusedCall& c, BackwardScratch& w, int64_t b, int64_t h, int64_t i0, int64_t nr,
                int64_t j0, int64_t nk, int64_t nkp, TileOrigin at) {
   const Problem& p = *c.p;
   Gemm(nr, nkp, p.E, w.q + at.row * w.Ep, w.Ep, 1, w.kt + at.key, w.kbp, w.s, w.kbp, false);
-  if (p.softcap > 0)
-    for (int64_t r = 0; r < nr; ++r) SoftcapTile(w.s + r * w.kbp, nkp, float(p.softcap), w.dcap + r * w.kbp);
+  const ScoreRules<float>& sr = p.rules;
   const rules::Band band = band_of(c, b);
-  const bool alibi = has_alibi(c);
-  const float slope = slope_of(c, h);
-  const int64_t off = p.offset();
-  const auto& bias = c.a->bias;
-  const auto& mask = c.a->mask;
+  const float slope = sr.slope(h);
+  const int64_t off = sr.offset[size_t(b)];
   for (int64_t r = 0; r < nr; ++r) {
     const int64_t i = i0 + r;
-    float* row = w.s + r * w.kbp;
     // The keys of the tile row i sees under the band: [lo, hi).
     const rules::Keys keys = band.keys(i);
-    const int64_t lo = std::clamp<int64_t>(keys.lo - j0, 0, nk), hi = std::clamp<int64_t>(keys.hi - j0, lo, nk);
-    if (alibi) AlibiLine(row, nkp, float(j0 - i - off), slope);  // |j0 + jj − (i + off)|
-    std::fill(row, row + lo, kNegInf);
-    if (!bias.empty()) {
-      const auto br = rules::key_row(bias, b, h, i);
-      for (int64_t jj = lo; jj < hi; ++jj) {
-        const float x = br.at(j0 + jj);
-        row[jj] = x == kNegInf ? kNegInf : row[jj] + x;  // −∞ masks
-      }
-    }
-    if (!mask.empty()) {
-      const auto mr = rules::key_row(mask, b, h, i);
-      for (int64_t jj = lo; jj < hi; ++jj)
-        if (!mr.at(j0 + jj)) row[jj] = kNegInf;
-    }
-    std::fill(row + hi, row + nkp, kNegInf);
+    ScoreLine line;
+    line.lo = std::clamp<int64_t>(keys.lo - j0, 0, nk), line.hi = std::clamp<int64_t>(keys.hi - j0, line.lo, nk);
+    line.distance = float(j0 - i - off), line.slope = slope;  // |j0 + jj − (i + off)|
+    if (!sr.bias.empty()) line.bias = rules::key_row(sr.bias, b, h, i);
+    if (!sr.mask.empty()) line.mask = rules::key_row(sr.mask, b, h, i);
+    line.at = j0;
+    ApplyScoreRules(w.s + r * w.kbp, nkp, line, float(sr.softcap), 1.0f, w.dcap ? w.dcap + r * w.kbp : nullptr);
   }
 }
 

@@ -22,8 +22,9 @@ FusedPlan fused_plan(const Problem& p) {
   // faster forward and 7% forward+backward than 96, at w = 128 13%; at
   // w = 2048 it made no difference.
   FusedPlan t;
-  const int64_t right = p.causal ? 0 : p.window_right;
-  const bool narrow = p.window_left >= 0 && right >= 0 && p.window_left + right + 1 <= 1024;
+  const int64_t right = p.rules.causal ? 0 : p.rules.window_right;
+  const int64_t left = p.rules.window_left;
+  const bool narrow = left >= 0 && right >= 0 && left + right + 1 <= 1024;
   t.q_block = p.L <= 80 ? round_up(p.L, kMaxLanes) : narrow ? 48 : 96;
   const int64_t budget = 256 * 1024 / 4;  // floats
   int64_t kb = 240;
@@ -107,7 +108,7 @@ BackwardScratch::BackwardScratch(const Problem& p, const FusedPlan& t, int64_t l
     dp = c.take<float>(qb * kbp);
     dk = c.take<float>(kb * Ep);
     dq = c.take<float>(qb * Ep);
-    dcap = p.softcap > 0 ? c.take<float>(qb * kbp) : nullptr;
+    dcap = p.rules.capped() ? c.take<float>(qb * kbp) : nullptr;
     dv = c.take<float>(kb * Evp);
     acc = c.take<float>(qb * kbp);
     lse = c.take<float>(qb);

@@ -57,11 +57,11 @@ bool bad_row(const View4<const T>& x, int64_t b, int64_t hx, int64_t n) {
 // bias of −∞ masks too), NaN for a visible pair with a bad q, k or v row;
 // dcap (when non-null) receives ∂z/∂u for the backward.
 template <class T>
-void scores(const Problem& p, const SdpaArgs<T>& a, int64_t b, int64_t h, std::vector<double>& z,
+void scores(const ProblemOf<T>& p, const SdpaArgs<T>& a, int64_t b, int64_t h, std::vector<double>& z,
             std::vector<double>* dcap) {
   const int64_t hk = p.kv_head(h);
-  const rules::Band band = p.band(a.key_lengths.empty() ? p.S : a.key_lengths(b));
-  const rules::Modifiers<double> mods{p.softcap, rules::per_head(a.alibi_slopes, h, 0.0), p.offset()};
+  const ScoreRules<T>& sr = p.rules;
+  const rules::Band band = p.band(b);
   std::vector<char> bad_key(static_cast<size_t>(p.S));
   for (int64_t j = 0; j < p.S; ++j) bad_key[size_t(j)] = bad_row(a.k, b, hk, j) || bad_row(a.v, b, hk, j);
   for (int64_t i = 0; i < p.L; ++i) {
@@ -71,13 +71,8 @@ void scores(const Problem& p, const SdpaArgs<T>& a, int64_t b, int64_t h, std::v
       const size_t at = static_cast<size_t>(i * p.S + j);
       double& zij = z[at];
       if (dcap) (*dcap)[at] = 0;
-      bool visible = j >= keys.lo && j < keys.hi;
-      if (visible && !a.mask.empty()) visible = rules::key_row(a.mask, b, h, i).at(j);
       double bias = 0;
-      if (visible && !a.bias.empty()) {
-        bias = double(rules::key_row(a.bias, b, h, i).at(j));
-        visible = bias != kNegInf;
-      }
+      const bool visible = j >= keys.lo && j < keys.hi && sr.elementwise_visible(b, h, i, j, &bias);
       if (!visible) {
         zij = kNegInf;
         continue;
@@ -88,9 +83,9 @@ void scores(const Problem& p, const SdpaArgs<T>& a, int64_t b, int64_t h, std::v
       }
       double dot = 0;
       for (int64_t e = 0; e < p.E; ++e) dot += double(a.q(b, h, i, e)) * double(a.k(b, hk, j, e));
-      const double capped = mods.capped(p.scale * dot);
-      if (dcap) (*dcap)[at] = mods.dcapped(capped);
-      zij = capped + mods.alibi(i, j) + bias;
+      double ds_du = 1;
+      zij = sr.modified(sr.scale * dot, b, h, i, j, &ds_du) + bias;
+      if (dcap) (*dcap)[at] = ds_du;
     }
   }
 }
@@ -98,10 +93,10 @@ void scores(const Problem& p, const SdpaArgs<T>& a, int64_t b, int64_t h, std::v
 // A = softmax_row(scores) for one (b, h), in place (kernels/softmax.hpp, with
 // the head's sink); fills lse_row (length L).
 template <class T>
-void attention_matrix(const Problem& p, const SdpaArgs<T>& a, int64_t b, int64_t h,
+void attention_matrix(const ProblemOf<T>& p, const SdpaArgs<T>& a, int64_t b, int64_t h,
                       std::vector<double>& A, std::vector<double>& lse_row) {
   scores(p, a, b, h, A, nullptr);
-  const double sink = rules::per_head(a.sinks, h, kNegInf);
+  const double sink = double(p.rules.sink(h));
   for (int64_t i = 0; i < p.L; ++i) {
     double* row = &A[size_t(i * p.S)];
     lse_row[size_t(i)] = softmax(row, row, p.S, sink);
@@ -110,7 +105,8 @@ void attention_matrix(const Problem& p, const SdpaArgs<T>& a, int64_t b, int64_t
 
 // The L×S matrices (`count` of them, in double) must fit in memory; checked
 // before allocating, so a huge request is an argument error, not bad_alloc.
-void check_matrices_fit(const Problem& p, int64_t count, const char* fn) {
+template <class T>
+void check_matrices_fit(const ProblemOf<T>& p, int64_t count, const char* fn) {
   check_fits_in_memory(checked_bytes({count, p.L, p.S}, sizeof(double)),
                        std::string(fn) + ": the reference backend materialises " + std::to_string(count) +
                            " L x S matrix(es) of doubles for q (L = " + std::to_string(p.L) + ") and k (S = " +
@@ -120,7 +116,7 @@ void check_matrices_fit(const Problem& p, int64_t count, const char* fn) {
 }  // namespace
 
 template <class T>
-void reference_forward(const Problem& p, const SdpaArgs<T>& a, View4<T> out, View4<T> weights,
+void reference_forward(const ProblemOf<T>& p, const SdpaArgs<T>& a, View4<T> out, View4<T> weights,
                        View3<T> lse) {
   check_matrices_fit(p, 1, "attn::scaled_dot_product_attention");
   std::vector<double> A(static_cast<size_t>(p.L * p.S));
@@ -147,7 +143,7 @@ void reference_forward(const Problem& p, const SdpaArgs<T>& a, View4<T> out, Vie
 }
 
 template <class T>
-void reference_backward(const Problem& p, const SdpaArgs<T>& a, View4<const T> dout,
+void reference_backward(const ProblemOf<T>& p, const SdpaArgs<T>& a, View4<const T> dout,
                         const SdpaGrads<T>& g) {
   check_matrices_fit(p, 2, "attn::scaled_dot_product_attention_backward");
   const size_t LS = static_cast<size_t>(p.L * p.S);
@@ -157,7 +153,7 @@ void reference_backward(const Problem& p, const SdpaArgs<T>& a, View4<const T> d
   // dbias accumulates over every (b, h, i, j) that maps onto one bias element.
   std::vector<double> dbias;
   if (!g.dbias.empty()) dbias.assign(static_cast<size_t>(g.dbias.numel()), 0.0);
-  const auto& bs = a.bias.shape;
+  const auto& bs = p.rules.bias.shape;
 
   for (int64_t b = 0; b < p.B; ++b) {
     for (int64_t hk = 0; hk < p.Hkv; ++hk) {
@@ -166,7 +162,7 @@ void reference_backward(const Problem& p, const SdpaArgs<T>& a, View4<const T> d
       for (int64_t h = hk * p.group(); h < (hk + 1) * p.group(); ++h) {
         scores(p, a, b, h, Z, &dcap);
         A = Z;
-        const double sink = rules::per_head(a.sinks, h, kNegInf);
+        const double sink = double(p.rules.sink(h));
         for (int64_t i = 0; i < p.L; ++i)
           lse_row[size_t(i)] = softmax(&A[size_t(i * p.S)], &A[size_t(i * p.S)], p.S, sink);
         for (int64_t i = 0; i < p.L; ++i) {
@@ -201,12 +197,12 @@ void reference_backward(const Problem& p, const SdpaArgs<T>& a, View4<const T> d
             double dq = 0;
             for (int64_t j = 0; j < p.S; ++j)
               if (dZi[j] != 0) dq += dZi[j] * dci[j] * double(a.k(b, hk, j, e));
-            g.dq(b, h, i, e) = T(p.scale * dq);
+            g.dq(b, h, i, e) = T(p.rules.scale * dq);
           }
           for (int64_t j = 0; j < p.S; ++j) {
             if (dZi[j] == 0) continue;
             for (int64_t e = 0; e < p.E; ++e)
-              dk[size_t(j * p.E + e)] += p.scale * dZi[j] * dci[j] * double(a.q(b, h, i, e));
+              dk[size_t(j * p.E + e)] += p.rules.scale * dZi[j] * dci[j] * double(a.q(b, h, i, e));
           }
           if (!dbias.empty()) {
             // dbias has the bias's shape; flat index in row-major order.
@@ -237,11 +233,11 @@ void reference_backward(const Problem& p, const SdpaArgs<T>& a, View4<const T> d
 
 template void reference_forward<float>(const Problem&, const SdpaArgs<float>&, View4<float>,
                                        View4<float>, View3<float>);
-template void reference_forward<double>(const Problem&, const SdpaArgs<double>&, View4<double>,
+template void reference_forward<double>(const ProblemOf<double>&, const SdpaArgs<double>&, View4<double>,
                                         View4<double>, View3<double>);
 template void reference_backward<float>(const Problem&, const SdpaArgs<float>&,
                                         View4<const float>, const SdpaGrads<float>&);
-template void reference_backward<double>(const Problem&, const SdpaArgs<double>&,
+template void reference_backward<double>(const ProblemOf<double>&, const SdpaArgs<double>&,
                                          View4<const double>, const SdpaGrads<double>&);
 
 }  // namespace attn::detail

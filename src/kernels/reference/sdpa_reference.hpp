@@ -7,11 +7,11 @@
 namespace attn::detail {
 
 template <class T>
-void reference_forward(const Problem& p, const SdpaArgs<T>& a, View4<T> out, View4<T> weights,
+void reference_forward(const ProblemOf<T>& p, const SdpaArgs<T>& a, View4<T> out, View4<T> weights,
                        View3<T> lse);
 
 template <class T>
-void reference_backward(const Problem& p, const SdpaArgs<T>& a, View4<const T> dout,
+void reference_backward(const ProblemOf<T>& p, const SdpaArgs<T>& a, View4<const T> dout,
                         const SdpaGrads<T>& g);
 
 }  // namespace attn::detail
