@@ -349,10 +349,8 @@ struct Oracle {
     return vis[size_t(((b * d.c.H + h) * d.c.L + i) * d.c.S + j)];
   }
   bool visible_by_rule(int64_t b, int64_t h, int64_t i, int64_t j) const {
-    const Case& c = d.c;
     const Problem p = d.problem();
-    const int64_t len = d.args.key_lengths.empty() ? c.S : d.key_lengths[size_t(b)];
-    if (!p.band(len).visible(i, j)) return false;  // causal, window, key length
+    if (!p.band(b).visible(i, j)) return false;  // causal, window, key length
     const auto& m = d.args.mask;
     if (!m.empty() && !m(bcast(b, m.dim(0)), bcast(h, m.dim(1)), bcast(i, m.dim(2)), bcast(j, m.dim(3)))) return false;
     return bias(b, h, i, j) != -std::numeric_limits<float>::infinity();

@@ -229,11 +229,11 @@ TEST(MultiheadDecode, NanReachesTheRowsThatSeeIt) {
   }
 }
 
-// Without options decoding is causal (bottom-right), as decode_attention
-// and Python's decode are: a chunk of 5 tokens gives the causal forward's
-// rows. MhaOptions{} takes the forward's default, not
-// causal, and gives the non-causal rows.
-TEST(MultiheadDecode, IsCausalUnlessToldOtherwise) {
+// Decoding takes the forward's options and defaults: without options a
+// chunk of 5 tokens sees all of them (the non-causal forward's rows), as
+// decode_attention and Python's decode do; with causal it gives the causal
+// forward's rows (bottom-right: the new tokens are the sequence's last).
+TEST(MultiheadDecode, IsCausalWhenToldSo) {
   std::mt19937_64 rng(11);
   MultiheadAttention<float> m(config(6, 2), 6);
   randomize(m, rng, 0.5);
@@ -246,17 +246,17 @@ TEST(MultiheadDecode, IsCausalUnlessToldOtherwise) {
   m.forward(MhaArgs<float>{{}, x.view<3>()}, {want_full.view<3>()});
   const double tol_mag = std::max(max_abs(want_causal.view<3>()), 1.0);
   KVCache a = cache_for(m, B, 0);
-  m.decode(MhaArgs<float>{{}, x.view<3>()}, a, got.view<3>());
+  m.decode(MhaArgs<float>{{}, x.view<3>()}, a, got.view<3>(), causal);
   EXPECT_TRUE(all_close(got.view<3>(), View3<const float>(want_causal.view<3>()), tolerance<float>(N * D, tol_mag, 40),
-                        "default"));
+                        "causal"));
   KVCache b = cache_for(m, B, 0);
-  m.decode(MhaArgs<float>{{}, x.view<3>()}, b, got.view<3>(), MhaOptions{});
+  m.decode(MhaArgs<float>{{}, x.view<3>()}, b, got.view<3>());
   EXPECT_TRUE(all_close(got.view<3>(), View3<const float>(want_full.view<3>()), tolerance<float>(N * D, tol_mag, 40),
-                        "not causal"));
+                        "default: not causal"));
   EXPECT_FALSE(all_close(want_causal.view<3>(), View3<const float>(want_full.view<3>()), 1e-3, "the two differ"));
 }
 
-// A float attn_bias over the cache's key positions gives the rows of the
+// A float bias over the cache's key positions gives the rows of the
 // forward with the same bias over the prefix; the output may be any strided
 // view (here the (L, B, D) layout), with the same bits as a dense one.
 TEST(MultiheadDecode, BiasOverTheCacheAndAStridedOutput) {
@@ -276,8 +276,8 @@ TEST(MultiheadDecode, BiasOverTheCacheAndAStridedOutput) {
     a.query = rows(x, len, n);
     a.bias = bias.view4();
     Tensor<float> dense({B, n, D}), lbd({n, B, D});
-    m.decode(a, cache, dense.view<3>());
-    m.decode(a, twin, View3<float>(lbd.data(), {B, n, D}, {D, B * D, 1}));
+    m.decode(a, cache, dense.view<3>(), causal_decode());
+    m.decode(a, twin, View3<float>(lbd.data(), {B, n, D}, {D, B * D, 1}), causal_decode());
     len += n;
     for (int64_t b = 0; b < B; ++b)
       for (int64_t i = 0; i < n; ++i)

@@ -165,9 +165,9 @@ TEST_F(ErrorFixture, ForwardMasksAndOptions) {
   EXPECT_TRUE(throws_with([&] { md.forward(inputs<double>(xd.view<3>()), {yd.view<3>()}, od); },
                           {"scaled_dot_product_attention", "'backend' is fused", "float32 only"}));
   od = {};
-  od.sdpa.scale = -1.0;
+  od.sdpa.scale = -1.0;  // the layer checks the rules itself, before any work
   EXPECT_TRUE(throws_with([&] { md.forward(inputs<double>(xd.view<3>()), {yd.view<3>()}, od); },
-                          {"scaled_dot_product_attention", "scale"}));
+                          {"MultiheadAttention::forward", "scale"}));
 }
 
 TEST_F(ErrorFixture, ForwardSelf) {
