@@ -27,7 +27,7 @@ for window in (None, (W, -1)):
     for _ in range(REPS):
         comm.Barrier()
         t = time.perf_counter()
-        dist.ring_attention(qr, kr, vr, comm, is_causal=True, window=window, num_threads=1)
+        dist.ring_attention(qr, kr, vr, comm, is_causal=True, window_size=window, num_threads=1)
         comm.Barrier()
         times.append(time.perf_counter() - t)
     if comm.rank == 0:

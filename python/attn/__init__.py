@@ -10,17 +10,19 @@ Functions follow PyTorch's names and argument conventions:
     attn.MultiheadAttention(embed_dim, num_heads, ...)   # like torch.nn.MultiheadAttention,
                                                          # plus backward(), grads(), zero_grad()
     attn.KVCache(batch, kv_heads, capacity, head_dim, dtype=..., page_size=...)
-    attn.decode_attention(q, cache, *, scale=None, causal=True, return_lse=False)
+    attn.decode_attention(q, cache, *, scale=None, is_causal=False, return_lse=False)
     attn.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ...)
     attn.varlen_attention_backward(grad_output, q, k, v, cu_seqlens_q, ...)
 
-The variants (docs/variants.md) are keywords of the attention functions:
-window=(left, right), alibi_slopes=, softcap=, sinks=, position_offset=.
+The variants (docs/variants.md) are keywords of the attention functions,
+with FlashAttention's names: window_size=(left, right), softcap= (0 = off),
+chunk_size= (0 = off), alibi_slopes=, sinks=, position_offset=.
 
 Inputs are NumPy arrays or CPU torch tensors (float32 or float64, any
 strides), used in place. `attn.torch` (importable when PyTorch is installed)
 has the autograd Function that makes attn differentiable inside torch models.
-Errors from the library arrive as ValueError with its message.
+Arguments are checked once, by the library: its errors arrive as ValueError
+with a message naming the function and the argument.
 """
 
 from ._decode import KVCache, decode_attention

@@ -2,7 +2,8 @@
 
     cache = attn.KVCache(batch, kv_heads, capacity, head_dim, dtype="float16", page_size=256)
     cache.append(k, v)                    # (B, Hkv, n, E), (B, Hkv, n, Ev): n new tokens per sequence
-    out = attn.decode_attention(q, cache) # q (B, H, L, E): the last L tokens, bottom-right causal
+    out = attn.decode_attention(q, cache) # q (B, H, 1, E): the newest token over everything so far
+    out = attn.decode_attention(q, cache, is_causal=True)  # q (B, H, L, E): the last L tokens, causal
 
 Keys and values are stored in float32, float16 or bfloat16 (rounded to
 nearest even on append); attention is computed in float32 on the stored
@@ -24,6 +25,8 @@ _F32 = np.dtype(np.float32)
 
 
 def _f32(x: Any, fn: str, name: str, ndim: int) -> np.ndarray:
+    """x as float32 of rank ndim: the extension's arrays have a fixed dtype and
+    rank (the library checks the shape)."""
     a = to_numpy(x, fn, name)
     if a.dtype != _F32:
         raise ValueError(f"{fn}: '{name}' has dtype {a.dtype}, expected float32")
@@ -114,29 +117,33 @@ class KVCache:
                 f"lengths={self.lengths})")
 
 
-def decode_attention(q: Any, cache: KVCache, *, scale: Optional[float] = None, causal: bool = True,
-                     return_lse: bool = False, backend: str = "auto", split_kv: bool = True,
-                     num_threads: int = 0, window=None, softcap=None, alibi_slopes=None, sinks=None,
-                     attn_mask=None):
+def decode_attention(q: Any, cache: KVCache, *, scale: Optional[float] = None, is_causal: bool = False,
+                     return_lse: bool = False, backend: str = "auto", num_threads: int = 0, window_size=None,
+                     softcap=None, chunk_size: int = 0, alibi_slopes=None, sinks=None, attn_mask=None):
     """Attention of L new queries per sequence, q (B, H, L, E), over the cache.
 
     The queries are the last L tokens of each sequence: query i sits at
-    position p = length - L + i and sees keys j <= p (causal=False: all keys).
+    position p = length - L + i. Every query sees the keys the cache holds;
+    with is_causal=True query i sees only keys j <= p. One new token (L = 1)
+    sees the same keys either way; a chunk of L > 1 new tokens of a causal
+    model needs is_causal=True.
     H must be a multiple of the cache's kv_heads (grouped-query attention).
     Returns out (B, H, L, Ev), and lse (B, H, L) with return_lse. A sequence
     of length 0 gives 0 and lse -inf.
 
     The score rules of attn.scaled_dot_product_attention, at those positions:
-      window  (left, right): keys p-left <= j <= p+right (-1: unbounded); a
-              sliding window reads only its keys from the cache
-      softcap  c > 0: scores become c * tanh(s / c) (Gemma 2)
+      window_size  (left, right): keys p-left <= j <= p+right (-1: unbounded);
+              a sliding window reads only its keys from the cache
+      softcap  c > 0: scores become c * tanh(s / c) (Gemma 2); 0 or None: off
+      chunk_size  C > 0: keys of the query's own chunk, p // C == j // C
+              (Llama 4's local layers); 0: off
       alibi_slopes  H values: -slope_h * |p - j| added to the scores
       sinks  H values: one extra logit per head in every row's softmax, with no
               value (gpt-oss); a row that sees no key then has lse = sink
       attn_mask  bool (True = the query may attend to the key) or float (added
               to the scores; -inf masks), (B|1, H|1, L|1, capacity|1) over the
               cache's key positions 0..capacity-1 (a speculative-decoding
-              tree, say); combined with causal and the window
+              tree, say); combined with is_causal and the window
     """
     fn = "attn.decode_attention"
     if not isinstance(cache, KVCache):
@@ -144,10 +151,11 @@ def decode_attention(q: Any, cache: KVCache, *, scale: Optional[float] = None, c
     qa = _f32(q, fn, "q", 4)
     out = np.empty(qa.shape[:3] + (cache.value_dim,), np.float32)
     lse = np.empty(qa.shape[:3], np.float32) if return_lse else None
-    var = variant_kwargs(fn, qa.shape[1], np.dtype(np.float32), window, alibi_slopes, softcap, sinks, None)
+    var = variant_kwargs(fn, np.dtype(np.float32), window_size, alibi_slopes, softcap, sinks, None, chunk_size)
     del var["position_offset"]  # the cache fixes the positions
     if attn_mask is not None:
         m = to_numpy(widen_half(attn_mask), fn, "attn_mask")
+        # The extension takes a rank-4 mask or bias; the library checks its axes.
         if m.ndim != 4:
             raise ValueError(f"{fn}: 'attn_mask' has shape {m.shape}, expected 4 dimensions "
                              f"(B|1, H|1, L|1, capacity|1) = ({qa.shape[0]}, {qa.shape[1]}, {qa.shape[2]}, "
@@ -159,8 +167,9 @@ def decode_attention(q: Any, cache: KVCache, *, scale: Optional[float] = None, c
         else:
             raise ValueError(f"{fn}: 'attn_mask' has dtype {m.dtype}, expected bool (True = attend) or float "
                              "(added to the scores)")
-    _attn.decode_attention(qa, cache._c, out, lse, scale, bool(causal), str(backend), bool(split_kv),
-                           int(num_threads), **var)
+    _attn.decode_attention(qa, cache._c, out, lse, scale=None if scale is None else float(scale),
+                           causal=bool(is_causal), backend=str(backend),
+                           split_kv=True, num_threads=int(num_threads), **var)
     if is_torch_tensor(q):
         import torch
 

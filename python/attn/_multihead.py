@@ -56,7 +56,10 @@ _CLASSES = {
 def _layer_mask(attn_mask: Any, fn: str, dtype: np.dtype, B: int, H: int, L: int, S: int,
                 batched: bool) -> Tuple[Optional[np.ndarray], Optional[np.ndarray]]:
     """The layer's attn_mask, (L, S) or (N·num_heads, L, S) (unbatched: (num_heads, L, S)), as
-    (mask, bias) of rank 4: a bool mask flipped to attn's polarity (True = may attend), or a float bias."""
+    (mask, bias) of rank 4: a bool mask flipped to attn's polarity (True = may attend), or a float bias.
+    Only the leading axis is checked here (PyTorch's merged N·num_heads is split into (N, num_heads));
+    the library checks the (L, S) axes and the values, naming the result 'attn_mask' (bool) or
+    'attn_bias' (float)."""
     m = _canon_mask(attn_mask, fn, "attn_mask", dtype)
     if m is None:
         return None, None
@@ -69,12 +72,6 @@ def _layer_mask(attn_mask: Any, fn: str, dtype: np.dtype, B: int, H: int, L: int
     else:
         raise ValueError(f"{fn}: 'attn_mask' has shape {m.shape}, expected (L, S) = {(L, S)} or "
                          f"(N·num_heads, L, S) = {(B * H, L, S)}")
-    if m.shape[2] not in (1, L) or m.shape[3] not in (1, S):
-        raise ValueError(f"{fn}: 'attn_mask' has shape {tuple(np.shape(attn_mask))}, expected its last two "
-                         f"dimensions (L, S) = {(L, S)} (or 1 to broadcast)")
-    if m.dtype != np.bool_ and (np.isnan(m).any() or np.isposinf(m).any()):
-        raise ValueError(f"{fn}: 'attn_mask' (a float mask, added to the scores) contains NaN or +inf; "
-                         "-inf blocks a position")
     if m.dtype == np.bool_:
         return ~m, None  # PyTorch: True = blocked; attn: True = may attend
     return None, m
@@ -130,8 +127,8 @@ class MultiheadAttention:
     the parameter 'sinks' (num_heads,), starting at 0 (or at the values given,
     sinks=array of num_heads), one extra logit in every softmax denominator
     that contributes no value. Its gradient is in grads()['sinks'] after
-    backward(), like the weights'. The other variants (window, softcap,
-    alibi_slopes, position_offset) are keywords of forward().
+    backward(), like the weights'. The other variants (window_size, softcap,
+    chunk_size, alibi_slopes, position_offset) are keywords of forward().
 
     Load trained weights with load_state_dict(torch_mha.state_dict()) (tensors
     or arrays); read them with state_dict().
@@ -165,7 +162,7 @@ class MultiheadAttention:
         cls, self._cache_cls = _CLASSES[self.dtype]
         initial_sinks = None
         if not isinstance(sinks, bool):
-            initial_sinks = variant_kwargs(_FN, self.num_heads, self.dtype, None, None, None, sinks, None)["sinks"]
+            initial_sinks = variant_kwargs(_FN, self.dtype, None, None, None, sinks, None)["sinks"]
         self._layer = cls(self.embed_dim, self.num_heads, bias=self.bias, kdim=self.kdim, vdim=self.vdim,
                           seed=int(seed), sinks=initial_sinks is not None or bool(sinks))
         if initial_sinks is not None:
@@ -236,8 +233,9 @@ class MultiheadAttention:
 
     def forward(self, query: Any, key: Any, value: Any, key_padding_mask: Any = None,
                 need_weights: bool = True, attn_mask: Any = None, average_attn_weights: bool = True,
-                is_causal: bool = False, *, backend: str = "auto", window: Any = None, softcap: Any = None,
-                alibi_slopes: Any = None, position_offset: Any = None) -> Tuple[Any, Optional[Any]]:
+                is_causal: bool = False, *, backend: str = "auto", window_size: Any = None, softcap: Any = None,
+                chunk_size: int = 0, alibi_slopes: Any = None,
+                position_offset: Any = None) -> Tuple[Any, Optional[Any]]:
         """torch.nn.MultiheadAttention.forward: returns (attn_output, attn_weights).
 
         query (L, N, E) (N, L, E with batch_first) or unbatched (L, E); key (S, N, kdim);
@@ -249,11 +247,13 @@ class MultiheadAttention:
         average_attn_weights=False, or None when need_weights is False.
 
         Variants (docs/variants.md), with query i at key position i + offset
-        (offset = position_offset, default 0): window=(left, right) keeps keys
-        i - left <= j <= i + right (-1 = unbounded on that side); softcap=c
-        turns the scaled scores s into c·tanh(s/c); alibi_slopes (num_heads,)
-        adds -slope_h·|i - j| to head h's scores. With the layer's sinks, the
-        weights of a row sum to 1 minus its weight on the sink.
+        (offset = position_offset, default 0): window_size=(left, right) keeps
+        keys i - left <= j <= i + right (-1 = unbounded on that side); softcap=c
+        turns the scaled scores s into c·tanh(s/c) (0 or None: off);
+        chunk_size=C keeps keys of the query's own chunk, i // C == j // C
+        (0: off); alibi_slopes (num_heads,) adds -slope_h·|i - j| to head h's
+        scores. With the layer's sinks, the weights of a row sum to 1 minus its
+        weight on the sink.
 
         The layer keeps what backward() needs from this call (copies of the
         inputs, projections and masks) until the next forward call or until
@@ -270,15 +270,15 @@ class MultiheadAttention:
         cache = previous.cache if previous is not None else self._cache_cls()
         return self._forward(query, key, value, key_padding_mask, need_weights, attn_mask,
                              average_attn_weights, is_causal, backend, cache,
-                             dict(window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-                                  position_offset=position_offset))
+                             dict(window_size=window_size, softcap=softcap, chunk_size=chunk_size,
+                                  alibi_slopes=alibi_slopes, position_offset=position_offset))
 
     def _forward(self, query: Any, key: Any, value: Any, key_padding_mask: Any, need_weights: bool,
                  attn_mask: Any, average_attn_weights: bool, is_causal: bool,
                  backend: str, cache: Any, var: Dict[str, Any]) -> Tuple[Any, Optional[Any]]:
         fn = _FN + ".forward"
-        variants = variant_kwargs(fn, self.num_heads, self.dtype, var["window"], var["alibi_slopes"],
-                                  var["softcap"], None, var["position_offset"])
+        variants = variant_kwargs(fn, self.dtype, var["window_size"], var["alibi_slopes"], var["softcap"], None,
+                                  var["position_offset"], var["chunk_size"])
         del variants["sinks"]  # the layer's own parameter
         torch_out = any(is_torch_tensor(x) for x in (query, key, value))
         if torch_out and _torch().is_grad_enabled() and any(
@@ -314,11 +314,14 @@ class MultiheadAttention:
         if p is not None:
             if not batched and p.ndim == 1:
                 p = p[None]
-            if p.shape != (B, S):
+            # A bool padding mask goes to the library (which checks it, a
+            # rank-2 array); a float one is added to the bias here, which
+            # needs its exact shape.
+            if p.ndim != 2 or (p.dtype != np.bool_ and p.shape != (B, S)):
                 raise ValueError(f"{fn}: 'key_padding_mask' has shape {p.shape}, expected (N, S) = {(B, S)}")
             if p.dtype == np.bool_:
                 kpm = p
-            else:  # a float padding mask is added to the scores, like a bias
+            else:
                 add = p[:, None, None, :]
                 bias = add if bias is None else bias + add
 
@@ -355,9 +358,9 @@ class MultiheadAttention:
 
     # Decoding -----------------------------------------------------------------
 
-    def decode(self, query: Any, cache: Any, *, is_causal: bool = True, attn_mask: Any = None,
-               backend: str = "auto", num_threads: int = 0, window: Any = None, softcap: Any = None,
-               alibi_slopes: Any = None) -> Any:
+    def decode(self, query: Any, cache: Any, *, is_causal: bool = False, attn_mask: Any = None,
+               backend: str = "auto", num_threads: int = 0, window_size: Any = None, softcap: Any = None,
+               chunk_size: int = 0, alibi_slopes: Any = None) -> Any:
         """Incremental self-attention over a KV cache (float32 layers).
 
         query holds the next L tokens of each of the cache's N sequences: (L, N, E),
@@ -365,22 +368,25 @@ class MultiheadAttention:
         sequence. The layer projects them, appends their keys and values to
         `cache` (an attn.KVCache with kv_heads = num_heads and head_dim =
         value_dim = embed_dim // num_heads, any dtype and layout) and returns
-        their attention over everything the cache holds, projected: the rows
+        their attention over everything the cache holds, projected.
+        Token i of sequence b sits at position length(b) + i. With
+        is_causal=True it sees keys up to its own position: the rows
         forward(x, x, x, is_causal=True) over the whole sequence gives for
-        these tokens.
-        Token i of sequence b sits at position length(b) + i.
+        these tokens. One new token (L = 1) sees the same keys either way; a
+        chunk of L > 1 tokens of a causal model (a prompt) needs is_causal=True,
+        as in attn.decode_attention.
 
         attn_mask: as in forward() (bool True = NOT allowed, or float added),
         (L, C) or (N·num_heads, L, C) over the cache's key positions 0..C-1
         (C = cache.capacity), combined with is_causal and the window.
-        window, softcap, alibi_slopes: as in forward(); the layer's sinks
-        apply. Errors leave the cache as it was. No backward: decoding is
-        inference.
+        window_size, softcap, chunk_size, alibi_slopes: as in forward(); the
+        layer's sinks apply. Errors leave the cache as it was. No backward:
+        decoding is inference.
         """
         fn = _FN + ".decode"
         if not isinstance(cache, KVCache):
             raise TypeError(f"{fn}: 'cache' must be an attn.KVCache, got {type(cache).__name__}")
-        variants = variant_kwargs(fn, self.num_heads, self.dtype, window, alibi_slopes, softcap, None, None)
+        variants = variant_kwargs(fn, self.dtype, window_size, alibi_slopes, softcap, None, None, chunk_size)
         del variants["sinks"], variants["position_offset"]  # the layer's own; the cache's positions
         if is_torch_tensor(query) and _torch().is_grad_enabled() and query.requires_grad:
             raise ValueError(f"{fn}: 'query' requires grad; decoding is inference, call it under torch.no_grad()")
@@ -442,6 +448,8 @@ class MultiheadAttention:
         if g.dtype != self.dtype:
             raise ValueError(f"{fn}: 'grad_output' has dtype {g.dtype}, expected {self.dtype} (the layer's "
                              "dtype)")
+        # Checked in the caller's layout: the library sees the (N, L, E) view
+        # made of it, in which a wrong shape would read as another one.
         if g.shape != saved.out_shape:
             raise ValueError(f"{fn}: 'grad_output' has shape {g.shape}, expected {saved.out_shape} (the shape "
                              "of attn_output from the last forward call)")

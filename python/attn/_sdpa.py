@@ -69,31 +69,29 @@ class _Plan:
 
 def _plan(fn: str, query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: float,
           is_causal: bool, scale: Optional[float], enable_gqa: bool, backend: str) -> _Plan:
+    """Converts the arguments to the extension's rank-4 views. The library
+    checks the shapes it receives, the scale and the backend; what is refused
+    here is what PyTorch's conventions refuse (dropout, a mask together with
+    is_causal) and what cannot be viewed at all (dtypes, fewer than two
+    dimensions, leading dimensions that do not broadcast)."""
     if dropout_p != 0.0:
         raise ValueError(f"{fn}: dropout_p is {dropout_p}; attn computes exact attention, "
                          "so only dropout_p=0.0 is supported")
-    if not isinstance(backend, str):
-        raise ValueError(f"{fn}: backend must be a string (auto, reference or fused), got {backend!r}")
-    _attn.parse_backend(backend)
     torch_out = any(is_torch_tensor(x) for x in (query, key, value))
     q, storage = storage_array(query, fn, "query")
     k, _ = storage_array(key, fn, "key", storage)
     v, _ = storage_array(value, fn, "value", storage)
     dtype = q.dtype if storage in ("float32", "float64") else np.dtype(np.float32)
     attn_mask = widen_half(attn_mask)
+    # The last two axes are (tokens, features); the leading ones are
+    # broadcast and merged here, so they must exist to be told apart.
     for name, a, want in (("query", q, "(..., L, E)"), ("key", k, "(..., S, E)"),
                           ("value", v, "(..., S, Ev)")):
         if a.ndim < 2:
             raise ValueError(f"{fn}: '{name}' has shape {a.shape}, expected {want} with at least 2 dimensions")
     L, E = q.shape[-2:]
-    S, Ek = k.shape[-2:]
-    Sv, Ev = v.shape[-2:]
-    if Ek != E:
-        raise ValueError(f"{fn}: 'key' has shape {k.shape}, expected (..., S, {E}) "
-                         f"(the last dimension of 'query' {q.shape})")
-    if Sv != S:
-        raise ValueError(f"{fn}: 'value' has shape {v.shape}, expected (..., {S}, Ev) "
-                         f"(the sequence length of 'key' {k.shape})")
+    S = k.shape[-2]
+    Ev = v.shape[-1]
 
     mask = bias = None
     m = None
@@ -119,35 +117,24 @@ def _plan(fn: str, query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: 
         named.append(("attn_mask", m.shape[:-2]))
     gqa = enable_gqa and len(q_lead) >= 1 and len(k_lead) >= 1 and len(v_lead) >= 1
     if gqa:
-        H, Hk, Hv = q_lead[-1], k_lead[-1], v_lead[-1]
-        if Hk != Hv:
-            raise ValueError(f"{fn}: with enable_gqa, 'key' and 'value' need the same number of heads "
-                             f"(dimension -3), got {k.shape} and {v.shape}")
-        if Hk < 1 or H % Hk != 0:
-            raise ValueError(f"{fn}: with enable_gqa, the heads of 'query' ({H}, dimension -3 of "
-                             f"{q.shape}) must be a multiple of the heads of 'key' ({Hk})")
+        # The head axes (-3) keep their own sizes (the library checks that
+        # the key/value heads divide the query heads); the others broadcast.
+        H = q_lead[-1]
         outer = broadcast_shapes(fn, [(n, s[:-1]) for n, s in named])
+        # The mask is broadcast over the query heads here, so its head axis
+        # must be one that broadcasts.
         if m is not None and len(m.shape) >= 3 and m.shape[-3] not in (1, H):
             raise ValueError(f"{fn}: 'attn_mask' has shape {m.shape}; its dimension -3 must be 1 or "
                              f"the number of query heads {H}")
         lead = outer + (H,)
-        kv_lead = outer + (Hk,)
+        k_lead_to, v_lead_to = outer + (k_lead[-1],), outer + (v_lead[-1],)
     else:
         lead = broadcast_shapes(fn, named)
-        kv_lead = lead
-    if m is not None:
-        want = lead + (L, S)
-        try:
-            ok = np.broadcast_shapes(m.shape, want) == want
-        except ValueError:
-            ok = False
-        if not ok:
-            raise ValueError(f"{fn}: 'attn_mask' has shape {m.shape}, which does not broadcast to "
-                             f"the attention shape (..., L, S) = {want}")
+        k_lead_to = v_lead_to = lead
 
     qx = expand_operand(q, lead, 2, keep_ones=False)
-    kx = expand_operand(k, kv_lead, 2, keep_ones=False)
-    vx = expand_operand(v, kv_lead, 2, keep_ones=False)
+    kx = expand_operand(k, k_lead_to, 2, keep_ones=False)
+    vx = expand_operand(v, v_lead_to, 2, keep_ones=False)
     n = len(lead)
     bias_expanded: Tuple[int, ...] = ()
     bias_shape: Tuple[int, ...] = ()
@@ -166,7 +153,7 @@ def _plan(fn: str, query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: 
         q_expanded=qx.shape, k_expanded=kx.shape, v_expanded=vx.shape,
         mask=mask, bias=bias, bias_expanded=bias_expanded, bias_shape=bias_shape,
         shapes=(q.shape, k.shape, v.shape),
-        scale=None if scale is None else float(scale), causal=bool(is_causal), backend=backend,
+        scale=None if scale is None else float(scale), causal=bool(is_causal), backend=str(backend),
         torch_out=torch_out,
     )
 
@@ -200,24 +187,28 @@ def _refuse_autograd(fn: str, *xs: Any) -> None:
                              "detached tensors")
 
 
-def _unwrap_optional(x: Any, fn: str, name: str, p: _Plan, shape: Tuple[int, ...]) -> Optional[np.ndarray]:
-    """An optional saved-state argument (output, lse) as a (B, H, ...) view."""
+def _like_output(x: Any, fn: str, name: str, p: _Plan, tail: Tuple[int, ...]) -> Optional[np.ndarray]:
+    """grad_output or a saved-state argument (output, lse) as a (B, H, ...) view.
+    Its leading dimensions are merged into (B, H) here, so they must be the
+    forward output's; the library checks the rest (`tail`: L, Ev or L)."""
     if x is None:
         return None
     a = float_array(widen_half(x), fn, name, p.dtype)
-    if a.shape != shape:
-        raise ValueError(f"{fn}: '{name}' has shape {a.shape}, expected {shape}")
-    return view_bh(a, len(p.lead))
+    n = len(p.lead)
+    if a.ndim != n + len(tail) or a.shape[:n] != p.lead:
+        raise ValueError(f"{fn}: '{name}' has shape {a.shape}, expected {p.lead + tail} (the shape of the "
+                         "forward's result)")
+    return view_bh(a, n)
 
 
-def _variants(fn: str, p: _Plan, window, alibi_slopes, softcap, sinks, position_offset):
-    return variant_kwargs(fn, p.q.shape[1], p.dtype, window, alibi_slopes, softcap, sinks, position_offset)
+def _variants(fn: str, p: _Plan, window_size, alibi_slopes, softcap, sinks, position_offset, chunk_size):
+    return variant_kwargs(fn, p.dtype, window_size, alibi_slopes, softcap, sinks, position_offset, chunk_size)
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                                  scale=None, enable_gqa=False, *, backend="auto", return_lse=False,
-                                 return_weights=False, window=None, alibi_slopes=None, softcap=None,
-                                 sinks=None, position_offset=None, check_finite=False):
+                                 return_weights=False, window_size=None, alibi_slopes=None, softcap=None,
+                                 chunk_size=0, sinks=None, position_offset=None, check_finite=False):
     """Scaled dot-product attention, with torch.nn.functional.scaled_dot_product_attention's
     arguments and meaning.
 
@@ -244,10 +235,12 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
       return_lse, return_weights  also return the log-sum-exp of each score row
              (..., L) and the attention weights (..., L, S).
       Variants (docs/variants.md), all combinable:
-      window  (left, right): query at position p sees keys p-left <= j <= p+right; -1 =
-             unbounded on that side (FlashAttention's window_size).
+      window_size  (left, right): query at position p sees keys p-left <= j <= p+right; -1 =
+             unbounded on that side (FlashAttention's name and meaning).
       alibi_slopes  H values (H = dimension -3 of query): adds -slope_h * |p - j|.
-      softcap  c > 0: scores become c * tanh(s / c) after scaling (Gemma 2).
+      softcap  c > 0: scores become c * tanh(s / c) after scaling (Gemma 2); 0 or None: off.
+      chunk_size  C > 0: query at position p sees only keys of its own chunk,
+             p // C == j // C (chunked attention, Llama 4's local layers); 0: off.
       sinks  H values: one extra logit per head in every row's softmax, with no value.
       position_offset  query row i sits at key position p = i + offset (default 0).
       check_finite  refuse NaN or Inf in query, key, value with a ValueError (one extra pass)
@@ -260,11 +253,12 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     differentiable version.
 
     Differences from PyTorch: a query row that can see no key returns zeros (PyTorch
-    gives NaN); dropout is not supported. Bad arguments raise ValueError naming them.
+    gives NaN); dropout is not supported. Bad arguments raise ValueError naming the
+    function and the argument (the library's checks, which see the (B, H, N, d) views).
     """
     _refuse_autograd(_FWD, query, key, value, attn_mask, sinks)
     p = _plan(_FWD, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend)
-    var = _variants(_FWD, p, window, alibi_slopes, softcap, sinks, position_offset)
+    var = _variants(_FWD, p, window_size, alibi_slopes, softcap, sinks, position_offset, chunk_size)
     B, H = _bh(p)
     out = np.empty((B, H, p.L, p.Ev), p.dtype)
     lse = np.empty((B, H, p.L), p.dtype) if return_lse else None
@@ -282,9 +276,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 
 def scaled_dot_product_attention_backward(grad_output, query, key, value, attn_mask=None, dropout_p=0.0,
                                           is_causal=False, scale=None, enable_gqa=False, *,
-                                          backend="auto", output=None, lse=None, window=None,
-                                          alibi_slopes=None, softcap=None, sinks=None, position_offset=None,
-                                          check_finite=False):
+                                          backend="auto", output=None, lse=None, window_size=None,
+                                          alibi_slopes=None, softcap=None, chunk_size=0, sinks=None,
+                                          position_offset=None, check_finite=False):
     """Gradients of scaled_dot_product_attention.
 
     Takes grad_output = dLoss/dout (..., L, Ev) and the forward's arguments; returns
@@ -297,17 +291,11 @@ def scaled_dot_product_attention_backward(grad_output, query, key, value, attn_m
     fused backend recomputing them. check_finite also refuses NaN/Inf in grad_output.
     """
     p = _plan(_BWD, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend)
-    var = _variants(_BWD, p, window, alibi_slopes, softcap, sinks, position_offset)
+    var = _variants(_BWD, p, window_size, alibi_slopes, softcap, sinks, position_offset, chunk_size)
     B, H = _bh(p)
-    n = len(p.lead)
-    out_shape = p.lead + (p.L, p.Ev)
-    g = float_array(widen_half(grad_output), _BWD, "grad_output", p.dtype)
-    if g.shape != out_shape:
-        raise ValueError(f"{_BWD}: 'grad_output' has shape {g.shape}, expected {out_shape} "
-                         "(the shape of the forward's output)")
-    dout = view_bh(g, n)
-    saved_out = _unwrap_optional(output, _BWD, "output", p, out_shape)
-    saved_lse = _unwrap_optional(lse, _BWD, "lse", p, p.lead + (p.L,))
+    dout = _like_output(grad_output, _BWD, "grad_output", p, (p.L, p.Ev))
+    saved_out = _like_output(output, _BWD, "output", p, (p.L, p.Ev))
+    saved_lse = _like_output(lse, _BWD, "lse", p, (p.L,))
     dq = np.empty((B, H, p.L, p.E), p.dtype)
     dk = np.empty(p.k.shape, p.dtype)
     dv = np.empty(p.v.shape, p.dtype)
@@ -331,12 +319,13 @@ def scaled_dot_product_attention_backward(grad_output, query, key, value, attn_m
 
 
 def resolve_backend(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                    enable_gqa=False, *, backend="auto", return_weights=False, window=None,
-                    alibi_slopes=None, softcap=None, sinks=None, position_offset=None):
+                    enable_gqa=False, *, backend="auto", return_weights=False, window_size=None,
+                    alibi_slopes=None, softcap=None, chunk_size=0, sinks=None, position_offset=None):
     """Name of the backend ("reference" or "fused") that scaled_dot_product_attention
     would run for these arguments with the given `backend` request."""
     p = _plan("attn.resolve_backend", query, key, value, attn_mask, dropout_p, is_causal, scale,
               enable_gqa, backend)
-    var = _variants("attn.resolve_backend", p, window, alibi_slopes, softcap, sinks, position_offset)
+    var = _variants("attn.resolve_backend", p, window_size, alibi_slopes, softcap, sinks, position_offset,
+                    chunk_size)
     return _ext(p, "resolve_backend")(p.q, p.k, p.v, mask=p.mask, bias=p.bias, scale=p.scale, causal=p.causal,
                                  backend=p.backend, want_weights=bool(return_weights), **var)

@@ -57,16 +57,17 @@ class ScaledDotProductAttention(_torch.autograd.Function):
     """attn's scaled dot-product attention as a torch.autograd.Function.
 
     apply(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
-          scale=None, enable_gqa=False, backend="auto", window=None, alibi_slopes=None,
-          softcap=None, sinks=None, position_offset=None) -> output
+          scale=None, enable_gqa=False, backend="auto", window_size=None, alibi_slopes=None,
+          softcap=None, chunk_size=0, sinks=None, position_offset=None) -> output
     (Function.apply takes positional arguments only.)
     """
 
     @staticmethod
     def forward(ctx, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                enable_gqa=False, backend="auto", window=None, alibi_slopes=None, softcap=None, sinks=None,
-                position_offset=None):
-        variants = dict(window=window, alibi_slopes=alibi_slopes, softcap=softcap, position_offset=position_offset)
+                enable_gqa=False, backend="auto", window_size=None, alibi_slopes=None, softcap=None, chunk_size=0,
+                sinks=None, position_offset=None):
+        variants = dict(window_size=window_size, alibi_slopes=alibi_slopes, softcap=softcap, chunk_size=chunk_size,
+                        position_offset=position_offset)
         out, lse = _sdpa.scaled_dot_product_attention(
             query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
             backend=backend, return_lse=True, sinks=sinks, **variants)
@@ -93,14 +94,15 @@ class ScaledDotProductAttention(_torch.autograd.Function):
             backend=backend, output=out, lse=lse, sinks=sinks, **ctx.variants)
         float_mask = len(grads) > (4 if sinks is not None else 3)
         dmask = grads[3] if float_mask and ctx.needs_input_grad[3] else None
-        dsinks = _sinks_grad(ctx, 12, grads, sinks)
+        dsinks = _sinks_grad(ctx, 13, grads, sinks)
         return (_as_input_dtype(grads[0], query), _as_input_dtype(grads[1], key), _as_input_dtype(grads[2], value),
-                _as_input_dtype(dmask, attn_mask), None, None, None, None, None, None, None, None, dsinks, None)
+                _as_input_dtype(dmask, attn_mask), None, None, None, None, None, None, None, None, None, dsinks,
+                None)
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
-                                 scale=None, enable_gqa=False, *, backend="auto", window=None,
-                                 alibi_slopes=None, softcap=None, sinks=None, position_offset=None):
+                                 scale=None, enable_gqa=False, *, backend="auto", window_size=None,
+                                 alibi_slopes=None, softcap=None, chunk_size=0, sinks=None, position_offset=None):
     """Drop-in for torch.nn.functional.scaled_dot_product_attention, computed by
     attn (see attn.scaled_dot_product_attention for the arguments, the variant
     keywords included). Returns a torch tensor, in the query's dtype for float16 and
@@ -110,12 +112,12 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if _needs_graph("attn.torch.scaled_dot_product_attention", alibi_slopes, query, key, value, attn_mask,
                     sinks):
         return ScaledDotProductAttention.apply(query, key, value, attn_mask, dropout_p, is_causal, scale,
-                                               enable_gqa, backend, window, alibi_slopes, softcap, sinks,
-                                               position_offset)
+                                               enable_gqa, backend, window_size, alibi_slopes, softcap,
+                                               chunk_size, sinks, position_offset)
     out = _sdpa.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale,
-                                             enable_gqa, backend=backend, window=window,
-                                             alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks,
-                                             position_offset=position_offset)
+                                             enable_gqa, backend=backend, window_size=window_size,
+                                             alibi_slopes=alibi_slopes, softcap=softcap, chunk_size=chunk_size,
+                                             sinks=sinks, position_offset=position_offset)
     return _as_input_dtype(out, query)
 
 
@@ -123,16 +125,17 @@ class VarlenAttention(_torch.autograd.Function):
     """attn.varlen_attention as a torch.autograd.Function; gradients reach q, k, v and the sinks.
 
     apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale=None,
-          is_causal=False, window=None, alibi_slopes=None, softcap=None, sinks=None,
-          position_offset=None, backend="auto") -> output
+          is_causal=False, window_size=None, alibi_slopes=None, softcap=None, chunk_size=0,
+          sinks=None, position_offset=None, backend="auto") -> output
     """
 
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale=None,
-                is_causal=False, window=None, alibi_slopes=None, softcap=None, sinks=None, position_offset=None,
-                backend="auto"):
-        ctx.options = dict(scale=scale, is_causal=is_causal, window=window, alibi_slopes=alibi_slopes,
-                           softcap=softcap, position_offset=position_offset, backend=backend)
+                is_causal=False, window_size=None, alibi_slopes=None, softcap=None, chunk_size=0, sinks=None,
+                position_offset=None, backend="auto"):
+        ctx.options = dict(scale=scale, is_causal=is_causal, window_size=window_size, alibi_slopes=alibi_slopes,
+                           softcap=softcap, chunk_size=chunk_size, position_offset=position_offset,
+                           backend=backend)
         out, lse = _varlen.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                             sinks=sinks, return_lse=True, **ctx.options)
         sinks_tensor = sinks if isinstance(sinks, _torch.Tensor) else None
@@ -148,19 +151,21 @@ class VarlenAttention(_torch.autograd.Function):
             sinks = ctx.other_sinks
         grads = _varlen.varlen_attention_backward(grad_output, q, k, v, *ctx.seqlens, sinks=sinks, output=out,
                                                   lse=lse, **ctx.options)
-        dsinks = _sinks_grad(ctx, 12, grads, sinks)
-        return (grads[0], grads[1], grads[2], None, None, None, None, None, None, None, None, None, dsinks,
+        dsinks = _sinks_grad(ctx, 13, grads, sinks)
+        return (grads[0], grads[1], grads[2], None, None, None, None, None, None, None, None, None, None, dsinks,
                 None, None)
 
 
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, scale=None,
-                     is_causal=False, window=None, alibi_slopes=None, softcap=None, sinks=None,
+                     is_causal=False, window_size=None, alibi_slopes=None, softcap=None, chunk_size=0, sinks=None,
                      position_offset=None, backend="auto"):
     """attn.varlen_attention on torch tensors, differentiable (through VarlenAttention)
     when q, k, v or the sinks require grad."""
     if _needs_graph("attn.torch.varlen_attention", alibi_slopes, q, k, v, sinks):
         return VarlenAttention.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
-                                     is_causal, window, alibi_slopes, softcap, sinks, position_offset, backend)
+                                     is_causal, window_size, alibi_slopes, softcap, chunk_size, sinks,
+                                     position_offset, backend)
     return _varlen.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale=scale,
-                                    is_causal=is_causal, window=window, alibi_slopes=alibi_slopes, softcap=softcap,
-                                    sinks=sinks, position_offset=position_offset, backend=backend)
+                                    is_causal=is_causal, window_size=window_size, alibi_slopes=alibi_slopes,
+                                    softcap=softcap, chunk_size=chunk_size, sinks=sinks,
+                                    position_offset=position_offset, backend=backend)

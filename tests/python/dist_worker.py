@@ -39,7 +39,7 @@ def run(strategy, B=1, H=4, Hkv=2, L=37, S=37, E=16, Ev=12, causal=False, window
     dy = rng.standard_normal((B, H, L, Ev), dtype=np.float32)
     slopes = (2.0 ** (-8.0 * np.arange(1, H + 1) / H)).astype(np.float32) if alibi else None
     sk = np.linspace(-1.0, 1.5, H).astype(np.float32) if sinks else None
-    var = dict(window=window, alibi_slopes=slopes, sinks=sk, softcap=softcap, position_offset=position_offset)
+    var = dict(window_size=window, alibi_slopes=slopes, sinks=sk, softcap=softcap, position_offset=position_offset)
     # The oracle: key padding as a boolean mask, causal as the window's right side 0.
     ref_var = dict(var)
     mask = None
@@ -47,7 +47,7 @@ def run(strategy, B=1, H=4, Hkv=2, L=37, S=37, E=16, Ev=12, causal=False, window
         mask = (np.arange(S)[None, :] < np.asarray(key_lengths)[:, None])[:, None, None, :]
     if causal:
         left = -1 if window is None else window[0]
-        ref_var["window"] = (left, 0)
+        ref_var["window_size"] = (left, 0)
     out, lse = attn.scaled_dot_product_attention(q, k, v, mask, enable_gqa=True, backend="fused",
                                                  return_lse=True, **ref_var)
     grads = attn.scaled_dot_product_attention_backward(dy, q, k, v, mask, enable_gqa=True, backend="fused",

@@ -50,7 +50,7 @@ def test_decode_matches_the_oracle_on_the_stored_values(dtype, page_size, H, Hkv
     fill(cache, lengths, rng)
     assert cache.lengths == tuple(lengths)
     q = rng.standard_normal((3, H, L, 16)).astype(np.float32)
-    out, lse = attn.decode_attention(q, cache, return_lse=True)
+    out, lse = attn.decode_attention(q, cache, is_causal=True, return_lse=True)
     want, want_lse = oracle(q, cache)
     tol = npref.tol(np.float32, 64 + 16, factor=40)
     np.testing.assert_allclose(out, want, atol=tol, rtol=0)
@@ -79,7 +79,7 @@ def test_shared_prefix_pages():
     k1, v1 = cache.read(1)
     np.testing.assert_array_equal(k1, k[:, :14])
     q = rng.standard_normal((2, 4, 2, 8)).astype(np.float32)
-    out = attn.decode_attention(q, cache)
+    out = attn.decode_attention(q, cache, is_causal=True)
     np.testing.assert_allclose(out, oracle(q, cache)[0], atol=1e-5, rtol=0)
     with pytest.raises(ValueError, match="appears earlier"):
         cache.set_block_table(1, [5, 5], 4)
@@ -118,6 +118,20 @@ def test_truncate_drops_a_draft_and_copies_a_shared_page():
         np.testing.assert_array_equal(got, want)
     with pytest.raises(ValueError, match="'length'"):
         cache.truncate(0, 12)
+
+
+def test_is_causal_defaults_to_false_as_in_sdpa():
+    """Without is_causal every new query sees every stored key; one new token
+    sees the same keys either way."""
+    rng = np.random.default_rng(8)
+    cache = attn.KVCache(2, 2, 32, 8, page_size=4)
+    fill(cache, [13, 6], rng)
+    q = rng.standard_normal((2, 4, 3, 8)).astype(np.float32)
+    np.testing.assert_allclose(attn.decode_attention(q, cache), oracle(q, cache, causal=False)[0], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(attn.decode_attention(q, cache, is_causal=True), oracle(q, cache)[0], atol=1e-5,
+                               rtol=0)
+    one = q[:, :, :1]
+    np.testing.assert_array_equal(attn.decode_attention(one, cache), attn.decode_attention(one, cache, is_causal=True))
 
 
 def test_readme_decode_loop_equals_attention_over_the_whole_prefix():
@@ -213,10 +227,10 @@ def test_decode_variants_match_a_written_out_oracle(dtype, page_size, L):
     slopes = 2.0 ** (-8.0 * np.arange(1, H + 1) / H)  # the standard ALiBi slopes
     sinks = rng.standard_normal(H).astype(np.float32)
     tol = npref.tol(np.float32, 320 + E, factor=40)
-    for kw in (dict(window=(50, 0)), dict(softcap=2.0), dict(alibi_slopes=slopes), dict(sinks=sinks),
-               dict(window=(20, 0), softcap=1.5, alibi_slopes=slopes, sinks=sinks)):
-        out, lse = attn.decode_attention(q, cache, return_lse=True, **kw)
-        want, want_lse = variant_oracle(q, cache, kw.get("window", (-1, -1)), kw.get("softcap"),
+    for kw in (dict(window_size=(50, 0)), dict(softcap=2.0), dict(alibi_slopes=slopes), dict(sinks=sinks),
+               dict(window_size=(20, 0), softcap=1.5, alibi_slopes=slopes, sinks=sinks)):
+        out, lse = attn.decode_attention(q, cache, is_causal=True, return_lse=True, **kw)
+        want, want_lse = variant_oracle(q, cache, kw.get("window_size", (-1, -1)), kw.get("softcap"),
                                         kw.get("alibi_slopes"), kw.get("sinks"))
         np.testing.assert_allclose(out, want, atol=tol, rtol=0, err_msg=str(kw))
         np.testing.assert_allclose(lse, want_lse, atol=npref.tol(np.float32, 320 + E, 8.0, factor=40), rtol=0,
@@ -236,9 +250,9 @@ def test_gpt_oss_style_decode_loop_equals_the_dense_call():
     outs = []
     for t in range(steps):
         cache.append(ks[:, :, t:t + 1], vs[:, :, t:t + 1])
-        outs.append(attn.decode_attention(qs[:, :, t:t + 1], cache, window=(W, 0), sinks=sinks))
+        outs.append(attn.decode_attention(qs[:, :, t:t + 1], cache, window_size=(W, 0), sinks=sinks))
     got = np.concatenate(outs, axis=2)
-    want = attn.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True, window=(W, 0),
+    want = attn.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True, window_size=(W, 0),
                                              sinks=sinks, backend="reference")
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
 
@@ -246,13 +260,13 @@ def test_gpt_oss_style_decode_loop_equals_the_dense_call():
 def test_variant_errors_name_the_argument():
     cache = attn.KVCache(1, 2, 8, 4)
     q = np.zeros((1, 4, 1, 4), np.float32)
-    with pytest.raises(ValueError, match="'window'"):
-        attn.decode_attention(q, cache, window=(-2, 0))
-    with pytest.raises(ValueError, match="'softcap'"):
+    with pytest.raises(ValueError, match=r"attn::decode_attention: option 'window\.left' is -2"):
+        attn.decode_attention(q, cache, window_size=(-2, 0))
+    with pytest.raises(ValueError, match="attn::decode_attention: option 'softcap' is -1"):
         attn.decode_attention(q, cache, softcap=-1.0)
-    with pytest.raises(ValueError, match="'sinks'"):
+    with pytest.raises(ValueError, match=r"attn::decode_attention: argument 'sinks' has shape \(3,\), expected \(H,\) = \(4,\)"):
         attn.decode_attention(q, cache, sinks=np.zeros(3, np.float32))
-    with pytest.raises(ValueError, match="'alibi_slopes'"):
+    with pytest.raises(ValueError, match="attn::decode_attention: argument 'alibi_slopes' contains NaN"):
         attn.decode_attention(q, cache, alibi_slopes=np.array([0, np.nan, 0, 0], np.float32))
 
 
@@ -276,7 +290,8 @@ def test_decode_attn_mask_bool_and_float(L):
     bias[0, :, 0, ::9] = -np.inf
     tol = npref.tol(np.float32, C + E, factor=40)
     for m in (tree, bias):
-        out, lse = attn.decode_attention(q, cache, return_lse=True, attn_mask=m, sinks=np.zeros(H, np.float32))
+        out, lse = attn.decode_attention(q, cache, is_causal=True, return_lse=True, attn_mask=m,
+                                         sinks=np.zeros(H, np.float32))
         want, want_lse = variant_oracle(q, cache, sinks=np.zeros(H), attn_mask=m)
         np.testing.assert_allclose(out, want, atol=tol, rtol=0)
         np.testing.assert_allclose(lse, want_lse, atol=npref.tol(np.float32, C + E, 8.0, factor=40), rtol=0)

@@ -86,8 +86,8 @@ def test_float16_layouts_and_variants():
     r = [x.astype(F32) for x in (q, k, v)]
     dout = rng.standard_normal((2, 4, 33, 8)).astype(F32)
     sinks = rng.standard_normal(4).astype(F32)
-    for kw in (dict(window=(9, 3)), dict(softcap=4.0, alibi_slopes=np.abs(rng.standard_normal(4)).astype(F32)),
-               dict(sinks=sinks, position_offset=5, window=(6, 0))):
+    for kw in (dict(window_size=(9, 3)), dict(softcap=4.0, alibi_slopes=np.abs(rng.standard_normal(4)).astype(F32)),
+               dict(sinks=sinks, position_offset=5, window_size=(6, 0))):
         check_against_float32((q, k, v), r, None, False, True, dout, **kw)
 
 

@@ -26,11 +26,13 @@ def cache_for(layer, B, capacity=16, dtype="float32", page_size=0):
 
 
 def steps(layer, x, cache, batch_first=True, **kw):
-    """Yields (length after the step, the step's output as (B, n, D))."""
+    """Yields (length after the step, the step's output as (B, n, D)); chunks of
+    n > 1 tokens of a causal model, so is_causal=True."""
     n0 = 0
     for n in STEPS:
         chunk = x[:, n0:n0 + n]
-        out = layer.decode(chunk if batch_first else np.ascontiguousarray(chunk.transpose(1, 0, 2)), cache, **kw)
+        out = layer.decode(chunk if batch_first else np.ascontiguousarray(chunk.transpose(1, 0, 2)), cache,
+                           is_causal=True, **kw)
         n0 += n
         yield n0, n, (out if batch_first else out.transpose(1, 0, 2))
 
@@ -82,7 +84,7 @@ def test_score_rules_equal_the_forward_over_the_prefix(dtype):
     layer, sd, x = layer_and_tokens(rng, D=12, H=3, sinks=True)
     layer.load_state_dict({"sinks": np.array([0.5, -1.0, 2.0], np.float32)}, strict=False)
     slopes = np.array([0.5, 0.25, 0.125], np.float32)
-    kw = dict(window=(4, -1), softcap=2.0, alibi_slopes=slopes)
+    kw = dict(window_size=(4, -1), softcap=2.0, alibi_slopes=slopes)
     cache = cache_for(layer, 2, dtype=dtype, page_size=4)
     for length, n, out in steps(layer, x, cache, **kw):
         pre = x[:, :length]
@@ -106,7 +108,7 @@ def test_unbatched_and_torch_tensors():
         cache = cache_for(layer, 1)
         n0 = 0
         for n in STEPS:
-            out = layer.decode(xt[0, n0:n0 + n], cache)  # unbatched (L, E), a torch tensor
+            out = layer.decode(xt[0, n0:n0 + n], cache, is_causal=True)  # unbatched (L, E), a torch tensor
             assert isinstance(out, torch.Tensor) and tuple(out.shape) == (n, 8)
             torch.testing.assert_close(out, want[0, n0:n0 + n], rtol=2e-5, atol=2e-5)
             n0 += n
@@ -119,16 +121,19 @@ def test_errors_leave_the_cache_as_it_was():
     rng = np.random.default_rng(8)
     layer, sd, x = layer_and_tokens(rng)
     cache = cache_for(layer, 2, capacity=8)
-    layer.decode(x[:, :3], cache)
+    layer.decode(x[:, :3], cache, is_causal=True)
     bad = [
         (dict(x=x[:, :3, :6]), "'query'"),
         (dict(cache=cache_for(layer, 3)), "'query'"),
         (dict(cache=attn.KVCache(2, 1, 8, 4)), "'cache'"),
-        (dict(window=(-3, 0)), "'window'"),
+        (dict(window_size=(-3, 0)), r"option 'window\.left' is -3"),
         (dict(alibi_slopes=np.ones(3, np.float32)), "'alibi_slopes'"),
         (dict(attn_mask=np.zeros((3, 5), bool)), "'attn_mask'"),
-        (dict(attn_mask=np.zeros((2, 5), np.float32)), "'attn_mask' has shape"),
-        (dict(attn_mask=np.full((1, 8), np.nan, np.float32)), "'attn_mask'.*NaN"),
+        # a float attn_mask reaches the library as its attn_bias
+        (dict(attn_mask=np.zeros((2, 5), np.float32)),
+         r"attn::MultiheadAttention::decode: argument 'attn_bias' has shape \(1, 1, 2, 5\)"),
+        (dict(attn_mask=np.full((1, 8), np.nan, np.float32)),
+         "attn::MultiheadAttention::decode: argument 'attn_bias' contains NaN"),
         (dict(attn_mask=np.zeros((1, 8), np.int32)), r"MultiheadAttention\.decode: 'attn_mask' has dtype int32"),
         (dict(x=x[:, :6]), "capacity 8"),
     ]

@@ -1,4 +1,4 @@
-"""attn.MultiheadAttention with the variants (window, softcap, alibi_slopes,
+"""attn.MultiheadAttention with the variants (window_size, softcap, alibi_slopes,
 learnable sinks) against an independent formulation: a float64 NumPy
 computation that writes each variant as its definition (the window and ALiBi
 as one dense additive bias, soft-capping as c·tanh(s/c), the sink as an extra
@@ -65,8 +65,8 @@ def test_variants_match_numpy(dtype, case):
     layer, params = random_layer(rng, dtype, H=H, sinks=c.get("sinks", False))
     slopes = rng.random(H).astype(dtype) if c.get("alibi") else None
     x = rng.standard_normal((2, 7, 8)).astype(dtype)
-    out, w = layer(x, x, x, average_attn_weights=False, is_causal=c.get("causal", False), window=c.get("window"),
-                   softcap=c.get("softcap"), alibi_slopes=slopes)
+    out, w = layer(x, x, x, average_attn_weights=False, is_causal=c.get("causal", False),
+                   window_size=c.get("window"), softcap=c.get("softcap"), alibi_slopes=slopes)
     want, want_w = reference(params, x, H, c.get("window"), c.get("softcap"), slopes,
                              params.get("sinks"), c.get("causal", False))
     np.testing.assert_allclose(out, want, rtol=0, atol=npref.tol(dtype, 8, np.abs(want).max(), 50.0))
@@ -86,7 +86,7 @@ def test_sinks_are_a_parameter_with_a_gradient():
     assert given.state_dict()["sinks"].tolist() == [0.5, -1.0]
     x = rng.standard_normal((2, 6, 8))
     g = rng.standard_normal((2, 6, 8))
-    kw = dict(window=(2, 2), alibi_slopes=np.array([0.3, 0.1]))
+    kw = dict(window_size=(2, 2), alibi_slopes=np.array([0.3, 0.1]))
     layer.zero_grad()
     layer(x, x, x, **kw)
     grads = layer.backward(g)
@@ -114,11 +114,14 @@ def test_sinks_are_a_parameter_with_a_gradient():
 def test_bad_variant_arguments_are_named():
     layer = attn.MultiheadAttention(8, 2, batch_first=True, seed=1)
     x = np.zeros((1, 3, 8), np.float32)
-    for kw, part in [(dict(window=(1,)), "'window'"), (dict(softcap=-1.0), "'softcap'"),
-                     (dict(alibi_slopes=np.ones(3)), "'alibi_slopes'")]:
+    for kw, part in [(dict(window_size=(1,)), "attn.MultiheadAttention.forward: 'window_size' is"),
+                     # the layer's attention call checks the options, under its own name
+                     (dict(softcap=-1.0), "attn::scaled_dot_product_attention: option 'softcap' is -1"),
+                     (dict(alibi_slopes=np.ones(3)), r"attn::MultiheadAttention::forward: argument 'alibi_slopes' "
+                                                     r"has shape \(3,\), expected \(num_heads,\) = \(2,\)")]:
         with pytest.raises(ValueError, match=part):
             layer(x, x, x, **kw)
-    with pytest.raises(ValueError, match="'sinks'"):
+    with pytest.raises(ValueError, match=r"attn::MultiheadAttention::load_parameter: parameter 'sinks' has shape"):
         attn.MultiheadAttention(8, 2, sinks=[1.0, 2.0, 3.0])
 
 
@@ -138,7 +141,7 @@ def test_matches_torch_with_dense_masks(parity):
     xt = torch.from_numpy(x)
     with torch.no_grad():
         want, want_w = ref(xt, xt, xt, attn_mask=mask, average_attn_weights=False)
-    out, w = layer(x, x, x, window=(2, 1), alibi_slopes=slopes, average_attn_weights=False)
+    out, w = layer(x, x, x, window_size=(2, 1), alibi_slopes=slopes, average_attn_weights=False)
     parity.record("MultiheadAttention window+alibi", out, want.numpy())
     np.testing.assert_allclose(out, want.numpy(), rtol=1e-10, atol=1e-10)
     np.testing.assert_allclose(w, want_w.numpy(), rtol=1e-10, atol=1e-10)

@@ -283,19 +283,23 @@ def errors(fn, *args, **kw):
 def test_errors_name_the_argument():
     sdpa = attn.scaled_dot_product_attention
     q, k, v = np.zeros((1, 2, 3, 4)), np.zeros((1, 2, 5, 4)), np.zeros((1, 2, 5, 6))
-    assert "'key' has shape (1, 2, 5, 3)" in errors(sdpa, q, np.zeros((1, 2, 5, 3)), v)
-    assert "'value' has shape (1, 2, 4, 6)" in errors(sdpa, q, k, np.zeros((1, 2, 4, 6)))
+    # Shapes and values are checked once, by the library, on the (B, H, N, d) views
+    # it receives (q, k, v, mask, dout), and its messages arrive unchanged.
+    assert errors(sdpa, q, np.zeros((1, 2, 5, 3)), v) == (
+        "attn::scaled_dot_product_attention: argument 'k' has shape (1, 2, 5, 3), expected (1, Hkv, S, 4) "
+        "with Hkv dividing H = 2 (q has shape (1, 2, 3, 4))")
+    assert "argument 'v' has shape (1, 2, 4, 6), expected (1, 2, 5, Ev)" in errors(sdpa, q, k, np.zeros((1, 2, 4, 6)))
     assert "dtype int64" in errors(sdpa, q.astype(np.int64), k, v)
     assert "expected float64" in errors(sdpa, q, k.astype(np.float32), v)
     assert "do not broadcast" in errors(sdpa, q, np.zeros((1, 3, 5, 4)), np.zeros((1, 3, 5, 6)))
-    assert "'attn_mask' has shape (3, 4)" in errors(sdpa, q, k, v, np.ones((3, 4), bool))
+    assert ("argument 'mask' has shape (1, 1, 3, 4), expected each axis of (B, H, L, S) = (1, 2, 3, 5) or 1"
+            in errors(sdpa, q, k, v, np.ones((3, 4), bool)))
     assert "'attn_mask' has dtype int32" in errors(sdpa, q, k, v, np.ones((3, 5), np.int32))
     assert "is_causal" in errors(sdpa, q, k, v, np.ones((3, 5), bool), is_causal=True)
     assert "dropout_p" in errors(sdpa, q, k, v, None, 0.1)
-    assert "multiple of the heads" in errors(sdpa, q, np.zeros((1, 3, 5, 4)), np.zeros((1, 3, 5, 6)),
-                                             enable_gqa=True)
+    assert "with Hkv dividing H = 2" in errors(sdpa, q, np.zeros((1, 3, 5, 4)), np.zeros((1, 3, 5, 6)),
+                                               enable_gqa=True)
     assert "at least 2 dimensions" in errors(sdpa, np.zeros(4), k, v)
-    # Messages from the C++ library arrive unchanged.
     msg = errors(sdpa, q, k, v, scale=0.0)
     assert msg == "attn::scaled_dot_product_attention: option 'scale' is 0, expected a finite value > 0"
     assert "unknown backend 'fast'" in errors(sdpa, q, k, v, backend="fast")
@@ -304,8 +308,13 @@ def test_errors_name_the_argument():
         assert "backend' is fused" in errors(sdpa, q, k, v, backend="fused")
     assert "every dimension" in errors(sdpa, np.zeros((1, 2, 0, 4)), k, v)
     bwd = attn.scaled_dot_product_attention_backward
-    assert "'grad_output' has shape (1, 2, 3, 5)" in errors(bwd, np.zeros((1, 2, 3, 5)), q, k, v)
-    assert "'lse' has shape" in errors(bwd, np.zeros((1, 2, 3, 6)), q, k, v, lse=np.zeros((1, 2)))
+    assert errors(bwd, np.zeros((1, 2, 3, 5)), q, k, v) == (
+        "attn::scaled_dot_product_attention_backward: argument 'dout' has shape (1, 2, 3, 5), expected (1, 2, 3, 6)")
+    assert "argument 'lse' has shape (1, 2, 4), expected (1, 2, 3)" in errors(bwd, np.zeros((1, 2, 3, 6)), q, k, v,
+                                                                             lse=np.zeros((1, 2, 4)))
+    # The leading (batch) axes are merged in Python, which checks them against the forward's.
+    assert "'lse' has shape (1, 2), expected (1, 2, 3)" in errors(bwd, np.zeros((1, 2, 3, 6)), q, k, v,
+                                                                  lse=np.zeros((1, 2)))
 
 
 def test_common_layouts_are_not_copied():

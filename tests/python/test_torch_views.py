@@ -1,7 +1,7 @@
-"""torch tensors whose values DLPack does not describe (issue 11 items 2 and
-17): lazy negation and conjugation bits are resolved before attn reads the
-memory, and dtypes or layouts attn cannot take are a ValueError naming the
-argument. Skipped when PyTorch is not installed."""
+"""torch tensors whose values DLPack does not describe: lazy negation and
+conjugation bits are resolved before attn reads the memory, and dtypes or
+layouts attn cannot take are a ValueError naming the argument. Skipped when
+PyTorch is not installed."""
 
 import numpy as np
 import pytest

@@ -95,10 +95,10 @@ def draw(rng, dtype, B=2, H=4, Hkv=2, L=5, S=7, E=8, Ev=6):
 def kwargs_of(case, slopes, sinks):
     """(attn keywords, reference keywords) of a case."""
     c = CASES[case]
-    a = dict(is_causal=c.get("causal", False), window=c.get("window"), softcap=c.get("softcap"),
+    a = dict(is_causal=c.get("causal", False), window_size=c.get("window"), softcap=c.get("softcap"),
              alibi_slopes=slopes if c.get("alibi") else None, sinks=sinks if c.get("sinks") else None,
              position_offset=c.get("offset"))
-    r = dict(causal=a["is_causal"], window=a["window"], softcap=a["softcap"], alibi=a["alibi_slopes"],
+    r = dict(causal=a["is_causal"], window=a["window_size"], softcap=a["softcap"], alibi=a["alibi_slopes"],
              sinks=a["sinks"], offset=c.get("offset", 0))
     return a, r
 
@@ -129,7 +129,7 @@ def test_sinks_rows_that_see_no_key():
     """A row whose keys are all masked puts all its weight on the sink: out 0, lse = sink."""
     rng = np.random.default_rng(3)
     q, k, v, dout, slopes, sinks = draw(rng, np.float64)
-    out, lse = attn.scaled_dot_product_attention(q, k, v, enable_gqa=True, window=(0, 0), position_offset=-4,
+    out, lse = attn.scaled_dot_product_attention(q, k, v, enable_gqa=True, window_size=(0, 0), position_offset=-4,
                                                  sinks=sinks, return_lse=True)
     assert np.all(out[:, :, :4] == 0)
     np.testing.assert_array_equal(lse[:, :, :4], np.broadcast_to(sinks[None, :, None], (2, 4, 4)))
@@ -139,7 +139,7 @@ def test_sinks_rows_that_see_no_key():
 def test_sinks_gradient_by_finite_differences():
     rng = np.random.default_rng(4)
     q, k, v, dout, slopes, sinks = draw(rng, np.float64)
-    kw = dict(enable_gqa=True, window=(2, 1), softcap=3.0, backend="reference")
+    kw = dict(enable_gqa=True, window_size=(2, 1), softcap=3.0, backend="reference")
     dsinks = attn.scaled_dot_product_attention_backward(dout, q, k, v, sinks=sinks, **kw)[3]
     h = 1e-6
     for i in range(len(sinks)):
@@ -155,16 +155,16 @@ def test_variants_with_leading_axes_and_float_mask():
     rng = np.random.default_rng(5)
     q, k, v, dout, slopes, sinks = draw(rng, np.float64, Hkv=4)
     bias = rng.standard_normal((1, 4, 5, 7))
-    a = dict(window=(2, 2), alibi_slopes=slopes, sinks=sinks, backend="reference")
+    a = dict(window_size=(2, 2), alibi_slopes=slopes, sinks=sinks, backend="reference")
     out = attn.scaled_dot_product_attention(q, k, v, bias, **a)
     grads = attn.scaled_dot_product_attention_backward(dout, q, k, v, bias, **a)
     assert len(grads) == 5 and grads[3].shape == bias.shape and grads[4].shape == (4,)
     # ALiBi folded into the bias by hand gives the same result.
     alibi_bias = -slopes[:, None, None] * np.abs(np.arange(5)[:, None] - np.arange(7)[None, :])
-    out2 = attn.scaled_dot_product_attention(q, k, v, bias + alibi_bias, window=(2, 2), sinks=sinks,
+    out2 = attn.scaled_dot_product_attention(q, k, v, bias + alibi_bias, window_size=(2, 2), sinks=sinks,
                                              backend="reference")
     np.testing.assert_allclose(out, out2, atol=1e-12)
-    grads2 = attn.scaled_dot_product_attention_backward(dout, q, k, v, bias + alibi_bias, window=(2, 2),
+    grads2 = attn.scaled_dot_product_attention_backward(dout, q, k, v, bias + alibi_bias, window_size=(2, 2),
                                                         sinks=sinks, backend="reference")
     for g, g2 in zip(grads, grads2):
         np.testing.assert_allclose(g, g2, atol=1e-12)
@@ -196,10 +196,10 @@ def test_varlen_is_a_loop_of_dense_calls(case, backend, dtype, tol):
     q, k, v, dout, cu_q, cu_k = packed(rng, dtype, lens_q, lens_k)
     slopes = np.exp2(-np.arange(1, 5)).astype(dtype)
     sinks = rng.standard_normal(4).astype(dtype)
-    a = {"plain": {}, "causal_window": dict(is_causal=True, window=(2, -1)),
-         "all": dict(is_causal=True, window=(3, 0), alibi_slopes=slopes, softcap=2.0, sinks=sinks,
+    a = {"plain": {}, "causal_window": dict(is_causal=True, window_size=(2, -1)),
+         "all": dict(is_causal=True, window_size=(3, 0), alibi_slopes=slopes, softcap=2.0, sinks=sinks,
                      position_offset=1)}[case]
-    r = dict(causal=a.get("is_causal", False), window=a.get("window"), alibi=a.get("alibi_slopes"),
+    r = dict(causal=a.get("is_causal", False), window=a.get("window_size"), alibi=a.get("alibi_slopes"),
              softcap=a.get("softcap"), sinks=a.get("sinks"), offset=a.get("position_offset", 0))
     out, lse = attn.varlen_attention(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), backend=backend,
                                      return_lse=True, **a)
@@ -229,34 +229,72 @@ def _small():
     return draw(np.random.default_rng(0), np.float32)
 
 
-@pytest.mark.parametrize("window", [(-2, 0), (0, -5), (1,), 3, (1.5, 0), (1, 2, 3), "ab"])
-def test_bad_window_names_it(window):
+# Values are checked by the library (its message names the function and the
+# option); what cannot be converted at all is refused by the Python layer.
+@pytest.mark.parametrize("window,words", [
+    ((-2, 0), r"attn::scaled_dot_product_attention\w*: option 'window\.left' is -2"),
+    ((0, -5), r"attn::scaled_dot_product_attention\w*: option 'window\.right' is -5"),
+    ((1,), "'window_size' is"), (3, "'window_size' is"), ((1.5, 0), "'window_size' is"),
+    ((1, 2, 3), "'window_size' is"), ("ab", "'window_size' is")])
+def test_bad_window_names_it(window, words):
     q, k, v, dout, slopes, sinks = _small()
-    with pytest.raises(ValueError, match="window"):
-        attn.scaled_dot_product_attention(q, k, v, enable_gqa=True, window=window)
-    with pytest.raises(ValueError, match="window"):
-        attn.scaled_dot_product_attention_backward(dout, q, k, v, enable_gqa=True, window=window)
+    with pytest.raises(ValueError, match=words):
+        attn.scaled_dot_product_attention(q, k, v, enable_gqa=True, window_size=window)
+    with pytest.raises(ValueError, match=words):
+        attn.scaled_dot_product_attention_backward(dout, q, k, v, enable_gqa=True, window_size=window)
 
 
 @pytest.mark.parametrize("name", ["alibi_slopes", "sinks"])
-@pytest.mark.parametrize("value", [np.zeros(3, np.float32), np.zeros(5, np.float32), np.zeros((4, 1), np.float32),
-                                   np.zeros(4, bool)])
-def test_wrong_per_head_arrays_name_the_argument(name, value):
+@pytest.mark.parametrize("value,words", [
+    (np.zeros(3, np.float32), "argument '{}' has shape"), (np.zeros(5, np.float32), "argument '{}' has shape"),
+    (np.zeros((4, 1), np.float32), "'{}' has dtype float32 and shape"), (np.zeros(4, bool), "'{}' has dtype bool")])
+def test_wrong_per_head_arrays_name_the_argument(name, value, words):
     q, k, v, dout, slopes, sinks = _small()
-    with pytest.raises(ValueError, match=name):
+    words = words.format(name)
+    with pytest.raises(ValueError, match=words):
         attn.scaled_dot_product_attention(q, k, v, enable_gqa=True, **{name: value})
-    with pytest.raises(ValueError, match=name):
+    with pytest.raises(ValueError, match=words):
         attn.scaled_dot_product_attention_backward(dout, q, k, v, enable_gqa=True, **{name: value})
     qv, kv, vv, _, cu_q, cu_k = packed(np.random.default_rng(0), np.float32, [2, 3], [2, 3])
-    with pytest.raises(ValueError, match=name):
+    with pytest.raises(ValueError, match=words):
         attn.varlen_attention(qv, kv, vv, cu_q, cu_k, 3, 3, **{name: value})
 
 
-@pytest.mark.parametrize("softcap", [0.0, -1.0, float("inf"), float("nan"), "x"])
-def test_bad_softcap_names_it(softcap):
+@pytest.mark.parametrize("softcap,words", [
+    (-1.0, r"attn::scaled_dot_product_attention: option 'softcap' is -1, expected a finite value > 0 \(or 0 = off\)"),
+    (float("inf"), "option 'softcap' is inf"), (float("nan"), "option 'softcap' is nan"),
+    ("x", "'softcap' is 'x', expected a number")])
+def test_bad_softcap_names_it(softcap, words):
     q, k, v, dout, slopes, sinks = _small()
-    with pytest.raises(ValueError, match="softcap"):
+    with pytest.raises(ValueError, match=words):
         attn.scaled_dot_product_attention(q, k, v, enable_gqa=True, softcap=softcap)
+
+
+def test_softcap_zero_means_off():
+    """softcap=0.0 is off, as in FlashAttention and the library: the same as None, in every call."""
+    q, k, v, dout, slopes, sinks = _small()
+    for fn in (attn.scaled_dot_product_attention, attn.resolve_backend):
+        assert _same(fn(q, k, v, enable_gqa=True, softcap=0.0), fn(q, k, v, enable_gqa=True))
+    bwd = attn.scaled_dot_product_attention_backward
+    for g, g0 in zip(bwd(dout, q, k, v, enable_gqa=True, softcap=0.0), bwd(dout, q, k, v, enable_gqa=True)):
+        np.testing.assert_array_equal(g, g0)
+    qv, kv, vv, _, cu_q, cu_k = packed(np.random.default_rng(0), np.float32, [2, 3], [2, 3])
+    np.testing.assert_array_equal(attn.varlen_attention(qv, kv, vv, cu_q, cu_k, 3, 3, softcap=0.0),
+                                  attn.varlen_attention(qv, kv, vv, cu_q, cu_k, 3, 3))
+    cache = attn.KVCache(2, 2, 8, 8, value_dim=6)
+    cache.append(k, v)
+    np.testing.assert_array_equal(attn.decode_attention(q, cache, is_causal=True, softcap=0.0),
+                                  attn.decode_attention(q, cache, is_causal=True, softcap=None))
+    layer = attn.MultiheadAttention(8, 2, batch_first=True, seed=1)
+    x = np.random.default_rng(1).standard_normal((1, 3, 8)).astype(np.float32)
+    np.testing.assert_array_equal(layer(x, x, x, softcap=0.0)[0], layer(x, x, x)[0])
+
+
+def _same(a, b):
+    if isinstance(a, str):
+        return a == b
+    np.testing.assert_array_equal(a, b)
+    return True
 
 
 def test_bad_varlen_arguments():
@@ -314,7 +352,7 @@ def test_torch_parity_dense(case, backend, parity):
     tq, tk, tv = (torch.tensor(x, requires_grad=True) for x in (q, k, v))
     ts = torch.tensor(sinks, requires_grad=True)
     ta = torch.tensor(slopes)
-    kw = dict(is_causal=c.get("causal", False), window=c.get("window"), position_offset=c.get("offset"),
+    kw = dict(is_causal=c.get("causal", False), window_size=c.get("window"), position_offset=c.get("offset"),
               alibi_slopes=ta if c.get("alibi") else None, sinks=ts if c.get("sinks") else None)
     import attn.torch as at
 
@@ -324,7 +362,7 @@ def test_torch_parity_dense(case, backend, parity):
     assert (ts.grad is not None) == bool(c.get("sinks"))
     rq, rk, rv = (torch.tensor(x, dtype=torch.float64, requires_grad=True) for x in (q, k, v))
     rs = torch.tensor(sinks, dtype=torch.float64, requires_grad=True)
-    want_out = torch_reference(torch, rq, rk, rv, causal=kw["is_causal"], window=kw["window"],
+    want_out = torch_reference(torch, rq, rk, rv, causal=kw["is_causal"], window=kw["window_size"],
                                alibi=ta.double() if c.get("alibi") else None, sinks=rs if c.get("sinks") else None,
                                offset=c.get("offset", 0))
     want_out.backward(torch.tensor(dout, dtype=torch.float64))
@@ -343,7 +381,7 @@ def test_torch_parity_float_mask_gradient_with_sinks(parity):
     bias = torch.tensor(rng.standard_normal((1, 4, 5, 7)), requires_grad=True)
     ts = torch.tensor(sinks, requires_grad=True)
     tq, tk, tv = (torch.tensor(x) for x in (q, k, v))
-    out = at.scaled_dot_product_attention(tq, tk, tv, bias, window=(1, 2), sinks=ts)
+    out = at.scaled_dot_product_attention(tq, tk, tv, bias, window_size=(1, 2), sinks=ts)
     out.backward(torch.tensor(dout))
     rb = bias.detach().clone().requires_grad_(True)
     rs = ts.detach().clone().requires_grad_(True)
@@ -365,7 +403,7 @@ def test_torch_parity_varlen_by_a_loop(parity):
     tq, tk, tv = (torch.tensor(x, requires_grad=True) for x in (q, k, v))
     ts = torch.tensor(sinks, requires_grad=True)
     out = at.varlen_attention(tq, tk, tv, torch.tensor(cu_q), torch.tensor(cu_k), 6, 6, is_causal=True,
-                              window=(2, 0), sinks=ts)
+                              window_size=(2, 0), sinks=ts)
     out.backward(torch.tensor(dout))
     rq, rk, rv = (torch.tensor(x, dtype=torch.float64, requires_grad=True) for x in (q, k, v))
     rs = torch.tensor(sinks, dtype=torch.float64, requires_grad=True)
@@ -398,7 +436,7 @@ def test_torch_training_step_moves_the_sinks():
     def loss_of(fn, s):
         return ((fn(s) - target) ** 2).mean()
 
-    ours = lambda s: at.scaled_dot_product_attention(q, k, v, window=(3, 3), sinks=s)  # noqa: E731
+    ours = lambda s: at.scaled_dot_product_attention(q, k, v, window_size=(3, 3), sinks=s)  # noqa: E731
     theirs = lambda s: torch_reference(torch, q, k, v, window=(3, 3), sinks=s)  # noqa: E731
     ref = sinks.detach().clone().requires_grad_(True)
     loss_of(theirs, ref).backward()
@@ -417,7 +455,7 @@ def test_torch_training_step_moves_the_sinks():
 def test_nan_in_a_query_reaches_its_row_only(backend):
     q, k, v, dout, slopes, sinks = draw(np.random.default_rng(9), np.float32)
     q[0, 1, 2, 3] = np.nan
-    kw = dict(enable_gqa=True, window=(1, 1), alibi_slopes=slopes, softcap=4.0, sinks=sinks, backend=backend)
+    kw = dict(enable_gqa=True, window_size=(1, 1), alibi_slopes=slopes, softcap=4.0, sinks=sinks, backend=backend)
     out = attn.scaled_dot_product_attention(q, k, v, **kw)
     assert np.isnan(out[0, 1, 2]).all()
     keep = np.ones(out.shape[:3], bool)
@@ -430,10 +468,10 @@ def test_nan_in_a_query_reaches_its_row_only(backend):
 
 def test_resolve_backend_takes_the_variants():
     q, k, v, dout, slopes, sinks = _small()
-    got = attn.resolve_backend(q, k, v, enable_gqa=True, window=(2, 0), alibi_slopes=slopes, softcap=3.0,
+    got = attn.resolve_backend(q, k, v, enable_gqa=True, window_size=(2, 0), alibi_slopes=slopes, softcap=3.0,
                                sinks=sinks, position_offset=1)
     assert got in ("reference", "fused")
-    assert attn.resolve_backend(q, k, v, enable_gqa=True, window=(2, 0), sinks=sinks,
+    assert attn.resolve_backend(q, k, v, enable_gqa=True, window_size=(2, 0), sinks=sinks,
                                 backend="reference") == "reference"
     with pytest.raises(ValueError, match="sinks"):
         attn.resolve_backend(q, k, v, enable_gqa=True, sinks=sinks[:2])
