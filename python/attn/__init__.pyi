@@ -76,7 +76,6 @@ def resolve_backend(
     enable_gqa: bool = False,
     *,
     backend: Backend = "auto",
-    return_weights: bool = False,
     window_size: Optional[Tuple[int, int]] = None,
     alibi_slopes: Optional[ArrayLike] = None,
     softcap: Optional[float] = None,

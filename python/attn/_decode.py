@@ -169,7 +169,7 @@ def decode_attention(q: Any, cache: KVCache, *, scale: Optional[float] = None, i
                              "(added to the scores)")
     _attn.decode_attention(qa, cache._c, out, lse, scale=None if scale is None else float(scale),
                            causal=bool(is_causal), backend=str(backend),
-                           split_kv=True, num_threads=int(num_threads), **var)
+                           num_threads=int(num_threads), **var)
     if is_torch_tensor(q):
         import torch
 

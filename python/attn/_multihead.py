@@ -48,8 +48,8 @@ def _canon_mask(x: Any, fn: str, name: str, dtype: np.dtype) -> Optional[np.ndar
 
 # The extension's classes for each dtype.
 _CLASSES = {
-    np.dtype(np.float32): (_attn.MultiheadAttentionF32, _attn.MhaCacheF32),
-    np.dtype(np.float64): (_attn.MultiheadAttentionF64, _attn.MhaCacheF64),
+    np.dtype(np.float32): (_attn.MultiheadAttentionF32, _attn.MhaSavedF32),
+    np.dtype(np.float64): (_attn.MultiheadAttentionF64, _attn.MhaSavedF64),
 }
 
 

@@ -319,7 +319,7 @@ def scaled_dot_product_attention_backward(grad_output, query, key, value, attn_m
 
 
 def resolve_backend(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                    enable_gqa=False, *, backend="auto", return_weights=False, window_size=None,
+                    enable_gqa=False, *, backend="auto", window_size=None,
                     alibi_slopes=None, softcap=None, chunk_size=0, sinks=None, position_offset=None):
     """Name of the backend ("reference" or "fused") that scaled_dot_product_attention
     would run for these arguments with the given `backend` request."""
@@ -328,4 +328,4 @@ def resolve_backend(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
     var = _variants("attn.resolve_backend", p, window_size, alibi_slopes, softcap, sinks, position_offset,
                     chunk_size)
     return _ext(p, "resolve_backend")(p.q, p.k, p.v, mask=p.mask, bias=p.bias, scale=p.scale, causal=p.causal,
-                                 backend=p.backend, want_weights=bool(return_weights), **var)
+                                 backend=p.backend, **var)

@@ -54,11 +54,13 @@ using attn_python::Arr;
 using attn_python::view_of;
 
 // The variant options (docs/variants.md) as one bundle: window (left,
-// right; -1 unbounded), softcap (0 = off) and position_offset.
+// right; -1 unbounded), softcap (0 = off), position_offset and chunk_size
+// (0 = off).
 struct Variants {
   int64_t window_left = -1, window_right = -1;
   double softcap = 0;
   std::optional<int64_t> position_offset;
+  int64_t chunk_size = 0;
 };
 
 attn::SdpaOptions sdpa_options(std::optional<double> scale, bool causal, const std::string& backend,
@@ -72,14 +74,16 @@ attn::SdpaOptions sdpa_options(std::optional<double> scale, bool causal, const s
   opt.window = {var.window_left, var.window_right};
   opt.softcap = var.softcap;
   opt.position_offset = var.position_offset;
+  opt.chunk_size = var.chunk_size;
   return opt;
 }
 
 template <class T>
 using Opt = std::optional<T>;
 
-Variants variants(int64_t window_left, int64_t window_right, double softcap, Opt<int64_t> position_offset) {
-  return Variants{window_left, window_right, softcap, position_offset};
+Variants variants(int64_t window_left, int64_t window_right, double softcap, int64_t chunk_size,
+                  Opt<int64_t> position_offset) {
+  return Variants{window_left, window_right, softcap, position_offset, chunk_size};
 }
 
 // The fields the dense and the packed call share: q, k, v and the per-head arrays.
@@ -134,12 +138,12 @@ void bind_sdpa(nb::module_& m) {
          const Opt<Arr<const bool, 4>>& mask, const Opt<Arr<const R, 4>>& bias, const Opt<Arr<R, 4>>& weights,
          const Opt<Arr<R, 3>>& lse, std::optional<double> scale, bool causal, const std::string& backend,
          int num_threads, const Opt<Arr<const R, 1>>& alibi_slopes, const Opt<Arr<const R, 1>>& sinks,
-         int64_t window_left, int64_t window_right, double softcap, Opt<int64_t> position_offset,
+         int64_t window_left, int64_t window_right, double softcap, int64_t chunk_size, Opt<int64_t> position_offset,
          bool check_finite) {
         const attn::SdpaArgs<T> args = sdpa_args<T>(q, k, v, mask, bias, alibi_slopes, sinks);
         const attn::SdpaOptions opt =
             sdpa_options(scale, causal, backend, num_threads,
-                         variants(window_left, window_right, softcap, position_offset), check_finite);
+                         variants(window_left, window_right, softcap, chunk_size, position_offset), check_finite);
         const attn::View4<R> o = view_of<R, 4>(out, "out");
         const attn::View4<R> w = view_of<R, 4>(weights, "weights");
         const attn::View3<R> l = view_of<R, 3>(lse, "lse");
@@ -151,7 +155,7 @@ void bind_sdpa(nb::module_& m) {
       "weights"_a.noconvert().none() = nb::none(), "lse"_a.noconvert().none() = nb::none(),
       "scale"_a.none() = nb::none(), "causal"_a = false, "backend"_a = "auto", "num_threads"_a = 0,
       "alibi_slopes"_a.noconvert().none() = nb::none(), "sinks"_a.noconvert().none() = nb::none(),
-      "window_left"_a = -1, "window_right"_a = -1, "softcap"_a = 0.0, "position_offset"_a.none() = nb::none(),
+      "window_left"_a = -1, "window_right"_a = -1, "softcap"_a = 0.0, "chunk_size"_a = 0, "position_offset"_a.none() = nb::none(),
       "check_finite"_a = false,
       "Scaled dot-product attention on rank-4 (B, H, N, d) arrays of one dtype (float32 or float64; or\n"
       "float16/bfloat16 q, k, v with everything else float32): "
@@ -166,11 +170,11 @@ void bind_sdpa(nb::module_& m) {
          const Opt<Arr<const R, 4>>& out, const Opt<Arr<const R, 3>>& lse, std::optional<double> scale,
          bool causal, const std::string& backend, int num_threads, const Opt<Arr<const R, 1>>& alibi_slopes,
          const Opt<Arr<const R, 1>>& sinks, const Opt<Arr<R, 1>>& dsinks, int64_t window_left,
-         int64_t window_right, double softcap, Opt<int64_t> position_offset, bool check_finite) {
+         int64_t window_right, double softcap, int64_t chunk_size, Opt<int64_t> position_offset, bool check_finite) {
         const attn::SdpaArgs<T> args = sdpa_args<T>(q, k, v, mask, bias, alibi_slopes, sinks);
         const attn::SdpaOptions opt =
             sdpa_options(scale, causal, backend, num_threads,
-                         variants(window_left, window_right, softcap, position_offset), check_finite);
+                         variants(window_left, window_right, softcap, chunk_size, position_offset), check_finite);
         attn::SdpaGrads<R> g;
         g.dq = view_of<R, 4>(dq, "dq");
         g.dk = view_of<R, 4>(dk, "dk");
@@ -190,7 +194,7 @@ void bind_sdpa(nb::module_& m) {
       "scale"_a.none() = nb::none(), "causal"_a = false, "backend"_a = "auto", "num_threads"_a = 0,
       "alibi_slopes"_a.noconvert().none() = nb::none(), "sinks"_a.noconvert().none() = nb::none(),
       "dsinks"_a.noconvert().none() = nb::none(), "window_left"_a = -1, "window_right"_a = -1,
-      "softcap"_a = 0.0, "position_offset"_a.none() = nb::none(), "check_finite"_a = false,
+      "softcap"_a = 0.0, "chunk_size"_a = 0, "position_offset"_a.none() = nb::none(), "check_finite"_a = false,
       "Backward of sdpa_forward from dout = dL/dout: overwrites dq, dk, dv (and dbias, the bias's\n"
       "shape; dsinks, the sinks'). out and lse, the forward's saved state, spare the fused backend\n"
       "recomputing them.");
@@ -198,19 +202,19 @@ void bind_sdpa(nb::module_& m) {
       bf16 ? "resolve_backend_bf16" : "resolve_backend",
       [](const Arr<const T, 4>& q, const Arr<const T, 4>& k, const Arr<const T, 4>& v,
          const Opt<Arr<const bool, 4>>& mask, const Opt<Arr<const R, 4>>& bias, std::optional<double> scale,
-         bool causal, const std::string& backend, bool want_weights, const Opt<Arr<const R, 1>>& alibi_slopes,
-         const Opt<Arr<const R, 1>>& sinks, int64_t window_left, int64_t window_right, double softcap,
+         bool causal, const std::string& backend, const Opt<Arr<const R, 1>>& alibi_slopes,
+         const Opt<Arr<const R, 1>>& sinks, int64_t window_left, int64_t window_right, double softcap, int64_t chunk_size,
          Opt<int64_t> position_offset) {
         const attn::SdpaArgs<T> args = sdpa_args<T>(q, k, v, mask, bias, alibi_slopes, sinks);
         const attn::SdpaOptions opt =
-            sdpa_options(scale, causal, backend, 0, variants(window_left, window_right, softcap, position_offset));
-        return std::string(attn::backend_name(attn::resolve_backend<T>(args, opt, want_weights)));
+            sdpa_options(scale, causal, backend, 0, variants(window_left, window_right, softcap, chunk_size, position_offset));
+        return std::string(attn::backend_name(attn::resolve_backend<T>(args, opt)));
       },
       "q"_a.noconvert(), "k"_a.noconvert(), "v"_a.noconvert(), nb::kw_only(),
       "mask"_a.noconvert().none() = nb::none(), "bias"_a.noconvert().none() = nb::none(),
-      "scale"_a.none() = nb::none(), "causal"_a = false, "backend"_a = "auto", "want_weights"_a = false,
+      "scale"_a.none() = nb::none(), "causal"_a = false, "backend"_a = "auto",
       "alibi_slopes"_a.noconvert().none() = nb::none(), "sinks"_a.noconvert().none() = nb::none(),
-      "window_left"_a = -1, "window_right"_a = -1, "softcap"_a = 0.0, "position_offset"_a.none() = nb::none(),
+      "window_left"_a = -1, "window_right"_a = -1, "softcap"_a = 0.0, "chunk_size"_a = 0, "position_offset"_a.none() = nb::none(),
       "Name of the backend (\"reference\" or \"fused\") sdpa_forward would run for these arguments.");
 }
 
@@ -224,11 +228,11 @@ void bind_varlen(nb::module_& m) {
          const Arr<const int64_t, 1>& cu_q, const Arr<const int64_t, 1>& cu_k, int64_t max_q, int64_t max_k,
          const Arr<T, 3>& out, const Opt<Arr<T, 2>>& lse, std::optional<double> scale, bool causal,
          const std::string& backend, int num_threads, const Opt<Arr<const T, 1>>& alibi_slopes,
-         const Opt<Arr<const T, 1>>& sinks, int64_t window_left, int64_t window_right, double softcap,
+         const Opt<Arr<const T, 1>>& sinks, int64_t window_left, int64_t window_right, double softcap, int64_t chunk_size,
          Opt<int64_t> position_offset) {
         const attn::VarlenArgs<T> a = varlen_args<T>(q, k, v, cu_q, cu_k, max_q, max_k, alibi_slopes, sinks);
         const attn::SdpaOptions opt = sdpa_options(scale, causal, backend, num_threads,
-                                                   variants(window_left, window_right, softcap, position_offset));
+                                                   variants(window_left, window_right, softcap, chunk_size, position_offset));
         const attn::VarlenOutputs<T> o{view_of<T, 3>(out, "out"), view_of<T, 2>(lse, "lse")};
         nb::gil_scoped_release release;
         attn::varlen_attention<T>(a, o, opt);
@@ -237,7 +241,7 @@ void bind_varlen(nb::module_& m) {
       "cu_seqlens_k"_a.noconvert(), "max_seqlen_q"_a, "max_seqlen_k"_a, "out"_a.noconvert(), nb::kw_only(),
       "lse"_a.noconvert().none() = nb::none(), "scale"_a.none() = nb::none(), "causal"_a = false,
       "backend"_a = "auto", "num_threads"_a = 0, "alibi_slopes"_a.noconvert().none() = nb::none(), "sinks"_a.noconvert().none() = nb::none(),
-      "window_left"_a = -1, "window_right"_a = -1, "softcap"_a = 0.0, "position_offset"_a.none() = nb::none(),
+      "window_left"_a = -1, "window_right"_a = -1, "softcap"_a = 0.0, "chunk_size"_a = 0, "position_offset"_a.none() = nb::none(),
       "Packed variable-length attention: q (total_q, H, E), k (total_k, Hkv, E), v (total_k, Hkv, Ev),\n"
       "int64 cu_seqlens (B + 1); writes out (total_q, H, Ev) and lse (H, total_q) when given.");
   m.def(
@@ -248,10 +252,10 @@ void bind_varlen(nb::module_& m) {
          const Opt<Arr<T, 1>>& dsinks, const Opt<Arr<const T, 3>>& out, const Opt<Arr<const T, 2>>& lse,
          std::optional<double> scale, bool causal, const std::string& backend, int num_threads,
          const Opt<Arr<const T, 1>>& alibi_slopes, const Opt<Arr<const T, 1>>& sinks, int64_t window_left,
-         int64_t window_right, double softcap, Opt<int64_t> position_offset) {
+         int64_t window_right, double softcap, int64_t chunk_size, Opt<int64_t> position_offset) {
         const attn::VarlenArgs<T> a = varlen_args<T>(q, k, v, cu_q, cu_k, max_q, max_k, alibi_slopes, sinks);
         const attn::SdpaOptions opt = sdpa_options(scale, causal, backend, num_threads,
-                                                   variants(window_left, window_right, softcap, position_offset));
+                                                   variants(window_left, window_right, softcap, chunk_size, position_offset));
         attn::VarlenGrads<T> g{view_of<T, 3>(dq, "dq"), view_of<T, 3>(dk, "dk"), view_of<T, 3>(dv, "dv")};
         g.dsinks = view_of<T, 1>(dsinks, "dsinks");
         const attn::View3<const T> d = view_of<const T, 3>(dout, "dout");
@@ -265,7 +269,7 @@ void bind_varlen(nb::module_& m) {
       "dsinks"_a.noconvert().none() = nb::none(), "out"_a.noconvert().none() = nb::none(),
       "lse"_a.noconvert().none() = nb::none(), "scale"_a.none() = nb::none(), "causal"_a = false,
       "backend"_a = "auto", "num_threads"_a = 0, "alibi_slopes"_a.noconvert().none() = nb::none(), "sinks"_a.noconvert().none() = nb::none(),
-      "window_left"_a = -1, "window_right"_a = -1, "softcap"_a = 0.0, "position_offset"_a.none() = nb::none(),
+      "window_left"_a = -1, "window_right"_a = -1, "softcap"_a = 0.0, "chunk_size"_a = 0, "position_offset"_a.none() = nb::none(),
       "Backward of varlen_forward from dout: overwrites dq, dk, dv (and dsinks).");
 }
 
@@ -336,20 +340,20 @@ void bind_multihead(nb::module_& m, const char* name, const char* cache_name) {
              const Opt<Arr<const T, 4>>& attn_bias, const Opt<Arr<const bool, 2>>& key_padding_mask,
              const Opt<Arr<T, 4>>& head_weights, const Opt<Arr<T, 3>>& avg_weights, bool causal,
              const std::string& backend, int num_threads, Cache* cache, const Opt<Arr<const T, 1>>& alibi_slopes,
-             int64_t window_left, int64_t window_right, double softcap, Opt<int64_t> position_offset) {
+             int64_t window_left, int64_t window_right, double softcap, int64_t chunk_size, Opt<int64_t> position_offset) {
             attn::MhaArgs<T> a;
             a.query = view_of<const T, 3>(query, "query");
             a.key = view_of<const T, 3>(key, "key");
             a.value = view_of<const T, 3>(value, "value");
-            a.attn_mask = view_of<const bool, 4>(attn_mask, "attn_mask");
-            a.attn_bias = view_of<const T, 4>(attn_bias, "attn_bias");
+            a.mask = view_of<const bool, 4>(attn_mask, "attn_mask");
+            a.bias = view_of<const T, 4>(attn_bias, "attn_bias");
             a.key_padding_mask = view_of<const bool, 2>(key_padding_mask, "key_padding_mask");
             a.alibi_slopes = view_of<const T, 1>(alibi_slopes, "alibi_slopes");
             const attn::MhaOutputs<T> o{view_of<T, 3>(out, "out"), view_of<T, 4>(head_weights, "head_weights"),
                                         view_of<T, 3>(avg_weights, "avg_weights")};
             attn::MhaOptions opt;
             opt.sdpa = sdpa_options(std::nullopt, causal, backend, num_threads,
-                                    variants(window_left, window_right, softcap, position_offset));
+                                    variants(window_left, window_right, softcap, chunk_size, position_offset));
             nb::gil_scoped_release release;
             l.forward(a, o, opt, cache);
           },
@@ -359,7 +363,7 @@ void bind_multihead(nb::module_& m, const char* name, const char* cache_name) {
           "head_weights"_a.noconvert().none() = nb::none(), "avg_weights"_a.noconvert().none() = nb::none(),
           "causal"_a = false, "backend"_a = "auto", "num_threads"_a = 0, "cache"_a.none() = nb::none(),
           "alibi_slopes"_a.noconvert().none() = nb::none(), "window_left"_a = -1, "window_right"_a = -1,
-          "softcap"_a = 0.0, "position_offset"_a.none() = nb::none(),
+          "softcap"_a = 0.0, "chunk_size"_a = 0, "position_offset"_a.none() = nb::none(),
           "Forward on (B, N, width) arrays (key and value None: self-attention); writes out and the\n"
           "weights given, and fills cache (which then owns copies of everything backward needs).\n"
           "alibi_slopes (H), window_left/right (-1 unbounded), softcap (0 off), position_offset: the variants.")
@@ -368,24 +372,31 @@ void bind_multihead(nb::module_& m, const char* name, const char* cache_name) {
           [](const Layer& l, const Arr<const T, 3>& query, attn::KVCache& kv, const Arr<T, 3>& out,
              const Opt<Arr<const bool, 4>>& attn_mask, const Opt<Arr<const T, 4>>& attn_bias, bool causal,
              const std::string& backend, int num_threads, const Opt<Arr<const T, 1>>& alibi_slopes,
-             int64_t window_left, int64_t window_right, double softcap) {
+             int64_t window_left, int64_t window_right, double softcap, int64_t chunk_size) {
             attn::MhaArgs<T> a;
             a.query = view_of<const T, 3>(query, "query");
-            a.attn_mask = view_of<const bool, 4>(attn_mask, "attn_mask");
-            a.attn_bias = view_of<const T, 4>(attn_bias, "attn_bias");
+            a.mask = view_of<const bool, 4>(attn_mask, "attn_mask");
+            a.bias = view_of<const T, 4>(attn_bias, "attn_bias");
             a.alibi_slopes = view_of<const T, 1>(alibi_slopes, "alibi_slopes");
-            const attn::View3<T> o = view_of<T, 3>(out, "out");
-            attn::MhaDecodeOptions opt;
-            opt.sdpa = sdpa_options(std::nullopt, causal, backend, num_threads,
-                                    variants(window_left, window_right, softcap, std::nullopt));
-            nb::gil_scoped_release release;
-            l.decode(a, kv, o, opt);
+            if constexpr (std::is_same_v<T, float>) {
+              const attn::View3<T> o = view_of<T, 3>(out, "out");
+              attn::MhaOptions opt;
+              opt.sdpa = sdpa_options(std::nullopt, causal, backend, num_threads,
+                                      variants(window_left, window_right, softcap, chunk_size, std::nullopt));
+              nb::gil_scoped_release release;
+              l.decode(a, kv, o, opt);
+            } else {
+              (void)l, (void)kv, (void)a;
+              throw attn::InvalidArgument(
+                  "attn::MultiheadAttention::decode: decoding over a KV cache is float32 only (the cache stores "
+                  "float32 or narrower); use a float32 layer");
+            }
           },
           "query"_a.noconvert(), "cache"_a, "out"_a.noconvert(), nb::kw_only(),
           "attn_mask"_a.noconvert().none() = nb::none(), "attn_bias"_a.noconvert().none() = nb::none(),
-          "causal"_a = true, "backend"_a = "auto", "num_threads"_a = 0,
+          "causal"_a = false, "backend"_a = "auto", "num_threads"_a = 0,
           "alibi_slopes"_a.noconvert().none() = nb::none(), "window_left"_a = -1, "window_right"_a = -1,
-          "softcap"_a = 0.0,
+          "softcap"_a = 0.0, "chunk_size"_a = 0,
           "Incremental decoding on (B, L, D) arrays: appends the new tokens' keys and values to cache and\n"
           "writes their attention over it; attn_mask (True = attend) / attn_bias are (B|1, H|1, L|1, C|1).")
       .def(
@@ -472,32 +483,27 @@ void bind_decode(nb::module_& m) {
       "decode_attention",
       [](const Arr<const float, 4>& q, const KVCache& cache, const Arr<float, 4>& out,
          const std::optional<Arr<float, 3>>& lse, std::optional<double> scale, bool causal, const std::string& backend,
-         bool split_kv, int num_threads, int64_t window_left, int64_t window_right, double softcap,
+         int num_threads, int64_t window_left, int64_t window_right, double softcap, int64_t chunk_size,
          const Opt<Arr<const float, 1>>& alibi_slopes, const Opt<Arr<const float, 1>>& sinks,
          const Opt<Arr<const bool, 4>>& mask, const Opt<Arr<const float, 4>>& bias) {
-        attn::DecodeOptions o;
-        o.scale = scale;
-        o.causal = causal;
-        o.window = {window_left, window_right};
-        o.softcap = softcap;
-        o.alibi_slopes = view_of<const float, 1>(alibi_slopes, "alibi_slopes");
-        o.sinks = view_of<const float, 1>(sinks, "sinks");
-        o.mask = view_of<const bool, 4>(mask, "mask");
-        o.bias = view_of<const float, 4>(bias, "bias");
-        o.backend = attn::parse_backend(backend);
-        o.split_kv = split_kv;
-        o.num_threads = num_threads;
-        const auto qv = view_of<const float, 4>(q, "q");
-        const auto ov = view_of<float, 4>(out, "out");
-        const auto lv = view_of<float, 3>(lse, "lse");
+        attn::DecodeArgs a;
+        a.q = view_of<const float, 4>(q, "q");
+        a.cache = &cache;
+        a.alibi_slopes = view_of<const float, 1>(alibi_slopes, "alibi_slopes");
+        a.sinks = view_of<const float, 1>(sinks, "sinks");
+        a.mask = view_of<const bool, 4>(mask, "mask");
+        a.bias = view_of<const float, 4>(bias, "bias");
+        const attn::SdpaOptions o = sdpa_options(scale, causal, backend, num_threads,
+                                                 variants(window_left, window_right, softcap, chunk_size, std::nullopt));
+        const attn::SdpaOutputs<float> outs{view_of<float, 4>(out, "out"), {}, view_of<float, 3>(lse, "lse")};
         nb::gil_scoped_release release;
-        attn::decode_attention(qv, cache, ov, o, lv);
+        attn::decode_attention(a, outs, o);
       },
       "q"_a.noconvert(), "cache"_a, "out"_a.noconvert(), "lse"_a.noconvert().none(), "scale"_a.none(), "causal"_a,
-      "backend"_a, "split_kv"_a, "num_threads"_a, "window_left"_a = -1, "window_right"_a = -1, "softcap"_a = 0.0,
-      "alibi_slopes"_a.noconvert().none() = nb::none(), "sinks"_a.noconvert().none() = nb::none(),
+      "backend"_a, "num_threads"_a, "window_left"_a = -1, "window_right"_a = -1, "softcap"_a = 0.0,
+      "chunk_size"_a = 0, "alibi_slopes"_a.noconvert().none() = nb::none(), "sinks"_a.noconvert().none() = nb::none(),
       "mask"_a.noconvert().none() = nb::none(), "bias"_a.noconvert().none() = nb::none(),
-      "Attention of q (B, H, L, E) over the cache into out (and lse); the score-rule variants as in sdpa;\n"
+      "Attention of q (B, H, L, E) over the cache into out (and lse); the score rules as in sdpa;\n"
       "mask (bool) / bias (float) of shape (B|1, H|1, L|1, capacity|1).");
 }
 
@@ -527,8 +533,8 @@ NB_MODULE(_attn, m) {
   bind_sdpa<attn::bfloat16_t>(m);
   bind_varlen<float>(m);
   bind_varlen<double>(m);
-  bind_multihead<float>(m, "MultiheadAttentionF32", "MhaCacheF32");
-  bind_multihead<double>(m, "MultiheadAttentionF64", "MhaCacheF64");
+  bind_multihead<float>(m, "MultiheadAttentionF32", "MhaSavedF32");
+  bind_multihead<double>(m, "MultiheadAttentionF64", "MhaSavedF64");
   bind_decode(m);
   m.def(
       "parse_backend", [](const std::string& name) { return std::string(attn::backend_name(attn::parse_backend(name))); },
