@@ -31,6 +31,7 @@ struct SdpaOpts {
   // The variants (docs/variants.md).
   std::vector<int64_t> window;             // left, right
   double softcap = 0;
+  int64_t chunk_size = 0;                  // 0 = off
   bool alibi = false;                      // the ALiBi paper's slopes 2^(-8(h+1)/H)
   std::vector<double> alibi_slopes, sinks;  // H values (one value: every head)
   std::optional<int64_t> position_offset;
@@ -52,6 +53,7 @@ void apply_variants(const SdpaOpts& o, int64_t H, SdpaOptions& opt, SdpaArgs<T>&
   using R = compute_t<T>;  // float32 slopes and sinks for half q, k, v
   if (!o.window.empty()) opt.window = {o.window[0], o.window[1]};
   opt.softcap = o.softcap;
+  opt.chunk_size = o.chunk_size;
   opt.position_offset = o.position_offset;
   if (o.alibi) {
     for (double s : alibi_slopes(H)) slopes.push_back(R(s));
@@ -296,6 +298,8 @@ void add_sdpa(CLI::App& app) {
   c->add_option("--window", o->window, "sliding window LEFT,RIGHT: keys p-LEFT..p+RIGHT, -1 = unbounded")
       ->delimiter(',')->expected(2);
   c->add_option("--softcap", o->softcap, "soft-cap the scores: c*tanh(s/c) (0 = off)")->check(CLI::NonNegativeNumber);
+  c->add_option("--chunk-size", o->chunk_size, "chunked attention: a query sees only keys of its own chunk of N positions (0 = off)")
+      ->check(CLI::NonNegativeNumber);
   auto* alibi = c->add_flag("--alibi", o->alibi, "ALiBi with the paper's slopes (2^(-8(h+1)/H) for H a power of two)");
   c->add_option("--alibi-slopes", o->alibi_slopes, "ALiBi with these slopes (H values, or one for all)")
       ->delimiter(',')->excludes(alibi);

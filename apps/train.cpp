@@ -74,6 +74,8 @@ void add_train_flags(CLI::App& app, TrainOpts& o) {
                  "sinusoidal | learned | rope | alibi (no embedding: scores get -slope_h*|i-j|) | none")
       ->check(CLI::IsMember({"sinusoidal", "learned", "rope", "alibi", "none"}))
       ->capture_default_str();
+  app.add_option("--chunk-size", o.chunk_size, "chunked attention: token i sees tokens of its own chunk of N positions (0 = off)")
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--window", o.window, "sliding window LEFT,RIGHT: token i sees tokens i-LEFT..i+RIGHT, -1 = unbounded")
       ->delimiter(',')
       ->expected(2);
@@ -131,6 +133,7 @@ void run_train(const TrainOpts& o) {
   if (!o.curriculum_given) c.curriculum = d.curriculum;
   c.positions = nn::parse_positions(o.positions);
   if (!o.window.empty()) c.window = {o.window[0], o.window[1]};
+  c.chunk_size = o.chunk_size;
   c.scale_none = o.scale == "none";
   if (!c.resume_path.empty()) require_file(c.resume_path, "--resume");
   c.validate();  // before any output, so a bad value fails fast with the field's name

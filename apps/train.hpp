@@ -18,6 +18,7 @@ struct TrainOpts {
   nn::TrainConfig config;
   std::string task = "reverse", positions = "rope", scale = "default", png;
   std::vector<int64_t> window;  // LEFT, RIGHT when given
+  int64_t chunk_size = 0;       // 0 = off
   // The flags whose default depends on the task (nn::default_config): set
   // when given on the command line.
   bool queries_given = false, steps_given = false, curriculum_given = false;

@@ -27,6 +27,7 @@ void ModelConfig::validate() const {
   if (window.left < -1 || window.right < -1)
     fail("window is (" + std::to_string(window.left) + ", " + std::to_string(window.right) +
          "), expected each side >= 0, or -1 for unbounded");
+  if (chunk_size < 0) fail("chunk_size is " + std::to_string(chunk_size) + ", expected >= 0 (0 = off)");
 }
 
 ParameterShapes parameter_shapes(const ModelConfig& config) {
@@ -67,6 +68,7 @@ Transformer<T>::Transformer(const ModelConfig& config, uint64_t seed) : cfg_(con
   MhaOptions ao;
   ao.sdpa.causal = cfg_.causal;
   ao.sdpa.window = cfg_.window;
+  ao.sdpa.chunk_size = cfg_.chunk_size;
   ao.sdpa.scale = cfg_.attn_scale;
   ao.sdpa.backend = cfg_.backend;
   blocks_.reserve(size_t(cfg_.layers));

@@ -77,6 +77,7 @@ nlohmann::json config_json(const TrainConfig& c) {
           {"causal", c.causal},
           {"window_left", c.window.left},
           {"window_right", c.window.right},
+          {"chunk_size", c.chunk_size},
           {"sinks", c.sinks},
           {"scale_none", c.scale_none},
           {"optimizer", c.optimizer},
@@ -148,6 +149,7 @@ TrainConfig config_from_json(const nlohmann::json& j, const std::string& who) {
   c.causal = r.boolean("causal");
   c.window.left = r.integer("window_left", -1);  // absent in checkpoints older than windows
   c.window.right = r.integer("window_right", -1);
+  c.chunk_size = r.integer("chunk_size", 0);  // absent in checkpoints older than chunks
   c.sinks = r.get<bool>("sinks", &nlohmann::json::is_boolean, "true or false", false);
   c.scale_none = r.boolean("scale_none");
   c.optimizer = r.string("optimizer");
@@ -300,6 +302,7 @@ ModelConfig model_config(const TrainConfig& c) {
   m.positions = c.positions;
   m.causal = c.causal;
   m.window = c.window;
+  m.chunk_size = c.chunk_size;
   m.sinks = c.sinks;
   if (c.scale_none) m.attn_scale = 1.0;
   return m;

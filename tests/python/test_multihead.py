@@ -126,7 +126,7 @@ def test_errors():
         layer(x.astype(np.float64), x, x)
     with pytest.raises(ValueError, match=r"'value' has dtype float64, expected float32 \(the layer's dtype"):
         layer(x, x, x.astype(np.float64))
-    with pytest.raises(ValueError, match="'attn_mask' has shape"):
+    with pytest.raises(ValueError, match="'mask' has shape"):
         layer(x, x, x, attn_mask=np.zeros((4, 3), bool))
     with pytest.raises(ValueError, match="'key_padding_mask' has shape"):
         layer(x, x, x, key_padding_mask=np.zeros((3, 2), bool))

@@ -311,7 +311,7 @@ def test_backward_errors():
         layer.backward(dout)
     # A forward that fails saves nothing, not even the previous call's state.
     layer(x, x, x)
-    with pytest.raises(ValueError, match="'attn_mask' has shape"):
+    with pytest.raises(ValueError, match="'mask' has shape"):
         layer(x, x, x, attn_mask=np.zeros((4, 3), bool))
     with pytest.raises(ValueError, match="no forward call to differentiate"):
         layer.backward(dout)
@@ -327,7 +327,7 @@ def test_backward_errors():
     assert layer.backward(dout[:, 0])["query"].shape == (3, 8)
     # The extension refuses a cache that no forward filled.
     with pytest.raises(ValueError, match="argument 'cache' is empty"):
-        layer._layer.backward(attn._attn.MhaCacheF32(), dout)
+        layer._layer.backward(attn._attn.MhaSavedF32(), dout)
 
 
 def test_sgd_steps_fit_a_target():

@@ -128,12 +128,12 @@ def test_errors_leave_the_cache_as_it_was():
         (dict(cache=attn.KVCache(2, 1, 8, 4)), "'cache'"),
         (dict(window_size=(-3, 0)), r"option 'window\.left' is -3"),
         (dict(alibi_slopes=np.ones(3, np.float32)), "'alibi_slopes'"),
-        (dict(attn_mask=np.zeros((3, 5), bool)), "'attn_mask'"),
+        (dict(attn_mask=np.zeros((3, 5), bool)), "'mask'"),
         # a float attn_mask reaches the library as its attn_bias
         (dict(attn_mask=np.zeros((2, 5), np.float32)),
-         r"attn::MultiheadAttention::decode: argument 'attn_bias' has shape \(1, 1, 2, 5\)"),
+         r"attn::MultiheadAttention::decode: argument 'bias' has shape \(1, 1, 2, 5\)"),
         (dict(attn_mask=np.full((1, 8), np.nan, np.float32)),
-         "attn::MultiheadAttention::decode: argument 'attn_bias' contains NaN"),
+         "attn::MultiheadAttention::decode: argument 'bias' contains NaN"),
         (dict(attn_mask=np.zeros((1, 8), np.int32)), r"MultiheadAttention\.decode: 'attn_mask' has dtype int32"),
         (dict(x=x[:, :6]), "capacity 8"),
     ]

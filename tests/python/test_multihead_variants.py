@@ -115,10 +115,10 @@ def test_bad_variant_arguments_are_named():
     layer = attn.MultiheadAttention(8, 2, batch_first=True, seed=1)
     x = np.zeros((1, 3, 8), np.float32)
     for kw, part in [(dict(window_size=(1,)), "attn.MultiheadAttention.forward: 'window_size' is"),
-                     # the layer's attention call checks the options, under its own name
-                     (dict(softcap=-1.0), "attn::scaled_dot_product_attention: option 'softcap' is -1"),
+                     # the layer checks the rules itself, under its own name
+                     (dict(softcap=-1.0), "attn::MultiheadAttention::forward: option 'softcap' is -1"),
                      (dict(alibi_slopes=np.ones(3)), r"attn::MultiheadAttention::forward: argument 'alibi_slopes' "
-                                                     r"has shape \(3,\), expected \(num_heads,\) = \(2,\)")]:
+                                                     r"has shape \(3,\), expected \(H,\) = \(2,\)")]:
         with pytest.raises(ValueError, match=part):
             layer(x, x, x, **kw)
     with pytest.raises(ValueError, match=r"attn::MultiheadAttention::load_parameter: parameter 'sinks' has shape"):

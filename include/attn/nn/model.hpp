@@ -36,6 +36,7 @@ struct ModelConfig {
   Positions positions = Positions::sinusoidal;
   bool causal = false;
   Window window;       // sliding window of every attention layer; default unbounded
+  int64_t chunk_size = 0;  // chunked attention in every layer (SdpaOptions::chunk_size); 0 = off
   bool sinks = false;  // a learnable sink logit per head in every attention layer
   std::optional<double> attn_scale;  // default 1/√E; 1.0 = no scaling
   Backend backend = Backend::automatic;

@@ -49,6 +49,7 @@ struct TrainConfig {
   Positions positions = Positions::rope;  // the one encoding that learns both reverse and recall fast
   bool causal = false;
   Window window;            // sliding window (left, right), -1 = unbounded side
+  int64_t chunk_size = 0;   // chunked attention (SdpaOptions::chunk_size), 0 = off
   bool sinks = false;       // a learnable sink logit per head and layer
   bool scale_none = false;  // scores not divided by √d_k
   // optimisation
