@@ -79,7 +79,7 @@ namespace attn {
 enum class Backend {
   automatic,  // the fastest backend that supports the request
   reference,  // plain, materialises the L×S matrices; float and double
-  fused,      // tiled online-softmax CPU kernel (float); see the fused issue
+  fused,      // tiled online-softmax CPU kernel (float); see docs/fused.md
 };
 enum class CausalAlign { top_left, bottom_right };
 
