@@ -8,7 +8,7 @@ is what `bench/compare_torch.py --json` writes (several files are merged;
 a later file's row replaces an earlier one for the same shape). Prints the
 per-shape table for one thread count, the attn/torch ratios for every
 thread count, and each target of the fused kernel with the measured value,
-so the README's figures come from the files rather than being copied by
+so the figures of docs/performance.md come from the files rather than being copied by
 hand.
 """
 import argparse
