@@ -325,7 +325,7 @@ void add_sdpa(CLI::App& app) {
 
 void add_experiment(CLI::App& app) {
   auto o = std::make_shared<ExperimentOpts>();
-  auto* c = app.add_subcommand("experiment", "Measure the seeds' claims about attention and print a table");
+  auto* c = app.add_subcommand("experiment", "Measure five claims about attention and print a table");
   c->add_option("name", o->name, "variance | saturation | jacobian | equivariance | lookup")
       ->required()
       ->check(CLI::IsMember(experiment_names()));

@@ -1,4 +1,4 @@
-// The seeds' claims about attention, measured. Each experiment returns its
+// Five claims about attention, measured. Each experiment returns its
 // figures as JSON: {"experiment", "title", "columns", "rows", "conclusion",
 // ...}; the same object is printed as a table, emitted by --json, and drawn
 // by --plot.

@@ -1,8 +1,8 @@
 // `attn explain`: every step of attention on a small input, printed. The two
-// built-in examples are the seeds' worked examples; `random` builds a small
+// built-in examples are 'the cat was hungry' and the two-token example; `random` builds a small
 // multi-head layer and also shows the per-head pieces, the concatenation and
 // the output projection W_O. Weights are printed as the library (and
-// PyTorch's state_dict, and the seeds) hold them, [out, in]: a token x is
+// PyTorch's state_dict) hold them, [out, in]: a token x is
 // projected as q = W_Q·x, so the token rows X project as Q = X·W_Qᵀ.
 // --window, --alibi and --sinks add the variants (docs/variants.md) to every
 // head, each printed as its own step, and --png draws the weights as a
@@ -162,7 +162,7 @@ void run_builtin(const ExplainOpts& o) {
   std::vector<int64_t> qpos;
   int wdec = 3, ydec = 2;
   if (o.example == "cat") {
-    fmt::print("The seeds' example \"the cat was hungry\": the query of \"hungry\" against the four tokens' keys,\n"
+    fmt::print("The example \"the cat was hungry\": the query of \"hungry\" against the four tokens' keys,\n"
                "d_k = 4 (so sqrt(d_k) = 2), values of width d_v = 2.\n\n");
     Q = Mat(1, 4, {2, 0, 0, 0});
     K = Mat(4, 4, {-1, 0, 0, 0, 2, 0, 0, 0, 0, 1, 0, 0, 0, 0, 1, 0});
@@ -171,7 +171,7 @@ void run_builtin(const ExplainOpts& o) {
     qlab = {"hungry"};
     qpos = {3};
   } else {
-    fmt::print("The seeds' two-token example: token 1's query q1 = [1, 1] against both tokens, d_k = 2.\n\n");
+    fmt::print("The two-token example: token 1's query q1 = [1, 1] against both tokens, d_k = 2.\n\n");
     Q = Mat(1, 2, {1, 1});
     K = Mat(2, 2, {1, 1, 1, -1});
     V = Mat(2, 2, {1, 0, 0, 1});
@@ -269,7 +269,7 @@ void explain_example(const std::string& name) {
 void add_explain(CLI::App& app) {
   auto o = std::make_shared<ExplainOpts>();
   auto* c = app.add_subcommand("explain", "Print every step of attention on a small example");
-  c->add_option("--example", o->example, "cat | two-tokens (the seeds' worked examples) | random")
+  c->add_option("--example", o->example, "cat | two-tokens (the worked examples) | random")
       ->check(CLI::IsMember({"cat", "two-tokens", "random"}))
       ->capture_default_str();
   c->add_option("--dk", o->dk, "head size d_k for --example random (default dim/heads)");

@@ -156,12 +156,12 @@ void speed(const TourOpts& o) {
 void run_tour(const TourOpts& o) {
   const auto t0 = std::chrono::steady_clock::now();
   fmt::print("attn tour: self-attention, step by step, then measured.\n");
-  section("1. Attention by hand: the seeds' worked examples");
+  section("1. Attention by hand: 'the cat was hungry' and the two-token example");
   explain_example("cat");
   fmt::print("\n");
   explain_example("two-tokens");
 
-  section("2. The seeds' claims, measured");
+  section("2. Five claims about attention, measured");
   for (const auto& name : experiment_names()) {
     const auto t = std::chrono::steady_clock::now();
     const auto r = run_experiment(name, o.seed);

@@ -1,4 +1,4 @@
-// attn-bench: times the attention backends on the shapes of the fused issue
+// attn-bench: times the attention backends on the base table's shapes
 // (B=1, H=8, E=Ev=64, L=S from 512 to 16384, causal and not, forward and
 // forward+backward, 1 and 2 threads).
 //

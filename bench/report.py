@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Markdown tables and the fused issue's targets from benchmark JSON files.
+"""Markdown tables and the fused kernel's targets from benchmark JSON files.
 
     python3 bench/report.py ATTN_BENCH.json [COMPARE_TORCH.json ...] [--threads 2]
 
@@ -7,8 +7,8 @@ ATTN_BENCH.json is what `attn-bench --json` writes; each COMPARE_TORCH.json
 is what `bench/compare_torch.py --json` writes (several files are merged;
 a later file's row replaces an earlier one for the same shape). Prints the
 per-shape table for one thread count, the attn/torch ratios for every
-thread count, and each target of the fused issue with the measured value,
-so the README's figures come from the files rather than being copied by
+thread count, and each target of the fused kernel with the measured value,
+so the figures of docs/performance.md come from the files rather than being copied by
 hand.
 """
 import argparse

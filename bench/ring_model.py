@@ -129,8 +129,8 @@ if __name__ == "__main__":
     if len(sys.argv) > 1:
         validate(sys.argv[1])
     # The stated cluster: one rank per node of 64 cores, the fused kernel at
-    # 150 GFLOP/s per core (this machine's single-core rate on a quiet machine,
-    # README "Performance", AVX-512) and 75% parallel efficiency; 100 Gb/s
+    # 150 GFLOP/s per core (assumed; a Zen 3 VM's two threads run the fused
+    # forward at 157, docs/performance.md) and 75% parallel efficiency; 100 Gb/s
     # links with 2 us latency.
     R_node = 64 * 150e9 * 0.75
     beta, alpha = 100e9 / 8, 2e-6

@@ -23,7 +23,7 @@ TEST_F(Cli, BenchRunsAttnBenchOrSaysItIsMissing) {
 TEST_F(Cli, TourRunsEndToEnd) {
   const Result r = run("tour --quick --heatmap tour.png");
   ASSERT_EQ(r.rc, 0) << r.err << r.out;
-  for (const char* part : {"1. Attention by hand", "weights 0.038 0.757 0.102 0.102", "2. The seeds' claims, measured",
+  for (const char* part : {"1. Attention by hand", "weights 0.038 0.757 0.102 0.102", "2. Five claims about attention, measured",
                            "[variance]", "[saturation]", "[jacobian]", "[equivariance]", "[lookup]",
                            "3. Multi-head attention on a sentence", "4. Speed", "reference", "Tour finished"})
     EXPECT_TRUE(contains(r.out, part)) << part;

@@ -1,11 +1,10 @@
 #!/usr/bin/env bash
-# Every second-wave performance target in one run (README, "Performance"):
-# decoding against the measured read bandwidth (issue 13), the variants'
-# overheads, window and varlen (issue 12), the variants and decoding against
-# PyTorch and ggml, the multi-head layer against torch.nn.MultiheadAttention
-# (issue 10 §7) and the first-wave base table against torch.
+# Every performance target in one run (docs/performance.md): decoding against
+# the measured read bandwidth, the variants' overheads, window and varlen, the
+# variants and decoding against PyTorch and ggml, the multi-head layer against
+# torch.nn.MultiheadAttention and the base table (fused SDPA) against torch.
 #
-#   bash bench/second_wave.sh TAG [SECTION ...]
+#   bash bench/suite.sh TAG [SECTION ...]
 #
 # SECTION: decode, decode-paged, compare-decode, decode-window, variants,
 # compare-variants, layer, gemm, base (default: all of them, in that order).
@@ -26,7 +25,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-tag=${1:?usage: bash bench/second_wave.sh TAG [SECTION ...]}
+tag=${1:?usage: bash bench/suite.sh TAG [SECTION ...]}
 shift
 sections=("$@")
 [ ${#sections[@]} -gt 0 ] || sections=(decode decode-paged compare-decode decode-window variants compare-variants layer gemm base)
@@ -40,7 +39,7 @@ decode_shapes='1,32,8,1,4096,128;1,32,8,1,32768,128;1,8,8,1,16384,64;4,32,8,1,81
 window_shapes='1,32,8,1,32768,128;1,32,8,1,131072,128;4,32,8,1,8192,128;1,32,8,16,131072,128'
 
 for tool in attn-decode-bench attn-bench-variants attn-bench attn-gemm-bench; do
-  [ -x "$BUILD/bench/$tool" ] || { echo "second_wave.sh: $BUILD/bench/$tool is missing (make build)" >&2; exit 2; }
+  [ -x "$BUILD/bench/$tool" ] || { echo "suite.sh: $BUILD/bench/$tool is missing (make build)" >&2; exit 2; }
 done
 have_torch=0
 if [ -x "$TORCH_PYTHON" ] && "$TORCH_PYTHON" -c 'import torch' 2>/dev/null; then have_torch=1; fi
@@ -121,6 +120,6 @@ for s in "${sections[@]}"; do
       torch_or_skip $s || continue
       run compare-torch "$TORCH_PYTHON" bench/compare_torch.py --attn-bench "$BUILD/bench/attn-bench" \
         --lengths 512,1024,2048,4096 --threads 1,2 --reps 3 ;;
-    *) echo "second_wave.sh: unknown section '$s' (decode, decode-paged, compare-decode, decode-window, variants, compare-variants, layer, gemm, base)" >&2; exit 2 ;;
+    *) echo "suite.sh: unknown section '$s' (decode, decode-paged, compare-decode, decode-window, variants, compare-variants, layer, gemm, base)" >&2; exit 2 ;;
   esac
 done
