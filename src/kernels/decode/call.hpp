@@ -58,8 +58,8 @@ struct Call {
 //                        run (half storage interleaves the two)
 //   acc  [rows × Evp]    accumulator of a chunk that is finalised directly
 //   begin, end [rows]    the keys [begin, end) each row sees
-//   pos  [rows]          each row's position (ALiBi's distances)
-//   slope [rows]         each row's ALiBi slope × log2(e) (0: none)
+//   pos  [rows]          each row's position (the slopes' distances)
+//   slope [rows]         each row's per-head slope (0: none)
 //   mask, bias [rows]    each row's line of the elementwise mask and bias
 //   holes [rows]         the tile has a key in the row's range that the mask
 //                        or a −inf bias hides (its value loop skips it)

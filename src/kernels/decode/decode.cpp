@@ -96,6 +96,7 @@
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wunused-function"
 #include "kernels/fused/simd-inl.h"
+#include "kernels/fused/pipeline-inl.h"
 #pragma GCC diagnostic pop
 #include "kernels/decode/vectors-inl.h"
 #include "kernels/decode/blocks-inl.h"
@@ -204,7 +205,7 @@ void ValueTile(const Call& c, Scratch& w, int64_t nm, const float* s, const T* v
 // ---- one chunk --------------------------------------------------------------
 
 // q[r][e] = scale·log2(e)·Q(b, hk·G + g, i, e) for the block's rows m = i·G + g,
-// and each row's keys, position and ALiBi slope.
+// and each row's keys, position and slope.
 void PackQueries(const Call& c, Scratch& w, const Unit& u) {
   const Problem& p = *c.p;
   const int64_t G = p.group(), E = p.E, se = c.q.strides[3];
@@ -217,7 +218,7 @@ void PackQueries(const Call& c, Scratch& w, const Unit& u) {
     const rules::Keys k = p.keys(u.b, i);
     w.begin[size_t(r)] = k.lo, w.end[size_t(r)] = k.hi;
     w.pos[size_t(r)] = i + p.rules.offset[size_t(u.b)];
-    w.slope[size_t(r)] = p.rules.slope(h) * kLog2e;
+    w.slope[size_t(r)] = p.rules.slope(h);
     if (!p.rules.mask.empty()) w.mask[size_t(r)] = rules::key_row(p.rules.mask, u.b, h, i);
     if (!p.rules.bias.empty()) w.bias[size_t(r)] = rules::key_row(p.rules.bias, u.b, h, i);
   }
@@ -237,16 +238,15 @@ HWY_INLINE bool AnyNonFinite(const float* HWY_RESTRICT x, int64_t n) {
   return std::isnan(hn::GetLane(hn::SumOfLanes(d, z)));
 }
 
-// Folds tile scores s (nk keys from j0) into the rows' states: applies the
-// score modifiers (soft-cap, then ALiBi: the order of score_rules.hpp, in
-// base 2 as the queries were scaled by log2(e)), masks keys a row does not
-// see (and the padding up to tilep), turns scores into 2^(s − shift),
-// rescales the rows of acc.
+// Folds tile scores s (nk keys from j0) into the rows' states: the score
+// pipeline (pipeline-inl.h, in base 2 as the queries were scaled by
+// log2(e)) hides the keys a row does not see (and the padding up to tilep),
+// then the scores become 2^(s − shift) and the rows of acc are rescaled.
 void SoftmaxTile(const Call& c, Scratch& w, int64_t nm, int64_t j0, int64_t nk, float* acc,
                  os::State<float>* st, uint8_t* nan) {
   const DF d;
   const int64_t N = Lanes();
-  const float cap2 = float(c.p->rules.softcap) * kLog2e;
+  const float cap = float(c.p->rules.softcap);
   // Only the vectors that hold the tile's keys: a short tile (pages of 16
   // tokens) costs its length, not tilep. Past them every score would be
   // −inf (a 0 added to the sum, nothing to the max), so the bits are those
@@ -271,16 +271,14 @@ void SoftmaxTile(const Call& c, Scratch& w, int64_t nm, int64_t j0, int64_t nk, 
     // k) poisons the row; the vector max would drop a NaN, and the soft-cap
     // would turn ±inf into a plausible ±c.
     if (AnyNonFinite(row, span)) nan[r] = 1;
-    if (cap2 > 0) SoftcapTile(row, span, cap2, nullptr);
-    if (w.slope[size_t(r)] != 0.0f) AlibiLine(row, span, float(j0 - w.pos[size_t(r)]), w.slope[size_t(r)]);
-    // The elementwise rules, in base 2 like the scores: + bias·log2(e), or
-    // −inf where the mask or the bias hides the key.
-    for (int64_t jj = vis.lo; elementwise && jj < vis.hi; ++jj)
-      row[jj] = Hidden(*c.p, w, r, j0 + jj) ? kNegInf
-                : c.p->rules.bias.empty()   ? row[jj]
-                                            : row[jj] + w.bias[size_t(r)].at(j0 + jj) * kLog2e;
-    std::fill(row, row + vis.lo, kNegInf);
-    std::fill(row + vis.hi, row + span, kNegInf);
+    // The rules, in base 2 like the scores (pipeline-inl.h).
+    ScoreLine line;
+    line.lo = vis.lo, line.hi = vis.hi;
+    line.distance = float(j0 - w.pos[size_t(r)]), line.slope = w.slope[size_t(r)];
+    if (!c.p->rules.bias.empty()) line.bias = w.bias[size_t(r)];
+    if (!c.p->rules.mask.empty()) line.mask = w.mask[size_t(r)];
+    line.at = j0;
+    ApplyScoreRules(row, span, line, cap, kLog2e, nullptr);
     VF vmax = hn::Set(d, kNegInf);
     for (int64_t jj = 0; jj < span; jj += N) vmax = hn::Max(vmax, hn::Load(d, row + jj));
     const os::Step<float> step = os::begin_tile<os::Base2>(st[r], hn::GetLane(hn::MaxOfLanes(d, vmax)));

@@ -90,7 +90,6 @@ View4<const float> keys_view(const KVLayout& kv, const void* base, int64_t page_
 
 void prefill_forward(const Problem& p, const KVLayout& kv, View4<const float> q, View4<float> out,
                      View3<float> lse) {
-  const float ninf = -std::numeric_limits<float>::infinity();
   Tensor<float> kbuf, vbuf;  // widened chunks (shaped on first use)
   Tensor<float> part = Tensor<float>::uninitialized({1, p.H, p.L, p.Ev}), plse = Tensor<float>::uninitialized({1, p.H, p.L}),
                 own_lse;
