@@ -109,6 +109,16 @@ Packed validate(const VarlenChecker& c, const VarlenArgs<T>& a) {
   return p;
 }
 
+// The memory every input reads, for Checker::disjoint.
+template <class T>
+std::vector<detail::Extent> input_extents(const VarlenChecker& c, const VarlenArgs<T>& a) {
+  std::vector<detail::Extent> in{c.extent(a.q, "q"), c.extent(a.k, "k"), c.extent(a.v, "v"),
+                                 c.extent(a.cu_seqlens_q, "cu_seqlens_q"), c.extent(a.cu_seqlens_k, "cu_seqlens_k")};
+  if (!a.alibi_slopes.empty()) in.push_back(c.extent(a.alibi_slopes, "alibi_slopes"));
+  if (!a.sinks.empty()) in.push_back(c.extent(a.sinks, "sinks"));
+  return in;
+}
+
 // Sequence b of a packed (total, Hx, F) view as a dense (1, Hx, n, F) view.
 template <class T>
 View4<T> sequence(const View3<T>& x, int64_t start, int64_t n) {
@@ -359,11 +369,13 @@ void varlen_attention(const VarlenArgs<T>& args, const VarlenOutputs<T>& o, cons
   const VarlenChecker c{{"varlen_attention"}};
   const Packed p = validate(c, args);
   c.shape(o.out, "out", {p.total_q, p.H, p.Ev}, "(total_q, H, Ev)");
-  c.writable(o.out, "out");
+  std::vector<detail::Extent> written{c.extent(o.out, "out")};
   if (!o.lse.empty()) {
     c.shape(o.lse, "lse", {p.H, p.total_q}, "(H, total_q)");
-    c.writable(o.lse, "lse");
+    written.push_back(c.extent(o.lse, "lse"));
   }
+  for (const auto& e : written) c.writable(e);
+  c.disjoint(written, input_extents(c, args));
   const bool fused = check_sequences(c, args, p, opt);
   for (int64_t b = 0; b < p.B; ++b) {
     const int64_t L = p.L(b), S = p.S(b);
@@ -395,16 +407,24 @@ void varlen_attention_backward(const VarlenArgs<T>& args, View3<const T> dout, c
   c.shape(g.dq, "dq", {p.total_q, p.H, p.E}, "(total_q, H, E)");
   c.shape(g.dk, "dk", {p.total_k, p.Hkv, p.E}, "(total_k, Hkv, E)");
   c.shape(g.dv, "dv", {p.total_k, p.Hkv, p.Ev}, "(total_k, Hkv, Ev)");
-  c.writable(g.dq, "dq");
-  c.writable(g.dk, "dk");
-  c.writable(g.dv, "dv");
+  std::vector<detail::Extent> written{c.extent(g.dq, "dq"), c.extent(g.dk, "dk"), c.extent(g.dv, "dv")};
   if (!g.dsinks.empty()) {
     if (args.sinks.empty()) c.fail("output 'dsinks' was requested but no 'sinks' were given");
     c.shape(g.dsinks, "dsinks", {p.H}, "(H)");
-    c.writable(g.dsinks, "dsinks");
+    written.push_back(c.extent(g.dsinks, "dsinks"));
   }
-  if (!saved.out.empty()) c.shape(saved.out, "out", {p.total_q, p.H, p.Ev}, "(total_q, H, Ev)");
-  if (!saved.lse.empty()) c.shape(saved.lse, "lse", {p.H, p.total_q}, "(H, total_q)");
+  for (const auto& e : written) c.writable(e);
+  std::vector<detail::Extent> read = input_extents(c, args);
+  read.push_back(c.extent(dout, "dout"));
+  if (!saved.out.empty()) {
+    c.shape(saved.out, "out", {p.total_q, p.H, p.Ev}, "(total_q, H, Ev)");
+    read.push_back(c.extent(saved.out, "out"));
+  }
+  if (!saved.lse.empty()) {
+    c.shape(saved.lse, "lse", {p.H, p.total_q}, "(H, total_q)");
+    read.push_back(c.extent(saved.lse, "lse"));
+  }
+  c.disjoint(written, read);
   const bool fused = check_sequences(c, args, p, opt);
   std::vector<double> dsinks(size_t(p.H), 0.0);
   std::vector<T> dsinks_b(size_t(p.H));

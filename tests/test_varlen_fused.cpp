@@ -325,4 +325,41 @@ TEST(VarlenFused, ErrorsNameTheVarlenFunction) {
   }
 }
 
+// Outputs share memory with no other output and no input, as in the dense
+// call: refused under the varlen function's name, in both backends.
+TEST(VarlenFused, OutputsThatShareMemoryAreRefused) {
+  std::mt19937_64 rng(6);
+  const Batch x({3, 5}, {4, 5}, 2, 1, 4, 4, rng);
+  const int64_t tq = 8, tk = 9;
+  using attn::testing::throws_with;
+  for (Backend be : {Backend::fused, Backend::reference}) {
+    SCOPED_TRACE(attn::backend_name(be));
+    attn::SdpaOptions opt;
+    opt.backend = be;
+    Tensor<float> q = x.q, out({tq, 2, 4}), lse({2, tq});
+    attn::VarlenArgs<float> a = x.args(false, false);
+    a.q = q.view<3>();
+    // out written over q (E = Ev, so the shapes agree).
+    EXPECT_TRUE(throws_with([&] { attn::varlen_attention<float>(a, {q.view<3>(), lse.view<2>()}, opt); },
+                            {"attn::varlen_attention: ", "output 'out' overlaps input 'q'"}));
+    // lse inside out.
+    const attn::View2<float> lse_in_out(out.data() + 4, {2, tq}, {tq, 1});
+    EXPECT_TRUE(throws_with([&] { attn::varlen_attention<float>(a, {out.view<3>(), lse_in_out}, opt); },
+                            {"attn::varlen_attention: ", "output 'out' overlaps output 'lse'"}));
+
+    attn::varlen_attention<float>(a, {out.view<3>(), lse.view<2>()}, opt);
+    Tensor<float> dout = x.dout, dq({tq, 2, 4}), dk({tk, 1, 4}), dv({tk, 1, 4});
+    auto backward = [&](const attn::VarlenGrads<float>& g) {
+      attn::varlen_attention_backward<float>(a, dout.view<3>(), {out.view<3>(), lse.view<2>()}, g, opt);
+    };
+    // dk inside dq.
+    const attn::View3<float> dk_in_dq(dq.data(), {tk, 1, 4}, {4, 4, 1});
+    EXPECT_TRUE(throws_with([&] { backward({dq.view<3>(), dk_in_dq, dv.view<3>(), {}}); },
+                            {"attn::varlen_attention_backward: ", "output 'dq' overlaps output 'dk'"}));
+    // dq written over the incoming gradient (E = Ev).
+    EXPECT_TRUE(throws_with([&] { backward({dout.view<3>(), dk.view<3>(), dv.view<3>(), {}}); },
+                            {"attn::varlen_attention_backward: ", "output 'dq' overlaps input 'dout'"}));
+  }
+}
+
 }  // namespace
