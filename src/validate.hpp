@@ -1,9 +1,10 @@
 // Internal: the one argument-validation toolkit of the public boundary,
-// shared by src/sdpa.cpp (attention), src/multihead.cpp (the layer) and
-// src/io (array writers). Every check throws attn::InvalidArgument with a
-// message "attn::<function>: argument '<name>' <what was wrong>, expected
-// <what is allowed>". Kernels behind the boundary assume valid views and use
-// debug asserts only.
+// shared by src/sdpa.cpp (attention), src/varlen.cpp, src/multihead.cpp (the
+// layer), src/io (array writers), src/nn (configurations) and src/dist
+// (which collects a verdict per rank instead of throwing: verdict()). Every
+// check throws attn::InvalidArgument with a message "attn::<function>:
+// argument '<name>' <what was wrong>, expected <what is allowed>". Kernels
+// behind the boundary assume valid views and use debug asserts only.
 //
 // What a view must satisfy:
 //   given      an optional view is absent when it is default-constructed (no
@@ -70,6 +71,19 @@ struct Checker {
   std::string fn;  // without the "attn::" prefix, e.g. "scaled_dot_product_attention"
 
   [[noreturn]] void fail(const std::string& msg) const;
+
+  // Runs `checks` (calls on this Checker) and returns the message of the
+  // first that failed, or "" when all passed: for callers that must share
+  // the verdict before anyone throws (attn::dist, whose ranks agree on it).
+  template <class F>
+  std::string verdict(F&& checks) const {
+    try {
+      checks();
+    } catch (const InvalidArgument& e) {
+      return e.what();
+    }
+    return "";
+  }
 
   // Sizes of any view, given or not: see the top comment.
   template <class T, int R>

@@ -16,10 +16,12 @@
 #include <cmath>
 #include <cstring>
 #include <sstream>
+#include <string>
 #include <tuple>
 
 #include "dist/internal.hpp"
 #include "kernels/score_rules.hpp"
+#include "validate.hpp"
 
 namespace attn::dist {
 
@@ -212,54 +214,45 @@ namespace {
 // Position offsets beyond this are refused, as by the single-process call.
 constexpr int64_t kMaxOffset = int64_t(1) << 52;
 
-// The local checks of one rank; returns the first problem found ("" if none).
-struct LocalCheck {
-  const char* fn;
-  std::string err;
+// The local checks of one rank run on the boundary's Checker; its verdict()
+// keeps the first problem found instead of throwing, so that the ranks can
+// agree on it first. Views of a shard differ from the single-process call's
+// in one way: a rank that holds no rows passes a shape with a zero axis and
+// may pass no data.
+using attn::detail::Checker;
 
-  bool ok() const { return err.empty(); }
-  void fail(const std::string& m) {
-    if (err.empty()) err = std::string("attn::dist::") + fn + ": " + m;
-  }
-  template <class T, int R>
-  void present(const View<T, R>& v, const char* name) {
-    if (v.data == nullptr && v.numel() > 0) fail(std::string("argument '") + name + "' has no data (null pointer)");
-    if (v.data == nullptr && v.numel() == 0 && v.shape == std::array<int64_t, R>{})
-      fail(std::string("argument '") + name + "' is required but was not given");
-  }
-  template <class T, int R>
-  void shape(const View<T, R>& v, const char* name, const std::array<int64_t, R>& want, const char* text) {
-    if (v.shape != want)
-      fail(std::string("argument '") + name + "' has shape " + shape_str(v.shape) + ", expected " + shape_str(want) +
-           " " + text);
-  }
-  template <class T, int R>
-  void writable(const View<T, R>& v, const char* name) {
-    if (v.numel() == 0) return;  // an empty shard (more chunks than rows)
-    for (int i = 0; i < R; ++i)
-      if (v.shape[size_t(i)] > 1 && v.strides[size_t(i)] == 0)
-        fail(std::string("output '") + name + "' has stride 0 on axis " + std::to_string(i) +
-             " (a broadcast view cannot be written)");
-  }
-  template <class T, int R>
-  void finite(const View<T, R>& v, const char* name, const char* why = " (option check_finite)") {
-    bool bad = false;
-    std::array<int64_t, R> idx{};
-    for (int64_t f = 0; f < v.numel() && !bad; ++f) {
-      int64_t off = 0;
-      for (int i = 0; i < R; ++i) off += idx[size_t(i)] * v.strides[size_t(i)];
-      bad = !std::isfinite(v.data[off]);
-      for (int i = R - 1; i >= 0; --i) {
-        if (++idx[size_t(i)] < v.shape[size_t(i)]) break;
-        idx[size_t(i)] = 0;
-      }
-    }
-    if (bad) fail(std::string("argument '") + name + "' contains NaN or Inf" + why);
-  }
-};
+// A required view of this rank's shard.
+template <class T, int R>
+void require_shard(const Checker& c, const View<T, R>& v, const char* name) {
+  if (v.data == nullptr && v.numel() > 0) c.fail(std::string("argument '") + name + "' has no data (null pointer)");
+  if (v.data == nullptr && v.shape == std::array<int64_t, R>{})
+    c.fail(std::string("argument '") + name + "' is required but was not given");
+}
+
+// An output of this rank: strides >= 0, distinct elements at distinct addresses.
+template <class T, int R>
+void output_shard(const Checker& c, const View<T, R>& v, const char* name) {
+  c.sizes(v, name);
+  c.writable(v, name);
+}
+
+// An exact shape, `text` naming its axes.
+template <class T, int R>
+void shard_shape(const Checker& c, const View<T, R>& v, const char* name, const std::array<int64_t, R>& want,
+                 const char* text) {
+  c.shape(v, name, want, shape_str(want) + " " + text);
+}
+
+// No NaN or Inf.
+template <class T, int R>
+void all_finite(const Checker& c, const View<T, R>& v, const char* name, const char* why = " (option check_finite)") {
+  bool bad = false;
+  attn::detail::for_each(v, [&](T x, const std::array<int64_t, R>&) { bad = bad || !std::isfinite(x); });
+  if (bad) c.fail(std::string("argument '") + name + "' contains NaN or Inf" + why);
+}
 
 // Throws on every rank when any rank's string is non-empty.
-void agree(MPI_Comm comm, const char* fn, const std::string& err) {
+void agree(MPI_Comm comm, const Checker& c, const std::string& err) {
   int rank = 0, P = 1;
   MPI_Comm_rank(comm, &rank);
   MPI_Comm_size(comm, &P);
@@ -267,39 +260,26 @@ void agree(MPI_Comm comm, const char* fn, const std::string& err) {
   MPI_Allreduce(MPI_IN_PLACE, &first_bad, 1, MPI_INT, MPI_MIN, comm);
   if (first_bad == P) return;
   if (!err.empty()) throw InvalidArgument(err + (P > 1 ? " (on rank " + std::to_string(rank) + ")" : ""));
-  throw InvalidArgument(std::string("attn::dist::") + fn + ": rank " + std::to_string(first_bad) +
-              " rejected its arguments (its message names the problem)");
+  c.fail("rank " + std::to_string(first_bad) + " rejected its arguments (its message names the problem)");
 }
 
-}  // namespace
-
-Geometry validate(MPI_Comm comm, const char* fn, const Request& req) {
-  int initialized = 0;
-  MPI_Initialized(&initialized);
-  if (!initialized) throw InvalidArgument(std::string("attn::dist::") + fn + ": MPI is not initialised (call MPI_Init first)");
-  if (comm == MPI_COMM_NULL) throw InvalidArgument(std::string("attn::dist::") + fn + ": argument 'comm' is MPI_COMM_NULL");
-  Geometry g;
-  MPI_Comm_size(comm, &g.P);
-  MPI_Comm_rank(comm, &g.r);
+// Round 1 of validate(): this rank's own views and options; fills the
+// sizes of g that the views give.
+void check_local(const Checker& c, const Request& req, Geometry& g, bool ring, bool backward) {
   const SdpaArgs<float>& a = *req.args;
   const DistOptions& opt = *req.opt;
-  const bool ring = req.op == Op::ring_forward || req.op == Op::ring_backward;
-  const bool backward = req.op == Op::ring_backward || req.op == Op::ulysses_backward;
-
-  // Round 1: this rank's own views and options.
-  LocalCheck c{fn, {}};
-  c.present(a.q, "q");
-  c.present(a.k, "k");
-  c.present(a.v, "v");
+  require_shard(c, a.q, "q");
+  require_shard(c, a.k, "k");
+  require_shard(c, a.v, "v");
   g.B = a.q.shape[0], g.H = a.q.shape[1], g.E = a.q.shape[3];
   g.Hkv = a.k.shape[1], g.Ev = a.v.shape[3];
   const int64_t Lr = a.q.shape[2], Sr = a.k.shape[2];
   if (g.B < 1 || g.H < 1 || g.E < 1 || Lr < 0)
     c.fail("argument 'q' has shape " + shape_str(a.q.shape) + "; B, H and E must be >= 1 (the local L may be 0)");
-  if (c.ok() && (a.k.shape[0] != g.B || a.k.shape[3] != g.E || g.Hkv < 1 || g.H % g.Hkv != 0 || Sr < 0))
+  if (a.k.shape[0] != g.B || a.k.shape[3] != g.E || g.Hkv < 1 || g.H % g.Hkv != 0 || Sr < 0)
     c.fail("argument 'k' has shape " + shape_str(a.k.shape) + ", expected (" + std::to_string(g.B) + ", Hkv, S_local, " +
            std::to_string(g.E) + ") with Hkv dividing H = " + std::to_string(g.H));
-  if (c.ok() && (g.Ev < 1 || a.v.shape != std::array<int64_t, 4>{g.B, g.Hkv, Sr, g.Ev}))
+  if (g.Ev < 1 || a.v.shape != std::array<int64_t, 4>{g.B, g.Hkv, Sr, g.Ev})
     c.fail("argument 'v' has shape " + shape_str(a.v.shape) + ", expected (" + std::to_string(g.B) + ", " +
            std::to_string(g.Hkv) + ", " + std::to_string(Sr) + ", Ev) matching k in B, Hkv and S_local");
   if (!a.mask.empty()) c.fail("argument 'mask' is not supported across processes (use key_lengths or causal)");
@@ -321,61 +301,79 @@ Geometry validate(MPI_Comm comm, const char* fn, const Request& req) {
   if (opt.sdpa.position_offset && (*opt.sdpa.position_offset > kMaxOffset || *opt.sdpa.position_offset < -kMaxOffset))
     c.fail("option 'position_offset' is " + std::to_string(*opt.sdpa.position_offset) + ", expected |offset| <= 2^52");
   if (given(a.alibi_slopes)) {
-    c.present(a.alibi_slopes, "alibi_slopes");
-    c.shape(a.alibi_slopes, "alibi_slopes", {g.H}, "(H), one slope per query head");
-    if (c.ok()) c.finite(a.alibi_slopes, "alibi_slopes", ", expected finite slopes");
+    require_shard(c, a.alibi_slopes, "alibi_slopes");
+    shard_shape(c, a.alibi_slopes, "alibi_slopes", {g.H}, "(H), one slope per query head");
+    all_finite(c, a.alibi_slopes, "alibi_slopes", ", expected finite slopes");
   }
   if (given(a.sinks)) {
-    c.present(a.sinks, "sinks");
-    c.shape(a.sinks, "sinks", {g.H}, "(H), one logit per query head");
-    for (int64_t h = 0; c.ok() && h < g.H; ++h)
+    require_shard(c, a.sinks, "sinks");
+    shard_shape(c, a.sinks, "sinks", {g.H}, "(H), one logit per query head");
+    for (int64_t h = 0; h < g.H; ++h)
       if (std::isnan(a.sinks(h)) || a.sinks(h) == INFINITY)
         c.fail("argument 'sinks' holds " + std::to_string(a.sinks(h)) + " at head " + std::to_string(h) +
                ", expected a finite value or -inf (no sink)");
   }
-  if (!ring && c.ok() && (g.H % g.P != 0 || g.Hkv % g.P != 0))
+  if (!ring && (g.H % g.P != 0 || g.Hkv % g.P != 0))
     c.fail("ulysses needs H and Hkv divisible by the number of processes P = " + std::to_string(g.P) + ", got H = " +
            std::to_string(g.H) + ", Hkv = " + std::to_string(g.Hkv) + " (use the ring)");
-  if (c.ok()) {
-    if (!backward) {
-      if (req.weights) c.fail("output 'weights' is not supported across processes (the L x S matrix never exists)");
-      c.present(req.out, "out");
-      c.shape(req.out, "out", {g.B, g.H, Lr, g.Ev}, "(B, H, L_local, Ev)");
-      c.writable(req.out, "out");
-      if (given(req.lse)) {
-        c.shape(req.lse, "lse", {g.B, g.H, Lr}, "(B, H, L_local)");
-        c.writable(req.lse, "lse");
-      }
-    } else {
-      const SdpaGrads<float>& gr = *req.grads;
-      c.present(req.dout, "dout");
-      c.shape(req.dout, "dout", {g.B, g.H, Lr, g.Ev}, "(B, H, L_local, Ev)");
-      if (given(req.out)) c.shape(req.out, "out", {g.B, g.H, Lr, g.Ev}, "(B, H, L_local, Ev)");
-      if (given(req.lse)) c.shape(req.lse, "lse", {g.B, g.H, Lr}, "(B, H, L_local)");
-      c.present(gr.dq, "dq");
-      c.present(gr.dk, "dk");
-      c.present(gr.dv, "dv");
-      c.shape(gr.dq, "dq", {g.B, g.H, Lr, g.E}, "(B, H, L_local, E)");
-      c.shape(gr.dk, "dk", {g.B, g.Hkv, Sr, g.E}, "(B, Hkv, S_local, E)");
-      c.shape(gr.dv, "dv", {g.B, g.Hkv, Sr, g.Ev}, "(B, Hkv, S_local, Ev)");
-      c.writable(gr.dq, "dq");
-      c.writable(gr.dk, "dk");
-      c.writable(gr.dv, "dv");
-      if (!gr.dbias.empty()) c.fail("output 'dbias' is not supported across processes");
-      if (given(gr.dsinks)) {
-        if (!given(a.sinks)) c.fail("output 'dsinks' was requested but no 'sinks' were given");
-        c.shape(gr.dsinks, "dsinks", {g.H}, "(H), the shape of 'sinks'");
-        c.writable(gr.dsinks, "dsinks");
-      }
+  if (!backward) {
+    if (req.weights) c.fail("output 'weights' is not supported across processes (the L x S matrix never exists)");
+    require_shard(c, req.out, "out");
+    shard_shape(c, req.out, "out", {g.B, g.H, Lr, g.Ev}, "(B, H, L_local, Ev)");
+    output_shard(c, req.out, "out");
+    if (given(req.lse)) {
+      shard_shape(c, req.lse, "lse", {g.B, g.H, Lr}, "(B, H, L_local)");
+      output_shard(c, req.lse, "lse");
+    }
+  } else {
+    const SdpaGrads<float>& gr = *req.grads;
+    require_shard(c, req.dout, "dout");
+    shard_shape(c, req.dout, "dout", {g.B, g.H, Lr, g.Ev}, "(B, H, L_local, Ev)");
+    if (given(req.out)) shard_shape(c, req.out, "out", {g.B, g.H, Lr, g.Ev}, "(B, H, L_local, Ev)");
+    if (given(req.lse)) shard_shape(c, req.lse, "lse", {g.B, g.H, Lr}, "(B, H, L_local)");
+    require_shard(c, gr.dq, "dq");
+    require_shard(c, gr.dk, "dk");
+    require_shard(c, gr.dv, "dv");
+    shard_shape(c, gr.dq, "dq", {g.B, g.H, Lr, g.E}, "(B, H, L_local, E)");
+    shard_shape(c, gr.dk, "dk", {g.B, g.Hkv, Sr, g.E}, "(B, Hkv, S_local, E)");
+    shard_shape(c, gr.dv, "dv", {g.B, g.Hkv, Sr, g.Ev}, "(B, Hkv, S_local, Ev)");
+    output_shard(c, gr.dq, "dq");
+    output_shard(c, gr.dk, "dk");
+    output_shard(c, gr.dv, "dv");
+    if (!gr.dbias.empty()) c.fail("output 'dbias' is not supported across processes");
+    if (given(gr.dsinks)) {
+      if (!given(a.sinks)) c.fail("output 'dsinks' was requested but no 'sinks' were given");
+      shard_shape(c, gr.dsinks, "dsinks", {g.H}, "(H), the shape of 'sinks'");
+      output_shard(c, gr.dsinks, "dsinks");
     }
   }
-  if (c.ok() && opt.sdpa.check_finite) {
-    c.finite(a.q, "q");
-    c.finite(a.k, "k");
-    c.finite(a.v, "v");
-    if (backward) c.finite(req.dout, "dout");
+  if (opt.sdpa.check_finite) {
+    all_finite(c, a.q, "q");
+    all_finite(c, a.k, "k");
+    all_finite(c, a.v, "v");
+    if (backward) all_finite(c, req.dout, "dout");
   }
-  agree(comm, fn, c.err);
+}
+
+}  // namespace
+
+Geometry validate(MPI_Comm comm, const char* fn, const Request& req) {
+  int initialized = 0;
+  MPI_Initialized(&initialized);
+  const Checker c{std::string("dist::") + fn};
+  if (!initialized) c.fail("MPI is not initialised (call MPI_Init first)");
+  if (comm == MPI_COMM_NULL) c.fail("argument 'comm' is MPI_COMM_NULL");
+  Geometry g;
+  MPI_Comm_size(comm, &g.P);
+  MPI_Comm_rank(comm, &g.r);
+  const SdpaArgs<float>& a = *req.args;
+  const DistOptions& opt = *req.opt;
+  const bool ring = req.op == Op::ring_forward || req.op == Op::ring_backward;
+  const bool backward = req.op == Op::ring_backward || req.op == Op::ulysses_backward;
+
+  // Round 1: this rank's own views and options.
+  agree(comm, c, c.verdict([&] { check_local(c, req, g, ring, backward); }));
+  const int64_t Lr = a.q.shape[2], Sr = a.k.shape[2];
 
   // Round 2: what every rank must share, and the local lengths.
   g.scale = opt.sdpa.scale ? *opt.sdpa.scale : 1.0 / std::sqrt(double(g.E));
@@ -407,8 +405,8 @@ Geometry validate(MPI_Comm comm, const char* fn, const Request& req) {
     const int64_t* o = &all[size_t(p) * kFields];
     for (int f = 0; f < kFields; ++f)
       if (f != 5 && f != 6 && o[f] != all[size_t(f)])
-        throw InvalidArgument(std::string("attn::dist::") + fn + ": ranks disagree on " + names[f] + " (rank " +
-                    std::to_string(p) + " differs from rank 0); every rank must pass the same shapes and options");
+        c.fail(std::string("ranks disagree on ") + names[f] + " (rank " + std::to_string(p) +
+               " differs from rank 0); every rank must pass the same shapes and options");
     g.Lr.push_back(o[5]);
     g.Sr.push_back(o[6]);
   }
@@ -418,20 +416,19 @@ Geometry validate(MPI_Comm comm, const char* fn, const Request& req) {
     g.kc.push_back(chunk_layout(g.S, g.P, p, opt.layout));
     const int64_t wl = shard_length(g.L, g.P, p, opt.layout), ws = shard_length(g.S, g.P, p, opt.layout);
     if (g.Lr[size_t(p)] != wl || g.Sr[size_t(p)] != ws)
-      throw InvalidArgument(std::string("attn::dist::") + fn + ": rank " + std::to_string(p) + " holds " +
-                  std::to_string(g.Lr[size_t(p)]) + " queries and " + std::to_string(g.Sr[size_t(p)]) +
-                  " keys; the " + layout_name(opt.layout) + " layout of L = " + std::to_string(g.L) + ", S = " +
-                  std::to_string(g.S) + " over " + std::to_string(g.P) + " ranks gives it " + std::to_string(wl) +
-                  " and " + std::to_string(ws) + " (see attn::dist::shard)");
+      c.fail("rank " + std::to_string(p) + " holds " + std::to_string(g.Lr[size_t(p)]) + " queries and " +
+             std::to_string(g.Sr[size_t(p)]) + " keys; the " + layout_name(opt.layout) + " layout of L = " +
+             std::to_string(g.L) + ", S = " + std::to_string(g.S) + " over " + std::to_string(g.P) +
+             " ranks gives it " + std::to_string(wl) + " and " + std::to_string(ws) + " (see attn::dist::shard)");
   }
   if (g.L < 1 || g.S < 1)
-    throw InvalidArgument(std::string("attn::dist::") + fn + ": the global lengths are L = " + std::to_string(g.L) +
-                ", S = " + std::to_string(g.S) + ", expected both >= 1");
+    c.fail("the global lengths are L = " + std::to_string(g.L) + ", S = " + std::to_string(g.S) +
+           ", expected both >= 1");
   // Block offsets add chunk starts to the global offset; they must stay in the kernel's range.
   if (opt.sdpa.position_offset && std::abs(*opt.sdpa.position_offset) > kMaxOffset - g.L - g.S)
-    throw InvalidArgument(std::string("attn::dist::") + fn + ": option 'position_offset' is " +
-                          std::to_string(*opt.sdpa.position_offset) + ", expected |offset| <= 2^52 - L - S = " +
-                          std::to_string(kMaxOffset - g.L - g.S) + " (the blocks' offsets add chunk starts)");
+    c.fail("option 'position_offset' is " + std::to_string(*opt.sdpa.position_offset) +
+           ", expected |offset| <= 2^52 - L - S = " + std::to_string(kMaxOffset - g.L - g.S) +
+           " (the blocks' offsets add chunk starts)");
   // The position rule, resolved once on the global lengths (as the single-process call does).
   g.offset = attn::detail::rules::query_offset(opt.sdpa.position_offset ? &*opt.sdpa.position_offset : nullptr,
                                          opt.sdpa.causal_align == CausalAlign::bottom_right, g.L, g.S);
@@ -449,8 +446,8 @@ Geometry validate(MPI_Comm comm, const char* fn, const Request& req) {
     MPI_Allgather(mine_h.data(), int(g.H), MPI_FLOAT, all_h.data(), int(g.H), MPI_FLOAT, comm);
     for (int p = 1; p < g.P; ++p)
       if (std::memcmp(&all_h[size_t(p) * size_t(g.H)], all_h.data(), size_t(g.H) * sizeof(float)) != 0)
-        throw InvalidArgument(std::string("attn::dist::") + fn + ": ranks disagree on " + name + " (rank " +
-                              std::to_string(p) + " differs from rank 0); pass the same values everywhere");
+        c.fail(std::string("ranks disagree on ") + name + " (rank " + std::to_string(p) +
+               " differs from rank 0); pass the same values everywhere");
     *vec = mine_h;
   }
   if (!a.key_lengths.empty()) {
@@ -460,13 +457,12 @@ Geometry validate(MPI_Comm comm, const char* fn, const Request& req) {
     for (int p = 0; p < g.P; ++p)
       for (int64_t b = 0; b < g.B; ++b)
         if (klall[size_t(p * g.B + b)] != klall[size_t(b)])
-          throw InvalidArgument(std::string("attn::dist::") + fn + ": ranks disagree on key_lengths[" + std::to_string(b) +
-                      "] (rank " + std::to_string(p) + " differs from rank 0); pass the global lengths everywhere");
+          c.fail("ranks disagree on key_lengths[" + std::to_string(b) + "] (rank " + std::to_string(p) +
+                 " differs from rank 0); pass the global lengths everywhere");
     for (int64_t b = 0; b < g.B; ++b)
       if (kl[size_t(b)] < 0 || kl[size_t(b)] > g.S)
-        throw InvalidArgument(std::string("attn::dist::") + fn + ": argument 'key_lengths' has value " +
-                    std::to_string(kl[size_t(b)]) + " at batch " + std::to_string(b) +
-                    ", expected 0 <= key_lengths[b] <= S = " + std::to_string(g.S) + " (global)");
+        c.fail("argument 'key_lengths' has value " + std::to_string(kl[size_t(b)]) + " at batch " +
+               std::to_string(b) + ", expected 0 <= key_lengths[b] <= S = " + std::to_string(g.S) + " (global)");
     g.key_lengths = kl;
   }
   return g;

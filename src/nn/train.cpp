@@ -22,6 +22,7 @@
 #include "attn/io.hpp"
 #include "attn/nn/optim.hpp"
 #include "kernels/gemm/gemm.hpp"
+#include "validate.hpp"
 
 namespace attn::nn {
 
@@ -221,11 +222,11 @@ int64_t metadata_int(const io::Metadata& meta, const char* key, const std::strin
 }  // namespace
 
 void TrainConfig::validate() const {
-  auto fail = [](const std::string& m) { throw InvalidArgument("attn::nn::TrainConfig: " + m); };
+  const attn::detail::Checker c{"nn::TrainConfig"};
   auto bounded = [&](const char* field, int64_t v, int64_t lo, int64_t hi, const char* why = "") {
     if (v < lo || v > hi)
-      fail(std::string(field) + " is " + std::to_string(v) + ", expected " + std::to_string(lo) + " to " +
-           std::to_string(hi) + why);
+      c.fail(std::string(field) + " is " + std::to_string(v) + ", expected " + std::to_string(lo) + " to " +
+             std::to_string(hi) + why);
   };
   task.validate();
   bounded("length", task.length, 1, TrainLimits::max_length);
@@ -234,17 +235,17 @@ void TrainConfig::validate() const {
   bounded("batch", batch, 1, TrainLimits::max_batch);
   bounded("steps", steps, 1, TrainLimits::max_steps);
   bounded("eval_examples", eval_examples, 1, TrainLimits::max_eval_examples);
-  if (optimizer != "adamw" && optimizer != "sgd") fail("optimizer is '" + optimizer + "', expected adamw or sgd");
-  if (!(lr > 0) || !std::isfinite(lr)) fail("lr must be finite and > 0");
-  if (!(min_lr >= 0) || min_lr > lr) fail("min_lr must be in [0, lr]");
-  if (warmup < 0) fail("warmup must be >= 0");
-  if (!(clip >= 0) || !std::isfinite(clip)) fail("clip must be finite and >= 0 (0 = off)");
-  if (!(weight_decay >= 0) || !std::isfinite(weight_decay)) fail("weight_decay must be finite and >= 0");
-  if (!(momentum >= 0 && momentum < 1)) fail("momentum must be in [0, 1)");
-  if (stop_at < 0) fail("stop_at must be >= 0");
-  if (eval_every < 0 || log_every < 0 || save_every < 0) fail("eval_every, log_every and save_every must be >= 0");
-  if (curriculum < 0) fail("curriculum is " + std::to_string(curriculum) + ", expected 0 (off) or a starting length");
-  if (!(curriculum_threshold > 0 && curriculum_threshold <= 1)) fail("curriculum_threshold must be in (0, 1]");
+  if (optimizer != "adamw" && optimizer != "sgd") c.fail("optimizer is '" + optimizer + "', expected adamw or sgd");
+  if (!(lr > 0) || !std::isfinite(lr)) c.fail("lr must be finite and > 0");
+  if (!(min_lr >= 0) || min_lr > lr) c.fail("min_lr must be in [0, lr]");
+  if (warmup < 0) c.fail("warmup must be >= 0");
+  if (!(clip >= 0) || !std::isfinite(clip)) c.fail("clip must be finite and >= 0 (0 = off)");
+  if (!(weight_decay >= 0) || !std::isfinite(weight_decay)) c.fail("weight_decay must be finite and >= 0");
+  if (!(momentum >= 0 && momentum < 1)) c.fail("momentum must be in [0, 1)");
+  if (stop_at < 0) c.fail("stop_at must be >= 0");
+  if (eval_every < 0 || log_every < 0 || save_every < 0) c.fail("eval_every, log_every and save_every must be >= 0");
+  if (curriculum < 0) c.fail("curriculum is " + std::to_string(curriculum) + ", expected 0 (off) or a starting length");
+  if (!(curriculum_threshold > 0 && curriculum_threshold <= 1)) c.fail("curriculum_threshold must be in (0, 1]");
   model_config(*this).validate();
 }
 
