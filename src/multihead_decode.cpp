@@ -3,8 +3,8 @@
 // projections for the new rows only (multihead_steps.hpp), their keys and
 // values appended to the cache, decode_attention over everything it holds,
 // and the output projection. docs/multihead.md, "Incremental decoding".
+#include <concepts>
 #include <string>
-#include <type_traits>
 #include <vector>
 
 #include "attn/kv_cache.hpp"
@@ -23,12 +23,11 @@ using namespace detail::mha_steps;
 // Every argument is checked before the cache is appended to.
 template <class T>
 void MultiheadAttention<T>::decode(const MhaArgs<T>& a, KVCache& cache, View3<T> out,
-                                   const MhaDecodeOptions& opt) const {
+                                   const MhaDecodeOptions& opt) const
+  requires std::same_as<T, float>
+{
   const Checker c{"MultiheadAttention::decode"};
-  if constexpr (!std::is_same_v<T, float>) {
-    (void)a, (void)cache, (void)out, (void)opt;
-    c.fail("decoding over a KV cache is float32 only (the cache computes in float32); use MultiheadAttention<float>");
-  } else {
+  {
     const int64_t D = cfg_.embed_dim, H = cfg_.num_heads, E = cfg_.head_dim, Ev = cfg_.v_head_dim;
     c.require(a.query, "query");
     const auto refuse = [&](const char* name, const char* why) {
@@ -115,7 +114,5 @@ void MultiheadAttention<T>::decode(const MhaArgs<T>& a, KVCache& cache, View3<T>
 
 template void MultiheadAttention<float>::decode(const MhaArgs<float>&, KVCache&, View3<float>,
                                                 const MhaDecodeOptions&) const;
-template void MultiheadAttention<double>::decode(const MhaArgs<double>&, KVCache&, View3<double>,
-                                                 const MhaDecodeOptions&) const;
 
 }  // namespace attn

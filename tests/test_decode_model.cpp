@@ -159,4 +159,12 @@ TEST(DecodeModel, RefusesModelsThatAreNotCausal) {
   EXPECT_TRUE(attn::testing::throws_with([&] { model.start_decoding(1); }, {"start_decoding", "not causal"}));
 }
 
+// Decoding exists for Transformer<float> only.
+template <class T>
+constexpr bool can_decode = requires(nn::Transformer<T>& m, nn::DecodeState& st, Tensor<T>& y) {
+  m.start_decoding(1);
+  m.decode_step(st, nullptr, 1, y);
+};
+static_assert(can_decode<float> && !can_decode<double>);
+
 }  // namespace

@@ -36,6 +36,7 @@
 // padding and is ignored (the same as PyTorch).
 #pragma once
 
+#include <concepts>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -209,7 +210,8 @@ class MultiheadAttention {
   void forward(const MhaArgs<T>& args, const MhaOutputs<T>& outputs, const MhaOptions& opt = {},
                MhaCache<T>* cache = nullptr) const;
 
-  // Incremental decoding (self-attention; float only): args.query (B, L, D)
+  // Incremental decoding (self-attention; float only, so not declared for
+  // MultiheadAttention<double>): args.query (B, L, D)
   // holds the next L tokens of each of the KV cache's B sequences
   // (attn/kv_cache.hpp; kv_heads = H, head_dim = E, value_dim = Ev). The
   // layer projects them, applies the Q/K transform's forward_at at positions
@@ -228,7 +230,8 @@ class MultiheadAttention {
   // Every argument, and whether the cache can take L more tokens of each
   // sequence (capacity, pages), is checked before the cache changes, so an
   // error leaves the cache as it was.
-  void decode(const MhaArgs<T>& args, KVCache& cache, View3<T> out, const MhaDecodeOptions& opt = {}) const;
+  void decode(const MhaArgs<T>& args, KVCache& cache, View3<T> out, const MhaDecodeOptions& opt = {}) const
+    requires std::same_as<T, float>;
 
   // Backward from dout = dL/dY (B, L, D) of the forward that filled `cache`.
   // Parameter gradients are ADDED to grad(name) (call zero_grad() between

@@ -380,6 +380,9 @@ class MultiheadAttention:
         fn = _FN + ".decode"
         if not isinstance(cache, KVCache):
             raise TypeError(f"{fn}: 'cache' must be an attn.KVCache, got {type(cache).__name__}")
+        if self.dtype != np.float32:
+            raise ValueError(f"{fn}: decoding over a KV cache is float32 only (the cache computes in float32); "
+                             "use a float32 layer")
         variants = variant_kwargs(fn, self.num_heads, self.dtype, window, alibi_slopes, softcap, None, None)
         del variants["sinks"], variants["position_offset"]  # the layer's own; the cache's positions
         if is_torch_tensor(query) and _torch().is_grad_enabled() and query.requires_grad:

@@ -291,7 +291,8 @@ void bind_multihead(nb::module_& m, const char* name, const char* cache_name) {
       .def(nb::init<>())
       .def_prop_ro("filled", &Cache::filled, "True once a forward call filled it.")
       .def_prop_ro("self_attention", [](const Cache& c) { return c.self_attention; });
-  nb::class_<Layer>(m, name, "attn::MultiheadAttention; use attn.MultiheadAttention instead.")
+  nb::class_<Layer> layer(m, name, "attn::MultiheadAttention; use attn.MultiheadAttention instead.");
+  layer
       .def(
           "__init__",
           [](Layer* self, int64_t embed_dim, int64_t num_heads, bool bias, int64_t kdim, int64_t vdim,
@@ -364,31 +365,6 @@ void bind_multihead(nb::module_& m, const char* name, const char* cache_name) {
           "weights given, and fills cache (which then owns copies of everything backward needs).\n"
           "alibi_slopes (H), window_left/right (-1 unbounded), softcap (0 off), position_offset: the variants.")
       .def(
-          "decode",
-          [](const Layer& l, const Arr<const T, 3>& query, attn::KVCache& kv, const Arr<T, 3>& out,
-             const Opt<Arr<const bool, 4>>& attn_mask, const Opt<Arr<const T, 4>>& attn_bias, bool causal,
-             const std::string& backend, int num_threads, const Opt<Arr<const T, 1>>& alibi_slopes,
-             int64_t window_left, int64_t window_right, double softcap) {
-            attn::MhaArgs<T> a;
-            a.query = view_of<const T, 3>(query, "query");
-            a.attn_mask = view_of<const bool, 4>(attn_mask, "attn_mask");
-            a.attn_bias = view_of<const T, 4>(attn_bias, "attn_bias");
-            a.alibi_slopes = view_of<const T, 1>(alibi_slopes, "alibi_slopes");
-            const attn::View3<T> o = view_of<T, 3>(out, "out");
-            attn::MhaDecodeOptions opt;
-            opt.sdpa = sdpa_options(std::nullopt, causal, backend, num_threads,
-                                    variants(window_left, window_right, softcap, std::nullopt));
-            nb::gil_scoped_release release;
-            l.decode(a, kv, o, opt);
-          },
-          "query"_a.noconvert(), "cache"_a, "out"_a.noconvert(), nb::kw_only(),
-          "attn_mask"_a.noconvert().none() = nb::none(), "attn_bias"_a.noconvert().none() = nb::none(),
-          "causal"_a = true, "backend"_a = "auto", "num_threads"_a = 0,
-          "alibi_slopes"_a.noconvert().none() = nb::none(), "window_left"_a = -1, "window_right"_a = -1,
-          "softcap"_a = 0.0,
-          "Incremental decoding on (B, L, D) arrays: appends the new tokens' keys and values to cache and\n"
-          "writes their attention over it; attn_mask (True = attend) / attn_bias are (B|1, H|1, L|1, C|1).")
-      .def(
           "backward",
           [](Layer& l, const Cache& cache, const Arr<const T, 3>& dout, const Opt<Arr<T, 3>>& dquery,
              const Opt<Arr<T, 3>>& dkey, const Opt<Arr<T, 3>>& dvalue) {
@@ -406,6 +382,34 @@ void bind_multihead(nb::module_& m, const char* name, const char* cache_name) {
       .def(
           "get_grad", [](const Layer& l, const std::string& n) { return numpy_copy(l.grad(n)); }, "name"_a,
           "A copy of the accumulated gradient of parameter `name`.");
+  // Decoding over a KV cache exists for float32 layers only (the Python
+  // layer refuses the others before it gets here).
+  if constexpr (std::is_same_v<T, float>)
+    layer.def(
+        "decode",
+        [](const Layer& l, const Arr<const T, 3>& query, attn::KVCache& kv, const Arr<T, 3>& out,
+           const Opt<Arr<const bool, 4>>& attn_mask, const Opt<Arr<const T, 4>>& attn_bias, bool causal,
+           const std::string& backend, int num_threads, const Opt<Arr<const T, 1>>& alibi_slopes,
+           int64_t window_left, int64_t window_right, double softcap) {
+          attn::MhaArgs<T> a;
+          a.query = view_of<const T, 3>(query, "query");
+          a.attn_mask = view_of<const bool, 4>(attn_mask, "attn_mask");
+          a.attn_bias = view_of<const T, 4>(attn_bias, "attn_bias");
+          a.alibi_slopes = view_of<const T, 1>(alibi_slopes, "alibi_slopes");
+          const attn::View3<T> o = view_of<T, 3>(out, "out");
+          attn::MhaDecodeOptions opt;
+          opt.sdpa = sdpa_options(std::nullopt, causal, backend, num_threads,
+                                  variants(window_left, window_right, softcap, std::nullopt));
+          nb::gil_scoped_release release;
+          l.decode(a, kv, o, opt);
+        },
+        "query"_a.noconvert(), "cache"_a, "out"_a.noconvert(), nb::kw_only(),
+        "attn_mask"_a.noconvert().none() = nb::none(), "attn_bias"_a.noconvert().none() = nb::none(),
+        "causal"_a = true, "backend"_a = "auto", "num_threads"_a = 0,
+        "alibi_slopes"_a.noconvert().none() = nb::none(), "window_left"_a = -1, "window_right"_a = -1,
+        "softcap"_a = 0.0,
+        "Incremental decoding on (B, L, D) arrays: appends the new tokens' keys and values to cache and\n"
+        "writes their attention over it; attn_mask (True = attend) / attn_bias are (B|1, H|1, L|1, C|1).");
 }
 
 // The KV cache and decode_attention (python/attn/_decode.py wraps them).

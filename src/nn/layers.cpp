@@ -432,7 +432,9 @@ void SelfAttention<T>::forward(const Tensor<T>& x, int64_t B, int64_t N, Tensor<
 }
 
 template <class T>
-void SelfAttention<T>::decode(const Tensor<T>& x, int64_t B, int64_t n, KVCache& cache, Tensor<T>& y) const {
+void SelfAttention<T>::decode(const Tensor<T>& x, int64_t B, int64_t n, KVCache& cache, Tensor<T>& y) const
+  requires std::same_as<T, float>
+{
   const int64_t D = layer.embed_dim();
   const int64_t M = rows_of(x, D, "attn::nn::SelfAttention::decode", "x");
   if (B < 1 || n < 1 || M != B * n)

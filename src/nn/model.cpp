@@ -8,25 +8,26 @@
 #include <map>
 
 #include "nn/common.hpp"
+#include "validate.hpp"
 
 namespace attn::nn {
 
 void ModelConfig::validate() const {
-  auto fail = [](const std::string& m) { throw InvalidArgument("attn::nn::ModelConfig: " + m); };
-  if (vocab < 1) fail("vocab is " + std::to_string(vocab) + ", expected >= 1");
-  if (max_len < 1) fail("max_len is " + std::to_string(max_len) + ", expected >= 1");
-  if (dim < 1) fail("dim is " + std::to_string(dim) + ", expected >= 1");
+  const attn::detail::Checker c{"nn::ModelConfig"};
+  if (vocab < 1) c.fail("vocab is " + std::to_string(vocab) + ", expected >= 1");
+  if (max_len < 1) c.fail("max_len is " + std::to_string(max_len) + ", expected >= 1");
+  if (dim < 1) c.fail("dim is " + std::to_string(dim) + ", expected >= 1");
   if (heads < 1 || dim % heads != 0)
-    fail("heads is " + std::to_string(heads) + ", expected a divisor of dim = " + std::to_string(dim));
-  if (layers < 0) fail("layers is " + std::to_string(layers) + ", expected >= 0");
-  if (mlp_hidden < 0) fail("mlp_hidden is " + std::to_string(mlp_hidden) + ", expected >= 0 (0 = 4·dim)");
+    c.fail("heads is " + std::to_string(heads) + ", expected a divisor of dim = " + std::to_string(dim));
+  if (layers < 0) c.fail("layers is " + std::to_string(layers) + ", expected >= 0");
+  if (mlp_hidden < 0) c.fail("mlp_hidden is " + std::to_string(mlp_hidden) + ", expected >= 0 (0 = 4·dim)");
   if (positions == Positions::rope && (dim / heads) % 2 != 0)
-    fail("positions 'rope' needs an even head dimension dim/heads, got " + std::to_string(dim / heads));
+    c.fail("positions 'rope' needs an even head dimension dim/heads, got " + std::to_string(dim / heads));
   if (attn_scale && !(std::isfinite(*attn_scale) && *attn_scale > 0))
-    fail("attn_scale must be finite and > 0");
+    c.fail("attn_scale must be finite and > 0");
   if (window.left < -1 || window.right < -1)
-    fail("window is (" + std::to_string(window.left) + ", " + std::to_string(window.right) +
-         "), expected each side >= 0, or -1 for unbounded");
+    c.fail("window is (" + std::to_string(window.left) + ", " + std::to_string(window.right) +
+           "), expected each side >= 0, or -1 for unbounded");
 }
 
 ParameterShapes parameter_shapes(const ModelConfig& config) {
@@ -184,9 +185,10 @@ CrossEntropyResult Transformer<T>::loss(const int32_t* tokens, const int32_t* ta
 }
 
 template <class T>
-DecodeState Transformer<T>::start_decoding(int64_t B, KVDtype dtype, int64_t page_size) const {
+DecodeState Transformer<T>::start_decoding(int64_t B, KVDtype dtype, int64_t page_size) const
+  requires std::same_as<T, float>
+{
   const char* fn = "attn::nn::Transformer::start_decoding";
-  if (!std::is_same_v<T, float>) throw InvalidArgument(std::string(fn) + ": incremental decoding is float32 only");
   if (!cfg_.causal) throw InvalidArgument(std::string(fn) + ": the model is not causal; every token would see later ones");
   if (B < 1) throw InvalidArgument(std::string(fn) + ": B is " + std::to_string(B) + ", expected >= 1");
   DecodeState st;
@@ -207,9 +209,10 @@ DecodeState Transformer<T>::start_decoding(int64_t B, KVDtype dtype, int64_t pag
 // positions' keys and values from its cache instead of recomputing them:
 //   a = h + Attn.decode(LN1(h), cache);   h' = a + MLP(LN2(a))
 template <class T>
-void Transformer<T>::decode_step(DecodeState& st, const int32_t* tokens, int64_t n, Tensor<T>& logits) {
+void Transformer<T>::decode_step(DecodeState& st, const int32_t* tokens, int64_t n, Tensor<T>& logits)
+  requires std::same_as<T, float>
+{
   const char* fn = "attn::nn::Transformer::decode_step";
-  if (!std::is_same_v<T, float>) throw InvalidArgument(std::string(fn) + ": incremental decoding is float32 only");
   if (st.caches.size() != blocks_.size() || st.B < 1)
     throw InvalidArgument(std::string(fn) + ": the state does not come from this model's start_decoding");
   if (n < 1 || st.length + n > cfg_.max_len)

@@ -19,6 +19,7 @@
 // by the finite-difference gradient checks.
 #pragma once
 
+#include <concepts>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -184,10 +185,11 @@ class SelfAttention {
   // attention matrices (B, H, N, N).
   void forward(const Tensor<T>& x, int64_t B, int64_t N, Tensor<T>& y, View4<T> weights = {});
   void backward(const Tensor<T>& x, const Tensor<T>& dy, Tensor<T>* dx);
-  // Incremental decoding (MultiheadAttention::decode, float only): x (B·n, D)
+  // Incremental decoding (MultiheadAttention::decode, so float only): x (B·n, D)
   // holds the next n tokens of each of the cache's B sequences; their keys
   // and values join `cache`, y (B·n, D) gets their attention over it.
-  void decode(const Tensor<T>& x, int64_t B, int64_t n, KVCache& cache, Tensor<T>& y) const;
+  void decode(const Tensor<T>& x, int64_t B, int64_t n, KVCache& cache, Tensor<T>& y) const
+    requires std::same_as<T, float>;
   void zero_grad() { layer.zero_grad(); }
   void collect(const std::string& prefix, std::vector<ParamRef<T>>& out);
 

@@ -14,6 +14,7 @@
 //   blocks.<l>.ln2.*, blocks.<l>.mlp.{fc1,fc2}.{weight,bias}, ln_f.*, head.*
 #pragma once
 
+#include <concepts>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -86,15 +87,17 @@ class Transformer {
   CrossEntropyResult loss(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t N,
                           bool with_grad);
 
-  // Incremental decoding (causal models, float32; every kind of positions,
-  // windows and sinks): start_decoding makes the
+  // Incremental decoding (causal models, Transformer<float> only; every kind
+  // of positions, windows and sinks): start_decoding makes the
   // caches (storage float32, float16 or bfloat16; page_size > 0 pages them);
   // decode_step feeds the next n tokens of every sequence (tokens (B, n),
   // row-major), appends their keys and values to the caches and writes the
   // logits (B·n, V) of those positions: the rows forward() would give for
   // them on the whole prefix, without recomputing the prefix.
-  DecodeState start_decoding(int64_t B, KVDtype dtype = KVDtype::float32, int64_t page_size = 0) const;
-  void decode_step(DecodeState& state, const int32_t* tokens, int64_t n, Tensor<T>& logits);
+  DecodeState start_decoding(int64_t B, KVDtype dtype = KVDtype::float32, int64_t page_size = 0) const
+    requires std::same_as<T, float>;
+  void decode_step(DecodeState& state, const int32_t* tokens, int64_t n, Tensor<T>& logits)
+    requires std::same_as<T, float>;
 
   std::vector<ParamRef<T>> parameters();
   void zero_grad();
