@@ -13,6 +13,7 @@
 #include "attn/multihead.hpp"
 #include "kernels/problem.hpp"
 #include "sdpa_case.hpp"
+#include "validate.hpp"
 
 namespace {
 
@@ -63,6 +64,20 @@ TEST(ErrorKinds, ArgumentAndFileErrorsAreSiblings) {
     EXPECT_FALSE(e.not_found());
     EXPECT_EQ(e.error_code(), 0);
   }
+}
+
+// A Checker's verdict is the first failure's message, or "" (attn::dist
+// collects it on every rank before any rank throws).
+TEST(ErrorKinds, VerdictKeepsTheFirstFailure) {
+  const attn::detail::Checker c{"f"};
+  EXPECT_EQ(c.verdict([] {}), "");
+  EXPECT_EQ(c.verdict([&] {
+              c.fail("first");
+              c.fail("second");
+            }),
+            "attn::f: first");
+  EXPECT_EQ(c.verdict([&] { (void)c.threads(-1); }),
+            "attn::f: option 'num_threads' is -1, expected 0 (the default) to " + std::to_string(attn::kMaxThreads));
 }
 
 // ---- 11.15: writers refuse null data ------------------------------------------

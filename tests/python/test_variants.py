@@ -271,6 +271,27 @@ def test_bad_varlen_arguments():
         attn.varlen_attention(q, k, v, cu_q, cu_k, 3, 3, position_offset=0.5)
 
 
+@pytest.mark.parametrize("backend", ["fused", "reference"])
+def test_varlen_outputs_that_share_memory_are_refused(backend):
+    """White-box (the public functions allocate their outputs): the extension's
+    varlen calls refuse an output that shares memory with another or with an input."""
+    from attn import _attn
+
+    q, k, v, dout, cu_q, cu_k = packed(np.random.default_rng(0), np.float32, [2, 3], [2, 3], E=6, Ev=6)
+    out, lse = np.empty_like(q), np.empty((q.shape[1], q.shape[0]), np.float32)
+    fwd = dict(backend=backend)
+    with pytest.raises(ValueError, match="varlen_attention: output 'out' overlaps input 'q'"):
+        _attn.varlen_forward(q, k, v, cu_q, cu_k, 3, 3, q, lse=lse, **fwd)
+    with pytest.raises(ValueError, match="varlen_attention: output 'out' overlaps output 'lse'"):
+        _attn.varlen_forward(q, k, v, cu_q, cu_k, 3, 3, out, lse=out.reshape(-1)[:lse.size].reshape(lse.shape), **fwd)
+    dq, dk, dv = np.empty_like(q), np.empty_like(k), np.empty_like(v)
+    with pytest.raises(ValueError, match="varlen_attention_backward: output 'dq' overlaps output 'dk'"):
+        _attn.varlen_backward(q, k, v, cu_q, cu_k, 3, 3, dout, dq, dq.reshape(-1)[:dk.size].reshape(dk.shape), dv,
+                              **fwd)
+    with pytest.raises(ValueError, match="varlen_attention_backward: output 'dq' overlaps input 'dout'"):
+        _attn.varlen_backward(q, k, v, cu_q, cu_k, 3, 3, dout, dout, dk, dv, **fwd)
+
+
 # ------------------------------------------------------------------- torch
 
 
