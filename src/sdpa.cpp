@@ -37,7 +37,7 @@ Backend parse_backend(std::string_view name) {
 namespace detail {
 
 template <class T>
-ProblemOf<compute_t<T>> make_problem(const SdpaArgs<T>& a, const SdpaOptions& opt) {
+ProblemOf<compute_t<T>> make_problem(const SdpaArgs<T>& a, const SdpaOptions& opt, int64_t key_origin) {
   ProblemOf<compute_t<T>> p;
   p.B = a.q.dim(0);
   p.H = a.q.dim(1);
@@ -50,6 +50,7 @@ ProblemOf<compute_t<T>> make_problem(const SdpaArgs<T>& a, const SdpaOptions& op
   for (int64_t b = 0; b < a.key_lengths.dim(0); ++b) key_end[size_t(b)] = a.key_lengths(b);
   p.rules = resolve_rules<compute_t<T>>(a, opt, p.E, std::vector<int64_t>(size_t(p.B), dense_offset(opt, p.L, p.S)),
                                         std::move(key_end));
+  p.rules.key_origin = key_origin;
   p.threads = Checker{"make_problem"}.threads(opt.num_threads);
   return p;
 }
@@ -66,7 +67,7 @@ using ProblemFor = detail::ProblemOf<compute_t<T>>;
 // and adds the inputs' extents to `read` (for the outputs' overlap check).
 template <class T>
 ProblemFor<T> validate_inputs(const Checker& c, const SdpaArgs<T>& a, const SdpaOptions& opt,
-                              std::vector<detail::Extent>& read) {
+                              std::vector<detail::Extent>& read, int64_t key_origin = 0) {
   c.present(a.q, "q", "of (B, H, L, E)");
   c.present(a.k, "k", "of (B, Hkv, S, E)");
   c.present(a.v, "v", "of (B, Hkv, S, Ev)");
@@ -103,7 +104,7 @@ ProblemFor<T> validate_inputs(const Checker& c, const SdpaArgs<T>& a, const Sdpa
     c.finite(a.k, "k");
     c.finite(a.v, "v");
   }
-  return detail::make_problem(a, opt);
+  return detail::make_problem(a, opt, key_origin);
 }
 
 // The one dispatch point between backends (the decode kernel is the fused
@@ -189,13 +190,17 @@ Backend resolve_backend(const SdpaArgs<T>& args, const SdpaOptions& opt) {
   return detail::check_attention(Checker{"resolve_backend"}, args, opt);
 }
 
+namespace {
+
+// The public calls, for a call whose keys start at position key_origin
+// (0 for a whole call; a block of a larger call otherwise).
 template <class T>
-void scaled_dot_product_attention(const SdpaArgs<T>& args, const SdpaOutputs<compute_t<T>>& outputs,
-                                  const SdpaOptions& opt) {
+void forward_call(const SdpaArgs<T>& args, const SdpaOutputs<compute_t<T>>& outputs, const SdpaOptions& opt,
+                  int64_t key_origin) {
   const Checker c{"scaled_dot_product_attention"};
   const auto& [out, weights, lse] = outputs;
   std::vector<detail::Extent> read;
-  const auto p = validate_inputs(c, args, opt, read);
+  const auto p = validate_inputs(c, args, opt, read, key_origin);
   c.present(out, "out", "of (B, H, L, Ev)");
   c.shape(out, "out", {p.B, p.H, p.L, p.Ev});
   std::vector<detail::Extent> written{c.extent(out, "out")};
@@ -207,13 +212,12 @@ void scaled_dot_product_attention(const SdpaArgs<T>& args, const SdpaOutputs<com
 }
 
 template <class T>
-void scaled_dot_product_attention_backward(const SdpaArgs<T>& args, View4<const compute_t<T>> dout,
-                                           const SdpaSaved<compute_t<T>>& saved,
-                                           const SdpaGrads<compute_t<T>>& g, const SdpaOptions& opt) {
+void backward_call(const SdpaArgs<T>& args, View4<const compute_t<T>> dout, const SdpaSaved<compute_t<T>>& saved,
+                   const SdpaGrads<compute_t<T>>& g, const SdpaOptions& opt, int64_t key_origin) {
   const Checker c{"scaled_dot_product_attention_backward"};
   const auto& [out, lse] = saved;
   std::vector<detail::Extent> read;
-  const auto p = validate_inputs(c, args, opt, read);
+  const auto p = validate_inputs(c, args, opt, read, key_origin);
   c.present(dout, "dout", "of (B, H, L, Ev)");
   c.shape(dout, "dout", {p.B, p.H, p.L, p.Ev});
   c.present(g.dq, "dq", "of (B, H, L, E)");
@@ -247,6 +251,32 @@ void scaled_dot_product_attention_backward(const SdpaArgs<T>& args, View4<const 
   }
 }
 
+}  // namespace
+
+template <class T>
+void scaled_dot_product_attention(const SdpaArgs<T>& args, const SdpaOutputs<compute_t<T>>& outputs,
+                                  const SdpaOptions& opt) {
+  forward_call<T>(args, outputs, opt, 0);
+}
+
+template <class T>
+void scaled_dot_product_attention_backward(const SdpaArgs<T>& args, View4<const compute_t<T>> dout,
+                                           const SdpaSaved<compute_t<T>>& saved,
+                                           const SdpaGrads<compute_t<T>>& g, const SdpaOptions& opt) {
+  backward_call<T>(args, dout, saved, g, opt, 0);
+}
+
+void detail::block_attention(const SdpaArgs<float>& args, const SdpaOutputs<float>& outputs, const SdpaOptions& opt,
+                             int64_t key_origin) {
+  forward_call<float>(args, outputs, opt, key_origin);
+}
+
+void detail::block_attention_backward(const SdpaArgs<float>& args, View4<const float> dout,
+                                      const SdpaSaved<float>& saved, const SdpaGrads<float>& g,
+                                      const SdpaOptions& opt, int64_t key_origin) {
+  backward_call<float>(args, dout, saved, g, opt, key_origin);
+}
+
 template <class T>
 T softmax(const T* x, T* y, int64_t n) {
   const Checker c{"softmax"};
@@ -263,7 +293,7 @@ T softmax(const T* x, T* y, int64_t n) {
       const SdpaGrads<compute_t<T>>&, const SdpaOptions&);                                                 \
   template Backend resolve_backend<T>(const SdpaArgs<T>&, const SdpaOptions&);                             \
   template Backend detail::check_attention<T>(const detail::Checker&, const SdpaArgs<T>&, const SdpaOptions&); \
-  template detail::ProblemOf<compute_t<T>> detail::make_problem<T>(const SdpaArgs<T>&, const SdpaOptions&);
+  template detail::ProblemOf<compute_t<T>> detail::make_problem<T>(const SdpaArgs<T>&, const SdpaOptions&, int64_t);
 
 ATTN_INSTANTIATE_SDPA(float)
 ATTN_INSTANTIATE_SDPA(double)

@@ -268,4 +268,12 @@ std::vector<std::pair<const char*, int64_t>> option_fingerprint(const SdpaOption
 template <class T>
 Backend check_attention(const Checker& c, const SdpaArgs<T>& args, const SdpaOptions& opt);
 
+// The dense call (forward and backward, checked as the public ones are) as
+// a block of a larger call whose keys start at position key_origin: the
+// ring's blocks, where chunk boundaries are positions of the whole sequence.
+void block_attention(const SdpaArgs<float>& args, const SdpaOutputs<float>& outputs, const SdpaOptions& opt,
+                     int64_t key_origin);
+void block_attention_backward(const SdpaArgs<float>& args, View4<const float> dout, const SdpaSaved<float>& saved,
+                              const SdpaGrads<float>& g, const SdpaOptions& opt, int64_t key_origin);
+
 }  // namespace attn::detail

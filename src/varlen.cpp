@@ -79,8 +79,11 @@ void check_cu(const VarlenChecker& c, const View1<const int64_t>& cu, const char
            ", expected at least the longest sequence in '" + name + "', " + std::to_string(longest));
 }
 
+// Checks the batch; `read` receives the memory every input reads (for
+// Checker::disjoint).
 template <class T>
-Packed validate(const VarlenChecker& c, const VarlenArgs<T>& a, const SdpaOptions& opt) {
+Packed validate(const VarlenChecker& c, const VarlenArgs<T>& a, const SdpaOptions& opt,
+                std::vector<detail::Extent>& read) {
   c.present(a.q, "q", "of (total_q, H, E)");
   c.present(a.k, "k", "of (total_k, Hkv, E)");
   c.present(a.v, "v", "of (total_k, Hkv, Ev)");
@@ -105,21 +108,12 @@ Packed validate(const VarlenChecker& c, const VarlenArgs<T>& a, const SdpaOption
   p.B = int64_t(p.cq.size()) - 1;
   if (c.given(a.mask, "mask")) c.fail("argument 'mask' is not taken by a packed batch (it has no packed layout)");
   if (c.given(a.bias, "bias")) c.fail("argument 'bias' is not taken by a packed batch (it has no packed layout)");
-  // The rule operands and options are checked by the dense call of each
-  // sequence (check_sequences), and once for the whole batch here.
-  std::vector<detail::Extent> read;
+  read = {c.extent(a.q, "q"), c.extent(a.k, "k"), c.extent(a.v, "v"), c.extent(a.cu_seqlens_q, "cu_seqlens_q"),
+          c.extent(a.cu_seqlens_k, "cu_seqlens_k")};
+  // The rule operands and options, once for the whole batch (the dense call
+  // of each sequence checks them again with its lengths: check_sequences).
   (void)detail::check_rules<T>(c, a, opt, {p.B, p.H, 1, 1}, read);
   return p;
-}
-
-// The memory every input reads, for Checker::disjoint.
-template <class T>
-std::vector<detail::Extent> input_extents(const VarlenChecker& c, const VarlenArgs<T>& a) {
-  std::vector<detail::Extent> in{c.extent(a.q, "q"), c.extent(a.k, "k"), c.extent(a.v, "v"),
-                                 c.extent(a.cu_seqlens_q, "cu_seqlens_q"), c.extent(a.cu_seqlens_k, "cu_seqlens_k")};
-  if (!a.alibi_slopes.empty()) in.push_back(c.extent(a.alibi_slopes, "alibi_slopes"));
-  if (!a.sinks.empty()) in.push_back(c.extent(a.sinks, "sinks"));
-  return in;
 }
 
 // Sequence b of a packed (total, Hx, F) view as a dense (1, Hx, n, F) view.
@@ -369,7 +363,8 @@ void backward_packed(const VarlenChecker& c, const VarlenArgs<float>& packed, co
 template <class T>
 void varlen_attention(const VarlenArgs<T>& args, const VarlenOutputs<T>& o, const SdpaOptions& opt) {
   const VarlenChecker c{{"varlen_attention"}};
-  const Packed p = validate(c, args, opt);
+  std::vector<detail::Extent> read;
+  const Packed p = validate(c, args, opt, read);
   c.shape(o.out, "out", {p.total_q, p.H, p.Ev}, "(total_q, H, Ev)");
   std::vector<detail::Extent> written{c.extent(o.out, "out")};
   if (!o.lse.empty()) {
@@ -377,7 +372,7 @@ void varlen_attention(const VarlenArgs<T>& args, const VarlenOutputs<T>& o, cons
     written.push_back(c.extent(o.lse, "lse"));
   }
   for (const auto& e : written) c.writable(e);
-  c.disjoint(written, input_extents(c, args));
+  c.disjoint(written, read);
   const bool fused = check_sequences(c, args, p, opt);
   for (int64_t b = 0; b < p.B; ++b) {
     const int64_t L = p.L(b), S = p.S(b);
@@ -404,7 +399,8 @@ template <class T>
 void varlen_attention_backward(const VarlenArgs<T>& args, View3<const T> dout, const VarlenSaved<T>& saved,
                                const VarlenGrads<T>& g, const SdpaOptions& opt) {
   const VarlenChecker c{{"varlen_attention_backward"}};
-  const Packed p = validate(c, args, opt);
+  std::vector<detail::Extent> read;
+  const Packed p = validate(c, args, opt, read);
   c.shape(dout, "dout", {p.total_q, p.H, p.Ev}, "(total_q, H, Ev)");
   c.shape(g.dq, "dq", {p.total_q, p.H, p.E}, "(total_q, H, E)");
   c.shape(g.dk, "dk", {p.total_k, p.Hkv, p.E}, "(total_k, Hkv, E)");
@@ -416,7 +412,6 @@ void varlen_attention_backward(const VarlenArgs<T>& args, View3<const T> dout, c
     written.push_back(c.extent(g.dsinks, "dsinks"));
   }
   for (const auto& e : written) c.writable(e);
-  std::vector<detail::Extent> read = input_extents(c, args);
   read.push_back(c.extent(dout, "dout"));
   if (!saved.out.empty()) {
     c.shape(saved.out, "out", {p.total_q, p.H, p.Ev}, "(total_q, H, Ev)");

@@ -36,11 +36,11 @@ using Problem = ProblemOf<float>;
 
 // The problem of a dense call whose arguments passed the boundary's
 // validation (src/sdpa.cpp): shapes from q, k, v, the rules resolved
-// (resolve_rules), the thread count resolved and clamped (see SdpaOptions).
-// Tests and benchmarks that call a kernel directly build their Problem with
-// it too.
+// (resolve_rules) with key 0 at position key_origin, the thread count
+// resolved and clamped (see SdpaOptions). Tests and benchmarks that call a
+// kernel directly build their Problem with it too.
 template <class T>
-ProblemOf<compute_t<T>> make_problem(const SdpaArgs<T>& a, const SdpaOptions& opt);
+ProblemOf<compute_t<T>> make_problem(const SdpaArgs<T>& a, const SdpaOptions& opt, int64_t key_origin = 0);
 
 // Index into a broadcastable axis: size-1 axes always read element 0.
 inline int64_t bcast(int64_t idx, int64_t dim) { return dim == 1 ? 0 : idx; }

@@ -91,13 +91,8 @@
 #include "kernels/decode/decode.hpp"
 #include "kernels/fused/common.hpp"
 #include "kernels/fused/online_softmax.hpp"
-// The fused kernels' SIMD helpers (Exp2Softmax, ScaleRow, Lanes); this
-// kernel uses only some of them, the others would warn as unused here.
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wunused-function"
-#include "kernels/fused/simd-inl.h"
+#include "kernels/vec-inl.h"
 #include "kernels/fused/pipeline-inl.h"
-#pragma GCC diagnostic pop
 #include "kernels/decode/vectors-inl.h"
 #include "kernels/decode/blocks-inl.h"
 
@@ -246,7 +241,6 @@ void SoftmaxTile(const Call& c, Scratch& w, int64_t nm, int64_t j0, int64_t nk, 
                  os::State<float>* st, uint8_t* nan) {
   const DF d;
   const int64_t N = Lanes();
-  const float cap = float(c.p->rules.softcap);
   // Only the vectors that hold the tile's keys: a short tile (pages of 16
   // tokens) costs its length, not tilep. Past them every score would be
   // −inf (a 0 added to the sum, nothing to the max), so the bits are those
@@ -278,7 +272,7 @@ void SoftmaxTile(const Call& c, Scratch& w, int64_t nm, int64_t j0, int64_t nk, 
     if (!c.p->rules.bias.empty()) line.bias = w.bias[size_t(r)];
     if (!c.p->rules.mask.empty()) line.mask = w.mask[size_t(r)];
     line.at = j0;
-    ApplyScoreRules(row, span, line, cap, kLog2e, nullptr);
+    ApplyScoreRules(row, span, line, c.p->rules, kLog2e, nullptr);
     VF vmax = hn::Set(d, kNegInf);
     for (int64_t jj = 0; jj < span; jj += N) vmax = hn::Max(vmax, hn::Load(d, row + jj));
     const os::Step<float> step = os::begin_tile<os::Base2>(st[r], hn::GetLane(hn::MaxOfLanes(d, vmax)));

@@ -285,7 +285,7 @@ void ScoreTileT(const FusedCall& c, ForwardScratch& w, int64_t b, int64_t h, int
     if (!sr.bias.empty()) line.bias = rules::query_column(sr.bias, b, h, j);
     if (!sr.mask.empty()) line.mask = rules::query_column(sr.mask, b, h, j);
     line.at = i0;
-    ApplyScoreRules(row, nrp, line, float(sr.softcap), kLog2e, nullptr);
+    ApplyScoreRules(row, nrp, line, sr, kLog2e, nullptr);
   }
 }
 
@@ -358,7 +358,7 @@ void ScoreTile(const FusedCall& c, BackwardScratch& w, int64_t b, int64_t h, int
     if (!sr.bias.empty()) line.bias = rules::key_row(sr.bias, b, h, i);
     if (!sr.mask.empty()) line.mask = rules::key_row(sr.mask, b, h, i);
     line.at = j0;
-    ApplyScoreRules(w.s + r * w.kbp, nkp, line, float(sr.softcap), 1.0f, w.dcap ? w.dcap + r * w.kbp : nullptr);
+    ApplyScoreRules(w.s + r * w.kbp, nkp, line, sr, 1.0f, w.dcap ? w.dcap + r * w.kbp : nullptr);
   }
 }
 
