@@ -91,7 +91,8 @@ Tensor<T> copy_of(View<const T, R> v) {
 }
 
 // The attention's arguments: the heads of the projections, the masks, bias,
-// key lengths and ALiBi slopes the cache owns, and the layer's sinks.
+// key lengths and per-head operands the saved state owns, and the layer's
+// sinks.
 template <class T>
 SdpaArgs<T> sdpa_args(const MhaSaved<T>& st, View4<const T> q, View4<const T> k, View4<const T> v,
                       const Tensor<T>* sinks) {
@@ -100,7 +101,8 @@ SdpaArgs<T> sdpa_args(const MhaSaved<T>& st, View4<const T> q, View4<const T> k,
   if (st.mask.rank() == 4) args.mask = st.mask.view4();
   if (st.bias.rank() == 4) args.bias = st.bias.view4();
   if (st.key_lengths.rank() == 1) args.key_lengths = st.key_lengths.template view<1>();
-  if (st.alibi_slopes.rank() == 1) args.alibi_slopes = st.alibi_slopes.template view<1>();
+  for (size_t i = 0; i < st.per_head.size(); ++i)
+    if (st.per_head[i].rank() == 1) args.*detail::kPerHeadOperands<T>[i].member = st.per_head[i].template view<1>();
   if (sinks) args.sinks = sinks->template view<1>();
   return args;
 }
@@ -176,14 +178,17 @@ void MultiheadAttention<T>::forward(const MhaArgs<T>& a, const MhaOutputs<T>& o,
   // A cache refilled call after call (a training loop) lends its buffers to
   // the new state, unless an argument points into one of them.
   if (cache) {
-    const void* ptrs[] = {a.query.data,   a.key.data,      a.value.data,         a.mask.data,
-                          a.bias.data, a.key_padding_mask.data, a.key_lengths.data, a.alibi_slopes.data,
-                          o.out.data, o.head_weights.data, o.avg_weights.data};
+    std::vector<const void*> ptrs{a.query.data,       a.key.data,       a.value.data,
+                                  a.mask.data,        a.bias.data,      a.key_padding_mask.data,
+                                  a.key_lengths.data, o.out.data,       o.head_weights.data,
+                                  o.avg_weights.data};
+    for (const auto& op : detail::kPerHeadOperands<T>) ptrs.push_back((a.*op.member).data);
+    std::vector<const Tensor<T>*> owned{&cache->query, &cache->key,      &cache->value, &cache->proj,
+                                        &cache->attn_out, &cache->lse, &cache->bias};
+    for (const Tensor<T>& t : cache->per_head) owned.push_back(&t);
     bool aliased = false;
     for (const void* p : ptrs)
-      for (const Tensor<T>* t : {&cache->query, &cache->key, &cache->value, &cache->proj, &cache->attn_out,
-                                 &cache->lse, &cache->bias, &cache->alibi_slopes})
-        aliased = aliased || inside(*t, p);
+      for (const Tensor<T>* t : owned) aliased = aliased || inside(*t, p);
     for (const void* p : ptrs) aliased = aliased || inside(cache->mask, p) || inside(cache->key_lengths, p);
     if (!aliased) {
       st.query = std::move(cache->query), st.key = std::move(cache->key), st.value = std::move(cache->value);
@@ -233,7 +238,9 @@ void MultiheadAttention<T>::forward(const MhaArgs<T>& a, const MhaOutputs<T>& o,
   }
   if (!a.bias.empty()) st.bias = copy_of<T, 4>(a.bias);
   if (!a.key_lengths.empty()) st.key_lengths = copy_of<int64_t, 1>(a.key_lengths);
-  if (!a.alibi_slopes.empty()) st.alibi_slopes = copy_of<T, 1>(a.alibi_slopes);
+  st.per_head.resize(detail::kPerHeadOperands<T>.size());
+  for (size_t i = 0; i < st.per_head.size(); ++i)
+    if (const View1<const T>& v = a.*detail::kPerHeadOperands<T>[i].member; !v.empty()) st.per_head[i] = copy_of<T, 1>(v);
 
   const SdpaArgs<T> args = sdpa_args<T>(st, qh, kh, vh, cfg_.sinks ? &params_.at(kSinks) : nullptr);
 

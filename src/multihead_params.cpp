@@ -1,7 +1,7 @@
 // The multi-head attention layer's construction (the configuration's
 // checks), its initialisation as PyTorch's layer does it, its parameters
-// and gradients by state_dict name, and the ALiBi slopes helper. Forward and
-// backward are in multihead.cpp.
+// and gradients by state_dict name. Forward and backward are in
+// multihead.cpp.
 #include <cmath>
 #include <map>
 #include <string>
@@ -160,19 +160,6 @@ void MultiheadAttention<T>::reset_parameters(uint64_t seed) {
   }
   // Sinks start at 0: each adds exp(0) = 1 to its rows' denominators.
   if (cfg_.sinks) params_.at(kSinks).fill(T(0));
-}
-
-std::vector<double> alibi_slopes(int64_t num_heads) {
-  if (num_heads < 1 || num_heads > (int64_t(1) << 24))
-    throw InvalidArgument("attn::alibi_slopes: num_heads is " + std::to_string(num_heads) + ", expected 1 to 2^24");
-  int64_t n = 1;  // the largest power of two <= num_heads
-  while (2 * n <= num_heads) n *= 2;
-  std::vector<double> s;
-  s.reserve(size_t(num_heads));
-  for (int64_t h = 0; h < n; ++h) s.push_back(std::exp2(-8.0 * double(h + 1) / double(n)));
-  // the rest: the odd-numbered slopes of 2n heads, 2^(-8(2i+1)/(2n))
-  for (int64_t i = 0; int64_t(s.size()) < num_heads; ++i) s.push_back(std::exp2(-8.0 * double(2 * i + 1) / double(2 * n)));
-  return s;
 }
 
 template <class T>

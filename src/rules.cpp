@@ -89,6 +89,27 @@ std::vector<std::pair<const char*, int64_t>> option_fingerprint(const SdpaOption
           {"check_finite", int64_t(opt.check_finite)}};
 }
 
+}  // namespace attn::detail
+
+namespace attn {
+
+std::vector<double> alibi_slopes(int64_t num_heads) {
+  if (num_heads < 1 || num_heads > (int64_t(1) << 24))
+    throw InvalidArgument("attn::alibi_slopes: num_heads is " + std::to_string(num_heads) + ", expected 1 to 2^24");
+  int64_t n = 1;  // the largest power of two <= num_heads
+  while (2 * n <= num_heads) n *= 2;
+  std::vector<double> s;
+  s.reserve(size_t(num_heads));
+  for (int64_t h = 0; h < n; ++h) s.push_back(std::exp2(-8.0 * double(h + 1) / double(n)));
+  // the rest: the odd-numbered slopes of 2n heads, 2^(-8(2i+1)/(2n))
+  for (int64_t i = 0; int64_t(s.size()) < num_heads; ++i) s.push_back(std::exp2(-8.0 * double(2 * i + 1) / double(2 * n)));
+  return s;
+}
+
+}  // namespace attn
+
+namespace attn::detail {
+
 #define ATTN_INSTANTIATE_RULES(F)                                                                               \
   template int check_rules<F>(const Checker&, const ScoreArgs<F>&, const SdpaOptions&, const std::array<int64_t, 4>&, \
                               std::vector<Extent>&);                                                            \

@@ -32,13 +32,13 @@
 //   q (B, H, L_r, E)  k (B, Hkv, S_r, E)  v (B, Hkv, S_r, Ev)
 //   outputs / saved: out (B, H, L_r, Ev), lse (B, H, L_r)
 // key_lengths (B) holds GLOBAL lengths (every rank passes the same values),
-// and so do alibi_slopes (H) and sinks (H); dsinks (H) receives the whole
-// gradient on every rank.
-// Supported options: scale, causal (either alignment; L ≠ S), window,
-// position_offset (global positions: query row i of the whole sequence sits
-// at key position i + offset), softcap, alibi_slopes, sinks (and dsinks),
-// key_lengths, GQA, E ≠ Ev, num_threads (per rank). The ring skips the
-// blocks outside the causal/window band. Not supported (a clear
+// and so do the per-head operands (H) of ScoreArgs; dsinks (H) receives the
+// whole gradient on every rank.
+// Supported: every option of SdpaOptions (causal of either alignment with
+// L ≠ S; window, chunk_size and position_offset in global positions: query
+// row i of the whole sequence sits at key position i + offset; num_threads
+// per rank), the per-head operands (and dsinks), key_lengths, GQA, E ≠ Ev.
+// The ring skips the blocks outside the band. Not supported (a clear
 // attn::Error): mask, bias, dbias, attention weights, and float64 (the
 // backward needs the fused float32 kernel).
 //

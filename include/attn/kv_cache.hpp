@@ -139,7 +139,7 @@ class KVCache {
 //   mask  bool (B|1, H|1, L|1, C|1) over key positions 0..C−1, C = the
 //         capacity: true = query i may attend to key j
 //   bias  float, the same shape, added to the scores (−inf masks)
-//   alibi_slopes, sinks (H), as in the dense call
+//   the per-head operands (H), as in the dense call
 struct DecodeArgs : ScoreArgs<float> {
   View4<const float> q;
   const KVCache* cache = nullptr;
@@ -152,8 +152,8 @@ struct DecodeArgs : ScoreArgs<float> {
 // Positions: the new queries are the last L tokens of each sequence, so
 // query i of sequence b sits at position length(b) − L + i (the
 // bottom-right alignment; opt.causal_align does not apply and
-// opt.position_offset is refused). Every SdpaOptions rule applies as in the
-// dense call (causal, window, chunk_size, softcap, scale); causal defaults to
+// opt.position_offset is refused). Every other SdpaOptions rule applies as
+// in the dense call; causal defaults to
 // false as there: one new token per sequence sees every key either way, a
 // block of L > 1 new tokens needs opt.causal = true to be causal.
 // opt.backend: reference reads the cache back as float32 and runs the

@@ -26,8 +26,7 @@
 //
 // The score rules (attn/sdpa.hpp, docs/variants.md) are the dense call's:
 // the options in MhaOptions::sdpa, the operands (mask, bias, per-head
-// slopes) in MhaArgs's ScoreArgs; the standard slopes come from
-// alibi_slopes(H) below. The sinks are the layer's parameter above, trained
+// slopes) in MhaArgs's ScoreArgs (the standard slopes: attn/sdpa.hpp). The sinks are the layer's parameter above, trained
 // like the weights (MhaArgs::sinks is refused).
 //
 // Mask polarity. PyTorch is inconsistent here (SDPA: true = attend;
@@ -60,12 +59,6 @@ struct MultiheadConfig {
   int64_t v_head_dim = 0;  // Ev; 0 = head_dim
   bool sinks = false;      // a learnable sink logit per head, parameter "sinks" [H]
 };
-
-// The ALiBi paper's slopes for H heads: 2^(-8(h+1)/H) for h = 0..H-1 when H
-// is a power of two; otherwise, with n the largest power of two below H, the
-// n slopes for n heads followed by every other slope for 2n heads (the first
-// H - n of 2^(-8(2i+1)/(2n))), as in the paper's code and BLOOM.
-std::vector<double> alibi_slopes(int64_t num_heads);
 
 // Everything the forward reads. key and value both empty means
 // self-attention: key = value = query, one packed projection, and backward
@@ -144,7 +137,7 @@ struct MhaSaved {
   Tensor<bool> mask;             // mask combined with key_padding_mask, in its broadcast shape
   Tensor<T> bias;                // bias, in its broadcast shape
   Tensor<int64_t> key_lengths;   // (B)
-  Tensor<T> alibi_slopes;        // (H)
+  std::vector<Tensor<T>> per_head;  // copies of ScoreArgs' per-head operands ((H) each; rank 0: not given)
   MhaOptions options;
 
   bool filled() const { return B > 0; }

@@ -71,6 +71,7 @@
 #include <string>
 #include <string_view>
 #include <type_traits>
+#include <vector>
 
 #include "attn/error.hpp"
 #include "attn/half.hpp"
@@ -182,6 +183,12 @@ void scaled_dot_product_attention_backward(const SdpaArgs<T>& args, View4<const 
 // The backend `opt.backend` resolves to for this request (after validation).
 template <class T>
 Backend resolve_backend(const SdpaArgs<T>& args, const SdpaOptions& opt);
+
+// The standard per-head slopes (ScoreArgs::alibi_slopes): the ALiBi paper's slopes for H heads: 2^(-8(h+1)/H) for h = 0..H-1 when H
+// is a power of two; otherwise, with n the largest power of two below H, the
+// n slopes for n heads followed by every other slope for 2n heads (the first
+// H - n of 2^(-8(2i+1)/(2n))), as in the paper's code and BLOOM.
+std::vector<double> alibi_slopes(int64_t num_heads);
 
 // The softmax every attn backend and layer uses, public on purpose (tools
 // and tests compare against it): y = exp(x - max) / sum, numerically stable

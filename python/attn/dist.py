@@ -117,9 +117,10 @@ def _f32(fn: str, name: str, x: Any) -> np.ndarray:
 
 
 def _kwargs(fn: str, q: np.ndarray, is_causal: bool, scale: Optional[float], layout: str, window_size: Any,
-            softcap: Any, alibi_slopes: Any, sinks: Any, position_offset: Any, key_lengths: Any,
+            softcap: Any, alibi_slopes: Any, sinks: Any, position_offset: Any, chunk_size: Any, key_lengths: Any,
             num_threads: int) -> dict:
-    kw = variant_kwargs(fn, np.dtype(np.float32), window_size, alibi_slopes, softcap, sinks, position_offset)
+    kw = variant_kwargs(fn, np.dtype(np.float32), window_size, alibi_slopes, softcap, sinks, position_offset,
+                        chunk_size)
     if key_lengths is not None:
         kl = np.asarray(key_lengths)
         # The extension takes a 1-D int64 array; the library checks its length (B) and values.
@@ -134,12 +135,12 @@ def _kwargs(fn: str, q: np.ndarray, is_causal: bool, scale: Optional[float], lay
 
 def _forward(strategy: str, fn: str, query: Any, key: Any, value: Any, comm: Any, is_causal: bool,
              scale: Optional[float], layout: str, window_size: Any, softcap: Any, alibi_slopes: Any, sinks: Any,
-             position_offset: Any, key_lengths: Any, num_threads: int, return_lse: bool) -> Any:
+             position_offset: Any, chunk_size: Any, key_lengths: Any, num_threads: int, return_lse: bool) -> Any:
     ext = _ext(fn)
     address, _, _ = _comm(fn, comm)
     q, k, v = _f32(fn, "query", query), _f32(fn, "key", key), _f32(fn, "value", value)
     kw = _kwargs(fn, q, is_causal, scale, layout, window_size, softcap, alibi_slopes, sinks, position_offset,
-                 key_lengths, num_threads)
+                 chunk_size, key_lengths, num_threads)
     out = np.empty(q.shape[:3] + v.shape[3:], dtype=np.float32)
     lse = np.empty(q.shape[:3], dtype=np.float32)
     ext.forward(ext.prepare(strategy, address, q, k, v, **kw), out, lse=lse)
@@ -148,7 +149,7 @@ def _forward(strategy: str, fn: str, query: Any, key: Any, value: Any, comm: Any
 
 def _backward(strategy: str, fn: str, grad_output: Any, query: Any, key: Any, value: Any, comm: Any,
               output: Any, lse: Any, is_causal: bool, scale: Optional[float], layout: str, window_size: Any,
-              softcap: Any, alibi_slopes: Any, sinks: Any, position_offset: Any, key_lengths: Any,
+              softcap: Any, alibi_slopes: Any, sinks: Any, position_offset: Any, chunk_size: Any, key_lengths: Any,
               num_threads: int) -> Tuple[np.ndarray, ...]:
     ext = _ext(fn)
     address, _, _ = _comm(fn, comm)
@@ -160,7 +161,7 @@ def _backward(strategy: str, fn: str, grad_output: Any, query: Any, key: Any, va
     if output is not None:
         saved = dict(out=_f32(fn, "output", output), lse=np.ascontiguousarray(np.asarray(lse, dtype=np.float32)))
     kw = _kwargs(fn, q, is_causal, scale, layout, window_size, softcap, alibi_slopes, sinks, position_offset,
-                 key_lengths, num_threads)
+                 chunk_size, key_lengths, num_threads)
     dq, dk, dv = np.empty_like(q), np.empty_like(k), np.empty_like(v)
     dsinks = None if kw["sinks"] is None else np.empty(q.shape[1], dtype=np.float32)
     ext.backward(ext.prepare(strategy, address, q, k, v, **kw), dout, dq, dk, dv, dsinks=dsinks, **saved)
@@ -170,7 +171,7 @@ def _backward(strategy: str, fn: str, grad_output: Any, query: Any, key: Any, va
 _DOC_ARGS = """
     query (B, H, L_r, E), key (B, Hkv, S_r, E), value (B, Hkv, S_r, Ev): this rank's float32 shards
     (see shard()); comm: an mpi4py communicator (every rank calls with the same shapes and options).
-    is_causal, scale, window_size=(left, right), softcap, alibi_slopes (H), sinks (H), position_offset and
+    is_causal, scale, window_size=(left, right), softcap, chunk_size, alibi_slopes (H), sinks (H), position_offset and
     key_lengths (B) as in attn.scaled_dot_product_attention, with global positions and lengths;
     layout: 'zigzag' (balanced under causal) or 'contiguous'; num_threads per rank."""
 
@@ -178,43 +179,47 @@ _DOC_ARGS = """
 def ring_attention(query: Any, key: Any, value: Any, comm: Any, *, is_causal: bool = False,
                    scale: Optional[float] = None, layout: str = "zigzag", window_size: Any = None,
                    softcap: Any = None, alibi_slopes: Any = None, sinks: Any = None, position_offset: Any = None,
-                   key_lengths: Any = None, num_threads: int = 0, return_lse: bool = False) -> Any:
+                   chunk_size: int = 0, key_lengths: Any = None, num_threads: int = 0, return_lse: bool = False) -> Any:
     """Ring attention: this rank's output rows (B, H, L_r, Ev), and lse (B, H, L_r) with return_lse."""
     return _forward("ring", "attn.dist.ring_attention", query, key, value, comm, is_causal, scale, layout,
-                    window_size, softcap, alibi_slopes, sinks, position_offset, key_lengths, num_threads, return_lse)
+                    window_size, softcap, alibi_slopes, sinks, position_offset, chunk_size, key_lengths, num_threads,
+                    return_lse)
 
 
 def ulysses_attention(query: Any, key: Any, value: Any, comm: Any, *, is_causal: bool = False,
                       scale: Optional[float] = None, layout: str = "zigzag", window_size: Any = None,
                       softcap: Any = None, alibi_slopes: Any = None, sinks: Any = None,
-                      position_offset: Any = None, key_lengths: Any = None, num_threads: int = 0,
+                      position_offset: Any = None, chunk_size: int = 0, key_lengths: Any = None, num_threads: int = 0,
                       return_lse: bool = False) -> Any:
     """All-to-all (Ulysses) attention; H and Hkv must divide by the number of ranks."""
     return _forward("ulysses", "attn.dist.ulysses_attention", query, key, value, comm, is_causal, scale, layout,
-                    window_size, softcap, alibi_slopes, sinks, position_offset, key_lengths, num_threads, return_lse)
+                    window_size, softcap, alibi_slopes, sinks, position_offset, chunk_size, key_lengths, num_threads,
+                    return_lse)
 
 
 def ring_attention_backward(grad_output: Any, query: Any, key: Any, value: Any, comm: Any, *, output: Any = None,
                             lse: Any = None, is_causal: bool = False, scale: Optional[float] = None,
                             layout: str = "zigzag", window_size: Any = None, softcap: Any = None,
                             alibi_slopes: Any = None, sinks: Any = None, position_offset: Any = None,
-                            key_lengths: Any = None, num_threads: int = 0) -> Tuple[np.ndarray, ...]:
+                            chunk_size: int = 0, key_lengths: Any = None,
+                            num_threads: int = 0) -> Tuple[np.ndarray, ...]:
     """Gradients of this rank's shards: (dq, dk, dv), and dsinks (H, the whole gradient) when sinks
     are given. output and lse are the forward's (return_lse=True); recomputed when not given."""
     return _backward("ring", "attn.dist.ring_attention_backward", grad_output, query, key, value, comm, output, lse,
-                     is_causal, scale, layout, window_size, softcap, alibi_slopes, sinks, position_offset, key_lengths,
-                     num_threads)
+                     is_causal, scale, layout, window_size, softcap, alibi_slopes, sinks, position_offset,
+                     chunk_size, key_lengths, num_threads)
 
 
 def ulysses_attention_backward(grad_output: Any, query: Any, key: Any, value: Any, comm: Any, *, output: Any = None,
                                lse: Any = None, is_causal: bool = False, scale: Optional[float] = None,
                                layout: str = "zigzag", window_size: Any = None, softcap: Any = None,
                                alibi_slopes: Any = None, sinks: Any = None, position_offset: Any = None,
-                               key_lengths: Any = None, num_threads: int = 0) -> Tuple[np.ndarray, ...]:
+                               chunk_size: int = 0, key_lengths: Any = None,
+                            num_threads: int = 0) -> Tuple[np.ndarray, ...]:
     """The backward of ulysses_attention, as ring_attention_backward."""
     return _backward("ulysses", "attn.dist.ulysses_attention_backward", grad_output, query, key, value, comm, output,
                      lse, is_causal, scale, layout, window_size, softcap, alibi_slopes, sinks, position_offset,
-                     key_lengths, num_threads)
+                     chunk_size, key_lengths, num_threads)
 
 
 for _f in (ring_attention, ulysses_attention, ring_attention_backward, ulysses_attention_backward):

@@ -76,7 +76,7 @@ Call prepare(const std::string& strategy, uintptr_t comm, const Arr<const float,
              const Arr<const float, 4>& v, const Opt<Arr<const int64_t, 1>>& key_lengths,
              const Opt<Arr<const float, 1>>& alibi_slopes, const Opt<Arr<const float, 1>>& sinks,
              std::optional<double> scale, bool causal, int64_t window_left, int64_t window_right, double softcap,
-             Opt<int64_t> position_offset, const std::string& layout, int num_threads) {
+             int64_t chunk_size, Opt<int64_t> position_offset, const std::string& layout, int num_threads) {
   Call c;
   c.ring = is_ring(strategy);
   c.comm = comm_at(comm);
@@ -91,6 +91,7 @@ Call prepare(const std::string& strategy, uintptr_t comm, const Arr<const float,
   c.opt.sdpa.causal = causal;
   c.opt.sdpa.window = {window_left, window_right};
   c.opt.sdpa.softcap = softcap;
+  c.opt.sdpa.chunk_size = chunk_size;
   c.opt.sdpa.position_offset = position_offset;
   c.opt.sdpa.num_threads = num_threads;
   c.opt.layout = parse_layout(layout);
@@ -123,7 +124,7 @@ NB_MODULE(_attn_dist, m) {
         nb::kw_only(), "key_lengths"_a.noconvert().none() = nb::none(),
         "alibi_slopes"_a.noconvert().none() = nb::none(), "sinks"_a.noconvert().none() = nb::none(),
         "scale"_a.none() = nb::none(), "causal"_a = false, "window_left"_a = -1, "window_right"_a = -1,
-        "softcap"_a = 0.0, "position_offset"_a.none() = nb::none(), "layout"_a = "zigzag", "num_threads"_a = 0,
+        "softcap"_a = 0.0, "chunk_size"_a = 0, "position_offset"_a.none() = nb::none(), "layout"_a = "zigzag", "num_threads"_a = 0,
         "A call of strategy 'ring' or 'ulysses' on this rank's float32 shards q, k, v (rank 4); comm is\n"
         "MPI._addressof(mpi4py communicator).");
   m.def(

@@ -126,7 +126,7 @@ void sink_gradient(MPI_Comm comm, const Geometry& g, View4<const float> dout, Vi
                    View3<const float> lse, View1<float> dsinks) {
   std::vector<double> mine(size_t(g.H), 0.0), all(size_t(g.H) * size_t(g.P));
   for (int64_t h = 0; h < g.H; ++h) {
-    const double sink = g.sinks[size_t(h)];
+    const double sink = g.operands().sinks(h);
     for (int64_t b = 0; sink != -INFINITY && b < g.B; ++b)
       for (int64_t i = 0; i < out.shape[2]; ++i) {
         double D = 0;  // D_i = dY_i · Y_i
@@ -290,32 +290,9 @@ void check_local(const Checker& c, const Request& req, Geometry& g, bool ring, b
   if (opt.sdpa.backend == Backend::reference)
     c.fail("option 'backend' is reference; context-parallel attention runs the fused float32 kernel (its backward "
            "takes the global log-sum-exp), use auto or fused");
-  if (opt.sdpa.scale && (!std::isfinite(*opt.sdpa.scale) || *opt.sdpa.scale <= 0))
-    c.fail("option 'scale' is " + std::to_string(*opt.sdpa.scale) + ", expected a finite value > 0");
-  if (opt.sdpa.num_threads < 0)
-    c.fail("option 'num_threads' is " + std::to_string(opt.sdpa.num_threads) + ", expected >= 0 (0 = default)");
-  for (const auto& [side, name] : {std::pair{opt.sdpa.window.left, "window.left"}, {opt.sdpa.window.right, "window.right"}})
-    if (side < -1) c.fail(std::string("option '") + name + "' is " + std::to_string(side) + ", expected >= 0 or -1 (unbounded)");
-  if (!std::isfinite(opt.sdpa.softcap) || opt.sdpa.softcap < 0)
-    c.fail("option 'softcap' is " + std::to_string(opt.sdpa.softcap) + ", expected a finite value > 0 (or 0 = off)");
-  if (opt.sdpa.position_offset && (*opt.sdpa.position_offset > kMaxOffset || *opt.sdpa.position_offset < -kMaxOffset))
-    c.fail("option 'position_offset' is " + std::to_string(*opt.sdpa.position_offset) + ", expected |offset| <= 2^52");
-  if (opt.sdpa.chunk_size != 0)
-    c.fail("option 'chunk_size' is not supported across processes (the blocks' calls place keys relative to "
-           "their block, and chunk boundaries are absolute positions)");
-  if (given(a.alibi_slopes)) {
-    require_shard(c, a.alibi_slopes, "alibi_slopes");
-    shard_shape(c, a.alibi_slopes, "alibi_slopes", {g.H}, "(H), one slope per query head");
-    all_finite(c, a.alibi_slopes, "alibi_slopes", ", expected finite slopes");
-  }
-  if (given(a.sinks)) {
-    require_shard(c, a.sinks, "sinks");
-    shard_shape(c, a.sinks, "sinks", {g.H}, "(H), one logit per query head");
-    for (int64_t h = 0; h < g.H; ++h)
-      if (std::isnan(a.sinks(h)) || a.sinks(h) == INFINITY)
-        c.fail("argument 'sinks' holds " + std::to_string(a.sinks(h)) + " at head " + std::to_string(h) +
-               ", expected a finite value or -inf (no sink)");
-  }
+  // The score rules' operands and options, as the single-process call checks them.
+  std::vector<attn::detail::Extent> read;
+  (void)attn::detail::check_rules<float>(c, a, opt.sdpa, {g.B, g.H, Lr, Sr}, read);
   if (!ring && (g.H % g.P != 0 || g.Hkv % g.P != 0))
     c.fail("ulysses needs H and Hkv divisible by the number of processes P = " + std::to_string(g.P) + ", got H = " +
            std::to_string(g.H) + ", Hkv = " + std::to_string(g.Hkv) + " (use the ring)");
@@ -384,34 +361,30 @@ Geometry validate(MPI_Comm comm, const char* fn, const Request& req) {
   g.saved = backward && given(req.out) && given(req.lse);
   g.lse_given = !backward && given(req.lse);
   g.dsinks = backward && given(req.grads->dsinks);
-  auto bits = [](double x) {
-    int64_t b = 0;
-    std::memcpy(&b, &x, sizeof b);
-    return b;
-  };
-  constexpr int kFields = 22;
-  const std::array<int64_t, kFields> mine{g.B, g.H, g.Hkv, g.E, g.Ev, Lr, Sr, int64_t(opt.sdpa.causal),
-                                          int64_t(opt.sdpa.causal_align), int64_t(opt.layout),
-                                          int64_t(!a.key_lengths.empty()), bits(g.scale), int64_t(g.saved),
-                                          int64_t(g.lse_given), opt.sdpa.window.left, opt.sdpa.window.right,
-                                          bits(opt.sdpa.softcap), int64_t(opt.sdpa.position_offset.has_value()),
-                                          opt.sdpa.position_offset.value_or(0), int64_t(given(a.alibi_slopes)),
-                                          int64_t(given(a.sinks)), int64_t(g.dsinks)};
-  std::vector<int64_t> all(size_t(kFields) * size_t(g.P));
-  MPI_Allgather(mine.data(), kFields, MPI_INT64_T, all.data(), kFields, MPI_INT64_T, comm);
-  const char* names[kFields] = {"B", "H", "Hkv", "E", "Ev", "", "", "causal", "causal_align", "layout",
-                                "key_lengths given", "scale", "whether the saved out and lse were given",
-                                "whether an lse output was given", "window.left", "window.right", "softcap",
-                                "whether position_offset was given", "position_offset", "whether alibi_slopes were given",
-                                "whether sinks were given", "whether dsinks was asked for"};
+  // The fields every rank must agree on, with their names: the shapes (the
+  // local lengths, fields 0 and 1, are gathered, not compared), the layout,
+  // which arguments were given, and every option (option_fingerprint).
+  std::vector<std::pair<const char*, int64_t>> fields{{"", Lr}, {"", Sr}, {"B", g.B}, {"H", g.H}, {"Hkv", g.Hkv},
+                                                       {"E", g.E}, {"Ev", g.Ev}, {"layout", int64_t(opt.layout)},
+                                                       {"key_lengths given", int64_t(!a.key_lengths.empty())},
+                                                       {"whether the saved out and lse were given", int64_t(g.saved)},
+                                                       {"whether an lse output was given", int64_t(g.lse_given)},
+                                                       {"whether dsinks was asked for", int64_t(g.dsinks)}};
+  for (const auto& op : attn::detail::kPerHeadOperands<float>)
+    fields.emplace_back(op.name, int64_t(given(a.*op.member)));  // whether it was given
+  for (const auto& f : attn::detail::option_fingerprint(opt.sdpa)) fields.push_back(f);
+  const int nf = int(fields.size());
+  std::vector<int64_t> mine(static_cast<size_t>(nf)), all(static_cast<size_t>(nf) * size_t(g.P));
+  for (int f = 0; f < nf; ++f) mine[size_t(f)] = fields[size_t(f)].second;
+  MPI_Allgather(mine.data(), nf, MPI_INT64_T, all.data(), nf, MPI_INT64_T, comm);
   for (int p = 0; p < g.P; ++p) {
-    const int64_t* o = &all[size_t(p) * kFields];
-    for (int f = 0; f < kFields; ++f)
-      if (f != 5 && f != 6 && o[f] != all[size_t(f)])
-        c.fail(std::string("ranks disagree on ") + names[f] + " (rank " + std::to_string(p) +
+    const int64_t* o = &all[size_t(p) * size_t(nf)];
+    for (int f = 2; f < nf; ++f)
+      if (o[f] != all[size_t(f)])
+        c.fail(std::string("ranks disagree on ") + fields[size_t(f)].first + " (rank " + std::to_string(p) +
                " differs from rank 0); every rank must pass the same shapes and options");
-    g.Lr.push_back(o[5]);
-    g.Sr.push_back(o[6]);
+    g.Lr.push_back(o[0]);
+    g.Sr.push_back(o[1]);
   }
   for (int p = 0; p < g.P; ++p) g.L += g.Lr[size_t(p)], g.S += g.Sr[size_t(p)];
   for (int p = 0; p < g.P; ++p) {
@@ -439,19 +412,22 @@ Geometry validate(MPI_Comm comm, const char* fn, const Request& req) {
   g.window_left = opt.sdpa.window.left >= reach ? -1 : opt.sdpa.window.left;
   g.window_right = opt.sdpa.window.right >= reach ? -1 : opt.sdpa.window.right;
   if (opt.sdpa.causal) g.window_right = 0;  // causal is the window's right side 0 (the tighter of the two)
-  g.positional = g.window_left >= 0 || g.window_right >= 0 || given(a.alibi_slopes);
-  // Per-head values must agree bit for bit (one gather for both).
-  for (const auto& [view, vec, name] : {std::tuple{&a.alibi_slopes, &g.alibi_slopes, "alibi_slopes"},
-                                        std::tuple{&a.sinks, &g.sinks, "sinks"}}) {
-    if (!given(*view)) continue;
+  g.chunk = opt.sdpa.chunk_size;
+  g.positional = g.window_left >= 0 || g.window_right >= 0 || g.chunk > 0 || attn::detail::operands_read_positions(a);
+  // Per-head values must agree bit for bit.
+  g.per_head.assign(attn::detail::kPerHeadOperands<float>.size(), {});
+  for (size_t i = 0; i < g.per_head.size(); ++i) {
+    const auto& op = attn::detail::kPerHeadOperands<float>[i];
+    const View1<const float>& view = a.*op.member;
+    if (!given(view)) continue;
     std::vector<float> mine_h(size_t(g.H)), all_h(size_t(g.H) * size_t(g.P));
-    for (int64_t h = 0; h < g.H; ++h) mine_h[size_t(h)] = (*view)(h);
+    for (int64_t h = 0; h < g.H; ++h) mine_h[size_t(h)] = view(h);
     MPI_Allgather(mine_h.data(), int(g.H), MPI_FLOAT, all_h.data(), int(g.H), MPI_FLOAT, comm);
     for (int p = 1; p < g.P; ++p)
       if (std::memcmp(&all_h[size_t(p) * size_t(g.H)], all_h.data(), size_t(g.H) * sizeof(float)) != 0)
-        c.fail(std::string("ranks disagree on ") + name + " (rank " + std::to_string(p) +
+        c.fail(std::string("ranks disagree on ") + op.name + " (rank " + std::to_string(p) +
                " differs from rank 0); pass the same values everywhere");
-    *vec = mine_h;
+    g.per_head[i] = mine_h;
   }
   if (!a.key_lengths.empty()) {
     std::vector<int64_t> kl(size_t(g.B)), klall(size_t(g.B) * size_t(g.P));

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "attn/dist.hpp"
+#include "kernels/score_rules.hpp"
 
 namespace attn::dist::detail {
 
@@ -24,12 +25,16 @@ struct Geometry {
   std::vector<int64_t> key_lengths;          // global, empty when not given
   // The position rule (kernels/score_rules.hpp) of the whole problem: query
   // row i of the global sequence sits at key position i + offset. `positional`
-  // when a rule reads positions (causal, a window side, ALiBi); otherwise
-  // every visible key is visible to every query and blocks need no offsets.
+  // when a rule reads positions (causal, a window side, chunks, per-head
+  // slopes); otherwise every visible key is visible to every query and
+  // blocks need no offsets.
   int64_t offset = 0;
   int64_t window_left = -1, window_right = -1;  // clamped: a side >= L + S + |offset| is unbounded
+  int64_t chunk = 0;                            // chunk_size (0: none)
   bool positional = false;
-  std::vector<float> alibi_slopes, sinks;    // (H), agreed by every rank; empty when not given
+  // The per-head operands (kPerHeadOperands' order), agreed by every rank;
+  // empty when not given.
+  std::vector<std::vector<float>> per_head;
   bool dsinks = false;                       // backward: the sinks' gradient was asked for
   double scale = 1.0;
   int threads = 0;
@@ -37,6 +42,14 @@ struct Geometry {
   bool lse_given = false;                    // forward: an lse output was given
 
   int64_t group() const { return H / Hkv; }
+  // The per-head operands as ScoreArgs (views of per_head).
+  ScoreArgs<float> operands() const {
+    ScoreArgs<float> a;
+    for (size_t i = 0; i < per_head.size(); ++i)
+      if (!per_head[i].empty())
+        a.*attn::detail::kPerHeadOperands<float>[i].member = View1<const float>(per_head[i].data(), {H});
+    return a;
+  }
 };
 
 enum class Op { ring_forward, ring_backward, ulysses_forward, ulysses_backward };

@@ -14,17 +14,19 @@
 // (attn/dist.hpp), stored in increasing order. The dense call's one position
 // rule (kernels/score_rules.hpp: query row i sits at key position
 // i + offset) carries over block by block: a block of query chunk qc
-// (global rows from qb) against key chunk kc (global keys from kb) is an
-// ordinary call with position_offset = offset + qb − kb, so causal of either
-// alignment, windows, ALiBi and L ≠ S need nothing else. For each pair the
+// (global rows from qb) against key chunk kc (global keys from kb) is a
+// call with position_offset = offset + qb − kb whose keys start at global
+// position kb (detail::block_attention: chunk boundaries are global
+// positions), so causal of either alignment, windows, chunks, per-head
+// slopes and L ≠ S need nothing else. For each pair the
 // global band classifies the block (Band::classify, in O(rows)): empty
 // blocks (entirely outside the causal/window band, or past every key
 // length) are skipped, their shard still forwarded; consecutive key chunks
 // of a shard join one call when they are adjacent in the global sequence
-// (one offset fits both) or when both are fully visible and no ALiBi reads
-// their positions (a plain call). When no rule reads positions at all
-// (no causal, window or ALiBi) every step is one call for all local rows.
-// Soft-capping is per score and applies inside every block. A query chunk
+// (one offset fits both) or when both are fully visible and no per-head
+// slope reads their positions (a plain call). When no rule reads positions
+// at all (no causal, window, chunks or slopes) every step is one call for
+// all local rows. The per-score rules apply inside every block. A query chunk
 // that no block reaches sees no key: output 0, lse −inf. The sinks join
 // each row's denominator once, after the last step: a merge with a part of
 // output 0 and lse = sink_h. Key padding restricted to consecutive chunks of
@@ -55,6 +57,7 @@
 
 #include "attn/merge.hpp"
 #include "dist/internal.hpp"
+#include "validate.hpp"
 #include "kernels/score_rules.hpp"
 
 namespace attn::dist {
@@ -91,6 +94,7 @@ struct Task {
   int64_t i0 = 0, n = 0, s0 = 0, s = 0, first = 0, count = 0;
   bool positional = false, contiguous = true;  // contiguous: the chunks are adjacent in the global sequence
   int64_t offset = 0;
+  int64_t key_origin = 0;  // global position of the block's first key (chunk boundaries are global)
 };
 
 // The block calls of this rank against owner o's shard, in a fixed order
@@ -105,11 +109,12 @@ std::vector<Task> tasks(const Geometry& g, int o) {
   }
   int64_t key_end = g.S;  // keys at or past the longest key length are masked everywhere
   if (!g.key_lengths.empty()) key_end = *std::max_element(g.key_lengths.begin(), g.key_lengths.end());
-  const bool alibi = !g.alibi_slopes.empty();
+  const bool reads_positions = attn::detail::operands_read_positions(g.operands());
   // The global band: rows and keys in global positions.
   namespace rules = attn::detail::rules;
   rules::Band band;
   band.offset = g.offset, band.left = g.window_left, band.right = g.window_right, band.key_end = g.S;
+  band.chunk = g.chunk;
   int64_t i0 = 0;
   for (const Chunk& qc : g.qc[size_t(g.r)]) {
     int64_t s0 = 0;
@@ -123,7 +128,7 @@ std::vector<Task> tasks(const Geometry& g, int o) {
       if (tile == Tile::empty) {
         open = false;
       } else {
-        const bool plain = tile == Tile::full && !alibi;
+        const bool plain = tile == Tile::full && !reads_positions;
         Task* last = open ? &t.back() : nullptr;
         const Chunk* prev = last ? &kcs[ci - 1] : nullptr;
         const bool adjacent = prev && prev->begin + prev->length == kc.begin;
@@ -135,7 +140,8 @@ std::vector<Task> tasks(const Geometry& g, int o) {
           last->contiguous = last->contiguous && adjacent;
           last->positional = last->positional || !plain;
         } else {
-          t.push_back({i0, qc.length, s0, kc.length, int64_t(ci), 1, !plain, true, g.offset + qc.begin - kc.begin});
+          t.push_back({i0, qc.length, s0, kc.length, int64_t(ci), 1, !plain, true, g.offset + qc.begin - kc.begin,
+                       kc.begin});
         }
         open = true;
       }
@@ -160,6 +166,7 @@ std::vector<std::pair<int64_t, int64_t>> row_groups(const Geometry& g) {
 struct BlockCall {
   SdpaArgs<float> args;
   SdpaOptions opt;
+  int64_t key_origin = 0;
   std::vector<int64_t> key_lengths;
 };
 
@@ -172,11 +179,16 @@ void make_call(BlockCall& bc, const Geometry& g, const SdpaArgs<float>& local, c
   bc.opt = base;
   bc.opt.causal = false;  // folded into the window (right side 0)
   bc.opt.window = {-1, -1};
+  bc.opt.chunk_size = 0;
   bc.opt.position_offset.reset();
+  bc.key_origin = 0;
   if (t.positional) {
     bc.opt.window = {g.window_left, g.window_right};
+    bc.opt.chunk_size = g.chunk;
     bc.opt.position_offset = t.offset;
-    if (!g.alibi_slopes.empty()) bc.args.alibi_slopes = View1<const float>(g.alibi_slopes.data(), {g.H});
+    bc.key_origin = t.key_origin;
+    static_cast<ScoreArgs<float>&>(bc.args) = g.operands();
+    bc.args.sinks = {};  // the sinks join once, after the ring (see the end of ring_attention)
   }
   bc.key_lengths.clear();
   if (!g.key_lengths.empty()) {
@@ -247,12 +259,12 @@ void ring_attention(MPI_Comm comm, const SdpaArgs<float>& args, const SdpaOutput
       View4<float> o_rows = rows(out, t.i0, t.n);
       View3<float> l_rows = rows(lse, t.i0, t.n);
       if (!filled[size_t(t.i0)]) {  // the first block these rows see writes them directly
-        scaled_dot_product_attention(bc.args, SdpaOutputs<float>{o_rows, {}, l_rows}, bc.opt);
+        attn::detail::block_attention(bc.args, SdpaOutputs<float>{o_rows, {}, l_rows}, bc.opt, bc.key_origin);
         filled[size_t(t.i0)] = 1;
       } else {
         View4<float> po(tmp_out.data(), {g.B, g.H, t.n, g.Ev}, {g.H * mr * g.Ev, mr * g.Ev, g.Ev, 1});
         View3<float> pl(tmp_lse.data(), {g.B, g.H, t.n}, {g.H * mr, mr, 1});
-        scaled_dot_product_attention(bc.args, SdpaOutputs<float>{po, {}, pl}, bc.opt);
+        attn::detail::block_attention(bc.args, SdpaOutputs<float>{po, {}, pl}, bc.opt, bc.key_origin);
         merge_attention(o_rows, l_rows, View4<const float>(po), View3<const float>(pl));
       }
       progress(reqs);
@@ -276,10 +288,10 @@ void ring_attention(MPI_Comm comm, const SdpaArgs<float>& args, const SdpaOutput
     }
   // The sinks join each row's denominator once: a merge with a part of
   // output 0 and lse = sink_h (a broadcast view of the (H) values).
-  if (!g.sinks.empty() && Lr > 0) {
+  if (const View1<const float> sinks = g.operands().sinks; !sinks.empty() && Lr > 0) {
     const float zero = 0.0f;
     merge_attention(out, lse, View4<const float>(&zero, {g.B, g.H, Lr, g.Ev}, {0, 0, 0, 0}),
-                    View3<const float>(g.sinks.data(), {g.B, g.H, Lr}, {0, 1, 0}));
+                    View3<const float>(sinks.data, {g.B, g.H, Lr}, {0, 1, 0}));
   }
   st.compute_s += MPI_Wtime() - t1;
   st.steps = g.P;
@@ -349,7 +361,8 @@ void ring_attention_backward(MPI_Comm comm, const SdpaArgs<float>& args, View4<c
       bg.dk = rows(shard_k(g, o, tmp.data()), t.s0, t.s);
       bg.dv = rows(shard_v(g, o, tmp.data()), t.s0, t.s);
       const SdpaSaved<float> sv{View4<const float>(rows(out, t.i0, t.n)), rows(lse, t.i0, t.n)};
-      scaled_dot_product_attention_backward(bc.args, View4<const float>(rows(dout, t.i0, t.n)), sv, bg, bc.opt);
+      attn::detail::block_attention_backward(bc.args, View4<const float>(rows(dout, t.i0, t.n)), sv, bg, bc.opt,
+                                             bc.key_origin);
       add_into(rows(dq_all, t.i0, t.n), View4<const float>(bg.dq));  // dQ: summed over steps in order
       add_into(rows(shard_k(g, o, blk.data()), t.s0, t.s), View4<const float>(bg.dk));
       add_into(rows(shard_v(g, o, blk.data()), t.s0, t.s), View4<const float>(bg.dv));

@@ -7,10 +7,10 @@
 // maps the one range onto the other), the rank runs the ordinary
 // single-process call on whole sequences, and a second all-to-all sends the
 // output rows back to their shards. Nothing about the attention changes, so
-// every option of the dense call that does not need the whole L×S matrix on
-// one rank works: causal of either alignment, L ≠ S, key padding, windows,
-// position offsets, soft-capping, and ALiBi slopes and sinks (sliced to the
-// rank's heads; the sinks' gradient is gathered back to all H on every rank).
+// every rule of the dense call that does not need the whole L×S matrix on
+// one rank works: every option, key lengths, and the per-head operands
+// (sliced to the rank's heads; the sinks' gradient is gathered back to all H
+// on every rank).
 //
 // Traffic: each rank sends (P − 1)/P of its shard of q, k, v (and receives
 // as much) and the same of the output; the backward sends q, k, v, dY, Y and
@@ -152,8 +152,7 @@ SdpaArgs<float> head_args(const Geometry& g, Tensor<float>& q, Tensor<float>& k,
   if (!g.key_lengths.empty()) a.key_lengths = View1<const int64_t>(g.key_lengths.data(), {g.B});
   // Per-head arguments: this rank's heads [r·H/P, (r+1)·H/P) only.
   const int64_t hp = g.H / g.P;
-  if (!g.alibi_slopes.empty()) a.alibi_slopes = View1<const float>(g.alibi_slopes.data() + g.r * hp, {hp});
-  if (!g.sinks.empty()) a.sinks = View1<const float>(g.sinks.data() + g.r * hp, {hp});
+  static_cast<ScoreArgs<float>&>(a) = attn::detail::heads_of(g.operands(), g.r * hp, hp);
   return a;
 }
 

@@ -52,13 +52,16 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <limits>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
+#include "attn/sdpa.hpp"
 #include "attn/tensor.hpp"
 
 namespace attn::detail {
@@ -263,6 +266,45 @@ struct ScoreRules {
     return true;
   }
 };
+
+// The per-head operands of ScoreArgs by name, for code that treats them
+// alike: the distributed calls agree on their values across ranks, the
+// multi-head layer keeps copies for its backward, a call over some of the
+// heads slices them.
+template <class F>
+struct PerHeadOperand {
+  const char* name;
+  View1<const F> ScoreArgs<F>::*member;
+};
+template <class F>
+inline constexpr std::array<PerHeadOperand<F>, 2> kPerHeadOperands{
+    {{"alibi_slopes", &ScoreArgs<F>::alibi_slopes}, {"sinks", &ScoreArgs<F>::sinks}}};
+
+// Whether the operands make a score depend on the positions of its query
+// and key (the per-head slopes), beyond the band.
+template <class F>
+bool operands_read_positions(const ScoreArgs<F>& a) {
+  return !a.alibi_slopes.empty();
+}
+
+// The operands of query heads [h0, h0 + n): per-head views and the head
+// axis of the mask and bias sliced (a size-1 head axis broadcasts as is).
+template <class F>
+ScoreArgs<F> heads_of(const ScoreArgs<F>& a, int64_t h0, int64_t n) {
+  ScoreArgs<F> r = a;
+  for (const auto& op : kPerHeadOperands<F>) {
+    const View1<const F>& v = a.*op.member;
+    if (!v.empty()) r.*op.member = View1<const F>(v.data + h0 * v.strides[0], {n}, v.strides);
+  }
+  const auto heads = [&](const auto& x) {
+    using V = std::decay_t<decltype(x)>;
+    if (x.empty() || x.dim(1) == 1) return x;
+    return V(x.data + h0 * x.strides[1], {x.dim(0), n, x.dim(2), x.dim(3)}, x.strides);
+  };
+  r.mask = heads(a.mask);
+  r.bias = heads(a.bias);
+  return r;
+}
 
 // The position of query row 0 on the key axis for L queries and S keys.
 inline int64_t query_offset(const int64_t* position_offset, bool bottom_right, int64_t L, int64_t S) {

@@ -63,6 +63,7 @@ struct Case {
   std::optional<int64_t> position_offset;
   attn::Window window;
   double softcap = 0;
+  int64_t chunk = 0;   // chunk_size
   bool alibi = false;  // slopes 2^(-8(h+1)/H)
   bool sinks = false;  // per-head logits, one of them -inf (no sink)
   uint64_t seed = 1;
@@ -84,6 +85,7 @@ struct Case {
     o.position_offset = position_offset;
     o.window = window;
     o.softcap = softcap;
+    o.chunk_size = chunk;
     o.backend = Backend::fused;
     return o;
   }
@@ -93,7 +95,7 @@ struct Case {
        << (causal ? " causal" : "") << " " << attn::dist::layout_name(layout) << (key_lengths.empty() ? "" : " kl")
        << (nan_in_v ? " nan_v" : "") << (nan_in_k ? " nan_k" : "") << (bottom_right ? " bottom_right" : "")
        << (position_offset ? " offset" + std::to_string(*position_offset) : "") << " window(" << window.left << ","
-       << window.right << ")" << (softcap > 0 ? " softcap" : "") << (alibi ? " alibi" : "") << (sinks ? " sinks" : "")
+       << window.right << ")" << (softcap > 0 ? " softcap" : "") << (chunk > 0 ? " chunk" + std::to_string(chunk) : "") << (alibi ? " alibi" : "") << (sinks ? " sinks" : "")
        << " P" << size_() << " rank" << rank_();
     return os.str();
   }
@@ -459,6 +461,28 @@ TEST(DistVariants, AlibiSoftcapAndSinks) {
   check_both(c);
 }
 
+// Chunked attention: chunk boundaries are global positions, so they fall
+// anywhere in a rank's shard (chunks of 5 and 7 rows cut the 8-31 row shard
+// chunks; 64 spans several shards).
+TEST(DistVariants, ChunksCutTheShardsAnywhere) {
+  for (Layout lay : {Layout::zigzag, Layout::contiguous}) {
+    Case c;
+    c.L = c.S = 61, c.H = 4, c.Hkv = 2, c.layout = lay;
+    c.causal = true, c.chunk = 5;
+    check_both(c);
+    c.causal = false, c.chunk = 7;
+    check_both(c);
+    c.causal = true, c.chunk = 64, c.window = {9, -1};
+    check_both(c);
+    c.chunk = 6, c.window = {-1, -1}, c.alibi = true, c.sinks = true;
+    check_both(c);
+    c.L = 29, c.S = 41, c.alibi = false, c.sinks = false, c.bottom_right = true, c.chunk = 8;
+    check_both(c);
+    c.bottom_right = false, c.position_offset = 7, c.chunk = 10;
+    check_both(c);
+  }
+}
+
 TEST(DistVariants, CausalCrossAttentionAndPositionOffsets) {
   Case c;
   c.L = 23, c.S = 47, c.H = 4, c.Hkv = 2, c.causal = true;  // top-left: query i sees keys 0..i
@@ -584,7 +608,7 @@ TEST(DistErrors, AgreedOnEveryRank) {
   SdpaArgs<float> as = lx.args();
   as.sinks = View1<const float>(sinks.data(), {x.H});
   EXPECT_TRUE(attn::testing::throws_with(
-      [&] { attn::dist::ulysses_attention(MPI_COMM_WORLD, as, {lx.out.view4()}, {}); }, {"sinks", "head 1"}));
+      [&] { attn::dist::ulysses_attention(MPI_COMM_WORLD, as, {lx.out.view4()}, {}); }, {"'sinks' contains NaN", "at (1,)"}));
   attn::dist::DistOptions ooff;
   ooff.sdpa.position_offset = (int64_t(1) << 52) - 10;  // a block's offset would leave the kernel's range
   EXPECT_TRUE(attn::testing::throws_with(

@@ -29,9 +29,9 @@ def close(name, got, want, case):
 
 
 def run(strategy, B=1, H=4, Hkv=2, L=37, S=37, E=16, Ev=12, causal=False, window=None, alibi=False,
-        sinks=False, softcap=None, position_offset=None, key_lengths=None, layout="zigzag", saved=True):
+        sinks=False, softcap=None, position_offset=None, key_lengths=None, layout="zigzag", saved=True, chunk=0):
     case = (f"{strategy} P{P} B{B} H{H} Hkv{Hkv} L{L} S{S} causal={causal} window={window} alibi={alibi} "
-            f"sinks={sinks} softcap={softcap} offset={position_offset} kl={key_lengths} {layout}")
+            f"sinks={sinks} softcap={softcap} offset={position_offset} kl={key_lengths} chunk={chunk} {layout}")
     rng = np.random.default_rng(7)
     q = rng.standard_normal((B, H, L, E), dtype=np.float32)
     k = rng.standard_normal((B, Hkv, S, E), dtype=np.float32)
@@ -39,7 +39,8 @@ def run(strategy, B=1, H=4, Hkv=2, L=37, S=37, E=16, Ev=12, causal=False, window
     dy = rng.standard_normal((B, H, L, Ev), dtype=np.float32)
     slopes = (2.0 ** (-8.0 * np.arange(1, H + 1) / H)).astype(np.float32) if alibi else None
     sk = np.linspace(-1.0, 1.5, H).astype(np.float32) if sinks else None
-    var = dict(window_size=window, alibi_slopes=slopes, sinks=sk, softcap=softcap, position_offset=position_offset)
+    var = dict(window_size=window, alibi_slopes=slopes, sinks=sk, softcap=softcap, position_offset=position_offset,
+               chunk_size=chunk)
     # The oracle: key padding as a boolean mask, causal as the window's right side 0.
     ref_var = dict(var)
     mask = None
@@ -71,9 +72,12 @@ ok &= run("ring")
 ok &= run("ring", causal=True, L=53, S=53, window=(5, -1), alibi=True, sinks=True, softcap=3.0)
 ok &= run("ring", causal=True, L=19, S=45, position_offset=10, B=2, key_lengths=[45, 20], layout="contiguous")
 ok &= run("ring", window=(4, 6), L=29, S=29, sinks=True, saved=False)
+ok &= run("ring", causal=True, L=41, S=41, chunk=6, alibi=True)  # chunk boundaries inside the shards
+ok &= run("ring", L=23, S=37, chunk=9, position_offset=5, layout="contiguous")
 if 6 % P == 0:
     ok &= run("ulysses", H=6, Hkv=6, causal=True, L=41, S=41, sinks=True, window=(9, -1), alibi=True)
     ok &= run("ulysses", H=12, Hkv=6, L=23, S=31, position_offset=4, window=(3, 3))
+    ok &= run("ulysses", H=6, Hkv=6, causal=True, L=41, S=41, chunk=7)
 # Bad arguments raise ValueError on every rank (none waits).
 try:
     dist.ring_attention(np.zeros((1, 2, 3, 4)), np.zeros((1, 2, 3, 4)), np.zeros((1, 2, 3, 4)), comm)

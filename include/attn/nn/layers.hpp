@@ -173,7 +173,7 @@ class Mlp {
 // slopes to every forward (the other schemes act on the embeddings, outside
 // this layer); `sinks` gives the layer its learnable per-head sink logits
 // (parameter "sinks" [H]). Every attention option (scale, causal, window,
-// softcap, backend, threads, ...) is the layer's own MhaOptions.
+// chunk_size, backend, threads, ...) is the layer's own MhaOptions.
 template <class T>
 class SelfAttention {
  public:

@@ -41,11 +41,12 @@
 //
 // Scores. Both directions build their score tile in one function each,
 // ScoreTileT (forward: transposed, base 2) and ScoreTile (backward): the
-// block product, then the score rules of kernels/score_rules.hpp in their
-// order (soft-cap, ALiBi), the NaN poison (forward), the bias (−∞ masks),
-// the boolean mask and −∞ outside the band. They sit next to each other in
-// scores-inl.h, with the packing of the operands; a new rule on scores goes
-// into score_rules.hpp and both (and its derivative into BackwardTile's
+// block product, the NaN poison (forward), then the score pipeline
+// (kernels/fused/pipeline-inl.h: the rules of kernels/score_rules.hpp in
+// their order, −∞ outside the band and where the mask or the bias hides a
+// key). They sit next to each other in scores-inl.h, with the packing of the
+// operands; a new rule on scores goes into score_rules.hpp and the pipeline
+// (and its derivative into BackwardTile's
 // dS). Which key blocks a unit
 // visits at all comes from the band (score_rules.hpp, via common.hpp).
 //

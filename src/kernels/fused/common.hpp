@@ -46,12 +46,11 @@ inline rules::Band band_of(const FusedCall& c, int64_t b) { return c.p->band(b);
 // Flush to zero, for one thread, while it lives: a result below the smallest
 // normal float (2^-126, about 1.2e-38) becomes 0. Every parallel region of
 // the fused and decode kernels opens one per thread. The softmax makes such results
-// all the time when scores spread widely (ALiBi, long rows): a probability
-// near 2^-126 times a gradient below 1, or added to a zeroed accumulator.
-// On Intel cores each subnormal result takes a microcode assist (an ALiBi
-// backward on Sapphire Rapids ran 1.20x the plain call's time, 1.02x with
-// the flush); the values lost are below 2^-126, where the exponentials
-// already return exactly 0. Inputs are read as they are (no
+// all the time when scores spread widely (per-head slopes, long rows): a
+// probability near 2^-126 times a gradient below 1, or added to a zeroed
+// accumulator. On Intel cores each subnormal result takes a microcode
+// assist, which slows such a backward by a fifth; the values lost are below
+// 2^-126, where the exponentials already return exactly 0. Inputs are read as they are (no
 // denormals-are-zero), NaN and ±inf are untouched, and the mode is put back
 // when the guard ends, so the caller's threads keep theirs.
 class FlushToZero {

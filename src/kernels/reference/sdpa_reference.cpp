@@ -1,8 +1,8 @@
 // The reference backend: scaled dot-product attention written for clarity.
 //
 // For each (batch b, query head h) it materialises the whole L×S score matrix
-// through the score rules (kernels/score_rules.hpp: band, soft-cap, ALiBi,
-// bias, mask), takes a numerically stable row softmax, with the head's sink
+// through the score rules (kernels/score_rules.hpp: the band, the score
+// modifiers, bias, mask), takes a numerically stable row softmax, with the head's sink
 // as one more logit in the denominator when given, and multiplies by V.
 // Every sum is accumulated in double, so the float instantiation is also a
 // good oracle for the fast backends. Memory: O(L·S) per call; time: O(L·S·E).
@@ -15,7 +15,7 @@
 //        (the Jacobian a_l(δ_lj − a_j) applied row by row, never built; the
 //        sink is one more entry of the row with dA = 0, so its gradient is
 //        −a_sink·Σ_l a_il dA_il)
-//   Z  = capped(U) + alibi + bias  ->  dU = dZ ∘ capped'(U),  dbias = dZ
+//   Z  = capped(U) − slope·|distance| + bias  ->  dU = dZ ∘ capped'(U),  dbias = dZ
 //        summed over broadcast axes
 //   U  = scale·Q·Kᵀ           ->  dQ = scale·dU·K,  dK = scale·dUᵀ·Q
 // Masked entries have a_ij = 0, so they receive no gradient; a fully masked
