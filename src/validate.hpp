@@ -1,5 +1,5 @@
 // Internal: the one argument-validation toolkit of the public boundary,
-// shared by src/sdpa.cpp (attention), src/varlen.cpp, src/multihead.cpp (the
+// shared by src/sdpa.cpp (attention), src/varlen.cpp, src/multihead/layer.cpp (the
 // layer), src/io (array writers), src/nn (configurations) and src/dist
 // (which collects a verdict per rank instead of throwing: verdict()). Every
 // check throws attn::InvalidArgument with a message "attn::<function>:

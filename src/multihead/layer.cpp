@@ -32,10 +32,10 @@
 // the GEMMs read or write anyway.
 //
 // Construction, initialisation and the parameters by name are in
-// multihead_params.cpp; the steps forward, backward and decode share (dense
+// params.cpp; the steps forward, backward and decode share (dense
 // copies, the input projections split into heads, the output projection) in
-// multihead_steps.hpp; incremental decoding over a KV cache in
-// multihead_decode.cpp.
+// multihead/steps.hpp; incremental decoding over a KV cache in
+// decode.cpp.
 //
 // The backward walks the same steps in reverse with the transposed GEMMs:
 //   y = o·W_oᵀ + b_o   ->  dW_o += dyᵀ·o,  db_o += Σ_rows dy,  do = dy·W_o
@@ -60,8 +60,8 @@
 #include "attn/kv_cache.hpp"
 #include "attn/rng.hpp"
 #include "kernels/gemm/gemm.hpp"
-#include "multihead_names.hpp"
-#include "multihead_steps.hpp"
+#include "multihead/names.hpp"
+#include "multihead/steps.hpp"
 #include "validate.hpp"
 
 namespace attn {

@@ -1,6 +1,6 @@
 // The multi-head layer's incremental decoding over a KV cache
 // (MultiheadAttention::decode, attn/multihead.hpp): the forward's
-// projections for the new rows only (multihead_steps.hpp), their keys and
+// projections for the new rows only (multihead/steps.hpp), their keys and
 // values appended to the cache, decode_attention over everything it holds,
 // and the output projection. docs/multihead.md, "Incremental decoding".
 #include <string>
@@ -10,7 +10,7 @@
 #include "attn/kv_cache.hpp"
 #include "attn/multihead.hpp"
 #include "decode_call.hpp"
-#include "multihead_steps.hpp"
+#include "multihead/steps.hpp"
 
 namespace attn {
 

@@ -1,7 +1,7 @@
 // The multi-head attention layer's construction (the configuration's
 // checks), its initialisation as PyTorch's layer does it, its parameters
 // and gradients by state_dict name. Forward and backward are in
-// multihead.cpp.
+// layer.cpp.
 #include <cmath>
 #include <map>
 #include <string>
@@ -9,7 +9,7 @@
 
 #include "attn/multihead.hpp"
 #include "attn/rng.hpp"
-#include "multihead_names.hpp"
+#include "multihead/names.hpp"
 #include "validate.hpp"
 
 namespace attn {
@@ -185,7 +185,7 @@ void MultiheadAttention<T>::load_parameter(const std::string& name, View<const T
   for (int64_t i = 0; i < b.shape[0]; ++i) p[size_t(i)] = b(i);
 }
 
-// The members defined here, for both element types (multihead.cpp
+// The members defined here, for both element types (layer.cpp
 // instantiates the class with the rest).
 #define ATTN_MHA_PARAMS(T)                                                                         \
   template MultiheadAttention<T>::MultiheadAttention(const MultiheadConfig&, uint64_t);           \

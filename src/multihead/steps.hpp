@@ -1,8 +1,8 @@
-// The steps the multi-head layer's forward, backward (multihead.cpp) and
-// decode (multihead_decode.cpp) share: dense copies of strided inputs, the
+// The steps the multi-head layer's forward, backward (layer.cpp) and
+// decode (decode.cpp) share: dense copies of strided inputs, the
 // three input projections (one GEMM when packed) split into dense heads, and
 // the output projection. Private to the library; the data flow they serve is
-// drawn at the top of multihead.cpp.
+// drawn at the top of layer.cpp.
 #pragma once
 
 #include <algorithm>
@@ -15,7 +15,7 @@
 
 #include "attn/multihead.hpp"
 #include "kernels/gemm/gemm.hpp"
-#include "multihead_names.hpp"
+#include "multihead/names.hpp"
 #include "validate.hpp"
 
 namespace attn::detail::mha_steps {
@@ -24,7 +24,7 @@ using detail::add_column_sums;
 using detail::gemm;
 using detail::GemmShape;
 
-// The parameters' PyTorch state_dict names: multihead_names.hpp.
+// The parameters' PyTorch state_dict names: multihead/names.hpp.
 
 using detail::Checker;
 using namespace detail::mha_names;

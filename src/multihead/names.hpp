@@ -1,6 +1,6 @@
 // Internal: the PyTorch state_dict names of the multi-head layer's
-// parameters, shared by its two source files (multihead.cpp: forward and
-// backward; multihead_params.cpp: construction and parameters).
+// parameters, shared by its two source files (layer.cpp: forward and
+// backward; params.cpp: construction and parameters).
 #pragma once
 
 namespace attn::detail::mha_names {
