@@ -66,8 +66,8 @@ ScoreRules<F> resolve_rules(const ScoreArgs<F>& a, const SdpaOptions& opt, int64
 }
 
 int64_t dense_offset(const SdpaOptions& opt, int64_t L, int64_t S) {
-  return query_offset(opt.position_offset ? &*opt.position_offset : nullptr,
-                      opt.causal_align == CausalAlign::bottom_right, L, S);
+  if (opt.position_offset) return *opt.position_offset;
+  return opt.causal_align == CausalAlign::bottom_right ? S - L : 0;
 }
 
 std::vector<std::pair<const char*, int64_t>> option_fingerprint(const SdpaOptions& opt) {

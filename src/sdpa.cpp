@@ -128,24 +128,17 @@ template <class T>
 void forward(const Checker& c, const ProblemFor<T>& p, const SdpaArgs<T>& args,
              const SdpaOutputs<compute_t<T>>& outputs, const SdpaOptions& opt) {
   const auto& [out, weights, lse] = outputs;
-  if constexpr (std::is_same_v<compute_t<T>, float>) {
-    if (choose<T>(c, opt) == Backend::fused) {
-      // Few query rows (decoding shapes): the grouped split-KV decode kernel,
-      // which reads half K and V in their storage type.
-      if (weights.empty() && detail::decode_suits_dense(p)) return detail::decode_forward_dense(p, args, out, lse);
-      if constexpr (is_half_v<T>) {
-        const detail::Widened<T> w(args, p.threads);
-        return detail::fused_forward(p, w.args, out, weights, lse);
-      } else {
-        return detail::fused_forward(p, args, out, weights, lse);
-      }
-    }
-  } else {
-    (void)choose<T>(c, opt);
-  }
-  if constexpr (is_half_v<T>) {
+  const Backend backend = choose<T>(c, opt);
+  // Few query rows (decoding shapes): the grouped split-KV decode kernel,
+  // which reads half K and V in their storage type.
+  if constexpr (std::is_same_v<compute_t<T>, float>)
+    if (backend == Backend::fused && weights.empty() && detail::decode_suits_dense(p))
+      return detail::decode_forward_dense(p, args, out, lse);
+  if constexpr (is_half_v<T>) {  // every other route: the float32 call on widened copies
     const detail::Widened<T> w(args, p.threads);
-    detail::reference_forward(p, w.args, out, weights, lse);
+    forward<float>(c, p, w.args, outputs, opt);
+  } else if (backend == Backend::fused) {
+    if constexpr (std::is_same_v<T, float>) detail::fused_forward(p, args, out, weights, lse);
   } else {
     detail::reference_forward(p, args, out, weights, lse);
   }

@@ -173,8 +173,8 @@ void scaled_dot_product_attention(const SdpaArgs<T>& args, const SdpaOutputs<com
 
 // Backward: given dout = dL/dY, writes dq, dk, dv (and dbias when requested).
 // `saved` is the forward's saved state for these same args and options (see
-// "Backward contract" above); an empty SdpaSaved is always allowed. Outputs
-// are overwritten, not accumulated into.
+// "Forward -> backward contract" above); an empty SdpaSaved is always
+// allowed. Outputs are overwritten, not accumulated into.
 template <class T>
 void scaled_dot_product_attention_backward(const SdpaArgs<T>& args, View4<const compute_t<T>> dout,
                                            const SdpaSaved<compute_t<T>>& saved,

@@ -406,8 +406,7 @@ Geometry validate(MPI_Comm comm, const char* fn, const Request& req) {
            ", expected |offset| <= 2^52 - L - S = " + std::to_string(kMaxOffset - g.L - g.S) +
            " (the blocks' offsets add chunk starts)");
   // The position rule, resolved once on the global lengths (as the single-process call does).
-  g.offset = attn::detail::query_offset(opt.sdpa.position_offset ? &*opt.sdpa.position_offset : nullptr,
-                                         opt.sdpa.causal_align == CausalAlign::bottom_right, g.L, g.S);
+  g.offset = attn::detail::dense_offset(opt.sdpa, g.L, g.S);
   const int64_t reach = g.L + g.S + std::abs(g.offset);  // a window side this long sees every key
   g.window_left = opt.sdpa.window.left >= reach ? -1 : opt.sdpa.window.left;
   g.window_right = opt.sdpa.window.right >= reach ? -1 : opt.sdpa.window.right;

@@ -306,10 +306,4 @@ ScoreArgs<F> heads_of(const ScoreArgs<F>& a, int64_t h0, int64_t n) {
   return r;
 }
 
-// The position of query row 0 on the key axis for L queries and S keys.
-inline int64_t query_offset(const int64_t* position_offset, bool bottom_right, int64_t L, int64_t S) {
-  if (position_offset) return *position_offset;
-  return bottom_right ? S - L : 0;
-}
-
 }  // namespace attn::detail
