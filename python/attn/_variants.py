@@ -61,14 +61,10 @@ def variant_kwargs(fn: str, dtype: np.dtype, window_size: Any, alibi_slopes: Any
             raise ValueError(f"{fn}: 'softcap' is {softcap!r}, expected a number (0 or None = off)") from None
     kw = dict(
         window_left=left, window_right=right, softcap=cap,
+        chunk_size=0 if chunk_size is None else _integer(chunk_size, fn, "chunk_size", "an integer (0 = off)"),
         position_offset=None if position_offset is None else _integer(position_offset, fn, "position_offset",
                                                                        "an integer (or None)"),
         alibi_slopes=_per_head(alibi_slopes, fn, "alibi_slopes", dtype),
         sinks=_per_head(sinks, fn, "sinks", dtype),
     )
-    chunk = 0 if chunk_size is None else _integer(chunk_size, fn, "chunk_size", "an integer (0 = off)")
-    # Passed only when on: 0 is the extension's default, and the functions
-    # without a chunk_size keyword (attn.dist) never send one.
-    if chunk != 0:
-        kw["chunk_size"] = chunk
     return kw
