@@ -2,7 +2,8 @@
 // over a cache, the multi-head layer, dist) checks a call's rule operands and
 // options here and resolves them into the one ScoreRules the kernels read
 // (kernels/score_rules.hpp). A new rule is one option of SdpaOptions, one
-// check and one line of resolution below, and its place in ScoreRules.
+// check, one line of resolution and one fingerprint entry below, and its
+// place in ScoreRules (docs/architecture.md, "Adding a score rule").
 #include <cmath>
 #include <cstring>
 #include <sstream>

@@ -89,8 +89,6 @@ struct Band {
   int64_t key_origin = 0;  // position of key 0 (where the chunks start)
   int64_t key_end = 0;     // keys at or past this are not visible (S or the key length)
 
-  bool unbounded() const { return left < 0 && right < 0 && chunk == 0; }
-
   Keys keys(int64_t i) const {
     const int64_t pos = i + offset;  // relative to key 0
     int64_t lo = 0, hi = key_end;
@@ -217,11 +215,8 @@ struct ScoreRules {
     r.key_end = key_end[size_t(b)];
     return r;
   }
-  // Whether any rule beyond causal and key lengths narrows the band.
-  bool windowed() const { return window_left >= 0 || window_right >= 0 || chunk > 0; }
   bool capped() const { return softcap > 0; }
   bool alibi() const { return !alibi_slopes.empty(); }
-  bool has_sinks() const { return !sinks.empty(); }
   bool elementwise() const { return !mask.empty() || !bias.empty(); }
   F slope(int64_t h) const { return alibi_slopes.empty() ? F(0) : alibi_slopes(h); }
   // Head h's sink logit (−∞: none).
