@@ -22,6 +22,7 @@ struct Case {
   int64_t page;
   int64_t window = -1;  // sliding window (left side), −1: none
   bool sinks = false;
+  int64_t chunk = 0;  // chunked attention, 0: none
 };
 
 // Largest |a − b| over the last n positions of each sequence of `full`
@@ -53,6 +54,7 @@ TEST_P(DecodeModel, EveryStepMatchesAFullRecomputation) {
   mc.positions = c.positions;
   mc.causal = true;
   mc.window.left = c.window;
+  mc.chunk_size = c.chunk;
   mc.sinks = c.sinks;
   nn::Transformer<float> model(mc, 3);
   for (auto& p : model.parameters())  // sinks away from their initial value, one per head
@@ -82,7 +84,7 @@ TEST_P(DecodeModel, EveryStepMatchesAFullRecomputation) {
     const double err = step_error(full, logits, B, N, n, V, &mag);
     const double tol = attn::testing::tolerance<float>(N + mc.dim, mag, 40) + 40 * u * std::max(1.0, mag);
     EXPECT_LE(err, tol) << "after " << N << " tokens (" << nn::positions_name(c.positions) << ", "
-                        << attn::dtype_name(c.dtype) << ", window " << c.window << (c.sinks ? ", sinks" : "") << ")";
+                        << attn::dtype_name(c.dtype) << ", window " << c.window << (c.sinks ? ", sinks" : "") << ", chunk " << c.chunk << ")";
   }
   EXPECT_EQ(st.length, N);
   Tensor<float> too_far;
@@ -98,7 +100,10 @@ INSTANTIATE_TEST_SUITE_P(
                       // The score-rule variants: ALiBi, a sliding window, sinks (gpt-oss: window and sinks).
                       Case{nn::Positions::alibi, Dtype::float32, 0}, Case{nn::Positions::rope, Dtype::float32, 0, 6, true},
                       Case{nn::Positions::alibi, Dtype::bfloat16, 8, 4, true}, Case{nn::Positions::none, Dtype::float16, 0, -1, true},
-                      Case{nn::Positions::learned, Dtype::float32, 5, 0}));
+                      Case{nn::Positions::learned, Dtype::float32, 5, 0},
+                      // Chunked attention (Llama 4's local layers), with and without pages.
+                      Case{nn::Positions::rope, Dtype::float32, 0, -1, false, 7},
+                      Case{nn::Positions::none, Dtype::float16, 5, -1, true, 12}));
 
 // decode_step checks every block's cache before it appends to any: a cache
 // that cannot take the tokens (block 1's, a pool of 2 pages of 4 tokens for

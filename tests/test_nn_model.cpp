@@ -87,6 +87,41 @@ TEST(NnTransformer, SeededInitIsReproducible) {
   EXPECT_EQ(a.num_parameters(), 160 + 128 + 2 * (64 + 1088 + 2128) + 32 + 170);
 }
 
+// A model with chunked attention (Llama 4's local layers) keeps every token
+// inside its own chunk, through all layers: changing the tokens of one chunk
+// leaves the logits of every other chunk exactly as they were, and the
+// training gradient matches finite differences.
+TEST(NnTransformer, ChunkedLayersKeepTokensInTheirChunk) {
+  nn::ModelConfig mc;
+  mc.vocab = 9, mc.max_len = 12, mc.dim = 8, mc.heads = 2, mc.layers = 2, mc.mlp_hidden = 12;
+  mc.causal = true, mc.chunk_size = 4;
+  mc.positions = nn::Positions::rope;
+  nn::Transformer<double> model(mc, 3);
+  const int64_t B = 1, N = 12, V = 9;
+  std::vector<int32_t> tokens(N), changed;
+  nn::Rng r(4);
+  for (auto& t : tokens) t = int32_t(r.below(9));
+  changed = tokens;
+  for (int64_t i = 4; i < 8; ++i) changed[size_t(i)] = int32_t((tokens[size_t(i)] + 1) % 9);  // chunk 1 only
+  Tensor<double> a, b;
+  model.forward(tokens.data(), B, N, a);
+  model.forward(changed.data(), B, N, b);
+  for (int64_t i = 0; i < N; ++i) {
+    bool same = true;
+    for (int64_t v = 0; v < V; ++v) same = same && a[size_t(i * V + v)] == b[size_t(i * V + v)];
+    EXPECT_EQ(same, i < 4 || i >= 8) << "position " << i;
+  }
+  std::vector<int32_t> targets(N);
+  for (auto& t : targets) t = int32_t(r.below(9));
+  model.zero_grad();
+  (void)model.loss(tokens.data(), targets.data(), B, N, true);
+  auto F = [&] { return model.loss(tokens.data(), targets.data(), B, N, false).loss; };
+  for (auto& p : model.parameters()) {
+    const Tensor<double> g = *p.grad;
+    EXPECT_TRUE(gradient_check(*p.value, g, F, p.name, {1e-6, 1e-6, 24, true}));
+  }
+}
+
 TEST(NnTransformer, ReturnsEveryLayersAttention) {
   // The weights a heatmap draws: one (B, H, N, N) tensor per layer, rows on
   // the probability simplex, zero above the diagonal when causal.

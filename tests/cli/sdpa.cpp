@@ -132,6 +132,16 @@ TEST_F(Cli, SdpaVariantFlagsAgreeWithTheLibrary) {
   for (size_t i = 0; i < lse.size(); ++i) EXPECT_EQ(fl.data[i], lse[i]) << i;
   EXPECT_EQ(run("sdpa --q q.npy --k k.npy --v v.npy --sinks 1,2,3 --out y.npy").rc, 1);  // H = 2
   EXPECT_EQ(run("sdpa --q q.npy --k k.npy --v v.npy --window 3 --out y.npy").rc, 2);
+  // --chunk-size: the library's chunk rule, bit for bit.
+  ASSERT_EQ(run("sdpa --q q.npy --k k.npy --v v.npy --causal --chunk-size 4 --out y.npy").rc, 0);
+  attn::SdpaOptions chunked;
+  chunked.causal = true;
+  chunked.chunk_size = 4;
+  args.alibi_slopes = {}, args.sinks = {};
+  attn::scaled_dot_product_attention<double>(args, {y.view4()}, chunked);
+  const auto fc = attn::io::read_npy<double>(path("y.npy"));
+  for (size_t i = 0; i < y.size(); ++i) EXPECT_EQ(fc.data[i], y[i]) << i;
+  EXPECT_EQ(run("sdpa --q q.npy --k k.npy --v v.npy --chunk-size -1 --out y.npy").rc, 2);
 }
 
 // float16 q, k, v files take the library's half call: float32 outputs equal to
