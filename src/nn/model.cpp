@@ -8,26 +8,27 @@
 #include <map>
 
 #include "nn/common.hpp"
+#include "validate.hpp"
 
 namespace attn::nn {
 
 void ModelConfig::validate() const {
-  auto fail = [](const std::string& m) { throw InvalidArgument("attn::nn::ModelConfig: " + m); };
-  if (vocab < 1) fail("vocab is " + std::to_string(vocab) + ", expected >= 1");
-  if (max_len < 1) fail("max_len is " + std::to_string(max_len) + ", expected >= 1");
-  if (dim < 1) fail("dim is " + std::to_string(dim) + ", expected >= 1");
+  const attn::detail::Checker c{"nn::ModelConfig"};
+  if (vocab < 1) c.fail("vocab is " + std::to_string(vocab) + ", expected >= 1");
+  if (max_len < 1) c.fail("max_len is " + std::to_string(max_len) + ", expected >= 1");
+  if (dim < 1) c.fail("dim is " + std::to_string(dim) + ", expected >= 1");
   if (heads < 1 || dim % heads != 0)
-    fail("heads is " + std::to_string(heads) + ", expected a divisor of dim = " + std::to_string(dim));
-  if (layers < 0) fail("layers is " + std::to_string(layers) + ", expected >= 0");
-  if (mlp_hidden < 0) fail("mlp_hidden is " + std::to_string(mlp_hidden) + ", expected >= 0 (0 = 4·dim)");
+    c.fail("heads is " + std::to_string(heads) + ", expected a divisor of dim = " + std::to_string(dim));
+  if (layers < 0) c.fail("layers is " + std::to_string(layers) + ", expected >= 0");
+  if (mlp_hidden < 0) c.fail("mlp_hidden is " + std::to_string(mlp_hidden) + ", expected >= 0 (0 = 4·dim)");
   if (positions == Positions::rope && (dim / heads) % 2 != 0)
-    fail("positions 'rope' needs an even head dimension dim/heads, got " + std::to_string(dim / heads));
+    c.fail("positions 'rope' needs an even head dimension dim/heads, got " + std::to_string(dim / heads));
   if (attn_scale && !(std::isfinite(*attn_scale) && *attn_scale > 0))
-    fail("attn_scale must be finite and > 0");
+    c.fail("attn_scale must be finite and > 0");
   if (window.left < -1 || window.right < -1)
-    fail("window is (" + std::to_string(window.left) + ", " + std::to_string(window.right) +
-         "), expected each side >= 0, or -1 for unbounded");
-  if (chunk_size < 0) fail("chunk_size is " + std::to_string(chunk_size) + ", expected >= 0 (0 = off)");
+    c.fail("window is (" + std::to_string(window.left) + ", " + std::to_string(window.right) +
+           "), expected each side >= 0, or -1 for unbounded");
+  if (chunk_size < 0) c.fail("chunk_size is " + std::to_string(chunk_size) + ", expected >= 0 (0 = off)");
 }
 
 ParameterShapes parameter_shapes(const ModelConfig& config) {
