@@ -14,5 +14,8 @@ def t(**kw):
     return min(best), float(np.median(best))
 full = t(); ch = t(chunk_size=C)
 vis = (C + 1) / (S + 1)
+pairs_full, pairs_chunk = S * (S + 1) / 2, (S // C) * C * (C + 1) / 2  # visible scores (S a multiple of C)
+gf = lambda pairs, t: 4.0 * E * H * pairs / t / 1e9  # noqa: E731  (QK^T and PV: 2 flops each per pair and feature)
 print(f"S={S} E={E} H={H} chunk={C}: causal {full[1]*1e3:.1f} ms (min {full[0]*1e3:.1f}), causal+chunk {ch[1]*1e3:.1f} ms (min {ch[0]*1e3:.1f})")
 print(f"time ratio {ch[1]/full[1]:.3f}, visible fraction {vis:.3f}, ratio / visible {ch[1]/full[1]/vis:.2f} (target <= 1.3)")
+print(f"GFLOP/s on the visible scores: causal {gf(pairs_full, full[1]):.1f}, causal+chunk {gf(pairs_chunk, ch[1]):.1f}")
