@@ -1,6 +1,7 @@
 // Internal: the one argument-validation toolkit of the public boundary,
-// shared by src/sdpa.cpp (attention), src/varlen.cpp, src/multihead/layer.cpp (the
-// layer), src/io (array writers), src/nn (configurations) and src/dist
+// shared by src/sdpa.cpp (attention), src/varlen.cpp, src/decode_call.cpp,
+// src/multihead/ (the layer), src/io (array writers), src/nn
+// (configurations) and src/dist
 // (which collects a verdict per rank instead of throwing: verdict()). Every
 // check throws attn::InvalidArgument with a message "attn::<function>:
 // argument '<name>' <what was wrong>, expected <what is allowed>". Kernels
@@ -30,10 +31,6 @@
 #include "attn/sdpa.hpp"
 #include "attn/tensor.hpp"
 #include "kernels/score_rules.hpp"
-
-namespace attn {
-struct DecodeOptions;  // attn/kv_cache.hpp
-}
 
 namespace attn::detail {
 

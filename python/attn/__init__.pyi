@@ -233,7 +233,7 @@ class MultiheadAttention:
         position_offset: Optional[int] = None,
     ) -> Tuple[Any, Optional[Any]]: ...
 
-KVDtype = Literal["float32", "float16", "bfloat16", "f32", "f16", "bf16"]
+Dtype = Literal["float32", "float16", "bfloat16", "f32", "f16", "bf16"]
 
 class KVCache:
     """Keys and values of B sequences (own lengths); float32/float16/bfloat16
@@ -246,7 +246,7 @@ class KVCache:
         capacity: int,
         head_dim: int,
         value_dim: Optional[int] = None,
-        dtype: KVDtype = "float32",
+        dtype: Dtype = "float32",
         page_size: int = 0,
         num_pages: int = 0,
     ) -> None: ...
