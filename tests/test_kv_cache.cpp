@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <random>
 
 #include "attn/detail/memory.hpp"
@@ -307,6 +308,51 @@ TEST(KVCache, ConfigAndAppendErrors) {
   EXPECT_TRUE(throws_with([&] { c.read(0, kv.view<3>(), kv.view<3>()); }, {"KVCache::read", "'k' overlaps output 'v'"}));
   EXPECT_TRUE(throws_with([&] { c.read(0, View3<float>(kv.data(), {1, 2, 2}, {4, 0, 1}), k2.view<3>()); },
                           {"output 'k' has stride 0 on axis 1"}));
+}
+
+// Sizes are checked with overflow-checked arithmetic before anything is
+// allocated: page sizes and capacities near 2^63, a default pool whose page
+// count overflows, page ids past int32, and caches larger than the machine
+// are argument errors naming the configuration; a block table never has more
+// entries than the pool has pages, so a huge capacity over a small pool costs
+// only the pool.
+TEST(KVCache, SizesThatOverflowAreRefusedBeforeAllocating) {
+  const int64_t huge = std::numeric_limits<int64_t>::max();
+  auto config = [](int64_t batch, int64_t capacity, int64_t page_size, int64_t num_pages) {
+    KVCacheConfig cfg;
+    cfg.batch = batch, cfg.kv_heads = 1, cfg.capacity = capacity, cfg.head_dim = 4;
+    cfg.page_size = page_size, cfg.num_pages = num_pages;
+    return cfg;
+  };
+  EXPECT_TRUE(throws_with([&] { KVCache c(config(1, 9, huge, 0)); },
+                          {"attn::KVCache", "page_size " + std::to_string(huge), "more than 2^64 bytes"}));
+  EXPECT_TRUE(throws_with([&] { KVCache c(config(1, 9, huge, 2)); }, {"attn::KVCache", "of memory of this machine"}));
+  EXPECT_TRUE(throws_with([&] { KVCache c(config(int64_t(1) << 40, int64_t(1) << 40, 1, 0)); },
+                          {"attn::KVCache", "more than 2^63 pages"}));
+  EXPECT_TRUE(throws_with([&] { KVCache c(config(1, int64_t(1) << 32, 1, 0)); },
+                          {"attn::KVCache", "4294967296 pages", "int32"}));
+  EXPECT_TRUE(throws_with([&] { KVCache c(config(1, huge, 0, 0)); }, {"attn::KVCache", "capacity " + std::to_string(huge)}));
+  // The reported wrap: a table of capacity / page_size = 2^62 entries.
+  // Now the table has num_pages = 4 entries, and the pool, not the
+  // capacity, bounds each sequence.
+  KVCache c(config(4, int64_t(1) << 62, 1, 4));
+  EXPECT_EQ(c.free_pages(), 4);
+  Tensor<float> k({1, 4, 4});
+  for (size_t i = 0; i < k.size(); ++i) k[i] = float(i);
+  c.append(0, k.view<3>(), k.view<3>());
+  EXPECT_EQ(c.length(0), 4);
+  EXPECT_EQ(c.block_table(0), (std::vector<int32_t>{0, 1, 2, 3}));
+  Tensor<float> one({1, 1, 4});
+  EXPECT_TRUE(throws_with([&] { c.append(0, one.view<3>(), one.view<3>()); }, {"more pages than the pool's 4"}));
+  EXPECT_TRUE(throws_with([&] { c.append(1, one.view<3>(), one.view<3>()); }, {"the page pool is exhausted"}));
+  EXPECT_EQ(c.length(1), 0);
+  Tensor<float> rk({1, 4, 4}), rv({1, 4, 4});
+  c.read(0, rk.view<3>(), rv.view<3>());
+  for (size_t i = 0; i < k.size(); ++i) ASSERT_EQ(rk[i], k[i]);
+  const std::vector<int32_t> five{0, 1, 2, 3, 0};
+  EXPECT_TRUE(throws_with([&] { c.set_block_table(1, five, 5); }, {"'pages' has 5 entries", "= 4"}));
+  // The same wrap through the default pool size: 2 · 2^62 pages.
+  EXPECT_TRUE(throws_with([&] { KVCache d(config(2, int64_t(1) << 62, 1, 0)); }, {"attn::KVCache", "2^63 pages"}));
 }
 
 // The storage's allocator: 2 MiB alignment (huge-page candidates) from
