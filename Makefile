@@ -8,7 +8,7 @@ CMAKE_FLAGS ?=
 # (CCACHE= turns it off; it applies when $(BUILD) is first configured).
 CCACHE ?= $(shell command -v ccache 2>/dev/null)
 
-.PHONY: deps build demo test test-sanitize bench bench-decode bench-torch fuzz install clean
+.PHONY: deps build demo test test-sanitize test-tsan bench bench-decode bench-torch fuzz install clean
 
 deps:
 	@bash scripts/install-deps.sh
@@ -83,6 +83,17 @@ test-sanitize: deps
 	  $(if $(CCACHE),-DCMAKE_CXX_COMPILER_LAUNCHER=$(CCACHE)) $(CMAKE_FLAGS)
 	cmake --build build-asan -j $(JOBS)
 	cd build-asan && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 ctest --output-on-failure -j $(JOBS)
+
+# ThreadSanitizer build of the tests of what threads share (one KV cache used
+# by several threads: tests/test_kv_cache_threads.cpp). Their calls run
+# OpenMP with one thread (libgomp is not instrumented), so every report is
+# about attn's own synchronisation.
+TSAN_TESTS = test_kv_cache_threads
+test-tsan: deps
+	cmake -S . -B build-tsan -DCMAKE_BUILD_TYPE=Debug -DATTN_TSAN=ON -DATTN_BUILD_BENCH=OFF -DATTN_BUILD_APPS=OFF \
+	  $(if $(CCACHE),-DCMAKE_CXX_COMPILER_LAUNCHER=$(CCACHE)) $(CMAKE_FLAGS)
+	cmake --build build-tsan -j $(JOBS) --target $(TSAN_TESTS)
+	for t in $(TSAN_TESTS); do TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" build-tsan/tests/$$t || exit 1; done
 
 # Benchmarks (docs/fused.md): validate, then time every backend; writes $(BUILD)/bench.json.
 BENCH_ARGS ?=

@@ -368,9 +368,9 @@ void KVCache::read_locked(int64_t b, View3<float> k, View3<float> v) const {
     const int64_t page = table_[size_t(b * table_width_ + t / page_size_)], off = t % page_size_;
     for (int64_t hk = 0; hk < Hkv; ++hk) {
       const int64_t slot = (page * Hkv + hk) * page_size_ + off;
-      detail::convert_from_storage(st, kstore_.data() + slot * E * elem_, E, row.data());
+      detail::widen_from_storage(st, kstore_.data() + slot * E * elem_, E, row.data());
       for (int64_t e = 0; e < E; ++e) k(hk, t, e) = row[size_t(e)];
-      detail::convert_from_storage(st, vstore_.data() + slot * Ev * elem_, Ev, row.data());
+      detail::widen_from_storage(st, vstore_.data() + slot * Ev * elem_, Ev, row.data());
       for (int64_t e = 0; e < Ev; ++e) v(hk, t, e) = row[size_t(e)];
     }
   }

@@ -6,12 +6,18 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <limits>
 #include <random>
+#include <iterator>
+#include <fstream>
+#include <filesystem>
 
 #include "attn/detail/memory.hpp"
+#include "../fuzz/kv_cache_ops.hpp"
 #include "decode_case.hpp"
+#include "kernels/decode/decode.hpp"
 #include "testing.hpp"
 
 namespace {
@@ -353,6 +359,52 @@ TEST(KVCache, SizesThatOverflowAreRefusedBeforeAllocating) {
   EXPECT_TRUE(throws_with([&] { c.set_block_table(1, five, 5); }, {"'pages' has 5 entries", "= 4"}));
   // The same wrap through the default pool size: 2 · 2^62 pages.
   EXPECT_TRUE(throws_with([&] { KVCache d(config(2, int64_t(1) << 62, 1, 0)); }, {"attn::KVCache", "2^63 pages"}));
+}
+
+// The cache's plain widening (appends and reads) and the decode kernel's
+// vector widening give the same bits for every 16-bit pattern (NaN: both NaN).
+TEST(KVCache, PlainAndVectorWideningAgreeOnEveryPattern) {
+  std::vector<uint16_t> bits(65536);
+  for (size_t i = 0; i < bits.size(); ++i) bits[i] = uint16_t(i);
+  for (const Dtype t : {Dtype::float16, Dtype::bfloat16}) {
+    std::vector<float> plain(bits.size()), vec(bits.size());
+    detail::widen_from_storage(t, bits.data(), int64_t(bits.size()), plain.data());
+    detail::convert_from_storage(t, bits.data(), int64_t(bits.size()), vec.data());
+    for (size_t i = 0; i < bits.size(); ++i) {
+      if (std::isnan(plain[i])) {
+        ASSERT_TRUE(std::isnan(vec[i])) << dtype_name(t) << " bits " << i;
+        continue;
+      }
+      uint32_t a, b;
+      std::memcpy(&a, &plain[i], 4);
+      std::memcpy(&b, &vec[i], 4);
+      ASSERT_EQ(a, b) << dtype_name(t) << " bits " << i;
+    }
+  }
+}
+
+// The KV-cache fuzzer's property (fuzz/kv_cache_ops.hpp) over its seed corpus
+// and over random inputs: configurations refused exactly when they cannot be
+// held, every operation read back against a shadow model.
+TEST(KVCache, FuzzPropertyOnTheCorpusAndRandomInputs) {
+  namespace fs = std::filesystem;
+  int files = 0, built = 0;
+  for (const auto& e : fs::directory_iterator(fs::path(ATTN_FUZZ_CORPUS) / "kv_cache")) {
+    std::ifstream f(e.path(), std::ios::binary);
+    const std::vector<uint8_t> b((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    built += attn::fuzz::check_kv_cache(b.data(), b.size());
+    ++files;
+  }
+  EXPECT_GE(files, 4);
+  EXPECT_GE(built, 2);
+  std::mt19937 rng(5);
+  for (int i = 0; i < 3000; ++i) {
+    std::vector<uint8_t> b(size_t(8 + rng() % 120));
+    for (auto& x : b) x = uint8_t(rng());
+    for (size_t j = 0; j < 8; ++j) b[j] = uint8_t(rng() % 64);  // mostly small, valid configurations
+    built += attn::fuzz::check_kv_cache(b.data(), b.size());
+  }
+  EXPECT_GE(built, 1000);
 }
 
 // The storage's allocator: 2 MiB alignment (huge-page candidates) from

@@ -86,8 +86,11 @@ void decode_forward_dense(const Problem& p, const SdpaArgs<T>& a, View4<float> o
 // The SIMD target the kernel dispatches to (e.g. "AVX2").
 const char* decode_target_name();
 
-// Storage conversions (round to nearest even; NaN stays NaN), n elements.
+// Storage conversions (round to nearest even; NaN stays NaN), n elements:
+// to storage and the exact widening back, plain (src/half.cpp: the cache's
+// appends and reads), and the kernel's vector widening (the same bits).
 void convert_to_storage(Dtype t, const float* x, int64_t stride, int64_t n, void* dst);
+void widen_from_storage(Dtype t, const void* src, int64_t n, float* y);
 void convert_from_storage(Dtype t, const void* src, int64_t n, float* y);
 
 // The cache's storage as the kernel reads it.
