@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <charconv>
 #include <cmath>
 #include <cstdlib>
 #include <memory>
@@ -32,16 +33,46 @@ void Outputs::check(const std::string& flag, const std::string& path) {
   if (!path.empty()) duplicates_are_usage_errors([&] { tx_.check(path, flag); });
 }
 
-CLI::Validator positive_number() {
+namespace {
+CLI::Validator finite_number(bool zero_allowed) {
+  return CLI::Validator(
+      [zero_allowed](std::string& s) -> std::string {
+        char* end = nullptr;
+        const double x = std::strtod(s.c_str(), &end);
+        if (s.empty() || end != s.c_str() + s.size() || !std::isfinite(x) || !(zero_allowed ? x >= 0 : x > 0))
+          return std::string("expected a finite number ") + (zero_allowed ? ">= 0" : "> 0") + ", got '" + s + "'";
+        return "";
+      },
+      zero_allowed ? "NONNEGATIVE" : "POSITIVE");
+}
+}  // namespace
+
+CLI::Validator positive_number() { return finite_number(false); }
+CLI::Validator non_negative_number() { return finite_number(true); }
+
+CLI::Validator integer_value(std::optional<int64_t> min) {
+  return CLI::Validator(
+      [min](std::string& s) -> std::string {
+        int64_t x = 0;
+        const auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), x);
+        if (s.empty() || ec != std::errc() || end != s.data() + s.size() || (min && x < *min))
+          return (min ? "expected an integer from " + std::to_string(*min) + " to 2^63 - 1"
+                      : std::string("expected an integer from -2^63 to 2^63 - 1")) +
+                 ", got '" + s + "'";
+        return "";
+      },
+      "INT");
+}
+
+CLI::Validator number_list_element() {
   return CLI::Validator(
       [](std::string& s) -> std::string {
         char* end = nullptr;
-        const double x = std::strtod(s.c_str(), &end);
-        if (s.empty() || end != s.c_str() + s.size() || !std::isfinite(x) || !(x > 0))
-          return "expected a finite number > 0, got '" + s + "'";
+        (void)std::strtod(s.c_str(), &end);
+        if (s.empty() || end != s.c_str() + s.size()) return "expected comma-separated numbers, got '" + s + "'";
         return "";
       },
-      "POSITIVE");
+      "NUMBERS");
 }
 
 void require_float(const io::Array<double>& a, const std::string& flag, const std::string& path) {

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <cstdio>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -62,9 +63,15 @@ class Outputs {
   io::detail::OutputTransaction tx_;
 };
 
-// A CLI11 check for options that take a finite number > 0; its message names
-// the value given ("expected a finite number > 0, got 'abc'").
+// CLI11 checks whose messages name the value given ("expected a finite
+// number > 0, got 'abc'"): a finite number > 0, or >= 0; an integer (>= min
+// when given) that fits int64 (a longer one is refused, not clamped); one number of a
+// comma-separated list (an empty element is refused, not dropped). Values
+// out of a rule's range are left to the library (exit 1).
 CLI::Validator positive_number();
+CLI::Validator non_negative_number();
+CLI::Validator integer_value(std::optional<int64_t> min = std::nullopt);
+CLI::Validator number_list_element();
 
 // A per-head list from the command line: H values, or one for every head;
 // otherwise an InvalidArgument naming `cmd` and `flag`.

@@ -25,6 +25,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from ._arrays import int64_array
 from ._variants import variant_kwargs
 
 __all__ = [
@@ -122,12 +123,9 @@ def _kwargs(fn: str, q: np.ndarray, is_causal: bool, scale: Optional[float], lay
     kw = variant_kwargs(fn, np.dtype(np.float32), window_size, alibi_slopes, softcap, sinks, position_offset,
                         chunk_size)
     if key_lengths is not None:
-        kl = np.asarray(key_lengths)
         # The extension takes a 1-D int64 array; the library checks its length (B) and values.
-        if kl.dtype.kind not in "iu" or kl.ndim != 1:
-            raise ValueError(f"{fn}: 'key_lengths' has shape {kl.shape} and dtype {kl.dtype}, expected "
-                             f"({q.shape[0]},) integers (B, the global key lengths)")
-        kw["key_lengths"] = np.ascontiguousarray(kl, dtype=np.int64)
+        kw["key_lengths"] = int64_array(key_lengths, fn, "key_lengths",
+                                        f"({q.shape[0]},) integers (B, the global key lengths)")
     kw.update(scale=None if scale is None else float(scale), causal=bool(is_causal), layout=layout,
               num_threads=int(num_threads))
     return kw
