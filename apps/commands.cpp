@@ -306,10 +306,9 @@ void add_sdpa(CLI::App& app) {
   c->add_option("--chunk-size", o->chunk_size, "chunked attention: a query sees only keys of its own chunk of N positions (0 = off)")
       ->check(integer_value(0));
   auto* alibi = c->add_flag("--alibi", o->alibi, "ALiBi with the paper's slopes (2^(-8(h+1)/H) for H a power of two)");
-  c->add_option("--alibi-slopes", o->alibi_slopes, "ALiBi with these slopes (H values, or one for all)")
-      ->delimiter(',')->check(number_list_element())->excludes(alibi);
-  c->add_option("--sinks", o->sinks, "attention sinks: one logit per head (H values, or one for all)")
-      ->delimiter(',')->check(number_list_element());
+  add_number_list(c, "--alibi-slopes", o->alibi_slopes, "ALiBi with these slopes (H values, or one for all)")
+      ->excludes(alibi);
+  add_number_list(c, "--sinks", o->sinks, "attention sinks: one logit per head (H values, or one for all)");
   auto* offset = c->add_option("--position-offset", o->offset_value,
                                "query row i sits at key position i + N (replaces the causal alignment)");
   c->add_option("--scale", o->scale, "score scale (default 1/sqrt(E); 2^-64 to 2^64)")->check(positive_number());

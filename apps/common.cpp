@@ -64,15 +64,24 @@ CLI::Validator integer_value(std::optional<int64_t> min) {
       "INT");
 }
 
-CLI::Validator number_list_element() {
-  return CLI::Validator(
-      [](std::string& s) -> std::string {
-        char* end = nullptr;
-        (void)std::strtod(s.c_str(), &end);
-        if (s.empty() || end != s.c_str() + s.size()) return "expected comma-separated numbers, got '" + s + "'";
-        return "";
+CLI::Option* add_number_list(CLI::App* app, const std::string& name, std::vector<double>& out, const std::string& help) {
+  return app->add_option_function<std::string>(
+      name,
+      [&out, name](const std::string& s) {
+        out.clear();
+        for (size_t start = 0;;) {
+          const size_t comma = s.find(',', start);
+          const std::string item = s.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
+          char* end = nullptr;
+          const double x = std::strtod(item.c_str(), &end);
+          if (item.empty() || end != item.c_str() + item.size())
+            throw CLI::ValidationError(name, "expected comma-separated numbers, got '" + item + "'");
+          out.push_back(x);
+          if (comma == std::string::npos) break;
+          start = comma + 1;
+        }
       },
-      "NUMBERS");
+      help);
 }
 
 void require_float(const io::Array<double>& a, const std::string& flag, const std::string& path) {

@@ -65,13 +65,14 @@ class Outputs {
 
 // CLI11 checks whose messages name the value given ("expected a finite
 // number > 0, got 'abc'"): a finite number > 0, or >= 0; an integer (>= min
-// when given) that fits int64 (a longer one is refused, not clamped); one number of a
-// comma-separated list (an empty element is refused, not dropped). Values
+// when given) that fits int64 (a longer one is refused, not clamped). Values
 // out of a rule's range are left to the library (exit 1).
 CLI::Validator positive_number();
 CLI::Validator non_negative_number();
 CLI::Validator integer_value(std::optional<int64_t> min = std::nullopt);
-CLI::Validator number_list_element();
+// An option taking comma-separated numbers into `out`; an empty or malformed
+// element is a usage error naming it (never dropped).
+CLI::Option* add_number_list(CLI::App* app, const std::string& name, std::vector<double>& out, const std::string& help);
 
 // A per-head list from the command line: H values, or one for every head;
 // otherwise an InvalidArgument naming `cmd` and `flag`.

@@ -303,13 +303,9 @@ void add_explain(CLI::App& app) {
       ->check(integer_value());
   auto* alibi =
       c->add_flag("--alibi", o->alibi, "ALiBi: add -m|p - j| with the paper's slopes (2^(-8(h+1)/H) for H a power of two)");
-  c->add_option("--alibi-slopes", o->alibi_slopes, "ALiBi with these slopes m (H values, or one for all)")
-      ->delimiter(',')
-      ->check(number_list_element())
+  add_number_list(c, "--alibi-slopes", o->alibi_slopes, "ALiBi with these slopes m (H values, or one for all)")
       ->excludes(alibi);
-  c->add_option("--sinks", o->sinks, "attention sinks: one logit per head (H values, or one for all)")
-      ->delimiter(',')
-      ->check(number_list_element());
+  add_number_list(c, "--sinks", o->sinks, "attention sinks: one logit per head (H values, or one for all)");
   c->add_option("--png", o->png, "draw the attention weights of every head as a heatmap (.png)");
   c->footer(kExitCodesHelp);
   c->callback([o, c] {

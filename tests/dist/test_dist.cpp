@@ -12,8 +12,10 @@
 // merge is exact there); bitwise repeatability; errors agreed on all ranks.
 #include <mpi.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstring>
+#include <thread>
 #include <optional>
 #include <limits>
 #include <random>
@@ -687,6 +689,27 @@ TEST(DistAgreement, DifferentCallsAndOutputsFailEverywhere) {
   EXPECT_TRUE(all_close(l.out, shard_of(f.out, c.layout), 1e-5));
   forward(false, true);
   EXPECT_TRUE(all_close(l.out, shard_of(f.out, c.layout), 1e-5));
+}
+
+// A rank that stops calling: the others give up after the bounded wait and
+// abort the job with a message (ctest checks the message and that it ends
+// well within its timeout; the normal runs leave this test out).
+TEST(DistWatchdog, AStuckRankAbortsTheJobWithAMessage) {
+  const int P = size_(), r = rank_();
+  if (P < 2) GTEST_SKIP() << "needs two ranks";
+  if (r != 0) {
+    std::this_thread::sleep_for(std::chrono::seconds(60));  // stuck elsewhere; the abort ends it
+    return;
+  }
+  Case c;
+  const Full f = oracle(c);
+  Local l;
+  l.q = shard_of(f.q, c.layout), l.k = shard_of(f.k, c.layout), l.v = shard_of(f.v, c.layout);
+  l.out = Tensor<float>({c.B, c.H, l.q.dim(2), c.Ev});
+  attn::dist::DistOptions o;
+  o.timeout_s = 1.0;
+  attn::dist::ring_attention(MPI_COMM_WORLD, l.args(), {l.out.view4()}, o);
+  ADD_FAILURE() << "ring_attention returned without the other ranks";
 }
 
 // A front end's own verdict (first_failed_rank), and a bad bound.
