@@ -45,7 +45,7 @@ void on_every_rank(F&& f) {
   } catch (...) {
     err = std::current_exception();
   }
-  const int bad = dist::first_failed_rank(MPI_COMM_WORLD, err != nullptr);
+  const int bad = dist::first_failed_rank(MPI_COMM_WORLD, err != nullptr, {}, "attn sdpa");
   if (err) std::rethrow_exception(err);
   if (bad >= 0) throw InvalidArgument(fmt::format("attn sdpa: rank {} rejected the inputs (see its message)", bad));
 }

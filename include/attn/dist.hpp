@@ -67,6 +67,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "attn/sdpa.hpp"
@@ -109,8 +110,9 @@ inline constexpr int kTimeoutExitCode = 8;
 // For front ends with checks of their own before a call (a binding's dtypes,
 // the files a command reads): every rank of comm calls it, saying whether it
 // failed; returns the lowest failing rank, or -1 when none failed, on every
-// rank, within the bounded wait of `opt`.
-int first_failed_rank(MPI_Comm comm, bool failed, const DistOptions& opt = {});
+// rank, within the bounded wait of `opt` (whose message names `caller`).
+int first_failed_rank(MPI_Comm comm, bool failed, const DistOptions& opt = {},
+                      const std::string& caller = "attn::dist::first_failed_rank");
 
 // Where a ring call spent its time on this rank (optional output).
 struct RingStats {

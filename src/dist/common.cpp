@@ -228,7 +228,7 @@ double wait(std::vector<MPI_Request>& reqs, const Bound& b, const std::string& w
       int rank = 0;
       MPI_Comm_rank(b.comm, &rank);
       std::fprintf(stderr,
-                   "error: attn::dist::%s: rank %d waited %.0f s for %s; another rank died or stopped calling. "
+                   "error: %s: rank %d waited %.0f s for %s; another rank died or stopped calling. "
                    "Aborting the job (exit %d). The bound is DistOptions::timeout_s, or ATTN_DIST_TIMEOUT "
                    "seconds; it is %g s.\n",
                    b.fn.c_str(), rank, waited, what.c_str(), kTimeoutExitCode, b.seconds);
@@ -415,7 +415,7 @@ Geometry validate(MPI_Comm comm, const char* fn, const Request& req) {
   check_communicator(c, comm);
   Geometry g;
   std::string bound_error;
-  g.bound = bound_of(comm, fn, *req.opt, &bound_error);
+  g.bound = bound_of(comm, std::string("attn::dist::") + fn, *req.opt, &bound_error);
   MPI_Comm_size(comm, &g.P);
   MPI_Comm_rank(comm, &g.r);
   const SdpaArgs<float>& a = *req.args;
@@ -525,11 +525,11 @@ Geometry validate(MPI_Comm comm, const char* fn, const Request& req) {
 
 }  // namespace detail
 
-int first_failed_rank(MPI_Comm comm, bool failed, const DistOptions& opt) {
+int first_failed_rank(MPI_Comm comm, bool failed, const DistOptions& opt, const std::string& caller) {
   const attn::detail::Checker c{"dist::first_failed_rank"};
   detail::check_communicator(c, comm);
   std::string error;
-  const detail::Bound b = detail::bound_of(comm, "first_failed_rank", opt, &error);
+  const detail::Bound b = detail::bound_of(comm, caller, opt, &error);
   if (!error.empty()) c.fail(error);
   return detail::first_failed(comm, failed, b, "the other ranks to check their arguments");
 }

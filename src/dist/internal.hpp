@@ -15,7 +15,8 @@
 namespace attn::dist::detail {
 
 // The bounded wait of one call (attn/dist.hpp): `fn` names the call in the
-// message, `comm` is the caller's communicator (the one MPI_Abort ends).
+// message ("attn::dist::ring_attention"), `comm` is the caller's
+// communicator (the one MPI_Abort ends).
 struct Bound {
   MPI_Comm comm = MPI_COMM_NULL;
   std::string fn;
