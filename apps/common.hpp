@@ -30,7 +30,7 @@ enum Exit : int {
 inline constexpr const char* kExitCodesHelp =
     "Exit codes: 0 success; 1 invalid input (shapes, values, sizes); 2 usage error; 3 file error (missing, "
     "malformed, unwritable); 4 feature not available; 5 internal error; 6 out of memory; 7 training diverged "
-    "(non-finite loss).";
+    "(non-finite loss); 8 --context-parallel: a rank waited past ATTN_DIST_TIMEOUT for another.";
 
 // A usage problem detected after parsing (exit code 2).
 class UsageError : public Error {

@@ -203,7 +203,8 @@ Bound bound_of(MPI_Comm comm, const std::string& fn, const DistOptions& opt, std
   std::string bad;
   if (opt.timeout_s) {
     if (*opt.timeout_s > 0) b.seconds = *opt.timeout_s;  // NaN and <= 0 fail
-    else bad = "option 'timeout_s' is " + std::to_string(*opt.timeout_s) + ", expected seconds > 0 (inf: no bound)";
+    else bad = (std::ostringstream() << "option 'timeout_s' is " << *opt.timeout_s).str() +
+               ", expected seconds > 0 (inf: no bound)";
   } else if (const char* env = std::getenv("ATTN_DIST_TIMEOUT"); env && *env) {
     char* end = nullptr;
     const double x = std::strtod(env, &end);
@@ -218,9 +219,10 @@ Bound bound_of(MPI_Comm comm, const std::string& fn, const DistOptions& opt, std
 double wait(std::vector<MPI_Request>& reqs, const Bound& b, const std::string& what) {
   const double t0 = MPI_Wtime();
   int done = reqs.empty();
-  // Test, then yield the core more and more politely: a step's transfer
-  // usually completes within the spin, a stuck peer costs no CPU.
-  for (int64_t round = 0; !done; ++round) {
+  // Test (MPI progresses the transfers inside its calls): spinning for the
+  // first 10 ms, as MPI_Waitall would, then yielding the core, and after a
+  // second sleeping, so a stuck peer costs no CPU.
+  while (!done) {
     MPI_Testall(int(reqs.size()), reqs.data(), &done, MPI_STATUSES_IGNORE);
     if (done) break;
     const double waited = MPI_Wtime() - t0;
@@ -236,7 +238,8 @@ double wait(std::vector<MPI_Request>& reqs, const Bound& b, const std::string& w
       MPI_Abort(b.comm, kTimeoutExitCode);
       std::abort();  // MPI_Abort does not return
     }
-    if (round > 1000) std::this_thread::sleep_for(std::chrono::microseconds(round > 100000 ? 1000 : 20));
+    if (waited > 1.0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    else if (waited > 0.01) std::this_thread::yield();
   }
   reqs.clear();
   return MPI_Wtime() - t0;
