@@ -51,6 +51,42 @@ HeadVariants head_variants(const ExplainOpts& o, int64_t h, int64_t H) {
   return v;
 }
 
+// One head through the library (reference backend, double): Y, A and lse.
+struct HeadResult {
+  Mat Y, A;
+  std::vector<double> lse;
+};
+HeadResult library_head(const Mat& Q, const Mat& K, const Mat& V, const std::vector<int64_t>& qpos,
+                        const HeadVariants& var) {
+  SdpaArgs<double> args;
+  args.q = View4<const double>::bhnd(Q.a.data(), 1, 1, Q.rows, Q.cols);
+  args.k = View4<const double>::bhnd(K.a.data(), 1, 1, K.rows, K.cols);
+  args.v = View4<const double>::bhnd(V.a.data(), 1, 1, V.rows, V.cols);
+  const double slope = var.slope.value_or(0), sink = var.sink.value_or(0);
+  if (var.slope) args.alibi_slopes = View1<const double>(&slope, {1});
+  if (var.sink) args.sinks = View1<const double>(&sink, {1});
+  SdpaOptions opt;
+  opt.scale = 1 / std::sqrt(double(Q.cols));
+  opt.causal = var.causal;
+  opt.window = var.window;
+  opt.position_offset = qpos.empty() ? 0 : qpos[0];
+  opt.backend = Backend::reference;
+  HeadResult r{Mat(Q.rows, V.cols), Mat(Q.rows, K.rows), std::vector<double>(size_t(Q.rows))};
+  scaled_dot_product_attention<double>(args,
+                                       {View4<double>::bhnd(r.Y.a.data(), 1, 1, Q.rows, V.cols),
+                                        View4<double>::bhnd(r.A.a.data(), 1, 1, Q.rows, K.rows),
+                                        View3<double>(r.lse.data(), {1, 1, Q.rows})},
+                                       opt);
+  return r;
+}
+
+// The flags of every head of H through the library on a one-token example,
+// so that a bad value fails before any step is printed.
+void check_variants(const ExplainOpts& o, int64_t H) {
+  const Mat one(1, 1, {0});
+  for (int64_t h = 0; h < H; ++h) (void)library_head(one, one, one, {0}, head_variants(o, h, H));
+}
+
 // Scores, scaling, the variants, softmax and aggregation for one head,
 // printed. Query i sits at key position qpos[i] (consecutive) for the causal
 // rule, the window and ALiBi. Returns (A, Y).
@@ -97,26 +133,7 @@ std::pair<Mat, Mat> explain_head(const Mat& Q, const Mat& K, const Mat& V, const
     print_mat("visible" + suffix + " (1 = the query may attend to the key; " + rule + ")", vis, qlab, 0);
   }
   // The same head through the library (reference backend, double).
-  SdpaArgs<double> args;
-  args.q = View4<const double>::bhnd(Q.a.data(), 1, 1, Q.rows, Q.cols);
-  args.k = View4<const double>::bhnd(K.a.data(), 1, 1, K.rows, K.cols);
-  args.v = View4<const double>::bhnd(V.a.data(), 1, 1, V.rows, V.cols);
-  const double slope = var.slope.value_or(0), sink = var.sink.value_or(0);
-  if (var.slope) args.alibi_slopes = View1<const double>(&slope, {1});
-  if (var.sink) args.sinks = View1<const double>(&sink, {1});
-  SdpaOptions opt;
-  opt.scale = 1 / root;
-  opt.causal = var.causal;
-  opt.window = var.window;
-  opt.position_offset = qpos.empty() ? 0 : qpos[0];
-  opt.backend = Backend::reference;
-  Mat Y(Q.rows, V.cols), A(Q.rows, K.rows);
-  std::vector<double> lse(size_t(Q.rows));
-  scaled_dot_product_attention<double>(args,
-                                       {View4<double>::bhnd(Y.a.data(), 1, 1, Q.rows, V.cols),
-                                        View4<double>::bhnd(A.a.data(), 1, 1, Q.rows, K.rows),
-                                        View3<double>(lse.data(), {1, 1, Q.rows})},
-                                       opt);
+  const auto [Y, A, lse] = library_head(Q, K, V, qpos, var);
   std::string how = "A" + suffix + " = softmax(" + scores + "), row by row";
   if (var.masks()) how += " over the visible keys";
   if (var.sink) how += fmt::format(", with a sink logit {:.6g} in every denominator", *var.sink);
@@ -124,7 +141,7 @@ std::pair<Mat, Mat> explain_head(const Mat& Q, const Mat& K, const Mat& V, const
   if (var.sink) {
     // The sink takes exp(sink - lse) of each row and contributes no value.
     Mat on_sink(Q.rows, 1);
-    for (int64_t i = 0; i < Q.rows; ++i) on_sink(i, 0) = std::exp(sink - lse[size_t(i)]);
+    for (int64_t i = 0; i < Q.rows; ++i) on_sink(i, 0) = std::exp(*var.sink - lse[size_t(i)]);
     print_mat("weight on the sink" + suffix + " = exp(sink - lse) = 1 - row sum of A" + suffix, on_sink, qlab);
   }
   print_mat("Y" + suffix + " = A" + suffix + " V" + suffix + "   (each row a weighted average of V's rows)", Y, qlab);
@@ -155,6 +172,7 @@ std::string row_string(const Mat& m, int64_t r, int decimals) {
 }
 
 void run_builtin(const ExplainOpts& o) {
+  check_variants(o, 1);  // the flags, before any output
   Outputs outputs;
   const std::string png = outputs.add("--png", o.png);
   Mat Q, K, V;
@@ -196,7 +214,7 @@ void run_random(const ExplainOpts& o) {
   if (!o.dk && D % H != 0)
     throw UsageError(fmt::format("attn explain: --dim {} is not divisible by --heads {}; give --dk", D, H));
   if (dk < 1 || dk > 64) throw UsageError("attn explain: --dk must be 1..64");
-  (void)head_variants(o, 0, H);  // checks the per-head lists before any output
+  check_variants(o, H);  // the flags, before any output
   Outputs outputs;
   const std::string png = outputs.add("--png", o.png);
   std::mt19937_64 rng(o.seed);
@@ -281,13 +299,13 @@ void add_explain(CLI::App& app) {
   c->add_option("--window", o->window, "sliding window LEFT,RIGHT: keys p-LEFT..p+RIGHT of the query's position p, "
                                        "-1 = unbounded")
       ->delimiter(',')
-      ->expected(2);
+      ->expected(2)
+      ->check(integer_value());
   auto* alibi =
       c->add_flag("--alibi", o->alibi, "ALiBi: add -m|p - j| with the paper's slopes (2^(-8(h+1)/H) for H a power of two)");
-  c->add_option("--alibi-slopes", o->alibi_slopes, "ALiBi with these slopes m (H values, or one for all)")
-      ->delimiter(',')
+  add_number_list(c, "--alibi-slopes", o->alibi_slopes, "ALiBi with these slopes m (H values, or one for all)")
       ->excludes(alibi);
-  c->add_option("--sinks", o->sinks, "attention sinks: one logit per head (H values, or one for all)")->delimiter(',');
+  add_number_list(c, "--sinks", o->sinks, "attention sinks: one logit per head (H values, or one for all)");
   c->add_option("--png", o->png, "draw the attention weights of every head as a heatmap (.png)");
   c->footer(kExitCodesHelp);
   c->callback([o, c] {

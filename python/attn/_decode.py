@@ -27,7 +27,7 @@ _F32 = np.dtype(np.float32)
 def _f32(x: Any, fn: str, name: str, ndim: int) -> np.ndarray:
     """x as float32 of rank ndim: the extension's arrays have a fixed dtype and
     rank (the library checks the shape)."""
-    a = to_numpy(x, fn, name)
+    a = to_numpy(x, fn, name, floats="torch.float32")
     if a.dtype != _F32:
         raise ValueError(f"{fn}: '{name}' has dtype {a.dtype}, expected float32")
     if a.ndim != ndim:
@@ -128,6 +128,18 @@ class KVCache:
                 f"lengths={self.lengths})")
 
 
+def refuse_grad(fn: str, **named: Any) -> None:
+    """Decoding is inference: a torch tensor that requires grad (in grad mode)
+    would silently lose its graph, so it is refused, the argument named."""
+    for name, x in named.items():
+        if is_torch_tensor(x) and x.requires_grad:
+            import torch
+
+            if torch.is_grad_enabled():
+                raise ValueError(f"{fn}: '{name}' requires grad; decoding is inference, call it under "
+                                 "torch.no_grad()")
+
+
 def decode_attention(q: Any, cache: KVCache, *, scale: Optional[float] = None, is_causal: bool = False,
                      return_lse: bool = False, backend: str = "auto", num_threads: int = 0, window_size=None,
                      softcap=None, chunk_size: int = 0, alibi_slopes=None, sinks=None, attn_mask=None):
@@ -159,6 +171,7 @@ def decode_attention(q: Any, cache: KVCache, *, scale: Optional[float] = None, i
     fn = "attn.decode_attention"
     if not isinstance(cache, KVCache):
         raise TypeError(f"{fn}: 'cache' must be an attn.KVCache, got {type(cache).__name__}")
+    refuse_grad(fn, q=q, alibi_slopes=alibi_slopes, sinks=sinks, attn_mask=attn_mask)
     qa = _f32(q, fn, "q", 4)
     out = np.empty(qa.shape[:3] + (cache.value_dim,), np.float32)
     lse = np.empty(qa.shape[:3], np.float32) if return_lse else None
