@@ -133,7 +133,8 @@ struct JacobianRow {
 };
 std::vector<JacobianRow> jacobian_rows(int64_t dk, uint64_t seed, int64_t batch);
 // The Frobenius norm of diag(a) - a aᵀ for uniform weights over n keys,
-// sqrt(n-1)/n: the largest value a row can have; a saturated row has 0.
+// sqrt(n-1)/n. A saturated row (one-hot a) has 0; no row exceeds 1/2, the
+// value for two keys sharing the weight.
 double uniform_jacobian_norm(int64_t n);
 
 }  // namespace attn::lesson

@@ -12,7 +12,10 @@ const $ = (id) => document.getElementById(id);
 
 function call(request) {
   const answer = JSON.parse(state.wasm.ccall("attn_web_call", "string", ["string"], [JSON.stringify(request)]));
+  // The last request and answer of each kind, read by the browser tests.
+  window.attnLastRequest = window.attnLastRequest || {};
   window.attnLast = window.attnLast || {};
+  window.attnLastRequest[request.op] = request;
   window.attnLast[request.op] = answer;
   return answer;
 }
@@ -187,7 +190,7 @@ function renderSteps() {
 }
 
 // ---- 2. d_k ---------------------------------------------------------------------
-const DK_SIZES = { pairs: 500, trials: 200, batch: 4, seed: 0 };
+const DK_SIZES = { pairs: 400, trials: 150, batch: 4, seed: 0 };
 
 function chart(svg, series, { logy = false, ymin, ymax } = {}) {
   const W = 300, H = 190, L = 42, B = 28, T = 8, R = 8;
@@ -255,7 +258,7 @@ function renderDk() {
     { points: seen.map(([x, a]) => [x, a.jacobian[1].median_jacobian]), colour: blue },
     { points: [[dk, r.jacobian[0].median_jacobian]], colour: red, big: true },
     { points: [[dk, r.jacobian[1].median_jacobian]], colour: blue, big: true },
-  ], { ymin: 0, ymax: 0.4 });
+  ], { ymin: 0, ymax: 0.5 });
 }
 
 // ---- 3. permutation ---------------------------------------------------------------
