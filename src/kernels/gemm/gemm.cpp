@@ -48,7 +48,7 @@ void gemm(GemmShape s, bool ta, const T* A, int64_t lda, bool tb, const T* B, in
 
 #ifdef ATTN_NO_BLAS
 ScopedBlasThreads::ScopedBlasThreads(int threads) : saved_(threads) {}
-ScopedBlasThreads::~ScopedBlasThreads() = default;
+ScopedBlasThreads::~ScopedBlasThreads() { (void)saved_; }  // no BLAS threads to restore
 #else
 ScopedBlasThreads::ScopedBlasThreads(int threads) : saved_(openblas_get_num_threads()) {
   openblas_set_num_threads(threads);
