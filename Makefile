@@ -8,7 +8,7 @@ CMAKE_FLAGS ?=
 # (CCACHE= turns it off; it applies when $(BUILD) is first configured).
 CCACHE ?= $(shell command -v ccache 2>/dev/null)
 
-.PHONY: deps build demo test test-sanitize test-tsan bench bench-decode bench-torch fuzz install clean
+.PHONY: deps build demo test test-sanitize test-tsan bench bench-decode bench-torch fuzz install clean web test-web
 
 deps:
 	@bash scripts/install-deps.sh
@@ -27,6 +27,7 @@ demo: deps $(BUILD)/CMakeCache.txt
 test: build
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
 	$(MAKE) test-python
+	$(MAKE) test-web
 
 # The Python package, in a virtual environment of its own (build-py/venv):
 # numpy, pytest, ml_dtypes (the tests' bfloat16 NumPy arrays) and the build
@@ -76,6 +77,32 @@ test-python: python-install
 test-torch: python-install
 	$(PYVENV)/bin/python -c 'import torch' 2>/dev/null || $(PIP) install torch
 	@$(call PYTEST,-rs tests/python/test_torch_parity.py)
+
+# The browser explainer (web/, docs/explainer.md): attn's portable sources and
+# the page, compiled to WebAssembly by Emscripten into $(WEB_BUILD)/site/
+# (open $(WEB_BUILD)/site/index.html). Emscripten's JavaScript optimiser needs
+# Debian's node-acorn, which a Node.js from outside Debian does not look for
+# without NODE_PATH.
+WEB_BUILD ?= build-web
+EMSDK_ENV = NODE_PATH=/usr/share/nodejs
+web: deps
+	@test -f $(WEB_BUILD)/CMakeCache.txt || $(EMSDK_ENV) emcmake cmake -S web -B $(WEB_BUILD) -DCMAKE_BUILD_TYPE=Release \
+	  $(if $(CCACHE),-DCMAKE_CXX_COMPILER_LAUNCHER=$(CCACHE)) $(CMAKE_FLAGS)
+	$(EMSDK_ENV) cmake --build $(WEB_BUILD) -j $(JOBS)
+	@echo "open $(WEB_BUILD)/site/index.html (file://, no server needed)"
+
+# The page in headless Chromium (Debian's chromium and chromium-driver, driven
+# by Selenium from PyPI in the build-py venv), against the native build's
+# answers (attn-web-native); screenshots go to $(WEB_BUILD)/test-artifacts/.
+PY_WEB_STAMP = $(PYVENV)/.selenium
+$(PY_WEB_STAMP): | $(PYVENV)/bin/python
+	$(PIP) install selenium
+	touch $@
+
+test-web: web $(BUILD)/CMakeCache.txt $(PY_STAMP) $(PY_WEB_STAMP)
+	cmake --build $(BUILD) -j $(JOBS) --target attn_web_native
+	ATTN_WEB_SITE=$(WEB_BUILD)/site ATTN_WEB_NATIVE=$(BUILD)/apps/attn-web-native \
+	  ATTN_WEB_ARTIFACTS=$(WEB_BUILD)/test-artifacts $(PYVENV)/bin/python -m pytest -q -rs -s tests/web
 
 # AddressSanitizer + UndefinedBehaviorSanitizer build of the test suite.
 test-sanitize: deps
@@ -127,4 +154,4 @@ install: build
 	cmake --install $(BUILD) --prefix $(or $(PREFIX),/usr/local)
 
 clean:
-	rm -rf build build-asan build-werror build-fuzz build-py
+	rm -rf build build-asan build-werror build-fuzz build-py build-web
