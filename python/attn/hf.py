@@ -57,6 +57,7 @@ from . import torch as _attn_torch
 __all__ = ["register", "attention_forward", "mask_rules", "MaskRules", "AttnCache", "AttnCacheLayer"]
 
 NAME = "attn"
+_REGISTERED = set()  # the names register() gave attn's functions
 _FN = "attn.hf"
 
 
@@ -408,7 +409,9 @@ class AttnCache(_Cache):
     the stored values. page_size > 0 stores them in pages. max_cache_len fixes
     the capacity (default: grows by doubling, copying the history once per
     doubling). Sliding-window layers keep every token and attend to their
-    window. storage_bytes reports the memory of all layers."""
+    window. storage_bytes reports the memory of all layers. Without a config,
+    layers are added as the model first reaches them, and the attention
+    implementation is not checked."""
 
     def __init__(self, config: Any = None, *, dtype: str = "float32", page_size: int = 0,
                  max_cache_len: Optional[int] = None):
@@ -418,8 +421,8 @@ class AttnCache(_Cache):
             return
         text = config.get_text_config(decoder=True)
         impl = getattr(config, "_attn_implementation", None)
-        if impl is not None and impl != NAME:
-            raise ValueError(f"{_FN}: AttnCache needs the model's attention implementation to be '{NAME}' "
+        if impl is not None and impl not in _REGISTERED:
+            raise ValueError(f"{_FN}: AttnCache needs the model's attention implementation to be attn's "
                              f"(attn.hf.register(), then attn_implementation='{NAME}'); this config has '{impl}'")
         super().__init__(layers=[make() for _ in range(text.num_hidden_layers)])
 
@@ -439,4 +442,5 @@ def register(name: str = NAME) -> str:
     model.set_attn_implementation(name) use attn. Returns the name."""
     _AttentionInterface.register(name, attention_forward)
     _masking.AttentionMaskInterface.register(name, mask_rules)
+    _REGISTERED.add(name)
     return name

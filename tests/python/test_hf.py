@@ -324,7 +324,7 @@ def test_refusals():
     model.eval()
     with pytest.raises(ValueError, match="output_attentions"), torch.no_grad():
         model(input_ids=ids, attention_mask=mask, output_attentions=True)
-    with pytest.raises(ValueError, match="AttnCache needs the model's attention implementation"):
+    with pytest.raises(ValueError, match="AttnCache needs the model's attention implementation to be attn's"):
         attn.hf.AttnCache(build("llama", "sdpa").config)
 
 
