@@ -17,6 +17,9 @@ import os
 import sys
 import time
 
+os.environ.setdefault("OMP_WAIT_POLICY", "passive")  # torch's and attn's OpenMP threads take turns
+os.environ.setdefault("TQDM_DISABLE", "1")
+
 import torch
 from transformers import AttentionInterface
 from transformers import masking_utils

@@ -194,6 +194,10 @@ def _with_rules(query, key, value, rules: MaskRules, **kw):
     if ranges is None:
         mask = _dense(rules)
         return _call(query, key, value, attn_mask=mask, **kw)
+    if bool((ranges == ranges[0]).all()) and ranges[0, 1] > ranges[0, 0]:  # one range for all: one call
+        lo, hi = ranges[0].tolist()
+        return _call(query, key[:, :, lo:hi], value[:, :, lo:hi], position_offset=rules.position_offset - lo,
+                     **rule, **kw)
     outs = []
     for b, (lo, hi) in enumerate(ranges.tolist()):
         q = query[b:b + 1]
@@ -335,10 +339,14 @@ class AttnCacheLayer(_CacheLayerMixin):
         if dropout != 0.0:
             raise ValueError(f"{_FN}: 'dropout' is {dropout}; attention over AttnCache has no dropout "
                              "(use model.eval() for generation)")
-        window = sliding_window
+        # No mask: the module's window, on the causal side.
+        window_size = None if sliding_window is None else (sliding_window - 1, 0)
         attn_mask = None
         if isinstance(mask, MaskRules):
-            causal, window = mask.causal, mask.window
+            if (mask.kv_offset, mask.kv_length) != (0, self.get_seq_length()):
+                raise ValueError(f"{_FN}: the mask covers keys {mask.kv_offset}..{mask.kv_offset + mask.kv_length} "
+                                 f"but the cache holds {self.get_seq_length()} tokens")
+            causal, window_size = mask.causal, mask.window_size()
             if mask.padding is not None:
                 # One row of real-key flags per sequence, broadcast over heads and queries: O(B·S).
                 attn_mask = _torch.zeros(mask.batch, 1, 1, self.kv.capacity, dtype=_torch.bool)
@@ -349,8 +357,7 @@ class AttnCacheLayer(_CacheLayerMixin):
             fill = False if m.dtype == _torch.bool else float("-inf")
             attn_mask = m.new_full(m.shape[:-1] + (self.kv.capacity,), fill)
             attn_mask[..., :m.shape[-1]] = m
-            causal = False
-        window_size = None if window is None else ((window - 1, 0) if causal or mask is None else (window, window))
+            causal, window_size = False, None  # the mask holds every rule
         out = _decode.decode_attention(
             query.detach().float(), self.kv, scale=scale, is_causal=causal, window_size=window_size,
             softcap=softcap, sinks=None if sinks is None else sinks.detach().float(), attn_mask=attn_mask)
