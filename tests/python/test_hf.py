@@ -392,3 +392,17 @@ def test_attn_cache_half_storage(storage):
     B, Hkv = ids.shape[0], 2
     assert full.storage_bytes == LAYERS * 2 * B * Hkv * 64 * HEAD_DIM * 4
     assert half.storage_bytes * 2 == full.storage_bytes
+
+
+def test_attn_cache_with_a_bfloat16_model():
+    """A bfloat16 model: the cache stores what it is given (here bfloat16
+    keys and values, exactly), attention runs in float32 and returns
+    bfloat16; tokens as with transformers' cache, within the bfloat16 bound."""
+    ids, mask = batch(seed=8, left=True)
+    model = build("llama", "attn", torch.bfloat16)
+    with torch.no_grad():
+        want, logits = greedy(model, ids, mask, 10)
+        cache = attn.hf.AttnCache(model.config, dtype="bfloat16")
+        got, _ = greedy(model, ids, mask, 10, cache=cache)
+    assert cache.get_seq_length() == ids.shape[1] + 9
+    assert_same_tokens(got, want, logits, BF16_BOUND, "bfloat16 model, AttnCache vs DynamicCache")
