@@ -19,6 +19,9 @@ import sys
 import time
 
 os.environ.setdefault("TQDM_DISABLE", "1")  # the GGUF loader's progress bars
+# torch and attn each have an OpenMP runtime: threads that spin after a region
+# would take the cores from the other's next one (README.md, "Threads").
+os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 
 import torch
 import transformers

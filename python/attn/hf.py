@@ -57,6 +57,7 @@ from . import torch as _attn_torch
 __all__ = ["register", "attention_forward", "mask_rules", "MaskRules", "AttnCache", "AttnCacheLayer"]
 
 NAME = "attn"
+_REGISTERED = set()  # the names register() gave attn's functions
 _FN = "attn.hf"
 
 
@@ -193,6 +194,10 @@ def _with_rules(query, key, value, rules: MaskRules, **kw):
     if ranges is None:
         mask = _dense(rules)
         return _call(query, key, value, attn_mask=mask, **kw)
+    if bool((ranges == ranges[0]).all()) and ranges[0, 1] > ranges[0, 0]:  # one range for all: one call
+        lo, hi = ranges[0].tolist()
+        return _call(query, key[:, :, lo:hi], value[:, :, lo:hi], position_offset=rules.position_offset - lo,
+                     **rule, **kw)
     outs = []
     for b, (lo, hi) in enumerate(ranges.tolist()):
         q = query[b:b + 1]
@@ -334,10 +339,14 @@ class AttnCacheLayer(_CacheLayerMixin):
         if dropout != 0.0:
             raise ValueError(f"{_FN}: 'dropout' is {dropout}; attention over AttnCache has no dropout "
                              "(use model.eval() for generation)")
-        window = sliding_window
+        # No mask: the module's window, on the causal side.
+        window_size = None if sliding_window is None else (sliding_window - 1, 0)
         attn_mask = None
         if isinstance(mask, MaskRules):
-            causal, window = mask.causal, mask.window
+            if (mask.kv_offset, mask.kv_length) != (0, self.get_seq_length()):
+                raise ValueError(f"{_FN}: the mask covers keys {mask.kv_offset}..{mask.kv_offset + mask.kv_length} "
+                                 f"but the cache holds {self.get_seq_length()} tokens")
+            causal, window_size = mask.causal, mask.window_size()
             if mask.padding is not None:
                 # One row of real-key flags per sequence, broadcast over heads and queries: O(B·S).
                 attn_mask = _torch.zeros(mask.batch, 1, 1, self.kv.capacity, dtype=_torch.bool)
@@ -348,8 +357,7 @@ class AttnCacheLayer(_CacheLayerMixin):
             fill = False if m.dtype == _torch.bool else float("-inf")
             attn_mask = m.new_full(m.shape[:-1] + (self.kv.capacity,), fill)
             attn_mask[..., :m.shape[-1]] = m
-            causal = False
-        window_size = None if window is None else ((window - 1, 0) if causal or mask is None else (window, window))
+            causal, window_size = False, None  # the mask holds every rule
         out = _decode.decode_attention(
             query.detach().float(), self.kv, scale=scale, is_causal=causal, window_size=window_size,
             softcap=softcap, sinks=None if sinks is None else sinks.detach().float(), attn_mask=attn_mask)
@@ -408,7 +416,9 @@ class AttnCache(_Cache):
     the stored values. page_size > 0 stores them in pages. max_cache_len fixes
     the capacity (default: grows by doubling, copying the history once per
     doubling). Sliding-window layers keep every token and attend to their
-    window. storage_bytes reports the memory of all layers."""
+    window. storage_bytes reports the memory of all layers. Without a config,
+    layers are added as the model first reaches them, and the attention
+    implementation is not checked."""
 
     def __init__(self, config: Any = None, *, dtype: str = "float32", page_size: int = 0,
                  max_cache_len: Optional[int] = None):
@@ -418,8 +428,8 @@ class AttnCache(_Cache):
             return
         text = config.get_text_config(decoder=True)
         impl = getattr(config, "_attn_implementation", None)
-        if impl is not None and impl != NAME:
-            raise ValueError(f"{_FN}: AttnCache needs the model's attention implementation to be '{NAME}' "
+        if impl is not None and impl not in _REGISTERED:
+            raise ValueError(f"{_FN}: AttnCache needs the model's attention implementation to be attn's "
                              f"(attn.hf.register(), then attn_implementation='{NAME}'); this config has '{impl}'")
         super().__init__(layers=[make() for _ in range(text.num_hidden_layers)])
 
@@ -439,4 +449,5 @@ def register(name: str = NAME) -> str:
     model.set_attn_implementation(name) use attn. Returns the name."""
     _AttentionInterface.register(name, attention_forward)
     _masking.AttentionMaskInterface.register(name, mask_rules)
+    _REGISTERED.add(name)
     return name

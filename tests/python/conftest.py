@@ -2,7 +2,14 @@
 as a table at the end of the run (max absolute and relative error per case,
 over all random configurations of that case)."""
 
+import os
+
 import pytest
+
+# torch and attn each load an OpenMP runtime: threads spinning after one's
+# parallel region would take the cores from the other's next one (README.md,
+# "Threads"). Set before the test modules import either.
+os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 
 _PARITY = {}
 

@@ -294,22 +294,26 @@ def test_mask_rules_against_transformers_masks():
         (4, 9, 5, 0, mu.sliding_window_causal_mask_function(4)),
         (6, 6, 0, 0, mu.sliding_window_bidirectional_mask_function(2)),
     ]:
-        pad = torch.ones(B, kv_off + S, dtype=torch.bool)
-        pad[1, kv_off + S - 2:] = False  # right padding
-        pad[2, :kv_off + 3] = False  # left padding
-        q = torch.randn(B, H, L, E, generator=g)
-        k, v = torch.randn(B, Hkv, S, E, generator=g), torch.randn(B, Hkv, S, E, generator=g)
-        args = dict(batch_size=B, q_length=L, kv_length=S, q_offset=q_off, kv_offset=kv_off, mask_function=fn,
-                    attention_mask=pad)
-        rules = attn.hf.mask_rules(**args)
-        assert isinstance(rules, attn.hf.MaskRules)
-        got, _ = attn.hf.attention_forward(module, q, k, v, rules)
-        dense = mu.sdpa_mask(allow_is_causal_skip=False, **args)
-        want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense, enable_gqa=True)
-        sees = dense.any(dim=-1)[:, 0]  # (B, L)
-        err = (got.transpose(1, 2) - want).abs().amax(dim=(1, 3))[sees]
-        assert float(err.max()) <= 1e-5, (L, S, q_off, kv_off, float(err.max()))
-        assert torch.equal(got.transpose(1, 2)[~sees[:, None, :].expand(B, H, L)].abs().sum(), torch.tensor(0.0))
+        mixed = torch.ones(B, kv_off + S, dtype=torch.bool)
+        mixed[1, kv_off + S - 2:] = False  # right padding
+        mixed[2, :kv_off + 3] = False  # left padding
+        same = torch.ones(B, kv_off + S, dtype=torch.bool)
+        same[:, kv_off + S - 1:] = False  # every row: the last key is not real (a static cache's tail)
+        for pad in (mixed, same, None):
+            q = torch.randn(B, H, L, E, generator=g)
+            k, v = torch.randn(B, Hkv, S, E, generator=g), torch.randn(B, Hkv, S, E, generator=g)
+            args = dict(batch_size=B, q_length=L, kv_length=S, q_offset=q_off, kv_offset=kv_off, mask_function=fn,
+                        attention_mask=pad)
+            rules = attn.hf.mask_rules(**args)
+            assert isinstance(rules, attn.hf.MaskRules)
+            got, _ = attn.hf.attention_forward(module, q, k, v, rules)
+            dense = mu.sdpa_mask(allow_is_causal_skip=False, **args)
+            dense = torch.ones(B, 1, L, S, dtype=torch.bool) if dense is None else dense
+            want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense, enable_gqa=True)
+            sees = dense.any(dim=-1)[:, 0]  # (B, L)
+            err = (got.transpose(1, 2) - want).abs().amax(dim=(1, 3))[sees]
+            assert float(err.max()) <= 1e-5, (L, S, q_off, kv_off, float(err.max()))
+            assert float(got.transpose(1, 2)[~sees[:, None, :].expand(B, H, L)].abs().sum()) == 0.0
 
 
 def test_refusals():
@@ -324,7 +328,7 @@ def test_refusals():
     model.eval()
     with pytest.raises(ValueError, match="output_attentions"), torch.no_grad():
         model(input_ids=ids, attention_mask=mask, output_attentions=True)
-    with pytest.raises(ValueError, match="AttnCache needs the model's attention implementation"):
+    with pytest.raises(ValueError, match="AttnCache needs the model's attention implementation to be attn's"):
         attn.hf.AttnCache(build("llama", "sdpa").config)
 
 
@@ -388,3 +392,17 @@ def test_attn_cache_half_storage(storage):
     B, Hkv = ids.shape[0], 2
     assert full.storage_bytes == LAYERS * 2 * B * Hkv * 64 * HEAD_DIM * 4
     assert half.storage_bytes * 2 == full.storage_bytes
+
+
+def test_attn_cache_with_a_bfloat16_model():
+    """A bfloat16 model: the cache stores what it is given (here bfloat16
+    keys and values, exactly), attention runs in float32 and returns
+    bfloat16; tokens as with transformers' cache, within the bfloat16 bound."""
+    ids, mask = batch(seed=8, left=True)
+    model = build("llama", "attn", torch.bfloat16)
+    with torch.no_grad():
+        want, logits = greedy(model, ids, mask, 10)
+        cache = attn.hf.AttnCache(model.config, dtype="bfloat16")
+        got, _ = greedy(model, ids, mask, 10, cache=cache)
+    assert cache.get_seq_length() == ids.shape[1] + 9
+    assert_same_tokens(got, want, logits, BF16_BOUND, "bfloat16 model, AttnCache vs DynamicCache")
