@@ -56,6 +56,9 @@ int detail::check_decode(const Checker& c, const ScoreArgs<float>& rules, const 
   if (opt.position_offset)
     c.fail("option 'position_offset' is not taken over a cache: query i of sequence b sits at position "
            "length(b) - L + i (the new rows are the last L tokens)");
+  if (opt.dropout_p != 0)
+    c.fail("option 'dropout_p' is not taken over a cache (decoding runs inference; train with the dense or packed "
+           "calls)");
   return check_rules(c, rules, opt, full, read);
 }
 

@@ -38,6 +38,11 @@ int check_rules(const Checker& c, const ScoreArgs<F>& a, const SdpaOptions& opt,
   }
   if (opt.position_offset && (*opt.position_offset > kMaxPosition || *opt.position_offset < -kMaxPosition))
     c.fail("option 'position_offset' is " + std::to_string(*opt.position_offset) + ", expected |offset| <= 2^52");
+  if (!(opt.dropout_p >= 0 && opt.dropout_p <= 1)) {
+    std::ostringstream os;
+    os << "option 'dropout_p' is " << opt.dropout_p << ", expected 0 <= dropout_p <= 1";
+    c.fail(os.str());
+  }
   c.mask_and_bias(a.mask, "mask", a.bias, "bias", full, read);
   if (c.given(a.alibi_slopes, "alibi_slopes")) {
     c.shape(a.alibi_slopes, "alibi_slopes", {H}, "(H,) = " + shape_str({H}) + ", one slope per query head");
@@ -92,7 +97,10 @@ std::vector<std::pair<const char*, int64_t>> option_fingerprint(const SdpaOption
           {"whether position_offset was given", int64_t(opt.position_offset.has_value())},
           {"position_offset", opt.position_offset.value_or(0)},
           {"backend", int64_t(opt.backend)},
-          {"check_finite", int64_t(opt.check_finite)}};
+          {"check_finite", int64_t(opt.check_finite)},
+          {"dropout_p", bits(opt.dropout_p)},
+          {"dropout_seed", int64_t(opt.dropout_seed)},
+          {"dropout_offset", int64_t(opt.dropout_offset)}};
 }
 
 }  // namespace attn::detail

@@ -37,7 +37,7 @@ Backend parse_backend(std::string_view name) {
 namespace detail {
 
 template <class T>
-ProblemOf<compute_t<T>> make_problem(const SdpaArgs<T>& a, const SdpaOptions& opt, int64_t key_origin) {
+ProblemOf<compute_t<T>> make_problem(const SdpaArgs<T>& a, const SdpaOptions& opt, Origin origin) {
   ProblemOf<compute_t<T>> p;
   p.B = a.q.dim(0), p.H = a.q.dim(1), p.L = a.q.dim(2), p.E = a.q.dim(3);
   p.Hkv = a.k.dim(1), p.S = a.k.dim(2), p.Ev = a.v.dim(3);
@@ -45,7 +45,8 @@ ProblemOf<compute_t<T>> make_problem(const SdpaArgs<T>& a, const SdpaOptions& op
   for (int64_t b = 0; b < a.key_lengths.dim(0); ++b) key_end[size_t(b)] = a.key_lengths(b);
   p.rules = resolve_rules<compute_t<T>>(a, opt, p.E, std::vector<int64_t>(size_t(p.B), dense_offset(opt, p.L, p.S)),
                                         std::move(key_end));
-  p.rules.key_origin = key_origin;
+  p.rules.key_origin = origin.key;
+  p.dropout = Dropout::of(opt.dropout_p, opt.dropout_seed, opt.dropout_offset, origin.batch);
   p.threads = Checker{"make_problem"}.threads(opt.num_threads);
   return p;
 }
@@ -62,7 +63,7 @@ using ProblemFor = detail::ProblemOf<compute_t<T>>;
 // and adds the inputs' extents to `read` (for the outputs' overlap check).
 template <class T>
 ProblemFor<T> validate_inputs(const Checker& c, const SdpaArgs<T>& a, const SdpaOptions& opt,
-                              std::vector<detail::Extent>& read, int64_t key_origin = 0) {
+                              std::vector<detail::Extent>& read, detail::Origin origin = {}) {
   c.present(a.q, "q", "of (B, H, L, E)");
   c.present(a.k, "k", "of (B, Hkv, S, E)");
   c.present(a.v, "v", "of (B, Hkv, S, Ev)");
@@ -99,7 +100,7 @@ ProblemFor<T> validate_inputs(const Checker& c, const SdpaArgs<T>& a, const Sdpa
     c.finite(a.k, "k");
     c.finite(a.v, "v");
   }
-  return detail::make_problem(a, opt, key_origin);
+  return detail::make_problem(a, opt, origin);
 }
 
 // The one dispatch point between backends (the decode kernel is the fused
@@ -127,7 +128,7 @@ void forward(const Checker& c, const ProblemFor<T>& p, const SdpaArgs<T>& args,
   // Few query rows (decoding shapes): the grouped split-KV decode kernel,
   // which reads half K and V in their storage type.
   if constexpr (std::is_same_v<compute_t<T>, float>)
-    if (backend == Backend::fused && weights.empty() && detail::decode_suits_dense(p))
+    if (backend == Backend::fused && weights.empty() && !p.dropout.on() && detail::decode_suits_dense(p))
       return detail::decode_forward_dense(p, args, out, lse);
   if constexpr (is_half_v<T>) {  // every other route: the float32 call on widened copies
     const detail::Widened<T> w(args, p.threads);
@@ -180,15 +181,15 @@ Backend resolve_backend(const SdpaArgs<T>& args, const SdpaOptions& opt) {
 
 namespace {
 
-// The public calls, for a call whose keys start at position key_origin
-// (0 for a whole call; a block of a larger call otherwise).
+// The public calls, for a call at `origin` in a larger one (detail::Origin;
+// {0, 0} for a whole call).
 template <class T>
 void forward_call(const SdpaArgs<T>& args, const SdpaOutputs<compute_t<T>>& outputs, const SdpaOptions& opt,
-                  int64_t key_origin) {
+                  detail::Origin origin) {
   const Checker c{"scaled_dot_product_attention"};
   const auto& [out, weights, lse] = outputs;
   std::vector<detail::Extent> read;
-  const auto p = validate_inputs(c, args, opt, read, key_origin);
+  const auto p = validate_inputs(c, args, opt, read, origin);
   c.present(out, "out", "of (B, H, L, Ev)");
   c.shape(out, "out", {p.B, p.H, p.L, p.Ev});
   std::vector<detail::Extent> written{c.extent(out, "out")};
@@ -201,11 +202,11 @@ void forward_call(const SdpaArgs<T>& args, const SdpaOutputs<compute_t<T>>& outp
 
 template <class T>
 void backward_call(const SdpaArgs<T>& args, View4<const compute_t<T>> dout, const SdpaSaved<compute_t<T>>& saved,
-                   const SdpaGrads<compute_t<T>>& g, const SdpaOptions& opt, int64_t key_origin) {
+                   const SdpaGrads<compute_t<T>>& g, const SdpaOptions& opt, detail::Origin origin) {
   const Checker c{"scaled_dot_product_attention_backward"};
   const auto& [out, lse] = saved;
   std::vector<detail::Extent> read;
-  const auto p = validate_inputs(c, args, opt, read, key_origin);
+  const auto p = validate_inputs(c, args, opt, read, origin);
   c.present(dout, "dout", "of (B, H, L, Ev)");
   c.shape(dout, "dout", {p.B, p.H, p.L, p.Ev});
   c.present(g.dq, "dq", "of (B, H, L, E)");
@@ -244,25 +245,27 @@ void backward_call(const SdpaArgs<T>& args, View4<const compute_t<T>> dout, cons
 template <class T>
 void scaled_dot_product_attention(const SdpaArgs<T>& args, const SdpaOutputs<compute_t<T>>& outputs,
                                   const SdpaOptions& opt) {
-  forward_call<T>(args, outputs, opt, 0);
+  forward_call<T>(args, outputs, opt, {});
 }
 
 template <class T>
 void scaled_dot_product_attention_backward(const SdpaArgs<T>& args, View4<const compute_t<T>> dout,
                                            const SdpaSaved<compute_t<T>>& saved,
                                            const SdpaGrads<compute_t<T>>& g, const SdpaOptions& opt) {
-  backward_call<T>(args, dout, saved, g, opt, 0);
+  backward_call<T>(args, dout, saved, g, opt, {});
 }
 
-void detail::block_attention(const SdpaArgs<float>& args, const SdpaOutputs<float>& outputs, const SdpaOptions& opt,
-                             int64_t key_origin) {
-  forward_call<float>(args, outputs, opt, key_origin);
+template <class T>
+void detail::block_attention(const SdpaArgs<T>& args, const SdpaOutputs<compute_t<T>>& outputs,
+                             const SdpaOptions& opt, Origin origin) {
+  forward_call<T>(args, outputs, opt, origin);
 }
 
-void detail::block_attention_backward(const SdpaArgs<float>& args, View4<const float> dout,
-                                      const SdpaSaved<float>& saved, const SdpaGrads<float>& g,
-                                      const SdpaOptions& opt, int64_t key_origin) {
-  backward_call<float>(args, dout, saved, g, opt, key_origin);
+template <class T>
+void detail::block_attention_backward(const SdpaArgs<T>& args, View4<const compute_t<T>> dout,
+                                      const SdpaSaved<compute_t<T>>& saved, const SdpaGrads<compute_t<T>>& g,
+                                      const SdpaOptions& opt, Origin origin) {
+  backward_call<T>(args, dout, saved, g, opt, origin);
 }
 
 template <class T>
@@ -281,7 +284,13 @@ T softmax(const T* x, T* y, int64_t n) {
       const SdpaGrads<compute_t<T>>&, const SdpaOptions&);                                                 \
   template Backend resolve_backend<T>(const SdpaArgs<T>&, const SdpaOptions&);                             \
   template Backend detail::check_attention<T>(const detail::Checker&, const SdpaArgs<T>&, const SdpaOptions&); \
-  template detail::ProblemOf<compute_t<T>> detail::make_problem<T>(const SdpaArgs<T>&, const SdpaOptions&, int64_t);
+  template detail::ProblemOf<compute_t<T>> detail::make_problem<T>(const SdpaArgs<T>&, const SdpaOptions&,    \
+                                                                    detail::Origin);                         \
+  template void detail::block_attention<T>(const SdpaArgs<T>&, const SdpaOutputs<compute_t<T>>&,            \
+                                           const SdpaOptions&, detail::Origin);                              \
+  template void detail::block_attention_backward<T>(const SdpaArgs<T>&, View4<const compute_t<T>>,            \
+                                                    const SdpaSaved<compute_t<T>>&,                          \
+                                                    const SdpaGrads<compute_t<T>>&, const SdpaOptions&, detail::Origin);
 
 ATTN_INSTANTIATE_SDPA(float)
 ATTN_INSTANTIATE_SDPA(double)

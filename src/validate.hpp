@@ -30,6 +30,7 @@
 #include "attn/error.hpp"
 #include "attn/sdpa.hpp"
 #include "attn/tensor.hpp"
+#include "kernels/problem.hpp"
 #include "kernels/score_rules.hpp"
 
 namespace attn::detail {
@@ -272,11 +273,16 @@ template <class T>
 Backend check_attention(const Checker& c, const SdpaArgs<T>& args, const SdpaOptions& opt);
 
 // The dense call (forward and backward, checked as the public ones are) as
-// a block of a larger call whose keys start at position key_origin: the
-// ring's blocks, where chunk boundaries are positions of the whole sequence.
-void block_attention(const SdpaArgs<float>& args, const SdpaOutputs<float>& outputs, const SdpaOptions& opt,
-                     int64_t key_origin);
-void block_attention_backward(const SdpaArgs<float>& args, View4<const float> dout, const SdpaSaved<float>& saved,
-                              const SdpaGrads<float>& g, const SdpaOptions& opt, int64_t key_origin);
+// a part of a larger call at `origin` (kernels/problem.hpp): the ring's
+// blocks, whose keys start at a global position (chunk boundaries are
+// positions of the whole sequence), and a packed batch's per-sequence calls
+// (the sequence index is the dropout's b).
+template <class T>
+void block_attention(const SdpaArgs<T>& args, const SdpaOutputs<compute_t<T>>& outputs, const SdpaOptions& opt,
+                     Origin origin);
+template <class T>
+void block_attention_backward(const SdpaArgs<T>& args, View4<const compute_t<T>> dout,
+                              const SdpaSaved<compute_t<T>>& saved, const SdpaGrads<compute_t<T>>& g,
+                              const SdpaOptions& opt, Origin origin);
 
 }  // namespace attn::detail

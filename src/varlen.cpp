@@ -229,7 +229,7 @@ std::vector<detail::FusedSequence> fused_sequences(const VarlenArgs<float>& a, c
     if (p.L(b) == 0 || p.S(b) == 0) continue;
     detail::FusedSequence s;
     s.a = sequence_args(a, p, b);
-    s.p = detail::make_problem(s.a, opt);
+    s.p = detail::make_problem(s.a, opt, {0, b});
     seqs.push_back(s);
   }
   return seqs;
@@ -389,7 +389,7 @@ void varlen_attention(const VarlenArgs<T>& args, const VarlenOutputs<T>& o, cons
         }
       continue;
     }
-    scaled_dot_product_attention<T>(sequence_args(args, p, b), {out, {}, lse}, opt);
+    detail::block_attention<T>(sequence_args(args, p, b), {out, {}, lse}, opt, {0, b});  // b: the dropout's
   }
   if constexpr (std::is_same_v<T, float>)
     if (fused) forward_packed(args, p, opt, o.out, o.lse);
@@ -445,7 +445,7 @@ void varlen_attention_backward(const VarlenArgs<T>& args, View3<const T> dout, c
     if (!g.dsinks.empty()) gb.dsinks = View1<T>(dsinks_b.data(), {p.H});
     const View4<const T> out = saved.out.empty() ? View4<const T>{} : sequence(saved.out, q0, L);
     const View3<const T> lse = saved.lse.empty() ? View3<const T>{} : lse_columns(saved.lse, q0, L);
-    scaled_dot_product_attention_backward<T>(sequence_args(args, p, b), sequence(dout, q0, L), {out, lse}, gb, opt);
+    detail::block_attention_backward<T>(sequence_args(args, p, b), sequence(dout, q0, L), {out, lse}, gb, opt, {0, b});
     if (!g.dsinks.empty())
       for (int64_t h = 0; h < p.H; ++h) dsinks[size_t(h)] += double(dsinks_b[size_t(h)]);
   }

@@ -109,6 +109,17 @@ struct SdpaOptions {
   std::optional<int64_t> position_offset;  // replaces causal_align when given
   Backend backend = Backend::automatic;
   bool check_finite = false;    // reject NaN/Inf in the inputs (costs one pass)
+  // Attention dropout (training): each probability is dropped with
+  // probability dropout_p (0 <= dropout_p <= 1) and the kept ones scaled by
+  // 1 / (1 - dropout_p). The dropped entries are a function of (seed,
+  // offset, b, h, i, j) only (a counter-based generator, Philox4x32-10), so
+  // they are the same for any thread count and the backward, given the same
+  // options, regenerates them; change the seed or the offset for fresh ones.
+  // Dense and packed (varlen) calls and the layers built on them; refused
+  // over a KV cache and by attn::dist. kernels/dropout.hpp says which entries.
+  double dropout_p = 0;
+  uint64_t dropout_seed = 0;
+  uint64_t dropout_offset = 0;
   // 0 = the OpenMP default (omp_get_max_threads()). 1 to kMaxThreads are
   // accepted and clamped to 4 x omp_get_num_procs() (more threads than that
   // only oversubscribe; results are the same for any count). Negative or

@@ -31,6 +31,8 @@ def scaled_dot_product_attention(
     sinks: Optional[ArrayLike] = None,
     position_offset: Optional[int] = None,
     check_finite: bool = False,
+    dropout_seed: Optional[int] = None,
+    dropout_offset: int = 0,
 ) -> Any:
     """Attention with torch.nn.functional.scaled_dot_product_attention's arguments.
 
@@ -61,6 +63,8 @@ def scaled_dot_product_attention_backward(
     sinks: Optional[ArrayLike] = None,
     position_offset: Optional[int] = None,
     check_finite: bool = False,
+    dropout_seed: Optional[int] = None,
+    dropout_offset: int = 0,
 ) -> Tuple[Any, ...]:
     """(grad_query, grad_key, grad_value[, grad_attn_mask for a float mask][, grad_sinks]);
     float32 for float32 and half inputs, float64 for float64."""
@@ -104,6 +108,9 @@ def varlen_attention(
     position_offset: Optional[int] = None,
     return_lse: bool = False,
     backend: Backend = "auto",
+    dropout_p: float = 0.0,
+    dropout_seed: Optional[int] = None,
+    dropout_offset: int = 0,
 ) -> Any:
     """Packed variable-length attention: q (total_q, H, E) -> out (total_q, H, Ev)[, lse (H, total_q)]."""
 
@@ -128,6 +135,9 @@ def varlen_attention_backward(
     backend: Backend = "auto",
     output: Optional[ArrayLike] = None,
     lse: Optional[ArrayLike] = None,
+    dropout_p: float = 0.0,
+    dropout_seed: Optional[int] = None,
+    dropout_offset: int = 0,
 ) -> Tuple[Any, ...]:
     """(grad_q, grad_k, grad_v[, grad_sinks])."""
 

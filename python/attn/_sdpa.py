@@ -33,7 +33,7 @@ from ._arrays import (
     view_bh,
     widen_half,
 )
-from ._variants import variant_kwargs
+from ._variants import _integer, variant_kwargs
 
 _FWD = "attn.scaled_dot_product_attention"
 _BWD = "attn.scaled_dot_product_attention_backward"
@@ -71,12 +71,9 @@ def _plan(fn: str, query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: 
           is_causal: bool, scale: Optional[float], enable_gqa: bool, backend: str) -> _Plan:
     """Converts the arguments to the extension's rank-4 views. The library
     checks the shapes it receives, the scale and the backend; what is refused
-    here is what PyTorch's conventions refuse (dropout, a mask together with
+    here is what PyTorch's conventions refuse (a mask together with
     is_causal) and what cannot be viewed at all (dtypes, fewer than two
     dimensions, leading dimensions that do not broadcast)."""
-    if dropout_p != 0.0:
-        raise ValueError(f"{fn}: dropout_p is {dropout_p}; attn computes exact attention, "
-                         "so only dropout_p=0.0 is supported")
     torch_out = any(is_torch_tensor(x) for x in (query, key, value))
     q, storage = storage_array(query, fn, "query")
     k, _ = storage_array(key, fn, "key", storage)
@@ -205,10 +202,31 @@ def _variants(fn: str, p: _Plan, window_size, alibi_slopes, softcap, sinks, posi
     return variant_kwargs(fn, p.dtype, window_size, alibi_slopes, softcap, sinks, position_offset, chunk_size)
 
 
+def dropout_kwargs(fn: str, dropout_p, dropout_seed, dropout_offset) -> dict:
+    """The extension's dropout keywords; the library checks dropout_p's range."""
+    try:
+        p = float(dropout_p)
+    except (TypeError, ValueError):
+        raise ValueError(f"{fn}: 'dropout_p' is {dropout_p!r}, expected a number in [0, 1]") from None
+    if p == 0.0:
+        return {}
+    if dropout_seed is None:
+        raise ValueError(f"{fn}: 'dropout_seed' is required with dropout_p = {p}: the backward regenerates the "
+                         "dropped entries from the seed and offset, so pass the same ones to both "
+                         "(attn.torch draws a seed from torch's generator)")
+    out = dict(dropout_p=p)
+    for name, x in (("dropout_seed", dropout_seed), ("dropout_offset", dropout_offset)):
+        out[name] = _integer(x, fn, name, "an integer in 0 .. 2^64 - 1")
+        if not 0 <= out[name] < 2**64:
+            raise ValueError(f"{fn}: '{name}' is {x}, expected an integer in 0 .. 2^64 - 1")
+    return out
+
+
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                                  scale=None, enable_gqa=False, *, backend="auto", return_lse=False,
                                  return_weights=False, window_size=None, alibi_slopes=None, softcap=None,
-                                 chunk_size=0, sinks=None, position_offset=None, check_finite=False):
+                                 chunk_size=0, sinks=None, position_offset=None, check_finite=False,
+                                 dropout_seed=None, dropout_offset=0):
     """Scaled dot-product attention, with torch.nn.functional.scaled_dot_product_attention's
     arguments and meaning.
 
@@ -225,7 +243,12 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
              dimension -3 is the head axis.
       attn_mask  None, bool (True = the query may attend to the key) or float (added to
              the scores; -inf masks), broadcastable to (..., L, S).
-      dropout_p  must be 0.0 (kept for PyTorch's positional order; attn has no dropout).
+      dropout_p  attention dropout: each weight is dropped with probability dropout_p and
+             the kept ones scaled by 1/(1 - dropout_p) (PyTorch's rule; lse is unchanged,
+             the returned weights are the dropped ones). Needs dropout_seed (an integer);
+             the dropped entries are a function of (dropout_seed, dropout_offset, batch,
+             head, row, key) only, so the backward, given the same seed and offset,
+             drops the same ones (attn.torch draws the seed from torch's generator).
       is_causal  query i sees keys j <= i (top-left aligned, like PyTorch); attn_mask must
              then be None.
       scale  default 1/sqrt(E).
@@ -253,12 +276,13 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     differentiable version.
 
     Differences from PyTorch: a query row that can see no key returns zeros (PyTorch
-    gives NaN); dropout is not supported. Bad arguments raise ValueError naming the
+    gives NaN); dropout draws its own random numbers (dropout_seed), not torch's. Bad arguments raise ValueError naming the
     function and the argument (the library's checks, which see the (B, H, N, d) views).
     """
     _refuse_autograd(_FWD, query, key, value, attn_mask, sinks)
     p = _plan(_FWD, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend)
     var = _variants(_FWD, p, window_size, alibi_slopes, softcap, sinks, position_offset, chunk_size)
+    var.update(dropout_kwargs(_FWD, dropout_p, dropout_seed, dropout_offset))
     B, H = _bh(p)
     out = np.empty((B, H, p.L, p.Ev), p.dtype)
     lse = np.empty((B, H, p.L), p.dtype) if return_lse else None
@@ -278,7 +302,8 @@ def scaled_dot_product_attention_backward(grad_output, query, key, value, attn_m
                                           is_causal=False, scale=None, enable_gqa=False, *,
                                           backend="auto", output=None, lse=None, window_size=None,
                                           alibi_slopes=None, softcap=None, chunk_size=0, sinks=None,
-                                          position_offset=None, check_finite=False):
+                                          position_offset=None, check_finite=False, dropout_seed=None,
+                                          dropout_offset=0):
     """Gradients of scaled_dot_product_attention.
 
     Takes grad_output = dLoss/dout (..., L, Ev) and the forward's arguments; returns
@@ -289,9 +314,11 @@ def scaled_dot_product_attention_backward(grad_output, query, key, value, attn_m
     With sinks, grad_sinks (H values) comes last. The variant keywords are the forward's.
     output and lse, the forward's result and log-sum-exp, may be passed to save the
     fused backend recomputing them. check_finite also refuses NaN/Inf in grad_output.
+    With dropout_p > 0, dropout_seed and dropout_offset must be the forward's.
     """
     p = _plan(_BWD, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend)
     var = _variants(_BWD, p, window_size, alibi_slopes, softcap, sinks, position_offset, chunk_size)
+    var.update(dropout_kwargs(_BWD, dropout_p, dropout_seed, dropout_offset))
     B, H = _bh(p)
     dout = _like_output(grad_output, _BWD, "grad_output", p, (p.L, p.Ev))
     saved_out = _like_output(output, _BWD, "output", p, (p.L, p.Ev))

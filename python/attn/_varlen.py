@@ -14,6 +14,7 @@ import numpy as np
 from . import _attn
 from ._arrays import float_array, int64_array, is_torch_tensor
 from ._sdpa import _refuse_autograd, _wrap
+from ._sdpa import dropout_kwargs
 from ._variants import variant_kwargs
 
 _FWD = "attn.varlen_attention"
@@ -43,7 +44,8 @@ def _operands(fn: str, q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any) -> Tuple[np
 
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, scale=None,
                      is_causal=False, window_size=None, alibi_slopes=None, softcap=None, chunk_size=0, sinks=None,
-                     position_offset=None, return_lse=False, backend="auto"):
+                     position_offset=None, return_lse=False, backend="auto", dropout_p=0.0, dropout_seed=None,
+                     dropout_offset=0):
     """Attention over B sequences packed along the token axis (FlashAttention's
     flash_attn_varlen_func): q (total_q, H, E), k (total_k, Hkv, E), v (total_k, Hkv, Ev),
     cu_seqlens_q/k integer (B + 1) offsets, max_seqlen_q/k the longest sequences. Every
@@ -51,11 +53,15 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     sequence's start, or by position_offset); the variant keywords are
     scaled_dot_product_attention's.
 
+    dropout_p, dropout_seed, dropout_offset: attention dropout as in
+    scaled_dot_product_attention, with the sequence index as the batch index.
+
     Returns out (total_q, H, Ev), or (out, lse) with lse (H, total_q) when return_lse.
     """
     _refuse_autograd(_FWD, q, k, v, sinks)
     qa, ka, va, cq, ck = _operands(_FWD, q, k, v, cu_seqlens_q, cu_seqlens_k)
     var = variant_kwargs(_FWD, qa.dtype, window_size, alibi_slopes, softcap, sinks, position_offset, chunk_size)
+    var.update(dropout_kwargs(_FWD, dropout_p, dropout_seed, dropout_offset))
     out = np.empty(qa.shape[:2] + (va.shape[2],), qa.dtype)
     lse = np.empty((qa.shape[1], qa.shape[0]), qa.dtype) if return_lse else None
     _attn.varlen_forward(qa, ka, va, cq, ck, int(max_seqlen_q), int(max_seqlen_k), out, lse=lse,
@@ -67,13 +73,14 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 def varlen_attention_backward(grad_output, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                               scale=None, is_causal=False, window_size=None, alibi_slopes=None, softcap=None,
                               chunk_size=0, sinks=None, position_offset=None, backend="auto", output=None,
-                              lse=None):
+                              lse=None, dropout_p=0.0, dropout_seed=None, dropout_offset=0):
     """Gradients of varlen_attention from grad_output (total_q, H, Ev): returns
     (grad_q, grad_k, grad_v), plus grad_sinks (H) when sinks are given. output and lse
     (H, total_q), the forward's, spare the fused backend recomputing them."""
     qa, ka, va, cq, ck = _operands(_BWD, q, k, v, cu_seqlens_q, cu_seqlens_k)
     H = qa.shape[1]
     var = variant_kwargs(_BWD, qa.dtype, window_size, alibi_slopes, softcap, sinks, position_offset, chunk_size)
+    var.update(dropout_kwargs(_BWD, dropout_p, dropout_seed, dropout_offset))
     g = _rank3(grad_output, _BWD, "grad_output", "(total_q, H, Ev)", qa.dtype)
     saved_out = None if output is None else _rank3(output, _BWD, "output", "(total_q, H, Ev)", qa.dtype)
     saved_lse = None

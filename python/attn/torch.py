@@ -53,21 +53,29 @@ def _sinks_grad(ctx, index, grads, sinks):
     return grads[-1].to(sinks.dtype)
 
 
+def _dropout_seed(dropout_p):
+    """A seed for attn's dropout from torch's default generator, or None without dropout."""
+    if not isinstance(dropout_p, (int, float)) or dropout_p == 0:
+        return None
+    return int(_torch.randint(0, 2**62, (1,), dtype=_torch.int64).item())
+
+
 class ScaledDotProductAttention(_torch.autograd.Function):
     """attn's scaled dot-product attention as a torch.autograd.Function.
 
     apply(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
           scale=None, enable_gqa=False, backend="auto", window_size=None, alibi_slopes=None,
-          softcap=None, chunk_size=0, sinks=None, position_offset=None) -> output
-    (Function.apply takes positional arguments only.)
+          softcap=None, chunk_size=0, sinks=None, position_offset=None, dropout_seed=None) -> output
+    (Function.apply takes positional arguments only.) With dropout_p > 0 the
+    backward drops the forward's entries (same dropout_seed).
     """
 
     @staticmethod
     def forward(ctx, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                 enable_gqa=False, backend="auto", window_size=None, alibi_slopes=None, softcap=None, chunk_size=0,
-                sinks=None, position_offset=None):
+                sinks=None, position_offset=None, dropout_seed=None):
         variants = dict(window_size=window_size, alibi_slopes=alibi_slopes, softcap=softcap, chunk_size=chunk_size,
-                        position_offset=position_offset)
+                        position_offset=position_offset, dropout_seed=dropout_seed)
         out, lse = _sdpa.scaled_dot_product_attention(
             query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
             backend=backend, return_lse=True, sinks=sinks, **variants)
@@ -77,7 +85,7 @@ class ScaledDotProductAttention(_torch.autograd.Function):
         ctx.save_for_backward(query, key, value, mask_tensor, sinks_tensor, out, lse)
         ctx.other_mask = None if mask_tensor is not None else attn_mask
         ctx.other_sinks = None if sinks_tensor is not None else sinks
-        ctx.options = (is_causal, scale, enable_gqa, backend)
+        ctx.options = (dropout_p, is_causal, scale, enable_gqa, backend)
         ctx.variants = variants
         return _as_input_dtype(out, query)
 
@@ -88,16 +96,16 @@ class ScaledDotProductAttention(_torch.autograd.Function):
             attn_mask = ctx.other_mask
         if sinks is None:
             sinks = ctx.other_sinks
-        is_causal, scale, enable_gqa, backend = ctx.options
+        dropout_p, is_causal, scale, enable_gqa, backend = ctx.options
         grads = _sdpa.scaled_dot_product_attention_backward(
-            grad_output, query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa,
+            grad_output, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
             backend=backend, output=out, lse=lse, sinks=sinks, **ctx.variants)
         float_mask = len(grads) > (4 if sinks is not None else 3)
         dmask = grads[3] if float_mask and ctx.needs_input_grad[3] else None
         dsinks = _sinks_grad(ctx, 13, grads, sinks)
         return (_as_input_dtype(grads[0], query), _as_input_dtype(grads[1], key), _as_input_dtype(grads[2], value),
                 _as_input_dtype(dmask, attn_mask), None, None, None, None, None, None, None, None, None, dsinks,
-                None)
+                None, None)
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
@@ -110,21 +118,25 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     requires grad (and grad mode is on) the call goes through
     ScaledDotProductAttention, so it is differentiable. Inputs with a
     zero-size dimension (batch, heads, lengths) give what PyTorch gives: an
-    empty output, or zeros when there are no keys."""
+    empty output, or zeros when there are no keys. With dropout_p > 0 each call
+    draws a seed for attn's dropout from torch's default generator (so
+    torch.manual_seed makes it reproducible); the backward drops the same
+    entries."""
     if any(isinstance(x, _torch.Tensor) and x.numel() == 0 for x in (query, key, value)):
         # A zero-size dimension: PyTorch's answer (an empty output, or zeros
         # where there are no keys), computed and differentiated by PyTorch.
         return _torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p,
                                                                   is_causal, scale, enable_gqa=enable_gqa)
+    seed = _dropout_seed(dropout_p)
     if _needs_graph("attn.torch.scaled_dot_product_attention", alibi_slopes, query, key, value, attn_mask,
                     sinks):
         return ScaledDotProductAttention.apply(query, key, value, attn_mask, dropout_p, is_causal, scale,
                                                enable_gqa, backend, window_size, alibi_slopes, softcap,
-                                               chunk_size, sinks, position_offset)
+                                               chunk_size, sinks, position_offset, seed)
     out = _sdpa.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale,
                                              enable_gqa, backend=backend, window_size=window_size,
                                              alibi_slopes=alibi_slopes, softcap=softcap, chunk_size=chunk_size,
-                                             sinks=sinks, position_offset=position_offset)
+                                             sinks=sinks, position_offset=position_offset, dropout_seed=seed)
     return _as_input_dtype(out, query)
 
 
@@ -133,16 +145,16 @@ class VarlenAttention(_torch.autograd.Function):
 
     apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale=None,
           is_causal=False, window_size=None, alibi_slopes=None, softcap=None, chunk_size=0,
-          sinks=None, position_offset=None, backend="auto") -> output
+          sinks=None, position_offset=None, backend="auto", dropout_p=0.0, dropout_seed=None) -> output
     """
 
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale=None,
                 is_causal=False, window_size=None, alibi_slopes=None, softcap=None, chunk_size=0, sinks=None,
-                position_offset=None, backend="auto"):
+                position_offset=None, backend="auto", dropout_p=0.0, dropout_seed=None):
         ctx.options = dict(scale=scale, is_causal=is_causal, window_size=window_size, alibi_slopes=alibi_slopes,
                            softcap=softcap, chunk_size=chunk_size, position_offset=position_offset,
-                           backend=backend)
+                           backend=backend, dropout_p=dropout_p, dropout_seed=dropout_seed)
         out, lse = _varlen.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                             sinks=sinks, return_lse=True, **ctx.options)
         sinks_tensor = sinks if isinstance(sinks, _torch.Tensor) else None
@@ -160,19 +172,22 @@ class VarlenAttention(_torch.autograd.Function):
                                                   lse=lse, **ctx.options)
         dsinks = _sinks_grad(ctx, 13, grads, sinks)
         return (grads[0], grads[1], grads[2], None, None, None, None, None, None, None, None, None, None, dsinks,
-                None, None)
+                None, None, None, None)
 
 
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, scale=None,
                      is_causal=False, window_size=None, alibi_slopes=None, softcap=None, chunk_size=0, sinks=None,
-                     position_offset=None, backend="auto"):
+                     position_offset=None, backend="auto", dropout_p=0.0):
     """attn.varlen_attention on torch tensors, differentiable (through VarlenAttention)
-    when q, k, v or the sinks require grad."""
+    when q, k, v or the sinks require grad; dropout_p as in scaled_dot_product_attention
+    (a seed from torch's generator per call)."""
+    seed = _dropout_seed(dropout_p)
     if _needs_graph("attn.torch.varlen_attention", alibi_slopes, q, k, v, sinks):
         return VarlenAttention.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
                                      is_causal, window_size, alibi_slopes, softcap, chunk_size, sinks,
-                                     position_offset, backend)
+                                     position_offset, backend, dropout_p, seed)
     return _varlen.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale=scale,
                                     is_causal=is_causal, window_size=window_size, alibi_slopes=alibi_slopes,
                                     softcap=softcap, chunk_size=chunk_size, sinks=sinks,
-                                    position_offset=position_offset, backend=backend)
+                                    position_offset=position_offset, backend=backend, dropout_p=dropout_p,
+                                    dropout_seed=seed)

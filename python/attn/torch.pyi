@@ -70,4 +70,5 @@ def varlen_attention(
     sinks: Optional[torch.Tensor] = None,
     position_offset: Optional[int] = None,
     backend: Literal["auto", "reference", "fused"] = "auto",
+    dropout_p: float = 0.0,
 ) -> torch.Tensor: ...

@@ -81,6 +81,12 @@ attn::SdpaOptions sdpa_options(std::optional<double> scale, bool causal, const s
 template <class T>
 using Opt = std::optional<T>;
 
+// Attention dropout (SdpaOptions::dropout_p, dropout_seed, dropout_offset).
+attn::SdpaOptions with_dropout(attn::SdpaOptions opt, double p, uint64_t seed, uint64_t offset) {
+  opt.dropout_p = p, opt.dropout_seed = seed, opt.dropout_offset = offset;
+  return opt;
+}
+
 Variants variants(int64_t window_left, int64_t window_right, double softcap, int64_t chunk_size,
                   Opt<int64_t> position_offset) {
   return Variants{window_left, window_right, softcap, position_offset, chunk_size};
@@ -138,12 +144,12 @@ void bind_sdpa(nb::module_& m) {
          const Opt<Arr<const bool, 4>>& mask, const Opt<Arr<const R, 4>>& bias, const Opt<Arr<R, 4>>& weights,
          const Opt<Arr<R, 3>>& lse, std::optional<double> scale, bool causal, const std::string& backend,
          int num_threads, const Opt<Arr<const R, 1>>& alibi_slopes, const Opt<Arr<const R, 1>>& sinks,
-         int64_t window_left, int64_t window_right, double softcap, int64_t chunk_size, Opt<int64_t> position_offset,
+         int64_t window_left, int64_t window_right, double softcap, int64_t chunk_size, Opt<int64_t> position_offset, double dropout_p, uint64_t dropout_seed, uint64_t dropout_offset,
          bool check_finite) {
         const attn::SdpaArgs<T> args = sdpa_args<T>(q, k, v, mask, bias, alibi_slopes, sinks);
-        const attn::SdpaOptions opt =
+        const attn::SdpaOptions opt = with_dropout(
             sdpa_options(scale, causal, backend, num_threads,
-                         variants(window_left, window_right, softcap, chunk_size, position_offset), check_finite);
+                         variants(window_left, window_right, softcap, chunk_size, position_offset), check_finite), dropout_p, dropout_seed, dropout_offset);
         const attn::View4<R> o = view_of<R, 4>(out, "out");
         const attn::View4<R> w = view_of<R, 4>(weights, "weights");
         const attn::View3<R> l = view_of<R, 3>(lse, "lse");
@@ -155,7 +161,8 @@ void bind_sdpa(nb::module_& m) {
       "weights"_a.noconvert().none() = nb::none(), "lse"_a.noconvert().none() = nb::none(),
       "scale"_a.none() = nb::none(), "causal"_a = false, "backend"_a = "auto", "num_threads"_a = 0,
       "alibi_slopes"_a.noconvert().none() = nb::none(), "sinks"_a.noconvert().none() = nb::none(),
-      "window_left"_a = -1, "window_right"_a = -1, "softcap"_a = 0.0, "chunk_size"_a = 0, "position_offset"_a.none() = nb::none(),
+      "window_left"_a = -1, "window_right"_a = -1, "softcap"_a = 0.0, "chunk_size"_a = 0, "position_offset"_a.none() = nb::none(), "dropout_p"_a = 0.0, "dropout_seed"_a = 0,
+      "dropout_offset"_a = 0,
       "check_finite"_a = false,
       "Scaled dot-product attention on rank-4 (B, H, N, d) arrays of one dtype (float32 or float64; or\n"
       "float16/bfloat16 q, k, v with everything else float32): "
@@ -170,11 +177,11 @@ void bind_sdpa(nb::module_& m) {
          const Opt<Arr<const R, 4>>& out, const Opt<Arr<const R, 3>>& lse, std::optional<double> scale,
          bool causal, const std::string& backend, int num_threads, const Opt<Arr<const R, 1>>& alibi_slopes,
          const Opt<Arr<const R, 1>>& sinks, const Opt<Arr<R, 1>>& dsinks, int64_t window_left,
-         int64_t window_right, double softcap, int64_t chunk_size, Opt<int64_t> position_offset, bool check_finite) {
+         int64_t window_right, double softcap, int64_t chunk_size, Opt<int64_t> position_offset, double dropout_p, uint64_t dropout_seed, uint64_t dropout_offset, bool check_finite) {
         const attn::SdpaArgs<T> args = sdpa_args<T>(q, k, v, mask, bias, alibi_slopes, sinks);
-        const attn::SdpaOptions opt =
+        const attn::SdpaOptions opt = with_dropout(
             sdpa_options(scale, causal, backend, num_threads,
-                         variants(window_left, window_right, softcap, chunk_size, position_offset), check_finite);
+                         variants(window_left, window_right, softcap, chunk_size, position_offset), check_finite), dropout_p, dropout_seed, dropout_offset);
         attn::SdpaGrads<R> g;
         g.dq = view_of<R, 4>(dq, "dq");
         g.dk = view_of<R, 4>(dk, "dk");
@@ -194,7 +201,8 @@ void bind_sdpa(nb::module_& m) {
       "scale"_a.none() = nb::none(), "causal"_a = false, "backend"_a = "auto", "num_threads"_a = 0,
       "alibi_slopes"_a.noconvert().none() = nb::none(), "sinks"_a.noconvert().none() = nb::none(),
       "dsinks"_a.noconvert().none() = nb::none(), "window_left"_a = -1, "window_right"_a = -1,
-      "softcap"_a = 0.0, "chunk_size"_a = 0, "position_offset"_a.none() = nb::none(), "check_finite"_a = false,
+      "softcap"_a = 0.0, "chunk_size"_a = 0, "position_offset"_a.none() = nb::none(), "dropout_p"_a = 0.0, "dropout_seed"_a = 0,
+      "dropout_offset"_a = 0, "check_finite"_a = false,
       "Backward of sdpa_forward from dout = dL/dout: overwrites dq, dk, dv (and dbias, the bias's\n"
       "shape; dsinks, the sinks'). out and lse, the forward's saved state, spare the fused backend\n"
       "recomputing them.");
@@ -229,10 +237,12 @@ void bind_varlen(nb::module_& m) {
          const Arr<T, 3>& out, const Opt<Arr<T, 2>>& lse, std::optional<double> scale, bool causal,
          const std::string& backend, int num_threads, const Opt<Arr<const T, 1>>& alibi_slopes,
          const Opt<Arr<const T, 1>>& sinks, int64_t window_left, int64_t window_right, double softcap, int64_t chunk_size,
-         Opt<int64_t> position_offset) {
+         Opt<int64_t> position_offset, double dropout_p, uint64_t dropout_seed,
+         uint64_t dropout_offset) {
         const attn::VarlenArgs<T> a = varlen_args<T>(q, k, v, cu_q, cu_k, max_q, max_k, alibi_slopes, sinks);
-        const attn::SdpaOptions opt = sdpa_options(scale, causal, backend, num_threads,
-                                                   variants(window_left, window_right, softcap, chunk_size, position_offset));
+        const attn::SdpaOptions opt = with_dropout(
+            sdpa_options(scale, causal, backend, num_threads,
+                                                   variants(window_left, window_right, softcap, chunk_size, position_offset)), dropout_p, dropout_seed, dropout_offset);
         const attn::VarlenOutputs<T> o{view_of<T, 3>(out, "out"), view_of<T, 2>(lse, "lse")};
         nb::gil_scoped_release release;
         attn::varlen_attention<T>(a, o, opt);
@@ -241,7 +251,8 @@ void bind_varlen(nb::module_& m) {
       "cu_seqlens_k"_a.noconvert(), "max_seqlen_q"_a, "max_seqlen_k"_a, "out"_a.noconvert(), nb::kw_only(),
       "lse"_a.noconvert().none() = nb::none(), "scale"_a.none() = nb::none(), "causal"_a = false,
       "backend"_a = "auto", "num_threads"_a = 0, "alibi_slopes"_a.noconvert().none() = nb::none(), "sinks"_a.noconvert().none() = nb::none(),
-      "window_left"_a = -1, "window_right"_a = -1, "softcap"_a = 0.0, "chunk_size"_a = 0, "position_offset"_a.none() = nb::none(),
+      "window_left"_a = -1, "window_right"_a = -1, "softcap"_a = 0.0, "chunk_size"_a = 0, "position_offset"_a.none() = nb::none(), "dropout_p"_a = 0.0, "dropout_seed"_a = 0,
+      "dropout_offset"_a = 0,
       "Packed variable-length attention: q (total_q, H, E), k (total_k, Hkv, E), v (total_k, Hkv, Ev),\n"
       "int64 cu_seqlens (B + 1); writes out (total_q, H, Ev) and lse (H, total_q) when given.");
   m.def(
@@ -252,10 +263,12 @@ void bind_varlen(nb::module_& m) {
          const Opt<Arr<T, 1>>& dsinks, const Opt<Arr<const T, 3>>& out, const Opt<Arr<const T, 2>>& lse,
          std::optional<double> scale, bool causal, const std::string& backend, int num_threads,
          const Opt<Arr<const T, 1>>& alibi_slopes, const Opt<Arr<const T, 1>>& sinks, int64_t window_left,
-         int64_t window_right, double softcap, int64_t chunk_size, Opt<int64_t> position_offset) {
+         int64_t window_right, double softcap, int64_t chunk_size, Opt<int64_t> position_offset, double dropout_p, uint64_t dropout_seed,
+         uint64_t dropout_offset) {
         const attn::VarlenArgs<T> a = varlen_args<T>(q, k, v, cu_q, cu_k, max_q, max_k, alibi_slopes, sinks);
-        const attn::SdpaOptions opt = sdpa_options(scale, causal, backend, num_threads,
-                                                   variants(window_left, window_right, softcap, chunk_size, position_offset));
+        const attn::SdpaOptions opt = with_dropout(
+            sdpa_options(scale, causal, backend, num_threads,
+                                                   variants(window_left, window_right, softcap, chunk_size, position_offset)), dropout_p, dropout_seed, dropout_offset);
         attn::VarlenGrads<T> g{view_of<T, 3>(dq, "dq"), view_of<T, 3>(dk, "dk"), view_of<T, 3>(dv, "dv")};
         g.dsinks = view_of<T, 1>(dsinks, "dsinks");
         const attn::View3<const T> d = view_of<const T, 3>(dout, "dout");
@@ -269,7 +282,8 @@ void bind_varlen(nb::module_& m) {
       "dsinks"_a.noconvert().none() = nb::none(), "out"_a.noconvert().none() = nb::none(),
       "lse"_a.noconvert().none() = nb::none(), "scale"_a.none() = nb::none(), "causal"_a = false,
       "backend"_a = "auto", "num_threads"_a = 0, "alibi_slopes"_a.noconvert().none() = nb::none(), "sinks"_a.noconvert().none() = nb::none(),
-      "window_left"_a = -1, "window_right"_a = -1, "softcap"_a = 0.0, "chunk_size"_a = 0, "position_offset"_a.none() = nb::none(),
+      "window_left"_a = -1, "window_right"_a = -1, "softcap"_a = 0.0, "chunk_size"_a = 0, "position_offset"_a.none() = nb::none(), "dropout_p"_a = 0.0, "dropout_seed"_a = 0,
+      "dropout_offset"_a = 0,
       "Backward of varlen_forward from dout: overwrites dq, dk, dv (and dsinks).");
 }
 

@@ -368,6 +368,7 @@ void check_local(const Checker& c, const Request& req, Geometry& g, bool ring, b
            "takes the global log-sum-exp), use auto or fused");
   // The score rules' operands and options, as the single-process call checks them.
   std::vector<attn::detail::Extent> read;
+  if (opt.sdpa.dropout_p != 0) c.fail("option 'dropout_p' is not supported across ranks; use 0");
   (void)attn::detail::check_rules<float>(c, a, opt.sdpa, {g.B, g.H, Lr, Sr}, read);
   if (!ring && (g.H % g.P != 0 || g.Hkv % g.P != 0))
     c.fail("ulysses needs H and Hkv divisible by the number of processes P = " + std::to_string(g.P) + ", got H = " +

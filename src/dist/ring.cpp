@@ -265,12 +265,12 @@ void ring_attention(MPI_Comm comm, const SdpaArgs<float>& args, const SdpaOutput
       View4<float> o_rows = rows(out, t.i0, t.n);
       View3<float> l_rows = rows(lse, t.i0, t.n);
       if (!filled[size_t(t.i0)]) {  // the first block these rows see writes them directly
-        attn::detail::block_attention(bc.args, SdpaOutputs<float>{o_rows, {}, l_rows}, bc.opt, bc.key_origin);
+        attn::detail::block_attention(bc.args, SdpaOutputs<float>{o_rows, {}, l_rows}, bc.opt, {bc.key_origin, 0});
         filled[size_t(t.i0)] = 1;
       } else {
         View4<float> po(tmp_out.data(), {g.B, g.H, t.n, g.Ev}, {g.H * mr * g.Ev, mr * g.Ev, g.Ev, 1});
         View3<float> pl(tmp_lse.data(), {g.B, g.H, t.n}, {g.H * mr, mr, 1});
-        attn::detail::block_attention(bc.args, SdpaOutputs<float>{po, {}, pl}, bc.opt, bc.key_origin);
+        attn::detail::block_attention(bc.args, SdpaOutputs<float>{po, {}, pl}, bc.opt, {bc.key_origin, 0});
         merge_attention(o_rows, l_rows, View4<const float>(po), View3<const float>(pl));
       }
       progress(reqs);
@@ -368,7 +368,7 @@ void ring_attention_backward(MPI_Comm comm, const SdpaArgs<float>& args, View4<c
       bg.dv = rows(shard_v(g, o, tmp.data()), t.s0, t.s);
       const SdpaSaved<float> sv{View4<const float>(rows(out, t.i0, t.n)), rows(lse, t.i0, t.n)};
       attn::detail::block_attention_backward(bc.args, View4<const float>(rows(dout, t.i0, t.n)), sv, bg, bc.opt,
-                                             bc.key_origin);
+                                             {bc.key_origin, 0});
       add_into(rows(dq_all, t.i0, t.n), View4<const float>(bg.dq));  // dQ: summed over steps in order
       add_into(rows(shard_k(g, o, blk.data()), t.s0, t.s), View4<const float>(bg.dk));
       add_into(rows(shard_v(g, o, blk.data()), t.s0, t.s), View4<const float>(bg.dv));

@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "attn/sdpa.hpp"
+#include "kernels/dropout.hpp"
 #include "kernels/score_rules.hpp"
 
 namespace attn::detail {
@@ -16,6 +17,7 @@ template <class F>
 struct ProblemOf {
   int64_t B = 0, H = 0, Hkv = 0, L = 0, S = 0, E = 0, Ev = 0;  // S: keys (a cache's capacity)
   ScoreRules<F> rules;
+  Dropout dropout;  // of the probabilities (kernels/dropout.hpp); off by default
   int threads = 1;
 
   int64_t group() const { return H / Hkv; }  // query heads per key/value head
@@ -39,8 +41,14 @@ using Problem = ProblemOf<float>;
 // (resolve_rules) with key 0 at position key_origin, the thread count
 // resolved and clamped (see SdpaOptions). Tests and benchmarks that call a
 // kernel directly build their Problem with it too.
+// Where a call sits in a larger one: its keys start at position `key` (the
+// ring's blocks), its first sequence is sequence `batch` (a packed batch's
+// per-sequence calls: the dropout's b).
+struct Origin {
+  int64_t key = 0, batch = 0;
+};
 template <class T>
-ProblemOf<compute_t<T>> make_problem(const SdpaArgs<T>& a, const SdpaOptions& opt, int64_t key_origin = 0);
+ProblemOf<compute_t<T>> make_problem(const SdpaArgs<T>& a, const SdpaOptions& opt, Origin origin = {});
 
 // Index into a broadcastable axis: size-1 axes always read element 0.
 inline int64_t bcast(int64_t idx, int64_t dim) { return dim == 1 ? 0 : idx; }

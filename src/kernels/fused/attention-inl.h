@@ -107,6 +107,16 @@ void SoftmaxTileT(ForwardScratch& w, int64_t nr, int64_t nrp, int64_t nk) {
   for (int64_t r = 0; r < nr; ++r) os::end_tile(w.rows[r], tsum[r]);
 }
 
+// Dropout (kernels/dropout.hpp): the probabilities of a transposed tile
+// times their keep factors, after the softmax has summed them.
+void DropTileT(const Problem& p, ForwardScratch& w, int64_t b, int64_t h, int64_t i0, int64_t nr, int64_t j0,
+               int64_t nk) {
+  for (int64_t r = 0; r < nr; ++r) {
+    p.dropout.factors(b, p.H, h, i0 + r, j0, nk, w.keep);
+    for (int64_t jj = 0; jj < nk; ++jj) w.st[jj * w.qbp + r] *= w.keep[jj];
+  }
+}
+
 void ForwardUnit(const FusedCall& c, ForwardScratch& w, int64_t b, int64_t h, int64_t i0, int64_t nr,
                  View4<float> out, View4<float> weights, View3<float> lse) {
   const Problem& p = *c.p;
@@ -130,6 +140,7 @@ void ForwardUnit(const FusedCall& c, ForwardScratch& w, int64_t b, int64_t h, in
     if (band.classify(i0, nr, j0, nk) == rules::Tile::empty) continue;
     ScoreTileT(c, w, b, h, i0, nr, nrp, j0, nk);
     SoftmaxTileT(w, nr, nrp, nk);
+    if (p.dropout.on()) DropTileT(p, w, b, h, i0, nr, j0, nk);  // o += (P∘m)·V; the sums keep P
     const float* alpha = w.colv + 2 * w.qbp;
     for (int64_t r = 0; r < nr; ++r)
       if (alpha[r] != 1.0f) ScaleRow(w.o + r * w.Evp, w.Evp, alpha[r]);  // acc <- acc · alpha
@@ -189,6 +200,7 @@ void ForwardUnit(const FusedCall& c, ForwardScratch& w, int64_t b, int64_t h, in
         const VF pw = hn::Mul(Exp2Softmax(d, hn::Sub(s, hn::Load(d, shift + r))), hn::Load(d, inv + r));
         hn::Store(hn::IfThenZeroElse(hn::Eq(s, hn::Set(d, kNegInf)), pw), d, x);  // masked: 0, even if poisoned
       }
+    if (p.dropout.on()) DropTileT(p, w, b, h, i0, nr, j0, nk);  // the weights are what multiplies V
     for (int64_t r = 0; r < nr; ++r) {
       float* dst = &weights(b, h, i0 + r, j0);
       const float* src = w.st + r;
@@ -290,8 +302,18 @@ void BackwardTile(const FusedCall& c, BackwardScratch& w, int64_t b, int64_t h, 
   Gemm(nr, nkp, p.Ev, dy, w.Evp, 1, w.vt + at.key, w.kbp, w.dp, w.kbp, false);
   for (int64_t r = 0; r < nr; ++r) {
     float* dpr = w.dp + r * w.kbp;
-    const float* pr = w.s + r * w.kbp;
+    float* pr = w.s + r * w.kbp;
     const VF Dr = hn::Set(d, D[r]);
+    if (p.dropout.on()) {  // dP ∘ m, and P ∘ m for dV once dS is formed
+      std::fill(w.keep + nk, w.keep + nkp, 0.0f);
+      p.dropout.factors(b, p.H, h, i0 + r, j0, nk, w.keep);
+      for (int64_t j = 0; j < nkp; j += int64_t(hn::Lanes(d))) {
+        const VF m = hn::Load(d, w.keep + j), pj = hn::Load(d, pr + j);
+        hn::Store(hn::Mul(pj, hn::Sub(hn::Mul(hn::Load(d, dpr + j), m), Dr)), d, dpr + j);  // dS = P∘(dP∘m − D)
+        hn::Store(hn::Mul(pj, m), d, pr + j);
+      }
+      continue;
+    }
     for (int64_t j = 0; j < nkp; j += int64_t(hn::Lanes(d)))  // dS = P∘(dP − D)
       hn::Store(hn::Mul(hn::Load(d, pr + j), hn::Sub(hn::Load(d, dpr + j), Dr)), d, dpr + j);
   }
@@ -303,7 +325,7 @@ void BackwardTile(const FusedCall& c, BackwardScratch& w, int64_t b, int64_t h, 
         hn::Store(hn::Mul(hn::Load(d, dpr + j), hn::Load(d, gr + j)), d, dpr + j);
     }
   if (jobs.dkdv) {
-    // dV += Pᵀ·dY ; dK += dUᵀ·(scale·Q)
+    // dV += (P∘m)ᵀ·dY ; dK += dUᵀ·(scale·Q)
     Gemm(nk, w.Evp, nr, w.s, 1, w.kbp, dy, w.Evp, w.dv + at.key * w.Evp, w.Evp, true);
     Gemm(nk, w.Ep, nr, w.dp, 1, w.kbp, q, w.Ep, w.dk + at.key * w.Ep, w.Ep, true);
   }

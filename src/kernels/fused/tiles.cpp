@@ -88,6 +88,7 @@ ForwardScratch::ForwardScratch(const Problem& p, const FusedPlan& t, int64_t lan
     colv = c.take<float>(4 * qbp);
     rows = c.take<online_softmax::State<float>>(qb);
     qbad = c.take<uint8_t>(qb);
+    keep = p.dropout.on() ? c.take<float>(round_up(kb, lanes)) : nullptr;
   });
   if (rows) std::uninitialized_default_construct_n(rows, qb);
 }
@@ -114,6 +115,7 @@ BackwardScratch::BackwardScratch(const Problem& p, const FusedPlan& t, int64_t l
     lse = c.take<float>(qb);
     D = c.take<float>(qb);
     poisoned = c.take<uint8_t>(qb);
+    keep = p.dropout.on() ? c.take<float>(kbp) : nullptr;
   });
 }
 

@@ -58,12 +58,14 @@ enum class Alloc { no, yes };
 //   colv [4 × qbp]    per query: tile max, shift, rescale factor, tile sum
 //   rows [qb]         per query: online-softmax state
 //   qbad [qb]         per query: its row holds NaN or ±∞ (any_qbad: some does)
+//   keep [kb]         one row's dropout keep factors (with dropout)
 struct ForwardScratch {
   int64_t qb = 0, kb = 0, qbp = 0, Evp = 0;
   float *qt = nullptr, *st = nullptr, *kr = nullptr, *vb = nullptr, *o = nullptr, *colv = nullptr;
   online_softmax::State<float>* rows = nullptr;
   uint8_t* qbad = nullptr;
   bool any_qbad = false;
+  float* keep = nullptr;
 
   ForwardScratch(const Problem& p, const FusedPlan& t, int64_t lanes, Alloc alloc = Alloc::yes);
   // The bytes the block takes (what is allocated, and what is reported).
@@ -83,12 +85,14 @@ struct ForwardScratch {
 //   acc [qb × kbp]  dbias tile               dcap [qb × kbp] soft-cap derivative (with a soft-cap)
 //   lse [qb], D [qb]  per query: log-sum-exp, Σ_e dY·Y
 //   poisoned [qb]     per query: NaN reaches it (bad q or dY, NaN lse)
+//   keep [kbp]        one row's dropout keep factors (with dropout)
 struct BackwardScratch {
   int64_t qb = 0, kb = 0, kbp = 0, Ep = 0, Evp = 0;
   float *q = nullptr, *kt = nullptr, *dy = nullptr, *vt = nullptr, *s = nullptr, *kr = nullptr,
         *dp = nullptr, *dk = nullptr, *dq = nullptr, *dv = nullptr, *acc = nullptr, *dcap = nullptr, *lse = nullptr,
         *D = nullptr;
   uint8_t* poisoned = nullptr;
+  float* keep = nullptr;
 
   BackwardScratch(const Problem& p, const FusedPlan& t, int64_t lanes, Alloc alloc = Alloc::yes);
   int64_t bytes() const { return bytes_; }

@@ -21,6 +21,10 @@
 // Masked entries have a_ij = 0, so they receive no gradient; a fully masked
 // row has A = 0 and contributes nothing anywhere.
 //
+// Dropout (kernels/dropout.hpp) scales A by its keep factors m after the
+// softmax: Y = (A∘m)·V, the weights returned are A∘m, and the backward takes
+// dV = (A∘m)ᵀ·dY and dA = (dY·Vᵀ)∘m before the softmax's Jacobian.
+//
 // NaN and ±∞ (docs/fused.md states the rule; the fused backend follows it
 // identically): a key a row cannot see (causal, key_lengths, mask, bias −∞)
 // never touches the row, whatever its values. A visible pair whose query,
@@ -103,6 +107,15 @@ void attention_matrix(const ProblemOf<T>& p, const SdpaArgs<T>& a, int64_t b, in
   }
 }
 
+// Row i of A (S entries) times its dropout keep factors, when dropout is on.
+template <class T>
+void drop(const ProblemOf<T>& p, int64_t b, int64_t h, int64_t i, double* Ai, std::vector<float>& m) {
+  if (!p.dropout.on()) return;
+  m.resize(size_t(p.S));
+  p.dropout.factors(b, p.H, h, i, 0, p.S, m.data());
+  for (int64_t j = 0; j < p.S; ++j) Ai[j] *= double(m[size_t(j)]);
+}
+
 // The L×S matrices (`count` of them, in double) must fit in memory; checked
 // before allocating, so a huge request is an argument error, not bad_alloc.
 template <class T>
@@ -121,13 +134,15 @@ void reference_forward(const ProblemOf<T>& p, const SdpaArgs<T>& a, View4<T> out
   check_matrices_fit(p, 1, "attn::scaled_dot_product_attention");
   std::vector<double> A(static_cast<size_t>(p.L * p.S));
   std::vector<double> lse_row(static_cast<size_t>(p.L));
+  std::vector<float> m;
   for (int64_t b = 0; b < p.B; ++b) {
     for (int64_t h = 0; h < p.H; ++h) {
       const int64_t hk = p.kv_head(h);
       attention_matrix(p, a, b, h, A, lse_row);
-      // Y = A·V
+      // Y = (A∘m)·V
       for (int64_t i = 0; i < p.L; ++i) {
-        const double* Ai = &A[size_t(i * p.S)];
+        double* Ai = &A[size_t(i * p.S)];
+        drop(p, b, h, i, Ai, m);
         for (int64_t e = 0; e < p.Ev; ++e) {
           double y = 0;
           for (int64_t j = 0; j < p.S; ++j)
@@ -150,6 +165,7 @@ void reference_backward(const ProblemOf<T>& p, const SdpaArgs<T>& a, View4<const
   std::vector<double> A(LS), dZ(LS), Z(LS), dcap(LS), lse_row(static_cast<size_t>(p.L));
   std::vector<double> dsinks(static_cast<size_t>(p.H), 0.0);
   std::vector<double> dk(static_cast<size_t>(p.S * p.E)), dv(static_cast<size_t>(p.S * p.Ev));
+  std::vector<float> m(static_cast<size_t>(p.S), 1.0f);
   // dbias accumulates over every (b, h, i, j) that maps onto one bias element.
   std::vector<double> dbias;
   if (!g.dbias.empty()) dbias.assign(static_cast<size_t>(g.dbias.numel()), 0.0);
@@ -173,22 +189,24 @@ void reference_backward(const ProblemOf<T>& p, const SdpaArgs<T>& a, View4<const
             std::copy(&Z[size_t(i * p.S)], &Z[size_t((i + 1) * p.S)], Ai);  // the scores say which keys it sees
             poison_row(Ai, Ai, p.S);
           }
-          // dA_ij = dY_i · V_j, then the softmax Jacobian-vector product.
+          // dA_ij = (dY_i · V_j)·m_ij, then the softmax Jacobian-vector product.
+          if (p.dropout.on()) p.dropout.factors(b, p.H, h, i, 0, p.S, m.data());
           double row_dot = 0;  // Σ_l a_il dA_il
           for (int64_t j = 0; j < p.S; ++j) {
             double dA = 0;
             if (Ai[j] != 0)
               for (int64_t e = 0; e < p.Ev; ++e) dA += double(dout(b, h, i, e)) * double(a.v(b, hk, j, e));
-            dZi[j] = dA;
-            row_dot += Ai[j] * dA;
+            dZi[j] = dA * double(m[size_t(j)]);
+            row_dot += Ai[j] * dZi[j];
           }
           for (int64_t j = 0; j < p.S; ++j) dZi[j] = Ai[j] == 0 ? 0.0 : Ai[j] * (dZi[j] - row_dot);
           // d(sink) = a_sink · (0 − Σ_l a_il dA_il), a_sink = exp(sink − lse_i)
           if (sink != kNegInf) dsinks[size_t(h)] -= std::exp(sink - lse_row[size_t(i)]) * row_dot;
-          // dV_j += a_ij · dY_i
+          // dV_j += a_ij · m_ij · dY_i
           for (int64_t j = 0; j < p.S; ++j) {
             if (Ai[j] == 0) continue;
-            for (int64_t e = 0; e < p.Ev; ++e) dv[size_t(j * p.Ev + e)] += Ai[j] * double(dout(b, h, i, e));
+            const double am = Ai[j] * double(m[size_t(j)]);
+            for (int64_t e = 0; e < p.Ev; ++e) dv[size_t(j * p.Ev + e)] += am * double(dout(b, h, i, e));
           }
           // dU_ij = dZ_ij · ∂z/∂u (the soft-cap's derivative; 1 without)
           const double* dci = &dcap[size_t(i * p.S)];
