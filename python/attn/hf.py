@@ -31,9 +31,10 @@ with it, each generation step appends the new token's keys and values once
 and attends over the history with attn.decode_attention, instead of
 concatenating the history into new tensors every step.
 
-Dropout: attn computes exact attention; a non-zero `dropout` (a model in
-training mode whose config has attention dropout) is refused with an error
-naming it, never silently ignored.
+Dropout: a model in training mode whose config has attention dropout gets
+attn's dropout (each call draws its seed from torch's generator, so
+torch.manual_seed makes a step reproducible; the backward drops the same
+weights). AttnCache (inference) refuses a non-zero dropout.
 """
 
 from __future__ import annotations
@@ -241,22 +242,15 @@ def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_m
     kw = dict(dropout=float(dropout or 0.0), scale=scaling, softcap=softcap or None, sinks=s_aux)
     L = query.shape[-2]
     layer = getattr(key, "_attn_cache_layer", None)
-    try:
-        if layer is not None:
-            out = layer.attend(query, attention_mask, sliding_window=sliding_window,
-                               causal=_sdpa_causal(module, is_causal, L), **kw)
-        elif isinstance(attention_mask, MaskRules):
-            out = _with_rules(query, key, value, attention_mask, **kw)
-        elif attention_mask is not None:
-            out = _call(query, key, value, attn_mask=attention_mask, **kw)
-        else:
-            out = _call(query, key, value, is_causal=_sdpa_causal(module, is_causal, L), **kw)
-    except ValueError as e:
-        if kw["dropout"] != 0.0 and "dropout" in str(e):
-            raise ValueError(f"{_FN}: 'dropout' is {kw['dropout']} ({type(module).__name__} in training mode "
-                             "with attention dropout in its config): attn computes attention without dropout; "
-                             "set the config's attention dropout to 0 or use model.eval()") from e
-        raise
+    if layer is not None:
+        out = layer.attend(query, attention_mask, sliding_window=sliding_window,
+                           causal=_sdpa_causal(module, is_causal, L), **kw)
+    elif isinstance(attention_mask, MaskRules):
+        out = _with_rules(query, key, value, attention_mask, **kw)
+    elif attention_mask is not None:
+        out = _call(query, key, value, attn_mask=attention_mask, **kw)
+    else:
+        out = _call(query, key, value, is_causal=_sdpa_causal(module, is_causal, L), **kw)
     return out.transpose(1, 2).contiguous(), None
 
 

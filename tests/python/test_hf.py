@@ -316,16 +316,33 @@ def test_mask_rules_against_transformers_masks():
             assert float(got.transpose(1, 2)[~sees[:, None, :].expand(B, H, L)].abs().sum()) == 0.0
 
 
+def test_attention_dropout_in_training_mode():
+    """A model whose config has attention dropout trains through attn's
+    dropout: reproducible under torch.manual_seed, different from eval mode,
+    and its gradients finite."""
+    model = build("llama", "attn")
+    ids, mask = batch()
+    model.config.attention_dropout = 0.5
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.5
+    model.eval()
+    with torch.no_grad():
+        plain = model(input_ids=ids, attention_mask=mask).logits
+    model.train()
+    torch.manual_seed(3)
+    a = model(input_ids=ids, attention_mask=mask).logits
+    torch.manual_seed(3)
+    b = model(input_ids=ids, attention_mask=mask).logits
+    assert torch.equal(a, b)
+    assert not torch.allclose(a, plain)
+    a.float().square().mean().backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads)
+
+
 def test_refusals():
     model = build("llama", "attn")
     ids, mask = batch()
-    model.config.attention_dropout = 0.1
-    for layer in model.model.layers:
-        layer.self_attn.attention_dropout = 0.1
-    model.train()
-    with pytest.raises(ValueError, match="'dropout' is 0.1"):
-        outputs(model, ids, mask)
-    model.eval()
     with pytest.raises(ValueError, match="output_attentions"), torch.no_grad():
         model(input_ids=ids, attention_mask=mask, output_attentions=True)
     with pytest.raises(ValueError, match="AttnCache needs the model's attention implementation to be attn's"):
