@@ -230,7 +230,7 @@ struct ExperimentOpts {
 
 struct HeatmapOpts {
   std::string weights, labels, out, title;
-  int64_t batch = 0;
+  std::optional<int64_t> batch;  // (B, H, L, S) weights only; default 0
 };
 
 void run_heatmap(const HeatmapOpts& o) {
@@ -239,13 +239,17 @@ void run_heatmap(const HeatmapOpts& o) {
   const auto a = io::read_npy<double>(o.weights);
   const auto& s = a.shape;
   int64_t H = 1, L = 0, S = 0, offset = 0;
+  if (o.batch && s.size() != 4)
+    throw InvalidArgument(fmt::format("attn heatmap: --batch picks a batch entry of (B, H, L, S) weights; --weights {} "
+                                      "has shape {}, which has none", o.weights, shape_str(s)));
   if (s.size() == 2) L = s[0], S = s[1];
   else if (s.size() == 3) H = s[0], L = s[1], S = s[2];
   else if (s.size() == 4) {
-    if (o.batch < 0 || o.batch >= s[0])
-      throw InvalidArgument(fmt::format("attn heatmap: --batch {} is outside the {} batch entries of {}", o.batch, s[0], o.weights));
+    const int64_t b = o.batch.value_or(0);
+    if (b < 0 || b >= s[0])
+      throw InvalidArgument(fmt::format("attn heatmap: --batch {} is outside the {} batch entries of {}", b, s[0], o.weights));
     H = s[1], L = s[2], S = s[3];
-    offset = o.batch * H * L * S;
+    offset = b * H * L * S;
   } else {
     throw InvalidArgument(fmt::format("attn heatmap: --weights {} has shape {}; expected (L, S), (H, L, S) or (B, H, L, S)",
                             o.weights, shape_str(s)));
@@ -296,17 +300,18 @@ void add_sdpa(CLI::App& app) {
               "refuse NaN or Inf in q, k, v (exit 1, naming the file's argument) instead of letting it reach "
               "the outputs it touches");
   c->add_option("--window", o->window, "sliding window LEFT,RIGHT: keys p-LEFT..p+RIGHT, -1 = unbounded")
-      ->delimiter(',')->expected(2);
-  c->add_option("--softcap", o->softcap, "soft-cap the scores: c*tanh(s/c) (0 = off)")->check(CLI::NonNegativeNumber);
+      ->delimiter(',')->expected(2)->check(integer_value());
+  c->add_option("--softcap", o->softcap, "soft-cap the scores: c*tanh(s/c) (0 = off; else 2^-64 to 2^64)")
+      ->check(non_negative_number());
   c->add_option("--chunk-size", o->chunk_size, "chunked attention: a query sees only keys of its own chunk of N positions (0 = off)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(integer_value(0));
   auto* alibi = c->add_flag("--alibi", o->alibi, "ALiBi with the paper's slopes (2^(-8(h+1)/H) for H a power of two)");
-  c->add_option("--alibi-slopes", o->alibi_slopes, "ALiBi with these slopes (H values, or one for all)")
-      ->delimiter(',')->excludes(alibi);
-  c->add_option("--sinks", o->sinks, "attention sinks: one logit per head (H values, or one for all)")->delimiter(',');
+  add_number_list(c, "--alibi-slopes", o->alibi_slopes, "ALiBi with these slopes (H values, or one for all)")
+      ->excludes(alibi);
+  add_number_list(c, "--sinks", o->sinks, "attention sinks: one logit per head (H values, or one for all)");
   auto* offset = c->add_option("--position-offset", o->offset_value,
                                "query row i sits at key position i + N (replaces the causal alignment)");
-  c->add_option("--scale", o->scale, "score scale (default 1/sqrt(E))")->check(positive_number());
+  c->add_option("--scale", o->scale, "score scale (default 1/sqrt(E); 2^-64 to 2^64)")->check(positive_number());
   c->add_option("--backend", o->backend, "auto | reference | fused")->capture_default_str();
   c->add_option("--out", o->out, "output Y (.npy), same leading axes as Q, last axis Ev")->required();
   c->add_option("--weights", o->weights, "also write the attention weights A (.npy), (.., L, S)");
@@ -362,8 +367,7 @@ void add_heatmap(CLI::App& app) {
   // Options of one source are refused with the other (a usage error), not silently ignored.
   c->add_option("--labels", o->labels, "--weights: space-separated tokens: S words (rows too when L = S), or L + S words")
       ->excludes(ck);
-  c->add_option("--batch", o->batch, "--weights: which batch entry of a (B, H, L, S) file")
-      ->capture_default_str()
+  c->add_option("--batch", o->batch, "--weights: which batch entry of a (B, H, L, S) file (default 0)")
       ->excludes(ck);
   c->add_option("--task", k->task, "--checkpoint: copy | reverse | sort | recall (default: the checkpoint's task)")
       ->check(CLI::IsMember({"copy", "reverse", "sort", "recall"}))

@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <charconv>
 #include <cmath>
 #include <cstdlib>
 
@@ -31,16 +32,55 @@ void Outputs::check(const std::string& flag, const std::string& path) {
   if (!path.empty()) duplicates_are_usage_errors([&] { tx_.check(path, flag); });
 }
 
-CLI::Validator positive_number() {
+namespace {
+CLI::Validator finite_number(bool zero_allowed) {
   return CLI::Validator(
-      [](std::string& s) -> std::string {
+      [zero_allowed](std::string& s) -> std::string {
         char* end = nullptr;
         const double x = std::strtod(s.c_str(), &end);
-        if (s.empty() || end != s.c_str() + s.size() || !std::isfinite(x) || !(x > 0))
-          return "expected a finite number > 0, got '" + s + "'";
+        if (s.empty() || end != s.c_str() + s.size() || !std::isfinite(x) || !(zero_allowed ? x >= 0 : x > 0))
+          return std::string("expected a finite number ") + (zero_allowed ? ">= 0" : "> 0") + ", got '" + s + "'";
         return "";
       },
-      "POSITIVE");
+      zero_allowed ? "NONNEGATIVE" : "POSITIVE");
+}
+}  // namespace
+
+CLI::Validator positive_number() { return finite_number(false); }
+CLI::Validator non_negative_number() { return finite_number(true); }
+
+CLI::Validator integer_value(std::optional<int64_t> min) {
+  return CLI::Validator(
+      [min](std::string& s) -> std::string {
+        int64_t x = 0;
+        const auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), x);
+        if (s.empty() || ec != std::errc() || end != s.data() + s.size() || (min && x < *min))
+          return (min ? "expected an integer from " + std::to_string(*min) + " to 2^63 - 1"
+                      : std::string("expected an integer from -2^63 to 2^63 - 1")) +
+                 ", got '" + s + "'";
+        return "";
+      },
+      "INT");
+}
+
+CLI::Option* add_number_list(CLI::App* app, const std::string& name, std::vector<double>& out, const std::string& help) {
+  return app->add_option_function<std::string>(
+      name,
+      [&out, name](const std::string& s) {
+        out.clear();
+        for (size_t start = 0;;) {
+          const size_t comma = s.find(',', start);
+          const std::string item = s.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
+          char* end = nullptr;
+          const double x = std::strtod(item.c_str(), &end);
+          if (item.empty() || end != item.c_str() + item.size())
+            throw CLI::ValidationError(name, "expected comma-separated numbers, got '" + item + "'");
+          out.push_back(x);
+          if (comma == std::string::npos) break;
+          start = comma + 1;
+        }
+      },
+      help);
 }
 
 void require_float(const io::Array<double>& a, const std::string& flag, const std::string& path) {

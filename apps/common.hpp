@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <cstdio>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -30,7 +31,7 @@ enum Exit : int {
 inline constexpr const char* kExitCodesHelp =
     "Exit codes: 0 success; 1 invalid input (shapes, values, sizes); 2 usage error; 3 file error (missing, "
     "malformed, unwritable); 4 feature not available; 5 internal error; 6 out of memory; 7 training diverged "
-    "(non-finite loss).";
+    "(non-finite loss); 8 --context-parallel: a rank waited past ATTN_DIST_TIMEOUT for another.";
 
 // A usage problem detected after parsing (exit code 2).
 class UsageError : public Error {
@@ -63,9 +64,16 @@ class Outputs {
   io::detail::OutputTransaction tx_;
 };
 
-// A CLI11 check for options that take a finite number > 0; its message names
-// the value given ("expected a finite number > 0, got 'abc'").
+// CLI11 checks whose messages name the value given ("expected a finite
+// number > 0, got 'abc'"): a finite number > 0, or >= 0; an integer (>= min
+// when given) that fits int64 (a longer one is refused, not clamped). Values
+// out of a rule's range are left to the library (exit 1).
 CLI::Validator positive_number();
+CLI::Validator non_negative_number();
+CLI::Validator integer_value(std::optional<int64_t> min = std::nullopt);
+// An option taking comma-separated numbers into `out`; an empty or malformed
+// element is a usage error naming it (never dropped).
+CLI::Option* add_number_list(CLI::App* app, const std::string& name, std::vector<double>& out, const std::string& help);
 
 // A per-head list from the command line: H values, or one for every head;
 // otherwise an InvalidArgument naming `cmd` and `flag`.

@@ -35,21 +35,19 @@ struct MpiSession {
 };
 
 // Every rank reads and checks the inputs; if any rank failed, all throw (the
-// failing ones with their own error), so no rank waits in a collective.
+// failing ones with their own error), so no rank waits in a collective (the
+// agreement is within the bounded wait of attn/dist.hpp).
 template <class F>
 void on_every_rank(F&& f) {
-  int rank = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   std::exception_ptr err;
   try {
     f();
   } catch (...) {
     err = std::current_exception();
   }
-  int bad = err ? 1 : 0;
-  MPI_Allreduce(MPI_IN_PLACE, &bad, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+  const int bad = dist::first_failed_rank(MPI_COMM_WORLD, err != nullptr, {}, "attn sdpa");
   if (err) std::rethrow_exception(err);
-  if (bad) throw InvalidArgument("attn sdpa: another rank rejected the inputs (see its message)");
+  if (bad >= 0) throw InvalidArgument(fmt::format("attn sdpa: rank {} rejected the inputs (see its message)", bad));
 }
 
 std::array<int64_t, 4> as4(const std::vector<int64_t>& s) {
@@ -137,7 +135,9 @@ void run_sdpa_context_parallel(const ContextParallelSdpa& o) {
   });
   std::vector<float> out(size_t(B * H * Lr * Ev)), lse(size_t(B * H * Lr));
   View4<float> ov(out.data(), {B, H, Lr, Ev});
-  View3<float> lv(lse.data(), {B, H, Lr});
+  // The lse only where asked for: the ranks then agree on it (and on the
+  // strategy) before the gathers below depend on it.
+  const View3<float> lv = o.lse.empty() ? View3<float>{} : View3<float>(lse.data(), {B, H, Lr});
   try {
     if (o.strategy == "ring") dist::ring_attention(MPI_COMM_WORLD, args, {ov, {}, lv}, opt);
     else dist::ulysses_attention(MPI_COMM_WORLD, args, {ov, {}, lv}, opt);

@@ -45,6 +45,13 @@ HeadVariants head_variants(const ExplainOpts& o, int64_t h, int64_t H) {
   return v;
 }
 
+// The flags of every head of H through the library on a one-token example,
+// so that a bad value fails before any step is printed.
+void check_variants(const ExplainOpts& o, int64_t H) {
+  const Mat one(1, 1, {0});
+  for (int64_t h = 0; h < H; ++h) (void)lesson::head_steps(one, one, one, {0}, head_variants(o, h, H));
+}
+
 // Scores, scaling, the variants, softmax and aggregation for one head
 // (lesson::head_steps), printed. Query i sits at key position qpos[i]
 // (consecutive) for the causal rule, the window and ALiBi. Returns (A, Y).
@@ -97,6 +104,7 @@ std::string row_string(const Mat& m, int64_t r, int decimals) {
 }
 
 void run_builtin(const ExplainOpts& o) {
+  check_variants(o, 1);  // the flags, before any output
   Outputs outputs;
   const std::string png = outputs.add("--png", o.png);
   const lesson::WorkedExample ex = lesson::worked_example(o.example);
@@ -119,7 +127,7 @@ void run_random(const ExplainOpts& o) {
   if (!o.dk && D % H != 0)
     throw UsageError(fmt::format("attn explain: --dim {} is not divisible by --heads {}; give --dk", D, H));
   if (dk < 1 || dk > 64) throw UsageError("attn explain: --dk must be 1..64");
-  (void)head_variants(o, 0, H);  // checks the per-head lists before any output
+  check_variants(o, H);  // the flags, before any output
   Outputs outputs;
   const std::string png = outputs.add("--png", o.png);
   std::mt19937_64 rng(o.seed);
@@ -204,13 +212,13 @@ void add_explain(CLI::App& app) {
   c->add_option("--window", o->window, "sliding window LEFT,RIGHT: keys p-LEFT..p+RIGHT of the query's position p, "
                                        "-1 = unbounded")
       ->delimiter(',')
-      ->expected(2);
+      ->expected(2)
+      ->check(integer_value());
   auto* alibi =
       c->add_flag("--alibi", o->alibi, "ALiBi: add -m|p - j| with the paper's slopes (2^(-8(h+1)/H) for H a power of two)");
-  c->add_option("--alibi-slopes", o->alibi_slopes, "ALiBi with these slopes m (H values, or one for all)")
-      ->delimiter(',')
+  add_number_list(c, "--alibi-slopes", o->alibi_slopes, "ALiBi with these slopes m (H values, or one for all)")
       ->excludes(alibi);
-  c->add_option("--sinks", o->sinks, "attention sinks: one logit per head (H values, or one for all)")->delimiter(',');
+  add_number_list(c, "--sinks", o->sinks, "attention sinks: one logit per head (H values, or one for all)");
   c->add_option("--png", o->png, "draw the attention weights of every head as a heatmap (.png)");
   c->footer(kExitCodesHelp);
   c->callback([o, c] {

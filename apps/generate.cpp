@@ -72,8 +72,10 @@ void run_generate(const GenerateOpts& o) {
     const int64_t steps = o.tokens > 0 ? o.tokens : mc.max_len - first;
     N = first + steps;
     if (steps < 1 || N > mc.max_len)
-      throw UsageError(fmt::format("attn generate: a prompt of {} tokens plus --tokens {} exceeds the model's max_len {}",
-                                   first, steps, mc.max_len));
+      throw UsageError(o.tokens > 0 ? fmt::format("attn generate: a prompt of {} tokens plus --tokens {} exceeds the "
+                                                  "model's max_len {}", first, o.tokens, mc.max_len)
+                                    : fmt::format("attn generate: a prompt of {} tokens leaves no room to generate "
+                                                  "within the model's max_len {}", first, mc.max_len));
     for (int64_t b = 0; b < B; ++b) inputs.insert(inputs.end(), p.begin(), p.end()), inputs.resize(size_t((b + 1) * N), 0);
   } else {
     nn::Rng rng(o.seed);
@@ -151,7 +153,9 @@ void add_generate(CLI::App& app) {
   auto* c = app.add_subcommand("generate", "Greedy decoding with a trained causal checkpoint over a KV cache");
   c->add_option("--checkpoint", o->checkpoint, "a checkpoint written by `attn train --causal --save`")->required();
   c->add_option("--prompt", o->prompt, "comma-separated token ids: free generation feeding each prediction back");
-  c->add_option("--tokens", o->tokens, "free mode: tokens to generate (0 = up to max_len)")->capture_default_str();
+  c->add_option("--tokens", o->tokens, "free mode: tokens to generate (0 = up to max_len)")
+      ->capture_default_str()
+      ->check(integer_value(0));
   c->add_option("--batch", o->batch, "sequences decoded together")->capture_default_str();
   c->add_option("--examples", o->examples, "task mode: examples to print")->capture_default_str();
   c->add_option("--seed", o->seed, "task mode: seeds the examples")->capture_default_str();

@@ -75,10 +75,11 @@ void add_train_flags(CLI::App& app, TrainOpts& o) {
       ->check(CLI::IsMember({"sinusoidal", "learned", "rope", "alibi", "none"}))
       ->capture_default_str();
   app.add_option("--chunk-size", o.chunk_size, "chunked attention: token i sees tokens of its own chunk of N positions (0 = off)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(integer_value(0));
   app.add_option("--window", o.window, "sliding window LEFT,RIGHT: token i sees tokens i-LEFT..i+RIGHT, -1 = unbounded")
       ->delimiter(',')
-      ->expected(2);
+      ->expected(2)
+      ->check(integer_value());
   app.add_flag("--sinks", c.sinks, "a learnable attention sink logit per head (gpt-oss)");
   app.add_option("--scale", o.scale, "default (1/sqrt(d_k)) | none")
       ->check(CLI::IsMember({"default", "none"}))

@@ -16,9 +16,14 @@ template <class F>
 int check_rules(const Checker& c, const ScoreArgs<F>& a, const SdpaOptions& opt, const std::array<int64_t, 4>& full,
                 std::vector<Extent>& read) {
   const int64_t H = full[1];
-  if (opt.scale && (!std::isfinite(*opt.scale) || *opt.scale <= 0)) {
+  // The float32 kernels fold scale (times log2 e) into the scores and divide
+  // by the soft-cap; within 2^-64 .. 2^64 both, their products with log2 e
+  // and their reciprocals stay normal float32 with room for the scores, so
+  // every backend computes the same thing.
+  const auto in_range = [](double x) { return x >= kMinScoreFactor && x <= kMaxScoreFactor; };
+  if (opt.scale && !(std::isfinite(*opt.scale) && *opt.scale > 0 && in_range(*opt.scale))) {
     std::ostringstream os;
-    os << "option 'scale' is " << *opt.scale << ", expected a finite value > 0";
+    os << "option 'scale' is " << *opt.scale << ", expected a finite value > 0 within " << kScoreFactorRange;
     c.fail(os.str());
   }
   for (const auto& [side, name] : {std::pair{opt.window.left, "window.left"}, {opt.window.right, "window.right"}})
@@ -26,9 +31,9 @@ int check_rules(const Checker& c, const ScoreArgs<F>& a, const SdpaOptions& opt,
       c.fail(std::string("option '") + name + "' is " + std::to_string(side) + ", expected >= 0 or -1 (unbounded)");
   if (opt.chunk_size < 0 || opt.chunk_size > kMaxPosition)
     c.fail("option 'chunk_size' is " + std::to_string(opt.chunk_size) + ", expected 0 (off) or 1 .. 2^52");
-  if (!std::isfinite(opt.softcap) || opt.softcap < 0) {
+  if (!(opt.softcap == 0 || in_range(opt.softcap))) {
     std::ostringstream os;
-    os << "option 'softcap' is " << opt.softcap << ", expected a finite value > 0 (or 0 = off)";
+    os << "option 'softcap' is " << opt.softcap << ", expected 0 (off) or a value within " << kScoreFactorRange;
     c.fail(os.str());
   }
   if (opt.position_offset && (*opt.position_offset > kMaxPosition || *opt.position_offset < -kMaxPosition))

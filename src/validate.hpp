@@ -230,14 +230,20 @@ struct Checker {
 // position arithmetic never overflows.
 constexpr int64_t kMaxPosition = int64_t(1) << 52;
 
+// The range of the score factors, scale and soft-cap (src/rules.cpp): the
+// float32 kernels multiply the scores by scale·log2(e) and divide them by the
+// soft-cap, which beyond these bounds overflow, underflow or lose the cap.
+constexpr double kMinScoreFactor = 0x1p-64, kMaxScoreFactor = 0x1p64;
+constexpr const char* kScoreFactorRange = "[2^-64, 2^64] (about 5.4e-20 to 1.8e+19)";
+
 // The score rules of one attention call (src/rules.cpp), the one place every
 // entry point checks and resolves them.
 //
 // check_rules: the rule operands against full = (B, H, L, S) (S: the key
 // positions, a cache's capacity): mask and bias broadcastable, (H) finite
-// slopes, (H) sinks without NaN or +inf; and the options: scale, window
-// sides >= -1, chunk_size >= 0, a finite soft-cap >= 0, position_offset,
-// num_threads. The extents of the operands given join `read`; returns the
+// slopes, (H) sinks without NaN or +inf; and the options: scale and
+// soft-cap (0 = off) within kScoreFactorRange, window sides >= -1,
+// chunk_size >= 0, position_offset, num_threads. The extents of the operands given join `read`; returns the
 // thread count to use. F: float or double.
 template <class F>
 int check_rules(const Checker& c, const ScoreArgs<F>& a, const SdpaOptions& opt, const std::array<int64_t, 4>& full,

@@ -88,6 +88,43 @@ TEST_F(Fixture, NonPositiveOrNonFiniteScale) {
   EXPECT_NO_THROW(run());
 }
 
+// Scale and soft-cap beyond 2^-64 .. 2^64 cannot be carried by the float32
+// kernels (scores that overflow to NaN, a cap that vanishes or flattens the
+// scores): refused with the bound. At the bounds every backend agrees with
+// the reference and stays finite.
+TEST_F(Fixture, ExtremeScaleAndSoftcap) {
+  const double big = 0x1p64, small = 0x1p-64;
+  for (double s : {1e38, 3e38, std::nextafter(big, 1e300), std::nextafter(small, 0.0), 1e-30}) {
+    c.opt.scale = s;
+    EXPECT_TRUE(throws_with<attn::InvalidArgument>([&] { run(); }, {"'scale'", "[2^-64, 2^64]"})) << s;
+  }
+  c.opt.scale.reset();
+  for (double s : {1e37, 2.4e38, 1e-38, std::nextafter(big, 1e300), std::nextafter(small, 0.0)}) {
+    c.opt.softcap = s;
+    EXPECT_TRUE(throws_with<attn::InvalidArgument>([&] { run(); }, {"'softcap'", "[2^-64, 2^64]", "0 (off)"})) << s;
+  }
+  struct Case {
+    std::optional<double> scale;
+    double softcap;
+  };
+  for (const Case& k : {Case{big, 0.0}, Case{small, 0.0}, Case{std::nullopt, big}, Case{std::nullopt, small},
+                        Case{big, big}, Case{big, small}, Case{small, 3.0}}) {
+    c.opt.scale = k.scale;
+    c.opt.softcap = k.softcap;
+    Tensor<float> want({2, 4, 3, 6}), lw({2, 4, 3}), lg({2, 4, 3});
+    c.opt.backend = attn::Backend::reference;
+    attn::scaled_dot_product_attention<float>(c.args, {want.view4(), {}, lw.view<3>()}, c.opt);
+    for (attn::Backend b : {attn::Backend::fused, attn::Backend::automatic}) {
+      c.opt.backend = b;
+      attn::scaled_dot_product_attention<float>(c.args, {y.view4(), {}, lg.view<3>()}, c.opt);
+      EXPECT_TRUE(all_finite(y)) << k.scale.value_or(0) << " " << k.softcap;
+      EXPECT_TRUE(all_close(y, want, 1e-5)) << k.scale.value_or(0) << " " << k.softcap;
+      // lse carries the scores' magnitude (up to 2^64 · |q·k|): relative.
+      EXPECT_TRUE(all_close(lg, lw, 1e-5 * std::max(1.0, max_abs(lw.view<3>()))));
+    }
+  }
+}
+
 TEST_F(Fixture, KeyLengthsOutOfRange) {
   Tensor<int64_t> kl({2});
   kl[0] = 2;

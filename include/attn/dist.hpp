@@ -42,17 +42,32 @@
 // attn::Error): mask, bias, dbias, attention weights, and float64 (the
 // backward needs the fused float32 kernel).
 //
-// Every rank must call with the same global shapes and options; arguments
-// are validated on every rank and the verdict is shared (an MPI_Allreduce),
-// so a rank with bad arguments makes every rank throw instead of leaving the
-// others waiting. Results differ from the single-process call only by
-// float32 rounding, and are bitwise reproducible for a fixed P, layout and
-// thread count.
+// Every rank must make the same call (strategy, forward or backward) with
+// the same global shapes, outputs and options. Before the first message the
+// ranks validate their arguments, share the verdict and then exchange
+// everything a message's size depends on (the call, B, H, Hkv, E, Ev, the
+// layout, which optional arguments and outputs were given, every option,
+// per-head values, key lengths): a rank with bad arguments, or ranks that
+// disagree, make every rank throw attn::InvalidArgument naming the
+// difference, instead of leaving the others waiting.
+//
+// Bounded wait. A rank that dies or stops calling cannot be told apart from
+// a slow one, so every wait for another rank (each collective of the
+// validation, each step's transfers) is bounded: past DistOptions::timeout_s
+// seconds (default: the environment variable ATTN_DIST_TIMEOUT, else 600)
+// the waiting rank prints a message naming the call, the wait and the bound
+// to stderr and aborts the job with MPI_Abort(comm, kTimeoutExitCode), since
+// a collective that never completes can neither be cancelled nor left
+// behind. Results differ from the single-process call only by float32
+// rounding, and are bitwise reproducible for a fixed P, layout and thread
+// count.
 #pragma once
 
 #include <mpi.h>
 
 #include <cstdint>
+#include <optional>
+#include <string>
 #include <vector>
 
 #include "attn/sdpa.hpp"
@@ -83,7 +98,21 @@ void unshard(View3<const float> local, View3<float> full, int P, int r, Layout l
 struct DistOptions {
   SdpaOptions sdpa;  // scale, causal, num_threads (per rank); backend must be auto or fused
   Layout layout = Layout::zigzag;
+  // The bounded wait in seconds (> 0; infinity: none). Not set: the
+  // environment variable ATTN_DIST_TIMEOUT, else kDefaultTimeout. Each rank
+  // applies its own; it need not agree.
+  std::optional<double> timeout_s;
 };
+inline constexpr double kDefaultTimeout = 600;
+// The status MPI_Abort gives the job when a wait runs out (mpirun exits with it).
+inline constexpr int kTimeoutExitCode = 8;
+
+// For front ends with checks of their own before a call (a binding's dtypes,
+// the files a command reads): every rank of comm calls it, saying whether it
+// failed; returns the lowest failing rank, or -1 when none failed, on every
+// rank, within the bounded wait of `opt` (whose message names `caller`).
+int first_failed_rank(MPI_Comm comm, bool failed, const DistOptions& opt = {},
+                      const std::string& caller = "attn::dist::first_failed_rank");
 
 // Where a ring call spent its time on this rank (optional output).
 struct RingStats {

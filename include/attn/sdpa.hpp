@@ -100,12 +100,12 @@ struct Window {
 };
 
 struct SdpaOptions {
-  std::optional<double> scale;  // default 1/sqrt(E); must be finite and > 0
+  std::optional<double> scale;  // default 1/sqrt(E); else within 2^-64 .. 2^64
   bool causal = false;          // same as window.right = 0 (both may be given)
   CausalAlign causal_align = CausalAlign::top_left;
   Window window;                // default: unbounded
   int64_t chunk_size = 0;       // 0 = off; else > 0 (keys of the query's own chunk)
-  double softcap = 0;           // 0 = off; else finite and > 0
+  double softcap = 0;           // 0 = off; else within 2^-64 .. 2^64
   std::optional<int64_t> position_offset;  // replaces causal_align when given
   Backend backend = Backend::automatic;
   bool check_finite = false;    // reject NaN/Inf in the inputs (costs one pass)

@@ -33,19 +33,20 @@ def is_torch_tensor(x: Any) -> bool:
     return torch is not None and isinstance(x, torch.Tensor)
 
 
-def _torch_to_numpy(x: Any, fn: str, name: str, half: bool = False) -> np.ndarray:
+def _torch_to_numpy(x: Any, fn: str, name: str, half: bool = False,
+                    floats: str = "torch.float32 or torch.float64") -> np.ndarray:
     """A CPU torch tensor as NumPy through DLPack. DLPack describes memory,
     not torch's lazy views: a tensor with the negative bit (torch.neg views,
     ``c.conj().imag``) or the conjugate bit holds the un-negated values, so
     those bits are resolved first (a copy); dtypes and layouts NumPy cannot
     take are refused with the argument named. With `half`, float16 comes as
     float16 and bfloat16 as its uint16 bits (same memory); without, both are
-    refused."""
+    refused, the message naming `floats`, the dtypes the caller takes."""
     torch = sys.modules["torch"]
     if x.device.type != "cpu":
         raise ValueError(f"{fn}: '{name}' is on device '{x.device}', expected a CPU tensor")
     if x.dtype in (torch.float16, torch.bfloat16) and not half:
-        raise ValueError(f"{fn}: '{name}' has dtype {x.dtype}, expected torch.float32 or torch.float64 "
+        raise ValueError(f"{fn}: '{name}' has dtype {x.dtype}, expected {floats} "
                          "(half precision is taken by scaled_dot_product_attention's query, key and value; "
                          "convert with .float())")
     if x.layout != torch.strided:
@@ -63,16 +64,18 @@ def _torch_to_numpy(x: Any, fn: str, name: str, half: bool = False) -> np.ndarra
         raise ValueError(f"{fn}: '{name}' (dtype {x.dtype}) cannot be read as a NumPy array: {e}") from None
 
 
-def to_numpy(x: Any, fn: str, name: str, half: bool = False) -> np.ndarray:
+def to_numpy(x: Any, fn: str, name: str, half: bool = False,
+             floats: str = "torch.float32 or torch.float64") -> np.ndarray:
     """A NumPy view of x (an ndarray, a CPU torch tensor, or anything
     array-like), with non-negative strides that are multiples of the element
     size. Tensors share memory with the result (DLPack) unless a lazy
     negation or conjugation had to be applied first. `half`: torch half
-    tensors are taken (see _torch_to_numpy)."""
+    tensors are taken (see _torch_to_numpy); `floats` names the float dtypes
+    the caller takes, for the message that refuses a half tensor."""
     if isinstance(x, np.ndarray):
         a = x
     elif is_torch_tensor(x):
-        a = _torch_to_numpy(x, fn, name, half)
+        a = _torch_to_numpy(x, fn, name, half, floats)
     elif hasattr(x, "__dlpack__"):
         try:
             a = np.from_dlpack(x)
@@ -95,6 +98,19 @@ def float_array(x: Any, fn: str, name: str, dtype: Optional[np.dtype] = None) ->
     if dtype is not None and a.dtype != dtype:
         raise ValueError(f"{fn}: '{name}' has dtype {a.dtype}, expected {dtype} (the dtype of 'query')")
     return a
+
+
+def int64_array(x: Any, fn: str, name: str, want: str) -> np.ndarray:
+    """A 1-D integer array as the extension's contiguous int64 (the library
+    checks the values); `want` describes it for the message. Unsigned values
+    beyond int64 are refused with their value, not wrapped to negatives."""
+    a = to_numpy(x, fn, name)
+    if a.ndim != 1 or a.dtype.kind not in "iu":
+        raise ValueError(f"{fn}: '{name}' has dtype {a.dtype} and shape {a.shape}, expected {want}")
+    if a.dtype.kind == "u" and a.size and int(a.max()) > np.iinfo(np.int64).max:
+        i = int(np.argmax(a))
+        raise ValueError(f"{fn}: '{name}' has value {int(a[i])} at index {i}, expected at most 2^63 - 1")
+    return np.ascontiguousarray(a, dtype=np.int64)
 
 
 def _is_bfloat16(x: Any) -> bool:

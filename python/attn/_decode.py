@@ -19,7 +19,7 @@ import numpy as np
 
 from . import _attn
 from ._arrays import is_torch_tensor, to_numpy, widen_half
-from ._variants import variant_kwargs
+from ._variants import _integer, variant_kwargs
 
 _F32 = np.dtype(np.float32)
 
@@ -27,7 +27,7 @@ _F32 = np.dtype(np.float32)
 def _f32(x: Any, fn: str, name: str, ndim: int) -> np.ndarray:
     """x as float32 of rank ndim: the extension's arrays have a fixed dtype and
     rank (the library checks the shape)."""
-    a = to_numpy(x, fn, name)
+    a = to_numpy(x, fn, name, floats="torch.float32")
     if a.dtype != _F32:
         raise ValueError(f"{fn}: '{name}' has dtype {a.dtype}, expected float32")
     if a.ndim != ndim:
@@ -46,12 +46,23 @@ class KVCache:
     every sequence at full capacity) and a block table per sequence, as vLLM
     and FlashAttention's `block_table` do; sequences may share full prefix
     pages through set_block_table.
+
+    Sizes are checked before anything is allocated: a cache larger than the
+    machine's memory raises ValueError naming its bytes. One cache may be
+    shared by threads; each call is atomic (docs/decode.md, "Threads").
     """
 
     def __init__(self, batch: int, kv_heads: int, capacity: int, head_dim: int, value_dim: Optional[int] = None,
                  dtype: str = "float32", page_size: int = 0, num_pages: int = 0):
-        self._c = _attn.KVCache(int(batch), int(kv_heads), int(capacity), int(head_dim),
-                                int(value_dim or 0), str(dtype), int(page_size), int(num_pages))
+        fn = "attn.KVCache"
+        args = dict(batch=batch, kv_heads=kv_heads, capacity=capacity, head_dim=head_dim, value_dim=value_dim or 0,
+                    page_size=page_size, num_pages=num_pages)
+        for name, x in args.items():  # int64 arguments of the library, which checks their values
+            args[name] = _integer(x, fn, name, "an integer")
+            if not -2**63 <= args[name] < 2**63:
+                raise ValueError(f"{fn}: '{name}' is {x}, expected an integer that fits in int64")
+        self._c = _attn.KVCache(args["batch"], args["kv_heads"], args["capacity"], args["head_dim"],
+                                args["value_dim"], str(dtype), args["page_size"], args["num_pages"])
 
     batch = property(lambda self: self._c.batch)
     kv_heads = property(lambda self: self._c.kv_heads)
@@ -117,6 +128,18 @@ class KVCache:
                 f"lengths={self.lengths})")
 
 
+def refuse_grad(fn: str, **named: Any) -> None:
+    """Decoding is inference: a torch tensor that requires grad (in grad mode)
+    would silently lose its graph, so it is refused, the argument named."""
+    for name, x in named.items():
+        if is_torch_tensor(x) and x.requires_grad:
+            import torch
+
+            if torch.is_grad_enabled():
+                raise ValueError(f"{fn}: '{name}' requires grad; decoding is inference, call it under "
+                                 "torch.no_grad()")
+
+
 def decode_attention(q: Any, cache: KVCache, *, scale: Optional[float] = None, is_causal: bool = False,
                      return_lse: bool = False, backend: str = "auto", num_threads: int = 0, window_size=None,
                      softcap=None, chunk_size: int = 0, alibi_slopes=None, sinks=None, attn_mask=None):
@@ -148,6 +171,7 @@ def decode_attention(q: Any, cache: KVCache, *, scale: Optional[float] = None, i
     fn = "attn.decode_attention"
     if not isinstance(cache, KVCache):
         raise TypeError(f"{fn}: 'cache' must be an attn.KVCache, got {type(cache).__name__}")
+    refuse_grad(fn, q=q, alibi_slopes=alibi_slopes, sinks=sinks, attn_mask=attn_mask)
     qa = _f32(q, fn, "q", 4)
     out = np.empty(qa.shape[:3] + (cache.value_dim,), np.float32)
     lse = np.empty(qa.shape[:3], np.float32) if return_lse else None

@@ -23,7 +23,7 @@ import numpy as np
 
 from . import _attn
 from ._arrays import float_array, is_torch_tensor, to_numpy
-from ._decode import KVCache
+from ._decode import KVCache, refuse_grad
 from ._variants import variant_kwargs
 
 _FN = "attn.MultiheadAttention"
@@ -388,8 +388,7 @@ class MultiheadAttention:
             raise TypeError(f"{fn}: 'cache' must be an attn.KVCache, got {type(cache).__name__}")
         variants = variant_kwargs(fn, self.dtype, window_size, alibi_slopes, softcap, None, None, chunk_size)
         del variants["sinks"], variants["position_offset"]  # the layer's own; the cache's positions
-        if is_torch_tensor(query) and _torch().is_grad_enabled() and query.requires_grad:
-            raise ValueError(f"{fn}: 'query' requires grad; decoding is inference, call it under torch.no_grad()")
+        refuse_grad(fn, query=query)
         q = _input(query, fn, "query", self.dtype)
         if q.ndim not in (2, 3):
             raise ValueError(f"{fn}: 'query' has shape {q.shape}, expected (L, N, E), (N, L, E) with batch_first, "

@@ -12,7 +12,7 @@ from typing import Any, Tuple
 import numpy as np
 
 from . import _attn
-from ._arrays import float_array, is_torch_tensor, to_numpy
+from ._arrays import float_array, int64_array, is_torch_tensor
 from ._sdpa import _refuse_autograd, _wrap
 from ._variants import variant_kwargs
 
@@ -22,11 +22,7 @@ _BWD = "attn.varlen_attention_backward"
 
 def _offsets(x: Any, fn: str, name: str) -> np.ndarray:
     """Offsets as the extension's 1-D int64 array (the library checks their values)."""
-    a = to_numpy(x, fn, name)
-    if a.ndim != 1 or a.dtype.kind not in "iu":
-        raise ValueError(f"{fn}: '{name}' has dtype {a.dtype} and shape {a.shape}, expected a 1-D integer "
-                         "array of B + 1 offsets")
-    return np.ascontiguousarray(a, dtype=np.int64)
+    return int64_array(x, fn, name, "a 1-D integer array of B + 1 offsets")
 
 
 def _rank3(x: Any, fn: str, name: str, want: str, dtype: Any = None) -> np.ndarray:

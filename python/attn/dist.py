@@ -25,6 +25,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from ._arrays import int64_array
 from ._variants import variant_kwargs
 
 __all__ = [
@@ -122,49 +123,84 @@ def _kwargs(fn: str, q: np.ndarray, is_causal: bool, scale: Optional[float], lay
     kw = variant_kwargs(fn, np.dtype(np.float32), window_size, alibi_slopes, softcap, sinks, position_offset,
                         chunk_size)
     if key_lengths is not None:
-        kl = np.asarray(key_lengths)
         # The extension takes a 1-D int64 array; the library checks its length (B) and values.
-        if kl.dtype.kind not in "iu" or kl.ndim != 1:
-            raise ValueError(f"{fn}: 'key_lengths' has shape {kl.shape} and dtype {kl.dtype}, expected "
-                             f"({q.shape[0]},) integers (B, the global key lengths)")
-        kw["key_lengths"] = np.ascontiguousarray(kl, dtype=np.int64)
+        kw["key_lengths"] = int64_array(key_lengths, fn, "key_lengths",
+                                        f"({q.shape[0]},) integers (B, the global key lengths)")
     kw.update(scale=None if scale is None else float(scale), causal=bool(is_causal), layout=layout,
               num_threads=int(num_threads))
     return kw
 
 
+def _timeout(fn: str, timeout: Any) -> Optional[float]:
+    if timeout is None:
+        return None
+    t = float(timeout)
+    if not t > 0:
+        raise ValueError(f"{fn}: 'timeout' is {timeout!r}, expected seconds > 0 (math.inf: no bound)")
+    return t
+
+
+def _agreed(ext: Any, fn: str, address: int, timeout: Any, checks: Any) -> Any:
+    """This rank's own checks (dtypes, ranks, keywords), then the verdict shared
+    with the other ranks within the bounded wait, before any message of the
+    call: a rank whose checks failed raises its error, every other rank a
+    ValueError naming it, and none is left waiting."""
+    try:
+        result, err, bound = checks(), None, _timeout(fn, timeout)
+    except (ValueError, TypeError) as e:
+        result, err, bound = None, e, None
+    bad = ext.first_failed_rank(address, err is not None, timeout=bound, caller=fn)
+    if err is not None:
+        raise err
+    if bad >= 0:
+        raise ValueError(f"{fn}: rank {bad} rejected its arguments (its message names the problem)")
+    return result
+
+
 def _forward(strategy: str, fn: str, query: Any, key: Any, value: Any, comm: Any, is_causal: bool,
              scale: Optional[float], layout: str, window_size: Any, softcap: Any, alibi_slopes: Any, sinks: Any,
-             position_offset: Any, chunk_size: Any, key_lengths: Any, num_threads: int, return_lse: bool) -> Any:
+             position_offset: Any, chunk_size: Any, key_lengths: Any, num_threads: int, timeout: Any,
+             return_lse: bool) -> Any:
     ext = _ext(fn)
     address, _, _ = _comm(fn, comm)
-    q, k, v = _f32(fn, "query", query), _f32(fn, "key", key), _f32(fn, "value", value)
-    kw = _kwargs(fn, q, is_causal, scale, layout, window_size, softcap, alibi_slopes, sinks, position_offset,
-                 chunk_size, key_lengths, num_threads)
+
+    def checks() -> Tuple[Any, ...]:
+        q, k, v = _f32(fn, "query", query), _f32(fn, "key", key), _f32(fn, "value", value)
+        kw = _kwargs(fn, q, is_causal, scale, layout, window_size, softcap, alibi_slopes, sinks, position_offset,
+                     chunk_size, key_lengths, num_threads)
+        return q, v, ext.prepare(strategy, address, q, k, v, timeout=_timeout(fn, timeout), **kw)
+
+    q, v, call = _agreed(ext, fn, address, timeout, checks)
     out = np.empty(q.shape[:3] + v.shape[3:], dtype=np.float32)
     lse = np.empty(q.shape[:3], dtype=np.float32)
-    ext.forward(ext.prepare(strategy, address, q, k, v, **kw), out, lse=lse)
+    ext.forward(call, out, lse=lse)
     return (out, lse) if return_lse else out
 
 
 def _backward(strategy: str, fn: str, grad_output: Any, query: Any, key: Any, value: Any, comm: Any,
               output: Any, lse: Any, is_causal: bool, scale: Optional[float], layout: str, window_size: Any,
               softcap: Any, alibi_slopes: Any, sinks: Any, position_offset: Any, chunk_size: Any, key_lengths: Any,
-              num_threads: int) -> Tuple[np.ndarray, ...]:
+              num_threads: int, timeout: Any) -> Tuple[np.ndarray, ...]:
     ext = _ext(fn)
     address, _, _ = _comm(fn, comm)
-    q, k, v = _f32(fn, "query", query), _f32(fn, "key", key), _f32(fn, "value", value)
-    dout = _f32(fn, "grad_output", grad_output)
-    if (output is None) != (lse is None):
-        raise ValueError(f"{fn}: give both 'output' and 'lse' (the forward's) or neither")
-    saved = {}
-    if output is not None:
-        saved = dict(out=_f32(fn, "output", output), lse=np.ascontiguousarray(np.asarray(lse, dtype=np.float32)))
-    kw = _kwargs(fn, q, is_causal, scale, layout, window_size, softcap, alibi_slopes, sinks, position_offset,
-                 chunk_size, key_lengths, num_threads)
+
+    def checks() -> Tuple[Any, ...]:
+        q, k, v = _f32(fn, "query", query), _f32(fn, "key", key), _f32(fn, "value", value)
+        dout = _f32(fn, "grad_output", grad_output)
+        if (output is None) != (lse is None):
+            raise ValueError(f"{fn}: give both 'output' and 'lse' (the forward's) or neither")
+        saved = {}
+        if output is not None:
+            saved = dict(out=_f32(fn, "output", output), lse=np.ascontiguousarray(np.asarray(lse, dtype=np.float32)))
+        kw = _kwargs(fn, q, is_causal, scale, layout, window_size, softcap, alibi_slopes, sinks, position_offset,
+                     chunk_size, key_lengths, num_threads)
+        call = ext.prepare(strategy, address, q, k, v, timeout=_timeout(fn, timeout), **kw)
+        return q, k, v, dout, saved, kw["sinks"] is not None, call
+
+    q, k, v, dout, saved, with_sinks, call = _agreed(ext, fn, address, timeout, checks)
     dq, dk, dv = np.empty_like(q), np.empty_like(k), np.empty_like(v)
-    dsinks = None if kw["sinks"] is None else np.empty(q.shape[1], dtype=np.float32)
-    ext.backward(ext.prepare(strategy, address, q, k, v, **kw), dout, dq, dk, dv, dsinks=dsinks, **saved)
+    dsinks = np.empty(q.shape[1], dtype=np.float32) if with_sinks else None
+    ext.backward(call, dout, dq, dk, dv, dsinks=dsinks, **saved)
     return (dq, dk, dv) if dsinks is None else (dq, dk, dv, dsinks)
 
 
@@ -173,53 +209,58 @@ _DOC_ARGS = """
     (see shard()); comm: an mpi4py communicator (every rank calls with the same shapes and options).
     is_causal, scale, window_size=(left, right), softcap, chunk_size, alibi_slopes (H), sinks (H), position_offset and
     key_lengths (B) as in attn.scaled_dot_product_attention, with global positions and lengths;
-    layout: 'zigzag' (balanced under causal) or 'contiguous'; num_threads per rank."""
+    layout: 'zigzag' (balanced under causal) or 'contiguous'; num_threads per rank;
+    timeout: the bounded wait in seconds (default: ATTN_DIST_TIMEOUT, else 600): a rank that waits
+    longer for another (dead, or stuck elsewhere) prints a message and aborts the job.
+    Every rank must make the same call with the same shapes, outputs and options; a rank whose
+    arguments are bad, or ranks that disagree, make every rank raise ValueError naming the problem."""
 
 
 def ring_attention(query: Any, key: Any, value: Any, comm: Any, *, is_causal: bool = False,
                    scale: Optional[float] = None, layout: str = "zigzag", window_size: Any = None,
                    softcap: Any = None, alibi_slopes: Any = None, sinks: Any = None, position_offset: Any = None,
-                   chunk_size: int = 0, key_lengths: Any = None, num_threads: int = 0, return_lse: bool = False) -> Any:
+                   chunk_size: int = 0, key_lengths: Any = None, num_threads: int = 0, timeout: Any = None,
+                   return_lse: bool = False) -> Any:
     """Ring attention: this rank's output rows (B, H, L_r, Ev), and lse (B, H, L_r) with return_lse."""
     return _forward("ring", "attn.dist.ring_attention", query, key, value, comm, is_causal, scale, layout,
                     window_size, softcap, alibi_slopes, sinks, position_offset, chunk_size, key_lengths, num_threads,
-                    return_lse)
+                    timeout, return_lse)
 
 
 def ulysses_attention(query: Any, key: Any, value: Any, comm: Any, *, is_causal: bool = False,
                       scale: Optional[float] = None, layout: str = "zigzag", window_size: Any = None,
                       softcap: Any = None, alibi_slopes: Any = None, sinks: Any = None,
                       position_offset: Any = None, chunk_size: int = 0, key_lengths: Any = None, num_threads: int = 0,
-                      return_lse: bool = False) -> Any:
+                      timeout: Any = None, return_lse: bool = False) -> Any:
     """All-to-all (Ulysses) attention; H and Hkv must divide by the number of ranks."""
     return _forward("ulysses", "attn.dist.ulysses_attention", query, key, value, comm, is_causal, scale, layout,
                     window_size, softcap, alibi_slopes, sinks, position_offset, chunk_size, key_lengths, num_threads,
-                    return_lse)
+                    timeout, return_lse)
 
 
 def ring_attention_backward(grad_output: Any, query: Any, key: Any, value: Any, comm: Any, *, output: Any = None,
                             lse: Any = None, is_causal: bool = False, scale: Optional[float] = None,
                             layout: str = "zigzag", window_size: Any = None, softcap: Any = None,
                             alibi_slopes: Any = None, sinks: Any = None, position_offset: Any = None,
-                            chunk_size: int = 0, key_lengths: Any = None,
-                            num_threads: int = 0) -> Tuple[np.ndarray, ...]:
+                            chunk_size: int = 0, key_lengths: Any = None, num_threads: int = 0,
+                            timeout: Any = None) -> Tuple[np.ndarray, ...]:
     """Gradients of this rank's shards: (dq, dk, dv), and dsinks (H, the whole gradient) when sinks
     are given. output and lse are the forward's (return_lse=True); recomputed when not given."""
     return _backward("ring", "attn.dist.ring_attention_backward", grad_output, query, key, value, comm, output, lse,
                      is_causal, scale, layout, window_size, softcap, alibi_slopes, sinks, position_offset,
-                     chunk_size, key_lengths, num_threads)
+                     chunk_size, key_lengths, num_threads, timeout)
 
 
 def ulysses_attention_backward(grad_output: Any, query: Any, key: Any, value: Any, comm: Any, *, output: Any = None,
                                lse: Any = None, is_causal: bool = False, scale: Optional[float] = None,
                                layout: str = "zigzag", window_size: Any = None, softcap: Any = None,
                                alibi_slopes: Any = None, sinks: Any = None, position_offset: Any = None,
-                               chunk_size: int = 0, key_lengths: Any = None,
-                            num_threads: int = 0) -> Tuple[np.ndarray, ...]:
+                               chunk_size: int = 0, key_lengths: Any = None, num_threads: int = 0,
+                               timeout: Any = None) -> Tuple[np.ndarray, ...]:
     """The backward of ulysses_attention, as ring_attention_backward."""
     return _backward("ulysses", "attn.dist.ulysses_attention_backward", grad_output, query, key, value, comm, output,
                      lse, is_causal, scale, layout, window_size, softcap, alibi_slopes, sinks, position_offset,
-                     chunk_size, key_lengths, num_threads)
+                     chunk_size, key_lengths, num_threads, timeout)
 
 
 for _f in (ring_attention, ulysses_attention, ring_attention_backward, ulysses_attention_backward):

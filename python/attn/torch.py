@@ -108,7 +108,14 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     keywords included). Returns a torch tensor, in the query's dtype for float16 and
     bfloat16 inputs (computed in float32); when an input (or the sinks)
     requires grad (and grad mode is on) the call goes through
-    ScaledDotProductAttention, so it is differentiable."""
+    ScaledDotProductAttention, so it is differentiable. Inputs with a
+    zero-size dimension (batch, heads, lengths) give what PyTorch gives: an
+    empty output, or zeros when there are no keys."""
+    if any(isinstance(x, _torch.Tensor) and x.numel() == 0 for x in (query, key, value)):
+        # A zero-size dimension: PyTorch's answer (an empty output, or zeros
+        # where there are no keys), computed and differentiated by PyTorch.
+        return _torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p,
+                                                                  is_causal, scale, enable_gqa=enable_gqa)
     if _needs_graph("attn.torch.scaled_dot_product_attention", alibi_slopes, query, key, value, attn_mask,
                     sinks):
         return ScaledDotProductAttention.apply(query, key, value, attn_mask, dropout_p, is_causal, scale,

@@ -8,9 +8,10 @@
 // handle there. mpi4py must be built against the same MPI library as this
 // module (pip install mpi4py builds it with the mpicc on PATH). Arrays are
 // this rank's float32 shards, rank 4 (B, H, N, d), viewed without a copy; the
-// Python layer (attn/dist.py) checks dtypes and allocates the outputs. Every
-// attn::Error surfaces as ValueError with the library's message (all ranks
-// raise together: attn::dist agrees on the verdict before any message).
+// Python layer (attn/dist.py) checks dtypes and allocates the outputs, and
+// shares its verdict through first_failed_rank. Every attn::Error surfaces
+// as ValueError with the library's message (all ranks raise together:
+// attn::dist agrees on the verdict before any message).
 #include <mpi.h>
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
@@ -76,7 +77,8 @@ Call prepare(const std::string& strategy, uintptr_t comm, const Arr<const float,
              const Arr<const float, 4>& v, const Opt<Arr<const int64_t, 1>>& key_lengths,
              const Opt<Arr<const float, 1>>& alibi_slopes, const Opt<Arr<const float, 1>>& sinks,
              std::optional<double> scale, bool causal, int64_t window_left, int64_t window_right, double softcap,
-             int64_t chunk_size, Opt<int64_t> position_offset, const std::string& layout, int num_threads) {
+             int64_t chunk_size, Opt<int64_t> position_offset, const std::string& layout, int num_threads,
+             Opt<double> timeout) {
   Call c;
   c.ring = is_ring(strategy);
   c.comm = comm_at(comm);
@@ -95,6 +97,7 @@ Call prepare(const std::string& strategy, uintptr_t comm, const Arr<const float,
   c.opt.sdpa.position_offset = position_offset;
   c.opt.sdpa.num_threads = num_threads;
   c.opt.layout = parse_layout(layout);
+  c.opt.timeout_s = timeout;
   return c;
 }
 
@@ -119,12 +122,24 @@ NB_MODULE(_attn_dist, m) {
       },
       "n"_a, "P"_a, "r"_a, "layout"_a = "zigzag",
       "The chunks (begin, length) of a length-n sequence that rank r of P holds, in order.");
+  m.def(
+      "first_failed_rank",
+      [](uintptr_t comm, bool failed, Opt<double> timeout, const std::string& caller) {
+        attn::dist::DistOptions opt;
+        opt.timeout_s = timeout;
+        const MPI_Comm c = comm_at(comm);
+        nb::gil_scoped_release release;
+        return attn::dist::first_failed_rank(c, failed, opt, caller);
+      },
+      "comm"_a, "failed"_a, "timeout"_a.none() = nb::none(), "caller"_a = "attn.dist",
+      "Every rank says whether its own checks failed; the lowest failing rank, or -1, on every rank.");
   nb::class_<Call>(m, "Call", "A prepared context-parallel call (attn.dist builds it).");
   m.def("prepare", &prepare, "strategy"_a, "comm"_a, "q"_a.noconvert(), "k"_a.noconvert(), "v"_a.noconvert(),
         nb::kw_only(), "key_lengths"_a.noconvert().none() = nb::none(),
         "alibi_slopes"_a.noconvert().none() = nb::none(), "sinks"_a.noconvert().none() = nb::none(),
         "scale"_a.none() = nb::none(), "causal"_a = false, "window_left"_a = -1, "window_right"_a = -1,
         "softcap"_a = 0.0, "chunk_size"_a = 0, "position_offset"_a.none() = nb::none(), "layout"_a = "zigzag", "num_threads"_a = 0,
+        "timeout"_a.none() = nb::none(),
         "A call of strategy 'ring' or 'ulysses' on this rank's float32 shards q, k, v (rank 4); comm is\n"
         "MPI._addressof(mpi4py communicator).");
   m.def(

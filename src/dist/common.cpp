@@ -13,10 +13,14 @@
 
 #include <algorithm>
 #include <array>
+#include <chrono>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <tuple>
 
 #include "dist/internal.hpp"
@@ -134,7 +138,7 @@ void sink_gradient(MPI_Comm comm, const Geometry& g, View4<const float> dout, Vi
         mine[size_t(h)] -= std::exp(sink - double(lse(b, h, i))) * D;  // the sink's weight times (0 − D_i)
       }
   }
-  MPI_Allgather(mine.data(), int(g.H), MPI_DOUBLE, all.data(), int(g.H), MPI_DOUBLE, comm);
+  allgather(mine.data(), int(g.H), MPI_DOUBLE, all.data(), comm, g.bound, "the other ranks' sinks gradients");
   for (int64_t h = 0; h < g.H; ++h) {
     double acc = 0;
     for (int p = 0; p < g.P; ++p) acc += all[size_t(p) * size_t(g.H) + size_t(h)];
@@ -193,11 +197,71 @@ void progress(std::vector<MPI_Request>& reqs) {
   int done = 0;
   if (!reqs.empty()) MPI_Testall(int(reqs.size()), reqs.data(), &done, MPI_STATUSES_IGNORE);
 }
-double wait(std::vector<MPI_Request>& reqs) {
+
+Bound bound_of(MPI_Comm comm, const std::string& fn, const DistOptions& opt, std::string* error) {
+  Bound b{comm, fn, kDefaultTimeout};
+  std::string bad;
+  if (opt.timeout_s) {
+    if (*opt.timeout_s > 0) b.seconds = *opt.timeout_s;  // NaN and <= 0 fail
+    else bad = (std::ostringstream() << "option 'timeout_s' is " << *opt.timeout_s).str() +
+               ", expected seconds > 0 (inf: no bound)";
+  } else if (const char* env = std::getenv("ATTN_DIST_TIMEOUT"); env && *env) {
+    char* end = nullptr;
+    const double x = std::strtod(env, &end);
+    if (*end == '\0' && x > 0) b.seconds = x;
+    else bad = std::string("the environment variable ATTN_DIST_TIMEOUT is '") + env +
+               "', expected seconds > 0 (inf: no bound)";
+  }
+  if (error) *error = bad;
+  return b;
+}
+
+double wait(std::vector<MPI_Request>& reqs, const Bound& b, const std::string& what) {
   const double t0 = MPI_Wtime();
-  if (!reqs.empty()) MPI_Waitall(int(reqs.size()), reqs.data(), MPI_STATUSES_IGNORE);
+  int done = reqs.empty();
+  // Test (MPI progresses the transfers inside its calls): spinning for the
+  // first 10 ms, as MPI_Waitall would, then yielding the core, and after a
+  // second sleeping, so a stuck peer costs no CPU.
+  while (!done) {
+    MPI_Testall(int(reqs.size()), reqs.data(), &done, MPI_STATUSES_IGNORE);
+    if (done) break;
+    const double waited = MPI_Wtime() - t0;
+    if (waited > b.seconds) {
+      int rank = 0;
+      MPI_Comm_rank(b.comm, &rank);
+      std::fprintf(stderr,
+                   "error: %s: rank %d waited %.0f s for %s; another rank died or stopped calling. "
+                   "Aborting the job (exit %d). The bound is DistOptions::timeout_s, or ATTN_DIST_TIMEOUT "
+                   "seconds; it is %g s.\n",
+                   b.fn.c_str(), rank, waited, what.c_str(), kTimeoutExitCode, b.seconds);
+      std::fflush(stderr);
+      MPI_Abort(b.comm, kTimeoutExitCode);
+      std::abort();  // MPI_Abort does not return
+    }
+    if (waited > 1.0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    else if (waited > 0.01) std::this_thread::yield();
+  }
   reqs.clear();
   return MPI_Wtime() - t0;
+}
+
+void allgather(const void* mine, int count, MPI_Datatype type, void* all, MPI_Comm comm, const Bound& b,
+               const std::string& what) {
+  std::vector<MPI_Request> req(1);
+  MPI_Iallgather(mine, count, type, all, count, type, comm, &req[0]);
+  wait(req, b, what);
+}
+
+int first_failed(MPI_Comm comm, bool failed, const Bound& b, const std::string& what) {
+  int rank = 0, P = 1;
+  MPI_Comm_rank(comm, &rank);
+  MPI_Comm_size(comm, &P);
+  const int mine = failed ? rank : P;
+  int first = P;
+  std::vector<MPI_Request> req(1);
+  MPI_Iallreduce(&mine, &first, 1, MPI_INT, MPI_MIN, comm, &req[0]);
+  wait(req, b, what);
+  return first == P ? -1 : first;
 }
 
 SdpaOptions block_options(const Geometry& g, const DistOptions& opt) {
@@ -252,22 +316,34 @@ void all_finite(const Checker& c, const View<T, R>& v, const char* name, const c
 }
 
 // Throws on every rank when any rank's string is non-empty.
-void agree(MPI_Comm comm, const Checker& c, const std::string& err) {
-  int rank = 0, P = 1;
-  MPI_Comm_rank(comm, &rank);
-  MPI_Comm_size(comm, &P);
-  int first_bad = err.empty() ? P : rank;
-  MPI_Allreduce(MPI_IN_PLACE, &first_bad, 1, MPI_INT, MPI_MIN, comm);
-  if (first_bad == P) return;
-  if (!err.empty()) throw InvalidArgument(err + (P > 1 ? " (on rank " + std::to_string(rank) + ")" : ""));
+void agree(const Geometry& g, const Checker& c, const std::string& err) {
+  const int first_bad = first_failed(g.bound.comm, !err.empty(), g.bound, "the other ranks to check their arguments");
+  if (first_bad < 0) return;
+  if (!err.empty()) throw InvalidArgument(err + (g.P > 1 ? " (on rank " + std::to_string(g.r) + ")" : ""));
   c.fail("rank " + std::to_string(first_bad) + " rejected its arguments (its message names the problem)");
+}
+
+// The calls, by Op.
+constexpr const char* kCallNames[] = {"ring_attention", "ring_attention_backward", "ulysses_attention",
+                                      "ulysses_attention_backward"};
+
+// MPI initialised and a communicator given (checked alone: without them no
+// rank can be told).
+void check_communicator(const Checker& c, MPI_Comm comm) {
+  int initialized = 0, finalized = 0;
+  MPI_Initialized(&initialized);
+  MPI_Finalized(&finalized);
+  if (!initialized || finalized) c.fail("MPI is not initialised (call MPI_Init first) or already finalised");
+  if (comm == MPI_COMM_NULL) c.fail("argument 'comm' is MPI_COMM_NULL");
 }
 
 // Round 1 of validate(): this rank's own views and options; fills the
 // sizes of g that the views give.
-void check_local(const Checker& c, const Request& req, Geometry& g, bool ring, bool backward) {
+void check_local(const Checker& c, const Request& req, Geometry& g, bool ring, bool backward,
+                 const std::string& bound_error) {
   const SdpaArgs<float>& a = *req.args;
   const DistOptions& opt = *req.opt;
+  if (!bound_error.empty()) c.fail(bound_error);
   require_shard(c, a.q, "q");
   require_shard(c, a.k, "k");
   require_shard(c, a.v, "v");
@@ -338,12 +414,11 @@ void check_local(const Checker& c, const Request& req, Geometry& g, bool ring, b
 }  // namespace
 
 Geometry validate(MPI_Comm comm, const char* fn, const Request& req) {
-  int initialized = 0;
-  MPI_Initialized(&initialized);
   const Checker c{std::string("dist::") + fn};
-  if (!initialized) c.fail("MPI is not initialised (call MPI_Init first)");
-  if (comm == MPI_COMM_NULL) c.fail("argument 'comm' is MPI_COMM_NULL");
+  check_communicator(c, comm);
   Geometry g;
+  std::string bound_error;
+  g.bound = bound_of(comm, std::string("attn::dist::") + fn, *req.opt, &bound_error);
   MPI_Comm_size(comm, &g.P);
   MPI_Comm_rank(comm, &g.r);
   const SdpaArgs<float>& a = *req.args;
@@ -352,7 +427,7 @@ Geometry validate(MPI_Comm comm, const char* fn, const Request& req) {
   const bool backward = req.op == Op::ring_backward || req.op == Op::ulysses_backward;
 
   // Round 1: this rank's own views and options.
-  agree(comm, c, c.verdict([&] { check_local(c, req, g, ring, backward); }));
+  agree(g, c, c.verdict([&] { check_local(c, req, g, ring, backward, bound_error); }));
   const int64_t Lr = a.q.shape[2], Sr = a.k.shape[2];
 
   // Round 2: what every rank must share, and the local lengths.
@@ -364,7 +439,8 @@ Geometry validate(MPI_Comm comm, const char* fn, const Request& req) {
   // The fields every rank must agree on, with their names: the shapes (the
   // local lengths, fields 0 and 1, are gathered, not compared), the layout,
   // which arguments were given, and every option (option_fingerprint).
-  std::vector<std::pair<const char*, int64_t>> fields{{"", Lr}, {"", Sr}, {"B", g.B}, {"H", g.H}, {"Hkv", g.Hkv},
+  std::vector<std::pair<const char*, int64_t>> fields{{"", Lr}, {"", Sr}, {"the call", int64_t(req.op)},
+                                                       {"B", g.B}, {"H", g.H}, {"Hkv", g.Hkv},
                                                        {"E", g.E}, {"Ev", g.Ev}, {"layout", int64_t(opt.layout)},
                                                        {"key_lengths given", int64_t(!a.key_lengths.empty())},
                                                        {"whether the saved out and lse were given", int64_t(g.saved)},
@@ -376,13 +452,17 @@ Geometry validate(MPI_Comm comm, const char* fn, const Request& req) {
   const int nf = int(fields.size());
   std::vector<int64_t> mine(static_cast<size_t>(nf)), all(static_cast<size_t>(nf) * size_t(g.P));
   for (int f = 0; f < nf; ++f) mine[size_t(f)] = fields[size_t(f)].second;
-  MPI_Allgather(mine.data(), nf, MPI_INT64_T, all.data(), nf, MPI_INT64_T, comm);
+  allgather(mine.data(), nf, MPI_INT64_T, all.data(), comm, g.bound, "the other ranks' shapes and options");
   for (int p = 0; p < g.P; ++p) {
     const int64_t* o = &all[size_t(p) * size_t(nf)];
-    for (int f = 2; f < nf; ++f)
+    if (o[2] != all[2])
+      c.fail("ranks disagree on the call: rank " + std::to_string(p) + " runs attn::dist::" + kCallNames[o[2]] +
+             ", rank 0 attn::dist::" + kCallNames[all[2]] + "; every rank must make the same call");
+    for (int f = 3; f < nf; ++f)
       if (o[f] != all[size_t(f)])
-        c.fail(std::string("ranks disagree on ") + fields[size_t(f)].first + " (rank " + std::to_string(p) +
-               " differs from rank 0); every rank must pass the same shapes and options");
+        c.fail(std::string("ranks disagree on ") + fields[size_t(f)].first + ": rank " + std::to_string(p) + " has " +
+               std::to_string(o[f]) + ", rank 0 " + std::to_string(all[size_t(f)]) +
+               "; every rank must pass the same shapes, outputs and options");
     g.Lr.push_back(o[0]);
     g.Sr.push_back(o[1]);
   }
@@ -421,7 +501,7 @@ Geometry validate(MPI_Comm comm, const char* fn, const Request& req) {
     if (!given(view)) continue;
     std::vector<float> mine_h(size_t(g.H)), all_h(size_t(g.H) * size_t(g.P));
     for (int64_t h = 0; h < g.H; ++h) mine_h[size_t(h)] = view(h);
-    MPI_Allgather(mine_h.data(), int(g.H), MPI_FLOAT, all_h.data(), int(g.H), MPI_FLOAT, comm);
+    allgather(mine_h.data(), int(g.H), MPI_FLOAT, all_h.data(), comm, g.bound, std::string("the other ranks' ") + op.name);
     for (int p = 1; p < g.P; ++p)
       if (std::memcmp(&all_h[size_t(p) * size_t(g.H)], all_h.data(), size_t(g.H) * sizeof(float)) != 0)
         c.fail(std::string("ranks disagree on ") + op.name + " (rank " + std::to_string(p) +
@@ -431,7 +511,7 @@ Geometry validate(MPI_Comm comm, const char* fn, const Request& req) {
   if (!a.key_lengths.empty()) {
     std::vector<int64_t> kl(size_t(g.B)), klall(size_t(g.B) * size_t(g.P));
     for (int64_t b = 0; b < g.B; ++b) kl[size_t(b)] = a.key_lengths(b);
-    MPI_Allgather(kl.data(), int(g.B), MPI_INT64_T, klall.data(), int(g.B), MPI_INT64_T, comm);
+    allgather(kl.data(), int(g.B), MPI_INT64_T, klall.data(), comm, g.bound, "the other ranks' key_lengths");
     for (int p = 0; p < g.P; ++p)
       for (int64_t b = 0; b < g.B; ++b)
         if (klall[size_t(p * g.B + b)] != klall[size_t(b)])
@@ -447,4 +527,14 @@ Geometry validate(MPI_Comm comm, const char* fn, const Request& req) {
 }
 
 }  // namespace detail
+
+int first_failed_rank(MPI_Comm comm, bool failed, const DistOptions& opt, const std::string& caller) {
+  const attn::detail::Checker c{"dist::first_failed_rank"};
+  detail::check_communicator(c, comm);
+  std::string error;
+  const detail::Bound b = detail::bound_of(comm, caller, opt, &error);
+  if (!error.empty()) c.fail(error);
+  return detail::first_failed(comm, failed, b, "the other ranks to check their arguments");
+}
+
 }  // namespace attn::dist

@@ -14,9 +14,31 @@
 
 namespace attn::dist::detail {
 
+// The bounded wait of one call (attn/dist.hpp): `fn` names the call in the
+// message ("attn::dist::ring_attention"), `comm` is the caller's
+// communicator (the one MPI_Abort ends).
+struct Bound {
+  MPI_Comm comm = MPI_COMM_NULL;
+  std::string fn;
+  double seconds = kDefaultTimeout;
+};
+// The bound of a call: opt.timeout_s, else ATTN_DIST_TIMEOUT, else the
+// default; an invalid value leaves the default and sets *error (checked with
+// the arguments).
+Bound bound_of(MPI_Comm comm, const std::string& fn, const DistOptions& opt, std::string* error);
+// Waits for all of reqs and clears the list; returns the seconds spent
+// waiting. Past b.seconds it prints what it waited for (`what`) and aborts.
+double wait(std::vector<MPI_Request>& reqs, const Bound& b, const std::string& what);
+// The collectives of the dist calls, each within the bound.
+void allgather(const void* mine, int count, MPI_Datatype type, void* all, MPI_Comm comm, const Bound& b,
+               const std::string& what);
+// The lowest rank of comm with `failed` set, or -1.
+int first_failed(MPI_Comm comm, bool failed, const Bound& b, const std::string& what);
+
 // Everything every rank knows after validation: the global problem and the
 // chunks each rank holds of the queries and of the keys.
 struct Geometry {
+  Bound bound;
   int P = 1, r = 0;
   int64_t B = 0, H = 0, Hkv = 0, E = 0, Ev = 0;
   int64_t L = 0, S = 0;                      // global lengths
@@ -112,8 +134,6 @@ void isend(const float* buf, int64_t n, int dest, int tag, MPI_Comm comm, std::v
 void irecv(float* buf, int64_t n, int src, int tag, MPI_Comm comm, std::vector<MPI_Request>& reqs);
 // Drives pending transfers forward without waiting (MPI progresses inside its calls).
 void progress(std::vector<MPI_Request>& reqs);
-// Waits for all and clears the list; returns the seconds spent waiting.
-double wait(std::vector<MPI_Request>& reqs);
 
 // The SDPA options of one block call (the agreed scale, no re-check of finiteness).
 SdpaOptions block_options(const Geometry& g, const DistOptions& opt);
@@ -121,7 +141,11 @@ SdpaOptions block_options(const Geometry& g, const DistOptions& opt);
 // A communicator of our own for the call's messages (freed on scope exit).
 class CommDup {
  public:
-  explicit CommDup(MPI_Comm c) { MPI_Comm_dup(c, &comm_); }
+  CommDup(MPI_Comm c, const Bound& b) {
+    std::vector<MPI_Request> req(1);
+    MPI_Comm_idup(c, &comm_, &req[0]);
+    wait(req, b, "the other ranks to start the call's messages (MPI_Comm_idup)");
+  }
   ~CommDup() { MPI_Comm_free(&comm_); }
   CommDup(const CommDup&) = delete;
   CommDup& operator=(const CommDup&) = delete;

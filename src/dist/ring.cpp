@@ -53,6 +53,7 @@
 // one shard each, plus one block's output.
 #include <algorithm>
 #include <cmath>
+#include <string>
 #include <utility>
 
 #include "attn/merge.hpp"
@@ -71,6 +72,11 @@ using detail::progress;
 using detail::wait;
 
 constexpr int kTagKV = 100, kTagGrad = 200;
+// What a wait at step s (0-based) of the ring waits for (the bounded wait's
+// message): rank `peer` and `what` of it.
+std::string step(int s, int peer, const char* what) {
+  return "rank " + std::to_string(peer) + what + " at step " + std::to_string(s + 1) + " of the ring";
+}
 // A shard of K and V (or dK and dV) in one contiguous buffer: K (B, Hkv, S_o, E) then V.
 int64_t shard_floats(const Geometry& g, int o) { return g.B * g.Hkv * g.Sr[size_t(o)] * (g.E + g.Ev); }
 View4<float> shard_k(const Geometry& g, int o, float* buf) {
@@ -226,7 +232,7 @@ void ring_attention(MPI_Comm comm, const SdpaArgs<float>& args, const SdpaOutput
   View3<float> lse = outputs.lse;
   detail::Request req{detail::Op::ring_forward, &args, &opt, out, lse, !outputs.weights.empty()};
   const Geometry g = detail::validate(comm, "ring_attention", req);
-  const detail::CommDup dup(comm);
+  const detail::CommDup dup(comm, g.bound);
   const MPI_Comm c = dup.get();
   const int r = g.r, next = (r + 1) % g.P, prev = (r + g.P - 1) % g.P;
   const int64_t Lr = g.Lr[size_t(r)];
@@ -270,7 +276,7 @@ void ring_attention(MPI_Comm comm, const SdpaArgs<float>& args, const SdpaOutput
       progress(reqs);
     }
     st.compute_s += MPI_Wtime() - t0;
-    st.wait_s += wait(reqs);
+    st.wait_s += wait(reqs, g.bound, step(s, prev, "'s K/V shard"));
     std::swap(cur, nxt);
   }
   const double t1 = MPI_Wtime();
@@ -321,7 +327,7 @@ void ring_attention_backward(MPI_Comm comm, const SdpaArgs<float>& args, View4<c
     out = ov;
     lse = lv;
   }
-  const detail::CommDup dup(comm);
+  const detail::CommDup dup(comm, g.bound);
   const MPI_Comm c = dup.get();
   const SdpaOptions base = detail::block_options(g, opt);
   const int64_t cap = std::max<int64_t>(max_shard_floats(g), 1);
@@ -340,7 +346,7 @@ void ring_attention_backward(MPI_Comm comm, const SdpaArgs<float>& args, View4<c
     const int o = (r - s + g.P) % g.P;
     std::vector<float>& A = acc[s % 3];
     std::vector<float>& in = acc[(s + 1) % 3];
-    st.wait_s += wait(grad_send[(s + 1) % 3]);  // `in` was sent two steps ago
+    st.wait_s += wait(grad_send[(s + 1) % 3], g.bound, step(s, next, " to take a dK/dV accumulator"));  // `in` was sent two steps ago
     if (s < g.P - 1) {
       irecv(nxt.data(), shard_floats(g, (o + g.P - 1) % g.P), prev, kTagKV, c, kv_reqs);
       isend(cur.data(), shard_floats(g, o), next, kTagKV, c, kv_reqs);
@@ -371,17 +377,17 @@ void ring_attention_backward(MPI_Comm comm, const SdpaArgs<float>& args, View4<c
     }
     st.compute_s += MPI_Wtime() - t0;
     if (s == 0) std::fill(A.begin(), A.begin() + nf, 0.0f);
-    else st.wait_s += wait(recv_now);
+    else st.wait_s += wait(recv_now, g.bound, step(s, prev, "'s dK/dV accumulator"));
     const double t1 = MPI_Wtime();
     for (int64_t i = 0; i < nf; ++i) A[size_t(i)] += blk[size_t(i)];  // owner's order: o, o + 1, ...
     st.compute_s += MPI_Wtime() - t1;
     isend(A.data(), nf, next, kTagGrad, c, grad_send[s % 3]);
     st.bytes_sent += 4 * nf;
-    st.wait_s += wait(kv_reqs);
+    st.wait_s += wait(kv_reqs, g.bound, step(s, prev, "'s K/V shard"));
     std::swap(cur, nxt);
   }
-  st.wait_s += wait(grad_recv);
-  for (auto& q : grad_send) st.wait_s += wait(q);
+  st.wait_s += wait(grad_recv, g.bound, step(g.P - 1, prev, "'s dK/dV accumulator"));
+  for (auto& q : grad_send) st.wait_s += wait(q, g.bound, step(g.P - 1, next, " to take a dK/dV accumulator"));
   // Our shard's dK/dV, summed by every rank, arrived in acc[P mod 3].
   const float* home = acc[g.P % 3].data();
   const int64_t Sr = g.Sr[size_t(r)];

@@ -68,7 +68,7 @@ void exchange(const Geometry& g, MPI_Comm comm, std::vector<std::vector<float>>&
     const int d = (g.r + k) % g.P;  // start with ourselves, then the next ranks in turn
     detail::isend(send[size_t(d)].data(), int64_t(send[size_t(d)].size()), d, kTagA2A, comm, reqs);
   }
-  detail::wait(reqs);
+  detail::wait(reqs, g.bound, "the all-to-all with every rank");
 }
 
 // Sequence split -> head split: fills every piece's `full`.
@@ -171,7 +171,7 @@ void ulysses_attention(MPI_Comm comm, const SdpaArgs<float>& args, const SdpaOut
   const View3<float> lse = outputs.lse;
   detail::Request req{detail::Op::ulysses_forward, &args, &opt, out, lse, !outputs.weights.empty()};
   const Geometry g = detail::validate(comm, "ulysses_attention", req);
-  const detail::CommDup dup(comm);
+  const detail::CommDup dup(comm, g.bound);
   const int64_t hp = g.H / g.P, hkp = g.Hkv / g.P;
   Tensor<float> q = full_tensor(g, hp, g.L, g.E), k = full_tensor(g, hkp, g.S, g.E), v = full_tensor(g, hkp, g.S, g.Ev);
   to_heads(g, dup.get(), {{mut(args.q), v4(q), false}, {mut(args.k), v4(k), true}, {mut(args.v), v4(v), true}});
@@ -191,7 +191,7 @@ void ulysses_attention_backward(MPI_Comm comm, const SdpaArgs<float>& args, View
   const View3<const float> lse = saved_state.lse;
   detail::Request req{detail::Op::ulysses_backward, &args, &opt, out, lse, false, dout, &grads};
   const Geometry g = detail::validate(comm, "ulysses_attention_backward", req);
-  const detail::CommDup dup(comm);
+  const detail::CommDup dup(comm, g.bound);
   const int64_t hp = g.H / g.P, hkp = g.Hkv / g.P;
   Tensor<float> q = full_tensor(g, hp, g.L, g.E), k = full_tensor(g, hkp, g.S, g.E), v = full_tensor(g, hkp, g.S, g.Ev);
   Tensor<float> dy = full_tensor(g, hp, g.L, g.Ev), y, l;
@@ -220,7 +220,8 @@ void ulysses_attention_backward(MPI_Comm comm, const SdpaArgs<float>& args, View
   scaled_dot_product_attention_backward(head_args(g, q, k, v), View4<const float>(dy.view4()), hs, hg,
                                         head_options(g, opt));
   if (g.dsinks) {  // each rank has its heads' whole gradient: gathered in head order
-    MPI_Allgather(ds_mine.data(), int(hp), MPI_FLOAT, ds_all.data(), int(hp), MPI_FLOAT, dup.get());
+    detail::allgather(ds_mine.data(), int(hp), MPI_FLOAT, ds_all.data(), dup.get(), g.bound,
+                      "the other ranks' sinks gradients");
     for (int64_t h = 0; h < g.H; ++h) grads.dsinks(h) = ds_all[size_t(h)];
   }
   from_heads(g, dup.get(), {{grads.dq, v4(dq), false}, {grads.dk, v4(dk), true}, {grads.dv, v4(dv), true}});

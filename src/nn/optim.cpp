@@ -43,10 +43,16 @@ void Sgd<T>::step(double lr) {
   ++this->steps_taken;
 }
 
+std::vector<std::string> optimizer_state_names(const std::string& optimizer, const std::string& param) {
+  if (optimizer == "sgd") return {"sgd.momentum." + param};
+  if (optimizer == "adamw") return {"adamw.m." + param, "adamw.v." + param};
+  return {};
+}
+
 template <class T>
 std::vector<std::pair<std::string, Tensor<T>*>> Sgd<T>::state() {
   std::vector<std::pair<std::string, Tensor<T>*>> s;
-  for (size_t k = 0; k < params_.size(); ++k) s.emplace_back("sgd.momentum." + params_[k].name, &momentum_[k]);
+  for (size_t k = 0; k < params_.size(); ++k) s.emplace_back(optimizer_state_names("sgd", params_[k].name)[0], &momentum_[k]);
   return s;
 }
 
@@ -90,8 +96,9 @@ template <class T>
 std::vector<std::pair<std::string, Tensor<T>*>> AdamW<T>::state() {
   std::vector<std::pair<std::string, Tensor<T>*>> s;
   for (size_t k = 0; k < params_.size(); ++k) {
-    s.emplace_back("adamw.m." + params_[k].name, &m_[k]);
-    s.emplace_back("adamw.v." + params_[k].name, &v_[k]);
+    const auto names = optimizer_state_names("adamw", params_[k].name);
+    s.emplace_back(names[0], &m_[k]);
+    s.emplace_back(names[1], &v_[k]);
   }
   return s;
 }

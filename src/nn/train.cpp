@@ -13,6 +13,7 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <set>
 #include <sstream>
 #include <type_traits>
 #include <utility>
@@ -221,6 +222,23 @@ int64_t metadata_int(const io::Metadata& meta, const char* key, const std::strin
   return out;
 }
 
+// The configuration stored in a checkpoint's metadata, validated.
+TrainConfig stored_config(const io::Metadata& meta, const std::string& who) {
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(metadata_value(meta, "config", who));
+  } catch (const nlohmann::json::exception& e) {
+    throw InvalidArgument(who + "malformed config metadata: " + e.what());
+  }
+  TrainConfig c = config_from_json(j, who);
+  try {
+    c.validate();
+  } catch (const InvalidArgument& e) {
+    throw InvalidArgument(who + e.what());
+  }
+  return c;
+}
+
 }  // namespace
 
 void TrainConfig::validate() const {
@@ -397,6 +415,21 @@ int64_t load_training_checkpoint(const std::string& path, Transformer<T>& model,
     for (const auto& [name, t] : optimizer->state()) check(name, *t);
     optimizer_steps = metadata_int(meta, "optimizer_steps", who);
   }
+  // Every stored tensor must be one of the model's or the optimizer's, name
+  // for name: without an optimizer to load, the state of the optimizer the
+  // checkpoint names is passed over, and nothing else.
+  std::set<std::string> known;
+  const std::string stored_optimizer = optimizer ? "" : stored_config(meta, who).optimizer;
+  for (const auto& p : model.parameters()) {
+    known.insert(p.name);
+    for (auto& n : optimizer_state_names(stored_optimizer, p.name)) known.insert(std::move(n));
+  }
+  if (optimizer)
+    for (const auto& [name, t] : optimizer->state()) known.insert(name);
+  for (const auto& [name, t] : tensors)
+    if (!known.count(name))
+      throw InvalidArgument(who + "holds a tensor '" + name + "' " + shape_str(t.shape) +
+                            " that the model and its optimizer do not have (was it written for a different model?)");
   const int64_t step = metadata_int(meta, "step", who);
   const bool has_curriculum = curriculum && meta.count("curriculum_length");
   const int64_t curriculum_length = has_curriculum ? metadata_int(meta, "curriculum_length", who) : 0;
@@ -418,19 +451,7 @@ TrainConfig checkpoint_config(const std::string& path) {
   const std::string who = "attn::nn::checkpoint_config: '" + path + "': ";
   io::Metadata meta;
   const auto tensors = io::read_safetensors<float>(path, checkpoint_limits(), &meta);
-  TrainConfig c;
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(metadata_value(meta, "config", who));
-  } catch (const nlohmann::json::exception& e) {
-    throw InvalidArgument(who + "malformed config metadata: " + e.what());
-  }
-  c = config_from_json(j, who);
-  try {
-    c.validate();
-  } catch (const InvalidArgument& e) {
-    throw InvalidArgument(who + e.what());
-  }
+  const TrainConfig c = stored_config(meta, who);
   // The model this configuration builds must be the one whose tensors are stored.
   for (const auto& [name, shape] : parameter_shapes(model_config(c))) {
     auto it = tensors.find(name);

@@ -12,8 +12,10 @@
 // merge is exact there); bitwise repeatability; errors agreed on all ranks.
 #include <mpi.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstring>
+#include <thread>
 #include <optional>
 #include <limits>
 #include <random>
@@ -629,6 +631,107 @@ TEST(DistErrors, AgreedOnEveryRank) {
   int ok = 1;
   MPI_Allreduce(MPI_IN_PLACE, &ok, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
   EXPECT_EQ(ok, 1);
+}
+
+// Ranks that make different calls, or ask for different outputs, fail on
+// every rank naming the difference, before any message whose size depends
+// on it (ctest runs these with a short timeout: a hang is a failure).
+TEST(DistAgreement, DifferentCallsAndOutputsFailEverywhere) {
+  const int P = size_(), r = rank_();
+  if (P < 2) GTEST_SKIP() << "needs two ranks";
+  Case c;
+  c.H = 12, c.Hkv = 12;  // ulysses on 2, 3 or 4 ranks
+  const Full f = oracle(c);
+  Local l;
+  l.q = shard_of(f.q, c.layout), l.k = shard_of(f.k, c.layout), l.v = shard_of(f.v, c.layout);
+  l.dout = shard_of(f.dout, c.layout);
+  l.out = Tensor<float>({c.B, c.H, l.q.dim(2), c.Ev});
+  l.lse = Tensor<float>({c.B, c.H, l.q.dim(2)});
+  l.dq = Tensor<float>(l.q.shape()), l.dk = Tensor<float>(l.k.shape()), l.dv = Tensor<float>(l.v.shape());
+  const attn::dist::DistOptions o;
+  const View3<float> lse(l.lse.data(), {c.B, c.H, l.q.dim(2)});
+  const SdpaGrads<float> g{l.dq.view4(), l.dk.view4(), l.dv.view4(), {}};
+  const View4<const float> dout = l.dout.view4();
+  auto forward = [&](bool ring, bool with_lse) {
+    const attn::SdpaOutputs<float> out{l.out.view4(), {}, with_lse ? lse : View3<float>{}};
+    if (ring) attn::dist::ring_attention(MPI_COMM_WORLD, l.args(), out, o);
+    else attn::dist::ulysses_attention(MPI_COMM_WORLD, l.args(), out, o);
+  };
+  auto backward = [&](bool ring) {
+    if (ring) attn::dist::ring_attention_backward(MPI_COMM_WORLD, l.args(), dout, {}, g, o);
+    else attn::dist::ulysses_attention_backward(MPI_COMM_WORLD, l.args(), dout, {}, g, o);
+  };
+  const std::string other = r == 0 ? "rank 1" : "rank " + std::to_string(r);
+  // ring on rank 0, ulysses elsewhere
+  EXPECT_TRUE(attn::testing::throws_with<attn::InvalidArgument>(
+      [&] { forward(r == 0, true); },
+      {"ranks disagree on the call", "attn::dist::ulysses_attention, rank 0 attn::dist::ring_attention"}));
+  // the forward on rank 0, the backward elsewhere
+  EXPECT_TRUE(attn::testing::throws_with<attn::InvalidArgument>(
+      [&] { r == 0 ? forward(true, true) : backward(true); },
+      {"ranks disagree on the call", "attn::dist::ring_attention_backward, rank 0 attn::dist::ring_attention"}));
+  // lse asked for on rank 0 only, for both strategies
+  for (bool ring : {true, false})
+    EXPECT_TRUE(attn::testing::throws_with<attn::InvalidArgument>(
+        [&] { forward(ring, r == 0); }, {"ranks disagree on whether an lse output was given", "rank 0 1"}));
+  // the forward's saved state given on the last rank only
+  const attn::SdpaSaved<float> saved{View4<const float>(l.out.view4()), View3<const float>(lse)};
+  for (bool ring : {true, false})
+    EXPECT_TRUE(attn::testing::throws_with<attn::InvalidArgument>(
+        [&] {
+          const attn::SdpaSaved<float> s = r == P - 1 ? saved : attn::SdpaSaved<float>{};
+          if (ring) attn::dist::ring_attention_backward(MPI_COMM_WORLD, l.args(), dout, s, g, o);
+          else attn::dist::ulysses_attention_backward(MPI_COMM_WORLD, l.args(), dout, s, g, o);
+        },
+        {"ranks disagree on whether the saved out and lse were given"}));
+  // Agreed again, every call still works and matches the oracle.
+  forward(true, true);
+  EXPECT_TRUE(all_close(l.out, shard_of(f.out, c.layout), 1e-5));
+  forward(false, true);
+  EXPECT_TRUE(all_close(l.out, shard_of(f.out, c.layout), 1e-5));
+}
+
+// A rank that stops calling: the others give up after the bounded wait and
+// abort the job with a message (ctest checks the message and that it ends
+// well within its timeout; the normal runs leave this test out).
+TEST(DistWatchdog, AStuckRankAbortsTheJobWithAMessage) {
+  const int P = size_(), r = rank_();
+  if (P < 2) GTEST_SKIP() << "needs two ranks";
+  if (r != 0) {
+    std::this_thread::sleep_for(std::chrono::seconds(60));  // stuck elsewhere; the abort ends it
+    return;
+  }
+  Case c;
+  const Full f = oracle(c);
+  Local l;
+  l.q = shard_of(f.q, c.layout), l.k = shard_of(f.k, c.layout), l.v = shard_of(f.v, c.layout);
+  l.out = Tensor<float>({c.B, c.H, l.q.dim(2), c.Ev});
+  attn::dist::DistOptions o;
+  o.timeout_s = 1.0;
+  attn::dist::ring_attention(MPI_COMM_WORLD, l.args(), {l.out.view4()}, o);
+  ADD_FAILURE() << "ring_attention returned without the other ranks";
+}
+
+// A front end's own verdict (first_failed_rank), and a bad bound.
+TEST(DistAgreement, FrontEndVerdictsAndTheBound) {
+  const int P = size_(), r = rank_();
+  EXPECT_EQ(attn::dist::first_failed_rank(MPI_COMM_WORLD, false), -1);
+  EXPECT_EQ(attn::dist::first_failed_rank(MPI_COMM_WORLD, r == P - 1), P - 1);
+  EXPECT_EQ(attn::dist::first_failed_rank(MPI_COMM_WORLD, r >= P / 2), P / 2);
+  attn::dist::DistOptions bad;
+  bad.timeout_s = r == 0 ? -1.0 : 5.0;
+  Case c;
+  const Full f = oracle(c);
+  Local l;
+  l.q = shard_of(f.q, c.layout), l.k = shard_of(f.k, c.layout), l.v = shard_of(f.v, c.layout);
+  l.out = Tensor<float>({c.B, c.H, l.q.dim(2), c.Ev});
+  EXPECT_TRUE(attn::testing::throws_with<attn::InvalidArgument>(
+      [&] { attn::dist::ring_attention(MPI_COMM_WORLD, l.args(), {l.out.view4()}, bad); },
+      {r == 0 ? "option 'timeout_s' is -1" : "rank 0 rejected its arguments"}));
+  attn::dist::DistOptions fine;
+  fine.timeout_s = r == 0 ? 30.0 : std::numeric_limits<double>::infinity();  // need not agree
+  attn::dist::ring_attention(MPI_COMM_WORLD, l.args(), {l.out.view4()}, fine);
+  EXPECT_TRUE(all_close(l.out, shard_of(f.out, c.layout), 1e-5));
 }
 
 TEST(DistShard, RoundTripAndLayouts) {

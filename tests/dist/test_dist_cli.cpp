@@ -8,6 +8,8 @@
 
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <random>
 #include <string>
 
@@ -33,6 +35,21 @@ class DistCli : public ::testing::Test {
     cmd += std::string("'") + ATTN_CLI_PATH + "' " + args + " > out.txt 2> err.txt";
     const int st = std::system(cmd.c_str());
     return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+  }
+
+  // Runs `mpirun -np 1 attn <a> : -np 1 attn <b>` (two ranks with different
+  // command lines) under a 60 s limit, so that a hang is exit 124.
+  int run_mpmd(const std::string& a, const std::string& b) const {
+    const std::string attn = std::string(" '") + ATTN_CLI_PATH + "' ";
+    const std::string cmd = "cd '" + dir_.string() + "' && timeout -k 5 60 '" + ATTN_MPIEXEC +
+                            "' --allow-run-as-root --oversubscribe -np 1" + attn + a + " : -np 1" + attn + b +
+                            " > out.txt 2> err.txt";
+    const int st = std::system(cmd.c_str());
+    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+  }
+  std::string err() const {
+    std::ifstream f(path("err.txt"));
+    return std::string(std::istreambuf_iterator<char>(f), {});
   }
 
   void write_random(const std::string& f, std::vector<int64_t> shape, std::mt19937_64& rng) {
@@ -80,6 +97,35 @@ TEST_F(DistCli, SameFilesAsTheSingleProcessCommand) {
   attn::io::write_npy(path("q64.npy"), {2, 4, 61, 8}, q64.data());
   EXPECT_EQ(run(2, "sdpa --q q64.npy --k k.npy --v v.npy --context-parallel ring --out x.npy"), 1);
   EXPECT_FALSE(fs::exists(dir_ / "x.npy"));
+}
+
+}  // namespace
+
+namespace {
+
+// Ranks started with different command lines: the strategy, or the lse asked
+// for on one rank only. Every rank fails at once naming the difference
+// (exit 1), none waits for the others.
+TEST_F(DistCli, RanksThatDisagreeFailTogether) {
+  std::mt19937_64 rng(6);
+  write_random("q.npy", {2, 4, 21, 8}, rng);
+  write_random("k.npy", {2, 2, 21, 8}, rng);
+  write_random("v.npy", {2, 2, 21, 6}, rng);
+  const std::string in = "sdpa --q q.npy --k k.npy --v v.npy --out y.npy";
+  EXPECT_EQ(run_mpmd(in + " --context-parallel ring", in + " --context-parallel ulysses"), 1) << err();
+  EXPECT_NE(err().find("ranks disagree on the call: rank 1 runs attn::dist::ulysses_attention, rank 0 "
+                       "attn::dist::ring_attention"),
+            std::string::npos)
+      << err();
+  EXPECT_EQ(run_mpmd(in + " --context-parallel ring --lse l.npy", in + " --context-parallel ring"), 1) << err();
+  EXPECT_NE(err().find("ranks disagree on whether an lse output was given"), std::string::npos) << err();
+  EXPECT_EQ(run_mpmd(in + " --context-parallel ring --causal", in + " --context-parallel ring"), 1) << err();
+  EXPECT_FALSE(fs::exists(dir_ / "y.npy"));
+  EXPECT_FALSE(fs::exists(dir_ / "l.npy"));
+  // The same command on both: it runs.
+  EXPECT_EQ(run_mpmd(in + " --context-parallel ulysses --lse l.npy", in + " --context-parallel ulysses --lse l.npy"), 0)
+      << err();
+  EXPECT_TRUE(fs::exists(dir_ / "l.npy"));
 }
 
 }  // namespace

@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -34,6 +35,39 @@ def test_matches_the_single_process_call(P):
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout + res.stderr
     assert f"attn.dist python: all passed on {P} rank(s)" in res.stdout
+
+
+def _mpirun(P, *args, timeout=120):
+    env = dict(os.environ, OMP_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    cmd = ["mpirun", "--oversubscribe", "-np", str(P), sys.executable, *args]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_ranks_that_disagree_fail_together(P):
+    # Different strategies, forward against backward, a dtype, a layout or a
+    # timeout on one rank: ValueError on every rank within seconds (the
+    # subprocess timeout turns a hang into a failure).
+    why = _skip_reason()
+    if why:
+        pytest.skip(why)
+    res = _mpirun(P, os.path.join(HERE, "dist_disagree_worker.py"), "agree", timeout=60)
+    assert res.returncode == 0, res.stdout + res.stderr
+    for r in range(P):
+        assert f"agreed on rank {r}" in res.stdout, res.stdout + res.stderr
+
+
+def test_a_stuck_rank_ends_the_job_with_a_message():
+    why = _skip_reason()
+    if why:
+        pytest.skip(why)
+    t0 = time.monotonic()
+    res = _mpirun(2, os.path.join(HERE, "dist_disagree_worker.py"), "stuck", timeout=60)
+    assert time.monotonic() - t0 < 45
+    assert res.returncode == 8, res.stdout + res.stderr
+    assert ("error: attn.dist.ring_attention: rank 0 waited 1 s for the other ranks to check their arguments; another "
+            "rank died or stopped calling. Aborting the job (exit 8)") in res.stderr, res.stdout + res.stderr
+    assert "returned without" not in res.stdout
 
 
 def test_imports_and_says_why_without_mpi4py():

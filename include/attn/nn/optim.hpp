@@ -30,6 +30,11 @@ class Optimizer {
   int64_t steps_taken = 0;  // t, saved in checkpoints
 };
 
+// The names of the state tensors optimizer `optimizer` ("sgd" or "adamw")
+// keeps for parameter `param`, in the order of state(): "sgd.momentum.<param>";
+// "adamw.m.<param>", "adamw.v.<param>". Empty for another optimizer.
+std::vector<std::string> optimizer_state_names(const std::string& optimizer, const std::string& param);
+
 struct SgdConfig {
   double momentum = 0.9;
   double weight_decay = 0.0;
