@@ -68,7 +68,8 @@ def test_decode_refuses_tensors_that_require_grad():
         attn.decode_attention(q.detach(), c, sinks=sinks)
     with torch.no_grad():
         out = attn.decode_attention(q, c, sinks=sinks)
-    np.testing.assert_allclose(out.numpy(), np.full((1, 1, 1, 4), 2 / 3), rtol=1e-6)  # two keys and a sink at 0
+    w = 2 * np.exp(2.0) / (2 * np.exp(2.0) + 1)  # two keys of score 4 / sqrt(4) and a sink at 0, values 1
+    np.testing.assert_allclose(out.numpy(), np.full((1, 1, 1, 4), w), rtol=1e-6)
 
 
 def test_decode_half_refusal_names_only_float32():
