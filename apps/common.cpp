@@ -5,7 +5,6 @@
 #include <charconv>
 #include <cmath>
 #include <cstdlib>
-#include <memory>
 
 #include <fmt/format.h>
 
@@ -89,59 +88,12 @@ void require_float(const io::Array<double>& a, const std::string& flag, const st
     throw InvalidArgument(fmt::format("{} {} holds bool values; expected float32 or float64", flag, path));
 }
 
-Mat matmul(const Mat& x, const Mat& y) {
-  Mat z(x.rows, y.cols);
-  for (int64_t i = 0; i < x.rows; ++i)
-    for (int64_t k = 0; k < x.cols; ++k)
-      for (int64_t j = 0; j < y.cols; ++j) z(i, j) += x(i, k) * y(k, j);
-  return z;
-}
-
 std::vector<double> per_head_values(const std::vector<double>& v, int64_t H, const std::string& cmd, const char* flag) {
   if (v.size() != 1 && int64_t(v.size()) != H)
     throw InvalidArgument(fmt::format("{}: {} has {} values; expected 1 (every head) or H = {}", cmd, flag, v.size(), H));
   std::vector<double> out(static_cast<size_t>(H));
   for (int64_t h = 0; h < H; ++h) out[size_t(h)] = v[v.size() == 1 ? 0 : size_t(h)];
   return out;
-}
-
-Mat transpose(const Mat& x) {
-  Mat t(x.cols, x.rows);
-  for (int64_t i = 0; i < x.rows; ++i)
-    for (int64_t j = 0; j < x.cols; ++j) t(j, i) = x(i, j);
-  return t;
-}
-
-Mat columns(const Mat& x, int64_t c0, int64_t c1) {
-  Mat s(x.rows, c1 - c0);
-  for (int64_t i = 0; i < x.rows; ++i)
-    for (int64_t j = c0; j < c1; ++j) s(i, j - c0) = x(i, j);
-  return s;
-}
-
-void attention(const Mat& q, const Mat& k, const Mat& v, double scale, Mat& out, Mat* weights,
-               const std::vector<bool>* mask, bool causal) {
-  out = Mat(q.rows, v.cols);
-  SdpaArgs<double> args;
-  args.q = View4<const double>::bhnd(q.a.data(), 1, 1, q.rows, q.cols);
-  args.k = View4<const double>::bhnd(k.a.data(), 1, 1, k.rows, k.cols);
-  args.v = View4<const double>::bhnd(v.a.data(), 1, 1, v.rows, v.cols);
-  std::unique_ptr<bool[]> mb;
-  if (mask) {
-    mb.reset(new bool[mask->size()]);
-    for (size_t i = 0; i < mask->size(); ++i) mb[i] = (*mask)[i];
-    args.mask = View4<const bool>::bhnd(mb.get(), 1, 1, q.rows, k.rows);
-  }
-  SdpaOptions opt;
-  opt.scale = scale;
-  opt.causal = causal;
-  opt.backend = Backend::reference;
-  View4<double> w;
-  if (weights) {
-    *weights = Mat(q.rows, k.rows);
-    w = View4<double>::bhnd(weights->a.data(), 1, 1, q.rows, k.rows);
-  }
-  scaled_dot_product_attention<double>(args, {View4<double>::bhnd(out.a.data(), 1, 1, q.rows, v.cols), w}, opt);
 }
 
 void print_mat(const std::string& title, const Mat& m, const std::vector<std::string>& labels, int decimals) {

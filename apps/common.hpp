@@ -13,6 +13,7 @@
 #include "attn/attn.hpp"
 #include "attn/detail/output.hpp"
 #include "attn/io.hpp"
+#include "lesson.hpp"
 
 namespace attn::cli {
 
@@ -81,23 +82,12 @@ std::vector<double> per_head_values(const std::vector<double>& v, int64_t H, con
 // Refuses a bool .npy where numbers are expected (masks may be bool).
 void require_float(const io::Array<double>& a, const std::string& flag, const std::string& path);
 
-// Row-major dense matrix of doubles (for the explain steps and experiments).
-struct Mat {
-  int64_t rows = 0, cols = 0;
-  std::vector<double> a;
-  Mat() = default;
-  Mat(int64_t r, int64_t c, double fill = 0) : rows(r), cols(c), a(size_t(r * c), fill) {}
-  Mat(int64_t r, int64_t c, std::vector<double> v) : rows(r), cols(c), a(std::move(v)) {}
-  double& operator()(int64_t i, int64_t j) { return a[size_t(i * cols + j)]; }
-  double operator()(int64_t i, int64_t j) const { return a[size_t(i * cols + j)]; }
-};
-Mat matmul(const Mat& x, const Mat& y);   // x · y
-Mat transpose(const Mat& x);
-Mat columns(const Mat& x, int64_t c0, int64_t c1);  // columns [c0, c1)
-// softmax(q kᵀ · scale) v through attn::scaled_dot_product_attention (double,
-// reference backend); optional mask (L x S, true = may attend).
-void attention(const Mat& q, const Mat& k, const Mat& v, double scale, Mat& out, Mat* weights,
-               const std::vector<bool>* mask = nullptr, bool causal = false);
+// The explainers' matrices and their operations (apps/lesson).
+using lesson::Mat;
+using lesson::matmul;
+using lesson::transpose;
+using lesson::columns;
+using lesson::attention;
 
 // Prints "title  shape" then the matrix with row labels.
 void print_mat(const std::string& title, const Mat& m, const std::vector<std::string>& row_labels = {},

@@ -10,11 +10,12 @@
 
 #include <nlohmann/json.hpp>
 
+#include "lesson.hpp"
+
 namespace attn::cli {
 
-const std::vector<std::string>& experiment_names();
-// Throws UsageError for an unknown name.
-nlohmann::json run_experiment(const std::string& name, uint64_t seed);
+using lesson::experiment_names;
+using lesson::run_experiment;
 void print_experiment(const nlohmann::json& result);
 bool experiment_has_plot(const std::string& name);
 void plot_experiment(const nlohmann::json& result, const std::string& path);

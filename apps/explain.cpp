@@ -32,13 +32,7 @@ struct ExplainOpts {
   std::string png;
 };
 
-// The variants one head runs with.
-struct HeadVariants {
-  bool causal = false;
-  Window window;
-  std::optional<double> slope, sink;
-  bool masks() const { return causal || window.left >= 0 || window.right >= 0; }
-};
+using lesson::HeadVariants;
 
 // The variants of head h of H from the flags.
 HeadVariants head_variants(const ExplainOpts& o, int64_t h, int64_t H) {
@@ -51,101 +45,39 @@ HeadVariants head_variants(const ExplainOpts& o, int64_t h, int64_t H) {
   return v;
 }
 
-// One head through the library (reference backend, double): Y, A and lse.
-struct HeadResult {
-  Mat Y, A;
-  std::vector<double> lse;
-};
-HeadResult library_head(const Mat& Q, const Mat& K, const Mat& V, const std::vector<int64_t>& qpos,
-                        const HeadVariants& var) {
-  SdpaArgs<double> args;
-  args.q = View4<const double>::bhnd(Q.a.data(), 1, 1, Q.rows, Q.cols);
-  args.k = View4<const double>::bhnd(K.a.data(), 1, 1, K.rows, K.cols);
-  args.v = View4<const double>::bhnd(V.a.data(), 1, 1, V.rows, V.cols);
-  const double slope = var.slope.value_or(0), sink = var.sink.value_or(0);
-  if (var.slope) args.alibi_slopes = View1<const double>(&slope, {1});
-  if (var.sink) args.sinks = View1<const double>(&sink, {1});
-  SdpaOptions opt;
-  opt.scale = 1 / std::sqrt(double(Q.cols));
-  opt.causal = var.causal;
-  opt.window = var.window;
-  opt.position_offset = qpos.empty() ? 0 : qpos[0];
-  opt.backend = Backend::reference;
-  HeadResult r{Mat(Q.rows, V.cols), Mat(Q.rows, K.rows), std::vector<double>(size_t(Q.rows))};
-  scaled_dot_product_attention<double>(args,
-                                       {View4<double>::bhnd(r.Y.a.data(), 1, 1, Q.rows, V.cols),
-                                        View4<double>::bhnd(r.A.a.data(), 1, 1, Q.rows, K.rows),
-                                        View3<double>(r.lse.data(), {1, 1, Q.rows})},
-                                       opt);
-  return r;
-}
-
 // The flags of every head of H through the library on a one-token example,
 // so that a bad value fails before any step is printed.
 void check_variants(const ExplainOpts& o, int64_t H) {
   const Mat one(1, 1, {0});
-  for (int64_t h = 0; h < H; ++h) (void)library_head(one, one, one, {0}, head_variants(o, h, H));
+  for (int64_t h = 0; h < H; ++h) (void)lesson::head_steps(one, one, one, {0}, head_variants(o, h, H));
 }
 
-// Scores, scaling, the variants, softmax and aggregation for one head,
-// printed. Query i sits at key position qpos[i] (consecutive) for the causal
-// rule, the window and ALiBi. Returns (A, Y).
+// Scores, scaling, the variants, softmax and aggregation for one head
+// (lesson::head_steps), printed. Query i sits at key position qpos[i]
+// (consecutive) for the causal rule, the window and ALiBi. Returns (A, Y).
 std::pair<Mat, Mat> explain_head(const Mat& Q, const Mat& K, const Mat& V, const std::vector<std::string>& qlab,
                                  const std::vector<int64_t>& qpos, const HeadVariants& var,
                                  const std::string& suffix) {
-  const Mat S = matmul(Q, transpose(K));
-  const double dk = double(Q.cols), root = std::sqrt(dk);
-  print_mat("S" + suffix + " = Q" + suffix + " K" + suffix + "^T   (entry i,j: query i . key j)", S, qlab);
-  Mat Ss = S;
-  for (auto& x : Ss.a) x /= root;
-  print_mat(fmt::format("S{} / sqrt(d_k) = S{} / {:.4g}", suffix, suffix, root), Ss, qlab);
+  const lesson::HeadSteps st = lesson::head_steps(Q, K, V, qpos, var);
+  print_mat("S" + suffix + " = Q" + suffix + " K" + suffix + "^T   (entry i,j: query i . key j)", st.S, qlab);
+  print_mat(fmt::format("S{} / sqrt(d_k) = S{} / {:.4g}", suffix, suffix, 1 / st.scale), st.scaled, qlab);
   std::string scores = "S" + suffix + " / sqrt(d_k)";
-  if (var.slope) {
-    // ALiBi: -m·|p_i - j|, added to the scaled scores
-    Mat bias(Q.rows, K.rows), sum = Ss;
-    for (int64_t i = 0; i < Q.rows; ++i)
-      for (int64_t j = 0; j < K.rows; ++j) {
-        bias(i, j) = -*var.slope * double(std::abs(qpos[size_t(i)] - j));
-        sum(i, j) += bias(i, j);
-      }
+  if (st.bias) {
     print_mat(fmt::format("ALiBi bias{} = -m |p_i - j|, slope m = {:.6g}   (p_i: query i's position)", suffix, *var.slope),
-              bias, qlab);
-    print_mat(fmt::format("S{} / sqrt(d_k) + ALiBi bias", suffix), sum, qlab);
+              *st.bias, qlab);
+    print_mat(fmt::format("S{} / sqrt(d_k) + ALiBi bias", suffix), *st.biased, qlab);
     scores += " + bias";
   }
-  std::string rule;
-  if (var.masks()) {
-    // Which keys each query sees: causal j <= p_i, window p_i - left <= j <= p_i + right.
-    Mat vis(Q.rows, K.rows);
-    for (int64_t i = 0; i < Q.rows; ++i)
-      for (int64_t j = 0; j < K.rows; ++j) {
-        const int64_t p = qpos[size_t(i)];
-        bool see = !var.causal || j <= p;
-        if (var.window.left >= 0 && j < p - var.window.left) see = false;
-        if (var.window.right >= 0 && j > p + var.window.right) see = false;
-        vis(i, j) = see ? 1 : 0;
-      }
-    if (var.causal) rule = "causal: keys j <= p_i";
-    if (var.window.left >= 0 || var.window.right >= 0)
-      rule += fmt::format("{}window ({}, {}): keys p_i - {} <= j <= p_i + {}", rule.empty() ? "" : "; ", var.window.left,
-                          var.window.right, var.window.left < 0 ? "inf" : std::to_string(var.window.left),
-                          var.window.right < 0 ? "inf" : std::to_string(var.window.right));
-    print_mat("visible" + suffix + " (1 = the query may attend to the key; " + rule + ")", vis, qlab, 0);
-  }
-  // The same head through the library (reference backend, double).
-  const auto [Y, A, lse] = library_head(Q, K, V, qpos, var);
+  if (st.visible)
+    print_mat("visible" + suffix + " (1 = the query may attend to the key; " + st.rule + ")", *st.visible, qlab, 0);
   std::string how = "A" + suffix + " = softmax(" + scores + "), row by row";
   if (var.masks()) how += " over the visible keys";
   if (var.sink) how += fmt::format(", with a sink logit {:.6g} in every denominator", *var.sink);
-  print_mat(how, A, qlab);
-  if (var.sink) {
-    // The sink takes exp(sink - lse) of each row and contributes no value.
-    Mat on_sink(Q.rows, 1);
-    for (int64_t i = 0; i < Q.rows; ++i) on_sink(i, 0) = std::exp(*var.sink - lse[size_t(i)]);
-    print_mat("weight on the sink" + suffix + " = exp(sink - lse) = 1 - row sum of A" + suffix, on_sink, qlab);
-  }
-  print_mat("Y" + suffix + " = A" + suffix + " V" + suffix + "   (each row a weighted average of V's rows)", Y, qlab);
-  return {A, Y};
+  print_mat(how, st.A, qlab);
+  if (st.on_sink)
+    print_mat("weight on the sink" + suffix + " = exp(sink - lse) = 1 - row sum of A" + suffix, *st.on_sink, qlab);
+  print_mat("Y" + suffix + " = A" + suffix + " V" + suffix + "   (each row a weighted average of V's rows)", st.Y, qlab);
+  return {st.A, st.Y};
 }
 
 // The heatmap of the heads' weights (--png), written when the run succeeds.
@@ -175,34 +107,15 @@ void run_builtin(const ExplainOpts& o) {
   check_variants(o, 1);  // the flags, before any output
   Outputs outputs;
   const std::string png = outputs.add("--png", o.png);
-  Mat Q, K, V;
-  std::vector<std::string> keys, qlab;
-  std::vector<int64_t> qpos;
-  int wdec = 3, ydec = 2;
-  if (o.example == "cat") {
-    fmt::print("The example \"the cat was hungry\": the query of \"hungry\" against the four tokens' keys,\n"
-               "d_k = 4 (so sqrt(d_k) = 2), values of width d_v = 2.\n\n");
-    Q = Mat(1, 4, {2, 0, 0, 0});
-    K = Mat(4, 4, {-1, 0, 0, 0, 2, 0, 0, 0, 0, 1, 0, 0, 0, 0, 1, 0});
-    V = Mat(4, 2, {0, 0, 1, 0, 0, 1, 0, 1});
-    keys = {"the", "cat", "was", "hungry"};
-    qlab = {"hungry"};
-    qpos = {3};
-  } else {
-    fmt::print("The two-token example: token 1's query q1 = [1, 1] against both tokens, d_k = 2.\n\n");
-    Q = Mat(1, 2, {1, 1});
-    K = Mat(2, 2, {1, 1, 1, -1});
-    V = Mat(2, 2, {1, 0, 0, 1});
-    keys = {"token 1", "token 2"};
-    qlab = {"token 1"};
-    qpos = {0};
-    wdec = 2;
-  }
+  const lesson::WorkedExample ex = lesson::worked_example(o.example);
+  const Mat &Q = ex.Q, &K = ex.K, &V = ex.V;
+  const std::vector<std::string>&keys = ex.keys, &qlab = ex.queries;
+  fmt::print("{}\n\n", ex.intro);
   print_mat("Q (given)", Q, qlab);
   print_mat("K (given)", K, keys);
   print_mat("V (given)", V, keys);
-  const auto [A, Y] = explain_head(Q, K, V, qlab, qpos, head_variants(o, 0, 1), "");
-  fmt::print("\nResult for \"{}\": weights {}  ->  output {}\n", qlab[0], row_string(A, 0, wdec), row_string(Y, 0, ydec));
+  const auto [A, Y] = explain_head(Q, K, V, qlab, ex.qpos, head_variants(o, 0, 1), "");
+  fmt::print("\nResult for \"{}\": weights {}  ->  output {}\n", qlab[0], row_string(A, 0, ex.weight_decimals), row_string(Y, 0, ex.output_decimals));
   draw_weights(o, {A}, qlab, keys, outputs, png);
 }
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds the libFuzzer targets for the file parsers (fuzz/) with clang and runs
+# Builds the libFuzzer targets (fuzz/: the file parsers, the KV cache) with clang and runs
 # each for a bounded time: `make fuzz` (FUZZ_SECONDS per target, default 60).
 # Needs clang and its libFuzzer runtime: `bash scripts/install-fuzz-deps.sh`.
 # Exits non-zero when a target finds a crash; the reproducer is left in
@@ -31,10 +31,14 @@ fi
 # half types' scalar conversions (src/half.cpp, plain C++), for float16 .npy files.
 io_sources=("$root/src/io/file.cpp" "$root/src/io/npy.cpp" "$root/src/io/safetensors.cpp" "$root/src/validate.cpp"
             "$root/src/half.cpp")
+# The KV cache's configurations and operations: the cache and what it links
+# of the core (the Checker, the half types' conversions, the size checks).
+kv_sources=("$root/src/kv_cache.cpp" "$root/src/validate.cpp" "$root/src/half.cpp" "$root/src/memory.cpp")
 status=0
-for target in npy safetensors; do
+for target in npy safetensors kv_cache; do
   echo "fuzz: building fuzz_$target with $CXX_FUZZ"
-  "$CXX_FUZZ" "${flags[@]}" "$root/fuzz/fuzz_$target.cpp" "${io_sources[@]}" -lgomp -o "$out/fuzz_$target"
+  if [ "$target" = kv_cache ]; then sources=("${kv_sources[@]}"); else sources=("${io_sources[@]}"); fi
+  "$CXX_FUZZ" "${flags[@]}" "$root/fuzz/fuzz_$target.cpp" "${sources[@]}" -lgomp -o "$out/fuzz_$target"
   mkdir -p "$out/corpus_$target"
   echo "fuzz: running fuzz_$target for ${seconds}s"
   (cd "$out" && ./"fuzz_$target" -max_total_time="$seconds" -max_len=8192 -rss_limit_mb=2048 -print_final_stats=1 \

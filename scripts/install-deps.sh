@@ -6,7 +6,8 @@
 set -euo pipefail
 pkgs=(g++ cmake make pkg-config libgtest-dev libhwy-dev libopenblas-dev libopenblas-openmp-dev
       libcli11-dev nlohmann-json3-dev libfmt-dev libpng-dev python3-dev python3-venv
-      libopenmpi-dev openmpi-bin)
+      libopenmpi-dev openmpi-bin
+      emscripten node-acorn chromium chromium-driver)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

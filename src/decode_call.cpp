@@ -23,7 +23,7 @@ namespace {
 void decode_reference(const detail::Problem& p, View4<const float> q, const KVCache& cache, View4<float> out,
                       View3<float> lse) {
   for (int64_t b = 0; b < p.B; ++b) {
-    const int64_t S = cache.length(b);
+    const int64_t S = detail::KVCacheAccess::length(cache, b);
     View4<float> ob(out.data + b * out.strides[0], {1, p.H, p.L, p.Ev},
                     {out.strides[0], out.strides[1], out.strides[2], out.strides[3]});
     View3<float> lb;
@@ -38,7 +38,8 @@ void decode_reference(const detail::Problem& p, View4<const float> q, const KVCa
       continue;
     }
     Tensor<float> k({1, p.Hkv, S, p.E}), v({1, p.Hkv, S, p.Ev});
-    cache.read(b, View3<float>(k.data(), {p.Hkv, S, p.E}), View3<float>(v.data(), {p.Hkv, S, p.Ev}));
+    detail::KVCacheAccess::read(cache, b, View3<float>(k.data(), {p.Hkv, S, p.E}),
+                                View3<float>(v.data(), {p.Hkv, S, p.Ev}));
     SdpaArgs<float> a;
     a.q = View4<const float>(q.data + b * q.strides[0], {1, p.H, p.L, p.E},
                              {q.strides[0], q.strides[1], q.strides[2], q.strides[3]});
@@ -58,8 +59,12 @@ int detail::check_decode(const Checker& c, const ScoreArgs<float>& rules, const 
   return check_rules(c, rules, opt, full, read);
 }
 
-detail::Problem detail::decode_problem(const KVCache& cache, const ScoreArgs<float>& rules, const SdpaOptions& opt,
-                                       int64_t H, int64_t L, int threads) {
+namespace {
+
+// The problem over the cache's current lengths (the lock held).
+detail::Problem decode_problem(const KVCache& cache, const ScoreArgs<float>& rules, const SdpaOptions& opt, int64_t H,
+                               int64_t L, int threads) {
+  using namespace detail;
   Problem p;
   p.B = cache.batch();
   p.Hkv = cache.kv_heads();
@@ -70,16 +75,21 @@ detail::Problem detail::decode_problem(const KVCache& cache, const ScoreArgs<flo
   p.L = L;
   std::vector<int64_t> offset(size_t(p.B)), key_end(size_t(p.B));
   for (int64_t b = 0; b < p.B; ++b) {
-    key_end[size_t(b)] = cache.length(b);
-    offset[size_t(b)] = cache.length(b) - L;  // the queries are the last L tokens
+    key_end[size_t(b)] = KVCacheAccess::length(cache, b);
+    offset[size_t(b)] = key_end[size_t(b)] - L;  // the queries are the last L tokens
   }
   p.rules = resolve_rules(rules, opt, p.E, std::move(offset), std::move(key_end));
   p.threads = threads;
   return p;
 }
 
-void detail::decode_run(const Problem& p, const KVCache& cache, View4<const float> q, View4<float> out,
-                        View3<float> lse, Backend backend) {
+}  // namespace
+
+void detail::decode_run(const KVCache& cache, const ScoreArgs<float>& rules, const SdpaOptions& opt, int64_t H,
+                        int64_t L, int threads, View4<const float> q, View4<float> out, View3<float> lse,
+                        Backend backend) {
+  const auto lock = KVCacheAccess::lock(cache);
+  const Problem p = decode_problem(cache, rules, opt, H, L, threads);
   if (backend == Backend::reference) return decode_reference(p, q, cache, out, lse);
   const KVLayout kv = KVCacheAccess::layout(cache);
   // Many new rows (chunked prefill) are bound by arithmetic, not by reading
@@ -115,7 +125,7 @@ void decode_attention(const DecodeArgs& args, const SdpaOutputs<float>& outputs,
   const int threads = detail::check_decode(c, args, opt, {B, H, L, cache.capacity()}, read);
   c.disjoint(written, read);
   if (opt.check_finite) c.finite(q, "q");
-  detail::decode_run(detail::decode_problem(cache, args, opt, H, L, threads), cache, q, out, lse, opt.backend);
+  detail::decode_run(cache, args, opt, H, L, threads, q, out, lse, opt.backend);
 }
 
 }  // namespace attn

@@ -20,13 +20,12 @@ namespace attn::detail {
 // returns the thread count.
 int check_decode(const Checker& c, const ScoreArgs<float>& rules, const SdpaOptions& opt,
                  const std::array<int64_t, 4>& full, std::vector<Extent>& read);
-// The problem of H heads × L new queries per sequence over the cache as it
-// is now (call after appending the new tokens).
-Problem decode_problem(const KVCache& cache, const ScoreArgs<float>& rules, const SdpaOptions& opt, int64_t H,
-                       int64_t L, int threads);
-// The computation: the reference backend on the cache read back, or the
+// The computation over the cache as it is now (call after appending the new
+// tokens), under the cache's shared lock: the problem of H heads × L new
+// queries per sequence (positions and key lengths from the cache's
+// lengths), then the reference backend on the cache read back, or the
 // decode kernel (chunked prefill for many rows).
-void decode_run(const Problem& p, const KVCache& cache, View4<const float> q, View4<float> out, View3<float> lse,
-                Backend backend);
+void decode_run(const KVCache& cache, const ScoreArgs<float>& rules, const SdpaOptions& opt, int64_t H, int64_t L,
+                int threads, View4<const float> q, View4<float> out, View3<float> lse, Backend backend);
 
 }  // namespace attn::detail

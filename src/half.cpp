@@ -8,6 +8,7 @@
 
 #include <string>
 
+#include "kernels/decode/decode.hpp"
 #include "validate.hpp"
 
 #include <cmath>
@@ -89,5 +90,46 @@ Dtype parse_dtype(std::string_view name) {
   detail::Checker{"parse_dtype"}.fail("unknown dtype '" + std::string(name) +
                                           "', expected one of float32, float16, bfloat16");
 }
+
+namespace detail {
+
+// The KV cache's rows (kernels/decode/decode.hpp): the half types' rounding
+// above on the way in; exact widening on the way out (the decode kernel's
+// vector widening, convert_from_storage, gives the same bits).
+void convert_to_storage(Dtype t, const float* x, int64_t stride, int64_t n, void* dst) {
+  switch (t) {
+    case Dtype::float32: {
+      float* y = static_cast<float*>(dst);
+      for (int64_t i = 0; i < n; ++i) y[i] = x[i * stride];
+      return;
+    }
+    case Dtype::float16: {
+      uint16_t* y = static_cast<uint16_t*>(dst);
+      for (int64_t i = 0; i < n; ++i) y[i] = attn::float16_t(x[i * stride]).bits;
+      return;
+    }
+    case Dtype::bfloat16: {
+      uint16_t* y = static_cast<uint16_t*>(dst);
+      for (int64_t i = 0; i < n; ++i) y[i] = attn::bfloat16_t(x[i * stride]).bits;
+      return;
+    }
+  }
+}
+
+void widen_from_storage(Dtype t, const void* src, int64_t n, float* y) {
+  switch (t) {
+    case Dtype::float32:
+      std::memcpy(y, src, size_t(n) * 4);
+      return;
+    case Dtype::float16:
+      for (int64_t i = 0; i < n; ++i) y[i] = float16_t::from_bits(static_cast<const uint16_t*>(src)[i]);
+      return;
+    case Dtype::bfloat16:
+      for (int64_t i = 0; i < n; ++i) y[i] = bfloat16_t::from_bits(static_cast<const uint16_t*>(src)[i]);
+      return;
+  }
+}
+
+}  // namespace detail
 
 }  // namespace attn

@@ -17,9 +17,9 @@ namespace attn {
 
 namespace {
 
+int64_t ceil_div(int64_t a, int64_t b) { return a / b + (a % b != 0); }  // a >= 0, b > 0; never overflows
 
-
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+uint64_t add_bytes(uint64_t a, uint64_t b) { return a > UINT64_MAX - b ? UINT64_MAX : a + b; }
 
 }  // namespace
 
@@ -39,20 +39,33 @@ KVCache::KVCache(const KVCacheConfig& config) : cfg_(config) {
   if (cfg_.page_size == 0 && cfg_.num_pages != 0)
     c.fail("config 'num_pages' is " + std::to_string(cfg_.num_pages) + " but the layout is contiguous (page_size = 0)");
   elem_ = cfg_.dtype == Dtype::float32 ? 4 : 2;
+  const std::string what = "the cache (batch " + std::to_string(cfg_.batch) + ", kv_heads " +
+                             std::to_string(cfg_.kv_heads) + ", capacity " + std::to_string(cfg_.capacity) +
+                             ", head_dim " + std::to_string(cfg_.head_dim) + ", value_dim " +
+                             std::to_string(cfg_.value_dim) + ", " + dtype_name(cfg_.dtype) + ", page_size " +
+                             std::to_string(cfg_.page_size) + ", num_pages " + std::to_string(cfg_.num_pages) + ")";
   if (cfg_.page_size == 0) {
     page_size_ = cfg_.capacity;
     num_pages_ = cfg_.batch;
     table_width_ = 1;
   } else {
     page_size_ = cfg_.page_size;
-    table_width_ = ceil_div(cfg_.capacity, page_size_);
-    num_pages_ = cfg_.num_pages ? cfg_.num_pages : cfg_.batch * table_width_;
+    const int64_t per_seq = ceil_div(cfg_.capacity, page_size_);  // pages a full sequence spans
+    num_pages_ = cfg_.num_pages;
+    if (num_pages_ == 0 && !detail::checked_mul(cfg_.batch, per_seq, &num_pages_))
+      c.fail(what + " would need more than 2^63 pages");
+    table_width_ = std::min(per_seq, num_pages_);  // a table never names a page twice
   }
-  // Refuse sizes whose byte count overflows or that are absurd (> 2^46 bytes).
-  const double bytes = double(num_pages_) * double(page_size_) * double(cfg_.kv_heads) *
-                       double(cfg_.head_dim + cfg_.value_dim) * double(elem_);
-  if (bytes > double(int64_t(1) << 46) || num_pages_ > std::numeric_limits<int32_t>::max())
-    c.fail("the cache would need " + std::to_string(bytes) + " bytes; reduce batch, capacity or num_pages");
+  if (num_pages_ > std::numeric_limits<int32_t>::max())
+    c.fail(what + " has " + std::to_string(num_pages_) + " pages; page ids are int32, at most 2^31 - 1 pages");
+  // Every byte the cache holds, before anything is allocated: K and V
+  // storage, the block tables, the page counts and the lengths.
+  const uint64_t kv_bytes = add_bytes(detail::checked_bytes({num_pages_, cfg_.kv_heads, page_size_, cfg_.head_dim}, elem_),
+                                      detail::checked_bytes({num_pages_, cfg_.kv_heads, page_size_, cfg_.value_dim}, elem_));
+  const uint64_t table_bytes = add_bytes(detail::checked_bytes({cfg_.batch, table_width_}, sizeof(int32_t)),
+                                         add_bytes(detail::checked_bytes({num_pages_}, sizeof(int32_t)),
+                                                   detail::checked_bytes({cfg_.batch}, sizeof(int64_t))));
+  detail::check_fits_in_memory(add_bytes(kv_bytes, table_bytes), "attn::KVCache: " + what);
   const int64_t page_k = cfg_.kv_heads * page_size_ * cfg_.head_dim;
   const int64_t page_v = cfg_.kv_heads * page_size_ * cfg_.value_dim;
   kstore_.assign(size_t(num_pages_ * page_k * elem_), std::byte{0});
@@ -72,14 +85,21 @@ void KVCache::check_seq(const char* fn, int64_t b) const {
 
 int64_t KVCache::length(int64_t b) const {
   check_seq("KVCache::length", b);
+  const auto lock = shared();
   return len_[size_t(b)];
 }
 
-int64_t KVCache::max_length() const { return *std::max_element(len_.begin(), len_.end()); }
+int64_t KVCache::max_length() const {
+  const auto lock = shared();
+  return *std::max_element(len_.begin(), len_.end());
+}
 
 int64_t KVCache::free_pages() const {
-  return int64_t(std::count(refs_.begin(), refs_.end(), 0));
+  const auto lock = shared();
+  return free_count();
 }
+
+int64_t KVCache::free_count() const { return int64_t(std::count(refs_.begin(), refs_.end(), 0)); }
 
 // Copies n tokens (positions t..t+n) of k/v into sequence b's pages, taking
 // fresh pages from the pool where the table has none yet.
@@ -112,6 +132,10 @@ std::string KVCache::seq_refusal(int64_t b, int64_t n, int64_t& pages) const {
     return "sequence " + std::to_string(b) + " holds " + std::to_string(len) + " tokens; appending " +
            std::to_string(n) + " exceeds the capacity " + std::to_string(cfg_.capacity);
   if (!paged() || n == 0) return {};
+  if ((len + n - 1) / page_size_ >= table_width_)  // the pool is smaller than the capacity
+    return "sequence " + std::to_string(b) + " holds " + std::to_string(len) + " tokens; appending " +
+           std::to_string(n) + " needs more pages than the pool's " + std::to_string(num_pages_) + " of " +
+           std::to_string(page_size_) + " tokens";
   for (int64_t slot = len / page_size_; slot <= (len + n - 1) / page_size_; ++slot) {
     const int32_t page = table_[size_t(b * table_width_ + slot)];
     if (page < 0)
@@ -124,14 +148,16 @@ std::string KVCache::seq_refusal(int64_t b, int64_t n, int64_t& pages) const {
 }
 
 std::string KVCache::pool_refusal(int64_t pages) const {
-  if (pages <= free_pages()) return {};
+  const int64_t free = free_count();
+  if (pages <= free) return {};
   return "the page pool is exhausted: appending needs " + std::to_string(pages) + " new pages of " +
-         std::to_string(page_size_) + " tokens, " + std::to_string(free_pages()) + " of " +
+         std::to_string(page_size_) + " tokens, " + std::to_string(free) + " of " +
          std::to_string(num_pages_) + " are free";
 }
 
 std::string KVCache::append_refusal(int64_t n) const {
   if (n < 0) return "cannot append a negative number of tokens (" + std::to_string(n) + ")";
+  const auto lock = shared();
   int64_t pages = 0;
   for (int64_t b = 0; b < cfg_.batch; ++b)
     if (std::string why = seq_refusal(b, n, pages); !why.empty()) return why;
@@ -149,12 +175,17 @@ void KVCache::append(int64_t b, View3<const float> k, View3<const float> v) {
            std::to_string(cfg_.kv_heads) + ", n, " + std::to_string(cfg_.head_dim) + ")");
   c.shape(v, "v", {cfg_.kv_heads, n, cfg_.value_dim},
           "(Hkv, n, Ev) = " + shape_str({cfg_.kv_heads, n, cfg_.value_dim}) + " (n of 'k')");
+  const auto lock = exclusive();
   int64_t pages = 0;
   if (std::string why = seq_refusal(b, n, pages); !why.empty()) c.fail(why);
   if (std::string why = pool_refusal(pages); !why.empty()) c.fail(why);
-  // Feature strides other than 1 go through the conversion's stride; the
-  // conversion writes one row at a time, so any view layout works.
-  const int64_t len = len_[size_t(b)];
+  append_locked(b, k, v);
+}
+
+// Feature strides other than 1 go through the conversion's stride; the
+// conversion writes one row at a time, so any view layout works.
+void KVCache::append_locked(int64_t b, const View3<const float>& k, const View3<const float>& v) {
+  const int64_t len = len_[size_t(b)], n = k.dim(1);
   write(b, len, n, k, v);
   len_[size_t(b)] = len + n;
 }
@@ -169,20 +200,34 @@ void KVCache::append(View4<const float> k, View4<const float> v) {
   if (v.dim(0) != cfg_.batch)
     c.fail("argument 'v' has shape " + shape_str(v.shape) + ", expected (B, Hkv, n, Ev) with B = " +
            std::to_string(cfg_.batch));
+  const int64_t n = k.dim(2);
+  c.shape(k, "k", {cfg_.batch, cfg_.kv_heads, n, cfg_.head_dim},
+          "(B, Hkv, n, E) = " + shape_str({cfg_.batch, cfg_.kv_heads, n, cfg_.head_dim}));
+  c.shape(v, "v", {cfg_.batch, cfg_.kv_heads, n, cfg_.value_dim},
+          "(B, Hkv, n, Ev) = " + shape_str({cfg_.batch, cfg_.kv_heads, n, cfg_.value_dim}) + " (n of 'k')");
   // Check every sequence before writing any (capacity, shared pages, the
   // pool's free pages), so an error leaves the cache unchanged.
-  if (std::string why = append_refusal(k.dim(2)); !why.empty()) c.fail(why);
+  const auto lock = exclusive();
+  int64_t pages = 0;
+  for (int64_t b = 0; b < cfg_.batch; ++b)
+    if (std::string why = seq_refusal(b, n, pages); !why.empty()) c.fail(why);
+  if (std::string why = pool_refusal(pages); !why.empty()) c.fail(why);
   for (int64_t b = 0; b < cfg_.batch; ++b) {
     const View3<const float> kb(k.data + b * k.strides[0], {k.dim(1), k.dim(2), k.dim(3)},
                                 {k.strides[1], k.strides[2], k.strides[3]});
     const View3<const float> vb(v.data + b * v.strides[0], {v.dim(1), v.dim(2), v.dim(3)},
                                 {v.strides[1], v.strides[2], v.strides[3]});
-    append(b, kb, vb);
+    append_locked(b, kb, vb);
   }
 }
 
 void KVCache::reset(int64_t b) {
   check_seq("KVCache::reset", b);
+  const auto lock = exclusive();
+  reset_locked(b);
+}
+
+void KVCache::reset_locked(int64_t b) {
   len_[size_t(b)] = 0;
   if (!paged()) return;
   for (int64_t s = 0; s < table_width_; ++s) {
@@ -195,6 +240,7 @@ void KVCache::reset(int64_t b) {
 void KVCache::truncate(int64_t b, int64_t length) {
   const detail::Checker c{"KVCache::truncate"};
   check_seq(c.fn.c_str(), b);
+  const auto lock = exclusive();
   const int64_t len = len_[size_t(b)];
   if (length < 0 || length > len)
     c.fail("argument 'length' is " + std::to_string(length) + ", expected 0 <= length <= length(" +
@@ -233,13 +279,15 @@ void KVCache::truncate(int64_t b, int64_t length) {
 }
 
 void KVCache::clear() {
-  for (int64_t b = 0; b < cfg_.batch; ++b) reset(b);
+  const auto lock = exclusive();
+  for (int64_t b = 0; b < cfg_.batch; ++b) reset_locked(b);
 }
 
 std::vector<int32_t> KVCache::block_table(int64_t b) const {
   check_seq("KVCache::block_table", b);
   if (!paged())
     detail::Checker{"KVCache::block_table"}.fail("the cache is contiguous (page_size = 0); it has no block table");
+  const auto lock = shared();
   std::vector<int32_t> t;
   for (int64_t s = 0; s < table_width_; ++s) {
     const int32_t page = table_[size_t(b * table_width_ + s)];
@@ -255,13 +303,14 @@ void KVCache::set_block_table(int64_t b, std::span<const int32_t> pages, int64_t
   if (!paged()) c.fail("the cache is contiguous (page_size = 0); it has no block table");
   const int64_t n = int64_t(pages.size());
   if (n > table_width_)
-    c.fail("argument 'pages' has " + std::to_string(n) + " entries, expected at most ceil(capacity / page_size) = " +
-           std::to_string(table_width_));
+    c.fail("argument 'pages' has " + std::to_string(n) + " entries, expected at most min(ceil(capacity / page_size), "
+           "num_pages) = " + std::to_string(table_width_));
   if (length < 0 || length > n * page_size_ || length > cfg_.capacity)
     c.fail("argument 'length' is " + std::to_string(length) + ", expected 0 <= length <= min(" +
            std::to_string(n) + " pages · " + std::to_string(page_size_) + ", capacity " +
            std::to_string(cfg_.capacity) + ")");
   const int64_t full = length / page_size_;  // entries below this are read-only
+  const auto lock = exclusive();
   // Who uses each page, leaving sequence b's current table out.
   std::vector<int32_t> other(size_t(num_pages_), 0);
   std::vector<char> other_writable(size_t(num_pages_), 0);
@@ -288,7 +337,7 @@ void KVCache::set_block_table(int64_t b, std::span<const int32_t> pages, int64_t
     if (other_writable[size_t(page)])
       c.fail(at + ", which another sequence may still write (it is not full there); only full pages can be shared");
   }
-  reset(b);
+  reset_locked(b);
   for (int64_t s = 0; s < n; ++s) {
     table_[size_t(b * table_width_ + s)] = pages[size_t(s)];
     ++refs_[size_t(pages[size_t(s)])];
@@ -299,6 +348,7 @@ void KVCache::set_block_table(int64_t b, std::span<const int32_t> pages, int64_t
 void KVCache::read(int64_t b, View3<float> k, View3<float> v) const {
   const detail::Checker c{"KVCache::read"};
   check_seq(c.fn.c_str(), b);
+  const auto lock = shared();
   const int64_t len = len_[size_t(b)], Hkv = cfg_.kv_heads, E = cfg_.head_dim, Ev = cfg_.value_dim;
   c.require(k, "k");
   c.require(v, "v");
@@ -307,15 +357,20 @@ void KVCache::read(int64_t b, View3<float> k, View3<float> v) const {
   const std::vector<detail::Extent> written{c.extent(k, "k"), c.extent(v, "v")};
   for (const auto& e : written) c.writable(e);
   c.disjoint(written, {});
+  read_locked(b, k, v);
+}
+
+void KVCache::read_locked(int64_t b, View3<float> k, View3<float> v) const {
+  const int64_t len = len_[size_t(b)], Hkv = cfg_.kv_heads, E = cfg_.head_dim, Ev = cfg_.value_dim;
   const auto st = cfg_.dtype;
   std::vector<float> row(size_t(std::max(E, Ev)));
   for (int64_t t = 0; t < len; ++t) {
     const int64_t page = table_[size_t(b * table_width_ + t / page_size_)], off = t % page_size_;
     for (int64_t hk = 0; hk < Hkv; ++hk) {
       const int64_t slot = (page * Hkv + hk) * page_size_ + off;
-      detail::convert_from_storage(st, kstore_.data() + slot * E * elem_, E, row.data());
+      detail::widen_from_storage(st, kstore_.data() + slot * E * elem_, E, row.data());
       for (int64_t e = 0; e < E; ++e) k(hk, t, e) = row[size_t(e)];
-      detail::convert_from_storage(st, vstore_.data() + slot * Ev * elem_, Ev, row.data());
+      detail::widen_from_storage(st, vstore_.data() + slot * Ev * elem_, Ev, row.data());
       for (int64_t e = 0; e < Ev; ++e) v(hk, t, e) = row[size_t(e)];
     }
   }

@@ -39,13 +39,8 @@ namespace detail {
 template <class T>
 ProblemOf<compute_t<T>> make_problem(const SdpaArgs<T>& a, const SdpaOptions& opt, int64_t key_origin) {
   ProblemOf<compute_t<T>> p;
-  p.B = a.q.dim(0);
-  p.H = a.q.dim(1);
-  p.L = a.q.dim(2);
-  p.E = a.q.dim(3);
-  p.Hkv = a.k.dim(1);
-  p.S = a.k.dim(2);
-  p.Ev = a.v.dim(3);
+  p.B = a.q.dim(0), p.H = a.q.dim(1), p.L = a.q.dim(2), p.E = a.q.dim(3);
+  p.Hkv = a.k.dim(1), p.S = a.k.dim(2), p.Ev = a.v.dim(3);
   std::vector<int64_t> key_end(size_t(p.B), p.S);
   for (int64_t b = 0; b < a.key_lengths.dim(0); ++b) key_end[size_t(b)] = a.key_lengths(b);
   p.rules = resolve_rules<compute_t<T>>(a, opt, p.E, std::vector<int64_t>(size_t(p.B), dense_offset(opt, p.L, p.S)),

@@ -6,11 +6,18 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <limits>
 #include <random>
+#include <iterator>
+#include <fstream>
+#include <filesystem>
 
 #include "attn/detail/memory.hpp"
+#include "../fuzz/kv_cache_ops.hpp"
 #include "decode_case.hpp"
+#include "kernels/decode/decode.hpp"
 #include "testing.hpp"
 
 namespace {
@@ -307,6 +314,97 @@ TEST(KVCache, ConfigAndAppendErrors) {
   EXPECT_TRUE(throws_with([&] { c.read(0, kv.view<3>(), kv.view<3>()); }, {"KVCache::read", "'k' overlaps output 'v'"}));
   EXPECT_TRUE(throws_with([&] { c.read(0, View3<float>(kv.data(), {1, 2, 2}, {4, 0, 1}), k2.view<3>()); },
                           {"output 'k' has stride 0 on axis 1"}));
+}
+
+// Sizes are checked with overflow-checked arithmetic before anything is
+// allocated: page sizes and capacities near 2^63, a default pool whose page
+// count overflows, page ids past int32, and caches larger than the machine
+// are argument errors naming the configuration; a block table never has more
+// entries than the pool has pages, so a huge capacity over a small pool costs
+// only the pool.
+TEST(KVCache, SizesThatOverflowAreRefusedBeforeAllocating) {
+  const int64_t huge = std::numeric_limits<int64_t>::max();
+  auto config = [](int64_t batch, int64_t capacity, int64_t page_size, int64_t num_pages) {
+    KVCacheConfig cfg;
+    cfg.batch = batch, cfg.kv_heads = 1, cfg.capacity = capacity, cfg.head_dim = 4;
+    cfg.page_size = page_size, cfg.num_pages = num_pages;
+    return cfg;
+  };
+  EXPECT_TRUE(throws_with([&] { KVCache c(config(1, 9, huge, 0)); },
+                          {"attn::KVCache", "page_size " + std::to_string(huge), "more than 2^64 bytes"}));
+  EXPECT_TRUE(throws_with([&] { KVCache c(config(1, 9, huge, 2)); }, {"attn::KVCache", "of memory of this machine"}));
+  EXPECT_TRUE(throws_with([&] { KVCache c(config(int64_t(1) << 40, int64_t(1) << 40, 1, 0)); },
+                          {"attn::KVCache", "more than 2^63 pages"}));
+  EXPECT_TRUE(throws_with([&] { KVCache c(config(1, int64_t(1) << 32, 1, 0)); },
+                          {"attn::KVCache", "4294967296 pages", "int32"}));
+  EXPECT_TRUE(throws_with([&] { KVCache c(config(1, huge, 0, 0)); }, {"attn::KVCache", "capacity " + std::to_string(huge)}));
+  // The reported wrap: a table of capacity / page_size = 2^62 entries.
+  // Now the table has num_pages = 4 entries, and the pool, not the
+  // capacity, bounds each sequence.
+  KVCache c(config(4, int64_t(1) << 62, 1, 4));
+  EXPECT_EQ(c.free_pages(), 4);
+  Tensor<float> k({1, 4, 4});
+  for (size_t i = 0; i < k.size(); ++i) k[i] = float(i);
+  c.append(0, k.view<3>(), k.view<3>());
+  EXPECT_EQ(c.length(0), 4);
+  EXPECT_EQ(c.block_table(0), (std::vector<int32_t>{0, 1, 2, 3}));
+  Tensor<float> one({1, 1, 4});
+  EXPECT_TRUE(throws_with([&] { c.append(0, one.view<3>(), one.view<3>()); }, {"more pages than the pool's 4"}));
+  EXPECT_TRUE(throws_with([&] { c.append(1, one.view<3>(), one.view<3>()); }, {"the page pool is exhausted"}));
+  EXPECT_EQ(c.length(1), 0);
+  Tensor<float> rk({1, 4, 4}), rv({1, 4, 4});
+  c.read(0, rk.view<3>(), rv.view<3>());
+  for (size_t i = 0; i < k.size(); ++i) ASSERT_EQ(rk[i], k[i]);
+  const std::vector<int32_t> five{0, 1, 2, 3, 0};
+  EXPECT_TRUE(throws_with([&] { c.set_block_table(1, five, 5); }, {"'pages' has 5 entries", "= 4"}));
+  // The same wrap through the default pool size: 2 · 2^62 pages.
+  EXPECT_TRUE(throws_with([&] { KVCache d(config(2, int64_t(1) << 62, 1, 0)); }, {"attn::KVCache", "2^63 pages"}));
+}
+
+// The cache's plain widening (appends and reads) and the decode kernel's
+// vector widening give the same bits for every 16-bit pattern (NaN: both NaN).
+TEST(KVCache, PlainAndVectorWideningAgreeOnEveryPattern) {
+  std::vector<uint16_t> bits(65536);
+  for (size_t i = 0; i < bits.size(); ++i) bits[i] = uint16_t(i);
+  for (const Dtype t : {Dtype::float16, Dtype::bfloat16}) {
+    std::vector<float> plain(bits.size()), vec(bits.size());
+    detail::widen_from_storage(t, bits.data(), int64_t(bits.size()), plain.data());
+    detail::convert_from_storage(t, bits.data(), int64_t(bits.size()), vec.data());
+    for (size_t i = 0; i < bits.size(); ++i) {
+      if (std::isnan(plain[i])) {
+        ASSERT_TRUE(std::isnan(vec[i])) << dtype_name(t) << " bits " << i;
+        continue;
+      }
+      uint32_t a, b;
+      std::memcpy(&a, &plain[i], 4);
+      std::memcpy(&b, &vec[i], 4);
+      ASSERT_EQ(a, b) << dtype_name(t) << " bits " << i;
+    }
+  }
+}
+
+// The KV-cache fuzzer's property (fuzz/kv_cache_ops.hpp) over its seed corpus
+// and over random inputs: configurations refused exactly when they cannot be
+// held, every operation read back against a shadow model.
+TEST(KVCache, FuzzPropertyOnTheCorpusAndRandomInputs) {
+  namespace fs = std::filesystem;
+  int files = 0, built = 0;
+  for (const auto& e : fs::directory_iterator(fs::path(ATTN_FUZZ_CORPUS) / "kv_cache")) {
+    std::ifstream f(e.path(), std::ios::binary);
+    const std::vector<uint8_t> b((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    built += attn::fuzz::check_kv_cache(b.data(), b.size());
+    ++files;
+  }
+  EXPECT_GE(files, 4);
+  EXPECT_GE(built, 2);
+  std::mt19937 rng(5);
+  for (int i = 0; i < 3000; ++i) {
+    std::vector<uint8_t> b(size_t(8 + rng() % 120));
+    for (auto& x : b) x = uint8_t(rng());
+    for (size_t j = 0; j < 8; ++j) b[j] = uint8_t(rng() % 64);  // mostly small, valid configurations
+    built += attn::fuzz::check_kv_cache(b.data(), b.size());
+  }
+  EXPECT_GE(built, 1000);
 }
 
 // The storage's allocator: 2 MiB alignment (huge-page candidates) from

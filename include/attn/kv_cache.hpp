@@ -29,10 +29,33 @@
 // page a sequence may still write (the one holding position length(b) and
 // every later one) belongs to that sequence alone; a page shared between
 // sequences is full (entirely below the length) in every table using it.
+// A table has at most min(ceil(capacity / page_size), num_pages) entries.
+//
+// Sizes: the constructor computes every byte the cache will hold (K and V
+// storage, block tables, page counts) with overflow-checked arithmetic before
+// it allocates anything, and refuses (attn::InvalidArgument naming the
+// configuration and the bytes) a cache larger than the machine's physical
+// memory, or whose page ids do not fit in int32.
+//
+// Threads: one cache may be shared by any number of threads. Every member
+// function is atomic: calls that change the cache (append, reset, clear,
+// truncate, set_block_table) hold it exclusively, calls that read it
+// (decode_attention, read, length, block_table, free_pages,
+// append_refusal, ...) hold it shared, so reads run in parallel with each
+// other and never see half an append or a page that a reset gave back.
+// So appends, resets and truncations of different sequences from different
+// threads, and decodes alongside them, are safe and give the results of
+// some order of the calls. A sequence of calls is not atomic as a whole: a
+// thread that appends to sequence b and then attends over it sees what
+// other threads did to b in between, so give each sequence one writer (a
+// server's request owns its sequence). Moving a cache is not synchronised:
+// no other thread may use it meanwhile.
 #pragma once
 
 #include <cstdint>
 #include <optional>
+#include <mutex>
+#include <shared_mutex>
 #include <span>
 #include <string>
 #include <string_view>
@@ -80,6 +103,11 @@ class KVCache {
   int64_t free_pages() const;  // pages no sequence uses
   size_t storage_bytes() const { return kstore_.size() + vstore_.size(); }
 
+  KVCache(KVCache&&) noexcept = default;
+  KVCache& operator=(KVCache&&) noexcept = default;
+  KVCache(const KVCache&) = delete;
+  KVCache& operator=(const KVCache&) = delete;
+
   // Appends n tokens to sequence b: k (Hkv, n, E), v (Hkv, n, Ev), any strides.
   void append(int64_t b, View3<const float> k, View3<const float> v);
   // Appends n tokens to every sequence: k (B, Hkv, n, E), v (B, Hkv, n, Ev).
@@ -115,7 +143,22 @@ class KVCache {
 
  private:
   friend struct detail::KVCacheAccess;
+  // The lock of the thread contract above; a moved cache gets a new one.
+  struct Lock {
+    mutable std::shared_mutex m;
+    Lock() = default;
+    Lock(Lock&&) noexcept {}
+    Lock& operator=(Lock&&) noexcept { return *this; }
+  };
+  std::unique_lock<std::shared_mutex> exclusive() const { return std::unique_lock(lock_.m); }
+  std::shared_lock<std::shared_mutex> shared() const { return std::shared_lock(lock_.m); }
+  // The members below run with the lock held (public calls take it once:
+  // the mutex is not recursive).
   void check_seq(const char* fn, int64_t b) const;
+  int64_t free_count() const;
+  void append_locked(int64_t b, const View3<const float>& k, const View3<const float>& v);
+  void reset_locked(int64_t b);
+  void read_locked(int64_t b, View3<float> k, View3<float> v) const;
   // Why appending n tokens to sequence b would be refused (its capacity, a
   // shared page), or ""; adds the pages it would take from the pool to
   // `pages`. Then pool_refusal(pages): too few free pages, or "".
@@ -128,6 +171,7 @@ class KVCache {
   std::vector<int64_t> len_;
   std::vector<int32_t> table_;  // B × table_width_, −1 = no page yet
   std::vector<int32_t> refs_;   // per page: how many table entries name it
+  Lock lock_;
 };
 
 // The arguments of attention over a cache: L new queries per sequence, the

@@ -140,6 +140,8 @@ template <class T>
 class Tensor {
  public:
   static constexpr size_t kAlign = 64;
+  // The largest allocation considered: 2^62 bytes, or what size_t holds on a 32-bit target.
+  static constexpr size_t kMaxBytes = size_t(std::min<uint64_t>(uint64_t(1) << 62, SIZE_MAX));
 
   Tensor() = default;
   explicit Tensor(std::vector<int64_t> shape) : Tensor(std::move(shape), true) {}
@@ -193,7 +195,7 @@ class Tensor {
         size_ = 0;  // empty, whatever the other axes
         break;
       }
-      if (__builtin_mul_overflow(size_, static_cast<size_t>(s), &size_) || size_ > (size_t(1) << 62) / sizeof(T))
+      if (__builtin_mul_overflow(size_, static_cast<size_t>(s), &size_) || size_ > kMaxBytes / sizeof(T))
         throw InvalidArgument("attn::Tensor: shape " + shape_str(shape_) + " is too large to allocate");
     }
     if (size_ > 0) {

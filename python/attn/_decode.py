@@ -19,7 +19,7 @@ import numpy as np
 
 from . import _attn
 from ._arrays import is_torch_tensor, to_numpy, widen_half
-from ._variants import variant_kwargs
+from ._variants import _integer, variant_kwargs
 
 _F32 = np.dtype(np.float32)
 
@@ -46,12 +46,23 @@ class KVCache:
     every sequence at full capacity) and a block table per sequence, as vLLM
     and FlashAttention's `block_table` do; sequences may share full prefix
     pages through set_block_table.
+
+    Sizes are checked before anything is allocated: a cache larger than the
+    machine's memory raises ValueError naming its bytes. One cache may be
+    shared by threads; each call is atomic (docs/decode.md, "Threads").
     """
 
     def __init__(self, batch: int, kv_heads: int, capacity: int, head_dim: int, value_dim: Optional[int] = None,
                  dtype: str = "float32", page_size: int = 0, num_pages: int = 0):
-        self._c = _attn.KVCache(int(batch), int(kv_heads), int(capacity), int(head_dim),
-                                int(value_dim or 0), str(dtype), int(page_size), int(num_pages))
+        fn = "attn.KVCache"
+        args = dict(batch=batch, kv_heads=kv_heads, capacity=capacity, head_dim=head_dim, value_dim=value_dim or 0,
+                    page_size=page_size, num_pages=num_pages)
+        for name, x in args.items():  # int64 arguments of the library, which checks their values
+            args[name] = _integer(x, fn, name, "an integer")
+            if not -2**63 <= args[name] < 2**63:
+                raise ValueError(f"{fn}: '{name}' is {x}, expected an integer that fits in int64")
+        self._c = _attn.KVCache(args["batch"], args["kv_heads"], args["capacity"], args["head_dim"],
+                                args["value_dim"], str(dtype), args["page_size"], args["num_pages"])
 
     batch = property(lambda self: self._c.batch)
     kv_heads = property(lambda self: self._c.kv_heads)

@@ -89,8 +89,8 @@ void MultiheadAttention<T>::decode(const MhaArgs<T>& a, KVCache& cache, View3<T>
   cache.append(View4<const T>(kh), View4<const T>(vh));
   try {
     Tensor<T> o = Tensor<T>::uninitialized({B, L, HEv});
-    detail::decode_run(detail::decode_problem(cache, rules, opt.sdpa, H, L, threads), cache, View4<const T>(qh),
-                       View4<T>::bnhd(o.data(), B, L, H, Ev), {},
+    detail::decode_run(cache, rules, opt.sdpa, H, L, threads, View4<const T>(qh), View4<T>::bnhd(o.data(), B, L, H, Ev),
+                       {},
                        opt.sdpa.backend == Backend::reference ? Backend::reference : Backend::automatic);
     project_out(o.data(), parameter(kOutProjWeight).data(),
                 cfg_.bias ? parameter(kOutProjBias).data() : nullptr, HEv, out, threads);

@@ -444,7 +444,8 @@ void SelfAttention<T>::decode(const Tensor<T>& x, int64_t B, int64_t n, KVCache&
   MhaArgs<T> args;
   args.query = View3<const T>(x.data(), {B, n, D});
   if (alibi_slopes.rank() == 1) args.alibi_slopes = alibi_slopes.template view<1>();
-  layer.decode(args, cache, View3<T>(y.data(), {B, n, D}), options);
+  // `if constexpr`: clang 14 (the WebAssembly build, web/) instantiates this body for double too.
+  if constexpr (std::same_as<T, float>) layer.decode(args, cache, View3<T>(y.data(), {B, n, D}), options);
 }
 
 template <class T>

@@ -248,7 +248,8 @@ void Transformer<T>::decode_step(DecodeState& st, const int32_t* tokens, int64_t
     for (size_t l = 0; l < blocks_.size(); ++l) {
       auto& blk = blocks_[l];
       blk.ln1.forward(h, x);
-      blk.attn.decode(x, B, n, st.caches[l], y);
+      // `if constexpr`: clang 14 (the WebAssembly build, web/) instantiates this body for double too.
+      if constexpr (std::same_as<T, float>) blk.attn.decode(x, B, n, st.caches[l], y);
       appended = l + 1;
       ensure_shape(a, {M, cfg_.dim});
       for (size_t i = 0; i < a.size(); ++i) a[i] = h[i] + y[i];

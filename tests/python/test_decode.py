@@ -299,3 +299,25 @@ def test_decode_attn_mask_bool_and_float(L):
         attn.decode_attention(q, cache, attn_mask=np.ones((2, 1, L, C - 1), bool))
     with pytest.raises(ValueError, match="'attn_mask'"):
         attn.decode_attention(q, cache, attn_mask=np.ones((2, L, C), bool))
+
+
+def test_sizes_that_overflow_are_refused_before_allocating():
+    # A page size of 2^63 - 1 once gave a pool of 0 pages and a crash on append.
+    with pytest.raises(ValueError, match=r"attn::KVCache.*page_size 9223372036854775807.*bytes"):
+        attn.KVCache(1, 1, 9, 4, page_size=2**63 - 1)
+    with pytest.raises(ValueError, match=r"attn.KVCache: 'page_size' is 18446744073709551616.*int64"):
+        attn.KVCache(1, 1, 9, 4, page_size=2**64)
+    with pytest.raises(ValueError, match=r"of memory of this machine"):
+        attn.KVCache(1, 8, 2**40, 128)
+    # A block table of capacity / page_size = 2^62 entries once wrapped; now the
+    # table is as wide as the pool (4 pages), which bounds each sequence.
+    cache = attn.KVCache(4, 1, 2**62, 4, page_size=1, num_pages=4)
+    kv = np.arange(16, dtype=np.float32).reshape(1, 4, 4)
+    cache.append(kv, kv, seq=0)
+    k, v = cache.read(0)
+    assert np.array_equal(k, kv) and np.array_equal(v, kv)
+    with pytest.raises(ValueError, match="more pages than the pool"):
+        cache.append(kv[:, :1], kv[:, :1], seq=0)
+    with pytest.raises(ValueError, match="exhausted"):
+        cache.append(kv[:, :1], kv[:, :1], seq=1)
+    assert cache.lengths == (4, 0, 0, 0) and cache.free_pages == 0

@@ -40,3 +40,62 @@ def test_threads_match_serial(dtype, backend):
     for i, got in enumerate(concurrent):
         for a, b in zip(got, serial[i % len(ps)]):
             np.testing.assert_array_equal(a, b, err_msg=f"problem {i % len(ps)}")
+
+
+# One attn.KVCache shared by threads (the contract of docs/decode.md): each
+# writer thread owns a sequence of a paged pool and appends, truncates and
+# resets it while other threads decode the whole batch. Every key and value
+# of sequence b is b + 1, so a decode that reads only b's own tokens gives
+# b + 1 (0 when b is empty); a page taken twice or read mid-write shows.
+def _writer(cache, b, rounds):
+    Hkv, E = cache.kv_heads, cache.head_dim
+    for r in range(rounds):
+        for n in (1, 3, 2, 5, 1):
+            if cache.lengths[b] + n > cache.capacity:
+                break
+            kv = np.full((Hkv, n, E), b + 1, np.float32)
+            cache.append(kv, kv, seq=b)
+        if r % 3 == 1:
+            cache.truncate(b, cache.lengths[b] // 2)
+        elif r % 3 == 2:
+            cache.reset(b)
+
+
+def _decoder(cache, rounds):
+    B, H, E = cache.batch, 2 * cache.kv_heads, cache.head_dim
+    q = np.linspace(-1, 1, B * H * E, dtype=np.float32).reshape(B, H, 1, E)
+    worst = 0.0
+    for _ in range(rounds):
+        out, lse = attn.decode_attention(q, cache, return_lse=True, num_threads=1)
+        want = np.where(np.isinf(lse), 0.0, np.arange(1, B + 1)[:, None, None])[..., None]
+        worst = max(worst, float(np.nan_to_num(np.abs(out - want), nan=np.inf).max()))
+    return worst
+
+
+@pytest.mark.parametrize("num_pages", [0, 10])
+def test_kv_cache_shared_by_writer_and_decoder_threads(num_pages):
+    B, page = 4, 4
+    cache = attn.KVCache(B, 2, 24, 8, page_size=page, num_pages=num_pages)
+    errors = []
+
+    def write(b):
+        try:
+            _writer(cache, b, 150)
+        except ValueError as e:  # only a short pool may refuse an append
+            if num_pages == 0 or "exhausted" not in str(e):
+                errors.append(e)
+
+    with ThreadPoolExecutor(max_workers=B + 2) as pool:
+        decodes = [pool.submit(_decoder, cache, 150) for _ in range(2)]
+        writes = [pool.submit(write, b) for b in range(B)]
+        for w in writes:
+            w.result()
+        worst = max(d.result() for d in decodes)
+    assert not errors, errors
+    assert worst <= 1e-5
+    used = [p for b in range(B) for p in cache.block_table(b)]
+    assert len(used) == len(set(used)), "a page is in two tables"
+    assert cache.free_pages == cache.num_pages - len(used)
+    for b in range(B):
+        k, v = cache.read(b)
+        assert k.shape[1] == cache.lengths[b] and np.all(k == b + 1) and np.all(v == b + 1)

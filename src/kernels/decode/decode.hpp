@@ -86,13 +86,21 @@ void decode_forward_dense(const Problem& p, const SdpaArgs<T>& a, View4<float> o
 // The SIMD target the kernel dispatches to (e.g. "AVX2").
 const char* decode_target_name();
 
-// Storage conversions (round to nearest even; NaN stays NaN), n elements.
+// Storage conversions (round to nearest even; NaN stays NaN), n elements:
+// to storage and the exact widening back, plain (src/half.cpp: the cache's
+// appends and reads), and the kernel's vector widening (the same bits).
 void convert_to_storage(Dtype t, const float* x, int64_t stride, int64_t n, void* dst);
+void widen_from_storage(Dtype t, const void* src, int64_t n, float* y);
 void convert_from_storage(Dtype t, const void* src, int64_t n, float* y);
 
 // The cache's storage as the kernel reads it.
+// The decode call holds the cache's shared lock for the whole call (lock)
+// and reads it through the members below, which expect the lock held.
 struct KVCacheAccess {
+  static std::shared_lock<std::shared_mutex> lock(const KVCache& c) { return c.shared(); }
   static KVLayout layout(const KVCache& c);
+  static int64_t length(const KVCache& c, int64_t b) { return c.len_[size_t(b)]; }
+  static void read(const KVCache& c, int64_t b, View3<float> k, View3<float> v) { c.read_locked(b, k, v); }
 };
 
 }  // namespace attn::detail

@@ -56,26 +56,4 @@ template void decode_forward_dense<float16_t>(const Problem&, const SdpaArgs<flo
 template void decode_forward_dense<bfloat16_t>(const Problem&, const SdpaArgs<bfloat16_t>&, View4<float>,
                                                View3<float>);
 
-// ---- storage conversions ----------------------------------------------------
-
-void convert_to_storage(Dtype t, const float* x, int64_t stride, int64_t n, void* dst) {
-  switch (t) {
-    case Dtype::float32: {
-      float* y = static_cast<float*>(dst);
-      for (int64_t i = 0; i < n; ++i) y[i] = x[i * stride];
-      return;
-    }
-    case Dtype::float16: {  // the public types hold the one rounding rule (src/half.cpp)
-      uint16_t* y = static_cast<uint16_t*>(dst);
-      for (int64_t i = 0; i < n; ++i) y[i] = attn::float16_t(x[i * stride]).bits;
-      return;
-    }
-    case Dtype::bfloat16: {
-      uint16_t* y = static_cast<uint16_t*>(dst);
-      for (int64_t i = 0; i < n; ++i) y[i] = attn::bfloat16_t(x[i * stride]).bits;
-      return;
-    }
-  }
-}
-
 }  // namespace attn::detail
