@@ -103,7 +103,7 @@ def test_torch_dropin_zero_size_follows_pytorch(q_shape, kv_shape, requires_grad
 
 
 def test_cache_size_refusal_prints_whole_bytes():
-    # 64 sequences of 2^30 tokens, 64 heads of 128: 2^52 bytes, refused before allocating.
-    with pytest.raises(ValueError, match=r"would need 4503599627370496 bytes \(4\.0 PiB\)") as e:
+    # 64 sequences of 2^30 tokens, 64 heads of 128: 2^52 bytes (and the tables), refused before allocating.
+    with pytest.raises(ValueError, match=r"would need 4503599627\d{6} bytes \(4\.0 PiB\)") as e:
         attn.KVCache(64, 64, 2**30, 128)
     assert ".000000" not in str(e.value)
