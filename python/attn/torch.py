@@ -126,7 +126,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         # A zero-size dimension: PyTorch's answer (an empty output, or zeros
         # where there are no keys), computed and differentiated by PyTorch.
         return _torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p,
-                                                                  is_causal, scale, enable_gqa=enable_gqa)
+                                                                  is_causal, scale=scale, enable_gqa=enable_gqa)
     seed = _dropout_seed(dropout_p)
     if _needs_graph("attn.torch.scaled_dot_product_attention", alibi_slopes, query, key, value, attn_mask,
                     sinks):

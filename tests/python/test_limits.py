@@ -68,7 +68,8 @@ def test_decode_refuses_tensors_that_require_grad():
         attn.decode_attention(q.detach(), c, sinks=sinks)
     with torch.no_grad():
         out = attn.decode_attention(q, c, sinks=sinks)
-    np.testing.assert_allclose(out.numpy(), np.full((1, 1, 1, 4), 2 / 3), rtol=1e-6)  # two keys and a sink at 0
+    w = 2 * np.exp(2.0) / (2 * np.exp(2.0) + 1)  # two keys of score 4 / sqrt(4) and a sink at 0, values 1
+    np.testing.assert_allclose(out.numpy(), np.full((1, 1, 1, 4), w), rtol=1e-6)
 
 
 def test_decode_half_refusal_names_only_float32():
@@ -99,3 +100,10 @@ def test_torch_dropin_zero_size_follows_pytorch(q_shape, kv_shape, requires_grad
         if requires_grad:
             got.sum().backward()
             assert q.grad is not None and q.grad.shape == q.shape and not q.grad.any()
+
+
+def test_cache_size_refusal_prints_whole_bytes():
+    # 64 sequences of 2^30 tokens, 64 heads of 128: 2^52 bytes (and the tables), refused before allocating.
+    with pytest.raises(ValueError, match=r"would need 4503599627\d{6} bytes \(4\.0 PiB\)") as e:
+        attn.KVCache(64, 64, 2**30, 128)
+    assert ".000000" not in str(e.value)

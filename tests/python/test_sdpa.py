@@ -301,7 +301,8 @@ def test_errors_name_the_argument():
                                                enable_gqa=True)
     assert "at least 2 dimensions" in errors(sdpa, np.zeros(4), k, v)
     msg = errors(sdpa, q, k, v, scale=0.0)
-    assert msg == "attn::scaled_dot_product_attention: option 'scale' is 0, expected a finite value > 0"
+    assert msg == ("attn::scaled_dot_product_attention: option 'scale' is 0, expected a finite value > 0 within "
+                   "[2^-64, 2^64] (about 5.4e-20 to 1.8e+19)")
     assert "unknown backend 'fast'" in errors(sdpa, q, k, v, backend="fast")
     assert "contains NaN or +Inf" in errors(sdpa, q, k, v, np.full((3, 5), np.inf))
     if not fused_supported(np.float64):

@@ -261,7 +261,8 @@ def test_wrong_per_head_arrays_name_the_argument(name, value, words):
 
 
 @pytest.mark.parametrize("softcap,words", [
-    (-1.0, r"attn::scaled_dot_product_attention: option 'softcap' is -1, expected a finite value > 0 \(or 0 = off\)"),
+    (-1.0, r"attn::scaled_dot_product_attention: option 'softcap' is -1, expected 0 \(off\) or a value within "
+           r"\[2\^-64, 2\^64\]"),
     (float("inf"), "option 'softcap' is inf"), (float("nan"), "option 'softcap' is nan"),
     ("x", "'softcap' is 'x', expected a number")])
 def test_bad_softcap_names_it(softcap, words):
