@@ -61,11 +61,10 @@ enum class Alloc { no, yes };
 //   keep [kb]         one row's dropout keep factors (with dropout)
 struct ForwardScratch {
   int64_t qb = 0, kb = 0, qbp = 0, Evp = 0;
-  float *qt = nullptr, *st = nullptr, *kr = nullptr, *vb = nullptr, *o = nullptr, *colv = nullptr;
+  float *qt = nullptr, *st = nullptr, *kr = nullptr, *vb = nullptr, *o = nullptr, *colv = nullptr, *keep = nullptr;
   online_softmax::State<float>* rows = nullptr;
   uint8_t* qbad = nullptr;
   bool any_qbad = false;
-  float* keep = nullptr;
 
   ForwardScratch(const Problem& p, const FusedPlan& t, int64_t lanes, Alloc alloc = Alloc::yes);
   // The bytes the block takes (what is allocated, and what is reported).
@@ -90,9 +89,8 @@ struct BackwardScratch {
   int64_t qb = 0, kb = 0, kbp = 0, Ep = 0, Evp = 0;
   float *q = nullptr, *kt = nullptr, *dy = nullptr, *vt = nullptr, *s = nullptr, *kr = nullptr,
         *dp = nullptr, *dk = nullptr, *dq = nullptr, *dv = nullptr, *acc = nullptr, *dcap = nullptr, *lse = nullptr,
-        *D = nullptr;
+        *D = nullptr, *keep = nullptr;
   uint8_t* poisoned = nullptr;
-  float* keep = nullptr;
 
   BackwardScratch(const Problem& p, const FusedPlan& t, int64_t lanes, Alloc alloc = Alloc::yes);
   int64_t bytes() const { return bytes_; }
