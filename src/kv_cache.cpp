@@ -194,12 +194,6 @@ void KVCache::append(View4<const float> k, View4<const float> v) {
   const detail::Checker c{"KVCache::append"};
   c.require(k, "k");
   c.require(v, "v");
-  if (k.dim(0) != cfg_.batch)
-    c.fail("argument 'k' has shape " + shape_str(k.shape) + ", expected (B, Hkv, n, E) with B = " +
-           std::to_string(cfg_.batch));
-  if (v.dim(0) != cfg_.batch)
-    c.fail("argument 'v' has shape " + shape_str(v.shape) + ", expected (B, Hkv, n, Ev) with B = " +
-           std::to_string(cfg_.batch));
   const int64_t n = k.dim(2);
   c.shape(k, "k", {cfg_.batch, cfg_.kv_heads, n, cfg_.head_dim},
           "(B, Hkv, n, E) = " + shape_str({cfg_.batch, cfg_.kv_heads, n, cfg_.head_dim}));

@@ -177,15 +177,19 @@ struct Local {
 
 View3<float> v3(Tensor<float>& t) { return t.view<3>(); }
 
-Local run(const Case& c, const Full& f, Strategy s, bool saved_state = true) {
+// This rank's shards of q, k, v and dout, and an output for its rows.
+Local shards(const Case& c, const Full& f) {
   Local l;
-  l.q = shard_of(f.q, c.layout);
-  l.k = shard_of(f.k, c.layout);
-  l.v = shard_of(f.v, c.layout);
+  l.q = shard_of(f.q, c.layout), l.k = shard_of(f.k, c.layout), l.v = shard_of(f.v, c.layout);
   l.dout = shard_of(f.dout, c.layout);
+  l.out = Tensor<float>({c.B, c.H, l.q.dim(2), c.Ev});
+  return l;
+}
+
+Local run(const Case& c, const Full& f, Strategy s, bool saved_state = true) {
+  Local l = shards(c, f);
   l.key_lengths = c.key_lengths;
   l.slopes = f.slopes, l.sinks = f.sinks;
-  l.out = Tensor<float>({c.B, c.H, l.q.dim(2), c.Ev});
   l.lse = Tensor<float>({c.B, c.H, l.q.dim(2)});
   l.dq = Tensor<float>(l.q.shape());
   l.dk = Tensor<float>(l.k.shape());
@@ -556,9 +560,7 @@ TEST(DistErrors, AgreedOnEveryRank) {
   const int P = size_(), r = rank_();
   Case c;
   const Full f = oracle(c);
-  Local l;
-  l.q = shard_of(f.q, c.layout), l.k = shard_of(f.k, c.layout), l.v = shard_of(f.v, c.layout);
-  l.out = Tensor<float>({c.B, c.H, l.q.dim(2), c.Ev});
+  Local l = shards(c, f);
   attn::dist::DistOptions o;
   // A bad argument on the last rank only.
   SdpaArgs<float> a = l.args();
@@ -642,10 +644,7 @@ TEST(DistAgreement, DifferentCallsAndOutputsFailEverywhere) {
   Case c;
   c.H = 12, c.Hkv = 12;  // ulysses on 2, 3 or 4 ranks
   const Full f = oracle(c);
-  Local l;
-  l.q = shard_of(f.q, c.layout), l.k = shard_of(f.k, c.layout), l.v = shard_of(f.v, c.layout);
-  l.dout = shard_of(f.dout, c.layout);
-  l.out = Tensor<float>({c.B, c.H, l.q.dim(2), c.Ev});
+  Local l = shards(c, f);
   l.lse = Tensor<float>({c.B, c.H, l.q.dim(2)});
   l.dq = Tensor<float>(l.q.shape()), l.dk = Tensor<float>(l.k.shape()), l.dv = Tensor<float>(l.v.shape());
   const attn::dist::DistOptions o;
@@ -703,9 +702,7 @@ TEST(DistWatchdog, AStuckRankAbortsTheJobWithAMessage) {
   }
   Case c;
   const Full f = oracle(c);
-  Local l;
-  l.q = shard_of(f.q, c.layout), l.k = shard_of(f.k, c.layout), l.v = shard_of(f.v, c.layout);
-  l.out = Tensor<float>({c.B, c.H, l.q.dim(2), c.Ev});
+  Local l = shards(c, f);
   attn::dist::DistOptions o;
   o.timeout_s = 1.0;
   attn::dist::ring_attention(MPI_COMM_WORLD, l.args(), {l.out.view4()}, o);
@@ -722,9 +719,7 @@ TEST(DistAgreement, FrontEndVerdictsAndTheBound) {
   bad.timeout_s = r == 0 ? -1.0 : 5.0;
   Case c;
   const Full f = oracle(c);
-  Local l;
-  l.q = shard_of(f.q, c.layout), l.k = shard_of(f.k, c.layout), l.v = shard_of(f.v, c.layout);
-  l.out = Tensor<float>({c.B, c.H, l.q.dim(2), c.Ev});
+  Local l = shards(c, f);
   EXPECT_TRUE(attn::testing::throws_with<attn::InvalidArgument>(
       [&] { attn::dist::ring_attention(MPI_COMM_WORLD, l.args(), {l.out.view4()}, bad); },
       {r == 0 ? "option 'timeout_s' is -1" : "rank 0 rejected its arguments"}));

@@ -68,20 +68,18 @@ function matrix(title, m, rows, cols, { kind = "signed", decimals = 3, edit = nu
   fig.appendChild(cap);
   const scale = Math.max(1e-12, ...m.flat().map((x) => Math.abs(x)));
   const table = document.createElement("table");
+  const header = (tr, scope, text) => {
+    const th = document.createElement("th");
+    th.scope = scope;
+    th.textContent = text;
+    tr.appendChild(th);
+  };
   const head = table.insertRow();
   head.appendChild(document.createElement("th"));
-  for (let j = 0; j < m[0].length; ++j) {
-    const th = document.createElement("th");
-    th.scope = "col";
-    th.textContent = cols ? cols[j] : j;
-    head.appendChild(th);
-  }
+  for (let j = 0; j < m[0].length; ++j) header(head, "col", cols ? cols[j] : j);
   m.forEach((row, i) => {
     const tr = table.insertRow();
-    const th = document.createElement("th");
-    th.scope = "row";
-    th.textContent = rows ? rows[i] : i;
-    tr.appendChild(th);
+    header(tr, "row", rows ? rows[i] : i);
     row.forEach((x, j) => {
       const td = tr.insertCell();
       td.style.background = colour(x, kind, scale);
