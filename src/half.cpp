@@ -74,22 +74,14 @@ bfloat16_t::operator float() const {
   return float_of(uint32_t(bits) << 16);
 }
 
-const char* dtype_name(Dtype t) {
-  switch (t) {
-    case Dtype::float32: return "float32";
-    case Dtype::float16: return "float16";
-    case Dtype::bfloat16: return "bfloat16";
-  }
-  return "?";
-}
+namespace {
+constexpr detail::NamedValue<Dtype> kDtypes[] = {
+    {Dtype::float32, "float32", "f32"}, {Dtype::float16, "float16", "f16"}, {Dtype::bfloat16, "bfloat16", "bf16"}};
+}  // namespace
 
-Dtype parse_dtype(std::string_view name) {
-  if (name == "float32" || name == "f32") return Dtype::float32;
-  if (name == "float16" || name == "f16") return Dtype::float16;
-  if (name == "bfloat16" || name == "bf16") return Dtype::bfloat16;
-  detail::Checker{"parse_dtype"}.fail("unknown dtype '" + std::string(name) +
-                                          "', expected one of float32, float16, bfloat16");
-}
+const char* dtype_name(Dtype t) { return detail::name_of(kDtypes, t); }
+
+Dtype parse_dtype(std::string_view name) { return detail::Checker{"parse_dtype"}.parse(kDtypes, name, "dtype"); }
 
 namespace detail {
 

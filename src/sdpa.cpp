@@ -17,22 +17,14 @@
 
 namespace attn {
 
-const char* backend_name(Backend b) {
-  switch (b) {
-    case Backend::automatic: return "auto";
-    case Backend::reference: return "reference";
-    case Backend::fused: return "fused";
-  }
-  return "?";
-}
+namespace {
+constexpr detail::NamedValue<Backend> kBackends[] = {
+    {Backend::automatic, "auto"}, {Backend::reference, "reference"}, {Backend::fused, "fused"}};
+}  // namespace
 
-Backend parse_backend(std::string_view name) {
-  if (name == "auto") return Backend::automatic;
-  if (name == "reference") return Backend::reference;
-  if (name == "fused") return Backend::fused;
-  throw InvalidArgument("attn::parse_backend: unknown backend '" + std::string(name) +
-              "', expected one of auto, reference, fused");
-}
+const char* backend_name(Backend b) { return detail::name_of(kBackends, b); }
+
+Backend parse_backend(std::string_view name) { return detail::Checker{"parse_backend"}.parse(kBackends, name, "backend"); }
 
 namespace detail {
 

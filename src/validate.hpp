@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <initializer_list>
 #include <string>
+#include <string_view>
 #include <type_traits>
 #include <vector>
 
@@ -65,11 +66,38 @@ void for_each(const View<T, R>& v, F&& f) {
   }
 }
 
+// An enum's names, listed once (value, name, an optional short alias); the
+// enum's name function and its parser both read the list.
+template <class E>
+struct NamedValue {
+  E value;
+  std::string_view name, alias = {};
+};
+
+template <class E, size_t N>
+const char* name_of(const NamedValue<E> (&names)[N], E v) {
+  for (const auto& n : names)
+    if (n.value == v) return n.name.data();
+  return "?";
+}
+
 // Collects the context for error messages: "attn::<fn>: ...".
 struct Checker {
   std::string fn;  // without the "attn::" prefix, e.g. "scaled_dot_product_attention"
 
   [[noreturn]] void fail(const std::string& msg) const;
+
+  // The value named `name` in `names`, or "unknown <what> '<name>', expected
+  // one of ...".
+  template <class E, size_t N>
+  E parse(const NamedValue<E> (&names)[N], std::string_view name, const char* what) const {
+    std::string all;
+    for (const auto& n : names) {
+      if (name == n.name || (!n.alias.empty() && name == n.alias)) return n.value;
+      all += (all.empty() ? "" : ", ") + std::string(n.name);
+    }
+    fail(std::string("unknown ") + what + " '" + std::string(name) + "', expected one of " + all);
+  }
 
   // Runs `checks` (calls on this Checker) and returns the message of the
   // first that failed, or "" when all passed: for callers that must share

@@ -113,12 +113,9 @@ auto& lookup(Map& m, const std::string& name, const char* fn, const std::vector<
 }
 }  // namespace
 
+// The const accessors are the others with const added.
 template <class T>
 Tensor<T>& MultiheadAttention<T>::parameter(const std::string& name) {
-  return lookup(params_, name, "parameter", parameter_names());
-}
-template <class T>
-const Tensor<T>& MultiheadAttention<T>::parameter(const std::string& name) const {
   return lookup(params_, name, "parameter", parameter_names());
 }
 template <class T>
@@ -126,8 +123,12 @@ Tensor<T>& MultiheadAttention<T>::grad(const std::string& name) {
   return lookup(grads_, name, "grad", parameter_names());
 }
 template <class T>
+const Tensor<T>& MultiheadAttention<T>::parameter(const std::string& name) const {
+  return const_cast<MultiheadAttention*>(this)->parameter(name);
+}
+template <class T>
 const Tensor<T>& MultiheadAttention<T>::grad(const std::string& name) const {
-  return lookup(grads_, name, "grad", parameter_names());
+  return const_cast<MultiheadAttention*>(this)->grad(name);
 }
 
 template <class T>

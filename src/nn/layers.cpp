@@ -15,6 +15,7 @@
 #include "kernels/gemm/gemm.hpp"
 #include "kernels/softmax.hpp"
 #include "nn/common.hpp"
+#include "validate.hpp"
 
 namespace attn::nn {
 
@@ -71,16 +72,24 @@ void Linear<T>::backward(const Tensor<T>& x, const Tensor<T>& dy, Tensor<T>* dx)
   }
 }
 
+// A layer's weight (and bias, where it has one), as the optimizers see them
+// (weight decay on a linear map's matrix only).
+template <class T, class Layer>
+void collect_weight_and_bias(Layer& l, const std::string& prefix, std::vector<ParamRef<T>>& out, bool decay,
+                             bool bias) {
+  out.push_back({prefix + "weight", &l.weight, &l.dweight, decay});
+  if constexpr (requires { l.bias; })
+    if (bias) out.push_back({prefix + "bias", &l.bias, &l.dbias, false});
+}
+
 template <class T>
 void Linear<T>::zero_grad() {
-  dweight.fill(T(0));
-  dbias.fill(T(0));
+  for (Tensor<T>* g : {&dweight, &dbias}) g->fill(T(0));
 }
 
 template <class T>
 void Linear<T>::collect(const std::string& prefix, std::vector<ParamRef<T>>& out) {
-  out.push_back({prefix + "weight", &weight, &dweight, true});
-  if (has_bias) out.push_back({prefix + "bias", &bias, &dbias, false});
+  collect_weight_and_bias(*this, prefix, out, /*decay=*/true, has_bias);
 }
 
 // ---------------------------------------------------------- Embedding ----
@@ -124,30 +133,23 @@ void Embedding<T>::zero_grad() {
 
 template <class T>
 void Embedding<T>::collect(const std::string& prefix, std::vector<ParamRef<T>>& out) {
-  out.push_back({prefix + "weight", &weight, &dweight, false});
+  collect_weight_and_bias(*this, prefix, out, /*decay=*/false, /*bias=*/false);
 }
 
 // ---------------------------------------------------------- Positions ----
 
-const char* positions_name(Positions p) {
-  switch (p) {
-    case Positions::none: return "none";
-    case Positions::sinusoidal: return "sinusoidal";
-    case Positions::learned: return "learned";
-    case Positions::rope: return "rope";
-    case Positions::alibi: return "alibi";
-  }
-  return "?";
-}
+namespace {
+constexpr detail::NamedValue<Positions> kPositions[] = {{Positions::none, "none"},
+                                                        {Positions::sinusoidal, "sinusoidal"},
+                                                        {Positions::learned, "learned"},
+                                                        {Positions::rope, "rope"},
+                                                        {Positions::alibi, "alibi"}};
+}  // namespace
+
+const char* positions_name(Positions p) { return detail::name_of(kPositions, p); }
 
 Positions parse_positions(const std::string& name) {
-  if (name == "none") return Positions::none;
-  if (name == "sinusoidal") return Positions::sinusoidal;
-  if (name == "learned") return Positions::learned;
-  if (name == "rope") return Positions::rope;
-  if (name == "alibi") return Positions::alibi;
-  throw InvalidArgument("attn::nn::parse_positions: unknown positions '" + name +
-              "', expected one of none, sinusoidal, learned, rope, alibi");
+  return detail::Checker{"nn::parse_positions"}.parse(kPositions, name, "positions");
 }
 
 template <class T>
@@ -196,13 +198,13 @@ void LearnedPositions<T>::backward(const Tensor<T>& dx, int64_t B, int64_t N) {
 }
 
 template <class T>
-void LearnedPositions<T>::zero_grad() {
-  dweight.fill(T(0));
+void LearnedPositions<T>::collect(const std::string& prefix, std::vector<ParamRef<T>>& out) {
+  collect_weight_and_bias(*this, prefix, out, /*decay=*/false, /*bias=*/false);
 }
 
 template <class T>
-void LearnedPositions<T>::collect(const std::string& prefix, std::vector<ParamRef<T>>& out) {
-  out.push_back({prefix + "weight", &weight, &dweight, false});
+void LearnedPositions<T>::zero_grad() {
+  dweight.fill(T(0));
 }
 
 template <class T>
@@ -298,14 +300,12 @@ void LayerNorm<T>::backward(const Tensor<T>& x, const Tensor<T>& dy, Tensor<T>* 
 
 template <class T>
 void LayerNorm<T>::zero_grad() {
-  dweight.fill(T(0));
-  dbias.fill(T(0));
+  for (Tensor<T>* g : {&dweight, &dbias}) g->fill(T(0));
 }
 
 template <class T>
 void LayerNorm<T>::collect(const std::string& prefix, std::vector<ParamRef<T>>& out) {
-  out.push_back({prefix + "weight", &weight, &dweight, false});
-  out.push_back({prefix + "bias", &bias, &dbias, false});
+  collect_weight_and_bias(*this, prefix, out, /*decay=*/false, /*bias=*/true);
 }
 
 // --------------------------------------------------------------- GELU ----
@@ -417,17 +417,28 @@ void SelfAttention<T>::reset_parameters(Rng& rng) {
   layer.reset_parameters(rng.next());
 }
 
+namespace {
+// The layer's arguments for x's rows as B sequences of N tokens (checked),
+// with y shaped to match.
 template <class T>
-void SelfAttention<T>::forward(const Tensor<T>& x, int64_t B, int64_t N, Tensor<T>& y, View4<T> weights) {
-  const int64_t D = layer.embed_dim();
-  const int64_t M = rows_of(x, D, "attn::nn::SelfAttention::forward", "x");
+MhaArgs<T> sequences_of(const Tensor<T>& x, int64_t B, int64_t N, int64_t D, const Tensor<T>& alibi_slopes,
+                        Tensor<T>& y, const std::string& fn) {
+  const int64_t M = rows_of(x, D, fn.c_str(), "x");
   if (B < 1 || N < 1 || M != B * N)
-    throw InvalidArgument("attn::nn::SelfAttention::forward: x has " + std::to_string(M) + " rows, expected B·N = " +
-                std::to_string(B) + "·" + std::to_string(N));
+    throw InvalidArgument(fn + ": x has " + std::to_string(M) + " rows, expected B·N = " + std::to_string(B) + "·" +
+                          std::to_string(N));
   ensure_shape(y, {M, D});
   MhaArgs<T> args;
   args.query = View3<const T>(x.data(), {B, N, D});
   if (alibi_slopes.rank() == 1) args.alibi_slopes = alibi_slopes.template view<1>();
+  return args;
+}
+}  // namespace
+
+template <class T>
+void SelfAttention<T>::forward(const Tensor<T>& x, int64_t B, int64_t N, Tensor<T>& y, View4<T> weights) {
+  const int64_t D = layer.embed_dim();
+  const MhaArgs<T> args = sequences_of(x, B, N, D, alibi_slopes, y, "attn::nn::SelfAttention::forward");
   layer.forward(args, {View3<T>(y.data(), {B, N, D}), weights, {}}, options, &cache_);
 }
 
@@ -436,14 +447,7 @@ void SelfAttention<T>::decode(const Tensor<T>& x, int64_t B, int64_t n, KVCache&
   requires std::same_as<T, float>
 {
   const int64_t D = layer.embed_dim();
-  const int64_t M = rows_of(x, D, "attn::nn::SelfAttention::decode", "x");
-  if (B < 1 || n < 1 || M != B * n)
-    throw InvalidArgument("attn::nn::SelfAttention::decode: x has " + std::to_string(M) + " rows, expected B·n = " +
-                          std::to_string(B) + "·" + std::to_string(n));
-  ensure_shape(y, {M, D});
-  MhaArgs<T> args;
-  args.query = View3<const T>(x.data(), {B, n, D});
-  if (alibi_slopes.rank() == 1) args.alibi_slopes = alibi_slopes.template view<1>();
+  const MhaArgs<T> args = sequences_of(x, B, n, D, alibi_slopes, y, "attn::nn::SelfAttention::decode");
   // `if constexpr`: clang 14 (the WebAssembly build, web/) instantiates this body for double too.
   if constexpr (std::same_as<T, float>) layer.decode(args, cache, View3<T>(y.data(), {B, n, D}), options);
 }

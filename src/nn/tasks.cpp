@@ -3,29 +3,22 @@
 
 #include <algorithm>
 
+#include "validate.hpp"
+
 namespace attn::nn {
 
 namespace {
 constexpr int32_t kSep = 0, kSlot = 1, kFirstSymbol = 2;
 }
 
-const char* task_name(TaskKind t) {
-  switch (t) {
-    case TaskKind::copy: return "copy";
-    case TaskKind::reverse: return "reverse";
-    case TaskKind::sort: return "sort";
-    case TaskKind::recall: return "recall";
-  }
-  return "?";
-}
+namespace {
+constexpr detail::NamedValue<TaskKind> kTasks[] = {
+    {TaskKind::copy, "copy"}, {TaskKind::reverse, "reverse"}, {TaskKind::sort, "sort"}, {TaskKind::recall, "recall"}};
+}  // namespace
 
-TaskKind parse_task(const std::string& name) {
-  if (name == "copy") return TaskKind::copy;
-  if (name == "reverse") return TaskKind::reverse;
-  if (name == "sort") return TaskKind::sort;
-  if (name == "recall") return TaskKind::recall;
-  throw InvalidArgument("attn::nn::parse_task: unknown task '" + name + "', expected one of copy, reverse, sort, recall");
-}
+const char* task_name(TaskKind t) { return detail::name_of(kTasks, t); }
+
+TaskKind parse_task(const std::string& name) { return detail::Checker{"nn::parse_task"}.parse(kTasks, name, "task"); }
 
 void TaskConfig::validate() const {
   if (length < 1) throw InvalidArgument("attn::nn::TaskConfig: length is " + std::to_string(length) + ", expected >= 1");

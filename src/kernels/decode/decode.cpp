@@ -99,11 +99,13 @@
 #include "kernels/decode/call.hpp"
 
 HWY_BEFORE_NAMESPACE();
-namespace attn::detail {
-namespace HWY_NAMESPACE {
+namespace attn::detail::HWY_NAMESPACE {
 namespace {
 
 using namespace decode_common;  // hn, os, DF, VF come with simd-inl.h
+
+// The instruction set this copy of the kernel was compiled for.
+const char* TargetNameImpl() { return hwy::TargetName(HWY_TARGET); }
 
 // ---- scores of a tile (the register blocks are in blocks-inl.h) -------------
 
@@ -577,19 +579,28 @@ void ForwardImpl(const Problem& p, const KVLayout& kv, View4<const float> q, Vie
   }
 }
 
-const char* TargetNameImpl() { return hwy::TargetName(HWY_TARGET); }
-
 }  // namespace
-}  // namespace HWY_NAMESPACE
-}  // namespace attn::detail
+}  // namespace attn::detail::HWY_NAMESPACE
 HWY_AFTER_NAMESPACE();
 
 #if HWY_ONCE
 namespace attn::detail {
 
+// ---- storage conversions ----------------------------------------------------
+
+HWY_EXPORT(WidenImpl);
+
+void convert_from_storage(Dtype t, const void* src, int64_t n, float* y) {
+  // Widening is exact: the kernel's own vector conversions (F16C where the
+  // CPU has it; a shift for bfloat16).
+  if (t == Dtype::float32) return (void)std::memcpy(y, src, size_t(n) * 4);
+  HWY_DYNAMIC_DISPATCH(WidenImpl)(t, src, n, y);
+}
+
+// ---- the kernel ---------------------------------------------------------------
+
 HWY_EXPORT(ForwardImpl);
 HWY_EXPORT(TargetNameImpl);
-HWY_EXPORT(WidenImpl);
 
 void decode_forward_planned(const Problem& p, const KVLayout& kv, View4<const float> q, View4<float> out,
                             View3<float> lse, DecodePlan plan) {
@@ -602,15 +613,6 @@ void decode_forward(const Problem& p, const KVLayout& kv, View4<const float> q, 
 }
 
 const char* decode_target_name() { return HWY_DYNAMIC_DISPATCH(TargetNameImpl)(); }
-
-// ---- storage conversions ----------------------------------------------------
-
-void convert_from_storage(Dtype t, const void* src, int64_t n, float* y) {
-  // Widening is exact: the kernel's own vector conversions (F16C where the
-  // CPU has it; a shift for bfloat16).
-  if (t == Dtype::float32) return (void)std::memcpy(y, src, size_t(n) * 4);
-  HWY_DYNAMIC_DISPATCH(WidenImpl)(t, src, n, y);
-}
 
 }  // namespace attn::detail
 #endif  // HWY_ONCE
