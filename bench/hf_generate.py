@@ -3,7 +3,7 @@
 model) with attn against PyTorch SDPA: the prefill time of a long prompt,
 then greedy tokens per second over the new tokens (whole steps), and the
 time spent inside the attention function per new token (wall clock around
-each call, all layers summed, the prompt's included); then one layer's
+each call, all layers summed, the calls for new tokens only); then one layer's
 decoding step alone (cache update and attention) at the prompt's length.
 
     python bench/hf_generate.py [--prompt-tokens 2000] [--new-tokens 128] [--threads N]
@@ -38,15 +38,17 @@ TEXT = ("The history of the city begins with a small settlement on the river, wh
 
 
 class Timed:
-    """An attention function wrapped to add up the seconds spent in it."""
+    """An attention function wrapped to add up the seconds spent in it on
+    single new tokens (query length 1: the decoding steps, not the prompt)."""
 
     def __init__(self, fn):
         self.fn, self.seconds = fn, 0.0
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self, module, query, *args, **kwargs):
         t0 = time.perf_counter()
-        out = self.fn(*args, **kwargs)
-        self.seconds += time.perf_counter() - t0
+        out = self.fn(module, query, *args, **kwargs)
+        if query.shape[-2] == 1:
+            self.seconds += time.perf_counter() - t0
         return out
 
 
@@ -67,7 +69,7 @@ def run(model, ids, new_tokens, impl, timed, cache):
         total = time.perf_counter() - t0
     decode = max(total - prefill, 1e-9)
     steps = new_tokens - 1
-    return prefill, steps / decode, 1e3 * timed.seconds / new_tokens, out[0, ids.shape[1]:]
+    return prefill, steps / decode, 1e3 * timed.seconds / steps, out[0, ids.shape[1]:]
 
 
 def layer_step(context, steps=100):
