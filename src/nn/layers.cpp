@@ -418,7 +418,8 @@ void SelfAttention<T>::reset_parameters(Rng& rng) {
 }
 
 template <class T>
-void SelfAttention<T>::forward(const Tensor<T>& x, int64_t B, int64_t N, Tensor<T>& y, View4<T> weights) {
+void SelfAttention<T>::forward(const Tensor<T>& x, int64_t B, int64_t N, Tensor<T>& y, View4<T> weights,
+                               const AttentionDropout& dropout) {
   const int64_t D = layer.embed_dim();
   const int64_t M = rows_of(x, D, "attn::nn::SelfAttention::forward", "x");
   if (B < 1 || N < 1 || M != B * N)
@@ -428,7 +429,9 @@ void SelfAttention<T>::forward(const Tensor<T>& x, int64_t B, int64_t N, Tensor<
   MhaArgs<T> args;
   args.query = View3<const T>(x.data(), {B, N, D});
   if (alibi_slopes.rank() == 1) args.alibi_slopes = alibi_slopes.template view<1>();
-  layer.forward(args, {View3<T>(y.data(), {B, N, D}), weights, {}}, options, &cache_);
+  MhaOptions opt = options;
+  opt.sdpa.dropout_p = dropout.p, opt.sdpa.dropout_seed = dropout.seed, opt.sdpa.dropout_offset = dropout.offset;
+  layer.forward(args, {View3<T>(y.data(), {B, N, D}), weights, {}}, opt, &cache_);
 }
 
 template <class T>
