@@ -7,7 +7,8 @@ mask per call drawn from torch's generator. attn.MultiheadAttention: in
 training mode its forward and backward are the projections around the dense
 call with the same seed, composed here in NumPy; finite differences through a
 fixed seed; eval mode is dropout 0; the seeds come from the layer's generator;
-bad values name the argument."""
+bad values name the argument; against torch.nn.MultiheadAttention, the same
+eval-mode result and training-mode weights of the same form."""
 
 import numpy as np
 import pytest
@@ -201,3 +202,26 @@ def test_multihead_dropout_errors_name_the_argument():
     for bad in (-1, 2**64, 0.5):
         with pytest.raises(ValueError, match="'dropout_seed'"):
             layer(x, x, x, dropout_seed=bad)
+
+
+def test_multihead_dropout_modes_as_torch():
+    """torch.nn.MultiheadAttention with the same weights: in eval mode both equal
+    the undropped layer; in training mode both return weights that are the
+    eval-mode ones times 0 or 1/(1 - p) (the masks themselves come from
+    different generators)."""
+    torch = pytest.importorskip("torch")
+    ref = torch.nn.MultiheadAttention(12, 3, dropout=0.5, batch_first=True, dtype=torch.float64)
+    layer = attn.MultiheadAttention(12, 3, 0.5, batch_first=True, dtype=np.float64)
+    layer.load_state_dict(ref.state_dict())
+    x = torch.tensor(np.random.default_rng(0).standard_normal((2, 7, 12)))
+    with torch.no_grad():
+        want, want_w = ref.eval()(x, x, x, average_attn_weights=False)
+        got, got_w = layer.eval()(x, x, x, average_attn_weights=False)
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(got_w.numpy(), want_w.numpy(), rtol=1e-12, atol=1e-12)
+        for module in (ref.train(), layer.train()):
+            _, w = module(x, x, x, average_attn_weights=False)
+            w = np.asarray(w)
+            kept = w != 0
+            assert 0 < kept.mean() < 1
+            np.testing.assert_allclose(w[kept], 2 * want_w.numpy()[kept], rtol=1e-12)
