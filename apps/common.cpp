@@ -49,6 +49,18 @@ CLI::Validator finite_number(bool zero_allowed) {
 CLI::Validator positive_number() { return finite_number(false); }
 CLI::Validator non_negative_number() { return finite_number(true); }
 
+CLI::Validator probability_below_one() {
+  return CLI::Validator(
+      [](std::string& s) -> std::string {
+        char* end = nullptr;
+        const double x = std::strtod(s.c_str(), &end);
+        if (s.empty() || end != s.c_str() + s.size() || !(x >= 0 && x < 1))
+          return "expected a probability 0 <= P < 1, got '" + s + "'";
+        return "";
+      },
+      "P");
+}
+
 CLI::Validator integer_value(std::optional<int64_t> min) {
   return CLI::Validator(
       [min](std::string& s) -> std::string {

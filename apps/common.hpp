@@ -65,11 +65,13 @@ class Outputs {
 };
 
 // CLI11 checks whose messages name the value given ("expected a finite
-// number > 0, got 'abc'"): a finite number > 0, or >= 0; an integer (>= min
-// when given) that fits int64 (a longer one is refused, not clamped). Values
-// out of a rule's range are left to the library (exit 1).
+// number > 0, got 'abc'"): a finite number > 0, or >= 0, or a probability
+// 0 <= p < 1; an integer (>= min when given) that fits int64 (a longer one is
+// refused, not clamped). Values out of a rule's range are left to the library
+// (exit 1).
 CLI::Validator positive_number();
 CLI::Validator non_negative_number();
+CLI::Validator probability_below_one();
 CLI::Validator integer_value(std::optional<int64_t> min = std::nullopt);
 // An option taking comma-separated numbers into `out`; an empty or malformed
 // element is a usage error naming it (never dropped).

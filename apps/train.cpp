@@ -85,6 +85,10 @@ void add_train_flags(CLI::App& app, TrainOpts& o) {
       ->check(CLI::IsMember({"default", "none"}))
       ->capture_default_str();
   app.add_flag("--causal", c.causal, "causal attention mask");
+  app.add_option("--dropout", c.dropout,
+                 "attention dropout probability in training steps, 0 <= P < 1 (held-out evaluation drops nothing)")
+      ->check(probability_below_one())
+      ->capture_default_str();
   app.add_option("--optimizer", c.optimizer, "adamw | sgd")->check(CLI::IsMember({"adamw", "sgd"}))->capture_default_str();
   app.add_option("--lr", c.lr, "peak learning rate")->capture_default_str();
   app.add_option("--min-lr", c.min_lr, "learning rate at the end of the cosine")->capture_default_str();

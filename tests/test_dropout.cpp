@@ -10,13 +10,19 @@
 //     batch entries and seeds, as binomial tests at 6 standard deviations
 //     (a false alarm about once in 10^9 runs per check);
 //   bitwise equality across thread counts; varlen against its reference;
-//   the argument errors, and the entry points that refuse dropout.
+//   the argument errors, and the entry points that refuse dropout;
+//   the multi-head layer: its forward and backward against the projections
+//     and the dense call composed by hand with the same options, finite
+//     differences through its fixed mask, bitwise equality across thread
+//     counts, and decode's refusal.
 #include <cmath>
 #include <random>
 
 #include "attn/kv_cache.hpp"
+#include "attn/multihead.hpp"
 #include "attn/sdpa.hpp"
 #include "attn/varlen.hpp"
+#include "multihead_reference.hpp"
 #include "testing.hpp"
 
 namespace {
@@ -282,6 +288,198 @@ TEST(Dropout, ArgumentErrorsAndRefusals) {
   EXPECT_TRUE(throws_with<InvalidArgument>(
       [&] { decode_attention({{}, q.view4(), &cache}, {out.view4()}, dropout(0.1, 0)); },
       {"decode_attention", "option 'dropout_p' is not taken over a cache"}));
+}
+
+// ---------------------------------------------------------------------------
+// The multi-head layer (self-attention, packed in_proj): its attention is one
+// dense call on the projected q, k, v (B, H, L, E), so with dropout it must be
+// exactly that call with the layer's options, forward and backward.
+
+// What the layer computes, composed by hand in double from its parameters:
+//   P_t = x·W_tᵀ + b_t (t = q, k, v; heads h·E .. h·E + E − 1 of each)
+//   O = sdpa(P_q, P_k, P_v; so),   y = O·W_oᵀ + b_o
+// and the backward: dO = dy·W_o, (dP_q, dP_k, dP_v) = sdpa backward (same so),
+//   dx = Σ_t dP_t·W_t,  dW_t = dP_tᵀ·x,  dW_o = dyᵀ·O.
+struct Composed {
+  Tensor<double> y, dx, dw_in, dw_out;
+};
+Composed compose(const MultiheadAttention<double>& m, const Tensor<double>& x, const Tensor<double>& dy,
+                 const SdpaOptions& so) {
+  const int64_t B = x.dim(0), L = x.dim(1), D = x.dim(2), H = m.num_heads(), E = m.head_dim();
+  const Tensor<double>&w_in = m.parameter("in_proj_weight"), &b_in = m.parameter("in_proj_bias"),
+        &w_o = m.parameter("out_proj.weight"), &b_o = m.parameter("out_proj.bias");
+  // fn(t, b, h, i, e, r, row) for every element (b, h, i, e) of `parts`
+  // head tensors, with r = t·D + h·E + e its row of in_proj_weight (and
+  // h·E + e its column of out_proj.weight) and row = b·L + i its token.
+  auto each = [&](int64_t parts, auto fn) {
+    for (int64_t t = 0; t < parts; ++t)
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t h = 0; h < H; ++h)
+          for (int64_t i = 0; i < L; ++i)
+            for (int64_t e = 0; e < E; ++e) fn(t, b, h, i, e, t * D + h * E + e, b * L + i);
+  };
+  std::vector<Tensor<double>> P(3, Tensor<double>({B, H, L, E})), dP(3, Tensor<double>({B, H, L, E}));
+  each(3, [&](int64_t t, int64_t b, int64_t h, int64_t i, int64_t e, int64_t r, int64_t row) {
+    double s = b_in[size_t(r)];
+    for (int64_t d = 0; d < D; ++d) s += x[size_t(row * D + d)] * w_in[size_t(r * D + d)];
+    P[size_t(t)].view4()(b, h, i, e) = s;
+  });
+  SdpaArgs<double> a;
+  a.q = P[0].view4(), a.k = P[1].view4(), a.v = P[2].view4();
+  Tensor<double> o({B, H, L, E}), lse({B, H, L}), d_o({B, H, L, E});
+  scaled_dot_product_attention<double>(a, {o.view4(), {}, lse.view<3>()}, so);
+  Composed c{Tensor<double>({B, L, D}), Tensor<double>({B, L, D}), Tensor<double>({3 * D, D}),
+             Tensor<double>({D, D})};
+  const auto O = o.view4();
+  for (size_t n = 0; n < c.y.size(); ++n) c.y[n] = b_o[n % size_t(D)];
+  each(1, [&](int64_t, int64_t b, int64_t h, int64_t i, int64_t e, int64_t col, int64_t row) {
+    double s = 0;
+    for (int64_t n = 0; n < D; ++n) {
+      c.y[size_t(row * D + n)] += O(b, h, i, e) * w_o[size_t(n * D + col)];
+      s += dy[size_t(row * D + n)] * w_o[size_t(n * D + col)];
+      c.dw_out[size_t(n * D + col)] += dy[size_t(row * D + n)] * O(b, h, i, e);
+    }
+    d_o.view4()(b, h, i, e) = s;
+  });
+  scaled_dot_product_attention_backward<double>(a, d_o.view4(), {o.view4(), lse.view<3>()},
+                                                {dP[0].view4(), dP[1].view4(), dP[2].view4()}, so);
+  each(3, [&](int64_t t, int64_t b, int64_t h, int64_t i, int64_t e, int64_t r, int64_t row) {
+    const double g = dP[size_t(t)].view4()(b, h, i, e);
+    for (int64_t d = 0; d < D; ++d) {
+      c.dx[size_t(row * D + d)] += g * w_in[size_t(r * D + d)];
+      c.dw_in[size_t(r * D + d)] += g * x[size_t(row * D + d)];
+    }
+  });
+  return c;
+}
+
+MhaOptions layer_dropout(double p, uint64_t seed, uint64_t offset) {
+  MhaOptions o;
+  o.sdpa = dropout(p, seed, offset);
+  o.sdpa.causal = true;
+  return o;
+}
+
+TEST(Dropout, LayerIsTheDenseCallComposedByHand) {
+  const int64_t B = 2, L = 9, D = 12, H = 3;
+  std::mt19937_64 rng(31);
+  MultiheadAttention<double> m(config(D, H), 4);
+  randomize(m, rng);
+  const Tensor<double> x = random_tensor<double>({B, L, D}, rng), dy = random_tensor<double>({B, L, D}, rng);
+  const MhaOptions opt = layer_dropout(0.35, 1234, 5);
+  Tensor<double> y({B, L, D}), dx({B, L, D});
+  MhaSaved<double> saved;
+  m.forward(inputs<double>(v3(x)), {.out = y.view<3>()}, opt, &saved);
+  m.zero_grad();
+  m.backward(saved, View3<const double>(dy.data(), {B, L, D}), {.dquery = dx.view<3>()});
+  const Composed c = compose(m, x, dy, opt.sdpa);
+  const double tol = tolerance<double>(D * D, 10.0, 200.0);
+  EXPECT_TRUE(all_close(y, c.y, tol, "y"));
+  EXPECT_TRUE(all_close(dx, c.dx, tol, "dx"));
+  EXPECT_TRUE(all_close(m.grad("in_proj_weight"), c.dw_in, tol, "d in_proj_weight"));
+  EXPECT_TRUE(all_close(m.grad("out_proj.weight"), c.dw_out, tol, "d out_proj.weight"));
+  // The composition tells masks apart: without dropout, or with another
+  // offset, it is far from the layer's output.
+  for (const SdpaOptions& other : {layer_dropout(0, 0, 0).sdpa, layer_dropout(0.35, 1234, 6).sdpa}) {
+    const Composed d = compose(m, x, dy, other);
+    double diff = 0;
+    for (size_t i = 0; i < y.size(); ++i) diff = std::max(diff, std::abs(y[i] - d.y[i]));
+    EXPECT_GT(diff, 1e-2);
+  }
+}
+
+// float32 on the fused path: the layer's attention output is the dense call
+// on its own saved projections with its options, bit for bit (weights too).
+TEST(Dropout, LayerAttentionIsTheDenseCallBitForBit) {
+  const int64_t B = 2, L = 37, D = 32, H = 4, E = 8;
+  std::mt19937_64 rng(8);
+  MultiheadAttention<float> m(config(D, H), 2);
+  randomize(m, rng);
+  const Tensor<float> x = random_tensor<float>({B, L, D}, rng);
+  const MhaOptions opt = layer_dropout(0.2, 99, 3);
+  Tensor<float> y({B, L, D}), w({B, H, L, L});
+  MhaSaved<float> saved;
+  m.forward(inputs<float>(v3(x)), {.out = y.view<3>(), .head_weights = w.view4()},
+            opt, &saved);
+  SdpaArgs<float> a;
+  a.q = saved.q(), a.k = saved.k(), a.v = saved.v();
+  Tensor<float> o({B, L, H * E}), w2({B, H, L, L}), lse({B, H, L});
+  scaled_dot_product_attention<float>(a, {View4<float>::bnhd(o.data(), B, L, H, E), w2.view4(), lse.view<3>()},
+                                      opt.sdpa);
+  EXPECT_TRUE(all_close(o, saved.attn_out, 0.0, "attention output"));
+  EXPECT_TRUE(all_close(w2, w, 0.0, "head weights"));
+  int64_t zeros = 0;
+  for (size_t i = 0; i < w.size(); ++i) zeros += w[i] == 0;
+  EXPECT_GT(zeros, int64_t(w.size()) / 2 + int64_t(w.size()) / 20);  // causal zeros plus the dropped ones
+}
+
+TEST(Dropout, LayerGradientsMatchFiniteDifferences) {
+  const int64_t B = 2, L = 5, D = 6, H = 2;
+  std::mt19937_64 rng(17);
+  MultiheadAttention<double> m(config(D, H), 1);
+  randomize(m, rng, 0.6);
+  Tensor<double> x = random_tensor<double>({B, L, D}, rng);
+  const Tensor<double> G = random_tensor<double>({B, L, D}, rng);
+  const MhaOptions opt = layer_dropout(0.4, 7, 0);
+  Tensor<double> y({B, L, D}), dx({B, L, D});
+  MhaSaved<double> saved;
+  const MhaArgs<double> args = inputs<double>(v3(x));
+  m.forward(args, {.out = y.view<3>()}, opt, &saved);
+  m.zero_grad();
+  m.backward(saved, View3<const double>(G.data(), {B, L, D}), {.dquery = dx.view<3>()});
+  auto loss = [&] {  // the same options: the same mask while the values move
+    Tensor<double> out({B, L, D});
+    m.forward(args, {.out = out.view<3>()}, opt);
+    return dot(G, out);
+  };
+  EXPECT_TRUE(gradient_check(x, dx, loss, "dx"));
+  for (const char* name : {"in_proj_weight", "in_proj_bias", "out_proj.weight"}) {
+    const Tensor<double> g = m.grad(name);
+    EXPECT_TRUE(gradient_check(m.parameter(name), g, loss, name));
+  }
+}
+
+TEST(Dropout, LayerBitwiseTheSameForAnyThreadCount) {
+  const int64_t B = 2, L = 140, D = 64, H = 4;
+  std::mt19937_64 rng(12);
+  const Tensor<float> x = random_tensor<float>({B, L, D}, rng), dy = random_tensor<float>({B, L, D}, rng);
+  struct Out {
+    Tensor<float> y, dx, dw;
+  };
+  auto run_with = [&](int threads) {
+    std::mt19937_64 prng(3);
+    MultiheadAttention<float> m(config(D, H), 0);
+    randomize(m, prng);
+    MhaOptions opt = layer_dropout(0.3, 5, 1);
+    opt.sdpa.num_threads = threads;
+    Out o{Tensor<float>({B, L, D}), Tensor<float>({B, L, D}), {}};
+    MhaSaved<float> saved;
+    m.forward(inputs<float>(v3(x)), {.out = o.y.view<3>()}, opt, &saved);
+    m.backward(saved, View3<const float>(dy.data(), {B, L, D}), {.dquery = o.dx.view<3>()});
+    o.dw = m.grad("in_proj_weight");
+    return o;
+  };
+  const Out one = run_with(1);
+  for (const int t : {2, 3}) {
+    const Out r = run_with(t);
+    EXPECT_TRUE(all_close(r.y, one.y, 0.0, "y")) << t << " threads";
+    EXPECT_TRUE(all_close(r.dx, one.dx, 0.0, "dx")) << t << " threads";
+    EXPECT_TRUE(all_close(r.dw, one.dw, 0.0, "d in_proj_weight")) << t << " threads";
+  }
+}
+
+TEST(Dropout, LayerDecodeRefusesDropout) {
+  MultiheadAttention<float> m(config(8, 2), 0);
+  KVCacheConfig kc;
+  kc.capacity = 4, kc.kv_heads = 2, kc.head_dim = 4;
+  KVCache cache(kc);
+  Tensor<float> x({1, 1, 8}), y({1, 1, 8});
+  MhaOptions opt;
+  opt.sdpa = dropout(0.1, 0);
+  EXPECT_TRUE(throws_with<InvalidArgument>(
+      [&] { m.decode(inputs<float>(v3(x)), cache, y.view<3>(), opt); },
+      {"MultiheadAttention::decode", "option 'dropout_p' is not taken over a cache"}));
+  EXPECT_EQ(cache.length(0), 0);  // refused before the cache changed
 }
 
 }  // namespace

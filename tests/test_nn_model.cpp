@@ -1,8 +1,11 @@
-// The whole transformer against finite differences, seeded initialisation,
-// the optimizers against hand-computed steps, clipping and the schedule.
+// The whole transformer against finite differences (with dropout too, its
+// masks fixed by one key), seeded initialisation, dropout only in training
+// forwards, the optimizers against hand-computed steps, clipping and the
+// schedule.
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <optional>
 #include <random>
 
 #include "attn/nn.hpp"
@@ -19,23 +22,29 @@ struct ModelCase {
   nn::Positions positions;
   bool causal;
   bool unscaled;
+  double dropout = 0;  // > 0: training forwards with one key, so the masks stay fixed
 };
+
+// A model configuration of these sizes, every other field at its default.
+nn::ModelConfig sized(int64_t vocab, int64_t max_len, int64_t dim, int64_t heads, int64_t layers) {
+  nn::ModelConfig mc;
+  mc.vocab = vocab, mc.max_len = max_len, mc.dim = dim, mc.heads = heads, mc.layers = layers;
+  return mc;
+}
 
 class NnTransformerGrad : public ::testing::TestWithParam<ModelCase> {};
 
 TEST_P(NnTransformerGrad, EveryParameterMatchesFiniteDifferences) {
   const auto& c = GetParam();
-  nn::ModelConfig mc;
-  mc.vocab = 7;
-  mc.max_len = 6;
-  mc.dim = 8;
-  mc.heads = 2;
-  mc.layers = 2;
+  nn::ModelConfig mc = sized(7, 6, 8, 2, 2);
   mc.mlp_hidden = 12;
   mc.positions = c.positions;
   mc.causal = c.causal;
+  mc.dropout = c.dropout;
   if (c.unscaled) mc.attn_scale = 1.0;
   nn::Transformer<double> model(mc, 5);
+  const std::optional<nn::DropoutKey> key =
+      c.dropout > 0 ? std::optional<nn::DropoutKey>(nn::DropoutKey{11, 2}) : std::nullopt;
   // perturb the LayerNorm and bias parameters away from their 1/0 init
   nn::Rng r(9);
   for (auto& p : model.parameters())
@@ -48,9 +57,9 @@ TEST_P(NnTransformerGrad, EveryParameterMatchesFiniteDifferences) {
     targets[size_t(i)] = i % 3 == 0 ? -1 : int32_t(r.below(7));
   }
   model.zero_grad();
-  const auto res = model.loss(tokens.data(), targets.data(), B, N, true);
+  const auto res = model.loss(tokens.data(), targets.data(), B, N, true, key);
   EXPECT_GT(res.loss, 0.5);
-  auto F = [&] { return model.loss(tokens.data(), targets.data(), B, N, false).loss; };
+  auto F = [&] { return model.loss(tokens.data(), targets.data(), B, N, false, key).loss; };
   for (auto& p : model.parameters()) {
     const Tensor<double> g = *p.grad;  // F re-runs forward only, grads stay
     EXPECT_TRUE(gradient_check(*p.value, g, F, p.name, {1e-6, 1e-6, 24, true})) << c.name;
@@ -61,7 +70,8 @@ INSTANTIATE_TEST_SUITE_P(Variants, NnTransformerGrad,
                          ::testing::Values(ModelCase{"sinusoidal", nn::Positions::sinusoidal, false, false},
                                            ModelCase{"learned_causal", nn::Positions::learned, true, false},
                                            ModelCase{"rope", nn::Positions::rope, false, false},
-                                           ModelCase{"none_unscaled", nn::Positions::none, false, true}),
+                                           ModelCase{"none_unscaled", nn::Positions::none, false, true},
+                                           ModelCase{"rope_dropout", nn::Positions::rope, true, false, 0.3}),
                          [](const auto& param_info) { return std::string(param_info.param.name); });
 
 TEST(NnTransformer, SeededInitIsReproducible) {
@@ -125,12 +135,7 @@ TEST(NnTransformer, ChunkedLayersKeepTokensInTheirChunk) {
 TEST(NnTransformer, ReturnsEveryLayersAttention) {
   // The weights a heatmap draws: one (B, H, N, N) tensor per layer, rows on
   // the probability simplex, zero above the diagonal when causal.
-  nn::ModelConfig mc;
-  mc.vocab = 6;
-  mc.max_len = 5;
-  mc.dim = 8;
-  mc.heads = 2;
-  mc.layers = 3;
+  nn::ModelConfig mc = sized(6, 5, 8, 2, 3);
   mc.causal = true;
   nn::Transformer<double> model(mc, 2);
   const int32_t tokens[10] = {1, 2, 3, 4, 5, 0, 1, 2, 3, 4};
@@ -189,6 +194,67 @@ TEST(NnTransformer, ParameterShapesAreTheModelsWithoutBuildingIt) {
   EXPECT_THROW(nn::parameter_shapes(bad), attn::Error);
 }
 
+// Attention dropout acts only in forwards given a key (training steps): without
+// one a model with dropout computes exactly what the model without it does
+// (evaluation too); with one, each block drops its own weights, the same key
+// gives the same logits, another key others; and a training step is the same
+// bit for bit for any thread count.
+TEST(NnTransformer, DropoutOnlyInTrainingForwards) {
+  const nn::ModelConfig mc = sized(9, 12, 16, 2, 2);
+  nn::ModelConfig with = mc;
+  with.dropout = 0.3;
+  nn::Transformer<float> plain(mc, 4), drop(with, 4);
+  const int64_t B = 3, N = 12;
+  nn::Rng r(2);
+  std::vector<int32_t> tokens(B * N), targets(B * N);
+  for (auto& t : tokens) t = int32_t(r.below(9));
+  for (auto& t : targets) t = int32_t(r.below(9));
+  Tensor<float> a, b, k1, k1again, k2, p1;
+  plain.forward(tokens.data(), B, N, a);
+  drop.forward(tokens.data(), B, N, b);
+  EXPECT_TRUE(attn::testing::all_close(b, a, 0.0, "no key"));
+  std::vector<Tensor<float>> w;
+  drop.forward(tokens.data(), B, N, k1, &w, nn::DropoutKey{5, 0});
+  drop.forward(tokens.data(), B, N, k1again, nullptr, nn::DropoutKey{5, 0});
+  drop.forward(tokens.data(), B, N, k2, nullptr, nn::DropoutKey{6, 0});
+  plain.forward(tokens.data(), B, N, p1, nullptr, nn::DropoutKey{5, 0});
+  EXPECT_TRUE(attn::testing::all_close(k1again, k1, 0.0, "the same key"));
+  EXPECT_TRUE(attn::testing::all_close(p1, a, 0.0, "dropout 0 with a key"));
+  EXPECT_FALSE(attn::testing::all_close(k1, a, 1e-3, "dropped"));
+  EXPECT_FALSE(attn::testing::all_close(k2, k1, 1e-3, "another key"));
+  // each block drops about 30% of its weights (no mask: every weight is > 0
+  // before dropout), and not the same ones as the other block
+  ASSERT_EQ(w.size(), 2u);
+  int64_t zeros[2] = {0, 0}, both = 0;
+  for (size_t i = 0; i < w[0].size(); ++i) {
+    zeros[0] += w[0][i] == 0, zeros[1] += w[1][i] == 0;
+    both += w[0][i] == 0 && w[1][i] == 0;
+  }
+  const double n = double(w[0].size());  // 864 weights per block; bounds at 6σ
+  for (const int64_t z : zeros) EXPECT_NEAR(double(z) / n, 0.3, 6 * std::sqrt(0.3 * 0.7 / n));
+  EXPECT_NEAR(double(both) / n, 0.09, 6 * std::sqrt(0.09 * 0.91 / n));  // independent masks: 0.3²
+  nn::Task task({nn::TaskKind::copy, 5, 7});
+  nn::ModelConfig tc = mc;
+  tc.vocab = task.vocab_size(), tc.max_len = task.seq_len();
+  nn::ModelConfig td = tc;
+  td.dropout = 0.5;
+  nn::Transformer<float> te(tc, 1), tdm(td, 1);
+  const auto ea = nn::evaluate(te, task, 64, 3), eb = nn::evaluate(tdm, task, 64, 3);
+  EXPECT_EQ(ea.loss, eb.loss);
+  EXPECT_EQ(ea.token_acc, eb.token_acc);
+  // a training step with 1 and 2 threads in the attention layers
+  auto step = [&](int threads) {
+    nn::Transformer<float> m(with, 4);
+    for (auto& blk : m.blocks()) blk.attn.options.sdpa.num_threads = threads;
+    m.zero_grad();
+    const double loss = m.loss(tokens.data(), targets.data(), B, N, true, nn::DropoutKey{9, 1}).loss;
+    std::vector<float> g{float(loss)};
+    for (auto& p : m.parameters()) g.insert(g.end(), p.grad->data(), p.grad->data() + p.grad->size());
+    return g;
+  };
+  EXPECT_EQ(step(1), step(2));
+}
+
 TEST(NnTransformer, RejectsBadConfigAndInput) {
   nn::ModelConfig mc;
   mc.vocab = 5;
@@ -200,6 +266,9 @@ TEST(NnTransformer, RejectsBadConfigAndInput) {
   mc.positions = nn::Positions::rope;
   EXPECT_TRUE(attn::testing::throws_with([&] { nn::Transformer<float> m(mc); }, {"rope", "even"}));
   mc.positions = nn::Positions::sinusoidal;
+  mc.dropout = 1;
+  EXPECT_TRUE(attn::testing::throws_with([&] { nn::Transformer<float> m(mc); }, {"ModelConfig", "dropout is 1"}));
+  mc.dropout = 0;
   nn::Transformer<float> m(mc);
   std::vector<int32_t> tok(10, 1);
   Tensor<float> logits;

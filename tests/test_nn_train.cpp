@@ -197,18 +197,24 @@ TEST(NnTrain, CheckpointKeepsTheVariants) {
   fs::remove(path);
 }
 
-TEST(NnTrain, SameSeedSameCurveBitForBit) {
-  nn::TrainConfig c = tiny_config();
-  c.steps = 12;
-  const auto a = nn::train(c), b = nn::train(c);
-  c.seed = 8;
-  const auto other = nn::train(c);
+// Two runs with the same curve, bit for bit: loss and gradient norm at every
+// step, and the held-out loss.
+void expect_same_run(const nn::TrainResult& a, const nn::TrainResult& b) {
   ASSERT_EQ(a.curve.size(), b.curve.size());
   for (size_t i = 0; i < a.curve.size(); ++i) {
     EXPECT_EQ(a.curve[i].loss, b.curve[i].loss) << "step " << i;
     EXPECT_EQ(a.curve[i].grad_norm, b.curve[i].grad_norm) << "step " << i;
   }
   EXPECT_EQ(a.final_eval.loss, b.final_eval.loss);
+}
+
+TEST(NnTrain, SameSeedSameCurveBitForBit) {
+  nn::TrainConfig c = tiny_config();
+  c.steps = 12;
+  const auto a = nn::train(c), b = nn::train(c);
+  c.seed = 8;
+  const auto other = nn::train(c);
+  expect_same_run(a, b);
   EXPECT_NE(a.curve[5].loss, other.curve[5].loss);
 }
 
@@ -519,6 +525,69 @@ TEST(NnTrain, CurriculumRunsAndResumes) {
   fs::remove(ckpt);
 }
 
+// Attention dropout in training steps: it changes the steps (the first step's
+// loss, from the same initialisation and batch, differs from the run without
+// it), a run is still the same bit for bit and resumes onto the same curve
+// (step k's masks come from (seed, k)), a tiny run still learns, and the
+// checkpoint keeps the probability (one written before the field existed
+// reads as 0).
+TEST(NnTrain, DropoutTrainsReproduciblyAndIsStored) {
+  nn::TrainConfig c = tiny_config();
+  c.steps = 16;
+  c.warmup = 4;
+  c.dropout = 0.2;
+  const std::string full_ckpt = temp_path("drop_full.safetensors"), half_ckpt = temp_path("drop_half.safetensors");
+  c.save_path = full_ckpt;
+  const auto a = nn::train(c);
+  c.save_path.clear();
+  const auto b = nn::train(c);
+  nn::TrainConfig plain = c;
+  plain.dropout = 0;
+  const auto p = nn::train(plain);
+  expect_same_run(a, b);
+  EXPECT_NE(a.curve[0].loss, p.curve[0].loss);
+  EXPECT_NE(a.curve[0].grad_norm, p.curve[0].grad_norm);
+  // the held-out evaluation drops nothing: the model the checkpoint holds
+  // scores exactly the run's final evaluation in a model built without dropout
+  nn::Transformer<float> model(nn::model_config(plain));
+  nn::load_training_checkpoint<float>(full_ckpt, model, nullptr);
+  const auto ev = nn::evaluate(model, nn::Task(c.task), c.eval_examples, c.seed);
+  EXPECT_EQ(ev.loss, a.final_eval.loss);
+  EXPECT_EQ(ev.token_acc, a.final_eval.token_acc);
+  // the checkpoint keeps the probability; a resumed run continues the curve
+  EXPECT_EQ(nn::checkpoint_config(full_ckpt).dropout, 0.2);
+  c.stop_at = 8;
+  c.save_path = half_ckpt;
+  nn::train(c);
+  c.stop_at = 0;
+  c.save_path.clear();
+  c.resume_path = half_ckpt;
+  const auto rest = nn::train(c);
+  ASSERT_EQ(rest.curve.size(), 8u);
+  for (size_t i = 0; i < 8; ++i) EXPECT_EQ(rest.curve[i].loss, a.curve[8 + i].loss) << "step " << 8 + i;
+  EXPECT_EQ(rest.final_eval.loss, a.final_eval.loss);
+  // a checkpoint whose config has no "dropout" (written before it existed)
+  attn::io::Metadata meta;
+  const auto file = attn::io::read_safetensors<float>(half_ckpt, {}, &meta);
+  auto config = nlohmann::json::parse(meta.at("config"));
+  ASSERT_EQ(config.at("dropout"), 0.2);
+  config.erase("dropout");
+  meta["config"] = config.dump();
+  attn::io::write_safetensors(half_ckpt, file, meta);
+  EXPECT_EQ(nn::checkpoint_config(half_ckpt).dropout, 0.0);
+  config["dropout"] = 1.0;
+  meta["config"] = config.dump();
+  attn::io::write_safetensors(half_ckpt, file, meta);
+  EXPECT_TRUE(attn::testing::throws_with([&] { nn::checkpoint_config(half_ckpt); }, {half_ckpt, "dropout is 1"}));
+  fs::remove(full_ckpt);
+  fs::remove(half_ckpt);
+  // a tiny run with dropout still learns reverse
+  nn::TrainConfig learn = tiny_config();
+  learn.dropout = 0.1;
+  const auto res = nn::train(learn);
+  EXPECT_GT(res.final_eval.token_acc, 0.95);
+}
+
 TEST(NnTrain, RejectsBadConfig) {
   nn::TrainConfig c = tiny_config();
   c.optimizer = "adam";
@@ -526,6 +595,11 @@ TEST(NnTrain, RejectsBadConfig) {
   c = tiny_config();
   c.batch = 0;
   EXPECT_TRUE(attn::testing::throws_with([&] { nn::train(c); }, {"batch is 0"}));
+  for (const double p : {-0.1, 1.0, std::nan("")}) {
+    c = tiny_config();
+    c.dropout = p;
+    EXPECT_TRUE(attn::testing::throws_with([&] { nn::train(c); }, {"TrainConfig", "dropout is", "0 <= dropout < 1"}));
+  }
   c = tiny_config();
   c.resume_path = temp_path("missing.safetensors");
   EXPECT_TRUE(attn::testing::throws_with([&] { nn::train(c); }, {"missing.safetensors", "cannot open"}));

@@ -94,7 +94,11 @@ struct MhaGrads {
 
 // The attention options, passed to scaled_dot_product_attention (and to
 // decode_attention) unchanged; check_finite also covers the layer's own
-// inputs and dout.
+// inputs and dout. Attention dropout (sdpa.dropout_p, dropout_seed,
+// dropout_offset) is a training forward's: the saved state keeps the
+// options, so backward regenerates the forward's mask; decode refuses it.
+// The layer's attention is one call over all heads, so the weight dropped
+// at (b, h, i, j) is the dense call's on the projected q, k, v.
 struct MhaOptions {
   SdpaOptions sdpa;
 };

@@ -154,6 +154,9 @@ class MultiheadAttention:
     batch_first: bool
     bias: bool
     dtype: np.dtype[Any]
+    dropout: float
+    training: bool
+    generator: np.random.Generator
 
     def __init__(
         self,
@@ -171,7 +174,12 @@ class MultiheadAttention:
         *,
         seed: Optional[int] = None,
         sinks: Union[bool, ArrayLike] = False,
+        generator: Optional[np.random.Generator] = None,
     ) -> None: ...
+    def train(self, mode: bool = True) -> "MultiheadAttention":
+        """Training mode (the default): forward() applies the attention dropout."""
+    def eval(self) -> "MultiheadAttention":
+        """Eval mode: forward() drops nothing."""
     def parameter_names(self) -> List[str]: ...
     def state_dict(self) -> Dict[str, npt.NDArray[np.floating[Any]]]: ...
     def load_state_dict(self, state_dict: Dict[str, ArrayLike], strict: bool = True) -> None: ...
@@ -205,6 +213,7 @@ class MultiheadAttention:
         chunk_size: int = 0,
         alibi_slopes: Optional[ArrayLike] = None,
         position_offset: Optional[int] = None,
+        dropout_seed: Optional[int] = None,
     ) -> Tuple[Any, Optional[Any]]:
         """(attn_output, attn_weights); also saves what backward() needs."""
     def decode(
@@ -241,6 +250,7 @@ class MultiheadAttention:
         chunk_size: int = 0,
         alibi_slopes: Optional[ArrayLike] = None,
         position_offset: Optional[int] = None,
+        dropout_seed: Optional[int] = None,
     ) -> Tuple[Any, Optional[Any]]: ...
 
 Dtype = Literal["float32", "float16", "bfloat16", "f32", "f16", "bf16"]

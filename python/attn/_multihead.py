@@ -11,7 +11,10 @@ padding" in both.
 Training: forward() saves what backward() needs (the library's cache, which
 owns copies of the inputs, projections and masks) on the layer, as a torch
 module's autograd graph would; backward(grad_output) turns it into input
-gradients and adds the parameter gradients to grads().
+gradients and adds the parameter gradients to grads(). Attention dropout, as
+in torch.nn.MultiheadAttention, acts in training mode only (train()/eval(),
+training); the cache keeps the call's dropout seed, so backward() drops the
+same weights the forward did.
 """
 
 from __future__ import annotations
@@ -120,8 +123,20 @@ class MultiheadAttention:
     q_proj_weight, k_proj_weight, v_proj_weight; out_proj.weight [E, E],
     out_proj.bias [E]. They start as PyTorch initialises them (Xavier-uniform
     weights, zero biases), drawn from `seed`. dtype is float32 (default) or
-    float64. dropout, add_bias_kv and add_zero_attn exist for PyTorch's
-    argument order and must keep their defaults.
+    float64. add_bias_kv and add_zero_attn exist for PyTorch's argument order
+    and must keep their defaults.
+
+    dropout (0 <= dropout <= 1, as in PyTorch) drops attention weights in
+    training mode: the layer starts in it (training is True, as a torch
+    module), eval() leaves it and train() returns to it; eval mode, and
+    decode(), drop nothing. Each training forward() drops with a fresh seed
+    of attn's dropout (SdpaOptions::dropout_seed, docs/variants.md): its
+    dropout_seed= argument when given, otherwise one draw
+    generator.integers(0, 2**64, dtype=np.uint64) from the layer's
+    `generator` (the keyword generator=, a numpy.random.Generator; default
+    numpy.random.default_rng(seed)), so a layer built with the same seed
+    repeats its masks call for call. The weights returned are the dropped
+    ones (what multiplies the values), as PyTorch returns them.
 
     sinks=True gives the layer a learnable attention sink per head (gpt-oss):
     the parameter 'sinks' (num_heads,), starting at 0 (or at the values given,
@@ -143,9 +158,14 @@ class MultiheadAttention:
     def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0, bias: bool = True,
                  add_bias_kv: bool = False, add_zero_attn: bool = False, kdim: Optional[int] = None,
                  vdim: Optional[int] = None, batch_first: bool = False, device: Any = None,
-                 dtype: Any = None, *, seed: Optional[int] = None, sinks: Any = False) -> None:
-        if dropout != 0.0:
-            raise ValueError(f"{_FN}: dropout is {dropout}; attn is exact, only dropout=0.0 is supported")
+                 dtype: Any = None, *, seed: Optional[int] = None, sinks: Any = False,
+                 generator: Optional[np.random.Generator] = None) -> None:
+        if isinstance(dropout, bool) or not isinstance(dropout, (int, float, np.floating, np.integer)) or not (
+                0.0 <= float(dropout) <= 1.0):
+            raise ValueError(f"{_FN}: 'dropout' is {dropout!r}, expected a probability 0 <= dropout <= 1")
+        if generator is not None and not isinstance(generator, np.random.Generator):
+            raise ValueError(f"{_FN}: 'generator' is a {type(generator).__name__}, expected a "
+                             "numpy.random.Generator (or None)")
         if add_bias_kv or add_zero_attn:
             raise ValueError(f"{_FN}: add_bias_kv and add_zero_attn are not supported")
         if device is not None and str(device) != "cpu":
@@ -159,6 +179,9 @@ class MultiheadAttention:
         self.bias = bool(bias)
         if seed is None:
             seed = int(np.random.default_rng().integers(0, 2**63))
+        self.dropout = float(dropout)
+        self.generator = np.random.default_rng(int(seed)) if generator is None else generator
+        self.training = True
         cls, self._cache_cls = _CLASSES[self.dtype]
         initial_sinks = None
         if not isinstance(sinks, bool):
@@ -189,6 +212,29 @@ class MultiheadAttention:
         if name in ("float64", "double"):
             return np.dtype(np.float64)
         raise ValueError(f"{_FN}: dtype is {dtype}, expected float32 or float64")
+
+    # Training mode ------------------------------------------------------------
+
+    def train(self, mode: bool = True) -> "MultiheadAttention":
+        """Training mode (mode=True, the default state), in which forward() applies
+        the attention dropout, or eval mode (mode=False). Returns the layer."""
+        self.training = bool(mode)
+        return self
+
+    def eval(self) -> "MultiheadAttention":
+        """Eval mode: forward() drops nothing (train(False)). Returns the layer."""
+        return self.train(False)
+
+    def _dropout(self, fn: str, dropout_seed: Any) -> Tuple[float, int]:
+        """This call's (dropout_p, dropout_seed): (0, 0) in eval mode or without dropout."""
+        if dropout_seed is not None and (isinstance(dropout_seed, bool) or not isinstance(
+                dropout_seed, (int, np.integer)) or not 0 <= int(dropout_seed) < 2**64):
+            raise ValueError(f"{fn}: 'dropout_seed' is {dropout_seed!r}, expected an integer 0 <= seed < 2**64")
+        if not self.training or self.dropout == 0.0:
+            return 0.0, 0
+        if dropout_seed is None:
+            dropout_seed = self.generator.integers(0, 2**64, dtype=np.uint64)
+        return self.dropout, int(dropout_seed)
 
     # Parameters ---------------------------------------------------------------
 
@@ -235,7 +281,7 @@ class MultiheadAttention:
                 need_weights: bool = True, attn_mask: Any = None, average_attn_weights: bool = True,
                 is_causal: bool = False, *, backend: str = "auto", window_size: Any = None, softcap: Any = None,
                 chunk_size: int = 0, alibi_slopes: Any = None,
-                position_offset: Any = None) -> Tuple[Any, Optional[Any]]:
+                position_offset: Any = None, dropout_seed: Any = None) -> Tuple[Any, Optional[Any]]:
         """torch.nn.MultiheadAttention.forward: returns (attn_output, attn_weights).
 
         query (L, N, E) (N, L, E with batch_first) or unbatched (L, E); key (S, N, kdim);
@@ -255,6 +301,11 @@ class MultiheadAttention:
         scores. With the layer's sinks, the weights of a row sum to 1 minus its
         weight on the sink.
 
+        In training mode with dropout > 0, attention weights are dropped with
+        that probability (the kept ones scaled by 1/(1 - dropout)), chosen by
+        dropout_seed (an integer 0 <= seed < 2**64; default: drawn from the
+        layer's generator); backward() drops the same ones.
+
         The layer keeps what backward() needs from this call (copies of the
         inputs, projections and masks) until the next forward call or until
         backward() consumes it.
@@ -271,15 +322,17 @@ class MultiheadAttention:
         return self._forward(query, key, value, key_padding_mask, need_weights, attn_mask,
                              average_attn_weights, is_causal, backend, cache,
                              dict(window_size=window_size, softcap=softcap, chunk_size=chunk_size,
-                                  alibi_slopes=alibi_slopes, position_offset=position_offset))
+                                  alibi_slopes=alibi_slopes, position_offset=position_offset),
+                             dropout_seed)
 
     def _forward(self, query: Any, key: Any, value: Any, key_padding_mask: Any, need_weights: bool,
                  attn_mask: Any, average_attn_weights: bool, is_causal: bool,
-                 backend: str, cache: Any, var: Dict[str, Any]) -> Tuple[Any, Optional[Any]]:
+                 backend: str, cache: Any, var: Dict[str, Any], dropout_seed: Any) -> Tuple[Any, Optional[Any]]:
         fn = _FN + ".forward"
         variants = variant_kwargs(fn, self.dtype, var["window_size"], var["alibi_slopes"], var["softcap"], None,
                                   var["position_offset"], var["chunk_size"])
         del variants["sinks"]  # the layer's own parameter
+        dropout_p, seed = self._dropout(fn, dropout_seed)
         torch_out = any(is_torch_tensor(x) for x in (query, key, value))
         if torch_out and _torch().is_grad_enabled() and any(
                 is_torch_tensor(x) and x.requires_grad for x in (query, key, value)):
@@ -340,7 +393,8 @@ class MultiheadAttention:
         version = self._version
         self._layer.forward(q, None if same else k, None if same else v, out, attn_mask=mask, attn_bias=bias,
                             key_padding_mask=kpm, head_weights=head_w, avg_weights=avg_w,
-                            causal=bool(is_causal), backend=backend, cache=cache, **variants)
+                            causal=bool(is_causal), backend=backend, cache=cache, dropout_p=dropout_p,
+                            dropout_seed=seed, **variants)
 
         w = avg_w if avg_w is not None else head_w
         if not batched:
@@ -381,7 +435,7 @@ class MultiheadAttention:
         (C = cache.capacity), combined with is_causal and the window.
         window_size, softcap, chunk_size, alibi_slopes: as in forward(); the
         layer's sinks apply. Errors leave the cache as it was. No backward:
-        decoding is inference.
+        decoding is inference, and nothing is dropped in either mode.
         """
         fn = _FN + ".decode"
         if not isinstance(cache, KVCache):
@@ -432,7 +486,10 @@ class MultiheadAttention:
         The saved state is released afterwards, so a second backward needs a
         new forward; retain_graph=True keeps it (the next backward then adds
         its parameter gradients again). Parameters must not change between
-        forward and backward (load_state_dict in between is an error).
+        forward and backward (load_state_dict in between is an error). With
+        dropout, the gradients flow through the weights that forward kept.
+        Switching train()/eval() in between changes nothing: the saved state
+        holds the forward's own dropout.
         """
         fn = _FN + ".backward"
         saved = self._saved
@@ -476,5 +533,5 @@ class MultiheadAttention:
 
     def __repr__(self) -> str:
         return (f"attn.MultiheadAttention(embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
-                f"bias={self.bias}, kdim={self.kdim}, vdim={self.vdim}, batch_first={self.batch_first}, "
-                f"dtype={self.dtype.name})")
+                f"dropout={self.dropout}, bias={self.bias}, kdim={self.kdim}, vdim={self.vdim}, "
+                f"batch_first={self.batch_first}, dtype={self.dtype.name})")

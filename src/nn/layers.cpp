@@ -436,10 +436,13 @@ MhaArgs<T> sequences_of(const Tensor<T>& x, int64_t B, int64_t N, int64_t D, con
 }  // namespace
 
 template <class T>
-void SelfAttention<T>::forward(const Tensor<T>& x, int64_t B, int64_t N, Tensor<T>& y, View4<T> weights) {
+void SelfAttention<T>::forward(const Tensor<T>& x, int64_t B, int64_t N, Tensor<T>& y, View4<T> weights,
+                               const AttentionDropout& dropout) {
   const int64_t D = layer.embed_dim();
   const MhaArgs<T> args = sequences_of(x, B, N, D, alibi_slopes, y, "attn::nn::SelfAttention::forward");
-  layer.forward(args, {View3<T>(y.data(), {B, N, D}), weights, {}}, options, &cache_);
+  MhaOptions opt = options;
+  opt.sdpa.dropout_p = dropout.p, opt.sdpa.dropout_seed = dropout.seed, opt.sdpa.dropout_offset = dropout.offset;
+  layer.forward(args, {View3<T>(y.data(), {B, N, D}), weights, {}}, opt, &cache_);
 }
 
 template <class T>

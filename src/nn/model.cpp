@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <map>
+#include <sstream>
 
 #include "nn/common.hpp"
 #include "validate.hpp"
@@ -29,6 +30,11 @@ void ModelConfig::validate() const {
     c.fail("window is (" + std::to_string(window.left) + ", " + std::to_string(window.right) +
            "), expected each side >= 0, or -1 for unbounded");
   if (chunk_size < 0) c.fail("chunk_size is " + std::to_string(chunk_size) + ", expected >= 0 (0 = off)");
+  if (!(dropout >= 0 && dropout < 1)) {
+    std::ostringstream os;
+    os << "dropout is " << dropout << ", expected 0 <= dropout < 1";
+    c.fail(os.str());
+  }
 }
 
 ParameterShapes parameter_shapes(const ModelConfig& config) {
@@ -105,7 +111,7 @@ void Transformer<T>::reset_parameters(uint64_t seed) {
 
 template <class T>
 void Transformer<T>::forward(const int32_t* tokens, int64_t B, int64_t N, Tensor<T>& logits,
-                             std::vector<Tensor<T>>* attention) {
+                             std::vector<Tensor<T>>* attention, std::optional<DropoutKey> dropout) {
   if (B < 1 || N < 1)
     throw InvalidArgument("attn::nn::Transformer::forward: B and N must be >= 1, got " + std::to_string(B) + " and " +
                 std::to_string(N));
@@ -131,9 +137,11 @@ void Transformer<T>::forward(const int32_t* tokens, int64_t B, int64_t N, Tensor
       (*attention)[l] = Tensor<T>({B, cfg_.heads, N, N});
       w = (*attention)[l].view4();
     }
-    // a = h + Attn(LN1(h))
+    // a = h + Attn(LN1(h)), in a training step with block l's dropout mask
+    AttentionDropout drop;
+    if (dropout && cfg_.dropout > 0) drop = {cfg_.dropout, dropout->seed, dropout->offset + l};
     blk.ln1.forward(h, blk.x1);
-    blk.attn.forward(blk.x1, B, N, tmp, w);
+    blk.attn.forward(blk.x1, B, N, tmp, w, drop);
     ensure_shape(blk.a, {M, cfg_.dim});
     for (size_t i = 0; i < blk.a.size(); ++i) blk.a[i] = h[i] + tmp[i];
     // h' = a + MLP(LN2(a))
@@ -178,9 +186,9 @@ void Transformer<T>::backward(const Tensor<T>& dlogits) {
 
 template <class T>
 CrossEntropyResult Transformer<T>::loss(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t N,
-                                        bool with_grad) {
+                                        bool with_grad, std::optional<DropoutKey> dropout) {
   Tensor<T> logits, dlogits;
-  forward(tokens, B, N, logits);
+  forward(tokens, B, N, logits, nullptr, dropout);
   const CrossEntropyResult r = softmax_cross_entropy(logits, targets, with_grad ? &dlogits : nullptr);
   if (with_grad) backward(dlogits);
   return r;

@@ -29,7 +29,7 @@ namespace attn::nn {
 
 namespace {
 
-constexpr uint64_t kModelStream = 1, kDataStream = 2, kEvalStream = 3;
+constexpr uint64_t kModelStream = 1, kDataStream = 2, kEvalStream = 3, kDropoutStream = 4;
 constexpr const char* kFormat = "attn.nn.checkpoint/1";
 
 // A double as text that reads back to the same bits.
@@ -82,6 +82,7 @@ nlohmann::json config_json(const TrainConfig& c) {
           {"chunk_size", c.chunk_size},
           {"sinks", c.sinks},
           {"scale_none", c.scale_none},
+          {"dropout", c.dropout},
           {"optimizer", c.optimizer},
           {"lr", c.lr},
           {"min_lr", c.min_lr},
@@ -154,6 +155,7 @@ TrainConfig config_from_json(const nlohmann::json& j, const std::string& who) {
   c.chunk_size = r.integer("chunk_size", 0);  // absent in checkpoints older than chunks
   c.sinks = r.get<bool>("sinks", &nlohmann::json::is_boolean, "true or false", false);
   c.scale_none = r.boolean("scale_none");
+  c.dropout = r.number("dropout", 0.0);  // absent in checkpoints older than dropout
   c.optimizer = r.string("optimizer");
   c.lr = r.number("lr");
   c.min_lr = r.number("min_lr");
@@ -259,6 +261,11 @@ void TrainConfig::validate() const {
   if (!(lr > 0) || !std::isfinite(lr)) c.fail("lr must be finite and > 0");
   if (!(min_lr >= 0) || min_lr > lr) c.fail("min_lr must be in [0, lr]");
   if (warmup < 0) c.fail("warmup must be >= 0");
+  if (!(dropout >= 0 && dropout < 1)) {
+    std::ostringstream os;
+    os << "dropout is " << dropout << ", expected 0 <= dropout < 1 (the attention dropout probability)";
+    c.fail(os.str());
+  }
   if (!(clip >= 0) || !std::isfinite(clip)) c.fail("clip must be finite and >= 0 (0 = off)");
   if (!(weight_decay >= 0) || !std::isfinite(weight_decay)) c.fail("weight_decay must be finite and >= 0");
   if (!(momentum >= 0 && momentum < 1)) c.fail("momentum must be in [0, 1)");
@@ -323,6 +330,7 @@ ModelConfig model_config(const TrainConfig& c) {
   m.window = c.window;
   m.chunk_size = c.chunk_size;
   m.sinks = c.sinks;
+  m.dropout = c.dropout;
   if (c.scale_none) m.attn_scale = 1.0;
   return m;
 }
@@ -533,7 +541,9 @@ TrainResult train(const TrainConfig& cfg, const ProgressCallback& progress) {
     const int64_t length = curriculum.length();
     const Batch batch = curriculum.done() ? task.sample(cfg.batch, data) : Task(curriculum.task()).sample(cfg.batch, data);
     model.zero_grad();
-    model.forward(batch.tokens.data(), batch.B, batch.N, logits);
+    // Step k's dropout masks: a key of its own, from the run's seed.
+    const DropoutKey dropout{derive_seed(derive_seed(cfg.seed, kDropoutStream), uint64_t(step)), 0};
+    model.forward(batch.tokens.data(), batch.B, batch.N, logits, nullptr, dropout);
     const auto ce = softmax_cross_entropy<float>(logits, batch.targets.data(), &dlogits);
     if (!std::isfinite(ce.loss)) diverged("the loss is " + non_finite_name(ce.loss), step);
     const Accuracy acc = accuracy(logits, batch.targets.data(), batch.B, batch.N);

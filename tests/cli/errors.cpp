@@ -39,6 +39,8 @@ const std::vector<CliError> kErrors = {
     {"experiment nonsense", 2, {"nonsense"}},
     {"train --task reverses --steps 1", 2, {"--task", "reverses"}},
     {"train --positions spiral --steps 1", 2, {"spiral"}},
+    {"train --dropout 1.5 --steps 1", 2, {"--dropout", "0 <= P < 1", "'1.5'"}},
+    {"train --dropout -0.1 --steps 1", 2, {"--dropout", "'-0.1'"}},
     {"heatmap --out h.png", 2, {}},
     {"heatmap --weights a.npy --checkpoint c.safetensors --out h.png", 2, {}},
     // a source's options are refused with the other source instead of being ignored

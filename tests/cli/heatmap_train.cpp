@@ -1,5 +1,5 @@
-// `attn heatmap` from a weights file, `attn train` (save, resume, curves)
-// and `attn heatmap --checkpoint` on what it trained.
+// `attn heatmap` from a weights file, `attn train` (save, resume, curves,
+// variants, dropout) and `attn heatmap --checkpoint` on what it trained.
 #include "cli_test.hpp"
 
 #include <cmath>
@@ -158,6 +158,39 @@ TEST_F(Cli, TrainWithAlibiWindowAndSinks) {
   ASSERT_EQ(r.rc, 0) << r.err;
   EXPECT_EQ(slurp(path("h.png")).substr(1, 3), "PNG");
   EXPECT_EQ(run(cfg + " --window 1").rc, 2);  // LEFT,RIGHT: two values
+}
+
+// --dropout reaches the training steps: the first step's loss differs from a
+// run without it, the curve and the held-out result are the same with 1 and 2
+// threads, the checkpoint keeps the probability, and the checkpoint's
+// heatmap (inference) is drawn.
+TEST_F(Cli, TrainWithDropout) {
+  const std::string cfg =
+      "train --task reverse --length 3 --symbols 4 --layers 2 --dim 8 --heads 2 --batch 4 --warmup 2 --eval-examples 8 "
+      "--log-every 1 --seed 5 --steps 5";
+  Result r = run(cfg + " --dropout 0.1 --csv one.csv --save d.safetensors", "OMP_NUM_THREADS=1");
+  ASSERT_EQ(r.rc, 0) << r.err << r.out;
+  auto held_out = [](const std::string& out) {
+    const size_t at = out.find("held-out (");
+    return at == std::string::npos ? std::string() : out.substr(at, out.find('\n', at) - at);
+  };
+  const std::string one_thread = held_out(r.out);
+  r = run(cfg + " --dropout 0.1 --csv two.csv", "OMP_NUM_THREADS=2");
+  ASSERT_EQ(r.rc, 0) << r.err << r.out;
+  EXPECT_FALSE(one_thread.empty()) << r.out;
+  EXPECT_EQ(held_out(r.out), one_thread);
+  ASSERT_EQ(run(cfg + " --csv plain.csv").rc, 0);
+  const auto one = curve_rows(slurp(path("one.csv"))), two = curve_rows(slurp(path("two.csv"))),
+             plain = curve_rows(slurp(path("plain.csv")));
+  ASSERT_EQ(one.size(), 5u);
+  EXPECT_EQ(one, two);
+  EXPECT_NE(one[0].second, plain[0].second);
+  attn::io::Metadata meta;
+  attn::io::read_safetensors<float>(path("d.safetensors"), {}, &meta);
+  EXPECT_TRUE(contains(meta.at("config"), "\"dropout\":0.1")) << meta.at("config");
+  r = run("heatmap --checkpoint d.safetensors --out h.png");
+  ASSERT_EQ(r.rc, 0) << r.err;
+  EXPECT_EQ(slurp(path("h.png")).substr(1, 3), "PNG");
 }
 
 }  // namespace

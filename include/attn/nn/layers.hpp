@@ -164,6 +164,14 @@ class Mlp {
   Tensor<T> pre_, act_;  // fc1 output and its GELU, saved by forward
 };
 
+// Attention dropout of one training forward: the probability and the
+// (seed, offset) that pick the dropped weights (SdpaOptions::dropout_p,
+// dropout_seed, dropout_offset); p = 0 drops nothing.
+struct AttentionDropout {
+  double p = 0;
+  uint64_t seed = 0, offset = 0;
+};
+
 // Multi-head self-attention inside a transformer block: a thin wrapper over
 // attn::MultiheadAttention (packed projections, parameters named and laid
 // out as torch.nn.MultiheadAttention's state_dict, PyTorch's initialisation)
@@ -182,12 +190,16 @@ class SelfAttention {
   // Draws a seed from `rng` and initialises as MultiheadAttention does.
   void reset_parameters(Rng& rng);
   // x (B·N, D) -> y (B·N, D). `weights`, when non-empty, receives the
-  // attention matrices (B, H, N, N).
-  void forward(const Tensor<T>& x, int64_t B, int64_t N, Tensor<T>& y, View4<T> weights = {});
+  // attention matrices (B, H, N, N). The attention runs with `options`, its
+  // dropout fields replaced by `dropout` (none by default); backward
+  // regenerates the same mask.
+  void forward(const Tensor<T>& x, int64_t B, int64_t N, Tensor<T>& y, View4<T> weights = {},
+               const AttentionDropout& dropout = {});
   void backward(const Tensor<T>& x, const Tensor<T>& dy, Tensor<T>* dx);
   // Incremental decoding (MultiheadAttention::decode, float only): x (B·n, D)
   // holds the next n tokens of each of the cache's B sequences; their keys
-  // and values join `cache`, y (B·n, D) gets their attention over it.
+  // and values join `cache`, y (B·n, D) gets their attention over it
+  // (inference: nothing is dropped).
   void decode(const Tensor<T>& x, int64_t B, int64_t n, KVCache& cache, Tensor<T>& y) const
     requires std::same_as<T, float>;
   void zero_grad() { layer.zero_grad(); }

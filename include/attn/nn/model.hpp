@@ -40,6 +40,9 @@ struct ModelConfig {
   bool sinks = false;  // a learnable sink logit per head in every attention layer
   std::optional<double> attn_scale;  // default 1/√E; 1.0 = no scaling
   Backend backend = Backend::automatic;
+  // Attention dropout probability (0 <= dropout < 1) of training forwards,
+  // those given a DropoutKey; evaluation and decoding drop nothing.
+  double dropout = 0;
 
   // Throws attn::InvalidArgument naming the field when a value is out of range.
   void validate() const;
@@ -50,6 +53,14 @@ struct ModelConfig {
 // against them before anything is allocated.
 using ParameterShapes = std::vector<std::pair<std::string, std::vector<int64_t>>>;
 ParameterShapes parameter_shapes(const ModelConfig& config);
+
+// Which attention weights a training forward drops (ModelConfig::dropout):
+// block l draws its mask with SdpaOptions::dropout_seed = seed and
+// dropout_offset = offset + l, so every block has its own and backward()
+// regenerates them. A training loop gives each step a fresh key.
+struct DropoutKey {
+  uint64_t seed = 0, offset = 0;
+};
 
 template <class T>
 struct TransformerBlock {
@@ -77,16 +88,20 @@ class Transformer {
   void reset_parameters(uint64_t seed);
 
   // tokens (B·N ids, row-major (B, N)) -> logits (B·N, V). When `attention`
-  // is given it receives one (B, H, N, N) tensor of weights per layer.
+  // is given it receives one (B, H, N, N) tensor of weights per layer (with
+  // dropout: the dropped ones, what multiplies V). With `dropout` (a training
+  // step) attention weights are dropped with probability config().dropout;
+  // without it (evaluation) none are.
   void forward(const int32_t* tokens, int64_t B, int64_t N, Tensor<T>& logits,
-               std::vector<Tensor<T>>* attention = nullptr);
-  // dlogits (B·N, V) from the loss; ADDS every parameter gradient.
+               std::vector<Tensor<T>>* attention = nullptr, std::optional<DropoutKey> dropout = std::nullopt);
+  // dlogits (B·N, V) from the loss; ADDS every parameter gradient (through
+  // the forward's dropout masks).
   void backward(const Tensor<T>& dlogits);
 
   // forward + cross-entropy (+ backward when `with_grad`); gradients are
   // added, so call zero_grad() first.
   CrossEntropyResult loss(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t N,
-                          bool with_grad);
+                          bool with_grad, std::optional<DropoutKey> dropout = std::nullopt);
 
   // Incremental decoding (causal models, float32; every kind of positions,
   // windows and sinks): start_decoding makes the

@@ -1,8 +1,9 @@
 // attn/nn/train.hpp — the training loop behind `attn train` and
 // examples/train.cpp.
 //
-// Every step draws a fresh batch of the task from a generator seeded by
-// (seed, step), so a run is a pure function of its configuration: the same
+// Every step draws a fresh batch of the task (and, with attention dropout,
+// fresh masks) from generators seeded by (seed, step), so a run is a pure
+// function of its configuration: the same
 // seed gives the same loss curve bit for bit (same machine, same thread
 // count), and a run resumed from a checkpoint written at step k continues
 // exactly the curve of an uninterrupted run. Held-out evaluation uses a
@@ -52,6 +53,10 @@ struct TrainConfig {
   int64_t chunk_size = 0;   // chunked attention (SdpaOptions::chunk_size), 0 = off
   bool sinks = false;       // a learnable sink logit per head and layer
   bool scale_none = false;  // scores not divided by √d_k
+  // Attention dropout probability in training steps, 0 <= dropout < 1; step
+  // k's masks are drawn from (seed, k), so a run stays reproducible. The
+  // held-out evaluation drops nothing.
+  double dropout = 0;
   // optimisation
   std::string optimizer = "adamw";  // "adamw" or "sgd"
   double lr = 3e-3;
