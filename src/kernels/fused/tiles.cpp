@@ -79,12 +79,16 @@ ForwardScratch::ForwardScratch(const Problem& p, const FusedPlan& t, int64_t lan
   kb = t.k_block;
   qbp = round_up(qb, lanes);
   Evp = round_up(p.Ev, lanes);
+  const bool bf16 = p.bf16_products, f32 = !bf16;
   bytes_ = build(alloc, mem_, [&](Carver& c) {
-    qt = c.take<float>(p.E * qbp);
-    st = c.take<float>(kb * qbp);
-    kr = c.take<float>(kb * p.E);
-    vb = c.take<float>(kb * Evp);
-    o = c.take<float>(qb * Evp);
+    qt = f32 ? c.take<float>(p.E * qbp) : nullptr;
+    st = c.take<float>((bf16 ? round_up(kb, 16) : kb) * qbp);
+    kr = f32 ? c.take<float>(kb * p.E) : nullptr;
+    vb = f32 ? c.take<float>(kb * Evp) : nullptr;
+    o = f32 ? c.take<float>(qb * Evp) : nullptr;
+    qp = bf16 ? c.take<uint32_t>(round_up(p.E, 32) / 2 * qbp) : nullptr;
+    pp = bf16 ? c.take<uint32_t>(round_up(kb, 32) / 2 * qbp) : nullptr;
+    ot = bf16 ? c.take<float>(round_up(p.Ev, 16) * qbp) : nullptr;
     colv = c.take<float>(4 * qbp);
     rows = c.take<online_softmax::State<float>>(qb);
     qbad = c.take<uint8_t>(qb);
