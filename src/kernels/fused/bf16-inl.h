@@ -48,26 +48,34 @@ HWY_INLINE void PairKernel(int64_t K, const float* HWY_RESTRICT A, int64_t lda, 
   const DU du;
   const size_t N = hn::Lanes(d);
   VF acc[R][NV];
+#pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
     for (int v = 0; v < NV; ++v) acc[r][v] = accumulate ? hn::LoadU(d, C + r * ldc + int64_t(v * N)) : hn::Zero(d);
   const VU high = hn::Set(du, 0xFFFF0000u);
   for (int64_t k = 0; k < K; k += 2) {
     VF even[NV], odd[NV];  // the pairs' first and second elements as float32
+#pragma GCC unroll 16
     for (int v = 0; v < NV; ++v) {
       const VU u = hn::LoadU(du, B + (k / 2) * ldb + int64_t(v * N));
       even[v] = hn::BitCast(d, hn::ShiftLeft<16>(u));
       odd[v] = hn::BitCast(d, hn::And(u, high));
     }
+#pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const float* a = A + r * lda + k;
       const VF a1 = hn::Set(d, a[1]);
+#pragma GCC unroll 16
       for (int v = 0; v < NV; ++v) acc[r][v] = hn::MulAdd(a1, odd[v], acc[r][v]);
       const VF a0 = hn::Set(d, a[0]);
+#pragma GCC unroll 16
       for (int v = 0; v < NV; ++v) acc[r][v] = hn::MulAdd(a0, even[v], acc[r][v]);
     }
   }
   const VF s = hn::Set(d, accumulate ? 1.0f : alpha);
+#pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
     for (int v = 0; v < NV; ++v) hn::StoreU(hn::Mul(acc[r][v], s), d, C + r * ldc + int64_t(v * N));
 }
 

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 
 #include "kernels/fused/common.hpp"
 
@@ -12,21 +13,63 @@ namespace attn::detail {
 
 namespace {
 
-// Whether operand bits are ±∞ or NaN.
-bool non_finite_bits(uint16_t b) { return (b & 0x7F80u) == 0x7F80u; }
-
-// Writes operand bits as the path's A element (bits, or their float32 value).
-void put(std::byte* base, int64_t index, uint16_t bits, bool as_float) {
-  if (as_float) {
-    const float x = bf16_value(bits);
-    std::memcpy(base + index * 4, &x, 4);
+// The operand bits of one input value.
+template <class T>
+uint16_t operand_of(T x) {
+  if constexpr (std::is_same_v<T, bfloat16_t>) {  // already bfloat16: subnormals to zero, NaN quiet
+    if ((x.bits & 0x7F80u) == 0) return uint16_t(x.bits & 0x8000u);
+    return (x.bits & 0x7FFFu) > 0x7F80u ? uint16_t(x.bits | 0x0040u) : x.bits;
   } else {
-    std::memcpy(base + index * 2, &bits, 2);
+    return bf16_operand(float(x));
   }
+}
+
+// Operand bits of the n elements of a row (s apart) into dst; returns
+// whether one of them is ±∞ or NaN.
+template <class T>
+bool operand_row(const T* x, int64_t s, int64_t n, uint16_t* dst) {
+  uint32_t bad = 0;
+  for (int64_t e = 0; e < n; ++e) {
+    dst[e] = operand_of(x[e * s]);
+    bad |= uint32_t((dst[e] & 0x7F80u) == 0x7F80u);
+  }
+  return bad != 0;
+}
+
+// An A element: operand bits, or (the portable path) their float32 value.
+template <class A>
+A element(uint16_t bits) {
+  if constexpr (std::is_same_v<A, float>) return bf16_value(bits);
+  else return bits;
 }
 
 // Keys per work item of the key/value pass (a fixed split).
 constexpr int64_t kKeyBlock = 64;
+
+// The k rows and vt columns of keys [j0, j1) of one (b, kv head), A the
+// path's element type; a bad key (in K or V) stays zero. Returns whether
+// one is bad.
+template <class A, class T>
+bool pack_keys(const Problem& p, const SdpaArgs<T>& a, int64_t b, int64_t hk, int64_t j0, int64_t j1, A* k, A* vt,
+               int64_t E2, int64_t ldvt, uint8_t* bad_keys) {
+  std::vector<uint16_t> kr(size_t(p.E)), vr(size_t((j1 - j0) * p.Ev));
+  bool any = false;
+  for (int64_t j = j0; j < j1; ++j) {
+    uint16_t* v = vr.data() + (j - j0) * p.Ev;
+    const bool bad = operand_row(&a.k(b, hk, j, 0), a.k.strides[3], p.E, kr.data()) |
+                     operand_row(&a.v(b, hk, j, 0), a.v.strides[3], p.Ev, v);
+    bad_keys[j] = bad;
+    any = any || bad;
+    if (bad) {
+      std::fill(v, v + p.Ev, uint16_t(0));
+      continue;
+    }
+    for (int64_t e = 0; e < p.E; ++e) k[j * E2 + e] = element<A>(kr[size_t(e)]);
+  }
+  for (int64_t e = 0; e < p.Ev; ++e)  // the block transposed: contiguous writes
+    for (int64_t j = j0; j < j1; ++j) vt[e * ldvt + j] = element<A>(vr[size_t((j - j0) * p.Ev + e)]);
+  return any;
+}
 
 }  // namespace
 
@@ -36,7 +79,6 @@ Bf16Operands::Bf16Operands(const Problem& p, const SdpaArgs<T>& a, const Bf16Ker
   Evr = round_up(p.Ev, kern.mpad);
   krows = p.S + 16;
   ldvt = round_up(p.S + 32, 16);
-  const bool as_float = kern.a_float;
   const int64_t qrows = p.B * p.H * p.L, kvs = p.B * p.Hkv;
   q = hwy::AllocateAligned<uint16_t>(size_t(std::max<int64_t>(qrows * E2, 1)));
   k = hwy::AllocateAligned<std::byte>(size_t(std::max<int64_t>(kvs * krows * E2 * elem(), 1)));
@@ -51,36 +93,26 @@ Bf16Operands::Bf16Operands(const Problem& p, const SdpaArgs<T>& a, const Bf16Ker
   for (int64_t u = 0; u < qrows; ++u) {
     const int64_t i = u % p.L, h = (u / p.L) % p.H, b = u / (p.L * p.H);
     uint16_t* row = q.get() + u * E2;
-    bool bad = false;
-    for (int64_t e = 0; e < p.E; ++e) {
-      row[e] = bf16_operand(float(a.q(b, h, i, e)));
-      bad = bad || non_finite_bits(row[e]);
-    }
+    const bool bad = operand_row(&a.q(b, h, i, 0), a.q.strides[3], p.E, row);
     std::fill(row + (bad ? 0 : p.E), row + E2, uint16_t(0));
     qbad[size_t(u)] = bad;
   }
 
-  // k rows and vt columns, key by key; a bad key (in K or V) stays zero.
+  // k rows and vt columns, a block of keys at a time.
   const int64_t nblk = ceil_div(p.S, kKeyBlock);
   bool any = false;
 #pragma omp parallel for num_threads(p.threads) schedule(static) reduction(|| : any)
   for (int64_t u = 0; u < kvs * nblk; ++u) {
-    const int64_t kv = u / nblk, hk = kv % p.Hkv, b = kv / p.Hkv;
-    std::vector<uint16_t> kr(size_t(p.E)), vr(size_t(p.Ev));
-    std::byte* kbase = k.get() + kv * krows * E2 * elem();
-    std::byte* vbase = vt.get() + kv * Evr * ldvt * elem();
-    for (int64_t j = (u % nblk) * kKeyBlock; j < std::min(p.S, (u % nblk + 1) * kKeyBlock); ++j) {
-      bool bad = false;
-      for (int64_t e = 0; e < p.E; ++e) kr[size_t(e)] = bf16_operand(float(a.k(b, hk, j, e)));
-      for (int64_t e = 0; e < p.Ev; ++e) vr[size_t(e)] = bf16_operand(float(a.v(b, hk, j, e)));
-      for (uint16_t x : kr) bad = bad || non_finite_bits(x);
-      for (uint16_t x : vr) bad = bad || non_finite_bits(x);
-      bad_keys[size_t(kv * p.S + j)] = bad;
-      any = any || bad;
-      if (bad) continue;
-      for (int64_t e = 0; e < p.E; ++e) put(kbase, j * E2 + e, kr[size_t(e)], as_float);
-      for (int64_t e = 0; e < p.Ev; ++e) put(vbase, e * ldvt + j, vr[size_t(e)], as_float);
-    }
+    const int64_t kv = u / nblk, j0 = (u % nblk) * kKeyBlock, j1 = std::min(p.S, j0 + kKeyBlock);
+    uint8_t* bad = bad_keys.data() + kv * p.S;
+    const bool b = kern.a_float
+                       ? pack_keys(p, a, kv / p.Hkv, kv % p.Hkv, j0, j1,
+                                   reinterpret_cast<float*>(k.get()) + kv * krows * E2,
+                                   reinterpret_cast<float*>(vt.get()) + kv * Evr * ldvt, E2, ldvt, bad)
+                       : pack_keys(p, a, kv / p.Hkv, kv % p.Hkv, j0, j1,
+                                   reinterpret_cast<uint16_t*>(k.get()) + kv * krows * E2,
+                                   reinterpret_cast<uint16_t*>(vt.get()) + kv * Evr * ldvt, E2, ldvt, bad);
+    any = any || b;
   }
   any_bad_keys = any;
 }
@@ -108,7 +140,11 @@ void bf16_gemm(Bf16Path path, int64_t M, int64_t N, int64_t K, const float* A, i
   std::vector<uint32_t> b(size_t(Kp / 2 * N), 0u);
   std::vector<float> c(size_t(Mp * N), 0.0f);
   for (int64_t m = 0; m < M; ++m)
-    for (int64_t k = 0; k < K; ++k) put(a.data(), m * Kp + k, bf16_operand(A[m * lda + k]), kern.a_float);
+    for (int64_t k = 0; k < K; ++k) {
+      const uint16_t bits = bf16_operand(A[m * lda + k]);
+      if (kern.a_float) reinterpret_cast<float*>(a.data())[m * Kp + k] = bf16_value(bits);
+      else reinterpret_cast<uint16_t*>(a.data())[m * Kp + k] = bits;
+    }
   for (int64_t k = 0; k < K; ++k)
     for (int64_t n = 0; n < N; ++n) b[size_t(k / 2 * N + n)] |= uint32_t(bf16_operand(B[k * ldb + n])) << (16 * (k % 2));
   for (int64_t m = 0; m < M; ++m) std::copy(C + m * ldc, C + m * ldc + N, c.data() + m * N);

@@ -145,20 +145,27 @@ template <int R, int NV>
 inline void Kernel(int64_t K, const uint16_t* A, int64_t lda, const uint32_t* B, int64_t ldb, float* C,
                    int64_t ldc, float alpha, bool accumulate) {
   __m512 acc[R][NV];
+#pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
     for (int v = 0; v < NV; ++v) acc[r][v] = accumulate ? _mm512_loadu_ps(C + r * ldc + 16 * v) : _mm512_setzero_ps();
   for (int64_t k = 0; k < K; k += 2) {
     __m512bh b[NV];
+#pragma GCC unroll 16
     for (int v = 0; v < NV; ++v) b[v] = (__m512bh)_mm512_loadu_si512(B + (k / 2) * ldb + 16 * v);
+#pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       int32_t pair;
       std::memcpy(&pair, A + r * lda + k, 4);
       const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+#pragma GCC unroll 16
       for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], a, b[v]);
     }
   }
   const __m512 s = _mm512_set1_ps(accumulate ? 1.0f : alpha);
+#pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
     for (int v = 0; v < NV; ++v) _mm512_storeu_ps(C + r * ldc + 16 * v, _mm512_mul_ps(acc[r][v], s));
 }
 
