@@ -72,9 +72,7 @@ TEST_F(Cli, SdpaNanPropagatesAndCheckFiniteRefusesIt) {
 TEST_F(Cli, SdpaComputeBf16IsTheLibrarysBfloat16Products) {
   std::mt19937_64 rng(6);
   const int64_t H = 2, L = 40, S = 50, E = 16, Ev = 8;
-  const auto q = write_random<float>("q.npy", {H, L, E}, rng);
-  const auto k = write_random<float>("k.npy", {H, S, E}, rng);
-  const auto v = write_random<float>("v.npy", {H, S, Ev}, rng);
+  const auto [q, k, v] = write_qkv<float>(H, L, S, E, Ev, rng);
   const Result r = run("sdpa --q q.npy --k k.npy --v v.npy --causal --compute bf16 --out y.npy");
   ASSERT_EQ(r.rc, 0) << r.err;
   EXPECT_NE(r.err.find("bfloat16 products"), std::string::npos) << r.err;
@@ -135,9 +133,7 @@ TEST_F(Cli, SdpaRank2Float32WithMaskMatchesAPlainComputation) {
 TEST_F(Cli, SdpaVariantFlagsAgreeWithTheLibrary) {
   std::mt19937_64 rng(13);
   const int64_t H = 2, L = 6, S = 9, E = 3, Ev = 2;
-  const auto q = write_random<double>("q.npy", {H, L, E}, rng);
-  const auto k = write_random<double>("k.npy", {H, S, E}, rng);
-  const auto v = write_random<double>("v.npy", {H, S, Ev}, rng);
+  const auto [q, k, v] = write_qkv<double>(H, L, S, E, Ev, rng);
   const Result r = run("sdpa --q q.npy --k k.npy --v v.npy --causal --window 2,-1 --softcap 1.5 --alibi "
                        "--sinks 0.25,-1 --position-offset 2 --out y.npy --lse lse.npy");
   ASSERT_EQ(r.rc, 0) << r.err;
