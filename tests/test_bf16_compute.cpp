@@ -500,3 +500,92 @@ TEST(Bf16Compute, TheOptionIsValidated) {
 }
 
 }  // namespace
+
+// ---- the backward: float32 arithmetic on the bfloat16 forward's state --------------
+
+// Gradients of a call (through the public API), with or without the saved state.
+struct Grads {
+  Tensor<float> dq, dk, dv;
+};
+Grads backward_of(const SdpaArgs<float>& a, const SdpaOptions& opt, const Tensor<float>& dout, const Fwd* saved) {
+  Grads g{Tensor<float>({a.q.dim(0), a.q.dim(1), a.q.dim(2), a.q.dim(3)}),
+          Tensor<float>({a.k.dim(0), a.k.dim(1), a.k.dim(2), a.k.dim(3)}),
+          Tensor<float>({a.v.dim(0), a.v.dim(1), a.v.dim(2), a.v.dim(3)})};
+  SdpaSaved<float> s;
+  if (saved) s = {saved->out.view4(), saved->lse.view<3>()};
+  scaled_dot_product_attention_backward(a, dout.view4(), s, {g.dq.view4(), g.dk.view4(), g.dv.view4()}, opt);
+  return g;
+}
+
+// With bfloat16 products the backward is the float32 backward on the saved
+// output and lse of the bfloat16 forward (recomputed by it when not given),
+// bit for bit; and it is within the first-order bound those two carry of the
+// exact gradients: with P the exact probabilities, δℓ_i = lse_i − lse*_i and
+// δD_i = dY_i·(y_i − y*_i) the forward's errors,
+//   |δdS_ij| ≤ P_ij (|δℓ_i|·|dP_ij − D_i| + |δD_i|),
+//   |δdQ_ie| ≤ scale Σ_j |δdS_ij| |k_je|,  |δdK_je| ≤ scale Σ_i |δdS_ij| |q_ie|,
+//   |δdV_je| ≤ Σ_i P_ij |δℓ_i| |dY_ie|   (doubled, plus float32's tolerance).
+TEST(Bf16Compute, TheBackwardReadsTheBfloat16ForwardsState) {
+  std::mt19937_64 rng(23);
+  for (const bool causal : {false, true}) {
+    SdpaCase<float> c({.B = 1, .H = 2, .Hkv = 1, .L = 70, .S = 90, .E = 32, .Ev = 16}, rng);
+    c.opt.causal = causal;
+    SdpaOptions bf = c.opt, exact = c.opt;
+    bf.compute_dtype = Dtype::bfloat16;
+    exact.compute_dtype = Dtype::float32;
+    const Tensor<float> dout = random_tensor<float>({1, 2, 70, 16}, rng);
+    const Fwd fb = call(c.args, bf), fe = call(c.args, exact);
+    const Grads saved = backward_of(c.args, bf, dout, &fb), recomputed = backward_of(c.args, bf, dout, nullptr);
+    const Grads f32 = backward_of(c.args, exact, dout, &fb);  // the float32 backward on the same state
+    for (const auto& [x, y] : {std::pair{&saved.dq, &f32.dq}, {&saved.dk, &f32.dk}, {&saved.dv, &f32.dv},
+                               {&recomputed.dq, &f32.dq}, {&recomputed.dk, &f32.dk}, {&recomputed.dv, &f32.dv}})
+      EXPECT_TRUE(same_bits(*x, *y)) << "causal " << causal;
+    // The bound against the exact gradients (the reference in double on the float32 inputs).
+    const Grads want = backward_of(c.args, exact, dout, &fe);
+    const auto q = c.args.q, k = c.args.k, v = c.args.v;
+    const auto dy = dout.view4();
+    const double scale = 1.0 / std::sqrt(32.0);
+    Tensor<double> bq({1, 2, 70, 32}), bk({1, 1, 90, 32}), bv({1, 1, 90, 16});
+    for (int64_t h = 0; h < 2; ++h)
+      for (int64_t i = 0; i < 70; ++i) {
+        const double dl = double(fb.lse.view<3>()(0, h, i)) - double(fe.lse.view<3>()(0, h, i));
+        double D = 0, dD = 0;
+        for (int64_t e = 0; e < 16; ++e) {
+          D += double(dy(0, h, i, e)) * fe.out.view4()(0, h, i, e);
+          dD += double(dy(0, h, i, e)) * (double(fb.out.view4()(0, h, i, e)) - fe.out.view4()(0, h, i, e));
+        }
+        std::vector<double> s(90);
+        double m = -INFINITY, sum = 0;
+        for (int64_t j = 0; j < 90; ++j) {
+          double x = 0;
+          for (int64_t e = 0; e < 32; ++e) x += double(q(0, h, i, e)) * k(0, 0, j, e);
+          s[size_t(j)] = causal && j > i ? -INFINITY : scale * x;
+          m = std::max(m, s[size_t(j)]);
+        }
+        for (double& x : s) sum += (x = std::exp(x - m));
+        for (int64_t j = 0; j < 90; ++j) {
+          const double p = s[size_t(j)] / sum;
+          double dp = 0;
+          for (int64_t e = 0; e < 16; ++e) dp += double(dy(0, h, i, e)) * v(0, 0, j, e);
+          const double ds = p * (std::abs(dl) * std::abs(dp - D) + std::abs(dD));
+          for (int64_t e = 0; e < 32; ++e) {
+            bq.view4()(0, h, i, e) += scale * ds * std::abs(k(0, 0, j, e));
+            bk.view4()(0, 0, j, e) += scale * ds * std::abs(q(0, h, i, e));
+          }
+          for (int64_t e = 0; e < 16; ++e) bv.view4()(0, 0, j, e) += p * std::abs(dl) * std::abs(dy(0, h, i, e));
+        }
+      }
+    const auto check = [&](const Tensor<float>& got, const Tensor<float>& exp, const Tensor<double>& bound,
+                           const char* name) {
+      double m = 0;
+      for (size_t i = 0; i < exp.size(); ++i) m = std::max(m, double(std::abs(exp[i])));
+      const double slack = tolerance<float>(70 + 90 + 32, m, 80);
+      for (size_t i = 0; i < got.size(); ++i)
+        ASSERT_LE(std::abs(double(got[i]) - exp[i]), 2 * bound[i] + slack)
+            << name << " element " << i << " causal " << causal << " got " << got[i] << " want " << exp[i];
+    };
+    check(saved.dq, want.dq, bq, "dq");
+    check(saved.dk, want.dk, bk, "dk");
+    check(saved.dv, want.dv, bv, "dv");
+  }
+}
