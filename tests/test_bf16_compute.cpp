@@ -196,14 +196,17 @@ Ref reference(const SdpaArgs<float>& a, SdpaOptions opt) {
 
 // Checks out and lse against the reference within the bound (above); with
 // `p_rounded`, against the reference that rounds P too (one key tile),
-// where only a few rounding flips may differ.
+// where only a few rounding flips may differ; with `inputs_rounded`, against
+// attention of the unrounded inputs (r.out, r.lse), whose scores the
+// rounding of q and k moves by up to 2^-7·m and whose values that of v by
+// 2^-8·|v| (docs/fused.md).
 ::testing::AssertionResult within_bound(const Fwd& got, const Ref& r, int64_t E, double softcap, bool p_rounded,
-                                        const std::string& what) {
+                                        const std::string& what, bool inputs_rounded = false) {
   const auto y = got.out.view4();
   const auto want = r.out.view4(), w = r.w.view4(), v = r.v.view4();
   const int64_t B = want.dim(0), H = want.dim(1), L = want.dim(2), Ev = want.dim(3), S = w.dim(3);
   const int64_t group = H / v.dim(1);
-  const double ds = (double(E) + 16) * kF * r.m + 16 * kF * softcap;
+  const double ds = (double(E) + 16) * kF * r.m + 16 * kF * softcap + (inputs_rounded ? 2 * kU * r.m : 0.0);
   double worst = -1;
   std::string where;
   for (int64_t b = 0; b < B; ++b)
@@ -224,7 +227,8 @@ Ref reference(const SdpaArgs<float>& a, SdpaOptions opt) {
             if (p_rounded && wj > 0) yr += top * rounded(float(wj / top)) * vj;
           }
           const double ref = p_rounded ? yr : want(b, h, i, e);
-          const double tol = (p_rounded ? 2 * kU * max_wv : kU * sum_wv) + 2 * ds * vmax + (S + 16) * kF * vmax;
+          const double tol = (p_rounded ? 2 * kU * max_wv : kU * sum_wv) + 2 * ds * vmax + (S + 16) * kF * vmax +
+                             (inputs_rounded ? kU * vmax : 0.0);
           const double err = std::abs(double(y(b, h, i, e)) - ref);
           if (!(err <= tol) && err - tol > worst) {
             worst = err - tol;
@@ -300,6 +304,25 @@ TEST(Bf16Compute, EveryPathMatchesTheRoundedReferenceWithinTheBound) {
     for (Bf16Path path : {Bf16Path::portable, detail::bf16_best_path()})
       EXPECT_TRUE(within_bound(forward_on(path, c.args, c.opt), r, spec.E, spec.softcap, false,
                                spec.str() + " on " + detail::bf16_path_name(path)));
+  }
+}
+
+// Against the exact float32 call on the unrounded inputs: the bound grows by
+// what rounding q, k and v does to the scores and values.
+TEST(Bf16Compute, TheExactFloat32CallIsWithinTheBoundOfTheInputsRounding) {
+  for (const RandomSpec& spec : forward_specs()) {
+    const SdpaCase<float> c(spec);
+    Ref r = reference(c.args, c.opt);  // the weights and m of the rounded operands
+    SdpaOptions exact = c.opt;
+    exact.compute_dtype = Dtype::float32;
+    const detail::Problem p = detail::make_problem(c.args, exact);
+    Tensor<float> out({p.B, p.H, p.L, p.Ev}), lse({p.B, p.H, p.L});
+    detail::fused_forward(p, c.args, out.view4(), {}, lse.view<3>());
+    for (size_t i = 0; i < out.size(); ++i) r.out[i] = out[i];
+    for (size_t i = 0; i < lse.size(); ++i) r.lse[i] = lse[i];
+    for (Bf16Path path : {Bf16Path::portable, detail::bf16_best_path()})
+      EXPECT_TRUE(within_bound(forward_on(path, c.args, c.opt), r, spec.E, spec.softcap, false,
+                               spec.str() + " against float32 on " + detail::bf16_path_name(path), true));
   }
 }
 
