@@ -123,6 +123,24 @@ TEST(Bf16Gemm, EveryPathIsItsInstructionsDocumentedArithmetic) {
           }
 }
 
+// The bfloat16 forward's plan: fused_plan's promises (tiles.hpp), key tiles at
+// least as long, its scratch within the budget for head sizes up to 256.
+TEST(Bf16Compute, ItsPlanKeepsThePromises) {
+  for (int64_t n : {1, 17, 81, 1030, 65536})
+    for (int64_t e : {1, 64, 128, 256}) {
+      detail::Problem p;
+      p.B = p.H = p.Hkv = 1, p.L = p.S = n, p.E = p.Ev = e, p.bf16_products = true;
+      const detail::FusedPlan t = detail::fused_plan_bf16(p), f = detail::fused_plan(p);
+      EXPECT_EQ(t.q_block, f.q_block);
+      EXPECT_EQ(t.k_block % detail::kRowMultiple, 0) << n << " " << e;
+      EXPECT_GE(t.k_block, f.k_block);
+      EXPECT_LE(t.k_block, (n + detail::kRowMultiple - 1) / detail::kRowMultiple * detail::kRowMultiple);
+      for (int64_t lanes : {4, 8, 16})
+        EXPECT_LE(detail::ForwardScratch(p, t, lanes, detail::Alloc::no).bytes(), detail::kScratchBudgetBytes)
+            << n << " " << e << " " << lanes;
+    }
+}
+
 // ---- the forward against the rounded reference ----------------------------------
 
 // The forward on one path, through the kernel's entry point.
@@ -335,7 +353,7 @@ TEST(Bf16Compute, OneKeyTileRoundsPAsTheReference) {
     spec.key_lengths = false;
     spec.sinks = false;
     const SdpaCase<float> c(spec);
-    ASSERT_GE(detail::fused_plan(detail::make_problem(c.args, c.opt)).k_block, spec.S);
+    ASSERT_GE(detail::fused_plan_bf16(detail::make_problem(c.args, c.opt)).k_block, spec.S);
     const Ref r = reference(c.args, c.opt);
     for (Bf16Path path : runnable_paths())
       EXPECT_TRUE(within_bound(forward_on(path, c.args, c.opt), r, spec.E, spec.softcap, true,

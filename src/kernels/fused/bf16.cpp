@@ -129,7 +129,7 @@ void fused_forward_bf16_tiled(const Problem& p, const SdpaArgs<T>& a, View4<floa
 template <class T>
 void fused_forward_bf16(const Problem& p, const SdpaArgs<T>& a, View4<float> out, View4<float> weights,
                         View3<float> lse, Bf16Path path) {
-  fused_forward_bf16_tiled(p, a, out, weights, lse, path, fused_plan(p));
+  fused_forward_bf16_tiled(p, a, out, weights, lse, path, fused_plan_bf16(p));
 }
 
 void bf16_gemm(Bf16Path path, int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,

@@ -131,8 +131,8 @@ struct Bf16Operands {
 };
 
 // The forward with bfloat16 products on `path` (T: float, float16_t or
-// bfloat16_t inputs; everything else float32), on fused_plan(p) or a given
-// plan. Results are the same bits for any thread count.
+// bfloat16_t inputs; everything else float32), on fused_plan_bf16(p) or a
+// given plan. Results are the same bits for any thread count.
 template <class T>
 void fused_forward_bf16(const Problem& p, const SdpaArgs<T>& a, View4<float> out, View4<float> weights,
                         View3<float> lse, Bf16Path path);

@@ -10,7 +10,12 @@
 
 namespace attn::detail {
 
-FusedPlan fused_plan(const Problem& p) {
+namespace {
+
+// The plan of fused_plan, with the key/value tiles counted as
+// `kv_floats_per_element` floats per element (2 for float32 K and V and
+// their copies, 1 for bfloat16 operands).
+FusedPlan plan_for(const Problem& p, int64_t kv_floats_per_element) {
   // q_block: the queries of a unit, and the vector dimension of the
   // transposed score tile; larger blocks re-read K and V less often, smaller
   // ones waste less on the causal diagonal and give more units. k_block: as
@@ -28,12 +33,22 @@ FusedPlan fused_plan(const Problem& p) {
   t.q_block = p.L <= 80 ? round_up(p.L, kMaxLanes) : narrow ? 48 : 96;
   const int64_t budget = 256 * 1024 / 4;  // floats
   int64_t kb = 240;
-  while (kb > kRowMultiple && kb * (p.E + p.Ev) * 2 + t.q_block * kb * 2 > budget) kb -= 48;
+  while (kb > kRowMultiple && kb * (p.E + p.Ev) * kv_floats_per_element + t.q_block * kb * 2 > budget) kb -= 48;
   t.k_block = std::min(std::max(kb, kRowMultiple), round_up(p.S, kRowMultiple));
   // Enough (b, kv head) pairs keep every thread busy with whole heads.
   t.own_heads = p.B * p.Hkv >= 8;
   return t;
 }
+
+}  // namespace
+
+FusedPlan fused_plan(const Problem& p) { return plan_for(p, 2); }
+
+// bfloat16 K and V take half the bytes of a key: key tiles up to twice as
+// long in the same budget (E = 128: 144 keys rather than 48, whose short
+// P·V products spent a tenth of their time loading and storing the
+// accumulator; forward 0.58 rather than 0.66 of the float32 time, Zen 4).
+FusedPlan fused_plan_bf16(const Problem& p) { return plan_for(p, 1); }
 
 namespace {
 

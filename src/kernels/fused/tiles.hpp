@@ -41,6 +41,9 @@ struct FusedPlan {
 // needs; the scratch of both directions fits kScratchBudgetBytes for head
 // sizes up to 256.
 FusedPlan fused_plan(const Problem& p);
+// The plan of the forward with bfloat16 products (bf16.hpp), whose key and
+// value operands are bfloat16: the same promises.
+FusedPlan fused_plan_bf16(const Problem& p);
 
 // Whether a scratch only measures its layout or also allocates it.
 enum class Alloc { no, yes };
