@@ -147,10 +147,11 @@ TEST(Bf16Compute, ItsPlanKeepsThePromises) {
 struct Fwd {
   Tensor<float> out, lse;
 };
-Fwd forward_on(Bf16Path path, const SdpaArgs<float>& a, const SdpaOptions& opt) {
+Fwd forward_on(Bf16Path path, const SdpaArgs<float>& a, const SdpaOptions& opt, Tensor<float>* weights = nullptr) {
   const detail::Problem p = detail::make_problem(a, opt);
   Fwd r{Tensor<float>({p.B, p.H, p.L, p.Ev}), Tensor<float>({p.B, p.H, p.L})};
-  detail::fused_forward_bf16(p, a, r.out.view4(), {}, r.lse.view<3>(), path);
+  if (weights) *weights = Tensor<float>({p.B, p.H, p.L, p.S});
+  detail::fused_forward_bf16(p, a, r.out.view4(), weights ? weights->view4() : View4<float>{}, r.lse.view<3>(), path);
   return r;
 }
 
@@ -341,6 +342,27 @@ TEST(Bf16Compute, TheExactFloat32CallIsWithinTheBoundOfTheInputsRounding) {
     for (Bf16Path path : {Bf16Path::portable, detail::bf16_best_path()})
       EXPECT_TRUE(within_bound(forward_on(path, c.args, c.opt), r, spec.E, spec.softcap, false,
                                spec.str() + " against float32 on " + detail::bf16_path_name(path), true));
+  }
+}
+
+// Dropout (the reference drops the same entries; its weights, which the
+// bound reads, are the dropped ones) and the weights output: exp(s − max)
+// over the row's sum, within the scores' error of the exact weights.
+TEST(Bf16Compute, DropoutAndTheWeightsOutput) {
+  RandomSpec spec = shape_spec(2, 2, 1, 60, 130, 32, 24);
+  spec.causal = true, spec.mask = 2, spec.seed = 31;
+  SdpaCase<float> c(spec);
+  c.opt.dropout_p = 0.2, c.opt.dropout_seed = 5;
+  const Ref r = reference(c.args, c.opt);
+  const double ds = (32 + 16) * kF * r.m;
+  for (Bf16Path path : runnable_paths()) {
+    Tensor<float> w;
+    const Fwd f = forward_on(path, c.args, c.opt, &w);
+    EXPECT_TRUE(within_bound(f, r, 32, 0, false, std::string("dropout on ") + detail::bf16_path_name(path)));
+    double worst = 0;
+    for (size_t i = 0; i < w.size(); ++i)
+      worst = std::max(worst, std::abs(w[i] - r.w[i]) - (r.w[i] * (2 * ds + (130 + 16) * kF) + kF));
+    EXPECT_LE(worst, 0.0) << detail::bf16_path_name(path);
   }
 }
 
