@@ -32,6 +32,7 @@
 #include "kernels/fused/fused.hpp"
 #include "kernels/problem.hpp"
 #include "sdpa_case.hpp"
+#include "simd_targets.hpp"
 #include "validate.hpp"
 
 namespace {
@@ -404,6 +405,31 @@ TEST(Bf16Compute, NativePathsGiveThePortableBits) {
     const double tol = 4 * 2 * kU * vmax + 4 * (spec.E + spec.S + 16) * kF * (1 + r.m) * vmax;
     EXPECT_TRUE(all_close(emulated.out, portable.out, tol, spec.str() + " emulated AMX vs portable"));
   }
+}
+
+// The unit and the portable products on every compiled SIMD target this CPU
+// runs (their register tiles differ: 8 × 3 vectors with 32 registers, 4 × 2
+// with 16): within the bound, and the native products give each target's
+// portable bits.
+TEST(Bf16Compute, EveryCompiledTargetKeepsTheBound) {
+  const std::vector<RandomSpec> specs = forward_specs();
+  std::vector<Ref> refs;
+  for (const RandomSpec& spec : specs) {
+    const SdpaCase<float> c(spec);
+    refs.push_back(reference(c.args, c.opt));
+  }
+  const std::string names = for_each_target([&](int64_t) {
+    for (size_t i = 0; i < specs.size(); ++i) {
+      const SdpaCase<float> c(specs[i]);
+      const Fwd portable = forward_on(Bf16Path::portable, c.args, c.opt);
+      EXPECT_TRUE(within_bound(portable, refs[i], specs[i].E, specs[i].softcap, false, specs[i].str()));
+      if (detail::bf16_path_available(Bf16Path::avx512_bf16)) {
+        const Fwd dp = forward_on(Bf16Path::avx512_bf16, c.args, c.opt);
+        EXPECT_TRUE(same_bits(dp.out, portable.out) && same_bits(dp.lse, portable.lse)) << specs[i].str();
+      }
+    }
+  });
+  std::printf("bfloat16 forward, targets run: %s\n", names.c_str());
 }
 
 TEST(Bf16Compute, AnyThreadCountGivesTheSameBits) {

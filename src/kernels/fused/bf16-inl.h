@@ -116,12 +116,13 @@ void ProbabilityPairs(const float* st, int64_t ld, int64_t nk, int64_t K, int64_
   const int64_t N = Lanes();
   const VU high = hn::Set(du, 0xFFFF0000u);
   for (int64_t k = 0; 2 * k < K; ++k) {
-    const float* e = st + 2 * k * ld;
-    const float* o = e + ld;
+    const bool has_e = 2 * k < nk, has_o = 2 * k + 1 < nk;
+    const float* e = has_e ? st + 2 * k * ld : nullptr;
+    const float* o = has_o ? st + (2 * k + 1) * ld : nullptr;
     uint32_t* dst = pp + k * ld;
     for (int64_t r = 0; r < nrp; r += N) {
-      const VU lo = 2 * k < nk ? hn::ShiftRight<16>(RoundToBf16High(hn::Load(d, e + r))) : hn::Zero(du);
-      const VU hi = 2 * k + 1 < nk ? hn::And(RoundToBf16High(hn::Load(d, o + r)), high) : hn::Zero(du);
+      const VU lo = has_e ? hn::ShiftRight<16>(RoundToBf16High(hn::Load(d, e + r))) : hn::Zero(du);
+      const VU hi = has_o ? hn::And(RoundToBf16High(hn::Load(d, o + r)), high) : hn::Zero(du);
       hn::Store(hn::Or(lo, hi), du, dst + r);
     }
   }
