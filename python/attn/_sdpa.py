@@ -257,8 +257,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
       query  (..., L, E)   key (..., S, E)   value (..., S, Ev): NumPy arrays or CPU
              torch tensors, float32, float64, float16 or bfloat16 (all three the same; NumPy
              float16, ml_dtypes.bfloat16, torch.float16/bfloat16), any strides; used in
-             place (torch tensors through DLPack). Half inputs compute in float32 and
-             return float32 results; masks, sinks and slopes are then float32 too. A copy is made only for negative or
+             place (torch tensors through DLPack). float16 inputs compute in float32,
+             bfloat16 ones with bfloat16 products (compute_dtype); both return float32
+             results; masks, sinks and slopes are then float32 too. A copy is made only for negative or
              misaligned strides, non-native byte order, or broadcast leading axes that no
              single stride describes. Leading dimensions broadcast against each other;
              dimension -3 is the head axis.
