@@ -36,6 +36,7 @@ struct SdpaOpts {
   std::vector<double> alibi_slopes, sinks;  // H values (one value: every head)
   std::optional<int64_t> position_offset;
   int64_t offset_value = 0;  // what --position-offset parsed
+  std::string compute;       // --compute: the products' arithmetic (empty: the inputs' default)
 };
 
 // A per-head list from the command line: H values, or one for every head.
@@ -55,6 +56,7 @@ void apply_variants(const SdpaOpts& o, int64_t H, SdpaOptions& opt, SdpaArgs<T>&
   opt.softcap = o.softcap;
   opt.chunk_size = o.chunk_size;
   opt.position_offset = o.position_offset;
+  if (!o.compute.empty()) opt.compute_dtype = parse_dtype(o.compute);
   if (o.alibi) {
     for (double s : alibi_slopes(H)) slopes.push_back(R(s));
   } else if (!o.alibi_slopes.empty()) {
@@ -180,9 +182,9 @@ void run_sdpa_typed(const SdpaOpts& o, const SdpaPaths& paths, const io::Array<d
     const std::vector<int64_t> full = {B, H, L};
     io::write_npy(paths.lse, std::vector<int64_t>(full.end() - long(r - 1), full.end()), lse.data());
   }
-  fmt::print(stderr, "attn sdpa: {} -> {} ({}, backend {})\n", shape_str(qa.shape), o.out,
+  fmt::print(stderr, "attn sdpa: {} -> {} ({}, backend {}{})\n", shape_str(qa.shape), o.out,
              is_half_v<T> ? "float16 in, float32 out" : io::dtype_name(std::is_same_v<T, float> ? io::DType::f32 : io::DType::f64),
-             backend_name(used));
+             backend_name(used), opt.compute_dtype == Dtype::bfloat16 ? ", bfloat16 products" : "");
 }
 
 void run_sdpa(const SdpaOpts& o) {
@@ -313,6 +315,10 @@ void add_sdpa(CLI::App& app) {
                                "query row i sits at key position i + N (replaces the causal alignment)");
   c->add_option("--scale", o->scale, "score scale (default 1/sqrt(E); 2^-64 to 2^64)")->check(positive_number());
   c->add_option("--backend", o->backend, "auto | reference | fused")->capture_default_str();
+  c->add_option("--compute", o->compute,
+                "the products' arithmetic: float32 (exact, the default) or bfloat16 (q, k, v and the "
+                "probabilities rounded to bfloat16, float32 sums; faster on CPUs with bfloat16 dot products)")
+      ->check(CLI::IsMember({"float32", "bfloat16", "f32", "bf16"}));
   c->add_option("--out", o->out, "output Y (.npy), same leading axes as Q, last axis Ev")->required();
   c->add_option("--weights", o->weights, "also write the attention weights A (.npy), (.., L, S)");
   c->add_option("--lse", o->lse, "also write each row's log-sum-exp (.npy), (.., L)");

@@ -13,6 +13,12 @@
 // same run, the peak resident memory during the case and the time ratio to
 // the fused backend. The reference is only timed up to --ref-max-len (it
 // materialises L×S in double and takes minutes beyond).
+//
+// "fused-bf16" is the fused forward with bfloat16 products
+// (compute_dtype bfloat16, docs/fused.md "bfloat16 compute"), on the
+// instruction path this CPU has (printed in the header): forward only,
+// validated against the reference on the bfloat16-rounded q, k, v within
+// the bound of bfloat16's rounding of the probabilities, 2^-8·max|v|.
 #include <time.h>
 
 #include <CLI/CLI.hpp>
@@ -33,6 +39,7 @@
 
 #include "attn/attn.hpp"
 #include "fma_peak.hpp"
+#include "kernels/fused/bf16.hpp"
 #include "kernels/fused/fused.hpp"
 
 namespace {
@@ -75,6 +82,17 @@ double median(std::vector<double> v) {
   const size_t n = v.size();
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
+
+// What a table row runs: a backend, and for the fused one its products.
+struct Variant {
+  Backend be = Backend::fused;
+  bool bf16 = false;  // compute_dtype bfloat16
+  std::string name() const { return bf16 ? "fused-bf16" : attn::backend_name(be); }
+  static Variant parse(const std::string& name) {
+    if (name == "fused-bf16") return {Backend::fused, true};
+    return {attn::parse_backend(name), false};
+  }
+};
 
 // The tensors of one shape (contiguous (B, H, N, d)).
 struct Buffers {
@@ -153,8 +171,9 @@ attn::detail::Problem problem_of(const Buffers& buf, bool causal, int threads) {
 }
 
 // Runs one forward (+ backward) of the case.
-void run_once(Buffers& buf, Backend be, bool causal, int threads, bool bwd) {
-  if (be == Backend::fused && g_tiles.q_block > 0) {
+void run_once(Buffers& buf, Variant var, bool causal, int threads, bool bwd) {
+  const Backend be = var.be;
+  if (be == Backend::fused && !var.bf16 && g_tiles.q_block > 0) {
     const attn::detail::Problem p = problem_of(buf, causal, threads);
     const auto a = buf.args();
     attn::detail::FusedPlan t = attn::detail::fused_plan(p);  // the backward's split as usual
@@ -169,6 +188,7 @@ void run_once(Buffers& buf, Backend be, bool causal, int threads, bool bwd) {
   opt.backend = be;
   opt.causal = causal;
   opt.num_threads = threads;
+  if (var.bf16) opt.compute_dtype = attn::Dtype::bfloat16;
   const auto a = buf.args();
   attn::scaled_dot_product_attention<float>(a, {buf.out.view4(), {}, buf.lse.view<3>()}, opt);
   if (bwd)
@@ -187,8 +207,8 @@ double max_abs_diff(const float* a, const float* b, size_t n, double* mag) {
 
 // Validates what run_once(be) left in buf against the reference (see the top
 // comment); returns "ok ..." or throws.
-std::string validate(Buffers& buf, Backend be, bool causal, bool bwd, const Config& c) {
-  if (be == Backend::reference) return "oracle";
+std::string validate(Buffers& buf, Variant var, bool causal, bool bwd, const Config& c) {
+  if (var.be == Backend::reference) return "oracle";
   const int64_t R = std::min<int64_t>(64, buf.L);
   const int64_t i0 = buf.L - R;  // the last rows: under causal they see the most keys
   const int64_t S = causal ? i0 + R : buf.S;
@@ -197,6 +217,21 @@ std::string validate(Buffers& buf, Backend be, bool causal, bool bwd, const Conf
   a.q = View4<const float>(buf.q.data() + i0 * E, {1, H, R, E}, {H * L * E, L * E, E, 1});
   a.k = View4<const float>(buf.k.data(), {1, H, S, E}, {H * buf.S * E, buf.S * E, E, 1});
   a.v = View4<const float>(buf.v.data(), {1, H, S, E}, {H * buf.S * E, buf.S * E, E, 1});
+  // bfloat16 products: the reference on the rounded q, k, v (the products' operands).
+  attn::Tensor<float> qr, kr, vr;
+  if (var.bf16) {
+    const auto round = [](const View4<const float>& x, attn::Tensor<float>& t) {
+      t = attn::Tensor<float>({x.dim(0), x.dim(1), x.dim(2), x.dim(3)});
+      size_t f = 0;
+      for (int64_t b = 0; b < x.dim(0); ++b)
+        for (int64_t h = 0; h < x.dim(1); ++h)
+          for (int64_t n = 0; n < x.dim(2); ++n)
+            for (int64_t e = 0; e < x.dim(3); ++e)
+              t[f++] = attn::detail::bf16_value(attn::detail::bf16_operand(x(b, h, n, e)));
+      return View4<const float>(t.view4());
+    };
+    a.q = round(a.q, qr), a.k = round(a.k, kr), a.v = round(a.v, vr);
+  }
   attn::SdpaOptions opt;
   opt.backend = Backend::reference;
   opt.causal = causal;
@@ -205,14 +240,19 @@ std::string validate(Buffers& buf, Backend be, bool causal, bool bwd, const Conf
   attn::scaled_dot_product_attention<float>(a, {out.view4(), {}, lse.view<3>()}, opt);
   double worst = 0, mag = 0, lmag = 0;
   const double eps = 1.2e-7;
-  auto tol = [&](int64_t n, double m) { return 20 * eps * std::sqrt(double(n)) * std::max(1.0, m); };
+  auto tol = [&](int64_t n, double m) {
+    const double exact = 20 * eps * std::sqrt(double(n)) * std::max(1.0, m);
+    return var.bf16 ? exact + 0x1p-8 * m : exact;  // P rounded to bfloat16: 2^-8 relative, m ≥ max|v| for out
+  };
   for (int64_t h = 0; h < H; ++h) {
     worst = std::max(worst, max_abs_diff(buf.out.data() + (h * L + i0) * E, out.data() + h * R * E,
                                          size_t(R * E), &mag));
     const double dl = max_abs_diff(buf.lse.data() + h * L + i0, lse.data() + h * R, size_t(R), &lmag);
     if (dl > tol(S + E, lmag)) throw std::runtime_error("lse mismatch: " + std::to_string(dl));
   }
-  if (worst > tol(S + E, mag)) throw std::runtime_error("out mismatch: " + std::to_string(worst));
+  double vmag = 0;  // max|v|, the bound's scale for bfloat16 products
+  for (size_t i = 0; var.bf16 && i < buf.v.size(); ++i) vmag = std::max(vmag, double(std::abs(buf.v[i])));
+  if (worst > tol(S + E, var.bf16 ? std::max(mag, vmag) : mag)) throw std::runtime_error("out mismatch: " + std::to_string(worst));
   std::string what = "fwd rows ok";
   if (!bwd) return what;
   a.key_lengths = {};
@@ -228,7 +268,7 @@ std::string validate(Buffers& buf, Backend be, bool causal, bool bwd, const Conf
   what += ", dq rows ok";
   if (buf.L <= c.full_check_len) {
     Buffers ref(buf.B, buf.H, buf.L, buf.S, buf.E);
-    run_once(ref, Backend::reference, causal, 1, true);
+    run_once(ref, Variant{Backend::reference}, causal, 1, true);
     struct P {
       const attn::Tensor<float>* got;
       const attn::Tensor<float>* want;
@@ -245,7 +285,7 @@ std::string validate(Buffers& buf, Backend be, bool causal, bool bwd, const Conf
 }
 
 void print_row(const Row& r) {
-  std::printf("%6lld %-6s %-7s %2d %-9s %10.2f %9.1f %6.1f%% %6.1f %6.1f%% %9.1f %8.1f %8s %s\n", (long long)r.L,
+  std::printf("%6lld %-6s %-7s %2d %-10s %10.2f %9.1f %6.1f%% %6.1f %6.1f%% %9.1f %8.1f %8s %s\n", (long long)r.L,
               r.causal ? "causal" : "full", r.mode.c_str(), r.threads, r.backend.c_str(), r.median_s * 1e3,
               r.gflops, r.pct_peak, r.peak_gflops, r.cpu_eff, r.peak_rss_mib, r.extra_mib,
               r.vs_fused > 0 ? (std::to_string(r.vs_fused).substr(0, 6) + "x").c_str() : "-", r.check.c_str());
@@ -261,7 +301,7 @@ int main(int argc, char** argv) {
   app.add_option("--threads", c.threads, "thread counts")->delimiter(',');
   app.add_option("--causal", c.causal, "0 and/or 1")->delimiter(',');
   app.add_option("--modes", c.modes, "fwd and/or fwdbwd")->delimiter(',');
-  app.add_option("--backends", c.backends, "fused and/or reference")->delimiter(',');
+  app.add_option("--backends", c.backends, "fused, fused-bf16 (forward only) and/or reference")->delimiter(',');
   app.add_option("--heads", c.heads, "H (B = 1)");
   app.add_option("--dim", c.dim, "E = Ev");
   app.add_option("--ref-max-len", c.ref_max_len, "time the reference only up to this L");
@@ -290,7 +330,9 @@ int main(int argc, char** argv) {
   std::string cmd;
   for (int i = 0; i < argc; ++i) cmd += std::string(i ? " " : "") + argv[i];
   doc["command"] = cmd;
-  say("attn-bench  %s  cpu: %s  SIMD target: %s\n", date, cpu_model().c_str(), attn::detail::fused_target_name());
+  say("attn-bench  %s  cpu: %s  SIMD target: %s  bfloat16 products: %s\n", date, cpu_model().c_str(),
+      attn::detail::fused_target_name(), attn::detail::bf16_path_name(attn::detail::bf16_best_path()));
+  doc["bf16_path"] = attn::detail::bf16_path_name(attn::detail::bf16_best_path());
 
   if (c.memory_len > 0) {
     const int64_t n = c.memory_len;
@@ -330,7 +372,7 @@ int main(int argc, char** argv) {
     say("FMA peak, %d thread(s): %.1f GFLOP/s (re-measured next to every case: column 'peak')\n", t, peak[t]);
     doc["fma_peak_gflops"][std::to_string(t)] = peak[t];
   }
-  say("\n%6s %-6s %-7s %2s %-9s %10s %9s %7s %6s %7s %9s %8s %8s %s\n", "L=S", "mask", "mode", "th", "backend",
+  say("\n%6s %-6s %-7s %2s %-10s %10s %9s %7s %6s %7s %9s %8s %8s %s\n", "L=S", "mask", "mode", "th", "backend",
       "median ms", "GFLOP/s", "%peak", "peak", "%cpu-pk", "peak MiB", "extraMiB", "vs fused", "validation");
 
   std::vector<Row> rows;
@@ -340,23 +382,24 @@ int main(int argc, char** argv) {
       for (int causal : c.causal)
         for (int t : c.threads) {
           const bool bwd = mode == "fwdbwd";
-          std::vector<Backend> bes;
+          std::vector<Variant> bes;
           for (const auto& name : c.backends) {
-            const Backend be = attn::parse_backend(name);
-            if (be == Backend::reference && L > c.ref_max_len) continue;
-            bes.push_back(be);
+            const Variant var = Variant::parse(name);
+            if (var.be == Backend::reference && L > c.ref_max_len) continue;
+            if (var.bf16 && bwd) continue;  // forward only
+            bes.push_back(var);
           }
           // Validate each backend, and get one untimed warm-up run.
           std::vector<std::string> checks;
           std::vector<double> first;
-          for (Backend be : bes) {
+          for (const Variant& be : bes) {
             const auto t0 = Clock::now();
             run_once(buf, be, causal, t, bwd);
             first.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
             try {
               checks.push_back(validate(buf, be, causal, bwd, c));
             } catch (const std::exception& e) {  // a mismatch, or an argument error
-              std::fprintf(stderr, "VALIDATION FAILED: %s L=%lld causal=%d %s: %s\n", attn::backend_name(be),
+              std::fprintf(stderr, "VALIDATION FAILED: %s L=%lld causal=%d %s: %s\n", be.name().c_str(),
                            (long long)L, causal, mode.c_str(), e.what());
               return 1;
             }
@@ -390,13 +433,13 @@ int main(int argc, char** argv) {
             }
           double fused_med = 0;
           for (size_t b = 0; b < bes.size(); ++b)
-            if (bes[b] == Backend::fused) fused_med = median(times[b]);
+            if (bes[b].be == Backend::fused && !bes[b].bf16) fused_med = median(times[b]);
           for (size_t b = 0; b < bes.size(); ++b) {
             Row row;
             row.L = L;
             row.causal = causal;
             row.mode = mode;
-            row.backend = attn::backend_name(bes[b]);
+            row.backend = bes[b].name();
             row.threads = t;
             row.median_s = median(times[b]);
             row.gflops = flops(c, L, causal, mode) / row.median_s * 1e-9;

@@ -10,6 +10,13 @@ ratio attn/torch (below 1 means attn is faster).
     python3 bench/compare_torch.py [--attn-bench build/bench/attn-bench]
                                    [--lengths 512,1024] [--threads 1,2] [--json out.json]
 
+bfloat16 (--dtype bfloat16, forward): PyTorch's SDPA on bfloat16 tensors
+against attn's fused forward twice, exact float32 ("fused") and with
+bfloat16 products (compute_dtype bfloat16, "fused-bf16"), both through one
+attn-bench run; --dim sets E = Ev (64 by default).
+
+    python3 bench/compare_torch.py --dtype bfloat16 --lengths 4096 --threads 2 --dim 128
+
 Layer mode (--layer): attn.MultiheadAttention against
 torch.nn.MultiheadAttention through both Python front ends (batch_first,
 float32, self-attention, the same weights: attn loads torch's state_dict),
@@ -89,10 +96,10 @@ def parse_list(text, kind=int):
     return [kind(x) for x in text.split(",") if x]
 
 
-def time_torch(torch, L, causal, mode, threads, reps, heads=8, dim=64):
+def time_torch(torch, L, causal, mode, threads, reps, heads=8, dim=64, dtype="float32"):
     torch.set_num_threads(threads)
     g = torch.Generator().manual_seed(0)
-    q, k, v, dout = (torch.randn(1, heads, L, dim, generator=g) for _ in range(4))
+    q, k, v, dout = (torch.randn(1, heads, L, dim, generator=g).to(getattr(torch, dtype)) for _ in range(4))
     sdpa = torch.nn.functional.scaled_dot_product_attention
     times = []
     for _ in range(reps + 1):  # the first run is a warm-up
@@ -111,13 +118,42 @@ def time_torch(torch, L, causal, mode, threads, reps, heads=8, dim=64):
     return statistics.median(times[1:])
 
 
-def time_attn(binary, L, causal, mode, threads):
+def time_attn(binary, L, causal, mode, threads, backends="fused", dim=64):
+    """(median seconds, validation) of the first backend; with several, a dict by backend name."""
     cmd = [binary, "--json", "-", "--lengths", str(L), "--causal", str(int(causal)), "--modes", mode,
-           "--threads", str(threads), "--backends", "fused", "--full-check-len", "0"]
+           "--threads", str(threads), "--backends", backends, "--full-check-len", "0", "--dim", str(dim)]
     res = subprocess.run(cmd, check=True, capture_output=True, text=True)
     doc = json.loads(res.stdout)
-    row = doc["results"][0]
-    return row["median_s"], row["validation"]
+    rows = {r["backend"]: (r["median_s"], r["validation"]) for r in doc["results"]}
+    return rows if "," in backends else rows[backends]
+
+
+def bf16_main(args, torch):
+    """--dtype bfloat16: torch bfloat16 SDPA against attn float32 and bfloat16-products forwards."""
+    dim = args.dim
+    print(f"torch {torch.__version__} (CPU capability {torch.backends.cpu.get_cpu_capability()}), "
+          f"attn-bench {args.attn_bench}, forward, B=1 H=8 E=Ev={dim}")
+    print(f"{'L=S':>6} {'mask':6} {'th':>2} {'torch bf16':>10} {'attn f32':>9} {'attn bf16':>9} "
+          f"{'bf16/torch':>10} {'bf16/f32':>8}  validation")
+    rows = []
+    for L in parse_list(args.lengths):
+        for causal in parse_list(args.causal):
+            for threads in parse_list(args.threads):
+                t1 = time_torch(torch, L, bool(causal), "fwd", threads, args.reps, dim=dim, dtype="bfloat16")
+                a = time_attn(args.attn_bench, L, bool(causal), "fwd", threads, "fused,fused-bf16", dim)
+                t2 = time_torch(torch, L, bool(causal), "fwd", threads, args.reps, dim=dim, dtype="bfloat16")
+                t = statistics.median([t1, t2])
+                (f, _), (b, check) = a["fused"], a["fused-bf16"]
+                flop = 4.0 * 8 * L * L * dim / (2 if causal else 1)
+                rows.append(dict(L=L, E=dim, causal=bool(causal), threads=threads, torch_bf16_s=t, attn_f32_s=f,
+                                 attn_bf16_s=b, torch_gflops=flop / t * 1e-9, attn_f32_gflops=flop / f * 1e-9,
+                                 attn_bf16_gflops=flop / b * 1e-9, validation=check))
+                print(f"{L:6d} {'causal' if causal else 'full':6} {threads:2d} {t * 1e3:10.2f} {f * 1e3:9.2f} "
+                      f"{b * 1e3:9.2f} {b / t:10.3f} {b / f:8.3f}  {check}", flush=True)
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(dict(torch=torch.__version__, results=rows), out, indent=2)
+    return 0
 
 
 DECODE_SHAPES = ("1,32,8,1,4096,128;1,32,8,1,32768,128;1,8,8,1,16384,64;4,32,8,1,8192,128;"
@@ -530,6 +566,9 @@ def main():
     ap.add_argument("--causal", default="0,1")
     ap.add_argument("--modes", default="fwd,fwdbwd")
     ap.add_argument("--reps", type=int, default=3, help="torch repetitions per shape (attn-bench picks its own)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="bfloat16: torch bfloat16 against attn float32 and bfloat16 products (see above)")
+    ap.add_argument("--dim", type=int, default=64, help="--dtype bfloat16: E = Ev")
     ap.add_argument("--json", default="", help="write the results here too")
     ap.add_argument("--decode", action="store_true", help="decode shapes over a KV cache (see above)")
     ap.add_argument("--attn-decode-bench", default=os.path.join("build", "bench", "attn-decode-bench"))
@@ -579,6 +618,8 @@ def main():
     if not os.path.exists(args.attn_bench):
         print(f"compare_torch: {args.attn_bench} not found; build first (`make build`).")
         return 1
+    if args.dtype == "bfloat16":
+        return bf16_main(args, torch)
 
     print(f"torch {torch.__version__} (CPU capability {torch.backends.cpu.get_cpu_capability()}), "
           f"attn-bench {args.attn_bench}")

@@ -43,6 +43,9 @@ int check_rules(const Checker& c, const ScoreArgs<F>& a, const SdpaOptions& opt,
     os << "option 'dropout_p' is " << opt.dropout_p << ", expected 0 <= dropout_p <= 1";
     c.fail(os.str());
   }
+  if (opt.compute_dtype && *opt.compute_dtype != Dtype::float32 && *opt.compute_dtype != Dtype::bfloat16)
+    c.fail(std::string("option 'compute_dtype' is ") + dtype_name(*opt.compute_dtype) +
+           ", expected float32 (exact) or bfloat16 (bfloat16 products)");
   c.mask_and_bias(a.mask, "mask", a.bias, "bias", full, read);
   if (c.given(a.alibi_slopes, "alibi_slopes")) {
     c.shape(a.alibi_slopes, "alibi_slopes", {H}, "(H,) = " + shape_str({H}) + ", one slope per query head");
@@ -100,7 +103,8 @@ std::vector<std::pair<const char*, int64_t>> option_fingerprint(const SdpaOption
           {"check_finite", int64_t(opt.check_finite)},
           {"dropout_p", bits(opt.dropout_p)},
           {"dropout_seed", int64_t(opt.dropout_seed)},
-          {"dropout_offset", int64_t(opt.dropout_offset)}};
+          {"dropout_offset", int64_t(opt.dropout_offset)},
+          {"compute_dtype", opt.compute_dtype ? int64_t(*opt.compute_dtype) : int64_t(-1)}};
 }
 
 }  // namespace attn::detail

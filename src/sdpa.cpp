@@ -8,6 +8,7 @@
 #include <sstream>
 
 #include "kernels/decode/decode.hpp"
+#include "kernels/fused/bf16.hpp"
 #include "kernels/fused/fused.hpp"
 #include "kernels/problem.hpp"
 #include "kernels/reference/sdpa_reference.hpp"
@@ -39,6 +40,10 @@ ProblemOf<compute_t<T>> make_problem(const SdpaArgs<T>& a, const SdpaOptions& op
                                         std::move(key_end));
   p.rules.key_origin = origin.key;
   p.dropout = Dropout::of(opt.dropout_p, opt.dropout_seed, opt.dropout_offset, origin.batch);
+  // bfloat16 products: asked for, or by default for bfloat16 inputs (the
+  // reference backend is always exact).
+  const Dtype compute = opt.compute_dtype.value_or(std::is_same_v<T, bfloat16_t> ? Dtype::bfloat16 : Dtype::float32);
+  p.bf16_products = compute == Dtype::bfloat16 && opt.backend != Backend::reference;
   p.threads = Checker{"make_problem"}.threads(opt.num_threads);
   return p;
 }
@@ -101,6 +106,12 @@ template <class T>
 Backend choose(const Checker& c, const SdpaOptions& opt) {
   // The fused backend takes every float32 request (half inputs compute in float32).
   constexpr bool fused_ok = std::is_same_v<compute_t<T>, float>;
+  if (opt.compute_dtype == Dtype::bfloat16) {  // the fused forward's bfloat16 products
+    if (!fused_ok) c.fail("option 'compute_dtype' is bfloat16, which takes float32, float16 or bfloat16 inputs, not double");
+    if (opt.backend == Backend::reference)
+      c.fail("option 'compute_dtype' is bfloat16, which the reference backend does not compute (it is exact); "
+             "use compute_dtype float32, or backend auto or fused");
+  }
   switch (opt.backend) {
     case Backend::reference: return Backend::reference;
     case Backend::automatic: return fused_ok ? Backend::fused : Backend::reference;
@@ -119,9 +130,13 @@ void forward(const Checker& c, const ProblemFor<T>& p, const SdpaArgs<T>& args,
   const Backend backend = choose<T>(c, opt);
   // Few query rows (decoding shapes): the grouped split-KV decode kernel,
   // which reads half K and V in their storage type.
-  if constexpr (std::is_same_v<compute_t<T>, float>)
+  if constexpr (std::is_same_v<compute_t<T>, float>) {
     if (backend == Backend::fused && weights.empty() && !p.dropout.on() && detail::decode_suits_dense(p))
       return detail::decode_forward_dense(p, args, out, lse);
+    // bfloat16 products, on the best instruction path this CPU has (q, k
+    // and v of any input type are rounded once, kernels/fused/bf16.cpp).
+    if (p.bf16_products) return detail::fused_forward_bf16(p, args, out, weights, lse, detail::bf16_best_path());
+  }
   if constexpr (is_half_v<T>) {  // every other route: the float32 call on widened copies
     const detail::Widened<T> w(args, p.threads);
     forward<float>(c, p, w.args, outputs, opt);
@@ -142,10 +157,15 @@ void backward(const Checker& c, const ProblemFor<T>& p, const SdpaArgs<T>& args,
       // rows runs the decode kernel forward instead, whose last bits differ.
       // So the missing ones come from the forward this call's forward runs,
       // and the gradients are the same bits with the saved state or without.
-      if ((saved.out.empty() || saved.lse.empty()) && detail::decode_suits_dense(p)) {
+      // The same holds for the forward with bfloat16 products, whose saved
+      // state the float32 backward then reads.
+      if ((saved.out.empty() || saved.lse.empty()) && (detail::decode_suits_dense(p) || p.bf16_products)) {
         auto o = Tensor<float>::uninitialized({p.B, p.H, p.L, p.Ev});
         auto l = Tensor<float>::uninitialized({p.B, p.H, p.L});
-        detail::decode_forward_dense(p, args, o.view4(), l.template view<3>());
+        if (detail::decode_suits_dense(p))
+          detail::decode_forward_dense(p, args, o.view4(), l.template view<3>());
+        else
+          detail::fused_forward_bf16(p, args, o.view4(), {}, l.template view<3>(), detail::bf16_best_path());
         return detail::fused_backward(p, args, dout, g, saved.out.empty() ? View4<const float>(o.view4()) : saved.out,
                                       saved.lse.empty() ? View3<const float>(l.template view<3>()) : saved.lse);
       }

@@ -139,12 +139,13 @@ SdpaArgs<T> sequence_args(const VarlenArgs<T>& a, const Packed& p, int64_t b) {
 
 // Checks every sequence's arguments and the options as its dense call would,
 // failing under the varlen function's name; returns whether the batch runs
-// on the fused backend's packed path (float32 with backend auto or fused).
+// on the fused backend's packed path (float32 with backend auto or fused,
+// exact products; with bfloat16 products each sequence is a dense call).
 template <class T>
 bool check_sequences(const VarlenChecker& c, const VarlenArgs<T>& a, const Packed& p, const SdpaOptions& opt) {
   for (int64_t b = 0; b < p.B; ++b)
     if (p.L(b) > 0 && p.S(b) > 0) (void)detail::check_attention<T>(c, sequence_args(a, p, b), opt);
-  return std::is_same_v<T, float> && opt.backend != Backend::reference;
+  return std::is_same_v<T, float> && opt.backend != Backend::reference && opt.compute_dtype != Dtype::bfloat16;
 }
 
 // ---- head-major copies for the fused path ------------------------------------

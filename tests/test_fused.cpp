@@ -20,6 +20,7 @@
 #include "kernels/fused/fused.hpp"
 #include "kernels/reference/sdpa_reference.hpp"
 #include "sdpa_case.hpp"
+#include "simd_targets.hpp"
 
 namespace {
 
@@ -182,32 +183,9 @@ TEST(Fused, MatchesReferenceOnRandomCases) {
   }
 }
 
-// The kernels are compiled for several SIMD targets and one is picked at run
-// time; this machine runs only the best. Highway can pretend the CPU supports
-// fewer targets: runs fn once on every compiled target this CPU can execute
-// (down to the portable EMU128 one) and returns their names.
-template <class Fn>
-std::string for_each_target(Fn fn) {
-  const std::vector<int64_t> targets = hwy::SupportedAndGeneratedTargets();
-  EXPECT_FALSE(targets.empty());
-  std::string names;
-  for (const int64_t t : targets) {
-    if (t == HWY_SSSE3) continue;  // not compiled into the library (cmake/attn_kernels.cmake)
-    hwy::SetSupportedTargetsForTest(t);
-    hwy::GetChosenTarget().Update(hwy::SupportedTargets());
-    EXPECT_STREQ(attn::detail::fused_target_name(), hwy::TargetName(t));
-    names += std::string(names.empty() ? "" : ", ") + attn::detail::fused_target_name();
-    SCOPED_TRACE(hwy::TargetName(t));
-    fn(t);
-  }
-  hwy::SetSupportedTargetsForTest(0);  // back to what the CPU really has
-  hwy::GetChosenTarget().Update(hwy::SupportedTargets());
-  return names;
-}
-
 // Every compiled target runs a smaller sweep against the reference.
 TEST(Fused, EveryCompiledTargetThisCpuRunsMatchesReference) {
-  const std::string names = for_each_target([](int64_t t) {
+  const std::string names = attn::testing::for_each_target([](int64_t t) {
     std::mt19937_64 rng(77 + uint64_t(t));
     for (int i = 0; i < std::max(3, kCases / 8); ++i) {
       Case c = random_case(rng, 5000 + uint64_t(i));
@@ -516,7 +494,7 @@ TEST(FusedNaN, EveryInputReachesExactlyTheOutputsItTouchesInBothBackends) {
 // treat NaN differently), and both exponentials map NaN to NaN, −∞ to 0.
 TEST(FusedNaN, RuleHoldsOnEveryCompiledTarget) {
   const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
-  const std::string names = for_each_target([&](int64_t) {
+  const std::string names = attn::testing::for_each_target([&](int64_t) {
     Case c;
     c.B = 2, c.H = 2, c.Hkv = 1, c.L = 29, c.S = 31, c.E = 5, c.Ev = 7, c.causal = true, c.mask = 1, c.seed = 41;
     Data clean_data(c);
@@ -906,7 +884,7 @@ TEST(FusedVariants, VectorisedTanhIsAccurateToAFewUlp) {
   for (float v : {0.625f, -0.625f, 0.62499994f, 8.9f})
     x.push_back(v);
   // Every compiled target (their reciprocal estimates differ).
-  const std::string names = for_each_target([&](int64_t) {
+  const std::string names = attn::testing::for_each_target([&](int64_t) {
     std::vector<float> y(x.size());
     attn::detail::fused_tanh(x.data(), y.data(), int64_t(x.size()));
     const auto [worst_ulp, worst_x] = worst_ulp_error(x, y, [](double v) { return std::tanh(v); });

@@ -118,6 +118,9 @@ struct HalfCase {
   Tensor<float> alibi, sinks;
   HalfCase(const CaseShape& s, std::mt19937_64& rng, double stddev = 1.0) : f(s, rng, stddev) {
     qh = round_to<Hf>(f.qbuf), kh = round_to<Hf>(f.kbuf), vh = round_to<Hf>(f.vbuf);
+    // The exact arithmetic (bfloat16 inputs otherwise compute with bfloat16
+    // products: test_bf16_compute.cpp).
+    f.opt.compute_dtype = Dtype::float32;
   }
   // The half request: f's masks, variants and options, Hf q, k, v.
   SdpaArgs<Hf> args() const {

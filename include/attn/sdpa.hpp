@@ -56,8 +56,10 @@
 // storage types attn::float16_t, attn::bfloat16_t (attn/half.hpp). With a
 // half T only q, k and v are half; everything else (bias, alibi_slopes,
 // sinks, every output, dout, the saved state and every gradient) is float32,
-// and the arithmetic is float32 on the exactly widened values: the result is
-// the float32 call's on the rounded inputs, bitwise. compute_t<T> names that
+// and with compute_dtype float32 the arithmetic is float32 on the exactly
+// widened values: the result is the float32 call's on the rounded inputs,
+// bitwise. (bfloat16 q, k, v compute with bfloat16 products unless
+// compute_dtype says float32: see SdpaOptions::compute_dtype.) compute_t<T> names that
 // type (T itself for float and double). How: a call with few query rows that
 // takes the decode route (the grouped split-KV kernel) reads the half K and V
 // directly, widening them in registers, and converts only q (L rows); every
@@ -120,6 +122,20 @@ struct SdpaOptions {
   double dropout_p = 0;
   uint64_t dropout_seed = 0;
   uint64_t dropout_offset = 0;
+  // The arithmetic of the two products, Q·Kᵀ and P·V (docs/fused.md,
+  // "bfloat16 compute"). float32: exact (float32 operands; float16 and
+  // bfloat16 inputs widened exactly). bfloat16: q, k, v and the
+  // probabilities rounded to bfloat16 for the products, sums in float32, the
+  // softmax, lse and every output float32 (PyTorch's and FlashAttention's
+  // bfloat16 arithmetic; several times faster where the CPU has bfloat16
+  // dot products: AVX512_BF16, AMX). Unset: bfloat16 for bfloat16 q, k, v,
+  // float32 otherwise. It shapes the fused forward's products; the
+  // backward's arithmetic stays float32 (on the saved state of the
+  // bfloat16 forward), and calls with few query rows (the decode kernel,
+  // bound by memory rather than by products) compute exactly. Only float32
+  // and bfloat16; bfloat16 is refused with double inputs and with the
+  // reference backend.
+  std::optional<Dtype> compute_dtype;
   // 0 = the OpenMP default (omp_get_max_threads()). 1 to kMaxThreads are
   // accepted and clamped to 4 x omp_get_num_procs() (more threads than that
   // only oversubscribe; results are the same for any count). Negative or

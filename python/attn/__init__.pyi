@@ -33,6 +33,7 @@ def scaled_dot_product_attention(
     check_finite: bool = False,
     dropout_seed: Optional[int] = None,
     dropout_offset: int = 0,
+    compute_dtype: Optional[Any] = None,
 ) -> Any:
     """Attention with torch.nn.functional.scaled_dot_product_attention's arguments.
 
@@ -40,7 +41,8 @@ def scaled_dot_product_attention(
     ml_dtypes.bfloat16, torch half tensors). Returns out (..., L, Ev), or
     (out[, lse][, weights]) when return_lse / return_weights are set, in the
     inputs' dtype (float32 for half inputs); NumPy arrays, or torch tensors
-    for tensor inputs."""
+    for tensor inputs. compute_dtype: "float32" (exact) or "bfloat16"
+    (bfloat16 products); None: bfloat16 for bfloat16 inputs, else float32."""
 
 def scaled_dot_product_attention_backward(
     grad_output: ArrayLike,
@@ -65,6 +67,7 @@ def scaled_dot_product_attention_backward(
     check_finite: bool = False,
     dropout_seed: Optional[int] = None,
     dropout_offset: int = 0,
+    compute_dtype: Optional[Any] = None,
 ) -> Tuple[Any, ...]:
     """(grad_query, grad_key, grad_value[, grad_attn_mask for a float mask][, grad_sinks]);
     float32 for float32 and half inputs, float64 for float64."""

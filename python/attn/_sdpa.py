@@ -10,8 +10,9 @@ the extension always sees rank-4 (B, H, N, d) views of the caller's memory.
 Half precision: query, key and value may be float16 or bfloat16 (NumPy
 float16, ml_dtypes.bfloat16, torch.float16/bfloat16); everything else of the
 call (masks, sinks, slopes, grad_output, the saved state) and every result is
-float32, computed in float32 on the exact values (attn.torch casts back to the
-inputs' dtype, as PyTorch does).
+float32 (attn.torch casts back to the inputs' dtype, as PyTorch does). float16
+computes in float32 on the exact values; bfloat16 with bfloat16 products
+(compute_dtype, below) unless compute_dtype="float32".
 """
 
 from __future__ import annotations
@@ -222,11 +223,31 @@ def dropout_kwargs(fn: str, dropout_p, dropout_seed, dropout_offset) -> dict:
     return out
 
 
+def compute_dtype_name(fn: str, compute_dtype) -> Optional[str]:
+    """compute_dtype as the extension takes it: None, or a dtype name ("float32", "bfloat16",
+    also "f32", "bf16"), a NumPy dtype or a torch dtype (torch.float32, torch.bfloat16)."""
+    if compute_dtype is None:
+        return None
+    if isinstance(compute_dtype, str):
+        name = compute_dtype
+    else:
+        try:
+            name = np.dtype(compute_dtype).name
+        except TypeError:
+            name = str(compute_dtype)
+    name = {"f32": "float32", "bf16": "bfloat16", "torch.float32": "float32", "torch.bfloat16": "bfloat16",
+            "torch.float16": "float16"}.get(name, name)
+    if name not in ("float32", "float16", "bfloat16"):  # float16: the library says why not
+        raise ValueError(f"{fn}: 'compute_dtype' is {compute_dtype!r}, expected None, 'float32' (exact) or "
+                         "'bfloat16' (bfloat16 products), or the NumPy/torch dtype")
+    return name
+
+
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                                  scale=None, enable_gqa=False, *, backend="auto", return_lse=False,
                                  return_weights=False, window_size=None, alibi_slopes=None, softcap=None,
                                  chunk_size=0, sinks=None, position_offset=None, check_finite=False,
-                                 dropout_seed=None, dropout_offset=0):
+                                 dropout_seed=None, dropout_offset=0, compute_dtype=None):
     """Scaled dot-product attention, with torch.nn.functional.scaled_dot_product_attention's
     arguments and meaning.
 
@@ -236,8 +257,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
       query  (..., L, E)   key (..., S, E)   value (..., S, Ev): NumPy arrays or CPU
              torch tensors, float32, float64, float16 or bfloat16 (all three the same; NumPy
              float16, ml_dtypes.bfloat16, torch.float16/bfloat16), any strides; used in
-             place (torch tensors through DLPack). Half inputs compute in float32 and
-             return float32 results; masks, sinks and slopes are then float32 too. A copy is made only for negative or
+             place (torch tensors through DLPack). float16 inputs compute in float32,
+             bfloat16 ones with bfloat16 products (compute_dtype); both return float32
+             results; masks, sinks and slopes are then float32 too. A copy is made only for negative or
              misaligned strides, non-native byte order, or broadcast leading axes that no
              single stride describes. Leading dimensions broadcast against each other;
              dimension -3 is the head axis.
@@ -268,6 +290,11 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
       position_offset  query row i sits at key position p = i + offset (default 0).
       check_finite  refuse NaN or Inf in query, key, value with a ValueError (one extra pass)
              instead of letting it reach the outputs it touches (the default).
+      compute_dtype  the arithmetic of the products q·kᵀ and p·v: "float32" (exact; half
+             inputs widened) or "bfloat16" (query, key, value and the probabilities rounded
+             to bfloat16, sums, softmax and lse in float32: PyTorch's bfloat16 arithmetic,
+             faster on CPUs with bfloat16 dot products); torch/NumPy dtypes also accepted.
+             None (default): bfloat16 for bfloat16 inputs, float32 otherwise.
 
     Returns out (..., L, Ev), or the tuple (out[, lse][, weights]), in the inputs' dtype
     (float32 for float16/bfloat16 inputs). NumPy arrays for NumPy
@@ -288,7 +315,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     lse = np.empty((B, H, p.L), p.dtype) if return_lse else None
     weights = np.empty((B, H, p.L, p.S), p.dtype) if return_weights else None
     _ext(p, "sdpa_forward")(p.q, p.k, p.v, out, mask=p.mask, bias=p.bias, weights=weights, lse=lse, scale=p.scale,
-                       causal=p.causal, backend=p.backend, check_finite=bool(check_finite), **var)
+                       causal=p.causal, backend=p.backend, check_finite=bool(check_finite),
+                       compute_dtype=compute_dtype_name(_FWD, compute_dtype), **var)
     results = [out.reshape(p.lead + (p.L, p.Ev))]
     if lse is not None:
         results.append(lse.reshape(p.lead + (p.L,)))
@@ -303,7 +331,7 @@ def scaled_dot_product_attention_backward(grad_output, query, key, value, attn_m
                                           backend="auto", output=None, lse=None, window_size=None,
                                           alibi_slopes=None, softcap=None, chunk_size=0, sinks=None,
                                           position_offset=None, check_finite=False, dropout_seed=None,
-                                          dropout_offset=0):
+                                          dropout_offset=0, compute_dtype=None):
     """Gradients of scaled_dot_product_attention.
 
     Takes grad_output = dLoss/dout (..., L, Ev) and the forward's arguments; returns
@@ -314,7 +342,9 @@ def scaled_dot_product_attention_backward(grad_output, query, key, value, attn_m
     With sinks, grad_sinks (H values) comes last. The variant keywords are the forward's.
     output and lse, the forward's result and log-sum-exp, may be passed to save the
     fused backend recomputing them. check_finite also refuses NaN/Inf in grad_output.
-    With dropout_p > 0, dropout_seed and dropout_offset must be the forward's.
+    With dropout_p > 0, dropout_seed and dropout_offset must be the forward's; so must
+    compute_dtype (with bfloat16 products the gradients are float32 arithmetic on the
+    forward's output and lse, recomputed by that forward when not passed).
     """
     p = _plan(_BWD, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend)
     var = _variants(_BWD, p, window_size, alibi_slopes, softcap, sinks, position_offset, chunk_size)
@@ -330,7 +360,8 @@ def scaled_dot_product_attention_backward(grad_output, query, key, value, attn_m
     dsinks = np.empty(H, p.dtype) if var["sinks"] is not None else None
     _ext(p, "sdpa_backward")(p.q, p.k, p.v, dout, dq, dk, dv, mask=p.mask, bias=p.bias, dbias=dbias, out=saved_out,
                         lse=saved_lse, scale=p.scale, causal=p.causal, backend=p.backend, dsinks=dsinks,
-                        check_finite=bool(check_finite), **var)
+                        check_finite=bool(check_finite), compute_dtype=compute_dtype_name(_BWD, compute_dtype),
+                        **var)
     # Gradients of broadcast operands are summed back to the caller's shapes.
     grads = [
         sum_to_shape(dq.reshape(p.q_expanded), p.shapes[0]),

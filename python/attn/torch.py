@@ -6,7 +6,8 @@ memory (through DLPack, no copy) and saves the output and log-sum-exp; its
 backward runs attn's backward. Gradients flow to query, key, value, a
 float attn_mask and the sinks (a torch Parameter, say). VarlenAttention does
 the same for the packed layout. CPU tensors, float32 or float64; the dense
-call also takes float16 and bfloat16 query/key/value, computed in float32, and
+call also takes float16 and bfloat16 query/key/value (bfloat16 with bfloat16
+products unless compute_dtype="float32"; float16 in float32), and
 returns its output (and the gradients) in the inputs' dtype, as PyTorch does.
 
     import attn.torch
@@ -65,7 +66,8 @@ class ScaledDotProductAttention(_torch.autograd.Function):
 
     apply(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
           scale=None, enable_gqa=False, backend="auto", window_size=None, alibi_slopes=None,
-          softcap=None, chunk_size=0, sinks=None, position_offset=None, dropout_seed=None) -> output
+          softcap=None, chunk_size=0, sinks=None, position_offset=None, dropout_seed=None,
+          compute_dtype=None) -> output
     (Function.apply takes positional arguments only.) With dropout_p > 0 the
     backward drops the forward's entries (same dropout_seed).
     """
@@ -73,9 +75,9 @@ class ScaledDotProductAttention(_torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                 enable_gqa=False, backend="auto", window_size=None, alibi_slopes=None, softcap=None, chunk_size=0,
-                sinks=None, position_offset=None, dropout_seed=None):
+                sinks=None, position_offset=None, dropout_seed=None, compute_dtype=None):
         variants = dict(window_size=window_size, alibi_slopes=alibi_slopes, softcap=softcap, chunk_size=chunk_size,
-                        position_offset=position_offset, dropout_seed=dropout_seed)
+                        position_offset=position_offset, dropout_seed=dropout_seed, compute_dtype=compute_dtype)
         out, lse = _sdpa.scaled_dot_product_attention(
             query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
             backend=backend, return_lse=True, sinks=sinks, **variants)
@@ -105,16 +107,18 @@ class ScaledDotProductAttention(_torch.autograd.Function):
         dsinks = _sinks_grad(ctx, 13, grads, sinks)
         return (_as_input_dtype(grads[0], query), _as_input_dtype(grads[1], key), _as_input_dtype(grads[2], value),
                 _as_input_dtype(dmask, attn_mask), None, None, None, None, None, None, None, None, None, dsinks,
-                None, None)
+                None, None, None)
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                                  scale=None, enable_gqa=False, *, backend="auto", window_size=None,
-                                 alibi_slopes=None, softcap=None, chunk_size=0, sinks=None, position_offset=None):
+                                 alibi_slopes=None, softcap=None, chunk_size=0, sinks=None, position_offset=None,
+                                 compute_dtype=None):
     """Drop-in for torch.nn.functional.scaled_dot_product_attention, computed by
     attn (see attn.scaled_dot_product_attention for the arguments, the variant
-    keywords included). Returns a torch tensor, in the query's dtype for float16 and
-    bfloat16 inputs (computed in float32); when an input (or the sinks)
+    keywords and compute_dtype included). Returns a torch tensor, in the query's dtype
+    for float16 and bfloat16 inputs (bfloat16 inputs compute with bfloat16 products
+    unless compute_dtype="float32", as PyTorch's; float16 ones in float32); when an input (or the sinks)
     requires grad (and grad mode is on) the call goes through
     ScaledDotProductAttention, so it is differentiable. Inputs with a
     zero-size dimension (batch, heads, lengths) give what PyTorch gives: an
@@ -132,11 +136,12 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                     sinks):
         return ScaledDotProductAttention.apply(query, key, value, attn_mask, dropout_p, is_causal, scale,
                                                enable_gqa, backend, window_size, alibi_slopes, softcap,
-                                               chunk_size, sinks, position_offset, seed)
+                                               chunk_size, sinks, position_offset, seed, compute_dtype)
     out = _sdpa.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale,
                                              enable_gqa, backend=backend, window_size=window_size,
                                              alibi_slopes=alibi_slopes, softcap=softcap, chunk_size=chunk_size,
-                                             sinks=sinks, position_offset=position_offset, dropout_seed=seed)
+                                             sinks=sinks, position_offset=position_offset, dropout_seed=seed,
+                                             compute_dtype=compute_dtype)
     return _as_input_dtype(out, query)
 
 

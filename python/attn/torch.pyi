@@ -44,6 +44,7 @@ def scaled_dot_product_attention(
     chunk_size: int = 0,
     sinks: Optional[torch.Tensor] = None,
     position_offset: Optional[int] = None,
+    compute_dtype: Optional[Any] = None,
 ) -> torch.Tensor: ...
 
 class VarlenAttention(torch.autograd.Function):

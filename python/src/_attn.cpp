@@ -87,6 +87,13 @@ attn::SdpaOptions with_dropout(attn::SdpaOptions opt, double p, uint64_t seed, u
   return opt;
 }
 
+// compute_dtype (SdpaOptions::compute_dtype): None = the inputs' default;
+// the library checks the value.
+attn::SdpaOptions with_compute(attn::SdpaOptions opt, const std::optional<std::string>& compute_dtype) {
+  if (compute_dtype) opt.compute_dtype = attn::parse_dtype(*compute_dtype);
+  return opt;
+}
+
 Variants variants(int64_t window_left, int64_t window_right, double softcap, int64_t chunk_size,
                   Opt<int64_t> position_offset) {
   return Variants{window_left, window_right, softcap, position_offset, chunk_size};
@@ -145,11 +152,11 @@ void bind_sdpa(nb::module_& m) {
          const Opt<Arr<R, 3>>& lse, std::optional<double> scale, bool causal, const std::string& backend,
          int num_threads, const Opt<Arr<const R, 1>>& alibi_slopes, const Opt<Arr<const R, 1>>& sinks,
          int64_t window_left, int64_t window_right, double softcap, int64_t chunk_size, Opt<int64_t> position_offset, double dropout_p, uint64_t dropout_seed, uint64_t dropout_offset,
-         bool check_finite) {
+         bool check_finite, const std::optional<std::string>& compute_dtype) {
         const attn::SdpaArgs<T> args = sdpa_args<T>(q, k, v, mask, bias, alibi_slopes, sinks);
-        const attn::SdpaOptions opt = with_dropout(
+        const attn::SdpaOptions opt = with_compute(with_dropout(
             sdpa_options(scale, causal, backend, num_threads,
-                         variants(window_left, window_right, softcap, chunk_size, position_offset), check_finite), dropout_p, dropout_seed, dropout_offset);
+                         variants(window_left, window_right, softcap, chunk_size, position_offset), check_finite), dropout_p, dropout_seed, dropout_offset), compute_dtype);
         const attn::View4<R> o = view_of<R, 4>(out, "out");
         const attn::View4<R> w = view_of<R, 4>(weights, "weights");
         const attn::View3<R> l = view_of<R, 3>(lse, "lse");
@@ -163,12 +170,14 @@ void bind_sdpa(nb::module_& m) {
       "alibi_slopes"_a.noconvert().none() = nb::none(), "sinks"_a.noconvert().none() = nb::none(),
       "window_left"_a = -1, "window_right"_a = -1, "softcap"_a = 0.0, "chunk_size"_a = 0, "position_offset"_a.none() = nb::none(), "dropout_p"_a = 0.0, "dropout_seed"_a = 0,
       "dropout_offset"_a = 0,
-      "check_finite"_a = false,
+      "check_finite"_a = false, "compute_dtype"_a.none() = nb::none(),
       "Scaled dot-product attention on rank-4 (B, H, N, d) arrays of one dtype (float32 or float64; or\n"
       "float16/bfloat16 q, k, v with everything else float32): "
       "writes out (B, H, L, Ev), and weights (B, H, L, S) and lse (B, H, L) when given. mask: bool,\n"
       "True = may attend; bias: added to the scores; both broadcastable to (B, H, L, S). Variants:\n"
-      "alibi_slopes, sinks (H), window_left/right (-1 unbounded), softcap (0 off), position_offset.");
+      "alibi_slopes, sinks (H), window_left/right (-1 unbounded), softcap (0 off), position_offset.\n"
+      "compute_dtype: 'float32' (exact) or 'bfloat16' (bfloat16 products); None: bfloat16 for bfloat16\n"
+      "q, k, v, else float32.");
   m.def(
       bf16 ? "sdpa_backward_bf16" : "sdpa_backward",
       [](const Arr<const T, 4>& q, const Arr<const T, 4>& k, const Arr<const T, 4>& v,
@@ -177,11 +186,12 @@ void bind_sdpa(nb::module_& m) {
          const Opt<Arr<const R, 4>>& out, const Opt<Arr<const R, 3>>& lse, std::optional<double> scale,
          bool causal, const std::string& backend, int num_threads, const Opt<Arr<const R, 1>>& alibi_slopes,
          const Opt<Arr<const R, 1>>& sinks, const Opt<Arr<R, 1>>& dsinks, int64_t window_left,
-         int64_t window_right, double softcap, int64_t chunk_size, Opt<int64_t> position_offset, double dropout_p, uint64_t dropout_seed, uint64_t dropout_offset, bool check_finite) {
+         int64_t window_right, double softcap, int64_t chunk_size, Opt<int64_t> position_offset, double dropout_p, uint64_t dropout_seed, uint64_t dropout_offset, bool check_finite,
+         const std::optional<std::string>& compute_dtype) {
         const attn::SdpaArgs<T> args = sdpa_args<T>(q, k, v, mask, bias, alibi_slopes, sinks);
-        const attn::SdpaOptions opt = with_dropout(
+        const attn::SdpaOptions opt = with_compute(with_dropout(
             sdpa_options(scale, causal, backend, num_threads,
-                         variants(window_left, window_right, softcap, chunk_size, position_offset), check_finite), dropout_p, dropout_seed, dropout_offset);
+                         variants(window_left, window_right, softcap, chunk_size, position_offset), check_finite), dropout_p, dropout_seed, dropout_offset), compute_dtype);
         attn::SdpaGrads<R> g;
         g.dq = view_of<R, 4>(dq, "dq");
         g.dk = view_of<R, 4>(dk, "dk");
@@ -202,7 +212,7 @@ void bind_sdpa(nb::module_& m) {
       "alibi_slopes"_a.noconvert().none() = nb::none(), "sinks"_a.noconvert().none() = nb::none(),
       "dsinks"_a.noconvert().none() = nb::none(), "window_left"_a = -1, "window_right"_a = -1,
       "softcap"_a = 0.0, "chunk_size"_a = 0, "position_offset"_a.none() = nb::none(), "dropout_p"_a = 0.0, "dropout_seed"_a = 0,
-      "dropout_offset"_a = 0, "check_finite"_a = false,
+      "dropout_offset"_a = 0, "check_finite"_a = false, "compute_dtype"_a.none() = nb::none(),
       "Backward of sdpa_forward from dout = dL/dout: overwrites dq, dk, dv (and dbias, the bias's\n"
       "shape; dsinks, the sinks'). out and lse, the forward's saved state, spare the fused backend\n"
       "recomputing them.");

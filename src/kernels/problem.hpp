@@ -18,6 +18,9 @@ struct ProblemOf {
   int64_t B = 0, H = 0, Hkv = 0, L = 0, S = 0, E = 0, Ev = 0;  // S: keys (a cache's capacity)
   ScoreRules<F> rules;
   Dropout dropout;  // of the probabilities (kernels/dropout.hpp); off by default
+  // The products take bfloat16 operands (SdpaOptions::compute_dtype; the
+  // fused forward's bfloat16 path, kernels/fused/bf16.hpp); false: exact.
+  bool bf16_products = false;
   int threads = 1;
 
   int64_t group() const { return H / Hkv; }  // query heads per key/value head

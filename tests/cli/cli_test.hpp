@@ -92,6 +92,20 @@ class Cli : public ::testing::Test {
     return v;
   }
 
+  // q.npy (H, L, E), k.npy (H, S, E), v.npy (H, S, Ev) of random T, and their values.
+  template <class T>
+  struct Qkv {
+    std::vector<T> q, k, v;
+  };
+  template <class T>
+  Qkv<T> write_qkv(int64_t H, int64_t L, int64_t S, int64_t E, int64_t Ev, std::mt19937_64& rng) {
+    Qkv<T> r;
+    r.q = write_random<T>("q.npy", {H, L, E}, rng);
+    r.k = write_random<T>("k.npy", {H, S, E}, rng);
+    r.v = write_random<T>("v.npy", {H, S, Ev}, rng);
+    return r;
+  }
+
   void put(const std::string& f, const std::string& bytes) const {
     std::ofstream(path(f), std::ios::binary) << bytes;
   }

@@ -67,6 +67,34 @@ TEST_F(Cli, SdpaNanPropagatesAndCheckFiniteRefusesIt) {
   EXPECT_FALSE(std::filesystem::exists(path("z.npy")));
 }
 
+// --compute bf16: the library's call with compute_dtype bfloat16, bit for
+// bit; float64 files are refused with the option's name.
+TEST_F(Cli, SdpaComputeBf16IsTheLibrarysBfloat16Products) {
+  std::mt19937_64 rng(6);
+  const int64_t H = 2, L = 40, S = 50, E = 16, Ev = 8;
+  const auto [q, k, v] = write_qkv<float>(H, L, S, E, Ev, rng);
+  const Result r = run("sdpa --q q.npy --k k.npy --v v.npy --causal --compute bf16 --out y.npy");
+  ASSERT_EQ(r.rc, 0) << r.err;
+  EXPECT_NE(r.err.find("bfloat16 products"), std::string::npos) << r.err;
+  attn::SdpaArgs<float> args;
+  args.q = attn::View4<const float>::bhnd(q.data(), 1, H, L, E);
+  args.k = attn::View4<const float>::bhnd(k.data(), 1, H, S, E);
+  args.v = attn::View4<const float>::bhnd(v.data(), 1, H, S, Ev);
+  attn::SdpaOptions opt;
+  opt.causal = true;
+  opt.compute_dtype = attn::Dtype::bfloat16;
+  attn::Tensor<float> y({1, H, L, Ev});
+  attn::scaled_dot_product_attention<float>(args, {y.view4()}, opt);
+  const auto fy = attn::io::read_npy<float>(path("y.npy"));
+  for (size_t i = 0; i < y.size(); ++i) EXPECT_EQ(fy.data[i], y[i]) << i;
+  write_random<double>("q64.npy", {L, E}, rng);
+  write_random<double>("k64.npy", {S, E}, rng);
+  write_random<double>("v64.npy", {S, Ev}, rng);
+  const Result d = run("sdpa --q q64.npy --k k64.npy --v v64.npy --compute bfloat16 --out z.npy");
+  EXPECT_EQ(d.rc, 1) << d.err;
+  EXPECT_NE(d.err.find("option 'compute_dtype' is bfloat16"), std::string::npos) << d.err;
+}
+
 TEST_F(Cli, SdpaRank2Float32WithMaskMatchesAPlainComputation) {
   std::mt19937_64 rng(4);
   const int64_t L = 4, S = 6, E = 5, Ev = 3;
@@ -105,9 +133,7 @@ TEST_F(Cli, SdpaRank2Float32WithMaskMatchesAPlainComputation) {
 TEST_F(Cli, SdpaVariantFlagsAgreeWithTheLibrary) {
   std::mt19937_64 rng(13);
   const int64_t H = 2, L = 6, S = 9, E = 3, Ev = 2;
-  const auto q = write_random<double>("q.npy", {H, L, E}, rng);
-  const auto k = write_random<double>("k.npy", {H, S, E}, rng);
-  const auto v = write_random<double>("v.npy", {H, S, Ev}, rng);
+  const auto [q, k, v] = write_qkv<double>(H, L, S, E, Ev, rng);
   const Result r = run("sdpa --q q.npy --k k.npy --v v.npy --causal --window 2,-1 --softcap 1.5 --alibi "
                        "--sinks 0.25,-1 --position-offset 2 --out y.npy --lse lse.npy");
   ASSERT_EQ(r.rc, 0) << r.err;

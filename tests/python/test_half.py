@@ -1,11 +1,15 @@
 """Half-precision query/key/value in the dense call: NumPy float16,
 ml_dtypes.bfloat16 (when installed), torch.float16/bfloat16 (when torch is
 installed), through attn.scaled_dot_product_attention, its backward and the
-attn.torch autograd Function. The contract checked: the result is the float32
-call's on the rounded values, bit for bit (forward and backward, on the
+attn.torch autograd Function. The contract checked: with exact arithmetic
+(float16 by default, bfloat16 with compute_dtype="float32") the result is the
+float32 call's on the rounded values, bit for bit (forward and backward, on the
 widened route and on the decode route that reads half K/V in place), and that
 is exact attention of the rounded values (the float64 NumPy oracle, to
-float32's bound); results are float32 (attn.torch: the inputs' dtype)."""
+float32's bound); bfloat16 by default is the float32 call's with
+compute_dtype="bfloat16" on the rounded values, bit for bit, within bfloat16's
+bound of the exact attention; results are float32 (attn.torch: the inputs'
+dtype)."""
 
 import numpy as np
 import pytest
@@ -40,17 +44,19 @@ def make(rng, L, S, E, Ev, H, Hkv, mask_kind, B=2):
     return q, k, v, mask
 
 
-def check_against_float32(args16, args32, mask, causal, gqa, dout, **kw):
-    """The half call (args16) against the float32 call on the rounded values (args32)."""
+def check_against_float32(args16, args32, mask, causal, gqa, dout, want_compute_dtype=None, **kw):
+    """The half call (args16) against the float32 call on the rounded values (args32), that
+    one with compute_dtype=want_compute_dtype when given."""
+    kw32 = dict(kw, compute_dtype=want_compute_dtype) if want_compute_dtype else kw
     out, lse = attn.scaled_dot_product_attention(*args16, mask, is_causal=causal, enable_gqa=gqa,
                                                  return_lse=True, **kw)
     want, want_lse = attn.scaled_dot_product_attention(*args32, mask, is_causal=causal, enable_gqa=gqa,
-                                                       return_lse=True, **kw)
+                                                       return_lse=True, **kw32)
     assert np.asarray(out).dtype == F32 and np.asarray(lse).dtype == F32
     np.testing.assert_array_equal(np.asarray(out), np.asarray(want))
     np.testing.assert_array_equal(np.asarray(lse), np.asarray(want_lse))
     grads = attn.scaled_dot_product_attention_backward(dout, *args16, mask, is_causal=causal, enable_gqa=gqa, **kw)
-    want_g = attn.scaled_dot_product_attention_backward(dout, *args32, mask, is_causal=causal, enable_gqa=gqa, **kw)
+    want_g = attn.scaled_dot_product_attention_backward(dout, *args32, mask, is_causal=causal, enable_gqa=gqa, **kw32)
     assert len(grads) == len(want_g)
     for g, w in zip(grads, want_g):
         assert np.asarray(g).dtype == F32
@@ -124,7 +130,14 @@ def test_ml_dtypes_bfloat16():
         h = [x.astype(ml_dtypes.bfloat16) for x in (q, k, v)]
         r = [x.astype(F32) for x in h]
         dout = rng.standard_normal((2, 4, L, 8)).astype(F32)
-        check_against_float32(h, r, mask, False, True, dout)
+        check_against_float32(h, r, mask, False, True, dout, compute_dtype="float32")
+        # By default bfloat16 products: the float32 call's with compute_dtype="bfloat16", and
+        # within bfloat16's bound (P rounded: 2^-8 relative, docs/fused.md) of the exact one.
+        got, _ = check_against_float32(h, r, mask, False, True, dout, want_compute_dtype="bfloat16")
+        exact = attn.scaled_dot_product_attention(*r, mask, enable_gqa=True)
+        if L > 32:  # (the decode route, few query rows, computes exactly)
+            assert not np.array_equal(np.asarray(got), np.asarray(exact))
+        assert np.abs(np.asarray(got) - np.asarray(exact)).max() <= 2.0**-8 * np.abs(r[2]).max() + 1e-5
         # bfloat16 rounds differently from float16: the inputs really were read as bfloat16.
         assert not np.array_equal(r[0], q.astype(np.float16).astype(F32))
 
@@ -145,11 +158,17 @@ def test_torch_half_tensors(dtype_name, L):
     v = torch.randn(2, 2, 70, 8, generator=g).to(dtype)
     r = [x.float() for x in (q, k, v)]
     dout = torch.randn(2, 4, L, 8, generator=g)
-    # The NumPy-level API: float32 results, the float32 call's on the rounded values.
-    check_against_float32((q, k, v), r, None, True, True, dout)
+    # The NumPy-level API: float32 results, the float32 call's on the rounded values
+    # (bfloat16: exact with compute_dtype="float32"; by default the bfloat16 products of
+    # the float32 call with compute_dtype="bfloat16").
+    bf16 = dtype_name == "bfloat16"
+    check_against_float32((q, k, v), r, None, True, True, dout, **(dict(compute_dtype="float32") if bf16 else {}))
+    products = dict(compute_dtype="bfloat16") if bf16 else {}
+    check_against_float32((q, k, v), r, None, True, True, dout, want_compute_dtype=products.get("compute_dtype"))
     # attn.torch: the inputs' dtype, like PyTorch, and autograd gradients in it too.
     y = attn.torch.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    want, want_lse = attn.scaled_dot_product_attention(*r, is_causal=True, enable_gqa=True, return_lse=True)
+    want, want_lse = attn.scaled_dot_product_attention(*r, is_causal=True, enable_gqa=True, return_lse=True,
+                                                       **products)
     assert y.dtype == dtype and torch.equal(y, want.to(dtype))
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     y = attn.torch.scaled_dot_product_attention(*leaves, is_causal=True, enable_gqa=True)
@@ -157,13 +176,14 @@ def test_torch_half_tensors(dtype_name, L):
     y.backward(dout.to(dtype))
     # (The Function hands its forward's output and lse to the backward; so does this.)
     want_g = attn.scaled_dot_product_attention_backward(dout.to(dtype).float(), *r, is_causal=True, enable_gqa=True,
-                                                        output=want, lse=want_lse)
+                                                        output=want, lse=want_lse, **products)
     for leaf, w in zip(leaves, want_g):
         assert leaf.grad.dtype == dtype
         assert torch.equal(leaf.grad, w.to(dtype))
     # Against PyTorch's own SDPA on the rounded values in float64.
     ref = torch.nn.functional.scaled_dot_product_attention(*[x.double() for x in r], is_causal=True, enable_gqa=True)
-    assert (want.double() - ref).abs().max().item() < npref.tol(F32, 70 + 16, 1.0, 40)
+    rounding = 2.0**-8 * r[2].abs().max().item() if bf16 else 0.0  # P rounded to bfloat16 (docs/fused.md)
+    assert (want.double() - ref).abs().max().item() < npref.tol(F32, 70 + 16, 1.0, 40) + rounding
 
 
 def test_torch_half_float_mask_and_sinks_get_gradients_in_their_dtype():
@@ -181,3 +201,31 @@ def test_torch_half_float_mask_and_sinks_get_gradients_in_their_dtype():
     want = attn.scaled_dot_product_attention_backward(torch.ones(1, 2, 9, 8), *r, mask.detach().float(),
                                                       sinks=sinks.detach())
     assert torch.equal(mask.grad, want[3].half()) and torch.equal(sinks.grad, want[4])
+
+
+def test_compute_dtype_names_and_refusals():
+    """compute_dtype takes names, NumPy and torch dtypes; anything else is a ValueError naming it."""
+    rng = np.random.default_rng(11)
+    q, k, v, _ = make(rng, 40, 50, 16, 8, 2, 2, "none")
+    r = [x.astype(F32) for x in (q, k, v)]
+    want = attn.scaled_dot_product_attention(*r, compute_dtype="bfloat16")
+    names = ["bf16"]
+    try:
+        import ml_dtypes
+
+        names.append(ml_dtypes.bfloat16)
+    except ImportError:
+        pass
+    for name in names:
+        assert np.array_equal(attn.scaled_dot_product_attention(*r, compute_dtype=name), want)
+    exact = attn.scaled_dot_product_attention(*r)
+    assert np.array_equal(attn.scaled_dot_product_attention(*r, compute_dtype=np.float32), exact)
+    assert not np.array_equal(want, exact)
+    with pytest.raises(ValueError, match=r"'compute_dtype' is 'int8'"):
+        attn.scaled_dot_product_attention(*r, compute_dtype="int8")
+    with pytest.raises(ValueError, match=r"option 'compute_dtype' is float16"):
+        attn.scaled_dot_product_attention(*r, compute_dtype="float16")
+    with pytest.raises(ValueError, match=r"option 'compute_dtype' is bfloat16, which takes float32"):
+        attn.scaled_dot_product_attention(q, k, v, compute_dtype="bfloat16")  # float64
+    with pytest.raises(ValueError, match=r"option 'compute_dtype' is bfloat16, which the reference backend"):
+        attn.scaled_dot_product_attention(*r, compute_dtype="bfloat16", backend="reference")

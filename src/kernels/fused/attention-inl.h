@@ -117,30 +117,29 @@ void DropTileT(const Problem& p, ForwardScratch& w, int64_t b, int64_t h, int64_
   }
 }
 
-void ForwardUnit(const FusedCall& c, ForwardScratch& w, int64_t b, int64_t h, int64_t i0, int64_t nr,
-                 View4<float> out, View4<float> weights, View3<float> lse) {
-  const Problem& p = *c.p;
-  const auto& V = c.a->v;
-  const int64_t hk = p.kv_head(h), lanes = int64_t(hn::Lanes(DF()));
-  const int64_t nrp = round_up(nr, lanes);
-  // The keys any row of the block sees (the band is monotone in the row).
-  const rules::Band band = band_of(c, b);
-  const rules::Keys keys = band.keys_of_rows(i0, i0 + nr);
-  // V is used in place when its rows are adjacent and a whole number of
-  // vectors (otherwise copied per tile, as K in ScoreTileT).
-  const bool v_in_place = rows_adjacent(V) && p.Ev == w.Evp;
-  PackQt(c, w, b, h, i0, nr);
-  std::fill(w.o, w.o + nr * w.Evp, 0.0f);
-  // A sink starts every row's softmax as one seen logit with no value.
-  const float sink2 = c.p->rules.sink(h) * kLog2e;
-  for (int64_t r = 0; r < nr; ++r) w.rows[r] = os::State<float>{sink2, sink2 == kNegInf ? 0.0f : 1.0f};
+// The float32 products of the forward unit (exact): Q·Kᵀ on the queries
+// packed transposed and scaled (PackQt), K read in place or copied per tile
+// (ScoreTileT); P·V into the row-major accumulator o [qb × Evp], V read in
+// place when its rows are adjacent and a whole number of vectors.
+struct Float32Products {
+  const FusedCall& c;
+  ForwardScratch& w;
+  bool v_in_place = false;
 
-  for (int64_t j0 = keys.lo; j0 < keys.hi; j0 += w.kb) {
-    const int64_t nk = std::min(w.kb, keys.hi - j0);
-    if (band.classify(i0, nr, j0, nk) == rules::Tile::empty) continue;
+  // Packs the unit's queries and zeroes its accumulator.
+  void begin(int64_t b, int64_t h, int64_t i0, int64_t nr) {
+    v_in_place = rows_adjacent(c.a->v) && c.p->Ev == w.Evp;
+    PackQt(c, w, b, h, i0, nr);
+    std::fill(w.o, w.o + nr * w.Evp, 0.0f);
+  }
+  // The transposed score tile through the score pipeline (st).
+  void scores(int64_t b, int64_t h, int64_t i0, int64_t nr, int64_t nrp, int64_t j0, int64_t nk) {
     ScoreTileT(c, w, b, h, i0, nr, nrp, j0, nk);
-    SoftmaxTileT(w, nr, nrp, nk);
-    if (p.dropout.on()) DropTileT(p, w, b, h, i0, nr, j0, nk);  // o += (P∘m)·V; the sums keep P
+  }
+  // o <- o·alpha + P·V for the tile's probabilities (st) and rescale factors.
+  void accumulate(int64_t b, int64_t h, int64_t nr, int64_t j0, int64_t nk) {
+    const auto& V = c.a->v;
+    const int64_t hk = c.p->kv_head(h);
     const float* alpha = w.colv + 2 * w.qbp;
     for (int64_t r = 0; r < nr; ++r)
       if (alpha[r] != 1.0f) ScaleRow(w.o + r * w.Evp, w.Evp, alpha[r]);  // acc <- acc · alpha
@@ -159,18 +158,48 @@ void ForwardUnit(const FusedCall& c, ForwardScratch& w, int64_t b, int64_t h, in
     // o += P·V, with P(r, jj) = st_t[jj][r]
     Gemm(nr, w.Evp, nk, w.st, 1, w.qbp, vb, ldv, w.o, w.Evp, true);
   }
+  // Row r of the output: y = acc / sum (dst: Ev elements, se apart).
+  void write_row(int64_t r, float inv_sum, float* dst, int64_t se) const {
+    const int64_t lanes = int64_t(hn::Lanes(DF())), Ev = c.p->Ev;
+    const float* o = w.o + r * w.Evp;
+    int64_t e = 0;
+    if (se == 1)
+      for (const VF inv = hn::Set(DF(), inv_sum); e + lanes <= Ev; e += lanes)
+        hn::StoreU(hn::Mul(hn::Load(DF(), o + e), inv), DF(), dst + e);
+    for (; e < Ev; ++e) dst[e * se] = o[e] * inv_sum;
+  }
+};
+
+// One forward unit: queries [i0, i0 + nr) of (b, h) against the keys they
+// see, tile by tile; `Products` does the two products (Float32Products, or
+// the bfloat16 ones of bf16-inl.h), the rest is the same for both.
+template <class Products>
+void ForwardUnitT(const FusedCall& c, Products& pr, ForwardScratch& w, int64_t b, int64_t h, int64_t i0, int64_t nr,
+                  View4<float> out, View4<float> weights, View3<float> lse) {
+  const Problem& p = *c.p;
+  const int64_t lanes = int64_t(hn::Lanes(DF()));
+  const int64_t nrp = round_up(nr, lanes);
+  // The keys any row of the block sees (the band is monotone in the row).
+  const rules::Band band = band_of(c, b);
+  const rules::Keys keys = band.keys_of_rows(i0, i0 + nr);
+  pr.begin(b, h, i0, nr);
+  // A sink starts every row's softmax as one seen logit with no value.
+  const float sink2 = c.p->rules.sink(h) * kLog2e;
+  for (int64_t r = 0; r < nr; ++r) w.rows[r] = os::State<float>{sink2, sink2 == kNegInf ? 0.0f : 1.0f};
+
+  for (int64_t j0 = keys.lo; j0 < keys.hi; j0 += w.kb) {
+    const int64_t nk = std::min(w.kb, keys.hi - j0);
+    if (band.classify(i0, nr, j0, nk) == rules::Tile::empty) continue;
+    pr.scores(b, h, i0, nr, nrp, j0, nk);
+    SoftmaxTileT(w, nr, nrp, nk);
+    if (p.dropout.on()) DropTileT(p, w, b, h, i0, nr, j0, nk);  // o += (P∘m)·V; the sums keep P
+    pr.accumulate(b, h, nr, j0, nk);
+  }
 
   for (int64_t r = 0; r < nr; ++r) {
     const os::Final<float> f = os::finalize<os::Base2>(w.rows[r]);
     const float row_lse = f.lse * kLn2;  // back to natural units (−∞ stays −∞)
-    const float* o = w.o + r * w.Evp;
-    float* dst = &out(b, h, i0 + r, 0);
-    const int64_t se = out.strides[3];
-    int64_t e = 0;  // y = acc / sum
-    if (se == 1)
-      for (const VF inv = hn::Set(DF(), f.inv_sum); e + lanes <= p.Ev; e += lanes)
-        hn::StoreU(hn::Mul(hn::Load(DF(), o + e), inv), DF(), dst + e);
-    for (; e < p.Ev; ++e) dst[e * se] = o[e] * f.inv_sum;
+    pr.write_row(r, f.inv_sum, &out(b, h, i0 + r, 0), out.strides[3]);
     if (!lse.empty()) lse(b, h, i0 + r) = row_lse;
   }
 
@@ -192,7 +221,7 @@ void ForwardUnit(const FusedCall& c, ForwardScratch& w, int64_t b, int64_t h, in
       if (j < keys.lo || j >= keys.hi) weights(b, h, i0 + r, j) = 0.0f;
   for (int64_t j0 = keys.lo; j0 < keys.hi; j0 += w.kb) {
     const int64_t nk = std::min(w.kb, keys.hi - j0);
-    ScoreTileT(c, w, b, h, i0, nr, nrp, j0, nk);
+    pr.scores(b, h, i0, nr, nrp, j0, nk);
     for (int64_t jj = 0; jj < nk; ++jj)
       for (int64_t r = 0; r < nrp; r += lanes) {
         float* x = w.st + jj * w.qbp + r;
@@ -209,23 +238,40 @@ void ForwardUnit(const FusedCall& c, ForwardScratch& w, int64_t b, int64_t h, in
   }
 }
 
-void ForwardImpl(const Problem& p, const SdpaArgs<float>& a, View4<float> out, View4<float> weights,
-                 View3<float> lse, FusedPlan t) {
-  std::vector<uint8_t> bad;
-  const FusedCall c = MakeCall(p, a, t, bad);
+// The float32 forward unit (the dense call's and the packed batch's).
+void ForwardUnit(const FusedCall& c, ForwardScratch& w, int64_t b, int64_t h, int64_t i0, int64_t nr,
+                 View4<float> out, View4<float> weights, View3<float> lse) {
+  Float32Products pr{c, w};
+  ForwardUnitT(c, pr, w, b, h, i0, nr, out, weights, lse);
+}
+
+// Every unit of a dense forward call, threads taking them dynamically;
+// make(w) gives a thread its products on its scratch w.
+template <class MakeProducts>
+void ForwardUnits(const FusedCall& c, const FusedPlan& t, View4<float> out, View4<float> weights, View3<float> lse,
+                  MakeProducts make) {
+  const Problem& p = *c.p;
   const int64_t nqb = ceil_div(p.L, t.q_block);
   const int64_t units = p.B * p.H * nqb;
 #pragma omp parallel num_threads(p.threads)
   {
     const FlushToZero ftz;  // common.hpp
     ForwardScratch w(p, t, Lanes());
+    auto pr = make(w);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t u = 0; u < units; ++u) {
       const int64_t qbi = u % nqb, h = (u / nqb) % p.H, b = u / (nqb * p.H);
       const int64_t i0 = qbi * t.q_block, nr = std::min(t.q_block, p.L - i0);
-      ForwardUnit(c, w, b, h, i0, nr, out, weights, lse);
+      ForwardUnitT(c, pr, w, b, h, i0, nr, out, weights, lse);
     }
   }
+}
+
+void ForwardImpl(const Problem& p, const SdpaArgs<float>& a, View4<float> out, View4<float> weights,
+                 View3<float> lse, FusedPlan t) {
+  std::vector<uint8_t> bad;
+  const FusedCall c = MakeCall(p, a, t, bad);
+  ForwardUnits(c, t, out, weights, lse, [&](ForwardScratch& w) { return Float32Products{c, w}; });
 }
 
 // ---- backward --------------------------------------------------------------

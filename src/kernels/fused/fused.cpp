@@ -18,6 +18,8 @@
 
 #include "attn/tensor.hpp"
 #include "kernels/fused/attention-inl.h"
+#include "kernels/fused/bf16-inl.h"
+#include "kernels/fused/bf16.hpp"
 #include "kernels/fused/fused.hpp"
 #include "kernels/fused/packed-inl.h"
 #include "kernels/fused/simd-inl.h"
@@ -45,6 +47,8 @@ HWY_AFTER_NAMESPACE();
 namespace attn::detail {
 
 HWY_EXPORT(ForwardImpl);
+HWY_EXPORT(ForwardBf16Impl);
+HWY_EXPORT(PortableBf16Gemm);
 HWY_EXPORT(BackwardImpl);
 HWY_EXPORT(ForwardPackedImpl);
 HWY_EXPORT(BackwardPackedImpl);
@@ -58,6 +62,16 @@ HWY_EXPORT(GemmImpl);
 void fused_forward_tiled(const Problem& p, const SdpaArgs<float>& a, View4<float> out,
                          View4<float> weights, View3<float> lse, const FusedPlan& t) {
   HWY_DYNAMIC_DISPATCH(ForwardImpl)(p, a, out, weights, lse, t);
+}
+
+void fused_forward_bf16_ops(const Problem& p, const Bf16Operands& ops, View4<float> out, View4<float> weights,
+                            View3<float> lse, const FusedPlan& t) {
+  HWY_DYNAMIC_DISPATCH(ForwardBf16Impl)(p, ops, out, weights, lse, t);
+}
+
+void bf16_portable_gemm(int64_t M, int64_t N, int64_t K, const void* A, int64_t lda, const uint32_t* B,
+                        int64_t ldb, float* C, int64_t ldc, float alpha, bool accumulate) {
+  HWY_DYNAMIC_DISPATCH(PortableBf16Gemm)(M, N, K, A, lda, B, ldb, C, ldc, alpha, accumulate);
 }
 
 void fused_forward(const Problem& p, const SdpaArgs<float>& a, View4<float> out,

@@ -238,6 +238,9 @@ void PackQt(const FusedCall& c, ForwardScratch& w, int64_t b, int64_t h, int64_t
   for (int64_t e = 0; e < E; ++e) std::fill(qt + e * w.qbp + nr, qt + (e + 1) * w.qbp, 0.0f);
 }
 
+void ScoreRulesT(const FusedCall& c, ForwardScratch& w, int64_t b, int64_t h, int64_t i0, int64_t nr, int64_t nrp,
+                 int64_t j0, int64_t nk);
+
 // Transposed score tile, in base 2: st_t[jj][r] = s(q_r, k_j)·log2(e) for keys
 // j0..j0+nk against the unit's queries i0..i0+nr, through the score
 // pipeline (pipeline-inl.h; −∞ also in the padding columns up to nrp). In
@@ -258,6 +261,17 @@ void ScoreTileT(const FusedCall& c, ForwardScratch& w, int64_t b, int64_t h, int
     PackRows(K, b, hk, j0, nk, w.kr, p.E);
     Gemm(nk, nrp, p.E, w.kr, p.E, 1, w.qt, w.qbp, w.st, w.qbp, false);
   }
+  ScoreRulesT(c, w, b, h, i0, nr, nrp, j0, nk);
+}
+
+// The score pipeline over a transposed tile whose products are in place
+// (st_t[jj][r] = u(q_r, k_j)·log2(e) for the tile's nk keys): the NaN poison
+// of bad keys and queries, then the rules, −∞ outside the band and in the
+// padding columns up to nrp. Every forward product path ends here.
+void ScoreRulesT(const FusedCall& c, ForwardScratch& w, int64_t b, int64_t h, int64_t i0, int64_t nr, int64_t nrp,
+                 int64_t j0, int64_t nk) {
+  const Problem& p = *c.p;
+  const int64_t hk = p.kv_head(h);
   const ScoreRules<float>& sr = p.rules;
   const rules::Band band = band_of(c, b);
   const float slope = sr.slope(h);

@@ -41,6 +41,9 @@ struct FusedPlan {
 // needs; the scratch of both directions fits kScratchBudgetBytes for head
 // sizes up to 256.
 FusedPlan fused_plan(const Problem& p);
+// The plan of the forward with bfloat16 products (bf16.hpp), whose key and
+// value operands are bfloat16: the same promises.
+FusedPlan fused_plan_bf16(const Problem& p);
 
 // Whether a scratch only measures its layout or also allocates it.
 enum class Alloc { no, yes };
@@ -59,9 +62,17 @@ enum class Alloc { no, yes };
 //   rows [qb]         per query: online-softmax state
 //   qbad [qb]         per query: its row holds NaN or ±∞ (any_qbad: some does)
 //   keep [kb]         one row's dropout keep factors (with dropout)
+// With bfloat16 products (p.bf16_products, bf16.hpp) qt, kr, vb and o are
+// not used (empty) and st has room for the padded rows of a tile:
+//   st   [kbr × qbp]          kbr = kb rounded up to 16 (the AMX tile height)
+//   qp   [E2 / 2 × qbp]       query pairs (bf16.hpp's pair layout), E2 = E rounded up to 32
+//   pp   [kbr2 / 2 × qbp]     the tile's probability pairs, kbr2 = kb rounded up to 32
+//   ot   [Evr × qbp]          output accumulator, values × queries (Evr = Ev rounded up to 16)
 struct ForwardScratch {
   int64_t qb = 0, kb = 0, qbp = 0, Evp = 0;
   float *qt = nullptr, *st = nullptr, *kr = nullptr, *vb = nullptr, *o = nullptr, *colv = nullptr, *keep = nullptr;
+  uint32_t *qp = nullptr, *pp = nullptr;
+  float* ot = nullptr;
   online_softmax::State<float>* rows = nullptr;
   uint8_t* qbad = nullptr;
   bool any_qbad = false;

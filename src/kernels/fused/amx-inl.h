@@ -1,0 +1,96 @@
+// The AMX block product, written once against a tile interface `Tiles`
+// (included twice by bf16_products.cpp, no include guard: once for the
+// native instructions inside their target region, once for the plain C++
+// emulation the tests run on every machine).
+//
+// Tiles:: config(TileConfig), release(), load<t>(ptr, stride bytes),
+// store<t>(ptr, stride bytes), zero<t>(), dp<c, a, b>() (TDPBF16PS:
+// C[m][n] += Σ_k A[m][2k]·B[k][2n] + A[m][2k+1]·B[k][2n+1]).
+//
+// One configuration for every product: eight tiles of 16 rows × 64 bytes.
+// tmm0..3 hold a 2 × 2 block of C (32 rows × 32 floats), tmm4..5 two
+// 16-row slices of A (32 bfloat16 of K each), tmm6..7 two 16-pair-row
+// slices of B (16 dwords, i.e. 16 columns, each). Per 32 elements of K a
+// block loads two A and two B tiles and runs four TDPBF16PS; C is loaded
+// (accumulate) or zeroed once per block and stored once. M must be a
+// multiple of 16 (mpad), K of 32 (kpad), N of 16.
+
+struct TileConfig {
+  uint8_t palette = 0, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+static_assert(sizeof(TileConfig) == 64, "the tile configuration is 64 bytes");
+
+template <class Tiles>
+void AmxBegin() {
+  TileConfig cfg;
+  cfg.palette = 1;
+  for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  Tiles::config(cfg);
+}
+
+template <class Tiles>
+void AmxEnd() {
+  Tiles::release();
+}
+
+// One block of MT × NT C tiles at C (rows of ldc floats).
+template <class Tiles, int MT, int NT>
+void AmxBlock(int64_t K, const uint16_t* A, int64_t lda, const uint32_t* B, int64_t ldb, float* C, int64_t ldc,
+              float alpha, bool accumulate) {
+  const int64_t sc = ldc * 4, sa = lda * 2, sb = ldb * 4;  // strides in bytes
+  float* c1 = C + 16;
+  float* c2 = C + 16 * ldc;
+  float* c3 = c2 + 16;
+  if (accumulate) {
+    Tiles::template load<0>(C, sc);
+    if constexpr (NT > 1) Tiles::template load<1>(c1, sc);
+    if constexpr (MT > 1) Tiles::template load<2>(c2, sc);
+    if constexpr (MT > 1 && NT > 1) Tiles::template load<3>(c3, sc);
+  } else {
+    Tiles::template zero<0>();
+    if constexpr (NT > 1) Tiles::template zero<1>();
+    if constexpr (MT > 1) Tiles::template zero<2>();
+    if constexpr (MT > 1 && NT > 1) Tiles::template zero<3>();
+  }
+  for (int64_t k0 = 0; k0 < K; k0 += 32) {
+    const uint32_t* b = B + (k0 / 2) * ldb;
+    Tiles::template load<4>(A + k0, sa);
+    if constexpr (MT > 1) Tiles::template load<5>(A + 16 * lda + k0, sa);
+    Tiles::template load<6>(b, sb);
+    if constexpr (NT > 1) Tiles::template load<7>(b + 16, sb);
+    Tiles::template dp<0, 4, 6>();
+    if constexpr (NT > 1) Tiles::template dp<1, 4, 7>();
+    if constexpr (MT > 1) Tiles::template dp<2, 5, 6>();
+    if constexpr (MT > 1 && NT > 1) Tiles::template dp<3, 5, 7>();
+  }
+  Tiles::template store<0>(C, sc);
+  if constexpr (NT > 1) Tiles::template store<1>(c1, sc);
+  if constexpr (MT > 1) Tiles::template store<2>(c2, sc);
+  if constexpr (MT > 1 && NT > 1) Tiles::template store<3>(c3, sc);
+  if (accumulate) return;
+  for (int64_t r = 0; r < 16 * MT; ++r)  // C = alpha·(A·B), one rounding as on the other paths
+    for (int64_t n = 0; n < 16 * NT; ++n) C[r * ldc + n] *= alpha;
+}
+
+// C[M × N] = alpha·(A·B) or C += A·B (bf16.hpp's Bf16Gemm), in blocks of
+// 2 × 2 tiles (1 at the edges).
+template <class Tiles>
+void AmxGemm(int64_t M, int64_t N, int64_t K, const void* Av, int64_t lda, const uint32_t* B, int64_t ldb, float* C,
+             int64_t ldc, float alpha, bool accumulate) {
+  const auto* A = static_cast<const uint16_t*>(Av);
+  for (int64_t m0 = 0; m0 < M; m0 += 32) {
+    const bool two_m = M - m0 >= 32;
+    for (int64_t n0 = 0; n0 < N; n0 += 32) {
+      const bool two_n = N - n0 >= 32;
+      const uint16_t* a = A + m0 * lda;
+      float* c = C + m0 * ldc + n0;
+      if (two_m && two_n) AmxBlock<Tiles, 2, 2>(K, a, lda, B + n0, ldb, c, ldc, alpha, accumulate);
+      else if (two_m) AmxBlock<Tiles, 2, 1>(K, a, lda, B + n0, ldb, c, ldc, alpha, accumulate);
+      else if (two_n) AmxBlock<Tiles, 1, 2>(K, a, lda, B + n0, ldb, c, ldc, alpha, accumulate);
+      else AmxBlock<Tiles, 1, 1>(K, a, lda, B + n0, ldb, c, ldc, alpha, accumulate);
+    }
+  }
+}

@@ -1,0 +1,174 @@
+// The bfloat16 forward's operands, built once per call (bf16.hpp), and its
+// entry points. Compiled once: the units run per SIMD target (fused.cpp,
+// bf16-inl.h), the products on the chosen path (bf16_products.cpp).
+#include "kernels/fused/bf16.hpp"
+
+#include <algorithm>
+#include <cstring>
+#include <type_traits>
+
+#include "kernels/fused/common.hpp"
+
+namespace attn::detail {
+
+namespace {
+
+// The operand bits of one input value.
+template <class T>
+uint16_t operand_of(T x) {
+  if constexpr (std::is_same_v<T, bfloat16_t>) {  // already bfloat16: subnormals to zero, NaN quiet
+    if ((x.bits & 0x7F80u) == 0) return uint16_t(x.bits & 0x8000u);
+    return (x.bits & 0x7FFFu) > 0x7F80u ? uint16_t(x.bits | 0x0040u) : x.bits;
+  } else {
+    return bf16_operand(float(x));
+  }
+}
+
+// Operand bits of the n elements of a row (s apart) into dst; returns
+// whether one of them is ±∞ or NaN.
+template <class T>
+bool operand_row(const T* x, int64_t s, int64_t n, uint16_t* dst) {
+  uint32_t bad = 0;
+  for (int64_t e = 0; e < n; ++e) {
+    dst[e] = operand_of(x[e * s]);
+    bad |= uint32_t((dst[e] & 0x7F80u) == 0x7F80u);
+  }
+  return bad != 0;
+}
+
+// An A element: operand bits, or (the portable path) their float32 value.
+template <class A>
+A element(uint16_t bits) {
+  if constexpr (std::is_same_v<A, float>) return bf16_value(bits);
+  else return bits;
+}
+
+// Keys per work item of the key/value pass (a fixed split).
+constexpr int64_t kKeyBlock = 64;
+
+// The k rows and vt columns of keys [j0, j1) of one (b, kv head), A the
+// path's element type; a bad key (in K or V) stays zero. Returns whether
+// one is bad.
+template <class A, class T>
+bool pack_keys(const Problem& p, const SdpaArgs<T>& a, int64_t b, int64_t hk, int64_t j0, int64_t j1, A* k, A* vt,
+               int64_t E2, int64_t ldvt, uint8_t* bad_keys) {
+  std::vector<uint16_t> kr(size_t(p.E)), vr(size_t((j1 - j0) * p.Ev));
+  bool any = false;
+  for (int64_t j = j0; j < j1; ++j) {
+    uint16_t* v = vr.data() + (j - j0) * p.Ev;
+    const bool bad = operand_row(&a.k(b, hk, j, 0), a.k.strides[3], p.E, kr.data()) |
+                     operand_row(&a.v(b, hk, j, 0), a.v.strides[3], p.Ev, v);
+    bad_keys[j] = bad;
+    any = any || bad;
+    if (bad) {
+      std::fill(v, v + p.Ev, uint16_t(0));
+      continue;
+    }
+    for (int64_t e = 0; e < p.E; ++e) k[j * E2 + e] = element<A>(kr[size_t(e)]);
+  }
+  for (int64_t e = 0; e < p.Ev; ++e)  // the block transposed: contiguous writes
+    for (int64_t j = j0; j < j1; ++j) vt[e * ldvt + j] = element<A>(vr[size_t((j - j0) * p.Ev + e)]);
+  return any;
+}
+
+}  // namespace
+
+template <class T>
+Bf16Operands::Bf16Operands(const Problem& p, const SdpaArgs<T>& a, const Bf16Kernel& kern) : kernel(kern) {
+  E2 = round_up(p.E, kern.kpad);
+  Evr = round_up(p.Ev, kern.mpad);
+  krows = p.S + 16;
+  ldvt = round_up(p.S + 32, 16);
+  const int64_t qrows = p.B * p.H * p.L, kvs = p.B * p.Hkv;
+  q = hwy::AllocateAligned<uint16_t>(size_t(std::max<int64_t>(qrows * E2, 1)));
+  k = hwy::AllocateAligned<std::byte>(size_t(std::max<int64_t>(kvs * krows * E2 * elem(), 1)));
+  vt = hwy::AllocateAligned<std::byte>(size_t(std::max<int64_t>(kvs * Evr * ldvt * elem(), 1)));
+  qbad.assign(size_t(qrows), 0);
+  bad_keys.assign(size_t(kvs * p.S), 0);
+  std::memset(k.get(), 0, size_t(kvs * krows * E2 * elem()));
+  std::memset(vt.get(), 0, size_t(kvs * Evr * ldvt * elem()));
+
+  // q: bits per row, a bad row zeros.
+#pragma omp parallel for num_threads(p.threads) schedule(static)
+  for (int64_t u = 0; u < qrows; ++u) {
+    const int64_t i = u % p.L, h = (u / p.L) % p.H, b = u / (p.L * p.H);
+    uint16_t* row = q.get() + u * E2;
+    const bool bad = operand_row(&a.q(b, h, i, 0), a.q.strides[3], p.E, row);
+    std::fill(row + (bad ? 0 : p.E), row + E2, uint16_t(0));
+    qbad[size_t(u)] = bad;
+  }
+
+  // k rows and vt columns, a block of keys at a time.
+  const int64_t nblk = ceil_div(p.S, kKeyBlock);
+  bool any = false;
+#pragma omp parallel for num_threads(p.threads) schedule(static) reduction(|| : any)
+  for (int64_t u = 0; u < kvs * nblk; ++u) {
+    const int64_t kv = u / nblk, j0 = (u % nblk) * kKeyBlock, j1 = std::min(p.S, j0 + kKeyBlock);
+    uint8_t* bad = bad_keys.data() + kv * p.S;
+    const bool b = kern.a_float
+                       ? pack_keys(p, a, kv / p.Hkv, kv % p.Hkv, j0, j1,
+                                   reinterpret_cast<float*>(k.get()) + kv * krows * E2,
+                                   reinterpret_cast<float*>(vt.get()) + kv * Evr * ldvt, E2, ldvt, bad)
+                       : pack_keys(p, a, kv / p.Hkv, kv % p.Hkv, j0, j1,
+                                   reinterpret_cast<uint16_t*>(k.get()) + kv * krows * E2,
+                                   reinterpret_cast<uint16_t*>(vt.get()) + kv * Evr * ldvt, E2, ldvt, bad);
+    any = any || b;
+  }
+  any_bad_keys = any;
+}
+
+template <class T>
+void fused_forward_bf16_tiled(const Problem& p, const SdpaArgs<T>& a, View4<float> out, View4<float> weights,
+                              View3<float> lse, Bf16Path path, const FusedPlan& t) {
+  Problem pb = p;
+  pb.bf16_products = true;  // the scratch's bfloat16 layout
+  const Bf16Operands ops(pb, a, bf16_kernel(path));
+  fused_forward_bf16_ops(pb, ops, out, weights, lse, t);
+}
+
+template <class T>
+void fused_forward_bf16(const Problem& p, const SdpaArgs<T>& a, View4<float> out, View4<float> weights,
+                        View3<float> lse, Bf16Path path) {
+  fused_forward_bf16_tiled(p, a, out, weights, lse, path, fused_plan_bf16(p));
+}
+
+void bf16_gemm(Bf16Path path, int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
+               int64_t ldb, float* C, int64_t ldc, float alpha, bool accumulate) {
+  const Bf16Kernel kern = bf16_kernel(path);
+  const int64_t Mp = round_up(M, kern.mpad), Kp = round_up(K, kern.kpad), esize = kern.a_float ? 4 : 2;
+  std::vector<std::byte> a(size_t(Mp * Kp * esize), std::byte{0});
+  std::vector<uint32_t> b(size_t(Kp / 2 * N), 0u);
+  std::vector<float> c(size_t(Mp * N), 0.0f);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k) {
+      const uint16_t bits = bf16_operand(A[m * lda + k]);
+      if (kern.a_float) reinterpret_cast<float*>(a.data())[m * Kp + k] = bf16_value(bits);
+      else reinterpret_cast<uint16_t*>(a.data())[m * Kp + k] = bits;
+    }
+  for (int64_t k = 0; k < K; ++k)
+    for (int64_t n = 0; n < N; ++n) b[size_t(k / 2 * N + n)] |= uint32_t(bf16_operand(B[k * ldb + n])) << (16 * (k % 2));
+  for (int64_t m = 0; m < M; ++m) std::copy(C + m * ldc, C + m * ldc + N, c.data() + m * N);
+  {
+    const FlushToZero ftz;  // as in the kernels' parallel regions
+    if (kern.thread_begin) kern.thread_begin();
+    if (kern.gemm)
+      kern.gemm(Mp, N, Kp, a.data(), Kp, b.data(), N, c.data(), N, alpha, accumulate);
+    else
+      bf16_portable_gemm(Mp, N, Kp, a.data(), Kp, b.data(), N, c.data(), N, alpha, accumulate);
+    if (kern.thread_end) kern.thread_end();
+  }
+  for (int64_t m = 0; m < M; ++m) std::copy(c.data() + m * N, c.data() + (m + 1) * N, C + m * ldc);
+}
+
+#define ATTN_INSTANTIATE_BF16(T)                                                                                  \
+  template Bf16Operands::Bf16Operands(const Problem&, const SdpaArgs<T>&, const Bf16Kernel&);                   \
+  template void fused_forward_bf16<T>(const Problem&, const SdpaArgs<T>&, View4<float>, View4<float>, View3<float>, \
+                                      Bf16Path);                                                                 \
+  template void fused_forward_bf16_tiled<T>(const Problem&, const SdpaArgs<T>&, View4<float>, View4<float>,      \
+                                            View3<float>, Bf16Path, const FusedPlan&);
+ATTN_INSTANTIATE_BF16(float)
+ATTN_INSTANTIATE_BF16(float16_t)
+ATTN_INSTANTIATE_BF16(bfloat16_t)
+#undef ATTN_INSTANTIATE_BF16
+
+}  // namespace attn::detail

@@ -1,0 +1,156 @@
+// Internal: the fused forward with bfloat16 products (compute_dtype
+// bfloat16, docs/fused.md "bfloat16 compute"). No SIMD types here.
+//
+// The unit is the float32 forward's (attention-inl.h, ForwardUnitT): the
+// same tiles, score pipeline and online softmax in float32; only the two
+// products change. Q·Kᵀ takes Q and K rounded to bfloat16 and accumulates
+// in float32 (the scale applied to the float32 sum); P·V takes P rounded to
+// bfloat16 after the softmax and V rounded to bfloat16, into a float32
+// accumulator. Three instruction paths run those products, picked at run
+// time (bf16_best_path): AMX tiles (TDPBF16PS), AVX512_BF16 (VDPBF16PS), or
+// the portable one, float32 multiply-adds on the rounded operands in the
+// order VDPBF16PS documents (odd element of each pair first), which gives
+// its bits.
+//
+// Operand layouts, shared by every path. A product C[M × N] (+)= A·B with
+// the reduction over K elements:
+//   A  row-major, row m = K elements (bfloat16 bits; on the portable path
+//      the same values as float32), so a pair (2k, 2k + 1) is one dword;
+//   B  the pair layout: dword (k, n) = (bf16 B[2k][n], bf16 B[2k + 1][n]),
+//      low half first, rows of N dwords: what VDPBF16PS and TDPBF16PS read.
+// Q·Kᵀ (keys × queries, as the float32 forward's transposed tile): A = K
+// (packed once per call), B = the unit's queries. oᵀ += Vᵀ·Pᵀ: A = V
+// transposed (packed once per call), B = the tile's probabilities. The
+// accumulator oᵀ holds values × queries, so the rescale by each query's
+// factor is a product of rows with one vector.
+//
+// Rounding (the operands): float32 → bfloat16 to nearest even; a value
+// below 2^-126 in magnitude (a subnormal float32) becomes a signed zero,
+// as the hardware's conversions and products treat subnormal inputs (DAZ),
+// so no path ever meets a subnormal operand; NaN stays NaN. A row of q, k or
+// v that holds NaN or ±∞ after rounding (a float32 beyond bfloat16's range
+// rounds to ∞) is a bad row, zeroed in the operands and carried as NaN in
+// the scores, as in the float32 forward.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include <hwy/aligned_allocator.h>
+
+#include "attn/half.hpp"
+#include "attn/sdpa.hpp"
+#include "kernels/fused/tiles.hpp"
+#include "kernels/problem.hpp"
+
+namespace attn::detail {
+
+// Which instructions run the bfloat16 products.
+enum class Bf16Path {
+  portable,      // float32 multiply-adds (any CPU, every Highway target)
+  avx512_bf16,   // VDPBF16PS (Zen 4/5, Intel Cooper Lake and later Xeons)
+  amx,           // TDPBF16PS tiles (Intel Sapphire Rapids and later)
+  amx_emulated,  // the AMX path's code on the plain C++ emulation of its tiles (tests only)
+};
+const char* bf16_path_name(Bf16Path path);
+// Whether this CPU (and for AMX, the operating system's permission) runs it.
+bool bf16_path_available(Bf16Path path);
+// The fastest available path: AMX, else AVX512_BF16, else portable
+// (decided once per process).
+Bf16Path bf16_best_path();
+
+// One product C[M × N] = alpha·(A·B) (accumulate false) or C += A·B
+// (accumulate true, alpha ignored), layouts above; lda in elements, ldb in
+// dwords, ldc in floats. M, N, K are padded to the path's granularity
+// (Bf16Kernel) by the caller, and the padding of A and B holds finite values
+// and zeros respectively.
+using Bf16Gemm = void (*)(int64_t M, int64_t N, int64_t K, const void* A, int64_t lda, const uint32_t* B,
+                          int64_t ldb, float* C, int64_t ldc, float alpha, bool accumulate);
+
+// A path's products and their granularity.
+struct Bf16Kernel {
+  Bf16Path path = Bf16Path::portable;
+  Bf16Gemm gemm = nullptr;     // null: the portable products of the running SIMD target
+  int64_t kpad = 2;            // K a multiple of this
+  int64_t mpad = 1;            // M a multiple of this (and A readable that far)
+  bool a_float = false;        // A holds float32 values (the portable path) rather than bfloat16 bits
+  void (*thread_begin)() = nullptr;  // per thread, before its first product (AMX: the tile configuration)
+  void (*thread_end)() = nullptr;
+};
+Bf16Kernel bf16_kernel(Bf16Path path);
+
+// The bfloat16 bits of an operand (see "Rounding" above): attn/half.hpp's
+// rounding (bfloat16_t(x)), with subnormals to zero.
+// (Selects rather than branches, so that loops of it vectorise.)
+inline uint16_t bf16_operand(float x) {
+  uint32_t b;
+  std::memcpy(&b, &x, 4);
+  const uint32_t nearest = (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;  // nearest even (±∞ beyond the range)
+  const uint32_t nan = (b >> 16) | 0x0040u;                          // NaN stays a quiet NaN
+  const uint32_t zero = (b >> 16) & 0x8000u;                         // zero or subnormal: signed zero
+  const uint32_t r = (b & 0x7FFFFFFFu) > 0x7F800000u ? nan : nearest;
+  return uint16_t((b & 0x7F800000u) == 0 ? zero : r);
+}
+inline float bf16_value(uint16_t bits) {
+  const uint32_t b = uint32_t(bits) << 16;
+  float x;
+  std::memcpy(&x, &b, 4);
+  return x;
+}
+
+// One call's q, k, v as the products read them (built once per call, in
+// parallel; a function of the inputs and the path only).
+//   q   [B·H·L][E2]     bfloat16 bits; a bad row is zeros, flagged in qbad
+//   k   [B·Hkv][S + 16][E2]   A of Q·Kᵀ (bits, or float32 on the portable
+//                       path); rows past S and columns past E zero
+//   vt  [B·Hkv][Evr][ldvt]    A of Vᵀ·Pᵀ: V transposed, rows past Ev and
+//                       columns past S zero (ldvt >= S + 32)
+// with E2 = E rounded up to kpad, Evr = Ev rounded up to mpad; a bad key
+// (NaN or ±∞ in its K or V row) has zeros in k and vt and is flagged.
+struct Bf16Operands {
+  Bf16Kernel kernel;
+  int64_t E2 = 0, Evr = 0, krows = 0, ldvt = 0;
+  hwy::AlignedFreeUniquePtr<uint16_t[]> q;
+  hwy::AlignedFreeUniquePtr<std::byte[]> k, vt;
+  std::vector<uint8_t> qbad, bad_keys;
+  bool any_bad_keys = false;
+
+  template <class T>
+  Bf16Operands(const Problem& p, const SdpaArgs<T>& a, const Bf16Kernel& kern);
+  int64_t elem() const { return kernel.a_float ? 4 : 2; }  // bytes of an A element
+  const void* k_rows(const Problem& p, int64_t b, int64_t hk, int64_t j0) const {
+    return k.get() + ((b * p.Hkv + hk) * krows + j0) * E2 * elem();
+  }
+  const void* vt_cols(const Problem& p, int64_t b, int64_t hk, int64_t j0) const {
+    return vt.get() + ((b * p.Hkv + hk) * Evr * ldvt + j0) * elem();
+  }
+  const uint16_t* q_row(const Problem& p, int64_t b, int64_t h, int64_t i) const {
+    return q.get() + ((b * p.H + h) * p.L + i) * E2;
+  }
+};
+
+// The forward with bfloat16 products on `path` (T: float, float16_t or
+// bfloat16_t inputs; everything else float32), on fused_plan_bf16(p) or a
+// given plan. Results are the same bits for any thread count.
+template <class T>
+void fused_forward_bf16(const Problem& p, const SdpaArgs<T>& a, View4<float> out, View4<float> weights,
+                        View3<float> lse, Bf16Path path);
+template <class T>
+void fused_forward_bf16_tiled(const Problem& p, const SdpaArgs<T>& a, View4<float> out, View4<float> weights,
+                              View3<float> lse, Bf16Path path, const FusedPlan& t);
+// The units on built operands (fused.cpp: dispatched to the SIMD target).
+void fused_forward_bf16_ops(const Problem& p, const Bf16Operands& ops, View4<float> out, View4<float> weights,
+                            View3<float> lse, const FusedPlan& t);
+
+// For tests: one product on `path` from float32 operands A [M × K] (lda)
+// and B [K × N] (ldb), rounded as above and laid out (and padded) as the
+// kernels do; C [M × N] (ldc, N a multiple of 16).
+void bf16_gemm(Bf16Path path, int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
+               int64_t ldb, float* C, int64_t ldc, float alpha, bool accumulate);
+// The portable products of the running SIMD target on laid-out operands
+// (fused.cpp; A as float32).
+void bf16_portable_gemm(int64_t M, int64_t N, int64_t K, const void* A, int64_t lda, const uint32_t* B,
+                        int64_t ldb, float* C, int64_t ldc, float alpha, bool accumulate);
+
+}  // namespace attn::detail
