@@ -3,6 +3,7 @@
 // backends. Kernels behind this file assume valid arguments.
 #include "attn/sdpa.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <sstream>
@@ -123,25 +124,68 @@ Backend choose(const Checker& c, const SdpaOptions& opt) {
   c.fail("option 'backend' has an unknown value");
 }
 
+// Scores beyond float32's range. The float32 kernels form u = scale·q·k in
+// float32, so finite q and k large enough (entries near 1e19 at E = 64)
+// overflow it, and the row's lse comes out NaN or +inf. The reference
+// accumulates in double: such a forward is computed again there, and such a
+// backward goes there from the start. The forward's check reads lse (B·H·L
+// compares) and reads q and k again only when it finds such a row; the
+// backward's bound is detail::scores_may_overflow.
+template <class T>
+bool overflowed(const SdpaArgs<T>& a, View3<const float> lse) {
+  bool found = false;
+  detail::for_each(lse, [&](float x, const auto&) { found |= std::isnan(x) || x == std::numeric_limits<float>::infinity(); });
+  if (!found) return false;
+  bool finite = true;  // NaN or ±inf inputs are not overflow: they reach the outputs as they should
+  for (const View4<const T>& x : {a.q, a.k}) detail::for_each(x, [&](T y, const auto&) { finite &= std::isfinite(float(y)); });
+  return finite;
+}
+
+// A float32 kernel's forward into `outputs`, with lse (the caller's, or
+// scratch) checked for overflow afterwards.
+template <class T, class Kernel>
+void checked_forward(const ProblemFor<T>& p, const SdpaArgs<T>& args, const SdpaOutputs<float>& outputs,
+                     Kernel&& kernel) {
+  SdpaOutputs<float> o = outputs;
+  Tensor<float> scratch;
+  if (o.lse.empty()) scratch = Tensor<float>::uninitialized({p.B, p.H, p.L}), o.lse = scratch.template view<3>();
+  kernel(o);
+  if (!overflowed(args, View3<const float>(o.lse))) return;
+  if constexpr (is_half_v<T>) {
+    const detail::Widened<T> w(args, p.threads);
+    detail::reference_forward(p, w.args, outputs.out, outputs.weights, outputs.lse);
+  } else {
+    detail::reference_forward(p, args, outputs.out, outputs.weights, outputs.lse);
+  }
+}
+
 template <class T>
 void forward(const Checker& c, const ProblemFor<T>& p, const SdpaArgs<T>& args,
              const SdpaOutputs<compute_t<T>>& outputs, const SdpaOptions& opt) {
   const auto& [out, weights, lse] = outputs;
   const Backend backend = choose<T>(c, opt);
-  // Few query rows (decoding shapes): the grouped split-KV decode kernel,
-  // which reads half K and V in their storage type.
   if constexpr (std::is_same_v<compute_t<T>, float>) {
+    // Few query rows (decoding shapes): the grouped split-KV decode kernel,
+    // which reads half K and V in their storage type.
     if (backend == Backend::fused && weights.empty() && !p.dropout.on() && detail::decode_suits_dense(p))
-      return detail::decode_forward_dense(p, args, out, lse);
+      return checked_forward(p, args, outputs, [&](const SdpaOutputs<float>& o) {
+        detail::decode_forward_dense(p, args, o.out, o.lse);
+      });
     // bfloat16 products, on the best instruction path this CPU has (q, k
     // and v of any input type are rounded once, kernels/fused/bf16.cpp).
-    if (p.bf16_products) return detail::fused_forward_bf16(p, args, out, weights, lse, detail::bf16_best_path());
+    if (p.bf16_products)
+      return checked_forward(p, args, outputs, [&](const SdpaOutputs<float>& o) {
+        detail::fused_forward_bf16(p, args, o.out, o.weights, o.lse, detail::bf16_best_path());
+      });
   }
   if constexpr (is_half_v<T>) {  // every other route: the float32 call on widened copies
     const detail::Widened<T> w(args, p.threads);
     forward<float>(c, p, w.args, outputs, opt);
   } else if (backend == Backend::fused) {
-    if constexpr (std::is_same_v<T, float>) detail::fused_forward(p, args, out, weights, lse);
+    if constexpr (std::is_same_v<T, float>)
+      checked_forward(p, args, outputs, [&](const SdpaOutputs<float>& o) {
+        detail::fused_forward(p, args, o.out, o.weights, o.lse);
+      });
   } else {
     detail::reference_forward(p, args, out, weights, lse);
   }
@@ -151,7 +195,7 @@ template <class T>
 void backward(const Checker& c, const ProblemFor<T>& p, const SdpaArgs<T>& args, View4<const T> dout,
               const SdpaSaved<T>& saved, const SdpaGrads<T>& g, const SdpaOptions& opt) {
   if constexpr (std::is_same_v<T, float>) {
-    if (choose<T>(c, opt) == Backend::fused) {
+    if (choose<T>(c, opt) == Backend::fused && !detail::scores_may_overflow(args.q, args.k, p.E, p.rules.scale)) {
       // The fused backward uses the forward's out and lse. Without them it
       // would recompute them with its own forward; a call with few query
       // rows runs the decode kernel forward instead, whose last bits differ.

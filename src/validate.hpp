@@ -19,6 +19,7 @@
 //   disjoint   no output shares memory with another output or an input.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdint>
@@ -79,6 +80,17 @@ const char* name_of(const NamedValue<E> (&names)[N], E v) {
   for (const auto& n : names)
     if (n.value == v) return n.name.data();
   return "?";
+}
+
+// Whether a float32 kernel's scores u = scale·q·k can leave float32's range:
+// |u| <= E·max|q|·max|k|·scale, checked against 2^120 (one pass over q and
+// k). Such calls go to the reference, which accumulates in double.
+template <class Q, class K>
+bool scores_may_overflow(const Q& q, const K& k, int64_t E, double scale) {
+  float big[2] = {0, 0};
+  for_each(q, [&](auto y, const auto&) { big[0] = std::max(big[0], std::fabs(float(y))); });
+  for_each(k, [&](auto y, const auto&) { big[1] = std::max(big[1], std::fabs(float(y))); });
+  return double(E) * double(big[0]) * double(big[1]) * std::max(1.0, std::fabs(scale)) > 0x1p120;
 }
 
 // Collects the context for error messages: "attn::<fn>: ...".

@@ -140,12 +140,16 @@ SdpaArgs<T> sequence_args(const VarlenArgs<T>& a, const Packed& p, int64_t b) {
 // Checks every sequence's arguments and the options as its dense call would,
 // failing under the varlen function's name; returns whether the batch runs
 // on the fused backend's packed path (float32 with backend auto or fused,
-// exact products; with bfloat16 products each sequence is a dense call).
+// exact products, scores within float32's range; otherwise each sequence is
+// a dense call).
 template <class T>
 bool check_sequences(const VarlenChecker& c, const VarlenArgs<T>& a, const Packed& p, const SdpaOptions& opt) {
   for (int64_t b = 0; b < p.B; ++b)
     if (p.L(b) > 0 && p.S(b) > 0) (void)detail::check_attention<T>(c, sequence_args(a, p, b), opt);
-  return std::is_same_v<T, float> && opt.backend != Backend::reference && opt.compute_dtype != Dtype::bfloat16;
+  // Scores that may leave float32's range: dense calls, which compute such
+  // sequences in double.
+  return std::is_same_v<T, float> && opt.backend != Backend::reference && opt.compute_dtype != Dtype::bfloat16 &&
+         !detail::scores_may_overflow(a.q, a.k, p.E, opt.scale.value_or(1.0 / std::sqrt(double(p.E))));
 }
 
 // ---- head-major copies for the fused path ------------------------------------

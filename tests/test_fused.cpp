@@ -9,6 +9,8 @@
 // The sweep samples the cross-product rather than enumerating it. Without
 // optimisation (the sanitizer Debug build) the reference is slow, so the
 // sweep is smaller there (fewer cases, smaller work budget per case).
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -17,6 +19,7 @@
 
 #include <hwy/targets.h>
 
+#include "attn/varlen.hpp"
 #include "kernels/fused/fused.hpp"
 #include "kernels/reference/sdpa_reference.hpp"
 #include "sdpa_case.hpp"
@@ -283,6 +286,92 @@ TEST(Fused, HugeScoresGiveNoNanOrInf) {
   // Nearly one-hot rows: the output matches the reference closely.
   const Results want = run(d, Backend::reference);
   EXPECT_TRUE(attn::testing::all_close(r.out.view, want.out.view, 1e-3, "out"));
+}
+
+// Finite q and k whose products leave float32's range (|q·k| near 1e41):
+// the float32 kernels' scores overflow, and the call is computed again in
+// double. Held to softmax in double computed here, for the dense kernel, the
+// decode route (one query row, no weights) and bfloat16 products.
+TEST(Fused, ScoresBeyondFloat32RangeAreComputedInDouble) {
+  for (const int64_t L : {1, 9, 65})
+    for (const bool bf16 : {false, true}) {
+      Case c;
+      c.B = 1, c.H = 2, c.Hkv = 1, c.L = L, c.S = 37, c.E = 16, c.Ev = 8, c.threads = 2, c.seed = uint64_t(L);
+      Data d(c);
+      for (auto* buf : {&d.qbuf, &d.kbuf})
+        for (auto& x : buf->buf) x *= 1e20f;
+      if (bf16) d.opt.compute_dtype = attn::Dtype::bfloat16;
+      const std::string at = "L=" + std::to_string(L) + (bf16 ? " bfloat16 products" : "");
+      const Results r = run(d, Backend::fused);
+      Buffer out(c.B, c.H, c.L, c.Ev, c.layout);  // no weights, no lse: the decode route for L = 1
+      attn::SdpaOptions opt = d.opt;
+      opt.backend = Backend::fused;
+      attn::scaled_dot_product_attention<float>(d.args, {out.view, {}, {}}, opt);
+      const double scale = d.problem().rules.scale;
+      for (int64_t h = 0; h < c.H; ++h)
+        for (int64_t i = 0; i < c.L; ++i) {
+          std::vector<double> u(size_t(c.S));
+          for (int64_t j = 0; j < c.S; ++j) {
+            double dot = 0;
+            for (int64_t e = 0; e < c.E; ++e) dot += double(d.args.q(0, h, i, e)) * double(d.args.k(0, 0, j, e));
+            u[size_t(j)] = scale * dot;
+          }
+          const double m = *std::max_element(u.begin(), u.end());
+          double sum = 0;
+          for (double x : u) sum += std::exp(x - m);
+          EXPECT_GT(m + std::log(sum), 1e39) << at;
+          EXPECT_EQ(r.lse[size_t(h * c.L + i)], std::numeric_limits<float>::infinity()) << at;
+          for (int64_t f = 0; f < c.Ev; ++f) {
+            double y = 0;
+            for (int64_t j = 0; j < c.S; ++j) y += std::exp(u[size_t(j)] - m) / sum * double(d.args.v(0, 0, j, f));
+            EXPECT_NEAR(r.out.view(0, h, i, f), y, 1e-6) << at << " h=" << h << " i=" << i << " f=" << f;
+            EXPECT_NEAR(out.view(0, h, i, f), y, 1e-6) << at << " h=" << h << " i=" << i << " f=" << f;
+          }
+        }
+      EXPECT_TRUE(attn::testing::all_finite(r.dq.view)) << at;
+      EXPECT_TRUE(attn::testing::all_finite(r.dk.view)) << at;
+      EXPECT_TRUE(attn::testing::all_finite(r.dv.view)) << at;
+    }
+}
+
+// The same for a packed batch: its fused path would overflow; the sequences
+// run as dense calls.
+TEST(Fused, VarlenScoresBeyondFloat32RangeAreComputedInDouble) {
+  const int64_t H = 2, E = 16, Ev = 8, Lb[2] = {9, 5}, Sb[2] = {37, 20};
+  const int64_t cq[3] = {0, 9, 14}, ck[3] = {0, 37, 57};
+  std::mt19937_64 rng(3);
+  std::normal_distribution<float> normal;
+  std::vector<float> q(size_t(14 * H * E)), k(size_t(57 * E)), v(size_t(57 * Ev)), out(size_t(14 * H * Ev));
+  for (auto& x : q) x = 1e20f * normal(rng);
+  for (auto& x : k) x = 1e20f * normal(rng);
+  for (auto& x : v) x = normal(rng);
+  attn::VarlenArgs<float> a;
+  a.q = View3<const float>(q.data(), {14, H, E});
+  a.k = View3<const float>(k.data(), {57, 1, E});
+  a.v = View3<const float>(v.data(), {57, 1, Ev});
+  a.cu_seqlens_q = View1<const int64_t>(cq, {3});
+  a.cu_seqlens_k = View1<const int64_t>(ck, {3});
+  a.max_seqlen_q = 9, a.max_seqlen_k = 37;
+  attn::varlen_attention<float>(a, {View3<float>(out.data(), {14, H, Ev}), {}}, {});
+  const double scale = 1.0 / std::sqrt(double(E));
+  for (int b = 0; b < 2; ++b)
+    for (int64_t i = 0; i < Lb[b]; ++i)
+      for (int64_t h = 0; h < H; ++h) {
+        std::vector<double> u(size_t(Sb[b]));
+        for (int64_t j = 0; j < Sb[b]; ++j) {
+          double dot = 0;
+          for (int64_t e = 0; e < E; ++e) dot += double(a.q(cq[b] + i, h, e)) * double(a.k(ck[b] + j, 0, e));
+          u[size_t(j)] = scale * dot;
+        }
+        const double m = *std::max_element(u.begin(), u.end());
+        double sum = 0;
+        for (double x : u) sum += std::exp(x - m);
+        for (int64_t f = 0; f < Ev; ++f) {
+          double y = 0;
+          for (int64_t j = 0; j < Sb[b]; ++j) y += std::exp(u[size_t(j)] - m) / sum * double(a.v(ck[b] + j, 0, f));
+          EXPECT_NEAR(out[size_t(((cq[b] + i) * H + h) * Ev + f)], y, 1e-6) << "b=" << b << " i=" << i << " h=" << h;
+        }
+      }
 }
 
 // ---- NaN and infinities -----------------------------------------------------
