@@ -160,12 +160,16 @@ TEST_F(Cli, TrainWithAlibiWindowAndSinks) {
   EXPECT_EQ(run(cfg + " --window 1").rc, 2);  // LEFT,RIGHT: two values
 }
 
-// Trains `cfg + flag` with 1 and 2 threads (the first run also writes
-// `save`) and `cfg` without it: the curve and the held-out result are the
-// same for both thread counts, `steps` rows long, and the first step's loss
-// differs from the run without the flag. Returns the stored configuration.
-std::string expect_threads_agree_and_flag_acts(const Cli& t, const std::string& cfg, const std::string& flag,
-                                               const std::string& save, size_t steps) {
+// Trains a small reverse model on examples of `length` items for `steps`
+// steps with `flag`, with 1 and 2 threads (the first run also writes
+// `save`), and without it: the curve and the held-out result are the same
+// for both thread counts, and the first step's loss differs from the run
+// without the flag. Returns the stored configuration.
+std::string expect_threads_agree_and_flag_acts(const Cli& t, int length, size_t steps, const std::string& flag,
+                                               const std::string& save) {
+  const std::string cfg = "train --task reverse --length " + std::to_string(length) +
+                          " --symbols 4 --layers 2 --dim 8 --heads 2 --batch 4 --warmup 2 --eval-examples 8 "
+                          "--log-every 1 --seed 5 --steps " + std::to_string(steps);
   Result r = t.run(cfg + " " + flag + " --csv one.csv --save " + save, "OMP_NUM_THREADS=1");
   EXPECT_EQ(r.rc, 0) << r.err << r.out;
   auto held_out = [](const std::string& out) {
@@ -195,10 +199,7 @@ std::string expect_threads_agree_and_flag_acts(const Cli& t, const std::string& 
 // threads, the checkpoint keeps the probability, and the checkpoint's
 // heatmap (inference) is drawn.
 TEST_F(Cli, TrainWithDropout) {
-  const std::string cfg =
-      "train --task reverse --length 3 --symbols 4 --layers 2 --dim 8 --heads 2 --batch 4 --warmup 2 --eval-examples 8 "
-      "--log-every 1 --seed 5 --steps 5";
-  const std::string config = expect_threads_agree_and_flag_acts(*this, cfg, "--dropout 0.1", "d.safetensors", 5);
+  const std::string config = expect_threads_agree_and_flag_acts(*this, 3, 5, "--dropout 0.1", "d.safetensors");
   EXPECT_TRUE(contains(config, "\"dropout\":0.1")) << config;
   const Result r = run("heatmap --checkpoint d.safetensors --out h.png");
   ASSERT_EQ(r.rc, 0) << r.err;
@@ -210,10 +211,7 @@ TEST_F(Cli, TrainWithDropout) {
 // step's loss differs from fp32's, the curve and the held-out result are the
 // same with 1 and 2 threads, and the checkpoint keeps the precision.
 TEST_F(Cli, TrainWithBf16Precision) {
-  const std::string cfg =
-      "train --task reverse --length 16 --symbols 4 --layers 2 --dim 8 --heads 2 --batch 4 --warmup 2 "
-      "--eval-examples 8 --log-every 1 --seed 5 --steps 4";
-  const std::string config = expect_threads_agree_and_flag_acts(*this, cfg, "--precision bf16", "p.safetensors", 4);
+  const std::string config = expect_threads_agree_and_flag_acts(*this, 16, 4, "--precision bf16", "p.safetensors");
   EXPECT_TRUE(contains(config, "\"precision\":\"bf16\"")) << config;
 }
 
