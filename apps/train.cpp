@@ -89,6 +89,11 @@ void add_train_flags(CLI::App& app, TrainOpts& o) {
                  "attention dropout probability in training steps, 0 <= P < 1 (held-out evaluation drops nothing)")
       ->check(probability_below_one())
       ->capture_default_str();
+  app.add_option("--precision", o.precision,
+                 "fp32 | bf16 (mixed precision: float32 weights and optimizer state, the attention's products in "
+                 "bfloat16; the other matrix products stay float32)")
+      ->check(CLI::IsMember({"fp32", "bf16"}))
+      ->capture_default_str();
   app.add_option("--optimizer", c.optimizer, "adamw | sgd")->check(CLI::IsMember({"adamw", "sgd"}))->capture_default_str();
   app.add_option("--lr", c.lr, "peak learning rate")->capture_default_str();
   app.add_option("--min-lr", c.min_lr, "learning rate at the end of the cosine")->capture_default_str();
@@ -137,6 +142,7 @@ void run_train(const TrainOpts& o) {
   if (!o.steps_given) c.steps = d.steps;
   if (!o.curriculum_given) c.curriculum = d.curriculum;
   c.positions = nn::parse_positions(o.positions);
+  c.precision = nn::parse_precision(o.precision);
   if (!o.window.empty()) c.window = {o.window[0], o.window[1]};
   c.chunk_size = o.chunk_size;
   c.scale_none = o.scale == "none";

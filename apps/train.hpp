@@ -16,7 +16,7 @@ namespace attn::cli {
 // names that are mapped onto enums after parsing, and the plot path.
 struct TrainOpts {
   nn::TrainConfig config;
-  std::string task = "reverse", positions = "rope", scale = "default", png;
+  std::string task = "reverse", positions = "rope", scale = "default", precision = "fp32", png;
   std::vector<int64_t> window;  // LEFT, RIGHT when given
   int64_t chunk_size = 0;       // 0 = off
   // The flags whose default depends on the task (nn::default_config): set
@@ -25,7 +25,7 @@ struct TrainOpts {
 };
 
 // Registers the training flags on `app` (a subcommand or a whole program).
-// --task, --positions, --scale and --optimizer are checked by CLI11, so a bad
+// --task, --positions, --scale, --precision and --optimizer are checked by CLI11, so a bad
 // value is a usage error.
 void add_train_flags(CLI::App& app, TrainOpts& o);
 

@@ -4,9 +4,13 @@
 // schedule.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <map>
 #include <optional>
 #include <random>
+#include <string>
+#include <vector>
 
 #include "attn/nn.hpp"
 #include "testing.hpp"
@@ -255,6 +259,94 @@ TEST(NnTransformer, DropoutOnlyInTrainingForwards) {
   EXPECT_EQ(step(1), step(2));
 }
 
+// Mixed precision (ModelConfig::precision bf16): every attention layer
+// computes its products in bfloat16. Each block's attention, run by both
+// models on the same input (the bf16 model's own), differs from float32's by
+// at most the bound of docs/fused.md ("bfloat16 compute") against the exact
+// call on the unrounded operands: per output element
+//   |Δo| <= max|v|·(2·2^-8 + (e^(2^-6·m) − 1) + 2·(E + 16)·2^-24·m + (S + 16)·2^-24)
+// (2^-8: bfloat16's relative precision, for the rounded probabilities and v;
+// 2·2^-7·m: q and k rounded move a score by up to 2^-7·m, m = scale·max_ij
+// Σ_e |q_ie·k_je|), carried through out_proj: |Δy_r| <= Σ_c |Wo_rc|·max|Δo|.
+// The logits differ; a training step is the same bit for bit for any thread
+// count. Sequences of 40 tokens: calls with at most 32 query rows take the
+// decode kernel, which is exact whatever compute_dtype says.
+TEST(NnTransformer, Bf16PrecisionWithinTheBound) {
+  const int64_t B = 2, N = 40, D = 16, H = 2, E = D / H, M = B * N;
+  const nn::ModelConfig mc = sized(9, N, D, H, 2);
+  nn::ModelConfig bc = mc;
+  bc.precision = nn::Precision::bf16;
+  nn::Transformer<float> f32(mc, 4), b16(bc, 4);
+  nn::Rng r(3);
+  std::vector<int32_t> tokens(B * N), targets(B * N);
+  for (auto& t : tokens) t = int32_t(r.below(9));
+  for (auto& t : targets) t = int32_t(r.below(9));
+  Tensor<float> lf, lb;
+  f32.forward(tokens.data(), B, N, lf);
+  b16.forward(tokens.data(), B, N, lb);
+  EXPECT_FALSE(attn::testing::all_close(lb, lf, 0.0, "bf16 logits"));
+  std::map<std::string, Tensor<float>*> param;
+  for (auto& p : f32.parameters()) param[p.name] = p.value;
+  for (size_t l = 0; l < 2; ++l) {
+    const Tensor<float> x = b16.blocks()[l].x1;  // LN1's output in the bf16 model
+    Tensor<float> yf, yb;
+    f32.blocks()[l].attn.forward(x, B, N, yf);
+    b16.blocks()[l].attn.forward(x, B, N, yb);
+    const std::string pre = "blocks." + std::to_string(l) + ".attn.";
+    const Tensor<float>&w = *param.at(pre + "in_proj_weight"), &bias = *param.at(pre + "in_proj_bias"),
+          &wo = *param.at(pre + "out_proj.weight");
+    // q, k, v = x·W_inᵀ + b_in in double, (M, 3D)
+    std::vector<double> qkv(size_t(M * 3 * D));
+    for (int64_t i = 0; i < M; ++i)
+      for (int64_t o = 0; o < 3 * D; ++o) {
+        double s = bias[size_t(o)];
+        for (int64_t c = 0; c < D; ++c) s += double(x[size_t(i * D + c)]) * w[size_t(o * D + c)];
+        qkv[size_t(i * 3 * D + o)] = s;
+      }
+    double m = 0, vmax = 0;
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t i = 0; i < N; ++i)
+          for (int64_t j = 0; j < N; ++j) {
+            const double* q = &qkv[size_t((b * N + i) * 3 * D + h * E)];
+            const double* k = &qkv[size_t((b * N + j) * 3 * D + D + h * E)];
+            double s = 0;
+            for (int64_t e = 0; e < E; ++e) s += std::abs(q[e] * k[e]);
+            m = std::max(m, s / std::sqrt(double(E)));
+          }
+    for (int64_t i = 0; i < M; ++i)
+      for (int64_t c = 2 * D; c < 3 * D; ++c) vmax = std::max(vmax, std::abs(qkv[size_t(i * 3 * D + c)]));
+    const double u = std::ldexp(1.0, -24);
+    const double d_o = vmax * (2 * std::ldexp(1.0, -8) + std::expm1(std::ldexp(m, -6)) + 2 * double(E + 16) * u * m +
+                               double(N + 16) * u);
+    double wo_rows = 0;
+    for (int64_t o = 0; o < D; ++o) {
+      double s = 0;
+      for (int64_t c = 0; c < D; ++c) s += std::abs(double(wo[size_t(o * D + c)]));
+      wo_rows = std::max(wo_rows, s);
+    }
+    const double bound = wo_rows * d_o * 1.01 + 1e-5;  // 1e-5: out_proj's own float32 rounding
+    double diff = 0;
+    for (size_t i = 0; i < yf.size(); ++i) diff = std::max(diff, std::abs(double(yb[i]) - yf[i]));
+    EXPECT_LE(diff, bound) << "block " << l;
+    EXPECT_GT(diff, 1e-5) << "block " << l << ": no bfloat16 products";  // float32 alone: ~1e-7 here
+  }
+  // a training step with 1 and 2 threads in the attention layers
+  auto step = [&](int threads) {
+    nn::Transformer<float> model(bc, 4);
+    for (auto& blk : model.blocks()) blk.attn.options.sdpa.num_threads = threads;
+    model.zero_grad();
+    const double loss = model.loss(tokens.data(), targets.data(), B, N, true).loss;
+    std::vector<float> g{float(loss)};
+    for (auto& p : model.parameters()) g.insert(g.end(), p.grad->data(), p.grad->data() + p.grad->size());
+    return g;
+  };
+  const auto one = step(1);
+  EXPECT_EQ(one, step(2));
+  f32.zero_grad();
+  EXPECT_NE(f32.loss(tokens.data(), targets.data(), B, N, true).loss, double(one[0]));
+}
+
 TEST(NnTransformer, RejectsBadConfigAndInput) {
   nn::ModelConfig mc;
   mc.vocab = 5;
@@ -269,6 +361,13 @@ TEST(NnTransformer, RejectsBadConfigAndInput) {
   mc.dropout = 1;
   EXPECT_TRUE(attn::testing::throws_with([&] { nn::Transformer<float> m(mc); }, {"ModelConfig", "dropout is 1"}));
   mc.dropout = 0;
+  mc.precision = nn::Precision::bf16;
+  EXPECT_TRUE(attn::testing::throws_with([&] { nn::Transformer<double> m(mc); }, {"precision bf16", "float"}));
+  mc.backend = attn::Backend::reference;
+  EXPECT_TRUE(attn::testing::throws_with([&] { nn::Transformer<float> m(mc); }, {"ModelConfig", "precision is bf16", "reference"}));
+  mc.backend = attn::Backend::automatic;
+  mc.precision = nn::Precision::fp32;
+  EXPECT_TRUE(attn::testing::throws_with([] { nn::parse_precision("fp16"); }, {"precision", "'fp16'", "fp32, bf16"}));
   nn::Transformer<float> m(mc);
   std::vector<int32_t> tok(10, 1);
   Tensor<float> logits;

@@ -7,11 +7,22 @@
 #include <cmath>
 #include <map>
 #include <sstream>
+#include <type_traits>
 
 #include "nn/common.hpp"
 #include "validate.hpp"
 
 namespace attn::nn {
+
+namespace {
+constexpr detail::NamedValue<Precision> kPrecisions[] = {{Precision::fp32, "fp32"}, {Precision::bf16, "bf16"}};
+}  // namespace
+
+const char* precision_name(Precision p) { return detail::name_of(kPrecisions, p); }
+
+Precision parse_precision(const std::string& name) {
+  return detail::Checker{"nn::parse_precision"}.parse(kPrecisions, name, "precision");
+}
 
 void ModelConfig::validate() const {
   const attn::detail::Checker c{"nn::ModelConfig"};
@@ -35,6 +46,8 @@ void ModelConfig::validate() const {
     os << "dropout is " << dropout << ", expected 0 <= dropout < 1";
     c.fail(os.str());
   }
+  if (precision == Precision::bf16 && backend == Backend::reference)
+    c.fail("precision is bf16, which the reference backend does not compute (it is exact); use backend automatic or fused");
 }
 
 ParameterShapes parameter_shapes(const ModelConfig& config) {
@@ -69,6 +82,8 @@ ParameterShapes parameter_shapes(const ModelConfig& config) {
 template <class T>
 Transformer<T>::Transformer(const ModelConfig& config, uint64_t seed) : cfg_(config) {
   cfg_.validate();
+  if (std::is_same_v<T, double> && cfg_.precision == Precision::bf16)
+    throw InvalidArgument("attn::nn::Transformer: precision bf16 needs a float model (Transformer<float>), not double");
   if (cfg_.mlp_hidden == 0) cfg_.mlp_hidden = 4 * cfg_.dim;
   embed_ = Embedding<T>(cfg_.vocab, cfg_.dim);
   if (cfg_.positions == Positions::learned) pos_ = LearnedPositions<T>(cfg_.max_len, cfg_.dim);
@@ -78,6 +93,7 @@ Transformer<T>::Transformer(const ModelConfig& config, uint64_t seed) : cfg_(con
   ao.sdpa.chunk_size = cfg_.chunk_size;
   ao.sdpa.scale = cfg_.attn_scale;
   ao.sdpa.backend = cfg_.backend;
+  if (cfg_.precision == Precision::bf16) ao.sdpa.compute_dtype = Dtype::bfloat16;
   blocks_.reserve(size_t(cfg_.layers));
   for (int64_t l = 0; l < cfg_.layers; ++l)
     blocks_.push_back({LayerNorm<T>(cfg_.dim), LayerNorm<T>(cfg_.dim),

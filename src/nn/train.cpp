@@ -83,6 +83,7 @@ nlohmann::json config_json(const TrainConfig& c) {
           {"sinks", c.sinks},
           {"scale_none", c.scale_none},
           {"dropout", c.dropout},
+          {"precision", precision_name(c.precision)},
           {"optimizer", c.optimizer},
           {"lr", c.lr},
           {"min_lr", c.min_lr},
@@ -156,6 +157,8 @@ TrainConfig config_from_json(const nlohmann::json& j, const std::string& who) {
   c.sinks = r.get<bool>("sinks", &nlohmann::json::is_boolean, "true or false", false);
   c.scale_none = r.boolean("scale_none");
   c.dropout = r.number("dropout", 0.0);  // absent in checkpoints older than dropout
+  // absent in checkpoints older than mixed precision
+  c.precision = parse_precision(r.get<std::string>("precision", &nlohmann::json::is_string, "a string", "fp32"));
   c.optimizer = r.string("optimizer");
   c.lr = r.number("lr");
   c.min_lr = r.number("min_lr");
@@ -331,6 +334,7 @@ ModelConfig model_config(const TrainConfig& c) {
   m.chunk_size = c.chunk_size;
   m.sinks = c.sinks;
   m.dropout = c.dropout;
+  m.precision = c.precision;
   if (c.scale_none) m.attn_scale = 1.0;
   return m;
 }

@@ -41,6 +41,8 @@ const std::vector<CliError> kErrors = {
     {"train --positions spiral --steps 1", 2, {"spiral"}},
     {"train --dropout 1.5 --steps 1", 2, {"--dropout", "0 <= P < 1", "'1.5'"}},
     {"train --dropout -0.1 --steps 1", 2, {"--dropout", "'-0.1'"}},
+    {"train --precision fp16 --steps 1", 2, {"--precision", "fp16 not in {fp32,bf16}"}},
+    {"train --precision x --steps 1", 2, {"--precision", "x not in {fp32,bf16}"}},
     {"heatmap --out h.png", 2, {}},
     {"heatmap --weights a.npy --checkpoint c.safetensors --out h.png", 2, {}},
     // a source's options are refused with the other source instead of being ignored

@@ -26,6 +26,17 @@
 
 namespace attn::nn {
 
+// The arithmetic of training and evaluation. fp32: float32 throughout. bf16
+// (mixed precision): the parameters, their gradients and the optimizer
+// state stay float32, and every attention call computes its two products
+// (Q·Kᵀ, P·V) with bfloat16 operands summed in float32
+// (SdpaOptions::compute_dtype = bfloat16; its backward is float32 on the
+// bfloat16 forward's saved state). The GEMMs of the projections, the MLP
+// and the head stay float32.
+enum class Precision { fp32, bf16 };
+const char* precision_name(Precision p);
+Precision parse_precision(const std::string& name);  // throws attn::InvalidArgument
+
 struct ModelConfig {
   int64_t vocab = 0;    // V
   int64_t max_len = 0;  // longest sequence N
@@ -43,6 +54,9 @@ struct ModelConfig {
   // Attention dropout probability (0 <= dropout < 1) of training forwards,
   // those given a DropoutKey; evaluation and decoding drop nothing.
   double dropout = 0;
+  // bf16: bfloat16 products in every attention layer (Transformer<float>
+  // only; not with Backend::reference, which is exact).
+  Precision precision = Precision::fp32;
 
   // Throws attn::InvalidArgument naming the field when a value is out of range.
   void validate() const;

@@ -57,6 +57,10 @@ struct TrainConfig {
   // k's masks are drawn from (seed, k), so a run stays reproducible. The
   // held-out evaluation drops nothing.
   double dropout = 0;
+  // Mixed precision (ModelConfig::precision): bf16 computes the attention's
+  // products in bfloat16 in training steps and evaluations; the weights,
+  // gradients and optimizer state stay float32.
+  Precision precision = Precision::fp32;
   // optimisation
   std::string optimizer = "adamw";  // "adamw" or "sgd"
   double lr = 3e-3;
