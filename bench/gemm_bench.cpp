@@ -21,7 +21,10 @@
 // the sum in double; bfloat16 against the sum of its rounded operands), then
 // timed: rounds that call every candidate once in turn, the median of --reps
 // rounds after one warm-up. Fractions are of the FMA peak measured in the
-// same run, with the same threads (fma_peak.hpp). The header names the CPU,
+// same run, with the same threads (fma_peak.hpp): of its GFLOP/s, and of its
+// GFLOP per CPU-second against the product's (the time the process's threads
+// ran, which other load on a shared machine does not lower; threads waiting
+// passively for each other are not counted in it). The header names the CPU,
 // the settings that force a library's choice when set (OPENBLAS_CORETYPE,
 // BLIS_ARCH_TYPE, ONEDNN_MAX_CPU_ISA) and what each library chose.
 //
@@ -29,7 +32,6 @@
 //   attn-gemm-bench --shapes "2048,2304,768,0,1;..." [--threads 2] [--reps 9] [--json -]   (compare_torch.py --gemm)
 #include <CLI/CLI.hpp>
 #include <cblas.h>
-#include <hwy/targets.h>
 #include <omp.h>
 
 #include <oneapi/dnnl/dnnl.hpp>
@@ -40,7 +42,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <fstream>
 #include <functional>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -51,6 +52,7 @@
 
 #include "fma_peak.hpp"
 #include "gemm_blis.hpp"
+#include "kernels/fused/fused.hpp"
 #include "kernels/gemm/gemm.hpp"
 
 namespace {
@@ -196,13 +198,6 @@ std::vector<Candidate> all_candidates() {
   return c;
 }
 
-std::string cpu_model() {
-  std::ifstream f("/proc/cpuinfo");
-  for (std::string line; std::getline(f, line);)
-    if (line.rfind("model name", 0) == 0) return line.substr(line.find(':') + 2);
-  return "unknown CPU";
-}
-
 std::string env_or(const char* name, const char* fallback) {
   const char* v = std::getenv(name);
   return v ? v : fallback;
@@ -271,12 +266,11 @@ int main(int argc, char** argv) {
     chose["blis"] = "BLIS, configuration " + arch;
   }
   const bool table = json_path != "-";
-  const int64_t best_target = hwy::SupportedTargets() & -hwy::SupportedTargets();
   double load[3] = {0, 0, 0};
   if (getloadavg(load, 3) != 3) load[0] = load[1] = load[2] = -1;
   if (table) {
-    std::printf("CPU: %s; Highway target %s; load average %.2f %.2f %.2f\n", cpu_model().c_str(),
-                hwy::TargetName(best_target), load[0], load[1], load[2]);
+    std::printf("CPU: %s; SIMD target %s; load average %.2f %.2f %.2f\n", attn_bench::cpu_model().c_str(),
+                attn::detail::fused_target_name(), load[0], load[1], load[2]);
     std::printf("set: OPENBLAS_CORETYPE=%s BLIS_ARCH_TYPE=%s ONEDNN_MAX_CPU_ISA=%s OMP_NUM_THREADS=%s\n",
                 env_or("OPENBLAS_CORETYPE", "-").c_str(), env_or("BLIS_ARCH_TYPE", "-").c_str(),
                 env_or("ONEDNN_MAX_CPU_ISA", "-").c_str(), env_or("OMP_NUM_THREADS", "-").c_str());
@@ -286,18 +280,19 @@ int main(int argc, char** argv) {
   std::mt19937_64 rng(7);
   std::normal_distribution<float> nd(0.0f, 1.0f);
   nlohmann::json rows_json = nlohmann::json::array(), summary = nlohmann::json::array();
-  std::map<int, double> peaks;
+  std::map<int, std::pair<double, double>> peaks;  // threads -> wall, per CPU-second
   for (const int threads : thread_counts) {
     double peak = 0, per_cpu = 0;
     if (peak_seconds > 0) peak = attn_bench::fma_peak_gflops(threads, peak_seconds, &per_cpu);
-    peaks[threads] = peak;
+    peaks[threads] = {peak, per_cpu};
     if (table) {
       std::printf("\n%d thread%s; FMA peak %.1f GFLOP/s (%.1f per CPU-second)\n", threads, threads > 1 ? "s" : "",
                   peak, per_cpu);
-      std::printf("%6s %6s %6s %2s %2s %-12s %9s %8s %6s %8s  %s\n", "M", "N", "K", "ta", "tb", "candidate", "median ms",
-                  "GFLOP/s", "% peak", "rel err", "picked");
+      std::printf("%6s %6s %6s %2s %2s %-12s %9s %8s %6s %8s %6s %8s  %s\n", "M", "N", "K", "ta", "tb", "candidate",
+                  "median ms", "GFLOP/s", "% peak", "GF/cpu-s", "% peak", "rel err", "picked");
     }
-    std::vector<double> total_s(cands.size(), 0.0), worst(cands.size(), 1e300), best(cands.size(), 0.0);
+    std::vector<double> total_s(cands.size(), 0.0), total_cpu(cands.size(), 0.0);
+    std::vector<double> worst(cands.size(), 1e300), best(cands.size(), 0.0);
     double total_flops = 0;
     for (const Shape& s : shapes) {
       Operands o;
@@ -324,44 +319,54 @@ int main(int argc, char** argv) {
           return 1;
         }
       }
-      std::vector<std::vector<double>> t(cands.size());
+      std::vector<std::vector<double>> t(cands.size()), cpu(cands.size());
       for (int r = 0; r < reps; ++r)
         for (size_t c = 0; c < cands.size(); ++c) {
           cands[c].set_threads(threads);
+          const double c0 = attn_bench::cpu_seconds();
           const auto t0 = std::chrono::steady_clock::now();
           calls[c]();
           t[c].push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+          cpu[c].push_back(attn_bench::cpu_seconds() - c0);
         }
       total_flops += s.flops();
       for (size_t c = 0; c < cands.size(); ++c) {
         std::sort(t[c].begin(), t[c].end());
-        const double med = t[c][t[c].size() / 2], gflops = s.flops() / med * 1e-9;
-        const double frac = peak > 0 ? gflops / peak : 0;
-        total_s[c] += med, worst[c] = std::min(worst[c], frac), best[c] = std::max(best[c], frac);
+        std::sort(cpu[c].begin(), cpu[c].end());
+        const double med = t[c][t[c].size() / 2], med_cpu = cpu[c][cpu[c].size() / 2];
+        const double gflops = s.flops() / med * 1e-9, per_cpu_s = s.flops() / med_cpu * 1e-9;
+        const double frac = peak > 0 ? gflops / peak : 0, frac_cpu = per_cpu > 0 ? per_cpu_s / per_cpu : 0;
+        total_s[c] += med, total_cpu[c] += med_cpu;
+        worst[c] = std::min(worst[c], frac), best[c] = std::max(best[c], frac);
         rows_json.push_back({{"candidate", cands[c].name}, {"threads", threads}, {"M", s.M}, {"N", s.N}, {"K", s.K},
                              {"ta", s.ta}, {"tb", s.tb}, {"median_s", med}, {"gflops", gflops},
-                             {"peak_fraction", frac}, {"rel_err", errs[c]}, {"picked", picked[c]}});
+                             {"peak_fraction", frac}, {"median_cpu_s", med_cpu}, {"gflop_per_cpu_s", per_cpu_s},
+                             {"cpu_peak_fraction", frac_cpu}, {"rel_err", errs[c]}, {"picked", picked[c]}});
         if (table)
-          std::printf("%6lld %6lld %6lld %2d %2d %-12s %9.3f %8.1f %6.1f %8.1e  %s\n", (long long)s.M, (long long)s.N,
-                      (long long)s.K, int(s.ta), int(s.tb), cands[c].name.c_str(), med * 1e3, gflops, 100 * frac,
-                      errs[c], picked[c].c_str());
+          std::printf("%6lld %6lld %6lld %2d %2d %-12s %9.3f %8.1f %6.1f %8.1f %6.1f %8.1e  %s\n", (long long)s.M,
+                      (long long)s.N, (long long)s.K, int(s.ta), int(s.tb), cands[c].name.c_str(), med * 1e3, gflops,
+                      100 * frac, per_cpu_s, 100 * frac_cpu, errs[c], picked[c].c_str());
       }
       std::fflush(stdout);
     }
     if (table) std::printf("all %zu products, %d thread%s:\n", shapes.size(), threads, threads > 1 ? "s" : "");
     for (size_t c = 0; c < cands.size(); ++c) {
       const double gflops = total_flops / total_s[c] * 1e-9, frac = peak > 0 ? gflops / peak : 0;
+      const double per_cpu_s = total_flops / total_cpu[c] * 1e-9, frac_cpu = per_cpu > 0 ? per_cpu_s / per_cpu : 0;
       summary.push_back({{"candidate", cands[c].name}, {"threads", threads}, {"total_s", total_s[c]},
                          {"gflops", gflops}, {"peak_fraction", frac}, {"min_peak_fraction", worst[c]},
-                         {"max_peak_fraction", best[c]}});
+                         {"max_peak_fraction", best[c]}, {"gflop_per_cpu_s", per_cpu_s},
+                         {"cpu_peak_fraction", frac_cpu}});
       if (table)
-        std::printf("  %-12s %9.1f ms %8.1f GFLOP/s %6.1f%% of the peak (per product %.1f-%.1f%%)\n",
-                    cands[c].name.c_str(), total_s[c] * 1e3, gflops, 100 * frac, 100 * worst[c], 100 * best[c]);
+        std::printf("  %-12s %9.1f ms %8.1f GFLOP/s %6.1f%% of the peak (per product %.1f-%.1f%%); "
+                    "%.1f GFLOP per CPU-second, %.1f%%\n",
+                    cands[c].name.c_str(), total_s[c] * 1e3, gflops, 100 * frac, 100 * worst[c], 100 * best[c],
+                    per_cpu_s, 100 * frac_cpu);
     }
   }
   nlohmann::json peaks_json = nlohmann::json::object();
-  for (const auto& [t, p] : peaks) peaks_json[std::to_string(t)] = p;
-  const nlohmann::json doc{{"cpu", cpu_model()}, {"highway_target", hwy::TargetName(best_target)},
+  for (const auto& [t, p] : peaks) peaks_json[std::to_string(t)] = {{"gflops", p.first}, {"per_cpu_s", p.second}};
+  const nlohmann::json doc{{"cpu", attn_bench::cpu_model()}, {"simd_target", attn::detail::fused_target_name()},
                            {"chose", chose},      {"threads", thread_counts},
                            {"reps", reps},        {"fma_peak_gflops", peaks_json},
                            {"results", rows_json}, {"summary", summary}};

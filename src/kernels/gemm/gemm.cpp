@@ -32,7 +32,6 @@
 #endif
 
 #include <algorithm>
-#include <type_traits>
 
 namespace attn::detail {
 
