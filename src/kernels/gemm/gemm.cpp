@@ -16,8 +16,11 @@
 // library call over all of K. A tile's bits depend only on its own shape and
 // operands, so C is the same for any thread count, and the products share
 // the OpenMP pool with the attention kernels instead of starting a pool of
-// their own. Re-packing the shared operand per tile costs about
-// (1/rows + 1/cols) of the tile's arithmetic, under 2% at the smallest tile.
+// their own. The price: each tile packs its own slices of A and B, and
+// oneDNN's kernels run a little slower on a tile than on the whole product.
+// Tiles of at least 256×256, at most 16 of them, kept that loss to about 7%
+// of one core's GFLOP per CPU-second on the layer's products (Zen 4, one
+// thread; 32 tiles of 128 and more lost 9%, a tile per 256 rows 9%).
 #include "kernels/gemm/gemm.hpp"
 
 #ifndef ATTN_NO_BLAS
@@ -52,9 +55,9 @@ void gemm_reference(GemmShape s, bool ta, const T* A, int64_t lda, bool tb, cons
 }
 
 GemmTiles gemm_tiles(GemmShape s) {
-  constexpr int64_t kMaxTiles = 32;          // enough to balance up to 16 threads
+  constexpr int64_t kMaxTiles = 16;          // enough to balance a few threads
   constexpr double kMinTileFlops = 1 << 24;  // ~0.1 ms on one core: the call's set-up is noise
-  constexpr int64_t kMinSide = 128;          // a tile side is never halved below this
+  constexpr int64_t kMinSide = 256;          // a tile side is never halved below this
   constexpr int64_t kAlign = 16;             // sides stay multiples of the micro-kernels' widths
   GemmTiles t{std::max<int64_t>(s.M, 1), std::max<int64_t>(s.N, 1)};
   const double flops = 2.0 * double(s.M) * double(s.N) * double(s.K);
