@@ -50,13 +50,13 @@ TEST(Gemm, MatchesReference) {
 // and thin ones (a single row or column of C over a long K).
 TEST(Gemm, ManyTilesMatchReference) {
   std::mt19937_64 rng(5);
-  const GemmShape shapes[] = {{1100, 600, 120}, {257, 1031, 129}, {1, 2000, 3000}, {2000, 1, 3000}, {600, 600, 1}};
+  const GemmShape shapes[] = {{1300, 1100, 64}, {257, 1031, 129}, {1, 2000, 3000}, {2000, 1, 3000}, {600, 600, 1}};
   for (const GemmShape& s : shapes)
     for (int t = 0; t < 4; ++t) {
       check<float>(s.M, s.N, s.K, t & 1, t & 2, 1.0f, t < 2 ? 0.0f : 1.0f, 2, rng);
       check<double>(s.M, s.N, s.K, t & 1, t & 2, 0.75, t < 2 ? 0.0 : -0.5, 3, rng);
     }
-  EXPECT_GE(gemm_tiles({1100, 600, 120}).count({1100, 600, 120}), 8);  // the first shape is tiled
+  EXPECT_GE(gemm_tiles({1300, 1100, 64}, attn::detail::gemm_min_tile()).count({1300, 1100, 64}), 2);  // tiled
 }
 
 // K = 0: C = beta·C (and beta = 0 clears C, whatever it held).
@@ -102,29 +102,42 @@ TEST(Gemm, BitwiseIdenticalForAnyThreadCount) {
     }
 }
 
-// The tiling rule: the tiles cover C; small products are one tile; a tile
-// side is halved only while it stays >= 256 (a multiple of 16), there are at
-// most 16 tiles, and the layer's products are cut finely enough to share
-// among several threads.
+// The tiling rule, for both tile sizes the CPU may ask for: the tiles cover
+// C; small products are one tile; a side is halved (to a multiple of 16)
+// only while the tile stays as large as a min_tile square (1/rows + 1/cols
+// <= 2/min_tile), into at most 16 tiles; the layer's products are cut
+// finely enough to share among several threads.
 TEST(Gemm, TilesFollowTheRule) {
-  for (const GemmShape s : {GemmShape{1, 1, 1}, GemmShape{64, 64, 64}, GemmShape{800, 288, 96},
-                            GemmShape{4096, 1536, 512}, GemmShape{512, 512, 4096}, GemmShape{4096, 2048, 6144},
-                            GemmShape{3, 100000, 50}, GemmShape{300, 7, 100000}}) {
-    const auto t = gemm_tiles(s);
-    const std::string what = std::to_string(s.M) + "x" + std::to_string(s.N) + "x" + std::to_string(s.K);
-    EXPECT_GE(t.rows, 1) << what;
-    EXPECT_GE(t.cols, 1) << what;
-    EXPECT_LE(t.count(s), 16) << what;
-    for (const auto& [side, full] : {std::pair{t.rows, s.M}, std::pair{t.cols, s.N}})
-      if (side < full) {
-        EXPECT_GE(side, 256) << what;
-        EXPECT_EQ(side % 16, 0) << what;
+  const int64_t cpu = attn::detail::gemm_min_tile();
+  EXPECT_TRUE(cpu == 256 || cpu == 640) << cpu;
+  for (const int64_t min_tile : {int64_t(256), int64_t(640)})
+    for (const GemmShape s : {GemmShape{1, 1, 1}, GemmShape{64, 64, 64}, GemmShape{800, 288, 96},
+                              GemmShape{4096, 1536, 512}, GemmShape{512, 512, 4096}, GemmShape{4096, 2048, 6144},
+                              GemmShape{1024, 1024, 4096}, GemmShape{3, 100000, 50}, GemmShape{300, 7, 100000}}) {
+      const auto t = gemm_tiles(s, min_tile);
+      const std::string what = std::to_string(s.M) + "x" + std::to_string(s.N) + "x" + std::to_string(s.K) +
+                               ", min_tile " + std::to_string(min_tile);
+      EXPECT_GE(t.rows, 1) << what;
+      EXPECT_GE(t.cols, 1) << what;
+      EXPECT_LE(t.count(s), 16) << what;
+      if (t.count(s) > 1) {
+        EXPECT_LE(1.0 / double(t.rows) + 1.0 / double(t.cols), 2.0 / double(min_tile)) << what;
+        EXPECT_GE(2.0 * double(s.M) * double(s.N) * double(s.K) / double(t.count(s)), double(1 << 24)) << what;
       }
-  }
-  EXPECT_EQ(gemm_tiles({64, 64, 64}).count({64, 64, 64}), 1);
-  EXPECT_EQ(gemm_tiles({1, 1, 1}).count({1, 1, 1}), 1);
-  EXPECT_EQ(gemm_tiles({4096, 1536, 512}).count({4096, 1536, 512}), 16);
-  EXPECT_EQ(gemm_tiles({512, 512, 4096}).count({512, 512, 4096}), 4);
+      if (t.rows < s.M) {
+        EXPECT_EQ(t.rows % 16, 0) << what;
+      }
+      if (t.cols < s.N) {
+        EXPECT_EQ(t.cols % 16, 0) << what;
+      }
+    }
+  EXPECT_EQ(gemm_tiles({64, 64, 64}, 256).count({64, 64, 64}), 1);
+  EXPECT_EQ(gemm_tiles({1, 1, 1}, 256).count({1, 1, 1}), 1);
+  EXPECT_EQ(gemm_tiles({4096, 1536, 512}, 256).count({4096, 1536, 512}), 16);
+  EXPECT_EQ(gemm_tiles({512, 512, 4096}, 256).count({512, 512, 4096}), 4);
+  EXPECT_EQ(gemm_tiles({4096, 1536, 512}, 640).count({4096, 1536, 512}), 8);   // 1024 x 768
+  EXPECT_EQ(gemm_tiles({1024, 1024, 4096}, 640).count({1024, 1024, 4096}), 2);  // 512 x 1024
+  EXPECT_EQ(gemm_tiles({512, 512, 4096}, 640).count({512, 512, 4096}), 1);
 }
 
 }  // namespace

@@ -16,11 +16,15 @@
 // library call over all of K. A tile's bits depend only on its own shape and
 // operands, so C is the same for any thread count, and the products share
 // the OpenMP pool with the attention kernels instead of starting a pool of
-// their own. The price: each tile packs its own slices of A and B, and
-// oneDNN's kernels run a little slower on a tile than on the whole product.
-// Tiles of at least 256×256, at most 16 of them, kept that loss to about 7%
-// of one core's GFLOP per CPU-second on the layer's products (Zen 4, one
-// thread; 32 tiles of 128 and more lost 9%, a tile per 256 rows 9%).
+// their own. (oneDNN's own threads may split K among themselves, and then
+// the sums depend on their number.) The price: each tile packs its own
+// slices of A and B, and oneDNN runs a little slower on a tile than on the
+// whole product. At most 16 tiles of at least 256×256 kept that loss to
+// about 7% of one core's GFLOP per CPU-second on the layer's products with
+// the AVX-512 kernels (Zen 4, one thread; 32 tiles of 128 and more lost 9%).
+// Its AVX2 kernels need larger tiles (gemm_min_tile): below about 526×526
+// oneDNN switches them to kernels that do not pack, which ran the layer's
+// long-K products at a third of the speed.
 #include "kernels/gemm/gemm.hpp"
 
 #ifndef ATTN_NO_BLAS
@@ -54,21 +58,33 @@ void gemm_reference(GemmShape s, bool ta, const T* A, int64_t lda, bool tb, cons
     }
 }
 
-GemmTiles gemm_tiles(GemmShape s) {
+GemmTiles gemm_tiles(GemmShape s, int64_t min_tile) {
   constexpr int64_t kMaxTiles = 16;          // enough to balance a few threads
   constexpr double kMinTileFlops = 1 << 24;  // ~0.1 ms on one core: the call's set-up is noise
-  constexpr int64_t kMinSide = 256;          // a tile side is never halved below this
   constexpr int64_t kAlign = 16;             // sides stay multiples of the micro-kernels' widths
+  const auto half = [](int64_t side) { return ((side + 1) / 2 + kAlign - 1) / kAlign * kAlign; };
+  // 1/rows + 1/cols <= 2/min_tile, and each side really smaller than before.
+  const auto fits = [&](GemmTiles t, GemmTiles was) {
+    return (t.rows < was.rows || t.cols < was.cols) &&
+           double(min_tile) * double(t.rows + t.cols) <= 2.0 * double(t.rows) * double(t.cols);
+  };
   GemmTiles t{std::max<int64_t>(s.M, 1), std::max<int64_t>(s.N, 1)};
   const double flops = 2.0 * double(s.M) * double(s.N) * double(s.K);
   for (;;) {
     const int64_t n = t.count(s);
     if (n * 2 > kMaxTiles || flops / double(n * 2) < kMinTileFlops) return t;
-    // Halve the longer side that may still be halved.
-    int64_t* side = t.rows >= t.cols ? &t.rows : &t.cols;
-    if (*side < 2 * kMinSide) side = side == &t.rows ? &t.cols : &t.rows;
-    if (*side < 2 * kMinSide) return t;
-    *side = ((*side + 1) / 2 + kAlign - 1) / kAlign * kAlign;
+    // Halve the longer side if the tile stays large enough, else the shorter.
+    GemmTiles longer = t, shorter = t;
+    if (t.rows >= t.cols)
+      longer.rows = half(t.rows), shorter.cols = half(t.cols);
+    else
+      longer.cols = half(t.cols), shorter.rows = half(t.rows);
+    if (fits(longer, t))
+      t = longer;
+    else if (fits(shorter, t))
+      t = shorter;
+    else
+      return t;
   }
 }
 
@@ -79,6 +95,8 @@ void gemm(GemmShape s, bool ta, const T* A, int64_t lda, bool tb, const T* B, in
           int64_t ldc, T alpha, T beta, int /*threads: one in the browser*/) {
   gemm_reference(s, ta, A, lda, tb, B, ldb, C, ldc, alpha, beta);
 }
+
+int64_t gemm_min_tile() { return 256; }  // unused: one thread
 
 const char* gemm_backend_description() { return "the plain loops (ATTN_NO_BLAS)"; }
 
@@ -123,7 +141,7 @@ void gemm(GemmShape s, bool ta, const T* A, int64_t lda, bool tb, const T* B, in
           int64_t ldc, T alpha, T beta, int threads) {
   if (s.M == 0 || s.N == 0) return;
   if (s.K == 0) return gemm_reference(s, ta, A, lda, tb, B, ldb, C, ldc, alpha, beta);  // C = beta·C
-  const GemmTiles t = gemm_tiles(s);
+  const GemmTiles t = gemm_tiles(s, gemm_min_tile());
   const int64_t across = (s.N + t.cols - 1) / t.cols, n = t.count(s);
   const int team = int(std::min<int64_t>(n, threads > 0 ? threads : omp_get_max_threads()));
   std::atomic<bool> refused{false};
@@ -141,6 +159,12 @@ void gemm(GemmShape s, bool ta, const T* A, int64_t lda, bool tb, const T* B, in
     }
   }
   if (refused) throw std::logic_error("detail::gemm: the library refused a product's arguments");
+}
+
+int64_t gemm_min_tile() {
+  static const int64_t side =
+      (dnnl_get_effective_cpu_isa() & dnnl_cpu_isa_avx512_core) == dnnl_cpu_isa_avx512_core ? 256 : 640;
+  return side;
 }
 
 const char* gemm_backend_description() {

@@ -13,7 +13,7 @@ namespace attn::detail {
 //   op(B) is B[K×N] (ldb >= N), or B stored [N×K] and transposed (ldb >= K).
 // beta = 0 overwrites C (its old contents may be uninitialised).
 // `threads` OpenMP threads (0: the caller's OpenMP default) run the tiles of
-// gemm_tiles(s); C's bits depend on the shape only, never on `threads`.
+// gemm_tiles; C's bits depend on the shape (and the CPU), never on `threads`.
 struct GemmShape {
   int64_t M, N, K;
 };
@@ -30,13 +30,21 @@ void gemm_reference(GemmShape s, bool transpose_a, const T* A, int64_t lda, bool
 
 // How gemm cuts C into tiles: `rows` × `cols` blocks (the last ones in each
 // direction smaller), each one an independent single-threaded product over
-// all of K. Chosen from the shape alone, so the thread count cannot change a
-// bit of C; small products are one tile.
+// all of K. Chosen from the shape and the CPU's `min_tile`, never from the
+// thread count, so the thread count cannot change a bit of C. A side is
+// halved (to a multiple of 16) while there are fewer than 16 tiles, each
+// keeps at least 2^24 FLOPs, and each stays as large as a min_tile square in
+// the sense 1/rows + 1/cols <= 2/min_tile; small products are one tile.
 struct GemmTiles {
   int64_t rows, cols;
   int64_t count(GemmShape s) const { return ((s.M + rows - 1) / rows) * ((s.N + cols - 1) / cols); }
 };
-GemmTiles gemm_tiles(GemmShape s);
+GemmTiles gemm_tiles(GemmShape s, int64_t min_tile);
+// The smallest tile (as a square's side) the float library computes at full
+// speed on this CPU: 256 with oneDNN's AVX-512 kernels, 640 otherwise (its
+// AVX2 sgemm turns to kernels without packing once 1/rows + 1/cols reaches
+// 0.0038, and those ran at a third of the speed on the layer's long-K tiles).
+int64_t gemm_min_tile();
 
 // What runs the float products, for the benchmarks' headers: the library,
 // its version and the instruction set it chose for this CPU at run time.
