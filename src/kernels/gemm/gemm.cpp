@@ -8,8 +8,8 @@
 // feature bits (AVX2, AVX-512, AVX512_BF16, AMX), so a CPU newer than the
 // library still gets its vector width. OpenBLAS picks a hand-written kernel
 // from a list of known CPUs and falls back to a generic SSE3 one on any
-// other: Debian's 0.3.21 on Emerald Rapids ran sgemm at 42-64 GFLOP/s, a
-// fifth of MKL's (docs/performance.md, "GEMM").
+// other: Debian's 0.3.21 on Emerald Rapids ran sgemm at 42-64 GFLOP/s, at
+// most a fifth of MKL's (docs/performance.md, "GEMM").
 //
 // Threads. C is cut into tiles by its shape alone (gemm_tiles), and the
 // tiles run on the caller's OpenMP threads, each tile one single-threaded
