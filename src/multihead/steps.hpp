@@ -188,7 +188,7 @@ void merge_heads(const T* src, int64_t B, int64_t N, int64_t H, int64_t F, T* ds
 
 // Every row of C (m, n), leading dimension ldc, set to bias (n): a GEMM with
 // beta = 1 then adds the product, which saves the pass that adding the bias
-// afterwards takes (with beta = 0 OpenBLAS clears C in a pass of its own).
+// afterwards takes.
 template <class T>
 void fill_rows(T* C, int64_t m, int64_t n, int64_t ldc, const T* bias, int threads) {
   parallel_rows(threads, m, n, [&](int64_t i) { std::copy_n(bias, n, C + i * ldc); });
