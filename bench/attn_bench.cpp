@@ -62,20 +62,8 @@ void reset_peak_rss() {
   f << "5";  // resets VmHWM to the current RSS
 }
 double mib(int64_t kib) { return double(kib) / 1024.0; }
-// CPU time of all the process's threads (precise, unlike getrusage's ticks).
-double cpu_seconds() {
-  timespec ts{};
-  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
-  return double(ts.tv_sec) + 1e-9 * double(ts.tv_nsec);
-}
-
-std::string cpu_model() {
-  std::ifstream f("/proc/cpuinfo");
-  std::string line;
-  while (std::getline(f, line))
-    if (line.rfind("model name", 0) == 0) return line.substr(line.find(':') + 2);
-  return "unknown";
-}
+using attn_bench::cpu_model;
+using attn_bench::cpu_seconds;
 
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());

@@ -34,8 +34,8 @@ heads, and in the backward dY and Y too). The layer minus its attention is its p
 (GEMMs, bias, head split, copies).
 
 GEMM mode (--gemm): the GEMMs of the same layer shapes alone (forward: x·W_inᵀ, o·W_oᵀ; backward:
-dyᵀ·o, dy·W_o, dpᵀ·x, dp·W_in), torch.matmul (MKL) against attn's detail::gemm (OpenBLAS, OpenMP
-build) through `attn-gemm-bench --json -`, which validates each product first; per shape and
+dyᵀ·o, dy·W_o, dpᵀ·x, dp·W_in), torch.matmul (MKL) against attn's detail::gemm (oneDNN, tiles on
+OpenMP threads) through `attn-gemm-bench --json -`, which validates each product first; per shape and
 summed per mode.
 
     python3 bench/compare_torch.py --gemm [--attn-gemm-bench build/bench/attn-gemm-bench]
@@ -486,7 +486,7 @@ def time_torch_gemm(torch, shape, reps):
 
 def gemm_main(args, torch):
     """The layer's GEMMs alone: torch.matmul (MKL in PyTorch's wheel) against attn's detail::gemm
-    (OpenBLAS, OpenMP build) through attn-gemm-bench, shape by shape and summed per layer mode."""
+    (oneDNN) through attn-gemm-bench, shape by shape and summed per layer mode."""
     if not os.path.exists(args.attn_gemm_bench):
         print(f"compare_torch --gemm: {args.attn_gemm_bench} not found; build first (`make build`).")
         return 1
@@ -504,7 +504,7 @@ def gemm_main(args, torch):
         for mode, gemms in (("fwd", fwd), ("bwd", bwd)):
             text = ";".join(",".join(str(v) for v in g) for g in gemms)
             res = subprocess.run([args.attn_gemm_bench, "--shapes", text, "--threads", str(threads),
-                                  "--reps", str(args.reps), "--json", "-"], capture_output=True, text=True)
+                                  "--reps", str(args.reps), "--peak-seconds", "0", "--json", "-"], capture_output=True, text=True)
             if res.returncode != 0:
                 print(res.stderr)
                 return 1

@@ -130,12 +130,7 @@ void fill_cache(attn::KVCache& cache, const Shape& s) {
     }
 }
 
-// CPU time of all the process's threads.
-double cpu_seconds() {
-  timespec ts{};
-  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
-  return double(ts.tv_sec) + 1e-9 * double(ts.tv_nsec);
-}
+using attn_bench::cpu_seconds;
 
 struct Timing {
   double wall = 0, cpu = 0;  // medians, seconds per call (cpu: all threads together)

@@ -12,6 +12,8 @@
 
 #include <chrono>
 #include <cstdint>
+#include <fstream>
+#include <string>
 
 #include "fma_peak.hpp"
 
@@ -60,14 +62,19 @@ HWY_AFTER_NAMESPACE();
 namespace attn_bench {
 HWY_EXPORT(FmaChains);
 
-namespace {
-// CPU time of all the process's threads (precise, unlike getrusage's ticks).
 double cpu_seconds() {
   timespec ts{};
   clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
   return double(ts.tv_sec) + 1e-9 * double(ts.tv_nsec);
 }
-}  // namespace
+
+std::string cpu_model() {
+  std::ifstream f("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(f, line))
+    if (line.rfind("model name", 0) == 0) return line.substr(line.find(':') + 2);
+  return "unknown";
+}
 
 double fma_peak_gflops(int threads, double seconds, double* per_cpu_second) {
   // Calibrate the iteration count on one thread, then run all threads at once.

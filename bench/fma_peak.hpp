@@ -1,5 +1,8 @@
-// The FMA-throughput loop attn-bench measures the machine's peak with.
+// The FMA-throughput loop the benchmarks measure the machine's peak with,
+// and the clock and CPU name they report beside it.
 #pragma once
+
+#include <string>
 
 namespace attn_bench {
 // Best of three runs of `threads` threads doing nothing but vector FMAs for
@@ -7,4 +10,8 @@ namespace attn_bench {
 // *per_cpu_second (if given) gets GFLOP per second of CPU time the process
 // actually received, which does not depend on other load on the machine.
 double fma_peak_gflops(int threads, double seconds, double* per_cpu_second = nullptr);
+// CPU time of all the process's threads (precise, unlike getrusage's ticks).
+double cpu_seconds();
+// The CPU's "model name" from /proc/cpuinfo ("unknown" without one).
+std::string cpu_model();
 }  // namespace attn_bench

@@ -4,7 +4,7 @@
 # Root on the project's machines; sudo otherwise. Nothing is downloaded at build time.
 # Why each package is there: README.md, "Dependencies".
 set -euo pipefail
-pkgs=(g++ cmake make pkg-config libgtest-dev libhwy-dev libopenblas-dev libopenblas-openmp-dev
+pkgs=(g++ cmake make pkg-config libgtest-dev libhwy-dev libdnnl-dev libopenblas-dev libopenblas-openmp-dev
       libcli11-dev nlohmann-json3-dev libfmt-dev libpng-dev python3-dev python3-venv
       libopenmpi-dev openmpi-bin
       emscripten node-acorn chromium chromium-driver)

@@ -1,26 +1,36 @@
-// The BLAS-backed row-major GEMM against its plain triple-loop reference, on
-// awkward shapes, every transpose combination, padded leading dimensions and
-// alpha/beta.
+// The row-major GEMM (oneDNN for float, OpenBLAS for double, cut into tiles
+// by gemm_tiles) against its plain triple-loop reference in double: awkward
+// shapes, M/N/K = 1, every transpose combination, padded leading dimensions,
+// alpha/beta, products of many tiles, several thread counts; and the same
+// bits for any thread count.
+#include <cstring>
+
 #include "kernels/gemm/gemm.hpp"
 #include "testing.hpp"
 
 namespace {
 
+using attn::detail::gemm_tiles;
 using attn::detail::GemmShape;
 using namespace attn::testing;
 
+// gemm against gemm_reference on one shape; the leading dimensions are padded
+// (lda, ldb, ldc larger than the rows they hold) unless `tight`, and the
+// padding must come back untouched (the comparison covers all of C's storage).
 template <class T>
-void check(int64_t M, int64_t N, int64_t K, bool ta, bool tb, T alpha, T beta, std::mt19937_64& rng) {
-  const int64_t lda = (ta ? M : K) + 3, ldb = (tb ? K : N) + 1, ldc = N + 2;
+void check(int64_t M, int64_t N, int64_t K, bool ta, bool tb, T alpha, T beta, int threads, std::mt19937_64& rng,
+           bool tight = false) {
+  const int64_t pad = tight ? 0 : 1;
+  const int64_t lda = (ta ? M : K) + 3 * pad, ldb = (tb ? K : N) + pad, ldc = N + 2 * pad;
   auto A = random_tensor<T>({(ta ? K : M) * lda + 1}, rng);
   auto B = random_tensor<T>({(tb ? N : K) * ldb + 1}, rng);
   auto C0 = random_tensor<T>({M * ldc + 1}, rng);
   auto C1 = C0;
-  attn::detail::gemm<T>({M, N, K}, ta, A.data(), lda, tb, B.data(), ldb, C0.data(), ldc, alpha, beta);
+  attn::detail::gemm<T>({M, N, K}, ta, A.data(), lda, tb, B.data(), ldb, C0.data(), ldc, alpha, beta, threads);
   attn::detail::gemm_reference<T>({M, N, K}, ta, A.data(), lda, tb, B.data(), ldb, C1.data(), ldc, alpha, beta);
   EXPECT_TRUE(all_close(C0, C1, tolerance<T>(K, 3.0 * std::sqrt(double(K) + 1)),
                         "gemm " + std::to_string(M) + "x" + std::to_string(N) + "x" + std::to_string(K) +
-                            (ta ? " Ta" : "") + (tb ? " Tb" : "")));
+                            (ta ? " Ta" : "") + (tb ? " Tb" : "") + ", " + std::to_string(threads) + " threads"));
 }
 
 TEST(Gemm, MatchesReference) {
@@ -29,9 +39,105 @@ TEST(Gemm, MatchesReference) {
     for (int64_t N : {1, 5, 33})
       for (int64_t K : {1, 7, 130})
         for (int t = 0; t < 4; ++t) {
-          check<float>(M, N, K, t & 1, t & 2, 1.0f, 0.0f, rng);
-          check<double>(M, N, K, t & 1, t & 2, 0.5, 2.0, rng);
+          check<float>(M, N, K, t & 1, t & 2, 1.0f, 0.0f, 1 + t % 2, rng);
+          check<double>(M, N, K, t & 1, t & 2, 0.5, 2.0, 1 + t % 2, rng);
+          check<float>(M, N, K, t & 1, t & 2, -1.5f, 0.25f, 3, rng, /*tight=*/true);
         }
+}
+
+// Products large enough to be cut into several tiles, whose sides are not
+// multiples of the tiles' (the last row and column of tiles are partial),
+// and thin ones (a single row or column of C over a long K).
+TEST(Gemm, ManyTilesMatchReference) {
+  std::mt19937_64 rng(5);
+  const GemmShape shapes[] = {{1300, 1100, 64}, {257, 1031, 129}, {1, 2000, 3000}, {2000, 1, 3000}, {600, 600, 1}};
+  for (const GemmShape& s : shapes)
+    for (int t = 0; t < 4; ++t) {
+      check<float>(s.M, s.N, s.K, t & 1, t & 2, 1.0f, t < 2 ? 0.0f : 1.0f, 2, rng);
+      check<double>(s.M, s.N, s.K, t & 1, t & 2, 0.75, t < 2 ? 0.0 : -0.5, 3, rng);
+    }
+  EXPECT_GE(gemm_tiles({1300, 1100, 64}, attn::detail::gemm_min_tile()).count({1300, 1100, 64}), 2);  // tiled
+}
+
+// K = 0: C = beta·C (and beta = 0 clears C, whatever it held).
+TEST(Gemm, EmptyReductionScalesC) {
+  std::mt19937_64 rng(9);
+  for (const float beta : {0.0f, 0.5f}) {
+    auto C = random_tensor<float>({4 * 6}, rng);
+    auto want = C;
+    for (size_t i = 0; i < want.size(); ++i) want[i] *= beta;
+    const float a = 1, b = 1;
+    attn::detail::gemm<float>({4, 6, 0}, false, &a, 1, false, &b, 6, C.data(), 6, 2.0f, beta);
+    EXPECT_TRUE(all_close(C, want, 0.0, "K = 0, beta " + std::to_string(beta)));
+  }
+}
+
+// The tiles depend on the shape only, so C has the same bits for any thread
+// count, tiled or not; both precisions, every transpose combination.
+template <class T>
+void same_bits(GemmShape s, bool ta, bool tb, std::mt19937_64& rng) {
+  const auto A = random_tensor<T>({s.M * s.K}, rng), B = random_tensor<T>({s.K * s.N}, rng);
+  const auto C0 = random_tensor<T>({s.M * s.N}, rng);
+  attn::Tensor<T> one;
+  for (const int threads : {1, 2, 3, 5}) {
+    auto C = C0;
+    attn::detail::gemm<T>(s, ta, A.data(), ta ? s.M : s.K, tb, B.data(), tb ? s.K : s.N, C.data(), s.N, T(1),
+                          T(0.5), threads);
+    if (threads == 1) {
+      one = C;
+      continue;
+    }
+    EXPECT_EQ(std::memcmp(C.data(), one.data(), C.size() * sizeof(T)), 0)
+        << s.M << "x" << s.N << "x" << s.K << (ta ? " Ta" : "") << (tb ? " Tb" : "") << ": " << threads
+        << " threads differ from one";
+  }
+}
+
+TEST(Gemm, BitwiseIdenticalForAnyThreadCount) {
+  std::mt19937_64 rng(11);
+  for (const GemmShape s : {GemmShape{640, 576, 512}, GemmShape{96, 96, 5000}, GemmShape{33, 17, 9}})
+    for (int t = 0; t < 4; ++t) {
+      same_bits<float>(s, t & 1, t & 2, rng);
+      same_bits<double>(s, t & 1, t & 2, rng);
+    }
+}
+
+// The tiling rule, for both tile sizes the CPU may ask for: the tiles cover
+// C; small products are one tile; a side is halved (to a multiple of 16)
+// only while the tile stays as large as a min_tile square (1/rows + 1/cols
+// <= 2/min_tile), into at most 16 tiles; the layer's products are cut
+// finely enough to share among several threads.
+TEST(Gemm, TilesFollowTheRule) {
+  const int64_t cpu = attn::detail::gemm_min_tile();
+  EXPECT_TRUE(cpu == 256 || cpu == 640) << cpu;
+  for (const int64_t min_tile : {int64_t(256), int64_t(640)})
+    for (const GemmShape s : {GemmShape{1, 1, 1}, GemmShape{64, 64, 64}, GemmShape{800, 288, 96},
+                              GemmShape{4096, 1536, 512}, GemmShape{512, 512, 4096}, GemmShape{4096, 2048, 6144},
+                              GemmShape{1024, 1024, 4096}, GemmShape{3, 100000, 50}, GemmShape{300, 7, 100000}}) {
+      const auto t = gemm_tiles(s, min_tile);
+      const std::string what = std::to_string(s.M) + "x" + std::to_string(s.N) + "x" + std::to_string(s.K) +
+                               ", min_tile " + std::to_string(min_tile);
+      EXPECT_GE(t.rows, 1) << what;
+      EXPECT_GE(t.cols, 1) << what;
+      EXPECT_LE(t.count(s), 16) << what;
+      if (t.count(s) > 1) {
+        EXPECT_LE(1.0 / double(t.rows) + 1.0 / double(t.cols), 2.0 / double(min_tile)) << what;
+        EXPECT_GE(2.0 * double(s.M) * double(s.N) * double(s.K) / double(t.count(s)), double(1 << 24)) << what;
+      }
+      if (t.rows < s.M) {
+        EXPECT_EQ(t.rows % 16, 0) << what;
+      }
+      if (t.cols < s.N) {
+        EXPECT_EQ(t.cols % 16, 0) << what;
+      }
+    }
+  EXPECT_EQ(gemm_tiles({64, 64, 64}, 256).count({64, 64, 64}), 1);
+  EXPECT_EQ(gemm_tiles({1, 1, 1}, 256).count({1, 1, 1}), 1);
+  EXPECT_EQ(gemm_tiles({4096, 1536, 512}, 256).count({4096, 1536, 512}), 16);
+  EXPECT_EQ(gemm_tiles({512, 512, 4096}, 256).count({512, 512, 4096}), 4);
+  EXPECT_EQ(gemm_tiles({4096, 1536, 512}, 640).count({4096, 1536, 512}), 8);   // 1024 x 768
+  EXPECT_EQ(gemm_tiles({1024, 1024, 4096}, 640).count({1024, 1024, 4096}), 2);  // 512 x 1024
+  EXPECT_EQ(gemm_tiles({512, 512, 4096}, 640).count({512, 512, 4096}), 1);
 }
 
 }  // namespace

@@ -312,13 +312,13 @@ void MultiheadAttention<T>::backward(const MhaSaved<T>& cache, View3<const T> do
   // y = o·W_oᵀ + b_o  ->  dW_o += dyᵀ·o,  db_o += Σ_rows dy,  do = dy·W_o
   const Tensor<T>& wo = params_.at(kOutProjWeight);
   gemm<T>({D, HEv, B * L}, true, dy, D, false, cache.attn_out.data(), HEv, grads_.at(kOutProjWeight).data(), HEv,
-          T(1), T(1));
+          T(1), T(1), threads);
   if (cfg_.bias) add_column_sums(dy, B * L, D, D, grads_.at(kOutProjBias).data());
   // The gradient buffers live in the layer between calls (every element is
   // written before it is read): no allocation in a training loop.
   Tensor<T>& d_attn = d_attn_;
   sized(d_attn, {B, L, HEv});
-  gemm<T>({B * L, HEv, D}, false, dy, D, false, wo.data(), HEv, d_attn.data(), HEv);
+  gemm<T>({B * L, HEv, D}, false, dy, D, false, wo.data(), HEv, d_attn.data(), HEv, T(1), T(0), threads);
   // The attention's backward reads dY and Y once per tile and adds dQ into
   // its output tile by tile: each gets dense heads, as q, k and v have (one
   // pass each to split dY and Y here and to merge dQ, dK, dV below).
@@ -361,17 +361,17 @@ void MultiheadAttention<T>::backward(const MhaSaved<T>& cache, View3<const T> do
   // p = x·Wᵀ + b  ->  dW += dpᵀ·x,  dx = dp·W (db came with the merge; a
   // packed self-attention does each as one product over [q | k | v]).
   if (self && packed_) {
-    gemm<T>({3 * D, D, B * L}, true, dproj.data(), 3 * D, false, xs, D, ps[0].gw, D, T(1), T(1));
+    gemm<T>({3 * D, D, B * L}, true, dproj.data(), 3 * D, false, xs, D, ps[0].gw, D, T(1), T(1), threads);
     if (!g.dquery.empty()) {
       Tensor<T> scratch;
       T* dx = g.dquery.is_contiguous() ? g.dquery.data : (scratch = Tensor<T>({B, L, D})).data();
-      gemm<T>({B * L, D, 3 * D}, false, dproj.data(), 3 * D, false, ps[0].w, D, dx, D);
+      gemm<T>({B * L, D, 3 * D}, false, dproj.data(), 3 * D, false, ps[0].w, D, dx, D, T(1), T(0), threads);
       if (!g.dquery.is_contiguous()) scatter<T>(dx, g.dquery);
     }
     return;
   }
   for (const Part<T>& p : ps)
-    gemm<T>({p.width, p.cols, p.rows}, true, p.p, p.ld, false, p.x, p.cols, p.gw, p.cols, T(1), T(1));
+    gemm<T>({p.width, p.cols, p.rows}, true, p.p, p.ld, false, p.x, p.cols, p.gw, p.cols, T(1), T(1), threads);
   // dx = dp·W (self-attention: the sum over q, k, v)
   auto input_grad = [&](View3<T> dst, std::initializer_list<int> which) {
     if (dst.empty()) return;
@@ -381,7 +381,7 @@ void MultiheadAttention<T>::backward(const MhaSaved<T>& cache, View3<const T> do
     for (int t : which) {
       const Part<T>& p = ps[size_t(t)];
       gemm<T>({p.rows, p.cols, p.width}, false, p.p, p.ld, false, p.w, p.cols, dx, p.cols, T(1),
-              first ? T(0) : T(1));
+              first ? T(0) : T(1), threads);
       first = false;
     }
     if (!dst.is_contiguous()) scatter<T>(dx, dst);

@@ -188,7 +188,7 @@ void merge_heads(const T* src, int64_t B, int64_t N, int64_t H, int64_t F, T* ds
 
 // Every row of C (m, n), leading dimension ldc, set to bias (n): a GEMM with
 // beta = 1 then adds the product, which saves the pass that adding the bias
-// afterwards takes (with beta = 0 OpenBLAS clears C in a pass of its own).
+// afterwards takes.
 template <class T>
 void fill_rows(T* C, int64_t m, int64_t n, int64_t ldc, const T* bias, int threads) {
   parallel_rows(threads, m, n, [&](int64_t i) { std::copy_n(bias, n, C + i * ldc); });
@@ -204,9 +204,10 @@ std::array<View4<T>, 3> project(const std::array<Part<T>, 3>& ps, bool one_gemm,
                                 int64_t H, int64_t E, int64_t Ev, T* proj, int threads) {
   if (one_gemm) {
     const Part<T>& p = ps[0];
-    gemm<T>({p.rows, p.ld, p.cols}, false, p.x, p.cols, true, p.w, p.cols, p.p, p.ld);
+    gemm<T>({p.rows, p.ld, p.cols}, false, p.x, p.cols, true, p.w, p.cols, p.p, p.ld, T(1), T(0), threads);
   } else {
-    for (const Part<T>& p : ps) gemm<T>({p.rows, p.width, p.cols}, false, p.x, p.cols, true, p.w, p.cols, p.p, p.ld);
+    for (const Part<T>& p : ps)
+      gemm<T>({p.rows, p.width, p.cols}, false, p.x, p.cols, true, p.w, p.cols, p.p, p.ld, T(1), T(0), threads);
   }
   T* const hq = proj;
   T* const hk = hq + B * L * H * E;
@@ -225,7 +226,7 @@ void project_out(const T* o, const T* wo, const T* bo, int64_t HEv, View3<T> out
   Tensor<T> scratch;
   T* y = out.is_contiguous() ? out.data : (scratch = Tensor<T>({out.dim(0), out.dim(1), D})).data();
   if (bo) fill_rows(y, M, D, D, bo, threads);
-  gemm<T>({M, D, HEv}, false, o, HEv, true, wo, HEv, y, D, T(1), bo ? T(1) : T(0));
+  gemm<T>({M, D, HEv}, false, o, HEv, true, wo, HEv, y, D, T(1), bo ? T(1) : T(0), threads);
   if (!out.is_contiguous()) scatter<T>(y, out);
 }
 

@@ -2,7 +2,7 @@
 //
 // Dimensions: M = B·N token rows, D model width, H heads of E = D/H features,
 // V vocabulary, F hidden width of the MLP. All matrices are row-major; every
-// product goes through the row-major GEMM helper (OpenBLAS), every reduction
+// product goes through the row-major GEMM helper (kernels/gemm/), every reduction
 // that is not a GEMM (norm statistics, softmax, bias sums) is accumulated in
 // double so float and double differ only in storage rounding.
 #include "attn/nn/layers.hpp"

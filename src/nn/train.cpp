@@ -22,7 +22,6 @@
 #include "attn/detail/output.hpp"
 #include "attn/io.hpp"
 #include "attn/nn/optim.hpp"
-#include "kernels/gemm/gemm.hpp"
 #include "validate.hpp"
 
 namespace attn::nn {
@@ -341,7 +340,6 @@ ModelConfig model_config(const TrainConfig& c) {
 
 template <class T>
 EvalResult evaluate(Transformer<T>& model, const Task& task, int64_t examples, uint64_t seed) {
-  const detail::ScopedBlasThreads one_blas_thread(1);  // as in train(), so both give the same numbers
   Rng rng(derive_seed(seed, kEvalStream));
   EvalResult r;
   Accuracy total;
@@ -498,9 +496,6 @@ TrainResult train(const TrainConfig& cfg, const ProgressCallback& progress) {
     if (!cfg.save_path.empty()) outputs.check(cfg.save_path, "save_path");
     if (!cfg.csv_path.empty()) outputs.check(cfg.csv_path, "csv_path");
   }
-  // The model's products are small: BLAS threads would only fight the OpenMP
-  // threads for the cores (see ScopedBlasThreads).
-  const detail::ScopedBlasThreads one_blas_thread(1);
   const Task task(cfg.task);
   Transformer<float> model(model_config(cfg), derive_seed(cfg.seed, kModelStream));
   auto params = model.parameters();

@@ -5,7 +5,7 @@ gave, and compares the module's numbers with the native build's answer to the
 same request (attn-web-native, web/native.cpp): the double-precision paths to
 a relative 1e-9 (the two builds share the code; only the C libraries' exp,
 log, cos may differ in the last bit), the float32 trained model to 1e-5 (the
-native build's GEMMs run in OpenBLAS, the WebAssembly build's in plain loops).
+native build's GEMMs run in oneDNN, the WebAssembly build's in plain loops).
 
 Run by `make test-web` (part of `make test`), which sets ATTN_WEB_SITE,
 ATTN_WEB_NATIVE and ATTN_WEB_ARTIFACTS (screenshots of every view, kept as

@@ -1,14 +1,44 @@
-// Row-major GEMM through CBLAS. CBLAS takes the layout explicitly
-// (CblasRowMajor), so arguments stay in the reader's order: C = op(A)·op(B).
-// A portable build without BLAS (ATTN_NO_BLAS: the WebAssembly explainer in
-// web/) runs the plain loops of gemm_reference instead.
+// Row-major GEMM. float: oneDNN's dnnl_sgemm (row-major by definition, so
+// arguments stay in the reader's order: C = op(A)·op(B)); double: OpenBLAS's
+// cblas_dgemm (CblasRowMajor); the portable build without either
+// (ATTN_NO_BLAS: the WebAssembly explainer in web/) runs the plain loops of
+// gemm_reference.
+//
+// Why oneDNN for float. It compiles its kernels at run time from the CPU's
+// feature bits (AVX2, AVX-512, AVX512_BF16, AMX), so a CPU newer than the
+// library still gets its vector width. OpenBLAS picks a hand-written kernel
+// from a list of known CPUs and falls back to a generic SSE3 one on any
+// other: Debian's 0.3.21 on Emerald Rapids ran sgemm at 42-64 GFLOP/s, at
+// most a fifth of MKL's (docs/performance.md, "GEMM").
+//
+// Threads. C is cut into tiles by its shape alone (gemm_tiles), and the
+// tiles run on the caller's OpenMP threads, each tile one single-threaded
+// library call over all of K. A tile's bits depend only on its own shape and
+// operands, so C is the same for any thread count, and the products share
+// the OpenMP pool with the attention kernels instead of starting a pool of
+// their own. (oneDNN's own threads may split K among themselves, and then
+// the sums depend on their number.) The price: each tile packs its own
+// slices of A and B, and oneDNN runs a little slower on a tile than on the
+// whole product. At most 16 tiles of at least 256×256 kept that loss to
+// about 7% of one core's GFLOP per CPU-second on the layer's products with
+// the AVX-512 kernels (Zen 4, one thread; 32 tiles of 128 and more lost 9%).
+// Its AVX2 kernels need larger tiles (gemm_min_tile): below about 526×526
+// oneDNN switches them to kernels that do not pack, which ran the layer's
+// long-K products at a third of the speed.
 #include "kernels/gemm/gemm.hpp"
 
 #ifndef ATTN_NO_BLAS
 #include <cblas.h>
+#include <omp.h>
+
+#include <oneapi/dnnl/dnnl.h>
+
+#include <atomic>
+#include <stdexcept>
+#include <string>
 #endif
 
-#include <type_traits>
+#include <algorithm>
 
 namespace attn::detail {
 
@@ -28,38 +58,130 @@ void gemm_reference(GemmShape s, bool ta, const T* A, int64_t lda, bool tb, cons
     }
 }
 
-template <class T>
-void gemm(GemmShape s, bool ta, const T* A, int64_t lda, bool tb, const T* B, int64_t ldb, T* C,
-          int64_t ldc, T alpha, T beta) {
-  if (s.M == 0 || s.N == 0) return;
-#ifdef ATTN_NO_BLAS
-  return gemm_reference(s, ta, A, lda, tb, B, ldb, C, ldc, alpha, beta);
-#else
-  if (s.K == 0) return gemm_reference(s, ta, A, lda, tb, B, ldb, C, ldc, alpha, beta);
-  const auto op_a = ta ? CblasTrans : CblasNoTrans, op_b = tb ? CblasTrans : CblasNoTrans;
-  if constexpr (std::is_same_v<T, float>)
-    cblas_sgemm(CblasRowMajor, op_a, op_b, int(s.M), int(s.N), int(s.K), alpha, A, int(lda), B,
-                int(ldb), beta, C, int(ldc));
-  else
-    cblas_dgemm(CblasRowMajor, op_a, op_b, int(s.M), int(s.N), int(s.K), alpha, A, int(lda), B,
-                int(ldb), beta, C, int(ldc));
-#endif
+GemmTiles gemm_tiles(GemmShape s, int64_t min_tile) {
+  constexpr int64_t kMaxTiles = 16;          // enough to balance a few threads
+  constexpr double kMinTileFlops = 1 << 24;  // ~0.1 ms on one core: the call's set-up is noise
+  constexpr int64_t kAlign = 16;             // sides stay multiples of the micro-kernels' widths
+  const auto half = [](int64_t side) { return ((side + 1) / 2 + kAlign - 1) / kAlign * kAlign; };
+  // 1/rows + 1/cols <= 2/min_tile, and each side really smaller than before.
+  const auto fits = [&](GemmTiles t, GemmTiles was) {
+    return (t.rows < was.rows || t.cols < was.cols) &&
+           double(min_tile) * double(t.rows + t.cols) <= 2.0 * double(t.rows) * double(t.cols);
+  };
+  GemmTiles t{std::max<int64_t>(s.M, 1), std::max<int64_t>(s.N, 1)};
+  const double flops = 2.0 * double(s.M) * double(s.N) * double(s.K);
+  for (;;) {
+    const int64_t n = t.count(s);
+    if (n * 2 > kMaxTiles || flops / double(n * 2) < kMinTileFlops) return t;
+    // Halve the longer side if the tile stays large enough, else the shorter.
+    GemmTiles longer = t, shorter = t;
+    if (t.rows >= t.cols)
+      longer.rows = half(t.rows), shorter.cols = half(t.cols);
+    else
+      longer.cols = half(t.cols), shorter.rows = half(t.rows);
+    if (fits(longer, t))
+      t = longer;
+    else if (fits(shorter, t))
+      t = shorter;
+    else
+      return t;
+  }
 }
 
 #ifdef ATTN_NO_BLAS
-ScopedBlasThreads::ScopedBlasThreads(int threads) : saved_(threads) {}
-ScopedBlasThreads::~ScopedBlasThreads() { (void)saved_; }  // no BLAS threads to restore
-#else
-ScopedBlasThreads::ScopedBlasThreads(int threads) : saved_(openblas_get_num_threads()) {
-  openblas_set_num_threads(threads);
+
+template <class T>
+void gemm(GemmShape s, bool ta, const T* A, int64_t lda, bool tb, const T* B, int64_t ldb, T* C,
+          int64_t ldc, T alpha, T beta, int /*threads: one in the browser*/) {
+  gemm_reference(s, ta, A, lda, tb, B, ldb, C, ldc, alpha, beta);
 }
-ScopedBlasThreads::~ScopedBlasThreads() { openblas_set_num_threads(saved_); }
+
+int64_t gemm_min_tile() { return 256; }  // unused: one thread
+
+const char* gemm_backend_description() { return "the plain loops (ATTN_NO_BLAS)"; }
+
+#else
+
+namespace {
+
+// One tile on the calling thread alone (its OpenMP default is 1 here, and
+// both libraries size their thread teams from it). Returns false when the
+// library refused the arguments.
+bool tile(GemmShape s, bool ta, const float* A, int64_t lda, bool tb, const float* B, int64_t ldb,
+          float* C, int64_t ldc, float alpha, float beta) {
+  return dnnl_sgemm(ta ? 'T' : 'N', tb ? 'T' : 'N', s.M, s.N, s.K, alpha, A, lda, B, ldb, beta, C,
+                    ldc) == dnnl_success;
+}
+
+bool tile(GemmShape s, bool ta, const double* A, int64_t lda, bool tb, const double* B, int64_t ldb,
+          double* C, int64_t ldc, double alpha, double beta) {
+  cblas_dgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, int(s.M),
+              int(s.N), int(s.K), alpha, A, int(lda), B, int(ldb), beta, C, int(ldc));
+  return true;
+}
+
+const char* isa_name(dnnl_cpu_isa_t isa) {
+  switch (isa) {
+    case dnnl_cpu_isa_sse41: return "sse41";
+    case dnnl_cpu_isa_avx: return "avx";
+    case dnnl_cpu_isa_avx2: return "avx2";
+    case dnnl_cpu_isa_avx2_vnni: return "avx2_vnni";
+    case dnnl_cpu_isa_avx512_core: return "avx512_core";
+    case dnnl_cpu_isa_avx512_core_vnni: return "avx512_core_vnni";
+    case dnnl_cpu_isa_avx512_core_bf16: return "avx512_core_bf16";
+    case dnnl_cpu_isa_avx512_core_amx: return "avx512_core_amx";
+    default: return "other";
+  }
+}
+
+}  // namespace
+
+template <class T>
+void gemm(GemmShape s, bool ta, const T* A, int64_t lda, bool tb, const T* B, int64_t ldb, T* C,
+          int64_t ldc, T alpha, T beta, int threads) {
+  if (s.M == 0 || s.N == 0) return;
+  if (s.K == 0) return gemm_reference(s, ta, A, lda, tb, B, ldb, C, ldc, alpha, beta);  // C = beta·C
+  const GemmTiles t = gemm_tiles(s, gemm_min_tile());
+  const int64_t across = (s.N + t.cols - 1) / t.cols, n = t.count(s);
+  const int team = int(std::min<int64_t>(n, threads > 0 ? threads : omp_get_max_threads()));
+  std::atomic<bool> refused{false};
+#pragma omp parallel num_threads(team) if (team > 1)
+  {
+    omp_set_num_threads(1);  // the libraries' own teams: this thread alone
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t r = i / across * t.rows, c = i % across * t.cols;
+      const GemmShape part{std::min(t.rows, s.M - r), std::min(t.cols, s.N - c), s.K};
+      // op(A)'s rows r.. and op(B)'s columns c.. give C's tile at (r, c).
+      if (!tile(part, ta, A + (ta ? r : r * lda), lda, tb, B + (tb ? c * ldb : c), ldb, C + r * ldc + c, ldc,
+                alpha, beta))
+        refused = true;
+    }
+  }
+  if (refused) throw std::logic_error("detail::gemm: the library refused a product's arguments");
+}
+
+int64_t gemm_min_tile() {
+  static const int64_t side =
+      (dnnl_get_effective_cpu_isa() & dnnl_cpu_isa_avx512_core) == dnnl_cpu_isa_avx512_core ? 256 : 640;
+  return side;
+}
+
+const char* gemm_backend_description() {
+  static const std::string d = [] {
+    const dnnl_version_t* v = dnnl_version();
+    return "oneDNN " + std::to_string(v->major) + "." + std::to_string(v->minor) + "." +
+           std::to_string(v->patch) + " sgemm, ISA " + isa_name(dnnl_get_effective_cpu_isa());
+  }();
+  return d.c_str();
+}
+
 #endif
 
 template void gemm<float>(GemmShape, bool, const float*, int64_t, bool, const float*, int64_t,
-                          float*, int64_t, float, float);
+                          float*, int64_t, float, float, int);
 template void gemm<double>(GemmShape, bool, const double*, int64_t, bool, const double*, int64_t,
-                           double*, int64_t, double, double);
+                           double*, int64_t, double, double, int);
 template void gemm_reference<float>(GemmShape, bool, const float*, int64_t, bool, const float*,
                                     int64_t, float*, int64_t, float, float);
 template void gemm_reference<double>(GemmShape, bool, const double*, int64_t, bool, const double*,

@@ -1,5 +1,5 @@
-// Internal: row-major matrix products with named parameters, backed by BLAS
-// (OpenBLAS). No column-major argument juggling leaks out of this file.
+// Internal: row-major matrix products with named parameters. No column-major
+// argument juggling leaks out of kernels/gemm/.
 #pragma once
 
 #include <cstddef>
@@ -12,18 +12,43 @@ namespace attn::detail {
 //   op(A) is A[M×K] (lda >= K), or A stored [K×M] and transposed (lda >= M).
 //   op(B) is B[K×N] (ldb >= N), or B stored [N×K] and transposed (ldb >= K).
 // beta = 0 overwrites C (its old contents may be uninitialised).
+// `threads` OpenMP threads (0: the caller's OpenMP default) run the tiles of
+// gemm_tiles; C's bits depend on the shape (and the CPU), never on `threads`.
 struct GemmShape {
   int64_t M, N, K;
 };
 template <class T>
 void gemm(GemmShape s, bool transpose_a, const T* A, int64_t lda, bool transpose_b, const T* B,
-          int64_t ldb, T* C, int64_t ldc, T alpha = T(1), T beta = T(0));
+          int64_t ldb, T* C, int64_t ldc, T alpha = T(1), T beta = T(0), int threads = 0);
 
-// Plain triple loop with the same signature: the reference the BLAS path is
-// tested against, and the fallback for tiny shapes.
+// Plain triple loop with the same signature (less the threads), summing in
+// double: the reference gemm is tested against, and the portable build's
+// GEMM (ATTN_NO_BLAS).
 template <class T>
 void gemm_reference(GemmShape s, bool transpose_a, const T* A, int64_t lda, bool transpose_b,
                     const T* B, int64_t ldb, T* C, int64_t ldc, T alpha = T(1), T beta = T(0));
+
+// How gemm cuts C into tiles: `rows` × `cols` blocks (the last ones in each
+// direction smaller), each one an independent single-threaded product over
+// all of K. Chosen from the shape and the CPU's `min_tile`, never from the
+// thread count, so the thread count cannot change a bit of C. A side is
+// halved (to a multiple of 16) while there are fewer than 16 tiles, each
+// keeps at least 2^24 FLOPs, and each stays as large as a min_tile square in
+// the sense 1/rows + 1/cols <= 2/min_tile; small products are one tile.
+struct GemmTiles {
+  int64_t rows, cols;
+  int64_t count(GemmShape s) const { return ((s.M + rows - 1) / rows) * ((s.N + cols - 1) / cols); }
+};
+GemmTiles gemm_tiles(GemmShape s, int64_t min_tile);
+// The smallest tile (as a square's side) the float library computes at full
+// speed on this CPU: 256 with oneDNN's AVX-512 kernels, 640 otherwise (its
+// AVX2 sgemm turns to kernels without packing once 1/rows + 1/cols reaches
+// 0.0038, and those ran at a third of the speed on the layer's long-K tiles).
+int64_t gemm_min_tile();
+
+// What runs the float products, for the benchmarks' headers: the library,
+// its version and the instruction set it chose for this CPU at run time.
+const char* gemm_backend_description();
 
 // db[j] += Σ_i C[i, j] for a row-major C (m, n) with leading dimension
 // ldc, accumulated in double: the bias gradient of a linear map.
@@ -34,22 +59,5 @@ void add_column_sums(const T* C, int64_t m, int64_t n, int64_t ldc, T* db) {
     for (int64_t j = 0; j < n; ++j) s[std::size_t(j)] += double(C[i * ldc + j]);
   for (int64_t j = 0; j < n; ++j) db[j] += T(s[std::size_t(j)]);
 }
-
-// Sets OpenBLAS's own thread count for the object's lifetime and restores
-// the previous count afterwards. The training loop's products are small,
-// and OpenBLAS's worker threads then only compete for the cores with the
-// OpenMP threads the rest of attn uses (on the 2-core development machine
-// `attn train --task recall` ran 4x slower with both pools active). The
-// setting is process-wide: other threads' BLAS calls see it too.
-class ScopedBlasThreads {
- public:
-  explicit ScopedBlasThreads(int threads);
-  ~ScopedBlasThreads();
-  ScopedBlasThreads(const ScopedBlasThreads&) = delete;
-  ScopedBlasThreads& operator=(const ScopedBlasThreads&) = delete;
-
- private:
-  int saved_;
-};
 
 }  // namespace attn::detail
