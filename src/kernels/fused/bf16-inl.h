@@ -48,10 +48,7 @@ HWY_INLINE void PairKernel(int64_t K, const float* HWY_RESTRICT A, int64_t lda, 
   const DU du;
   const size_t N = hn::Lanes(d);
   VF acc[R][NV];
-#pragma GCC unroll 16
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 16
-    for (int v = 0; v < NV; ++v) acc[r][v] = accumulate ? hn::LoadU(d, C + r * ldc + int64_t(v * N)) : hn::Zero(d);
+  StartTile(acc, C, ldc, accumulate);
   const VU high = hn::Set(du, 0xFFFF0000u);
   for (int64_t k = 0; k < K; k += 2) {
     VF even[NV], odd[NV];  // the pairs' first and second elements as float32

@@ -42,6 +42,17 @@ constexpr int kNV = 2;
 static_assert(kRowMultiple % kMR == 0, "the plan's k_block must be a whole number of micro-kernel rows");
 
 
+// A register tile's accumulators: C[R × NV·lanes] (accumulate) or zero.
+template <int R, int NV>
+HWY_INLINE void StartTile(VF (&acc)[R][NV], const float* HWY_RESTRICT C, int64_t ldc, bool accumulate) {
+  const DF d;
+  const size_t N = hn::Lanes(d);
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
+    for (int v = 0; v < NV; ++v) acc[r][v] = accumulate ? hn::LoadU(d, C + r * ldc + int64_t(v * N)) : hn::Zero(d);
+}
+
 // C[MR × NV·lanes] (+)= A[MR × K] · B[K × NV·lanes]; A(r, k) = A[r·ars + k·aks].
 template <int MR, int NV>
 HWY_INLINE void MicroKernel(int64_t K, const float* HWY_RESTRICT A, int64_t ars, int64_t aks,
@@ -50,11 +61,7 @@ HWY_INLINE void MicroKernel(int64_t K, const float* HWY_RESTRICT A, int64_t ars,
   const DF d;
   const size_t N = hn::Lanes(d);
   VF acc[MR][NV];
-#pragma GCC unroll 16
-  for (int r = 0; r < MR; ++r)
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v)
-      acc[r][v] = accumulate ? hn::LoadU(d, C + r * ldc + int64_t(v * N)) : hn::Zero(d);
+  StartTile(acc, C, ldc, accumulate);
   // Row r of A is read at a[r / 4][off[r % 4]]: one pointer per four rows,
   // moved by aks per k, and three offsets. Twelve row pointers (or twelve
   // offsets r·ars) would not fit in x86's 16 general registers beside the
