@@ -9,6 +9,7 @@
 #include <string>
 
 #include "kernels/decode/decode.hpp"
+#include "kernels/fused/bf16.hpp"
 #include "validate.hpp"
 
 #include <cmath>
@@ -61,13 +62,7 @@ float16_t::operator float() const {
 
 // bfloat16: the top 16 bits of a float.
 template <>
-bfloat16_t::Half16(float x) {
-  const uint32_t b = bits_of(x);
-  if (std::isnan(x))
-    bits = uint16_t((b >> 16) | 0x0040u);  // stays a (quiet) NaN
-  else
-    bits = uint16_t((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);  // round to nearest even
-}
+bfloat16_t::Half16(float x) : bits(detail::bf16_round(bits_of(x))) {}  // nearest even, NaN stays NaN
 
 template <>
 bfloat16_t::operator float() const {

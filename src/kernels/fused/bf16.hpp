@@ -80,17 +80,22 @@ struct Bf16Kernel {
 };
 Bf16Kernel bf16_kernel(Bf16Path path);
 
-// The bfloat16 bits of an operand (see "Rounding" above): attn/half.hpp's
-// rounding (bfloat16_t(x)), with subnormals to zero.
+// float32 bits b to bfloat16 bits: nearest even (±∞ beyond the range), NaN
+// stays a quiet NaN. bfloat16_t(x) (src/half.cpp) is this.
 // (Selects rather than branches, so that loops of it vectorise.)
+inline uint16_t bf16_round(uint32_t b) {
+  const uint32_t nearest = (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
+  const uint32_t nan = (b >> 16) | 0x0040u;
+  return uint16_t((b & 0x7FFFFFFFu) > 0x7F800000u ? nan : nearest);
+}
+
+// The bfloat16 bits of an operand (see "Rounding" above): bf16_round, with
+// subnormals to signed zero.
 inline uint16_t bf16_operand(float x) {
   uint32_t b;
   std::memcpy(&b, &x, 4);
-  const uint32_t nearest = (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;  // nearest even (±∞ beyond the range)
-  const uint32_t nan = (b >> 16) | 0x0040u;                          // NaN stays a quiet NaN
-  const uint32_t zero = (b >> 16) & 0x8000u;                         // zero or subnormal: signed zero
-  const uint32_t r = (b & 0x7FFFFFFFu) > 0x7F800000u ? nan : nearest;
-  return uint16_t((b & 0x7F800000u) == 0 ? zero : r);
+  const uint32_t zero = (b >> 16) & 0x8000u;
+  return (b & 0x7F800000u) == 0 ? uint16_t(zero) : bf16_round(b);
 }
 inline float bf16_value(uint16_t bits) {
   const uint32_t b = uint32_t(bits) << 16;
