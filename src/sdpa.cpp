@@ -196,20 +196,19 @@ void backward(const Checker& c, const ProblemFor<T>& p, const SdpaArgs<T>& args,
               const SdpaSaved<T>& saved, const SdpaGrads<T>& g, const SdpaOptions& opt) {
   if constexpr (std::is_same_v<T, float>) {
     if (choose<T>(c, opt) == Backend::fused && !detail::scores_may_overflow(args.q, args.k, p.E, p.rules.scale)) {
+      // bfloat16 products, as the forward's (which recomputes the saved
+      // state when it is missing, so the bits are the same either way).
+      if (p.bf16_products && (p.dropout.on() || !detail::decode_suits_dense(p)))
+        return detail::fused_backward_bf16(p, args, dout, g, saved.out, saved.lse, detail::bf16_best_path());
       // The fused backward uses the forward's out and lse. Without them it
       // would recompute them with its own forward; a call with few query
       // rows runs the decode kernel forward instead, whose last bits differ.
       // So the missing ones come from the forward this call's forward runs,
       // and the gradients are the same bits with the saved state or without.
-      // The same holds for the forward with bfloat16 products, whose saved
-      // state the float32 backward then reads.
-      if ((saved.out.empty() || saved.lse.empty()) && (detail::decode_suits_dense(p) || p.bf16_products)) {
+      if ((saved.out.empty() || saved.lse.empty()) && detail::decode_suits_dense(p)) {
         auto o = Tensor<float>::uninitialized({p.B, p.H, p.L, p.Ev});
         auto l = Tensor<float>::uninitialized({p.B, p.H, p.L});
-        if (detail::decode_suits_dense(p))
-          detail::decode_forward_dense(p, args, o.view4(), l.template view<3>());
-        else
-          detail::fused_forward_bf16(p, args, o.view4(), {}, l.template view<3>(), detail::bf16_best_path());
+        detail::decode_forward_dense(p, args, o.view4(), l.template view<3>());
         return detail::fused_backward(p, args, dout, g, saved.out.empty() ? View4<const float>(o.view4()) : saved.out,
                                       saved.lse.empty() ? View3<const float>(l.template view<3>()) : saved.lse);
       }

@@ -122,17 +122,18 @@ struct SdpaOptions {
   double dropout_p = 0;
   uint64_t dropout_seed = 0;
   uint64_t dropout_offset = 0;
-  // The arithmetic of the two products, Q·Kᵀ and P·V (docs/fused.md,
-  // "bfloat16 compute"). float32: exact (float32 operands; float16 and
-  // bfloat16 inputs widened exactly). bfloat16: q, k, v and the
-  // probabilities rounded to bfloat16 for the products, sums in float32, the
-  // softmax, lse and every output float32 (PyTorch's and FlashAttention's
+  // The arithmetic of the products: the forward's Q·Kᵀ and P·V, the
+  // backward's (docs/fused.md, "bfloat16 compute"). float32: exact (float32
+  // operands; float16 and bfloat16 inputs widened exactly). bfloat16: q, k,
+  // v and the probabilities rounded to bfloat16 for the products, sums in
+  // float32, the softmax, lse and every output float32; the backward rounds
+  // dout, P and dS (= P∘(dP − D), computed in float32) for its products and
+  // keeps every gradient sum in float32 (PyTorch's and FlashAttention's
   // bfloat16 arithmetic; several times faster where the CPU has bfloat16
   // dot products: AVX512_BF16, AMX). Unset: bfloat16 for bfloat16 q, k, v,
-  // float32 otherwise. It shapes the fused forward's products; the
-  // backward's arithmetic stays float32 (on the saved state of the
-  // bfloat16 forward), and calls with few query rows (the decode kernel,
-  // bound by memory rather than by products) compute exactly. Only float32
+  // float32 otherwise. It shapes the fused kernels' products; calls with few
+  // query rows (the decode kernel, bound by memory rather than by products)
+  // compute exactly, forward and backward. Only float32
   // and bfloat16; bfloat16 is refused with double inputs and with the
   // reference backend.
   std::optional<Dtype> compute_dtype;

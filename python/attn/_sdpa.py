@@ -343,8 +343,9 @@ def scaled_dot_product_attention_backward(grad_output, query, key, value, attn_m
     output and lse, the forward's result and log-sum-exp, may be passed to save the
     fused backend recomputing them. check_finite also refuses NaN/Inf in grad_output.
     With dropout_p > 0, dropout_seed and dropout_offset must be the forward's; so must
-    compute_dtype (with bfloat16 products the gradients are float32 arithmetic on the
-    forward's output and lse, recomputed by that forward when not passed).
+    compute_dtype (with bfloat16 products the backward's products take bfloat16 operands
+    too, grad_output, the probabilities and their gradients rounded, sums in float32;
+    output and lse are that forward's, recomputed by it when not passed).
     """
     p = _plan(_BWD, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend)
     var = _variants(_BWD, p, window_size, alibi_slopes, softcap, sinks, position_offset, chunk_size)

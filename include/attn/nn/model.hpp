@@ -28,11 +28,10 @@ namespace attn::nn {
 
 // The arithmetic of training and evaluation. fp32: float32 throughout. bf16
 // (mixed precision): the parameters, their gradients and the optimizer
-// state stay float32, and every attention call computes its two products
-// (Q·Kᵀ, P·V) with bfloat16 operands summed in float32
-// (SdpaOptions::compute_dtype = bfloat16; its backward is float32 on the
-// bfloat16 forward's saved state). The GEMMs of the projections, the MLP
-// and the head stay float32.
+// state stay float32, and every attention call computes its products
+// (Q·Kᵀ, P·V, and the backward's) with bfloat16 operands summed in float32
+// (SdpaOptions::compute_dtype = bfloat16). The GEMMs of the projections,
+// the MLP and the head stay float32.
 enum class Precision { fp32, bf16 };
 const char* precision_name(Precision p);
 Precision parse_precision(const std::string& name);  // throws attn::InvalidArgument

@@ -46,7 +46,7 @@
 // their order, −∞ outside the band and where the mask or the bias hides a
 // key). They sit next to each other in scores-inl.h, with the packing of the
 // operands; a new rule on scores goes into score_rules.hpp and the pipeline
-// (and its derivative into BackwardTile's
+// (and its derivative into BackwardTileT's
 // dS). Which key blocks a unit
 // visits at all comes from the band (score_rules.hpp, via common.hpp).
 //
@@ -329,39 +329,99 @@ void PackKeyBlock(const FusedCall& c, BackwardScratch& w, int64_t b, int64_t hk,
   }
 }
 
+// Writes the dK/dV accumulators of a key block (zero where nothing reached).
+void StoreKeyGrads(const FusedCall& c, BackwardScratch& w, const SdpaGrads<float>& g, int64_t b, int64_t hk,
+                   int64_t j0, int64_t nk) {
+  const Problem& p = *c.p;
+  for (int64_t jj = 0; jj < nk; ++jj) {
+    float* dk = &g.dk(b, hk, j0 + jj, 0);
+    float* dv = &g.dv(b, hk, j0 + jj, 0);
+    const float* sk = w.dk + jj * w.Ep;
+    const float* sv = w.dv + jj * w.Evp;
+    for (int64_t e = 0; e < p.E; ++e) dk[e * g.dk.strides[3]] = sk[e];
+    for (int64_t e = 0; e < p.Ev; ++e) dv[e * g.dv.strides[3]] = sv[e];
+  }
+}
+
+// The float32 products of the backward (exact), on the packed blocks of
+// BackwardScratch: S = (scale·Q)·Kᵀ (ScoreTile), dP = dY·Vᵀ, dV += Pᵀ·dY,
+// dK += dUᵀ·(scale·Q), dQ += dU·K. The bfloat16 ones (bf16-inl.h) have the
+// same members.
+struct Float32BackwardProducts {
+  const FusedCall& c;
+  BackwardScratch& w;
+
+  // The padded width of a tile's nk keys.
+  int64_t width(int64_t nk) const { return round_up(nk, Lanes()); }
+  void pack_keys(int64_t b, int64_t hk, int64_t j0, int64_t nk, bool rows) {
+    PackKeyBlock(c, w, b, hk, j0, nk, rows);
+  }
+  void pack_queries(int64_t b, int64_t h, int64_t i0, int64_t nr, const View4<const float>& dout,
+                    const View4<const float>& out, const View3<const float>& lse) {
+    PackQueryBlock(c, w, b, h, i0, nr, dout, out, lse);
+  }
+  // w.s = the tile's scores through the score pipeline.
+  void scores(int64_t b, int64_t h, int64_t i0, int64_t nr, int64_t j0, int64_t nk, int64_t nkp, TileOrigin at) {
+    ScoreTile(c, w, b, h, i0, nr, j0, nk, nkp, at);
+  }
+  // w.dp = dY·Vᵀ
+  void dp(int64_t nr, int64_t nkp, TileOrigin at) {
+    Gemm(nr, nkp, c.p->Ev, w.dy + at.row * w.Evp, w.Evp, 1, w.vt + at.key, w.kbp, w.dp, w.kbp, false);
+  }
+  // dV += (P∘m)ᵀ·dY ; dK += dUᵀ·(scale·Q)
+  void dkdv(int64_t nr, int64_t nk, int64_t, TileOrigin at) {
+    const float* dy = w.dy + at.row * w.Evp;
+    Gemm(nk, w.Evp, nr, w.s, 1, w.kbp, dy, w.Evp, w.dv + at.key * w.Evp, w.Evp, true);
+    Gemm(nk, w.Ep, nr, w.dp, 1, w.kbp, w.q + at.row * w.Ep, w.Ep, w.dk + at.key * w.Ep, w.Ep, true);
+  }
+  // dQ += dU·K (the scale is applied when written out)
+  void dq(int64_t nr, int64_t nk, int64_t, TileOrigin at) {
+    Gemm(nr, w.Ep, nk, w.dp, w.kbp, 1, w.kr + at.key * w.Ep, w.Ep, w.dq + at.row * w.Ep, w.Ep, true);
+  }
+  void zero_key_grads() {
+    std::fill(w.dk, w.dk + w.kb * w.Ep, 0.0f);
+    std::fill(w.dv, w.dv + w.kb * w.Evp, 0.0f);
+  }
+  void store_key_grads(const SdpaGrads<float>& g, int64_t b, int64_t hk, int64_t j0, int64_t nk) const {
+    StoreKeyGrads(c, w, g, b, hk, j0, nk);
+  }
+  void zero_dq(int64_t nr) { std::fill(w.dq, w.dq + nr * w.Ep, 0.0f); }
+  // Row r of the dQ accumulator (unscaled).
+  const float* dq_row(int64_t r) const { return w.dq + r * w.Ep; }
+};
+
 // One tile of the backward, rows i0..i0+nr × keys j0..j0+nk, lying at `at`
 // in the packed query and key blocks (dS is left at w.dp's origin; the
-// accumulators are written at the tile's rows and keys).
-void BackwardTile(const FusedCall& c, BackwardScratch& w, int64_t b, int64_t h, int64_t i0, int64_t nr,
-                  int64_t j0, int64_t nk, TileJobs jobs, TileOrigin at = {}) {
+// accumulators are written at the tile's rows and keys); `pr` does the
+// products (Float32BackwardProducts, or the bfloat16 ones of bf16-inl.h).
+template <class Products>
+void BackwardTileT(const FusedCall& c, Products& pr, BackwardScratch& w, int64_t b, int64_t h, int64_t i0,
+                   int64_t nr, int64_t j0, int64_t nk, TileJobs jobs, TileOrigin at = {}) {
   const Problem& p = *c.p;
-  const int64_t lanes = int64_t(hn::Lanes(DF())), nkp = round_up(nk, lanes);
+  const int64_t nkp = pr.width(nk);
   const DF d;
-  const float* q = w.q + at.row * w.Ep;
-  const float* dy = w.dy + at.row * w.Evp;
   const float* lse = w.lse + at.row;
   const float* D = w.D + at.row;
   const uint8_t* poisoned = w.poisoned + at.row;
-  ScoreTile(c, w, b, h, i0, nr, j0, nk, nkp, at);
+  pr.scores(b, h, i0, nr, j0, nk, nkp, at);
   for (int64_t r = 0; r < nr; ++r) ProbRow(w.s + r * w.kbp, nkp, lse[r], poisoned[r]);  // P
-  // dP = dY·Vᵀ
-  Gemm(nr, nkp, p.Ev, dy, w.Evp, 1, w.vt + at.key, w.kbp, w.dp, w.kbp, false);
+  pr.dp(nr, nkp, at);  // dP = dY·Vᵀ
   for (int64_t r = 0; r < nr; ++r) {
     float* dpr = w.dp + r * w.kbp;
-    float* pr = w.s + r * w.kbp;
+    float* pr_ = w.s + r * w.kbp;
     const VF Dr = hn::Set(d, D[r]);
     if (p.dropout.on()) {  // dP ∘ m, and P ∘ m for dV once dS is formed
       std::fill(w.keep + nk, w.keep + nkp, 0.0f);
       p.dropout.factors(b, p.H, h, i0 + r, j0, nk, w.keep);
       for (int64_t j = 0; j < nkp; j += int64_t(hn::Lanes(d))) {
-        const VF m = hn::Load(d, w.keep + j), pj = hn::Load(d, pr + j);
+        const VF m = hn::Load(d, w.keep + j), pj = hn::Load(d, pr_ + j);
         hn::Store(hn::Mul(pj, hn::Sub(hn::Mul(hn::Load(d, dpr + j), m), Dr)), d, dpr + j);  // dS = P∘(dP∘m − D)
-        hn::Store(hn::Mul(pj, m), d, pr + j);
+        hn::Store(hn::Mul(pj, m), d, pr_ + j);
       }
       continue;
     }
     for (int64_t j = 0; j < nkp; j += int64_t(hn::Lanes(d)))  // dS = P∘(dP − D)
-      hn::Store(hn::Mul(hn::Load(d, pr + j), hn::Sub(hn::Load(d, dpr + j), Dr)), d, dpr + j);
+      hn::Store(hn::Mul(hn::Load(d, pr_ + j), hn::Sub(hn::Load(d, dpr + j), Dr)), d, dpr + j);
   }
   if (p.rules.capped() && (jobs.dkdv || jobs.dq))  // dU = dS ∘ ∂s/∂u (the dbias pass keeps dS)
     for (int64_t r = 0; r < nr; ++r) {
@@ -370,13 +430,8 @@ void BackwardTile(const FusedCall& c, BackwardScratch& w, int64_t b, int64_t h, 
       for (int64_t j = 0; j < nkp; j += int64_t(hn::Lanes(d)))
         hn::Store(hn::Mul(hn::Load(d, dpr + j), hn::Load(d, gr + j)), d, dpr + j);
     }
-  if (jobs.dkdv) {
-    // dV += (P∘m)ᵀ·dY ; dK += dUᵀ·(scale·Q)
-    Gemm(nk, w.Evp, nr, w.s, 1, w.kbp, dy, w.Evp, w.dv + at.key * w.Evp, w.Evp, true);
-    Gemm(nk, w.Ep, nr, w.dp, 1, w.kbp, q, w.Ep, w.dk + at.key * w.Ep, w.Ep, true);
-  }
-  if (jobs.dq)  // dQ += dU·K (the scale is applied when written out)
-    Gemm(nr, w.Ep, nk, w.dp, w.kbp, 1, w.kr + at.key * w.Ep, w.Ep, w.dq + at.row * w.Ep, w.Ep, true);
+  if (jobs.dkdv) pr.dkdv(nr, nk, nkp, at);  // dV += (P∘m)ᵀ·dY ; dK += dUᵀ·(scale·Q)
+  if (jobs.dq) pr.dq(nr, nk, nkp, at);      // dQ += dU·K (the scale is applied when written out)
 }
 
 // A tile cut to its bounding box under the band: the rows [i0, i0 + nr) that
@@ -396,36 +451,21 @@ TileBox BandBox(const rules::Band& band, int64_t i0, int64_t nr, int64_t j0, int
   return {r0, r1 - r0, first, hi - first};
 }
 
-// Writes the dK/dV accumulators of a key block (zero where nothing reached).
-void StoreKeyGrads(const FusedCall& c, BackwardScratch& w, const SdpaGrads<float>& g, int64_t b, int64_t hk,
-                   int64_t j0, int64_t nk) {
-  const Problem& p = *c.p;
-  for (int64_t jj = 0; jj < nk; ++jj) {
-    float* dk = &g.dk(b, hk, j0 + jj, 0);
-    float* dv = &g.dv(b, hk, j0 + jj, 0);
-    const float* sk = w.dk + jj * w.Ep;
-    const float* sv = w.dv + jj * w.Evp;
-    for (int64_t e = 0; e < p.E; ++e) dk[e * g.dk.strides[3]] = sk[e];
-    for (int64_t e = 0; e < p.Ev; ++e) dv[e * g.dv.strides[3]] = sv[e];
-  }
-}
-
 // dK/dV of one key block of (b, hk), summed over the query heads of the group
 // and all query blocks in order. With `dq_into_output`, also adds each tile's
 // scale·dS·K into g.dq (which the caller zeroed and owns for this (b, hk)).
-void KeyBlockUnit(const FusedCall& c, BackwardScratch& w, const SdpaGrads<float>& g,
-                  const View4<const float>& dout, const View4<const float>& out,
-                  const View3<const float>& lse, int64_t b, int64_t hk, int64_t j0,
-                  bool dq_into_output) {
+template <class Products>
+void KeyBlockUnitT(const FusedCall& c, Products& pr, BackwardScratch& w, const SdpaGrads<float>& g,
+                   const View4<const float>& dout, const View4<const float>& out, const View3<const float>& lse,
+                   int64_t b, int64_t hk, int64_t j0, bool dq_into_output) {
   const Problem& p = *c.p;
   const int64_t nk = std::min(w.kb, p.S - j0);
-  std::fill(w.dk, w.dk + w.kb * w.Ep, 0.0f);
-  std::fill(w.dv, w.dv + w.kb * w.Evp, 0.0f);
+  pr.zero_key_grads();
   // The query rows that see some key of the block: [r0, r1) (band rule).
   const rules::Band band = band_of(c, b);
   const auto [r0, r1] = band.rows_seeing(j0, j0 + nk, 0, p.L);
   if (r0 < r1) {
-    PackKeyBlock(c, w, b, hk, j0, nk, dq_into_output);
+    pr.pack_keys(b, hk, j0, nk, dq_into_output);
     for (int64_t h = hk * p.group(); h < (hk + 1) * p.group(); ++h) {
       for (int64_t qbi = r0 / w.qb; qbi < ceil_div(r1, w.qb); ++qbi) {
         const int64_t q0 = qbi * w.qb;
@@ -433,57 +473,58 @@ void KeyBlockUnit(const FusedCall& c, BackwardScratch& w, const SdpaGrads<float>
         const TileBox box = BandBox(band, q0, std::min(w.qb, p.L - q0), j0, nk, Lanes());
         if (box.nr == 0) continue;
         const int64_t i0 = box.i0, nr = box.nr;
-        PackQueryBlock(c, w, b, h, i0, nr, dout, out, lse);
+        pr.pack_queries(b, h, i0, nr, dout, out, lse);
         TileJobs jobs;
         jobs.dkdv = true;
         jobs.dq = dq_into_output;
-        if (jobs.dq) std::fill(w.dq, w.dq + nr * w.Ep, 0.0f);
-        BackwardTile(c, w, b, h, i0, nr, box.j0, box.nk, jobs, {0, box.j0 - j0});
+        if (jobs.dq) pr.zero_dq(nr);
+        BackwardTileT(c, pr, w, b, h, i0, nr, box.j0, box.nk, jobs, {0, box.j0 - j0});
         if (jobs.dq) {
           for (int64_t r = 0; r < nr; ++r) {
             float* dst = &g.dq(b, h, i0 + r, 0);
-            const float* src = w.dq + r * w.Ep;
+            const float* src = pr.dq_row(r);
             for (int64_t e = 0; e < p.E; ++e) dst[e * g.dq.strides[3]] += c.scale * src[e];
           }
         }
       }
     }
   }
-  // dK = scale·dSᵀ·Q is already scaled through the packed (scaled) queries.
-  StoreKeyGrads(c, w, g, b, hk, j0, nk);
+  pr.store_key_grads(g, b, hk, j0, nk);  // dK = scale·dSᵀ·Q
 }
 
 // dQ of one query block: Σ over key blocks in order of scale·dS·K.
-void QueryBlockUnit(const FusedCall& c, BackwardScratch& w, const SdpaGrads<float>& g,
-                    const View4<const float>& dout, const View4<const float>& out,
-                    const View3<const float>& lse, int64_t b, int64_t h, int64_t i0, int64_t nr) {
+template <class Products>
+void QueryBlockUnitT(const FusedCall& c, Products& pr, BackwardScratch& w, const SdpaGrads<float>& g,
+                     const View4<const float>& dout, const View4<const float>& out, const View3<const float>& lse,
+                     int64_t b, int64_t h, int64_t i0, int64_t nr) {
   const Problem& p = *c.p;
   const int64_t hk = p.kv_head(h);
   const rules::Band band = band_of(c, b);
   const rules::Keys keys = band.keys_of_rows(i0, i0 + nr);
-  std::fill(w.dq, w.dq + nr * w.Ep, 0.0f);
-  PackQueryBlock(c, w, b, h, i0, nr, dout, out, lse);
+  pr.zero_dq(nr);
+  pr.pack_queries(b, h, i0, nr, dout, out, lse);
   for (int64_t j0 = keys.lo; j0 < keys.hi; j0 += w.kb) {
     // Only the tile's box is packed and computed (the band's edges).
     const TileBox box = BandBox(band, i0, nr, j0, std::min(w.kb, keys.hi - j0), 1);
     if (box.nr == 0) continue;
-    PackKeyBlock(c, w, b, hk, box.j0, box.nk, true);
+    pr.pack_keys(b, hk, box.j0, box.nk, true);
     TileJobs jobs;
     jobs.dq = true;
-    BackwardTile(c, w, b, h, box.i0, box.nr, box.j0, box.nk, jobs, {box.i0 - i0, 0});
+    BackwardTileT(c, pr, w, b, h, box.i0, box.nr, box.j0, box.nk, jobs, {box.i0 - i0, 0});
   }
   for (int64_t r = 0; r < nr; ++r) {
     float* dst = &g.dq(b, h, i0 + r, 0);
-    const float* src = w.dq + r * w.Ep;
+    const float* src = pr.dq_row(r);
     for (int64_t e = 0; e < p.E; ++e) dst[e * g.dq.strides[3]] = c.scale * src[e];
   }
 }
 
 // One tile of dbias: the element block owned by this unit, summed over all
 // (b, h, i, j) that broadcast onto it, in a fixed order.
-void DbiasUnit(const FusedCall& c, BackwardScratch& w, const SdpaGrads<float>& g,
-               const View4<const float>& dout, const View4<const float>& out,
-               const View3<const float>& lse, int64_t bb, int64_t bh, int64_t qbi, int64_t kbi) {
+template <class Products>
+void DbiasUnitT(const FusedCall& c, Products& pr, BackwardScratch& w, const SdpaGrads<float>& g,
+                const View4<const float>& dout, const View4<const float>& out, const View3<const float>& lse,
+                int64_t bb, int64_t bh, int64_t qbi, int64_t kbi) {
   const Problem& p = *c.p;
   const auto& db = g.dbias;
   const bool fullB = db.dim(0) == p.B && p.B > 1, fullH = db.dim(1) == p.H && p.H > 1;
@@ -502,11 +543,11 @@ void DbiasUnit(const FusedCall& c, BackwardScratch& w, const SdpaGrads<float>& g
         const rules::Keys keys = band_of(c, b).keys_of_rows(i0, i0 + nr);
         const int64_t j_lo = std::max(fullS ? tj0 : 0, keys.lo), j_hi = std::min(fullS ? tj0 + tnk : p.S, keys.hi);
         if (j_lo >= j_hi) continue;
-        PackQueryBlock(c, w, b, h, i0, nr, dout, out, lse);
+        pr.pack_queries(b, h, i0, nr, dout, out, lse);
         for (int64_t j0 = j_lo; j0 < j_hi; j0 += w.kb) {
           const int64_t nk = std::min(w.kb, j_hi - j0);
-          PackKeyBlock(c, w, b, hk, j0, nk, false);
-          BackwardTile(c, w, b, h, i0, nr, j0, nk, TileJobs{});
+          pr.pack_keys(b, hk, j0, nk, false);
+          BackwardTileT(c, pr, w, b, h, i0, nr, j0, nk, TileJobs{});
           for (int64_t r = 0; r < nr; ++r) {
             const float* ds = w.dp + r * w.kbp;
             float* arow = acc + (fullL ? r : 0) * w.kbp;
@@ -526,14 +567,35 @@ void DbiasUnit(const FusedCall& c, BackwardScratch& w, const SdpaGrads<float>& g
 
 // The backward unit of plan.own_heads: all of (b, hk), dQ of the group's
 // heads accumulated in the output (zeroed here; no other unit touches it).
-void OwnedHeadUnit(const FusedCall& c, BackwardScratch& w, const SdpaGrads<float>& g,
-                   const View4<const float>& dout, const View4<const float>& out,
-                   const View3<const float>& lse, int64_t b, int64_t hk) {
+template <class Products>
+void OwnedHeadUnitT(const FusedCall& c, Products& pr, BackwardScratch& w, const SdpaGrads<float>& g,
+                    const View4<const float>& dout, const View4<const float>& out, const View3<const float>& lse,
+                    int64_t b, int64_t hk) {
   const Problem& p = *c.p;
   for (int64_t h = hk * p.group(); h < (hk + 1) * p.group(); ++h)
     for (int64_t i = 0; i < p.L; ++i)
       for (int64_t e = 0; e < p.E; ++e) g.dq(b, h, i, e) = 0.0f;
-  for (int64_t j0 = 0; j0 < p.S; j0 += w.kb) KeyBlockUnit(c, w, g, dout, out, lse, b, hk, j0, true);
+  for (int64_t j0 = 0; j0 < p.S; j0 += w.kb) KeyBlockUnitT(c, pr, w, g, dout, out, lse, b, hk, j0, true);
+}
+
+// The float32 units (the dense call's and the packed batch's).
+void KeyBlockUnit(const FusedCall& c, BackwardScratch& w, const SdpaGrads<float>& g,
+                  const View4<const float>& dout, const View4<const float>& out, const View3<const float>& lse,
+                  int64_t b, int64_t hk, int64_t j0, bool dq_into_output) {
+  Float32BackwardProducts pr{c, w};
+  KeyBlockUnitT(c, pr, w, g, dout, out, lse, b, hk, j0, dq_into_output);
+}
+void QueryBlockUnit(const FusedCall& c, BackwardScratch& w, const SdpaGrads<float>& g,
+                    const View4<const float>& dout, const View4<const float>& out, const View3<const float>& lse,
+                    int64_t b, int64_t h, int64_t i0, int64_t nr) {
+  Float32BackwardProducts pr{c, w};
+  QueryBlockUnitT(c, pr, w, g, dout, out, lse, b, h, i0, nr);
+}
+void OwnedHeadUnit(const FusedCall& c, BackwardScratch& w, const SdpaGrads<float>& g,
+                   const View4<const float>& dout, const View4<const float>& out, const View3<const float>& lse,
+                   int64_t b, int64_t hk) {
+  Float32BackwardProducts pr{c, w};
+  OwnedHeadUnitT(c, pr, w, g, dout, out, lse, b, hk);
 }
 
 // acc += d(sink_h) of one call: −Σ_{b,i} exp(sink_h − lse_i)·D_i with
@@ -550,31 +612,33 @@ void AddSinkGradient(const FusedCall& c, int64_t h, const View4<const float>& do
     }
 }
 
-void BackwardImpl(const Problem& p, const SdpaArgs<float>& a, View4<const float> dout,
-                  const SdpaGrads<float>& g, View4<const float> out, View3<const float> lse,
-                  FusedPlan t) {
-  std::vector<uint8_t> bad;
-  const FusedCall c = MakeCall(p, a, t, bad);
+// Every unit of a dense backward call, threads taking them dynamically;
+// make(w) gives a thread its products on its scratch w.
+template <class MakeProducts>
+void BackwardUnits(const FusedCall& c, const FusedPlan& t, View4<const float> dout, const SdpaGrads<float>& g,
+                   View4<const float> out, View3<const float> lse, MakeProducts make) {
+  const Problem& p = *c.p;
   const int64_t nkb = ceil_div(p.S, t.k_block), nqb = ceil_div(p.L, t.q_block);
 #pragma omp parallel num_threads(p.threads)
   {
     const FlushToZero ftz;  // common.hpp
     BackwardScratch w(p, t, Lanes());
+    auto pr = make(w);
     if (t.own_heads) {
 #pragma omp for schedule(dynamic, 1)
       for (int64_t u = 0; u < p.B * p.Hkv; ++u)
-        OwnedHeadUnit(c, w, g, dout, out, lse, u / p.Hkv, u % p.Hkv);
+        OwnedHeadUnitT(c, pr, w, g, dout, out, lse, u / p.Hkv, u % p.Hkv);
     } else {
 #pragma omp for schedule(dynamic, 1)
       for (int64_t u = 0; u < p.B * p.Hkv * nkb; ++u) {
         const int64_t kbi = u % nkb, hk = (u / nkb) % p.Hkv, b = u / (nkb * p.Hkv);
-        KeyBlockUnit(c, w, g, dout, out, lse, b, hk, kbi * t.k_block, false);
+        KeyBlockUnitT(c, pr, w, g, dout, out, lse, b, hk, kbi * t.k_block, false);
       }
 #pragma omp for schedule(dynamic, 1)
       for (int64_t u = 0; u < p.B * p.H * nqb; ++u) {
         const int64_t qbi = u % nqb, h = (u / nqb) % p.H, b = u / (nqb * p.H);
         const int64_t i0 = qbi * t.q_block;
-        QueryBlockUnit(c, w, g, dout, out, lse, b, h, i0, std::min(t.q_block, p.L - i0));
+        QueryBlockUnitT(c, pr, w, g, dout, out, lse, b, h, i0, std::min(t.q_block, p.L - i0));
       }
     }
     if (!g.dbias.empty()) {
@@ -586,7 +650,7 @@ void BackwardImpl(const Problem& p, const SdpaArgs<float>& a, View4<const float>
       for (int64_t u = 0; u < nb * nh * nq * nks; ++u) {
         const int64_t kbi = u % nks, qbi = (u / nks) % nq, bh = (u / (nks * nq)) % nh,
                       bb = u / (nks * nq * nh);
-        DbiasUnit(c, w, g, dout, out, lse, bb, bh, qbi, kbi);
+        DbiasUnitT(c, pr, w, g, dout, out, lse, bb, bh, qbi, kbi);
       }
     }
     if (!g.dsinks.empty()) {
@@ -599,6 +663,14 @@ void BackwardImpl(const Problem& p, const SdpaArgs<float>& a, View4<const float>
       }
     }
   }
+}
+
+void BackwardImpl(const Problem& p, const SdpaArgs<float>& a, View4<const float> dout,
+                  const SdpaGrads<float>& g, View4<const float> out, View3<const float> lse,
+                  FusedPlan t) {
+  std::vector<uint8_t> bad;
+  const FusedCall c = MakeCall(p, a, t, bad);
+  BackwardUnits(c, t, dout, g, out, lse, [&](BackwardScratch& w) { return Float32BackwardProducts{c, w}; });
 }
 
 }  // namespace

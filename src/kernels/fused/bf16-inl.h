@@ -197,6 +197,222 @@ void ForwardBf16Impl(const Problem& p, const Bf16Operands& ops, View4<float> out
   ForwardUnits(c, t, out, weights, lse, [&](ForwardScratch& w) { return Bf16Products(c, w, ops); });
 }
 
+// ---- the backward's products ------------------------------------------------------
+//
+// The float32 backward's units and tile (attention-inl.h, BackwardTileT) with
+// these products, PyTorch's and FlashAttention's bfloat16 backward:
+//   S   = scale · Q·Kᵀ      computed as the forward's K·Qᵀ (A = K, B = query
+//                           pairs: the same float32 sums), then transposed
+//   dP  = dY·Vᵀ             A = dY rounded, B = V pairs (features paired)
+//   dVᵀ += dYᵀ·(P∘m)        A = dY rounded, transposed, B = P rounded, rows paired
+//   dKᵀ += Qᵀ·dU            A = Q transposed, B = dU rounded, rows paired (× scale on store)
+//   dQ  += dU·K             A = dU rounded, B = K pairs (keys paired)
+// dY is rounded to bfloat16 once per query block and used rounded
+// everywhere (D = Σ_e dY·Y too); P, dS = P∘(dP − D) and every accumulator
+// stay float32. Per-thread scratch beside BackwardScratch's (whose float32
+// q, k and v blocks go unused), widths padded for the path's granularity
+// (kpad, mpad; N a multiple of 16), padding zero:
+//   qpairs [E2/2 × QW]    query pairs, B of the scores      QW = qb + 32
+//   qt     [Er × QW]      Q transposed, A of dKᵀ            Er = E up to mpad
+//   dya    [qb + 16 × Ev2] dY rows, A of dP                 Ev2 = Ev up to kpad
+//   dyt    [Evr × QW]     dY transposed, A of dVᵀ
+//   vpairs [Ev2/2 × KW]   V pairs of the key block, B of dP  KW = kb + 32
+//   kpairs [KW/2 × E16]   K pairs of the key block, B of dQ  E16 = E up to 16
+//   st     [kb × QW]      the scores, keys × queries
+//   pairs  [QW/2 × kbp]   P or dU rounded, rows paired
+//   dsa    [qb + 16 × KW] dU rows rounded, A of dQ
+//   dkt    [Er × KW], dvt [Evr × KW], dq [qb + 16 × E16]   accumulators
+class Bf16BackwardProducts {
+ public:
+  Bf16BackwardProducts(const FusedCall& c, BackwardScratch& w, const Bf16Operands& ops)
+      : c_(c), w_(w), ops_(ops), gemm_(ops.kernel.gemm ? ops.kernel.gemm : &PortableBf16Gemm) {
+    const Problem& p = *c.p;
+    const Bf16Kernel& k = ops.kernel;
+    af_ = k.a_float;
+    E2_ = ops.E2, Evr_ = ops.Evr, Er_ = round_up(p.E, k.mpad), Ev2_ = round_up(p.Ev, k.kpad);
+    E16_ = round_up(p.E, 16), QW_ = w.qb + 32, KW_ = w.kb + 32;
+    qpairs_ = alloc<uint32_t>(E2_ / 2 * QW_);
+    qt_ = alloc<std::byte>(Er_ * QW_ * elem());
+    dya_ = alloc<std::byte>((w.qb + 16) * Ev2_ * elem());
+    dyt_ = alloc<std::byte>(Evr_ * QW_ * elem());
+    vpairs_ = alloc<uint32_t>(Ev2_ / 2 * KW_);
+    kpairs_ = alloc<uint32_t>(KW_ / 2 * E16_);
+    st_ = alloc<float>(w.kb * QW_);
+    pairs_ = alloc<uint32_t>(QW_ / 2 * w.kbp);
+    dsa_ = alloc<std::byte>((w.qb + 16) * KW_ * elem());
+    dkt_ = alloc<float>(Er_ * KW_);
+    dvt_ = alloc<float>(Evr_ * KW_);
+    dq_ = alloc<float>((w.qb + 16) * E16_);
+    if (ops_.kernel.thread_begin) ops_.kernel.thread_begin();
+  }
+  ~Bf16BackwardProducts() {
+    if (ops_.kernel.thread_end) ops_.kernel.thread_end();
+  }
+  Bf16BackwardProducts(const Bf16BackwardProducts&) = delete;
+  Bf16BackwardProducts& operator=(const Bf16BackwardProducts&) = delete;
+
+  int64_t width(int64_t nk) const { return round_up(nk, 16); }
+
+  // V and K pairs of keys [j0, j0 + nk) of (b, hk), from the call's operands.
+  void pack_keys(int64_t b, int64_t hk, int64_t j0, int64_t nk, bool rows) {
+    const Problem& p = *c_.p;
+    const std::byte* vt = static_cast<const std::byte*>(ops_.vt_cols(p, b, hk, j0));
+    for (int64_t k = 0; k < Ev2_ / 2; ++k) {
+      uint32_t* dst = vpairs_.get() + k * KW_;
+      for (int64_t jj = 0; jj < KW_; ++jj) {
+        const bool in = jj < nk;
+        const uint32_t lo = in && 2 * k < p.Ev ? bits_at(vt, 2 * k * ops_.ldvt + jj) : 0u;
+        const uint32_t hi = in && 2 * k + 1 < p.Ev ? bits_at(vt, (2 * k + 1) * ops_.ldvt + jj) : 0u;
+        dst[jj] = lo | hi << 16;
+      }
+    }
+    if (!rows) return;
+    const std::byte* kr = static_cast<const std::byte*>(ops_.k_rows(p, b, hk, j0));
+    for (int64_t k = 0; k < KW_ / 2; ++k) {
+      uint32_t* dst = kpairs_.get() + k * E16_;
+      for (int64_t e = 0; e < E16_; ++e) {
+        const uint32_t lo = 2 * k < nk && e < p.E ? bits_at(kr, 2 * k * E2_ + e) : 0u;
+        const uint32_t hi = 2 * k + 1 < nk && e < p.E ? bits_at(kr, (2 * k + 1) * E2_ + e) : 0u;
+        dst[e] = lo | hi << 16;
+      }
+    }
+  }
+
+  // The query block's operands, lse, D = Σ_e dY·Y (dY rounded) and poison.
+  void pack_queries(int64_t b, int64_t h, int64_t i0, int64_t nr, const View4<const float>& dout,
+                    const View4<const float>& out, const View3<const float>& lse) {
+    const Problem& p = *c_.p;
+    BackwardScratch& w = w_;
+    const int64_t so = out.strides[3];
+    std::fill(qpairs_.get(), qpairs_.get() + E2_ / 2 * QW_, 0u);
+    std::memset(qt_.get(), 0, size_t(Er_ * QW_ * elem()));
+    std::memset(dya_.get(), 0, size_t((w.qb + 16) * Ev2_ * elem()));
+    std::memset(dyt_.get(), 0, size_t(Evr_ * QW_ * elem()));
+    for (int64_t r = 0; r < nr; ++r) {
+      const uint16_t* q = ops_.q_row(p, b, h, i0 + r);
+      const bool qbad = ops_.qbad[size_t((b * p.H + h) * p.L + i0 + r)];
+      for (int64_t k = 0; k < E2_ / 2; ++k) std::memcpy(qpairs_.get() + k * QW_ + r, q + 2 * k, 4);
+      for (int64_t e = 0; e < p.E; ++e) put(qt_.get(), e * QW_ + r, q[e]);
+      float* dy = w.dy + r * w.Evp;
+      bool bad = false;
+      for (int64_t e = 0; e < p.Ev; ++e) {
+        const uint16_t bits = bf16_operand(dout(b, h, i0 + r, e));
+        dy[e] = bf16_value(bits);
+        bad = bad || (bits & 0x7F80u) == 0x7F80u;
+      }
+      w.lse[r] = lse(b, h, i0 + r);
+      // Poisoned: a bad query, a bad dY (after rounding), or a NaN lse.
+      w.poisoned[r] = qbad || bad || w.lse[r] != w.lse[r];
+      if (w.poisoned[r]) {
+        std::fill(dy, dy + p.Ev, 0.0f);
+        w.D[r] = 0.0f;
+        continue;
+      }
+      w.D[r] = RowDot(dy, &out(b, h, i0 + r, 0), p.Ev, so);  // D_i = Σ_e dY_ie·Y_ie
+      for (int64_t e = 0; e < p.Ev; ++e) {
+        const uint16_t bits = bf16_operand(dy[e]);  // exact: dy is bfloat16 already
+        put(dya_.get(), r * Ev2_ + e, bits);
+        put(dyt_.get(), e * QW_ + r, bits);
+      }
+    }
+  }
+
+  // w.s = the tile's scores (natural units) through the score pipeline.
+  void scores(int64_t b, int64_t h, int64_t i0, int64_t nr, int64_t j0, int64_t nk, int64_t nkp, TileOrigin at) {
+    const Problem& p = *c_.p;
+    BackwardScratch& w = w_;
+    // stᵀ = scale · K·Qᵀ, the forward's product
+    gemm_(round_up(nk, ops_.kernel.mpad), round_up(nr, 16), E2_, ops_.k_rows(p, b, p.kv_head(h), j0), E2_,
+          qpairs_.get() + at.row, QW_, st_.get(), QW_, c_.scale, false);
+    for (int64_t r = 0; r < nr; ++r) {
+      float* dst = w.s + r * w.kbp;
+      for (int64_t jj = 0; jj < nk; ++jj) dst[jj] = st_[size_t(jj * QW_ + r)];
+    }
+    ScoreTileRules(c_, w, b, h, i0, nr, j0, nk, nkp);
+  }
+  // w.dp = dY·Vᵀ
+  void dp(int64_t nr, int64_t nkp, TileOrigin at) {
+    gemm_(round_up(nr, ops_.kernel.mpad), nkp, Ev2_, dya_.get() + at.row * Ev2_ * elem(), Ev2_,
+          vpairs_.get() + at.key, KW_, w_.dp, w_.kbp, 1.0f, false);
+  }
+  // dVᵀ += dYᵀ·(P∘m) ; dKᵀ += Qᵀ·dU
+  void dkdv(int64_t nr, int64_t, int64_t nkp, TileOrigin at) {
+    const int64_t K = round_up(nr, ops_.kernel.kpad);
+    ProbabilityPairs(w_.s, w_.kbp, nr, K, nkp, pairs_.get());
+    gemm_(Evr_, nkp, K, dyt_.get() + at.row * elem(), QW_, pairs_.get(), w_.kbp, dvt_.get() + at.key, KW_, 1.0f,
+          true);
+    ProbabilityPairs(w_.dp, w_.kbp, nr, K, nkp, pairs_.get());
+    gemm_(Er_, nkp, K, qt_.get() + at.row * elem(), QW_, pairs_.get(), w_.kbp, dkt_.get() + at.key, KW_, 1.0f,
+          true);
+  }
+  // dQ += dU·K (the scale is applied when written out)
+  void dq(int64_t nr, int64_t nk, int64_t, TileOrigin at) {
+    const int64_t M = round_up(nr, ops_.kernel.mpad), K = round_up(nk, ops_.kernel.kpad);
+    for (int64_t r = 0; r < M; ++r) {
+      const float* ds = w_.dp + r * w_.kbp;
+      for (int64_t jj = 0; jj < K; ++jj)
+        put(dsa_.get(), r * KW_ + jj, r < nr && jj < nk ? bf16_operand(ds[jj]) : uint16_t(0));
+    }
+    gemm_(M, E16_, K, dsa_.get(), KW_, kpairs_.get() + at.key / 2 * E16_, E16_, dq_.get() + at.row * E16_, E16_,
+          1.0f, true);
+  }
+  void zero_key_grads() {
+    std::fill(dkt_.get(), dkt_.get() + Er_ * KW_, 0.0f);
+    std::fill(dvt_.get(), dvt_.get() + Evr_ * KW_, 0.0f);
+  }
+  // dK = scale·dKᵀ transposed, dV = dVᵀ transposed.
+  void store_key_grads(const SdpaGrads<float>& g, int64_t b, int64_t hk, int64_t j0, int64_t nk) const {
+    const Problem& p = *c_.p;
+    for (int64_t jj = 0; jj < nk; ++jj) {
+      float* dk = &g.dk(b, hk, j0 + jj, 0);
+      float* dv = &g.dv(b, hk, j0 + jj, 0);
+      for (int64_t e = 0; e < p.E; ++e) dk[e * g.dk.strides[3]] = c_.scale * dkt_[size_t(e * KW_ + jj)];
+      for (int64_t e = 0; e < p.Ev; ++e) dv[e * g.dv.strides[3]] = dvt_[size_t(e * KW_ + jj)];
+    }
+  }
+  void zero_dq(int64_t) { std::fill(dq_.get(), dq_.get() + (w_.qb + 16) * E16_, 0.0f); }
+  const float* dq_row(int64_t r) const { return dq_.get() + r * E16_; }
+
+ private:
+  template <class T>
+  static hwy::AlignedFreeUniquePtr<T[]> alloc(int64_t n) {
+    auto a = hwy::AllocateAligned<T>(size_t(std::max<int64_t>(n, 1)));
+    std::memset(static_cast<void*>(a.get()), 0, size_t(std::max<int64_t>(n, 1)) * sizeof(T));
+    return a;
+  }
+  int64_t elem() const { return af_ ? 4 : 2; }
+  // Element i of an A operand: the bits, or their float32 value (portable).
+  void put(std::byte* base, int64_t i, uint16_t bits) const {
+    if (af_) reinterpret_cast<float*>(base)[i] = bf16_value(bits);
+    else reinterpret_cast<uint16_t*>(base)[i] = bits;
+  }
+  uint32_t bits_at(const std::byte* base, int64_t i) const {
+    if (!af_) return reinterpret_cast<const uint16_t*>(base)[i];
+    uint32_t u;
+    std::memcpy(&u, base + i * 4, 4);
+    return u >> 16;  // a bfloat16 value: its low half is zero
+  }
+
+  const FusedCall& c_;
+  BackwardScratch& w_;
+  const Bf16Operands& ops_;
+  Bf16Gemm gemm_;
+  bool af_ = false;
+  int64_t E2_ = 0, Evr_ = 0, Er_ = 0, Ev2_ = 0, E16_ = 0, QW_ = 0, KW_ = 0;
+  hwy::AlignedFreeUniquePtr<uint32_t[]> qpairs_, vpairs_, kpairs_, pairs_;
+  hwy::AlignedFreeUniquePtr<std::byte[]> qt_, dya_, dyt_, dsa_;
+  hwy::AlignedFreeUniquePtr<float[]> st_, dkt_, dvt_, dq_;
+};
+
+void BackwardBf16Impl(const Problem& p, const Bf16Operands& ops, const SdpaArgs<float>& a, View4<const float> dout,
+                      const SdpaGrads<float>& g, View4<const float> out, View3<const float> lse, FusedPlan t) {
+  FusedCall c{&p, &a, t, float(p.rules.scale)};
+  c.bad_keys = ops.bad_keys.data();
+  c.any_bad_keys = ops.any_bad_keys;
+  BackwardUnits(c, t, dout, g, out, lse,
+                [&](BackwardScratch& w) { return Bf16BackwardProducts(c, w, ops); });
+}
+
 }  // namespace
 }  // namespace HWY_NAMESPACE
 }  // namespace attn::detail

@@ -8,6 +8,7 @@
 #include <type_traits>
 
 #include "kernels/fused/common.hpp"
+#include "kernels/fused/fused.hpp"
 
 namespace attn::detail {
 
@@ -130,6 +131,24 @@ template <class T>
 void fused_forward_bf16(const Problem& p, const SdpaArgs<T>& a, View4<float> out, View4<float> weights,
                         View3<float> lse, Bf16Path path) {
   fused_forward_bf16_tiled(p, a, out, weights, lse, path, fused_plan_bf16(p));
+}
+
+void fused_backward_bf16_tiled(const Problem& p, const SdpaArgs<float>& a, View4<const float> dout,
+                               const SdpaGrads<float>& g, View4<const float> out, View3<const float> lse,
+                               Bf16Path path, const FusedPlan& t) {
+  Problem pb = p;
+  pb.bf16_products = true;  // the scratch's bfloat16 layout
+  const Bf16Operands ops(pb, a, bf16_kernel(path));
+  // The saved state; recomputed by the bfloat16 forward when not given.
+  const SavedState st(pb, out, lse, [&](View4<float> o, View3<float> l) {
+    fused_forward_bf16_ops(pb, ops, o, {}, l, fused_plan_bf16(p));
+  });
+  fused_backward_bf16_ops(pb, ops, a, dout, g, st.out, st.lse, t);
+}
+
+void fused_backward_bf16(const Problem& p, const SdpaArgs<float>& a, View4<const float> dout,
+                         const SdpaGrads<float>& g, View4<const float> out, View3<const float> lse, Bf16Path path) {
+  fused_backward_bf16_tiled(p, a, dout, g, out, lse, path, fused_backward_plan_bf16(p));
 }
 
 void bf16_gemm(Bf16Path path, int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,

@@ -148,6 +148,22 @@ void fused_forward_bf16_tiled(const Problem& p, const SdpaArgs<T>& a, View4<floa
 void fused_forward_bf16_ops(const Problem& p, const Bf16Operands& ops, View4<float> out, View4<float> weights,
                             View3<float> lse, const FusedPlan& t);
 
+// The backward with bfloat16 products on `path` (bf16-inl.h: S = Q·Kᵀ as
+// the forward's, dP = dY·Vᵀ, dV += Pᵀ·dY, dK += dSᵀ·Q, dQ += dS·K, each on
+// bfloat16 operands into float32 sums; dY rounded to bfloat16, P and dS
+// float32 until they enter a product), on fused_backward_plan_bf16(p) or a
+// given plan. out and lse: the bfloat16 forward's (recomputed when empty).
+// float16 and bfloat16 inputs come widened (exactly) to float32.
+void fused_backward_bf16(const Problem& p, const SdpaArgs<float>& a, View4<const float> dout,
+                         const SdpaGrads<float>& g, View4<const float> out, View3<const float> lse, Bf16Path path);
+void fused_backward_bf16_tiled(const Problem& p, const SdpaArgs<float>& a, View4<const float> dout,
+                               const SdpaGrads<float>& g, View4<const float> out, View3<const float> lse,
+                               Bf16Path path, const FusedPlan& t);
+// The units on built operands (fused.cpp: dispatched to the SIMD target).
+void fused_backward_bf16_ops(const Problem& p, const Bf16Operands& ops, const SdpaArgs<float>& a,
+                             View4<const float> dout, const SdpaGrads<float>& g, View4<const float> out,
+                             View3<const float> lse, const FusedPlan& t);
+
 // For tests: one product on `path` from float32 operands A [M × K] (lda)
 // and B [K × N] (ldb), rounded as above and laid out (and padded) as the
 // kernels do; C [M × N] (ldc, N a multiple of 16).

@@ -48,6 +48,7 @@ namespace attn::detail {
 
 HWY_EXPORT(ForwardImpl);
 HWY_EXPORT(ForwardBf16Impl);
+HWY_EXPORT(BackwardBf16Impl);
 HWY_EXPORT(PortableBf16Gemm);
 HWY_EXPORT(BackwardImpl);
 HWY_EXPORT(ForwardPackedImpl);
@@ -69,6 +70,12 @@ void fused_forward_bf16_ops(const Problem& p, const Bf16Operands& ops, View4<flo
   HWY_DYNAMIC_DISPATCH(ForwardBf16Impl)(p, ops, out, weights, lse, t);
 }
 
+void fused_backward_bf16_ops(const Problem& p, const Bf16Operands& ops, const SdpaArgs<float>& a,
+                             View4<const float> dout, const SdpaGrads<float>& g, View4<const float> out,
+                             View3<const float> lse, const FusedPlan& t) {
+  HWY_DYNAMIC_DISPATCH(BackwardBf16Impl)(p, ops, a, dout, g, out, lse, t);
+}
+
 void bf16_portable_gemm(int64_t M, int64_t N, int64_t K, const void* A, int64_t lda, const uint32_t* B,
                         int64_t ldb, float* C, int64_t ldc, float alpha, bool accumulate) {
   HWY_DYNAMIC_DISPATCH(PortableBf16Gemm)(M, N, K, A, lda, B, ldb, C, ldc, alpha, accumulate);
@@ -83,17 +90,8 @@ void fused_backward_tiled(const Problem& p, const SdpaArgs<float>& a, View4<cons
                           const SdpaGrads<float>& g, View4<const float> out,
                           View3<const float> lse, const FusedPlan& t) {
   // The saved state; recomputed by a forward pass when not given.
-  Tensor<float> out_tmp, lse_tmp;
-  if (out.empty() || lse.empty()) {
-    out_tmp = Tensor<float>({p.B, p.H, p.L, p.Ev});
-    lse_tmp = Tensor<float>({p.B, p.H, p.L});
-    View4<float> o(out_tmp.data(), {p.B, p.H, p.L, p.Ev});
-    View3<float> l(lse_tmp.data(), {p.B, p.H, p.L});
-    fused_forward_tiled(p, a, o, {}, l, t);
-    if (out.empty()) out = o;
-    if (lse.empty()) lse = l;
-  }
-  HWY_DYNAMIC_DISPATCH(BackwardImpl)(p, a, dout, g, out, lse, t);
+  const SavedState st(p, out, lse, [&](View4<float> o, View3<float> l) { fused_forward_tiled(p, a, o, {}, l, t); });
+  HWY_DYNAMIC_DISPATCH(BackwardImpl)(p, a, dout, g, st.out, st.lse, t);
 }
 
 void fused_backward(const Problem& p, const SdpaArgs<float>& a, View4<const float> dout,

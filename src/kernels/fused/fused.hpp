@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "attn/sdpa.hpp"
+#include "attn/tensor.hpp"
 #include "kernels/fused/tiles.hpp"
 #include "kernels/problem.hpp"
 
@@ -19,6 +20,25 @@ void fused_forward(const Problem& p, const SdpaArgs<float>& a, View4<float> out,
 // case the backend recomputes what it needs.
 void fused_backward(const Problem& p, const SdpaArgs<float>& a, View4<const float> dout,
                     const SdpaGrads<float>& g, View4<const float> out, View3<const float> lse);
+
+// A backward's saved state: out and lse as given, the missing ones
+// recomputed by forward(out, lse) into storage this holds.
+struct SavedState {
+  Tensor<float> out_tmp, lse_tmp;
+  View4<const float> out;
+  View3<const float> lse;
+  template <class Forward>
+  SavedState(const Problem& p, View4<const float> o, View3<const float> l, Forward forward) : out(o), lse(l) {
+    if (!out.empty() && !lse.empty()) return;
+    out_tmp = Tensor<float>({p.B, p.H, p.L, p.Ev});
+    lse_tmp = Tensor<float>({p.B, p.H, p.L});
+    View4<float> ov(out_tmp.data(), {p.B, p.H, p.L, p.Ev});
+    View3<float> lv(lse_tmp.data(), {p.B, p.H, p.L});
+    forward(ov, lv);
+    if (out.empty()) out = ov;
+    if (lse.empty()) lse = lv;
+  }
+};
 
 // The same entry points with an explicit plan instead of fused_plan(p) (for
 // tests and tuning). Any block sizes >= 1 work; fused_plan's promises

@@ -350,14 +350,12 @@ struct TileOrigin {
   int64_t row = 0, key = 0;
 };
 
-// s[r][jj] = s(q_r, k_j) through the score pipeline (pipeline-inl.h) for
-// rows i0..i0+nr against keys j0..j0+nk (−∞ also for padding up to nkp);
-// with a soft-cap, dcap receives its derivative. Needs q and kt packed (the
-// tile at `at` in them).
-void ScoreTile(const FusedCall& c, BackwardScratch& w, int64_t b, int64_t h, int64_t i0, int64_t nr,
-               int64_t j0, int64_t nk, int64_t nkp, TileOrigin at) {
+// The score pipeline (pipeline-inl.h) over the products in w.s (rows
+// i0..i0+nr against keys j0..j0+nk; −∞ also for padding up to nkp); with a
+// soft-cap, dcap receives its derivative.
+void ScoreTileRules(const FusedCall& c, BackwardScratch& w, int64_t b, int64_t h, int64_t i0, int64_t nr,
+                    int64_t j0, int64_t nk, int64_t nkp) {
   const Problem& p = *c.p;
-  Gemm(nr, nkp, p.E, w.q + at.row * w.Ep, w.Ep, 1, w.kt + at.key, w.kbp, w.s, w.kbp, false);
   const ScoreRules<float>& sr = p.rules;
   const rules::Band band = band_of(c, b);
   const float slope = sr.slope(h);
@@ -374,6 +372,14 @@ void ScoreTile(const FusedCall& c, BackwardScratch& w, int64_t b, int64_t h, int
     line.at = j0;
     ApplyScoreRules(w.s + r * w.kbp, nkp, line, sr, 1.0f, w.dcap ? w.dcap + r * w.kbp : nullptr);
   }
+}
+
+// s[r][jj] = s(q_r, k_j) through the score pipeline for rows i0..i0+nr
+// against keys j0..j0+nk. Needs q and kt packed (the tile at `at` in them).
+void ScoreTile(const FusedCall& c, BackwardScratch& w, int64_t b, int64_t h, int64_t i0, int64_t nr,
+               int64_t j0, int64_t nk, int64_t nkp, TileOrigin at) {
+  Gemm(nr, nkp, c.p->E, w.q + at.row * w.Ep, w.Ep, 1, w.kt + at.key, w.kbp, w.s, w.kbp, false);
+  ScoreTileRules(c, w, b, h, i0, nr, j0, nk, nkp);
 }
 
 }  // namespace

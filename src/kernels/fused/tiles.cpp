@@ -50,6 +50,13 @@ FusedPlan fused_plan(const Problem& p) { return plan_for(p, 2); }
 // accumulator; forward 0.58 rather than 0.66 of the float32 time, Zen 4).
 FusedPlan fused_plan_bf16(const Problem& p) { return plan_for(p, 1); }
 
+FusedPlan fused_backward_plan_bf16(const Problem& p) {
+  FusedPlan t = plan_for(p, 1);
+  t.q_block = round_up(t.q_block, 32);
+  t.k_block = round_up(t.k_block, 32);
+  return t;
+}
+
 namespace {
 
 // Hands out consecutive 64-byte aligned arrays from one block; with a null
@@ -118,18 +125,19 @@ BackwardScratch::BackwardScratch(const Problem& p, const FusedPlan& t, int64_t l
   kbp = round_up(kb, lanes);
   Ep = round_up(p.E, lanes);
   Evp = round_up(p.Ev, lanes);
+  const bool f32 = !p.bf16_products;
   bytes_ = build(alloc, mem_, [&](Carver& c) {
-    q = c.take<float>(qb * Ep);
-    kt = c.take<float>(p.E * kbp);
+    q = f32 ? c.take<float>(qb * Ep) : nullptr;
+    kt = f32 ? c.take<float>(p.E * kbp) : nullptr;
     dy = c.take<float>(qb * Evp);
-    vt = c.take<float>(p.Ev * kbp);
+    vt = f32 ? c.take<float>(p.Ev * kbp) : nullptr;
     s = c.take<float>(qb * kbp);
-    kr = c.take<float>(kb * Ep);
+    kr = f32 ? c.take<float>(kb * Ep) : nullptr;
     dp = c.take<float>(qb * kbp);
-    dk = c.take<float>(kb * Ep);
-    dq = c.take<float>(qb * Ep);
+    dk = f32 ? c.take<float>(kb * Ep) : nullptr;
+    dq = f32 ? c.take<float>(qb * Ep) : nullptr;
     dcap = p.rules.capped() ? c.take<float>(qb * kbp) : nullptr;
-    dv = c.take<float>(kb * Evp);
+    dv = f32 ? c.take<float>(kb * Evp) : nullptr;
     acc = c.take<float>(qb * kbp);
     lse = c.take<float>(qb);
     D = c.take<float>(qb);

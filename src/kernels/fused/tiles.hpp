@@ -44,6 +44,10 @@ FusedPlan fused_plan(const Problem& p);
 // The plan of the forward with bfloat16 products (bf16.hpp), whose key and
 // value operands are bfloat16: the same promises.
 FusedPlan fused_plan_bf16(const Problem& p);
+// The plan of the backward with bfloat16 products: fused_plan_bf16's, both
+// blocks rounded up to a multiple of 32 (whole pairs of rows and keys, and
+// whole 16-row tiles of the AMX products).
+FusedPlan fused_backward_plan_bf16(const Problem& p);
 
 // Whether a scratch only measures its layout or also allocates it.
 enum class Alloc { no, yes };
@@ -96,6 +100,8 @@ struct ForwardScratch {
 //   lse [qb], D [qb]  per query: log-sum-exp, Σ_e dY·Y
 //   poisoned [qb]     per query: NaN reaches it (bad q or dY, NaN lse)
 //   keep [kbp]        one row's dropout keep factors (with dropout)
+// With bfloat16 products (p.bf16_products, bf16-inl.h) q, kt, vt, kr, dk,
+// dq and dv are not used (empty); dy holds dY rounded to bfloat16.
 struct BackwardScratch {
   int64_t qb = 0, kb = 0, kbp = 0, Ep = 0, Evp = 0;
   float *q = nullptr, *kt = nullptr, *dy = nullptr, *vt = nullptr, *s = nullptr, *kr = nullptr,
