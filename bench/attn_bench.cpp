@@ -78,7 +78,7 @@ double median(std::vector<double> v) {
 // What a table row runs: a backend, and for the fused one its products.
 // "fused-bf16" is the library's call (compute_dtype bfloat16, the best
 // path); "fused-bf16-amx", "-avx512" and "-portable" run one instruction
-// path through the kernel's entry point (forward only; refused where the
+// path through the kernels' entry points (refused where the
 // CPU lacks it).
 struct Variant {
   Backend be = Backend::fused;
@@ -196,9 +196,12 @@ void run_once(Buffers& buf, Variant var, bool causal, int threads, bool bwd) {
       attn::detail::fused_backward_tiled(p, a, buf.dout.view4(), buf.grads(), buf.out.view4(), buf.lse.view<3>(), t);
     return;
   }
-  if (var.path) {  // one instruction path (forward only)
+  if (var.path) {  // one instruction path
     const attn::detail::Problem p = problem_of(buf, causal, threads);
     attn::detail::fused_forward_bf16(p, buf.args(), buf.out.view4(), {}, buf.lse.view<3>(), *var.path);
+    if (bwd)
+      attn::detail::fused_backward_bf16(p, buf.args(), buf.dout.view4(), buf.grads(), buf.out.view4(),
+                                        buf.lse.view<3>(), *var.path);
     return;
   }
   attn::SdpaOptions opt;

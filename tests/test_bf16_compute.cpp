@@ -607,18 +607,20 @@ TEST(Bf16Compute, TheOptionIsValidated) {
 
 // Gradients of a call (through the public API), with or without the saved state.
 struct Grads {
-  Tensor<float> dq, dk, dv;
+  Tensor<float> dq, dk, dv, dbias;
 };
 Grads zero_grads(const SdpaArgs<float>& a) {
-  return {Tensor<float>({a.q.dim(0), a.q.dim(1), a.q.dim(2), a.q.dim(3)}),
+  Grads g{Tensor<float>({a.q.dim(0), a.q.dim(1), a.q.dim(2), a.q.dim(3)}),
           Tensor<float>({a.k.dim(0), a.k.dim(1), a.k.dim(2), a.k.dim(3)}),
-          Tensor<float>({a.v.dim(0), a.v.dim(1), a.v.dim(2), a.v.dim(3)})};
+          Tensor<float>({a.v.dim(0), a.v.dim(1), a.v.dim(2), a.v.dim(3)}), {}};
+  if (!a.bias.empty()) g.dbias = Tensor<float>({a.bias.dim(0), a.bias.dim(1), a.bias.dim(2), a.bias.dim(3)});
+  return g;
 }
 template <class T>
 Grads backward_of(const SdpaArgs<T>& a, const SdpaOptions& opt, const Tensor<float>& dout, const Fwd* saved) {
   Grads g{Tensor<float>({a.q.dim(0), a.q.dim(1), a.q.dim(2), a.q.dim(3)}),
           Tensor<float>({a.k.dim(0), a.k.dim(1), a.k.dim(2), a.k.dim(3)}),
-          Tensor<float>({a.v.dim(0), a.v.dim(1), a.v.dim(2), a.v.dim(3)})};
+          Tensor<float>({a.v.dim(0), a.v.dim(1), a.v.dim(2), a.v.dim(3)}), {}};
   SdpaSaved<float> s;
   if (saved) s = {saved->out.view4(), saved->lse.view<3>()};
   scaled_dot_product_attention_backward(a, dout.view4(), s, {g.dq.view4(), g.dk.view4(), g.dv.view4()}, opt);
@@ -630,18 +632,19 @@ Grads backward_on(Bf16Path path, const SdpaArgs<float>& a, const SdpaOptions& op
                   const Fwd& state) {
   const detail::Problem p = detail::make_problem(a, opt);
   Grads g = zero_grads(a);
-  detail::fused_backward_bf16(p, a, dout.view4(), {g.dq.view4(), g.dk.view4(), g.dv.view4()}, state.out.view4(),
-                              state.lse.view<3>(), path);
+  detail::fused_backward_bf16(p, a, dout.view4(),
+                              {g.dq.view4(), g.dk.view4(), g.dv.view4(), g.dbias.size() == 0 ? View4<float>{} : g.dbias.view4()},
+                              state.out.view4(), state.lse.view<3>(), path);
   return g;
 }
 bool same_grads(const Grads& a, const Grads& b) {
-  return same_bits(a.dq, b.dq) && same_bits(a.dk, b.dk) && same_bits(a.dv, b.dv);
+  return same_bits(a.dq, b.dq) && same_bits(a.dk, b.dk) && same_bits(a.dv, b.dv) && (a.dbias.size() + b.dbias.size() == 0 || same_bits(a.dbias, b.dbias));
 }
 
 // What the gradients should be, and how far from it they may lie, per element.
 struct BwdRef {
-  Tensor<double> dq, dk, dv;  // the reference
-  Tensor<double> tq, tk, tv;  // the tolerance
+  Tensor<double> dq, dk, dv, dbias;  // the reference
+  Tensor<double> tq, tk, tv, tbias;  // the tolerance
 };
 
 double bfr(double x) { return rounded(float(x)); }  // float32, then the operand's rounding
@@ -671,6 +674,8 @@ double flip(double x, double d) {
 //   gradient is a float32 sum of n such products (n = group·L for dK and dV,
 //   S for dQ, each padded by at most 32 zeros): the tolerance is
 //     Σ flip·|other operand| + (n + 34)·u·Σ |products| + 2u·|gradient|.
+//   dbias (a bias given) is dS itself, summed in float32 over the axes the
+//   bias broadcasts along (n terms): Σ δdS + (n + 2)·u·Σ |dS|.
 // exact (same_roundings false): the gradients of the unrounded inputs
 //   (P, y*, ℓ* of the exact forward); the kernel's values move by the
 //   roundings (q̂·k̂ by (2^-7 + 2^-16)·|q||k|, v̂ and dŶ by 2^-8 relative,
@@ -694,7 +699,17 @@ BwdRef backward_reference(const SdpaArgs<float>& a, const SdpaOptions& opt, cons
   for (Tensor<double>* t : {&r.dk, &r.tk}) *t = Tensor<double>({B, a.k.dim(1), S, E});
   for (Tensor<double>* t : {&r.dv, &r.tv}) *t = Tensor<double>({B, a.k.dim(1), S, Ev});
   // Σ |products| per element, for the float32 sums
-  Tensor<double> aq({B, H, L, E}), ak({B, a.k.dim(1), S, E}), av({B, a.k.dim(1), S, Ev});
+  Tensor<double> aq({B, H, L, E}), ak({B, a.k.dim(1), S, E}), av({B, a.k.dim(1), S, Ev}), abias;
+  const bool bias = !a.bias.empty() && same_roundings;
+  if (bias) {
+    for (Tensor<double>* t : {&r.dbias, &r.tbias, &abias})
+      *t = Tensor<double>({a.bias.dim(0), a.bias.dim(1), a.bias.dim(2), a.bias.dim(3)});
+  }
+  // dbias(b, h, i, j) of the bias's (broadcast) shape
+  const auto bias_at = [&](Tensor<double>& t, int64_t b, int64_t h, int64_t i, int64_t j) -> double& {
+    const auto d = t.view4();
+    return d(d.dim(0) == 1 ? 0 : b, d.dim(1) == 1 ? 0 : h, d.dim(2) == 1 ? 0 : i, d.dim(3) == 1 ? 0 : j);
+  };
   const double w8 = kU, wqk = 2 * kU + kU * kU;  // bfloat16's relative rounding, of a product q̂·k̂
   for (int64_t b = 0; b < B; ++b)
     for (int64_t h = 0; h < H; ++h)
@@ -738,6 +753,11 @@ BwdRef backward_reference(const SdpaArgs<float>& a, const SdpaOptions& opt, cons
           } else {
             xpm = pm, fpm = epm + w8 * (pm + epm), xdS = dS, fdS = edS + w8 * (std::abs(dS) + edS);
           }
+          if (bias) {
+            bias_at(r.dbias, b, h, i, j) += dS;
+            bias_at(r.tbias, b, h, i, j) += edS;
+            bias_at(abias, b, h, i, j) += std::abs(dS) + edS;
+          }
           for (int64_t e = 0; e < Ev; ++e) {
             const double y = DY(b, h, i, e);
             r.dv.view4()(b, hk, j, e) += xpm * y;
@@ -762,6 +782,7 @@ BwdRef backward_reference(const SdpaArgs<float>& a, const SdpaOptions& opt, cons
   finish(r.tv, av, r.dv, group * L);
   finish(r.tk, ak, r.dk, group * L);
   finish(r.tq, aq, r.dq, S);
+  if (bias) finish(r.tbias, abias, r.dbias, B * H * L * S / int64_t(r.dbias.size()) - 32);
   return r;
 }
 
@@ -770,8 +791,8 @@ BwdRef backward_reference(const SdpaArgs<float>& a, const SdpaOptions& opt, cons
   double worst = 0;
   std::string where;
   for (const auto& [name, got, want, tol] : {std::tuple{"dq", &g.dq, &r.dq, &r.tq}, {"dk", &g.dk, &r.dk, &r.tk},
-                                             {"dv", &g.dv, &r.dv, &r.tv}})
-    for (size_t x = 0; x < got->size(); ++x) {
+                                             {"dv", &g.dv, &r.dv, &r.tv}, {"dbias", &g.dbias, &r.dbias, &r.tbias}})
+    for (size_t x = 0; want->size() == got->size() && x < got->size(); ++x) {
       const double err = std::abs(double((*got)[x]) - (*want)[x]);
       if (!(err <= (*tol)[x]) && !(err / (*tol)[x] <= worst)) {
         worst = std::isnan(err) ? INFINITY : err / (*tol)[x];
