@@ -207,34 +207,28 @@ void ForwardBf16Impl(const Problem& p, const Bf16Operands& ops, View4<float> out
 //   dVᵀ += dYᵀ·(P∘m)        A = dY rounded, transposed, B = P rounded, rows paired
 //   dKᵀ += Qᵀ·dU            A = Q transposed, B = dU rounded, rows paired (× scale on store)
 //   dQ  += dU·K             A = dU rounded, B = K pairs (keys paired)
-// dY is rounded to bfloat16 once per query block and used rounded
-// everywhere (D = Σ_e dY·Y too); P, dS = P∘(dP − D) and every accumulator
-// stay float32. Per-thread scratch beside BackwardScratch's (whose float32
-// q, k and v blocks go unused), widths padded for the path's granularity
-// (kpad, mpad; N a multiple of 16), padding zero:
-//   qpairs [E2/2 × QW]    query pairs, B of the scores      QW = qb + 32
-//   qt     [Er × QW]      Q transposed, A of dKᵀ            Er = E up to mpad
-//   dya    [qb + 16 × Ev2] dY rows, A of dP                 Ev2 = Ev up to kpad
-//   dyt    [Evr × QW]     dY transposed, A of dVᵀ
+// dY is rounded to bfloat16 once per call and used rounded everywhere
+// (D = Σ_e dY·Y too); P, dS = P∘(dP − D) and every accumulator stay float32.
+// The query side's operands are built once per call (Bf16BackwardOperands,
+// bf16.hpp), the key side's per key block from the call's k and vᵀ, into
+// per-thread scratch beside BackwardScratch's (whose float32 q, k and v
+// blocks go unused), widths padded for the path's granularity (kpad, mpad;
+// N a multiple of 16), padding zero:
 //   vpairs [Ev2/2 × KW]   V pairs of the key block, B of dP  KW = kb + 32
 //   kpairs [KW/2 × E16]   K pairs of the key block, B of dQ  E16 = E up to 16
-//   st     [kb × QW]      the scores, keys × queries
+//   st     [kb × QW]      the scores, keys × queries         QW = qb + 32
 //   pairs  [QW/2 × kbp]   P or dU rounded, rows paired
 //   dsa    [qb + 16 × KW] dU rows rounded, A of dQ
 //   dkt    [Er × KW], dvt [Evr × KW], dq [qb + 16 × E16]   accumulators
 class Bf16BackwardProducts {
  public:
-  Bf16BackwardProducts(const FusedCall& c, BackwardScratch& w, const Bf16Operands& ops)
-      : c_(c), w_(w), ops_(ops), gemm_(ops.kernel.gemm ? ops.kernel.gemm : &PortableBf16Gemm) {
+  Bf16BackwardProducts(const FusedCall& c, BackwardScratch& w, const Bf16Operands& ops,
+                       const Bf16BackwardOperands& qo)
+      : c_(c), w_(w), ops_(ops), qo_(qo), gemm_(ops.kernel.gemm ? ops.kernel.gemm : &PortableBf16Gemm) {
     const Problem& p = *c.p;
-    const Bf16Kernel& k = ops.kernel;
-    af_ = k.a_float;
-    E2_ = ops.E2, Evr_ = ops.Evr, Er_ = round_up(p.E, k.mpad), Ev2_ = round_up(p.Ev, k.kpad);
+    af_ = ops.kernel.a_float;
+    E2_ = ops.E2, Evr_ = ops.Evr, Er_ = qo.Er, Ev2_ = qo.Ev2;
     E16_ = round_up(p.E, 16), QW_ = w.qb + 32, KW_ = w.kb + 32;
-    qpairs_ = alloc<uint32_t>(E2_ / 2 * QW_);
-    qt_ = alloc<std::byte>(Er_ * QW_ * elem());
-    dya_ = alloc<std::byte>((w.qb + 16) * Ev2_ * elem());
-    dyt_ = alloc<std::byte>(Evr_ * QW_ * elem());
     vpairs_ = alloc<uint32_t>(Ev2_ / 2 * KW_);
     kpairs_ = alloc<uint32_t>(KW_ / 2 * E16_);
     st_ = alloc<float>(w.kb * QW_);
@@ -278,42 +272,15 @@ class Bf16BackwardProducts {
     }
   }
 
-  // The query block's operands, lse, D = Σ_e dY·Y (dY rounded) and poison.
-  void pack_queries(int64_t b, int64_t h, int64_t i0, int64_t nr, const View4<const float>& dout,
-                    const View4<const float>& out, const View3<const float>& lse) {
+  // The query block: its lse, D and poison (its operands are the call's).
+  void pack_queries(int64_t b, int64_t h, int64_t i0, int64_t nr, const View4<const float>&,
+                    const View4<const float>&, const View3<const float>& lse) {
     const Problem& p = *c_.p;
-    BackwardScratch& w = w_;
-    const int64_t so = out.strides[3];
-    std::fill(qpairs_.get(), qpairs_.get() + E2_ / 2 * QW_, 0u);
-    std::memset(qt_.get(), 0, size_t(Er_ * QW_ * elem()));
-    std::memset(dya_.get(), 0, size_t((w.qb + 16) * Ev2_ * elem()));
-    std::memset(dyt_.get(), 0, size_t(Evr_ * QW_ * elem()));
+    bh_ = b * p.H + h, i0_ = i0;
     for (int64_t r = 0; r < nr; ++r) {
-      const uint16_t* q = ops_.q_row(p, b, h, i0 + r);
-      const bool qbad = ops_.qbad[size_t((b * p.H + h) * p.L + i0 + r)];
-      for (int64_t k = 0; k < E2_ / 2; ++k) std::memcpy(qpairs_.get() + k * QW_ + r, q + 2 * k, 4);
-      for (int64_t e = 0; e < p.E; ++e) put(qt_.get(), e * QW_ + r, q[e]);
-      float* dy = w.dy + r * w.Evp;
-      bool bad = false;
-      for (int64_t e = 0; e < p.Ev; ++e) {
-        const uint16_t bits = bf16_operand(dout(b, h, i0 + r, e));
-        dy[e] = bf16_value(bits);
-        bad = bad || (bits & 0x7F80u) == 0x7F80u;
-      }
-      w.lse[r] = lse(b, h, i0 + r);
-      // Poisoned: a bad query, a bad dY (after rounding), or a NaN lse.
-      w.poisoned[r] = qbad || bad || w.lse[r] != w.lse[r];
-      if (w.poisoned[r]) {
-        std::fill(dy, dy + p.Ev, 0.0f);
-        w.D[r] = 0.0f;
-        continue;
-      }
-      w.D[r] = RowDot(dy, &out(b, h, i0 + r, 0), p.Ev, so);  // D_i = Σ_e dY_ie·Y_ie
-      for (int64_t e = 0; e < p.Ev; ++e) {
-        const uint16_t bits = bf16_operand(dy[e]);  // exact: dy is bfloat16 already
-        put(dya_.get(), r * Ev2_ + e, bits);
-        put(dyt_.get(), e * QW_ + r, bits);
-      }
+      w_.lse[r] = lse(b, h, i0 + r);
+      w_.D[r] = qo_.D[size_t(bh_ * p.L + i0 + r)];
+      w_.poisoned[r] = qo_.poisoned[size_t(bh_ * p.L + i0 + r)];
     }
   }
 
@@ -323,7 +290,7 @@ class Bf16BackwardProducts {
     BackwardScratch& w = w_;
     // stᵀ = scale · K·Qᵀ, the forward's product
     gemm_(round_up(nk, ops_.kernel.mpad), round_up(nr, 16), E2_, ops_.k_rows(p, b, p.kv_head(h), j0), E2_,
-          qpairs_.get() + at.row, QW_, st_.get(), QW_, c_.scale, false);
+          qo_.qpairs.get() + bh_ * E2_ / 2 * qo_.ldq + i0_ + at.row, qo_.ldq, st_.get(), QW_, c_.scale, false);
     for (int64_t r = 0; r < nr; ++r) {
       float* dst = w.s + r * w.kbp;
       for (int64_t jj = 0; jj < nk; ++jj) dst[jj] = st_[size_t(jj * QW_ + r)];
@@ -332,18 +299,20 @@ class Bf16BackwardProducts {
   }
   // w.dp = dY·Vᵀ
   void dp(int64_t nr, int64_t nkp, TileOrigin at) {
-    gemm_(round_up(nr, ops_.kernel.mpad), nkp, Ev2_, dya_.get() + at.row * Ev2_ * elem(), Ev2_,
-          vpairs_.get() + at.key, KW_, w_.dp, w_.kbp, 1.0f, false);
+    const int64_t row = bh_ * c_.p->L + i0_ + at.row;
+    gemm_(round_up(nr, ops_.kernel.mpad), nkp, Ev2_, qo_.dy.get() + row * Ev2_ * elem(), Ev2_, vpairs_.get() + at.key,
+          KW_, w_.dp, w_.kbp, 1.0f, false);
   }
   // dVᵀ += dYᵀ·(P∘m) ; dKᵀ += Qᵀ·dU
   void dkdv(int64_t nr, int64_t, int64_t nkp, TileOrigin at) {
     const int64_t K = round_up(nr, ops_.kernel.kpad);
     ProbabilityPairs(w_.s, w_.kbp, nr, K, nkp, pairs_.get());
-    gemm_(Evr_, nkp, K, dyt_.get() + at.row * elem(), QW_, pairs_.get(), w_.kbp, dvt_.get() + at.key, KW_, 1.0f,
-          true);
+    const int64_t col = i0_ + at.row, ldq = qo_.ldq;
+    gemm_(Evr_, nkp, K, qo_.dyt.get() + (bh_ * Evr_ * ldq + col) * elem(), ldq, pairs_.get(), w_.kbp,
+          dvt_.get() + at.key, KW_, 1.0f, true);
     ProbabilityPairs(w_.dp, w_.kbp, nr, K, nkp, pairs_.get());
-    gemm_(Er_, nkp, K, qt_.get() + at.row * elem(), QW_, pairs_.get(), w_.kbp, dkt_.get() + at.key, KW_, 1.0f,
-          true);
+    gemm_(Er_, nkp, K, qo_.qt.get() + (bh_ * Er_ * ldq + col) * elem(), ldq, pairs_.get(), w_.kbp,
+          dkt_.get() + at.key, KW_, 1.0f, true);
   }
   // dQ += dU·K (the scale is applied when written out)
   void dq(int64_t nr, int64_t nk, int64_t, TileOrigin at) {
@@ -396,21 +365,24 @@ class Bf16BackwardProducts {
   const FusedCall& c_;
   BackwardScratch& w_;
   const Bf16Operands& ops_;
+  const Bf16BackwardOperands& qo_;
   Bf16Gemm gemm_;
   bool af_ = false;
   int64_t E2_ = 0, Evr_ = 0, Er_ = 0, Ev2_ = 0, E16_ = 0, QW_ = 0, KW_ = 0;
-  hwy::AlignedFreeUniquePtr<uint32_t[]> qpairs_, vpairs_, kpairs_, pairs_;
-  hwy::AlignedFreeUniquePtr<std::byte[]> qt_, dya_, dyt_, dsa_;
+  int64_t bh_ = 0, i0_ = 0;  // the query block: (b·H + h), its first row
+  hwy::AlignedFreeUniquePtr<uint32_t[]> vpairs_, kpairs_, pairs_;
+  hwy::AlignedFreeUniquePtr<std::byte[]> dsa_;
   hwy::AlignedFreeUniquePtr<float[]> st_, dkt_, dvt_, dq_;
 };
 
-void BackwardBf16Impl(const Problem& p, const Bf16Operands& ops, const SdpaArgs<float>& a, View4<const float> dout,
-                      const SdpaGrads<float>& g, View4<const float> out, View3<const float> lse, FusedPlan t) {
+void BackwardBf16Impl(const Problem& p, const Bf16Operands& ops, const Bf16BackwardOperands& qo,
+                      const SdpaArgs<float>& a, View4<const float> dout, const SdpaGrads<float>& g,
+                      View4<const float> out, View3<const float> lse, FusedPlan t) {
   FusedCall c{&p, &a, t, float(p.rules.scale)};
   c.bad_keys = ops.bad_keys.data();
   c.any_bad_keys = ops.any_bad_keys;
   BackwardUnits(c, t, dout, g, out, lse,
-                [&](BackwardScratch& w) { return Bf16BackwardProducts(c, w, ops); });
+                [&](BackwardScratch& w) { return Bf16BackwardProducts(c, w, ops, qo); });
 }
 
 }  // namespace

@@ -118,6 +118,58 @@ Bf16Operands::Bf16Operands(const Problem& p, const SdpaArgs<T>& a, const Bf16Ker
   any_bad_keys = any;
 }
 
+Bf16BackwardOperands::Bf16BackwardOperands(const Problem& p, const Bf16Operands& ops, View4<const float> dout,
+                                           View4<const float> out, View3<const float> lse) {
+  const Bf16Kernel& kern = ops.kernel;
+  const int64_t es = ops.elem(), E2 = ops.E2, Evr = ops.Evr, BH = p.B * p.H;
+  ldq = p.L + 32, Er = round_up(p.E, kern.mpad), Ev2 = round_up(p.Ev, kern.kpad);
+  const auto zeroed = [](auto& ptr, int64_t n) {
+    using E = std::remove_reference_t<decltype(ptr[0])>;
+    ptr = hwy::AllocateAligned<E>(size_t(std::max<int64_t>(n, 1)));
+    std::memset(static_cast<void*>(ptr.get()), 0, size_t(std::max<int64_t>(n, 1)) * sizeof(E));
+  };
+  zeroed(qpairs, BH * E2 / 2 * ldq);
+  zeroed(qt, BH * Er * ldq * es);
+  zeroed(dy, (BH * p.L + 16) * Ev2 * es);
+  zeroed(dyt, BH * Evr * ldq * es);
+  D.assign(size_t(BH * p.L), 0.0f);
+  poisoned.assign(size_t(BH * p.L), 0);
+  const auto put = [&](std::byte* base, int64_t i, uint16_t bits) {
+    if (kern.a_float) reinterpret_cast<float*>(base)[i] = bf16_value(bits);
+    else reinterpret_cast<uint16_t*>(base)[i] = bits;
+  };
+#pragma omp parallel for num_threads(p.threads) schedule(static)
+  for (int64_t bh = 0; bh < BH; ++bh) {
+    const int64_t b = bh / p.H, h = bh % p.H;
+    std::vector<uint16_t> dyr(size_t(p.Ev));
+    uint32_t* qp = qpairs.get() + bh * E2 / 2 * ldq;
+    std::byte* qtb = qt.get() + bh * Er * ldq * es;
+    std::byte* dytb = dyt.get() + bh * Evr * ldq * es;
+    for (int64_t i = 0; i < p.L; ++i) {
+      const int64_t row = bh * p.L + i;
+      const uint16_t* q = ops.q_row(p, b, h, i);
+      for (int64_t k = 0; k < E2 / 2; ++k) qp[k * ldq + i] = uint32_t(q[2 * k]) | uint32_t(q[2 * k + 1]) << 16;
+      for (int64_t e = 0; e < p.E; ++e) put(qtb, e * ldq + i, q[e]);
+      // dY rounded; a bad row (NaN or ±∞ after rounding), a bad q or a NaN
+      // lse poisons the row: its dY becomes zeros and D = 0.
+      bool bad = ops.qbad[size_t(row)] || lse(b, h, i) != lse(b, h, i);
+      for (int64_t e = 0; e < p.Ev; ++e) {
+        dyr[size_t(e)] = bf16_operand(dout(b, h, i, e));
+        bad = bad || (dyr[size_t(e)] & 0x7F80u) == 0x7F80u;
+      }
+      poisoned[size_t(row)] = bad;
+      if (bad) continue;
+      float acc = 0;  // D_i = Σ_e dY_ie·Y_ie
+      for (int64_t e = 0; e < p.Ev; ++e) {
+        acc += bf16_value(dyr[size_t(e)]) * out(b, h, i, e);
+        put(dy.get(), row * Ev2 + e, dyr[size_t(e)]);
+        put(dytb, e * ldq + i, dyr[size_t(e)]);
+      }
+      D[size_t(row)] = acc;
+    }
+  }
+}
+
 template <class T>
 void fused_forward_bf16_tiled(const Problem& p, const SdpaArgs<T>& a, View4<float> out, View4<float> weights,
                               View3<float> lse, Bf16Path path, const FusedPlan& t) {
@@ -143,7 +195,8 @@ void fused_backward_bf16_tiled(const Problem& p, const SdpaArgs<float>& a, View4
   const SavedState st(pb, out, lse, [&](View4<float> o, View3<float> l) {
     fused_forward_bf16_ops(pb, ops, o, {}, l, fused_plan_bf16(p));
   });
-  fused_backward_bf16_ops(pb, ops, a, dout, g, st.out, st.lse, t);
+  const Bf16BackwardOperands qo(pb, ops, dout, st.out, st.lse);
+  fused_backward_bf16_ops(pb, ops, qo, a, dout, g, st.out, st.lse, t);
 }
 
 void fused_backward_bf16(const Problem& p, const SdpaArgs<float>& a, View4<const float> dout,

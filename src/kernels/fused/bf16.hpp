@@ -135,6 +135,27 @@ struct Bf16Operands {
   }
 };
 
+// The backward's query-side operands, built once per call (in parallel)
+// from q's operands, dout and the saved state; ldq = L + 32, columns past L
+// zero; A elements as in Bf16Operands (bits, or float32 on the portable path):
+//   qpairs   [B·H][E2/2][ldq]   query pairs: B of the scores (K·Qᵀ)
+//   qt       [B·H][Er][ldq]     q transposed: A of dKᵀ (Er = E up to mpad)
+//   dy       [B·H·L + 16][Ev2]  dY rounded: A of dP (Ev2 = Ev up to kpad)
+//   dyt      [B·H][Evr][ldq]    dY rounded, transposed: A of dVᵀ
+//   D        [B·H·L]            Σ_e dY·Y with dY rounded (0 when poisoned)
+//   poisoned [B·H·L]            a bad q or dY row (after rounding) or a NaN lse
+// A poisoned row's dY is zeros (its q already is when q is bad).
+struct Bf16BackwardOperands {
+  int64_t ldq = 0, Er = 0, Ev2 = 0;
+  hwy::AlignedFreeUniquePtr<uint32_t[]> qpairs;
+  hwy::AlignedFreeUniquePtr<std::byte[]> qt, dy, dyt;
+  std::vector<float> D;
+  std::vector<uint8_t> poisoned;
+
+  Bf16BackwardOperands(const Problem& p, const Bf16Operands& ops, View4<const float> dout, View4<const float> out,
+                       View3<const float> lse);
+};
+
 // The forward with bfloat16 products on `path` (T: float, float16_t or
 // bfloat16_t inputs; everything else float32), on fused_plan_bf16(p) or a
 // given plan. Results are the same bits for any thread count.
@@ -160,9 +181,9 @@ void fused_backward_bf16_tiled(const Problem& p, const SdpaArgs<float>& a, View4
                                const SdpaGrads<float>& g, View4<const float> out, View3<const float> lse,
                                Bf16Path path, const FusedPlan& t);
 // The units on built operands (fused.cpp: dispatched to the SIMD target).
-void fused_backward_bf16_ops(const Problem& p, const Bf16Operands& ops, const SdpaArgs<float>& a,
-                             View4<const float> dout, const SdpaGrads<float>& g, View4<const float> out,
-                             View3<const float> lse, const FusedPlan& t);
+void fused_backward_bf16_ops(const Problem& p, const Bf16Operands& ops, const Bf16BackwardOperands& qo,
+                             const SdpaArgs<float>& a, View4<const float> dout, const SdpaGrads<float>& g,
+                             View4<const float> out, View3<const float> lse, const FusedPlan& t);
 
 // For tests: one product on `path` from float32 operands A [M × K] (lda)
 // and B [K × N] (ldb), rounded as above and laid out (and padded) as the

@@ -70,10 +70,10 @@ void fused_forward_bf16_ops(const Problem& p, const Bf16Operands& ops, View4<flo
   HWY_DYNAMIC_DISPATCH(ForwardBf16Impl)(p, ops, out, weights, lse, t);
 }
 
-void fused_backward_bf16_ops(const Problem& p, const Bf16Operands& ops, const SdpaArgs<float>& a,
-                             View4<const float> dout, const SdpaGrads<float>& g, View4<const float> out,
-                             View3<const float> lse, const FusedPlan& t) {
-  HWY_DYNAMIC_DISPATCH(BackwardBf16Impl)(p, ops, a, dout, g, out, lse, t);
+void fused_backward_bf16_ops(const Problem& p, const Bf16Operands& ops, const Bf16BackwardOperands& qo,
+                             const SdpaArgs<float>& a, View4<const float> dout, const SdpaGrads<float>& g,
+                             View4<const float> out, View3<const float> lse, const FusedPlan& t) {
+  HWY_DYNAMIC_DISPATCH(BackwardBf16Impl)(p, ops, qo, a, dout, g, out, lse, t);
 }
 
 void bf16_portable_gemm(int64_t M, int64_t N, int64_t K, const void* A, int64_t lda, const uint32_t* B,

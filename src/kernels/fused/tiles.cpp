@@ -129,7 +129,7 @@ BackwardScratch::BackwardScratch(const Problem& p, const FusedPlan& t, int64_t l
   bytes_ = build(alloc, mem_, [&](Carver& c) {
     q = f32 ? c.take<float>(qb * Ep) : nullptr;
     kt = f32 ? c.take<float>(p.E * kbp) : nullptr;
-    dy = c.take<float>(qb * Evp);
+    dy = f32 ? c.take<float>(qb * Evp) : nullptr;
     vt = f32 ? c.take<float>(p.Ev * kbp) : nullptr;
     s = c.take<float>(qb * kbp);
     kr = f32 ? c.take<float>(kb * Ep) : nullptr;

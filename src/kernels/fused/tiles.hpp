@@ -100,8 +100,8 @@ struct ForwardScratch {
 //   lse [qb], D [qb]  per query: log-sum-exp, Σ_e dY·Y
 //   poisoned [qb]     per query: NaN reaches it (bad q or dY, NaN lse)
 //   keep [kbp]        one row's dropout keep factors (with dropout)
-// With bfloat16 products (p.bf16_products, bf16-inl.h) q, kt, vt, kr, dk,
-// dq and dv are not used (empty); dy holds dY rounded to bfloat16.
+// With bfloat16 products (p.bf16_products, bf16-inl.h) q, kt, dy, vt, kr,
+// dk, dq and dv are not used (empty).
 struct BackwardScratch {
   int64_t qb = 0, kb = 0, kbp = 0, Ep = 0, Evp = 0;
   float *q = nullptr, *kt = nullptr, *dy = nullptr, *vt = nullptr, *s = nullptr, *kr = nullptr,
