@@ -201,8 +201,9 @@ void ForwardBf16Impl(const Problem& p, const Bf16Operands& ops, View4<float> out
 //
 // The float32 backward's units and tile (attention-inl.h, BackwardTileT) with
 // these products, PyTorch's and FlashAttention's bfloat16 backward:
-//   S   = scale · Q·Kᵀ      computed as the forward's K·Qᵀ (A = K, B = query
-//                           pairs: the same float32 sums), then transposed
+//   S   = scale · Q·Kᵀ      A = Q, B = K pairs (features paired): the
+//                           forward's float32 sums (its K·Qᵀ pairs the same
+//                           products in the same order)
 //   dP  = dY·Vᵀ             A = dY rounded, B = V pairs (features paired)
 //   dVᵀ += dYᵀ·(P∘m)        A = dY rounded, transposed, B = P rounded, rows paired
 //   dKᵀ += Qᵀ·dU            A = Q transposed, B = dU rounded, rows paired (× scale on store)
@@ -214,10 +215,10 @@ void ForwardBf16Impl(const Problem& p, const Bf16Operands& ops, View4<float> out
 // per-thread scratch beside BackwardScratch's (whose float32 q, k and v
 // blocks go unused), widths padded for the path's granularity (kpad, mpad;
 // N a multiple of 16), padding zero:
-//   vpairs [Ev2/2 × KW]   V pairs of the key block, B of dP  KW = kb + 32
+//   kfpairs [E2/2 × KW]  K pairs of the key block, B of S   KW = kb + 32
+//   vpairs [Ev2/2 × KW]   V pairs of the key block, B of dP
 //   kpairs [KW/2 × E16]   K pairs of the key block, B of dQ  E16 = E up to 16
-//   st     [kb × QW]      the scores, keys × queries         QW = qb + 32
-//   pairs  [QW/2 × kbp]   P or dU rounded, rows paired
+//   pairs  [QW/2 × kbp]   P or dU rounded, rows paired       QW = qb + 32
 //   dsa    [qb + 16 × KW] dU rows rounded, A of dQ
 //   dkt    [Er × KW], dvt [Evr × KW], dq [qb + 16 × E16]   accumulators
 class Bf16BackwardProducts {
@@ -229,9 +230,9 @@ class Bf16BackwardProducts {
     af_ = ops.kernel.a_float;
     E2_ = ops.E2, Evr_ = ops.Evr, Er_ = qo.Er, Ev2_ = qo.Ev2;
     E16_ = round_up(p.E, 16), QW_ = w.qb + 32, KW_ = w.kb + 32;
+    kfpairs_ = alloc<uint32_t>(E2_ / 2 * KW_);
     vpairs_ = alloc<uint32_t>(Ev2_ / 2 * KW_);
     kpairs_ = alloc<uint32_t>(KW_ / 2 * E16_);
-    st_ = alloc<float>(w.kb * QW_);
     pairs_ = alloc<uint32_t>(QW_ / 2 * w.kbp);
     dsa_ = alloc<std::byte>((w.qb + 16) * KW_ * elem());
     dkt_ = alloc<float>(Er_ * KW_);
@@ -247,9 +248,15 @@ class Bf16BackwardProducts {
 
   int64_t width(int64_t nk) const { return round_up(nk, 16); }
 
-  // V and K pairs of keys [j0, j0 + nk) of (b, hk), from the call's operands.
+  // K and V pairs of keys [j0, j0 + nk) of (b, hk), from the call's operands.
   void pack_keys(int64_t b, int64_t hk, int64_t j0, int64_t nk, bool rows) {
     const Problem& p = *c_.p;
+    const std::byte* kr = static_cast<const std::byte*>(ops_.k_rows(p, b, hk, j0));
+    for (int64_t k = 0; k < E2_ / 2; ++k) {
+      uint32_t* dst = kfpairs_.get() + k * KW_;
+      for (int64_t jj = 0; jj < nk; ++jj) dst[jj] = bits_at(kr, jj * E2_ + 2 * k) | bits_at(kr, jj * E2_ + 2 * k + 1) << 16;
+      std::fill(dst + nk, dst + KW_, 0u);
+    }
     const std::byte* vt = static_cast<const std::byte*>(ops_.vt_cols(p, b, hk, j0));
     for (int64_t k = 0; k < Ev2_ / 2; ++k) {
       uint32_t* dst = vpairs_.get() + k * KW_;
@@ -261,7 +268,6 @@ class Bf16BackwardProducts {
       }
     }
     if (!rows) return;
-    const std::byte* kr = static_cast<const std::byte*>(ops_.k_rows(p, b, hk, j0));
     for (int64_t k = 0; k < KW_ / 2; ++k) {
       uint32_t* dst = kpairs_.get() + k * E16_;
       for (int64_t e = 0; e < E16_; ++e) {
@@ -288,13 +294,10 @@ class Bf16BackwardProducts {
   void scores(int64_t b, int64_t h, int64_t i0, int64_t nr, int64_t j0, int64_t nk, int64_t nkp, TileOrigin at) {
     const Problem& p = *c_.p;
     BackwardScratch& w = w_;
-    // stᵀ = scale · K·Qᵀ, the forward's product
-    gemm_(round_up(nk, ops_.kernel.mpad), round_up(nr, 16), E2_, ops_.k_rows(p, b, p.kv_head(h), j0), E2_,
-          qo_.qpairs.get() + bh_ * E2_ / 2 * qo_.ldq + i0_ + at.row, qo_.ldq, st_.get(), QW_, c_.scale, false);
-    for (int64_t r = 0; r < nr; ++r) {
-      float* dst = w.s + r * w.kbp;
-      for (int64_t jj = 0; jj < nk; ++jj) dst[jj] = st_[size_t(jj * QW_ + r)];
-    }
+    // s = scale · Q·Kᵀ
+    const int64_t row = bh_ * p.L + i0_ + at.row;
+    gemm_(round_up(nr, ops_.kernel.mpad), nkp, E2_, qo_.q.get() + row * E2_ * elem(), E2_, kfpairs_.get() + at.key,
+          KW_, w.s, w.kbp, c_.scale, false);
     ScoreTileRules(c_, w, b, h, i0, nr, j0, nk, nkp);
   }
   // w.dp = dY·Vᵀ
@@ -370,9 +373,9 @@ class Bf16BackwardProducts {
   bool af_ = false;
   int64_t E2_ = 0, Evr_ = 0, Er_ = 0, Ev2_ = 0, E16_ = 0, QW_ = 0, KW_ = 0;
   int64_t bh_ = 0, i0_ = 0;  // the query block: (b·H + h), its first row
-  hwy::AlignedFreeUniquePtr<uint32_t[]> vpairs_, kpairs_, pairs_;
+  hwy::AlignedFreeUniquePtr<uint32_t[]> kfpairs_, vpairs_, kpairs_, pairs_;
   hwy::AlignedFreeUniquePtr<std::byte[]> dsa_;
-  hwy::AlignedFreeUniquePtr<float[]> st_, dkt_, dvt_, dq_;
+  hwy::AlignedFreeUniquePtr<float[]> dkt_, dvt_, dq_;
 };
 
 void BackwardBf16Impl(const Problem& p, const Bf16Operands& ops, const Bf16BackwardOperands& qo,

@@ -128,7 +128,7 @@ Bf16BackwardOperands::Bf16BackwardOperands(const Problem& p, const Bf16Operands&
     ptr = hwy::AllocateAligned<E>(size_t(std::max<int64_t>(n, 1)));
     std::memset(static_cast<void*>(ptr.get()), 0, size_t(std::max<int64_t>(n, 1)) * sizeof(E));
   };
-  zeroed(qpairs, BH * E2 / 2 * ldq);
+  zeroed(q, (BH * p.L + 16) * E2 * es);
   zeroed(qt, BH * Er * ldq * es);
   zeroed(dy, (BH * p.L + 16) * Ev2 * es);
   zeroed(dyt, BH * Evr * ldq * es);
@@ -142,14 +142,12 @@ Bf16BackwardOperands::Bf16BackwardOperands(const Problem& p, const Bf16Operands&
   for (int64_t bh = 0; bh < BH; ++bh) {
     const int64_t b = bh / p.H, h = bh % p.H;
     std::vector<uint16_t> dyr(size_t(p.Ev));
-    uint32_t* qp = qpairs.get() + bh * E2 / 2 * ldq;
     std::byte* qtb = qt.get() + bh * Er * ldq * es;
     std::byte* dytb = dyt.get() + bh * Evr * ldq * es;
     for (int64_t i = 0; i < p.L; ++i) {
       const int64_t row = bh * p.L + i;
-      const uint16_t* q = ops.q_row(p, b, h, i);
-      for (int64_t k = 0; k < E2 / 2; ++k) qp[k * ldq + i] = uint32_t(q[2 * k]) | uint32_t(q[2 * k + 1]) << 16;
-      for (int64_t e = 0; e < p.E; ++e) put(qtb, e * ldq + i, q[e]);
+      const uint16_t* qr = ops.q_row(p, b, h, i);
+      for (int64_t e = 0; e < p.E; ++e) put(q.get(), row * E2 + e, qr[e]), put(qtb, e * ldq + i, qr[e]);
       // dY rounded; a bad row (NaN or ±∞ after rounding), a bad q or a NaN
       // lse poisons the row: its dY becomes zeros and D = 0.
       bool bad = ops.qbad[size_t(row)] || lse(b, h, i) != lse(b, h, i);

@@ -138,7 +138,7 @@ struct Bf16Operands {
 // The backward's query-side operands, built once per call (in parallel)
 // from q's operands, dout and the saved state; ldq = L + 32, columns past L
 // zero; A elements as in Bf16Operands (bits, or float32 on the portable path):
-//   qpairs   [B·H][E2/2][ldq]   query pairs: B of the scores (K·Qᵀ)
+//   q        [B·H·L + 16][E2]   q's operands: A of the scores (Q·Kᵀ)
 //   qt       [B·H][Er][ldq]     q transposed: A of dKᵀ (Er = E up to mpad)
 //   dy       [B·H·L + 16][Ev2]  dY rounded: A of dP (Ev2 = Ev up to kpad)
 //   dyt      [B·H][Evr][ldq]    dY rounded, transposed: A of dVᵀ
@@ -147,8 +147,7 @@ struct Bf16Operands {
 // A poisoned row's dY is zeros (its q already is when q is bad).
 struct Bf16BackwardOperands {
   int64_t ldq = 0, Er = 0, Ev2 = 0;
-  hwy::AlignedFreeUniquePtr<uint32_t[]> qpairs;
-  hwy::AlignedFreeUniquePtr<std::byte[]> qt, dy, dyt;
+  hwy::AlignedFreeUniquePtr<std::byte[]> q, qt, dy, dyt;
   std::vector<float> D;
   std::vector<uint8_t> poisoned;
 
