@@ -823,6 +823,22 @@ Tensor<float> random_dout(const SdpaArgs<float>& a, uint64_t seed) {
   return random_tensor<float>({a.q.dim(0), a.q.dim(1), a.q.dim(2), a.v.dim(3)}, rng);
 }
 
+// The backward's plan: the bfloat16 forward's blocks rounded up to whole
+// pairs of rows and keys and whole 16-row AMX tiles (multiples of 32).
+TEST(Bf16Backward, ItsPlanCutsWholeTiles) {
+  for (int64_t n : {1, 17, 81, 1030, 65536})
+    for (int64_t e : {1, 64, 128, 256}) {
+      detail::Problem p;
+      p.B = p.H = p.Hkv = 1, p.L = p.S = n, p.E = p.Ev = e, p.bf16_products = true;
+      const detail::FusedPlan t = detail::fused_backward_plan_bf16(p), f = detail::fused_plan_bf16(p);
+      EXPECT_EQ(t.q_block % 32, 0) << n << " " << e;
+      EXPECT_EQ(t.k_block % 32, 0) << n << " " << e;
+      EXPECT_TRUE(t.q_block >= f.q_block && t.q_block < f.q_block + 32) << n << " " << e;
+      EXPECT_TRUE(t.k_block >= f.k_block && t.k_block < f.k_block + 32) << n << " " << e;
+      EXPECT_EQ(t.own_heads, f.own_heads);
+    }
+}
+
 TEST(Bf16Backward, EveryPathMatchesTheReferenceWithTheSameRoundings) {
   for (const RandomSpec& spec : backward_specs())
     for (const double dropout : {0.0, 0.25}) {
@@ -872,6 +888,26 @@ TEST(Bf16Backward, NativePathsGiveThePortableBits) {
                            backward_on(Bf16Path::portable, c.args, c.opt, dout, st)))
         << spec.str();
   }
+}
+
+// The backward's unit and portable products on every compiled SIMD target
+// this CPU runs (lane counts 16, 8, 4, 1): within the bound, and
+// AVX512_BF16 gives each target's portable bits.
+TEST(Bf16Backward, EveryCompiledTargetKeepsTheBound) {
+  const std::string names = for_each_target([&](int64_t) {
+    for (const RandomSpec& spec : backward_specs()) {
+      SdpaCase<float> c(spec);
+      c.opt.dropout_p = 0.1;
+      const Tensor<float> dout = random_dout(c.args, spec.seed);
+      const Fwd st = forward_on(Bf16Path::portable, c.args, c.opt);
+      const Grads g = backward_on(Bf16Path::portable, c.args, c.opt, dout, st);
+      EXPECT_TRUE(grads_within(g, backward_reference(c.args, c.opt, dout, st, true), spec.str()));
+      if (detail::bf16_path_available(Bf16Path::avx512_bf16)) {
+        EXPECT_TRUE(same_grads(g, backward_on(Bf16Path::avx512_bf16, c.args, c.opt, dout, st))) << spec.str();
+      }
+    }
+  });
+  std::printf("bfloat16 backward, targets run: %s\n", names.c_str());
 }
 
 TEST(Bf16Backward, AnyThreadCountGivesTheSameBits) {

@@ -105,6 +105,22 @@ HWY_INLINE VU RoundToBf16High(VF x) {
   return hn::IfThenElse(tiny, zero, hn::IfThenElse(is_nan, nan, rounded));
 }
 
+// x[0, n) rounded to bfloat16 (bf16_operand) as A elements at dst: the
+// bits, or their float32 values (a_float); n a multiple of the lane count.
+void RoundRow(const float* x, int64_t n, bool a_float, std::byte* dst) {
+  const DF d;
+  const DU du;
+  const hn::Rebind<uint16_t, DU> d16;
+  const VU high = hn::Set(du, 0xFFFF0000u);
+  for (int64_t j = 0; j < n; j += Lanes()) {
+    const VU r = RoundToBf16High(hn::LoadU(d, x + j));
+    if (a_float)
+      hn::StoreU(hn::BitCast(d, hn::And(r, high)), d, reinterpret_cast<float*>(dst) + j);
+    else
+      hn::StoreU(hn::TruncateTo(d16, hn::ShiftRight<16>(r)), d16, reinterpret_cast<uint16_t*>(dst) + j);
+  }
+}
+
 // pp[k][r] = the pair (P[2k][r], P[2k + 1][r]) of the tile's nk probability
 // rows (st, ld floats apart; rows past nk are zeros) for k < K / 2, r < nrp.
 void ProbabilityPairs(const float* st, int64_t ld, int64_t nk, int64_t K, int64_t nrp, uint32_t* pp) {
@@ -254,7 +270,8 @@ class Bf16BackwardProducts {
     const std::byte* kr = static_cast<const std::byte*>(ops_.k_rows(p, b, hk, j0));
     for (int64_t k = 0; k < E2_ / 2; ++k) {
       uint32_t* dst = kfpairs_.get() + k * KW_;
-      for (int64_t jj = 0; jj < nk; ++jj) dst[jj] = bits_at(kr, jj * E2_ + 2 * k) | bits_at(kr, jj * E2_ + 2 * k + 1) << 16;
+      for (int64_t jj = 0; jj < nk; ++jj)
+        dst[jj] = bits_at(kr, jj * E2_ + 2 * k) | bits_at(kr, jj * E2_ + 2 * k + 1) << 16;
       std::fill(dst + nk, dst + KW_, 0u);
     }
     const std::byte* vt = static_cast<const std::byte*>(ops_.vt_cols(p, b, hk, j0));
@@ -318,12 +335,13 @@ class Bf16BackwardProducts {
           dkt_.get() + at.key, KW_, 1.0f, true);
   }
   // dQ += dU·K (the scale is applied when written out)
-  void dq(int64_t nr, int64_t nk, int64_t, TileOrigin at) {
-    const int64_t M = round_up(nr, ops_.kernel.mpad), K = round_up(nk, ops_.kernel.kpad);
-    for (int64_t r = 0; r < M; ++r) {
-      const float* ds = w_.dp + r * w_.kbp;
-      for (int64_t jj = 0; jj < K; ++jj)
-        put(dsa_.get(), r * KW_ + jj, r < nr && jj < nk ? bf16_operand(ds[jj]) : uint16_t(0));
+  void dq(int64_t nr, int64_t, int64_t nkp, TileOrigin at) {
+    // (K >= nkp >= nk: dU is 0 past nk, where P is)
+    const int64_t M = round_up(nr, ops_.kernel.mpad), K = round_up(nkp, ops_.kernel.kpad), es = elem();
+    for (int64_t r = 0; r < M; ++r) {  // dU rounded, zeros past nr and nkp
+      std::byte* dst = dsa_.get() + r * KW_ * es;
+      if (r < nr) RoundRow(w_.dp + r * w_.kbp, nkp, af_, dst);
+      std::memset(dst + (r < nr ? nkp : 0) * es, 0, size_t((K - (r < nr ? nkp : 0)) * es));
     }
     gemm_(M, E16_, K, dsa_.get(), KW_, kpairs_.get() + at.key / 2 * E16_, E16_, dq_.get() + at.row * E16_, E16_,
           1.0f, true);
@@ -353,11 +371,7 @@ class Bf16BackwardProducts {
     return a;
   }
   int64_t elem() const { return af_ ? 4 : 2; }
-  // Element i of an A operand: the bits, or their float32 value (portable).
-  void put(std::byte* base, int64_t i, uint16_t bits) const {
-    if (af_) reinterpret_cast<float*>(base)[i] = bf16_value(bits);
-    else reinterpret_cast<uint16_t*>(base)[i] = bits;
-  }
+  // The bits of element i of an A operand (bits, or float32 on the portable path).
   uint32_t bits_at(const std::byte* base, int64_t i) const {
     if (!af_) return reinterpret_cast<const uint16_t*>(base)[i];
     uint32_t u;
