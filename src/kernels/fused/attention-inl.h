@@ -39,6 +39,11 @@
 // whose units own tiles of dbias. Every output element is summed in a fixed
 // order, so the results are bitwise identical for any thread count.
 //
+// Products. Both directions' units are templates on the object that does
+// their block products (Float32Products and Float32BackwardProducts here,
+// the bfloat16 ones in bf16-inl.h); everything else (tiles, band, score
+// pipeline, softmax, dS, masks, NaN) is one code for both arithmetics.
+//
 // Scores. Both directions build their score tile in one function each,
 // ScoreTileT (forward: transposed, base 2) and ScoreTile (backward): the
 // block product, the NaN poison (forward), then the score pipeline
