@@ -264,34 +264,16 @@ class Bf16BackwardProducts {
 
   int64_t width(int64_t nk) const { return round_up(nk, 16); }
 
-  // K and V pairs of keys [j0, j0 + nk) of (b, hk), from the call's operands.
+  // K and V pairs of keys [j0, j0 + nk) of (b, hk), from the call's operands
+  // (zeros past nk).
   void pack_keys(int64_t b, int64_t hk, int64_t j0, int64_t nk, bool rows) {
     const Problem& p = *c_.p;
     const std::byte* kr = static_cast<const std::byte*>(ops_.k_rows(p, b, hk, j0));
-    for (int64_t k = 0; k < E2_ / 2; ++k) {
-      uint32_t* dst = kfpairs_.get() + k * KW_;
-      for (int64_t jj = 0; jj < nk; ++jj)
-        dst[jj] = bits_at(kr, jj * E2_ + 2 * k) | bits_at(kr, jj * E2_ + 2 * k + 1) << 16;
-      std::fill(dst + nk, dst + KW_, 0u);
-    }
     const std::byte* vt = static_cast<const std::byte*>(ops_.vt_cols(p, b, hk, j0));
-    for (int64_t k = 0; k < Ev2_ / 2; ++k) {
-      uint32_t* dst = vpairs_.get() + k * KW_;
-      for (int64_t jj = 0; jj < KW_; ++jj) {
-        const bool in = jj < nk;
-        const uint32_t lo = in && 2 * k < p.Ev ? bits_at(vt, 2 * k * ops_.ldvt + jj) : 0u;
-        const uint32_t hi = in && 2 * k + 1 < p.Ev ? bits_at(vt, (2 * k + 1) * ops_.ldvt + jj) : 0u;
-        dst[jj] = lo | hi << 16;
-      }
-    }
-    if (!rows) return;
-    for (int64_t k = 0; k < KW_ / 2; ++k) {
-      uint32_t* dst = kpairs_.get() + k * E16_;
-      for (int64_t e = 0; e < E16_; ++e) {
-        const uint32_t lo = 2 * k < nk && e < p.E ? bits_at(kr, 2 * k * E2_ + e) : 0u;
-        const uint32_t hi = 2 * k + 1 < nk && e < p.E ? bits_at(kr, (2 * k + 1) * E2_ + e) : 0u;
-        dst[e] = lo | hi << 16;
-      }
+    if (af_) {
+      PackKeys(reinterpret_cast<const float*>(kr), reinterpret_cast<const float*>(vt), nk, rows);
+    } else {
+      PackKeys(reinterpret_cast<const uint16_t*>(kr), reinterpret_cast<const uint16_t*>(vt), nk, rows);
     }
   }
 
@@ -371,12 +353,45 @@ class Bf16BackwardProducts {
     return a;
   }
   int64_t elem() const { return af_ ? 4 : 2; }
-  // The bits of element i of an A operand (bits, or float32 on the portable path).
-  uint32_t bits_at(const std::byte* base, int64_t i) const {
-    if (!af_) return reinterpret_cast<const uint16_t*>(base)[i];
+  // The bfloat16 bits of an A element (bits, or a bfloat16 value as float32).
+  static uint32_t bits(uint16_t x) { return x; }
+  static uint32_t bits(float x) {
     uint32_t u;
-    std::memcpy(&u, base + i * 4, 4);
+    std::memcpy(&u, &x, 4);
     return u >> 16;  // a bfloat16 value: its low half is zero
+  }
+  // pack_keys on k rows (E2 apart) and vᵀ rows (ldvt apart) of A elements.
+  template <class A>
+  void PackKeys(const A* k, const A* vt, int64_t nk, bool rows) {
+    const Problem& p = *c_.p;
+    for (int64_t q = 0; q < E2_ / 2; ++q) {  // kfpairs[q][jj] = (K[jj][2q], K[jj][2q + 1])
+      uint32_t* dst = kfpairs_.get() + q * KW_;
+      for (int64_t jj = 0; jj < nk; ++jj) dst[jj] = bits(k[jj * E2_ + 2 * q]) | bits(k[jj * E2_ + 2 * q + 1]) << 16;
+      std::fill(dst + nk, dst + KW_, 0u);
+    }
+    for (int64_t q = 0; q < Ev2_ / 2; ++q) {  // vpairs[q][jj] = (V[jj][2q], V[jj][2q + 1])
+      uint32_t* dst = vpairs_.get() + q * KW_;
+      const A* lo = vt + 2 * q * ops_.ldvt;
+      const A* hi = lo + ops_.ldvt;
+      int64_t jj = 0;
+      if (2 * q + 1 < p.Ev)
+        for (; jj < nk; ++jj) dst[jj] = bits(lo[jj]) | bits(hi[jj]) << 16;
+      else if (2 * q < p.Ev)
+        for (; jj < nk; ++jj) dst[jj] = bits(lo[jj]);
+      std::fill(dst + jj, dst + KW_, 0u);
+    }
+    if (!rows) return;
+    for (int64_t q = 0; q < KW_ / 2; ++q) {  // kpairs[q][e] = (K[2q][e], K[2q + 1][e])
+      uint32_t* dst = kpairs_.get() + q * E16_;
+      const A* lo = k + 2 * q * E2_;
+      const A* hi = lo + E2_;
+      int64_t e = 0;
+      if (2 * q + 1 < nk)
+        for (; e < p.E; ++e) dst[e] = bits(lo[e]) | bits(hi[e]) << 16;
+      else if (2 * q < nk)
+        for (; e < p.E; ++e) dst[e] = bits(lo[e]);
+      std::fill(dst + e, dst + E16_, 0u);
+    }
   }
 
   const FusedCall& c_;
