@@ -105,8 +105,8 @@ HWY_INLINE VU RoundToBf16High(VF x) {
   return hn::IfThenElse(tiny, zero, hn::IfThenElse(is_nan, nan, rounded));
 }
 
-// pp[k][r] = the pair (P[2k][r], P[2k + 1][r]) of the tile's nk probability
-// rows (st, ld floats apart; rows past nk are zeros) for k < K / 2, r < nrp.
+// bf16.hpp's Bf16Pairs on the running SIMD target (the paths without their
+// own conversion instruction).
 void ProbabilityPairs(const float* st, int64_t ld, int64_t nk, int64_t K, int64_t nrp, uint32_t* pp) {
   const DF d;
   const DU du;
@@ -174,7 +174,7 @@ class Bf16Products {
       for (int64_t r = 0; r < nrp; r += Lanes())
         hn::Store(hn::Mul(hn::Load(d, w_.ot + e * qbp + r), hn::Load(d, alpha + r)), d, w_.ot + e * qbp + r);
     const int64_t K = round_up(nk, ops_.kernel.kpad);
-    ProbabilityPairs(w_.st, qbp, nk, K, nrp, w_.pp);
+    (ops_.kernel.pairs ? ops_.kernel.pairs : &ProbabilityPairs)(w_.st, qbp, nk, K, nrp, w_.pp);
     gemm_(ops_.Evr, nrp, K, ops_.vt_cols(p, b, p.kv_head(h), j0), ops_.ldvt, w_.pp, qbp, w_.ot, qbp, 1.0f, true);
   }
   // Row r of the output: y = acc / sum.

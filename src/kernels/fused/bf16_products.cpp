@@ -181,6 +181,31 @@ void Gemm(int64_t M, int64_t N, int64_t K, const void* Av, int64_t lda, const ui
   });
 }
 
+// bf16.hpp's Bf16Pairs with VCVTNE2PS2BF16, whose conversion is
+// bf16_operand's: nearest even, a subnormal input to a signed zero, NaN
+// kept and made quiet. It leaves the even row's 16 values in the low half
+// and the odd row's in the high half; one permutation interleaves them.
+void Pairs(const float* st, int64_t ld, int64_t nk, int64_t K, int64_t nrp, uint32_t* pp) {
+  alignas(64) static constexpr uint16_t kInterleave[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,
+                                                           21, 6, 22, 7, 23, 8, 24, 9, 25, 10, 26,
+                                                           11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i interleave = _mm512_load_si512(kInterleave);
+  for (int64_t k = 0; 2 * k < K; ++k) {
+    const float* e = 2 * k < nk ? st + 2 * k * ld : nullptr;
+    const float* o = 2 * k + 1 < nk ? st + (2 * k + 1) * ld : nullptr;
+    uint32_t* dst = pp + k * ld;
+    int64_t r = 0;
+    for (; r + 16 <= nrp; r += 16) {
+      const __m512 ev = e ? _mm512_loadu_ps(e + r) : _mm512_setzero_ps();
+      const __m512 ov = o ? _mm512_loadu_ps(o + r) : _mm512_setzero_ps();
+      const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(ov, ev);
+      _mm512_storeu_si512(dst + r, _mm512_permutexvar_epi16(interleave, both));
+    }
+    for (; r < nrp; ++r)  // a SIMD target with 8 lanes leaves a half vector
+      dst[r] = (e ? bf16_operand(e[r]) : 0u) | (o ? uint32_t(bf16_operand(o[r])) << 16 : 0u);
+  }
+}
+
 }  // namespace dp
 
 // ---- AMX: TDPBF16PS ---------------------------------------------------------
@@ -287,11 +312,13 @@ Bf16Kernel bf16_kernel(Bf16Path path) {
     case Bf16Path::avx512_bf16:
 #if ATTN_BF16_X86
       k.gemm = &dp::Gemm;
+      k.pairs = &dp::Pairs;
 #endif
       break;
     case Bf16Path::amx:
 #if ATTN_BF16_X86
       k.gemm = &native::AmxGemm<native::Tiles>;
+      k.pairs = &dp::Pairs;
       k.thread_begin = &native::AmxBegin<native::Tiles>;
       k.thread_end = &native::AmxEnd<native::Tiles>;
 #endif
