@@ -127,12 +127,13 @@ class MultiheadAttention:
     float64. add_bias_kv and add_zero_attn exist for PyTorch's argument order
     and must keep their defaults.
 
-    compute_dtype="bfloat16" (float32 layers) computes the attention inside,
-    forward and backward, with bfloat16 products and float32 sums, as
-    attn.scaled_dot_product_attention(compute_dtype="bfloat16") does; the
-    parameters, the projections and the outputs stay float32 (master
-    weights in float32, as in mixed-precision training). None or "float32":
-    exact float32.
+    compute_dtype="bfloat16" (float32 layers) gives every product of the
+    layer bfloat16 operands with float32 sums, forward and backward: the
+    projections' GEMMs and the attention inside (as
+    attn.scaled_dot_product_attention(compute_dtype="bfloat16") computes
+    it), as PyTorch's autocast does; the parameters, their gradients and the
+    outputs stay float32 (master weights, as in mixed-precision training).
+    None or "float32": exact float32.
 
     dropout (0 <= dropout <= 1, as in PyTorch) drops attention weights in
     training mode: the layer starts in it (training is True, as a torch

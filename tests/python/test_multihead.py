@@ -146,12 +146,23 @@ def test_threads_match_serial():
         np.testing.assert_array_equal(w, serial[i % 8][1])
 
 
-def test_bfloat16_compute_is_the_composed_bfloat16_attention():
-    """compute_dtype="bfloat16": the layer equals its composition around
-    attn's dense call with bfloat16 products (float32 GEMMs differ only in
-    their rounding), forward and backward, and differs from the exact layer
-    by what the products' rounding allows."""
+def composed_bf16(layer, x, dy, **sdpa_kw):
+    """test_dropout.composed with every product on bfloat16 operands: the
+    GEMMs round both operands, the attention computes with
+    compute_dtype="bfloat16"."""
+    import ml_dtypes
     from test_dropout import composed
+    r = lambda a: np.asarray(a, np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
+    y, _, dx, dW = composed(layer, x, dy, mm=lambda a, b: r(a) @ r(b), compute_dtype="bfloat16", **sdpa_kw)
+    return y, dx, dW
+
+
+def test_bfloat16_compute_is_the_composed_bfloat16_layer():
+    """compute_dtype="bfloat16": every product of the layer takes bfloat16
+    operands (the projections' GEMMs and the attention), forward and backward:
+    the layer equals its composition with the operands rounded (float32 sums
+    in another order), and differs from the exact layer by what the rounding
+    allows."""
     rng = np.random.default_rng(11)
     D, H, B, L = 32, 4, 2, 48  # more query rows than the decode kernel takes
     exact = attn.MultiheadAttention(D, H, batch_first=True, seed=11)
@@ -164,7 +175,7 @@ def test_bfloat16_compute_is_the_composed_bfloat16_attention():
     dy = rng.standard_normal((B, L, D)).astype(np.float32)
     y, _ = bf(x, x, x, is_causal=True, need_weights=False)
     dx = bf.backward(dy)["query"]
-    y_ref, _, dx_ref, dW_ref = composed(bf, x, dy, is_causal=True, compute_dtype="bfloat16")
+    y_ref, dx_ref, dW_ref = composed_bf16(bf, x, dy, is_causal=True)
     scale = np.max(np.abs(y_ref))
     np.testing.assert_allclose(y, y_ref, rtol=0, atol=2e-5 * scale)
     np.testing.assert_allclose(dx, dx_ref, rtol=0, atol=2e-4 * np.max(np.abs(dx_ref)))

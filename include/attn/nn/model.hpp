@@ -31,8 +31,8 @@ namespace attn::nn {
 // state stay float32, and every attention call computes its two products
 // (Q·Kᵀ, P·V) with bfloat16 operands summed in float32
 // (SdpaOptions::compute_dtype = bfloat16; its backward is float32 on the
-// bfloat16 forward's saved state). The GEMMs of the projections, the MLP
-// and the head stay float32.
+// bfloat16 forward's saved state), as do the attention layers' projection
+// GEMMs (MhaOptions); the GEMMs of the MLP and the head stay float32.
 enum class Precision { fp32, bf16 };
 const char* precision_name(Precision p);
 Precision parse_precision(const std::string& name);  // throws attn::InvalidArgument
