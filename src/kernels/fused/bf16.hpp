@@ -56,8 +56,8 @@ enum class Bf16Path {
 const char* bf16_path_name(Bf16Path path);
 // Whether this CPU (and for AMX, the operating system's permission) runs it.
 bool bf16_path_available(Bf16Path path);
-// The fastest available path: AMX, else AVX512_BF16, else portable
-// (decided once per process).
+// The fastest available path: AMX, else AVX512_BF16 on AMD CPUs, else
+// portable (decided once per process; bf16_products.cpp says why).
 Bf16Path bf16_best_path();
 
 // One product C[M × N] = alpha·(A·B) (accumulate false) or C += A·B
