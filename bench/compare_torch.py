@@ -26,6 +26,8 @@ float32, self-attention, the same weights: attn loads torch's state_dict),
 forward (torch under no_grad) and forward+backward (torch autograd; attn's
 layer backward). The two are timed alternately, one call each per round, so
 load changes hit both; the outputs and input gradients are compared first.
+--layer-dtype bfloat16: torch's layer and inputs in bfloat16 against attn's
+float32 layer with compute_dtype="bfloat16" (bfloat16 operands, float32 sums).
 
     python3 bench/compare_torch.py --layer [--layer-shapes "8,128,256,4;4,512,512,8"] [--threads 2]
                                    [--reps 15] [--json out.json]
@@ -393,24 +395,30 @@ def variants_main(args, torch):
     return 0
 
 
-def layer_rows(torch, attn, shapes, threads, reps):
+def layer_rows(torch, attn, shapes, threads, reps, dtype="float32"):
     """Alternating timings of attn.MultiheadAttention and torch.nn.MultiheadAttention, and of the
     attention inside each alone (on the strided (B, H, N, d) views of a packed (B, N, 3D) projection,
     as each layer calls it: torch on the strided views, attn on dense heads), so that layer - attention
-    = the projections (GEMMs, bias, head split, copies)."""
+    = the projections (GEMMs, bias, head split, copies). dtype bfloat16: torch's layer, inputs and
+    attention in bfloat16 against attn's float32 layer with compute_dtype="bfloat16" (every product on
+    bfloat16 operands, float32 sums)."""
     import numpy as np
     import torch.nn.functional as F
 
+    bf16 = dtype == "bfloat16"
+    tdt = torch.bfloat16 if bf16 else torch.float32
+    compute = dict(compute_dtype="bfloat16") if bf16 else {}
     rows = []
     for B, N, D, H in shapes:
         torch.set_num_threads(threads)
         ref = torch.nn.MultiheadAttention(D, H, batch_first=True)
-        mine = attn.MultiheadAttention(D, H, batch_first=True, dtype=np.float32, seed=0)
+        mine = attn.MultiheadAttention(D, H, batch_first=True, dtype=np.float32, seed=0, **compute)
         mine.load_state_dict({n: p.detach() for n, p in ref.state_dict().items()})
+        ref = ref.to(tdt)
         rng = np.random.default_rng(0)
         x = rng.standard_normal((B, N, D)).astype(np.float32)
         dout = rng.standard_normal((B, N, D)).astype(np.float32)
-        xt, doutt = torch.from_numpy(x), torch.from_numpy(dout)
+        xt, doutt = torch.from_numpy(x).to(tdt), torch.from_numpy(dout).to(tdt)
 
         # Validate: the same output and input gradient.
         ya, _ = mine(x, x, x, need_weights=False)
@@ -418,8 +426,8 @@ def layer_rows(torch, attn, shapes, threads, reps):
         xg = xt.clone().requires_grad_(True)
         yt, _ = ref(xg, xg, xg, need_weights=False)
         yt.backward(doutt)
-        check = (f"max|dy| {np.abs(ya - yt.detach().numpy()).max():.1e}, "
-                 f"max|dx| {np.abs(ga - xg.grad.numpy()).max():.1e}")
+        check = (f"max|dy| {np.abs(ya - yt.detach().float().numpy()).max():.1e}, "
+                 f"max|dx| {np.abs(ga - xg.grad.float().numpy()).max():.1e}")
 
         # The attention alone: q, k, v as (B, H, N, d) views of one (B, N, 3D) array.
         qkv = rng.standard_normal((B, N, 3 * D)).astype(np.float32)
@@ -427,9 +435,9 @@ def layer_rows(torch, attn, shapes, threads, reps):
                    for i in range(3))
         dy = rng.standard_normal((B, N, H, D // H)).astype(np.float32).transpose(0, 2, 1, 3)
         qd, kd, vd, dyd = (np.ascontiguousarray(t) for t in (q, k, v, dy))  # attn's layer: dense heads
-        qkvt = torch.from_numpy(qkv)
+        qkvt = torch.from_numpy(qkv).to(tdt)
         qt, kt, vt = (qkvt[:, :, i * D:(i + 1) * D].view(B, N, H, D // H).transpose(1, 2) for i in range(3))
-        dyt = torch.from_numpy(dy)
+        dyt = torch.from_numpy(dy).to(tdt)
 
         def torch_fwd():
             with torch.no_grad():
@@ -456,11 +464,11 @@ def layer_rows(torch, attn, shapes, threads, reps):
             F.scaled_dot_product_attention(qq, kk, vv).backward(dyt)
 
         def attn_sdpa_fwd():
-            attn.scaled_dot_product_attention(qd, kd, vd)
+            attn.scaled_dot_product_attention(qd, kd, vd, **compute)
 
         def attn_sdpa_fwdbwd():
-            o, lse = attn.scaled_dot_product_attention(qd, kd, vd, return_lse=True)
-            attn.scaled_dot_product_attention_backward(dyd, qd, kd, vd, output=o, lse=lse)
+            o, lse = attn.scaled_dot_product_attention(qd, kd, vd, return_lse=True, **compute)
+            attn.scaled_dot_product_attention_backward(dyd, qd, kd, vd, output=o, lse=lse, **compute)
 
         for mode, fns in (("fwd", (torch_fwd, attn_fwd, torch_sdpa_fwd, attn_sdpa_fwd)),
                           ("fwdbwd", (torch_fwdbwd, attn_fwdbwd, torch_sdpa_fwdbwd, attn_sdpa_fwdbwd))):
@@ -556,7 +564,7 @@ def main_layer(args, torch):
     shapes = [tuple(parse_list(s)) for s in args.layer_shapes.split(";") if s]
     load = os.getloadavg()
     print(f"torch {torch.__version__} (CPU capability {torch.backends.cpu.get_cpu_capability()}), attn "
-          f"{attn.__version__}; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+          f"{attn.__version__}; {args.layer_dtype}; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
     print(f"{'':28} {'whole layer':^32} | {'attention alone':^24} | {'projections = layer - attention':^24} "
           f"| layer")
     print(f"{'B':>3} {'N':>5} {'D':>4} {'H':>3} {'mode':7} {'th':>2} {'torch ms':>10} {'attn ms':>10} "
@@ -565,7 +573,7 @@ def main_layer(args, torch):
     print("(attn/torch: ratio of the medians; paired: median over the rounds of the ratio within a round)")
     rows = []
     for threads in parse_list(args.threads):
-        rows += layer_rows(torch, attn, shapes, threads, args.reps)
+        rows += layer_rows(torch, attn, shapes, threads, args.reps, args.layer_dtype)
     worst = max(rows, key=lambda r: r["ratio"])
     print(f"\nslowest relative to torch: (B, N, D, H) = ({worst['B']}, {worst['N']}, {worst['D']}, {worst['H']}) "
           f"{worst['mode']} threads={worst['threads']}: attn/torch = {worst['ratio']:.3f}")
@@ -599,6 +607,8 @@ def main():
     ap.add_argument("--decode-window", type=int, default=-1,
                     help="decode mode: a causal sliding window of this many keys before each query (-1: none)")
     ap.add_argument("--layer", action="store_true", help="time the multi-head layers (see above)")
+    ap.add_argument("--layer-dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="--layer: bfloat16 = torch's layer in bfloat16 against attn's with compute_dtype bfloat16")
     ap.add_argument("--layer-shapes", default="8,128,256,4;4,512,512,8;1,2048,768,12",
                     help="layer and gemm modes: B,N,D,H;...")
     ap.add_argument("--gemm", action="store_true", help="the layer's GEMMs alone (see above)")

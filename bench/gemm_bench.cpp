@@ -10,6 +10,8 @@
 //   dnnl-matmul  oneDNN's matmul primitive, float32, created once per shape
 //   dnnl-bf16    the same primitive on bfloat16 A and B (rounded before the
 //                timing) with float32 accumulation and C
+//   attn-bf16    attn's detail::gemm_bf16 on the float32 operands (their
+//                rounding timed too), the multi-head layer's bfloat16 GEMMs
 //
 // --embed D,... times the six products of a packed self-attention layer with
 // --rows = B·L rows and width D (forward x·W_inᵀ, o·W_oᵀ; backward dyᵀ·o,
@@ -168,6 +170,12 @@ std::vector<Candidate> all_candidates() {
                                              o.C.data(), s.N, 1.0f, 0.0f, t);
                  });
                }});
+  c.push_back({"attn-bf16", true, omp_threads, [](const Shape& s, Operands& o, int t, std::string*) {
+                 return std::function<void()>([&o, s, t] {
+                   attn::detail::gemm_bf16({s.M, s.N, s.K}, s.ta, o.A.data(), s.lda(), s.tb, o.B.data(), s.ldb(),
+                                           o.C.data(), s.N, 1.0f, 0.0f, t);
+                 });
+               }});
   c.push_back({"openblas", false, [](int t) { openblas_set_num_threads(t), omp_set_num_threads(t); },
                [](const Shape& s, Operands& o, int, std::string*) {
                  return std::function<void()>([&o, s] {
@@ -288,6 +296,9 @@ int main(int argc, char** argv) {
     if (table) {
       std::printf("\n%d thread%s; FMA peak %.1f GFLOP/s (%.1f per CPU-second)\n", threads, threads > 1 ? "s" : "",
                   peak, per_cpu);
+      if (const double amx = peak_seconds > 0 ? attn_bench::amx_peak_gflops(threads, peak_seconds) : 0; amx > 0)
+        std::printf("AMX bfloat16 peak (TDPBF16PS, tiles in registers) %.1f GFLOP/s: the bfloat16 rows' own "
+                    "limit\n", amx);
       std::printf("%6s %6s %6s %2s %2s %-12s %9s %8s %6s %8s %6s %8s  %s\n", "M", "N", "K", "ta", "tb", "candidate",
                   "median ms", "GFLOP/s", "% peak", "GF/cpu-s", "% peak", "rel err", "picked");
     }

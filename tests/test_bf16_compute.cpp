@@ -131,6 +131,34 @@ TEST(Bf16Gemm, EveryPathIsItsInstructionsDocumentedArithmetic) {
           }
 }
 
+// A path's own conversion of the probabilities into pairs (VCVTNE2PS2BF16)
+// is bf16_operand's, including ties, subnormals, NaN, and the rows past nk.
+TEST(Bf16Gemm, ProbabilityPairsRoundAsOperands) {
+  const float specials[] = {0.0f, 1.0f, 1.0f + 0x1p-8f, 1.0f + 3 * 0x1p-8f, 0x1p-127f, 0x1p-126f, 0.3f, kNaNf};
+  std::mt19937_64 rng(9);
+  std::uniform_real_distribution<float> unit(0.0f, 1.0f);
+  for (Bf16Path path : runnable_paths()) {
+    const detail::Bf16Kernel kern = detail::bf16_kernel(path);
+    if (!kern.pairs) continue;
+    for (int64_t nrp : {8, 16, 24, 48})
+      for (int64_t nk : {1, 2, 5, 32})
+        for (int64_t K : {nk + nk % 2, int64_t(32)}) {
+          const int64_t ld = 48;
+          std::vector<float> st(size_t(nk * ld));
+          for (size_t i = 0; i < st.size(); ++i) st[i] = i % 5 == 0 ? specials[(i / 5) % 8] : unit(rng);
+          std::vector<uint32_t> pp(size_t(K / 2 * ld), 0xDEADBEEFu);
+          kern.pairs(st.data(), ld, nk, K, nrp, pp.data());
+          for (int64_t k = 0; k < K / 2; ++k)
+            for (int64_t r = 0; r < nrp; ++r) {
+              const uint32_t lo = 2 * k < nk ? detail::bf16_operand(st[size_t(2 * k * ld + r)]) : 0u;
+              const uint32_t hi = 2 * k + 1 < nk ? detail::bf16_operand(st[size_t((2 * k + 1) * ld + r)]) : 0u;
+              ASSERT_EQ(pp[size_t(k * ld + r)], lo | hi << 16)
+                  << detail::bf16_path_name(path) << " nrp=" << nrp << " nk=" << nk << " k=" << k << " r=" << r;
+            }
+        }
+  }
+}
+
 // The bfloat16 forward's plan: fused_plan's promises (tiles.hpp), key tiles at
 // least as long, its scratch within the budget for head sizes up to 256.
 TEST(Bf16Compute, ItsPlanKeepsThePromises) {

@@ -5,6 +5,7 @@
 // bits for any thread count.
 #include <cstring>
 
+#include "kernels/fused/bf16.hpp"
 #include "kernels/gemm/gemm.hpp"
 #include "testing.hpp"
 
@@ -141,3 +142,58 @@ TEST(Gemm, TilesFollowTheRule) {
 }
 
 }  // namespace
+
+// gemm_bf16: the operands rounded to bfloat16 (bf16_operand), float32 sums.
+// Against the sum in double of the rounded operands' products, within
+// float32's accumulation bound (K + 2)·2^-24·(|alpha|·Σ_k |a·b| + |beta·c|);
+// and clearly apart from the float32 product (the rounding is really
+// there); the same bits for any thread count; NaN reaches its row.
+TEST(GemmBf16, IsTheProductOfTheRoundedOperands) {
+  std::mt19937_64 rng(17);
+  const auto r = [](float x) { return double(attn::detail::bf16_value(attn::detail::bf16_operand(x))); };
+  for (int64_t M : {1, 17, 300})
+    for (int64_t N : {1, 33, 280})
+      for (int64_t K : {1, 7, 130, 700})
+        for (int t = 0; t < 4; ++t) {
+          const bool ta = t & 1, tb = t & 2;
+          const float alpha = K % 2 ? 1.0f : 0.5f, beta = M == 17 ? 0.25f : 0.0f;
+          const int64_t lda = (ta ? M : K) + 1, ldb = (tb ? K : N) + 2, ldc = N + 1;
+          auto A = random_tensor<float>({(ta ? K : M) * lda}, rng);
+          auto B = random_tensor<float>({(tb ? N : K) * ldb}, rng);
+          auto C = random_tensor<float>({M * ldc}, rng);
+          const auto C0 = C;
+          attn::detail::gemm_bf16({M, N, K}, ta, A.data(), lda, tb, B.data(), ldb, C.data(), ldc, alpha, beta, 2);
+          for (int64_t threads : {1, 3}) {
+            auto again = C0;
+            attn::detail::gemm_bf16({M, N, K}, ta, A.data(), lda, tb, B.data(), ldb, again.data(), ldc, alpha, beta,
+                                    int(threads));
+            ASSERT_EQ(std::memcmp(again.data(), C.data(), C.size() * sizeof(float)), 0) << M << " " << N << " " << K;
+          }
+          double worst = 0, apart = 0;
+          for (int64_t i = 0; i < M; ++i)
+            for (int64_t j = 0; j < N; ++j) {
+              double exact = 0, mag = 0, f32 = 0;
+              for (int64_t k = 0; k < K; ++k) {
+                const float a = ta ? A[size_t(k * lda + i)] : A[size_t(i * lda + k)];
+                const float b = tb ? B[size_t(j * ldb + k)] : B[size_t(k * ldb + j)];
+                exact += r(a) * r(b), mag += std::abs(r(a) * r(b)), f32 += double(a) * double(b);
+              }
+              const double c0 = C0[size_t(i * ldc + j)];
+              const double want = alpha * exact + beta * c0;
+              const double bound = double(K + 2) * 0x1p-24 * (std::abs(alpha) * mag + std::abs(beta * c0)) + 1e-30;
+              worst = std::max(worst, std::abs(C[size_t(i * ldc + j)] - want) / bound);
+              apart = std::max(apart, std::abs(alpha * f32 + beta * c0 - want));
+            }
+          ASSERT_LE(worst, 1.0) << M << "x" << N << "x" << K << " ta=" << ta << " tb=" << tb;
+          if (M * N * K > 1000) {
+            ASSERT_GT(apart, 1e-4) << "the operands were not rounded";
+          }
+        }
+  // NaN in A's row 2 reaches C's row 2 only.
+  auto A = random_tensor<float>({40 * 64}, rng), B = random_tensor<float>({64 * 48}, rng);
+  A[2 * 64 + 5] = std::numeric_limits<float>::quiet_NaN();
+  std::vector<float> C(40 * 48, 0.0f);
+  attn::detail::gemm_bf16({40, 48, 64}, false, A.data(), 64, false, B.data(), 48, C.data(), 48);
+  for (int64_t i = 0; i < 40; ++i)
+    for (int64_t j = 0; j < 48; ++j) ASSERT_EQ(std::isnan(C[size_t(i * 48 + j)]), i == 2) << i << " " << j;
+}

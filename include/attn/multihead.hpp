@@ -99,6 +99,10 @@ struct MhaGrads {
 // options, so backward regenerates the forward's mask; decode refuses it.
 // The layer's attention is one call over all heads, so the weight dropped
 // at (b, h, i, j) is the dense call's on the projected q, k, v.
+// sdpa.compute_dtype = bfloat16 (float layers) gives the projections'
+// products bfloat16 operands too, forward and backward, with float32 sums
+// and float32 parameters, gradients and outputs (the products of autocast
+// in PyTorch); decode keeps float32 projections.
 struct MhaOptions {
   SdpaOptions sdpa;
 };

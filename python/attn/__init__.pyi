@@ -157,6 +157,7 @@ class MultiheadAttention:
     batch_first: bool
     bias: bool
     dtype: np.dtype[Any]
+    compute_dtype: Optional[str]
     dropout: float
     training: bool
     generator: np.random.Generator
@@ -178,6 +179,7 @@ class MultiheadAttention:
         seed: Optional[int] = None,
         sinks: Union[bool, ArrayLike] = False,
         generator: Optional[np.random.Generator] = None,
+        compute_dtype: Any = None,
     ) -> None: ...
     def train(self, mode: bool = True) -> "MultiheadAttention":
         """Training mode (the default): forward() applies the attention dropout."""

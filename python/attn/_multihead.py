@@ -116,7 +116,8 @@ class MultiheadAttention:
 
     MultiheadAttention(embed_dim, num_heads, dropout=0.0, bias=True,
                        add_bias_kv=False, add_zero_attn=False, kdim=None, vdim=None,
-                       batch_first=False, device=None, dtype=None, *, seed=None, sinks=False)
+                       batch_first=False, device=None, dtype=None, *, seed=None, sinks=False,
+                       compute_dtype=None)
 
     Parameters (state_dict names, weights stored [out, in]): in_proj_weight
     [3E, E] and in_proj_bias [3E] when kdim = vdim = embed_dim, otherwise
@@ -125,6 +126,14 @@ class MultiheadAttention:
     weights, zero biases), drawn from `seed`. dtype is float32 (default) or
     float64. add_bias_kv and add_zero_attn exist for PyTorch's argument order
     and must keep their defaults.
+
+    compute_dtype="bfloat16" (float32 layers) gives every product of the
+    layer bfloat16 operands with float32 sums, forward and backward: the
+    projections' GEMMs and the attention inside (as
+    attn.scaled_dot_product_attention(compute_dtype="bfloat16") computes
+    it), as PyTorch's autocast does; the parameters, their gradients and the
+    outputs stay float32 (master weights, as in mixed-precision training).
+    None or "float32": exact float32.
 
     dropout (0 <= dropout <= 1, as in PyTorch) drops attention weights in
     training mode: the layer starts in it (training is True, as a torch
@@ -159,7 +168,7 @@ class MultiheadAttention:
                  add_bias_kv: bool = False, add_zero_attn: bool = False, kdim: Optional[int] = None,
                  vdim: Optional[int] = None, batch_first: bool = False, device: Any = None,
                  dtype: Any = None, *, seed: Optional[int] = None, sinks: Any = False,
-                 generator: Optional[np.random.Generator] = None) -> None:
+                 generator: Optional[np.random.Generator] = None, compute_dtype: Any = None) -> None:
         if isinstance(dropout, bool) or not isinstance(dropout, (int, float, np.floating, np.integer)) or not (
                 0.0 <= float(dropout) <= 1.0):
             raise ValueError(f"{_FN}: 'dropout' is {dropout!r}, expected a probability 0 <= dropout <= 1")
@@ -171,6 +180,7 @@ class MultiheadAttention:
         if device is not None and str(device) != "cpu":
             raise ValueError(f"{_FN}: device is '{device}'; attn runs on the CPU only")
         self.dtype = self._dtype(dtype)
+        self.compute_dtype = self._compute_dtype(compute_dtype, self.dtype)
         self.embed_dim = int(embed_dim)
         self.num_heads = int(num_heads)
         self.kdim = self.embed_dim if kdim is None else int(kdim)
@@ -212,6 +222,17 @@ class MultiheadAttention:
         if name in ("float64", "double"):
             return np.dtype(np.float64)
         raise ValueError(f"{_FN}: dtype is {dtype}, expected float32 or float64")
+
+    @staticmethod
+    def _compute_dtype(compute_dtype: Any, dtype: np.dtype) -> Optional[str]:
+        if compute_dtype is None:
+            return None
+        name = str(compute_dtype).replace("torch.", "")
+        if name not in ("float32", "bfloat16"):
+            raise ValueError(f"{_FN}: compute_dtype is {compute_dtype}, expected None, 'float32' or 'bfloat16'")
+        if name == "bfloat16" and dtype != np.float32:
+            raise ValueError(f"{_FN}: compute_dtype is bfloat16, which takes a float32 layer; this one is {dtype}")
+        return name
 
     # Training mode ------------------------------------------------------------
 
@@ -394,7 +415,7 @@ class MultiheadAttention:
         self._layer.forward(q, None if same else k, None if same else v, out, attn_mask=mask, attn_bias=bias,
                             key_padding_mask=kpm, head_weights=head_w, avg_weights=avg_w,
                             causal=bool(is_causal), backend=backend, cache=cache, dropout_p=dropout_p,
-                            dropout_seed=seed, **variants)
+                            dropout_seed=seed, compute_dtype=self.compute_dtype, **variants)
 
         w = avg_w if avg_w is not None else head_w
         if not batched:

@@ -365,7 +365,8 @@ void bind_multihead(nb::module_& m, const char* name, const char* cache_name) {
              const Opt<Arr<T, 4>>& head_weights, const Opt<Arr<T, 3>>& avg_weights, bool causal,
              const std::string& backend, int num_threads, Cache* cache, const Opt<Arr<const T, 1>>& alibi_slopes,
              int64_t window_left, int64_t window_right, double softcap, int64_t chunk_size, Opt<int64_t> position_offset,
-             double dropout_p, uint64_t dropout_seed, uint64_t dropout_offset) {
+             double dropout_p, uint64_t dropout_seed, uint64_t dropout_offset,
+             const std::optional<std::string>& compute_dtype) {
             attn::MhaArgs<T> a;
             a.query = view_of<const T, 3>(query, "query");
             a.key = view_of<const T, 3>(key, "key");
@@ -377,9 +378,11 @@ void bind_multihead(nb::module_& m, const char* name, const char* cache_name) {
             const attn::MhaOutputs<T> o{view_of<T, 3>(out, "out"), view_of<T, 4>(head_weights, "head_weights"),
                                         view_of<T, 3>(avg_weights, "avg_weights")};
             attn::MhaOptions opt;
-            opt.sdpa = with_dropout(sdpa_options(std::nullopt, causal, backend, num_threads,
-                                                 variants(window_left, window_right, softcap, chunk_size, position_offset)),
-                                    dropout_p, dropout_seed, dropout_offset);
+            opt.sdpa = with_compute(with_dropout(sdpa_options(std::nullopt, causal, backend, num_threads,
+                                                              variants(window_left, window_right, softcap, chunk_size,
+                                                                       position_offset)),
+                                                 dropout_p, dropout_seed, dropout_offset),
+                                    compute_dtype);
             nb::gil_scoped_release release;
             l.forward(a, o, opt, cache);
           },
@@ -390,11 +393,12 @@ void bind_multihead(nb::module_& m, const char* name, const char* cache_name) {
           "causal"_a = false, "backend"_a = "auto", "num_threads"_a = 0, "cache"_a.none() = nb::none(),
           "alibi_slopes"_a.noconvert().none() = nb::none(), "window_left"_a = -1, "window_right"_a = -1,
           "softcap"_a = 0.0, "chunk_size"_a = 0, "position_offset"_a.none() = nb::none(), "dropout_p"_a = 0.0,
-          "dropout_seed"_a = 0, "dropout_offset"_a = 0,
+          "dropout_seed"_a = 0, "dropout_offset"_a = 0, "compute_dtype"_a.none() = nb::none(),
           "Forward on (B, N, width) arrays (key and value None: self-attention); writes out and the\n"
           "weights given, and fills cache (which then owns copies of everything backward needs).\n"
           "alibi_slopes (H), window_left/right (-1 unbounded), softcap (0 off), position_offset: the variants;\n"
-          "dropout_p, dropout_seed, dropout_offset: attention dropout (the cache keeps them for backward).")
+          "dropout_p, dropout_seed, dropout_offset: attention dropout (the cache keeps them for backward);\n"
+          "compute_dtype: the attention's products, 'float32' or 'bfloat16' (None: float32).")
       .def(
           "decode",
           [](const Layer& l, const Arr<const T, 3>& query, attn::KVCache& kv, const Arr<T, 3>& out,

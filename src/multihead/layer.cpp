@@ -214,7 +214,8 @@ void MultiheadAttention<T>::forward(const MhaArgs<T>& a, const MhaOutputs<T>& o,
   sized(st.packed, {proj_size});
   sized(st.proj, {proj_size});
   const auto ps = parts<T>(*this, cfg_, packed_, self, B, L, S, xq, xk, xv, st.packed.data(), nullptr);
-  const auto [qh, kh, vh] = project(ps, self && packed_, B, L, S, H, E, Ev, st.proj.data(), threads);
+  const bool bf16 = opt.sdpa.compute_dtype == Dtype::bfloat16;  // the projections' products too
+  const auto [qh, kh, vh] = project(ps, self && packed_, B, L, S, H, E, Ev, st.proj.data(), threads, bf16);
   if (qk_.forward) qk_.forward(qh, kh);
 
   // The masks, owned by the cache: key_padding_mask (true = padding) folds
@@ -266,7 +267,7 @@ void MultiheadAttention<T>::forward(const MhaArgs<T>& a, const MhaOutputs<T>& o,
 
   // y = o·W_oᵀ + b_o
   project_out(st.attn_out.data(), parameter(kOutProjWeight).data(),
-              cfg_.bias ? parameter(kOutProjBias).data() : nullptr, HEv, o.out, threads);
+              cfg_.bias ? parameter(kOutProjBias).data() : nullptr, HEv, o.out, threads, bf16);
   if (cache) *cache = std::move(st);
 }
 template <class T>
@@ -276,6 +277,7 @@ void MultiheadAttention<T>::backward(const MhaSaved<T>& cache, View3<const T> do
   const bool self = cache.self_attention;
   if (!cache.filled()) c.fail("argument 'cache' is empty; pass the same cache to forward first");
   const int threads = c.threads(cache.options.sdpa.num_threads);
+  const bool bf16 = cache.options.sdpa.compute_dtype == Dtype::bfloat16;  // the forward's products
   const int64_t B = cache.B, L = cache.L, S = cache.S;
   const int64_t HE = H * E, HEv = H * Ev;
   const bool consistent =
@@ -311,14 +313,14 @@ void MultiheadAttention<T>::backward(const MhaSaved<T>& cache, View3<const T> do
 
   // y = o·W_oᵀ + b_o  ->  dW_o += dyᵀ·o,  db_o += Σ_rows dy,  do = dy·W_o
   const Tensor<T>& wo = params_.at(kOutProjWeight);
-  gemm<T>({D, HEv, B * L}, true, dy, D, false, cache.attn_out.data(), HEv, grads_.at(kOutProjWeight).data(), HEv,
-          T(1), T(1), threads);
+  gemm_as<T>(bf16, {D, HEv, B * L}, true, dy, D, false, cache.attn_out.data(), HEv,
+             grads_.at(kOutProjWeight).data(), HEv, T(1), T(1), threads);
   if (cfg_.bias) add_column_sums(dy, B * L, D, D, grads_.at(kOutProjBias).data());
   // The gradient buffers live in the layer between calls (every element is
   // written before it is read): no allocation in a training loop.
   Tensor<T>& d_attn = d_attn_;
   sized(d_attn, {B, L, HEv});
-  gemm<T>({B * L, HEv, D}, false, dy, D, false, wo.data(), HEv, d_attn.data(), HEv, T(1), T(0), threads);
+  gemm_as<T>(bf16, {B * L, HEv, D}, false, dy, D, false, wo.data(), HEv, d_attn.data(), HEv, T(1), T(0), threads);
   // The attention's backward reads dY and Y once per tile and adds dQ into
   // its output tile by tile: each gets dense heads, as q, k and v have (one
   // pass each to split dY and Y here and to merge dQ, dK, dV below).
@@ -361,17 +363,17 @@ void MultiheadAttention<T>::backward(const MhaSaved<T>& cache, View3<const T> do
   // p = x·Wᵀ + b  ->  dW += dpᵀ·x,  dx = dp·W (db came with the merge; a
   // packed self-attention does each as one product over [q | k | v]).
   if (self && packed_) {
-    gemm<T>({3 * D, D, B * L}, true, dproj.data(), 3 * D, false, xs, D, ps[0].gw, D, T(1), T(1), threads);
+    gemm_as<T>(bf16, {3 * D, D, B * L}, true, dproj.data(), 3 * D, false, xs, D, ps[0].gw, D, T(1), T(1), threads);
     if (!g.dquery.empty()) {
       Tensor<T> scratch;
       T* dx = g.dquery.is_contiguous() ? g.dquery.data : (scratch = Tensor<T>({B, L, D})).data();
-      gemm<T>({B * L, D, 3 * D}, false, dproj.data(), 3 * D, false, ps[0].w, D, dx, D, T(1), T(0), threads);
+      gemm_as<T>(bf16, {B * L, D, 3 * D}, false, dproj.data(), 3 * D, false, ps[0].w, D, dx, D, T(1), T(0), threads);
       if (!g.dquery.is_contiguous()) scatter<T>(dx, g.dquery);
     }
     return;
   }
   for (const Part<T>& p : ps)
-    gemm<T>({p.width, p.cols, p.rows}, true, p.p, p.ld, false, p.x, p.cols, p.gw, p.cols, T(1), T(1), threads);
+    gemm_as<T>(bf16, {p.width, p.cols, p.rows}, true, p.p, p.ld, false, p.x, p.cols, p.gw, p.cols, T(1), T(1), threads);
   // dx = dp·W (self-attention: the sum over q, k, v)
   auto input_grad = [&](View3<T> dst, std::initializer_list<int> which) {
     if (dst.empty()) return;
@@ -380,8 +382,8 @@ void MultiheadAttention<T>::backward(const MhaSaved<T>& cache, View3<const T> do
     bool first = true;
     for (int t : which) {
       const Part<T>& p = ps[size_t(t)];
-      gemm<T>({p.rows, p.cols, p.width}, false, p.p, p.ld, false, p.w, p.cols, dx, p.cols, T(1),
-              first ? T(0) : T(1), threads);
+      gemm_as<T>(bf16, {p.rows, p.cols, p.width}, false, p.p, p.ld, false, p.w, p.cols, dx, p.cols, T(1),
+                 first ? T(0) : T(1), threads);
       first = false;
     }
     if (!dst.is_contiguous()) scatter<T>(dx, dst);

@@ -22,6 +22,7 @@ namespace attn::detail::mha_steps {
 
 using detail::add_column_sums;
 using detail::gemm;
+using detail::gemm_as;
 using detail::GemmShape;
 
 // The parameters' PyTorch state_dict names: multihead/names.hpp.
@@ -198,16 +199,18 @@ void fill_rows(T* C, int64_t m, int64_t n, int64_t ldc, const T* bias, int threa
 // output: one product when `one_gemm`, a packed self-attention whose three
 // weight blocks are consecutive rows of in_proj_weight; else three), then
 // + b and the split into q (B, H, L, E), k (B, H, S, E), v (B, H, S, Ev)
-// laid out one after the other in `proj` (MhaSaved::proj's layout).
+// laid out one after the other in `proj` (MhaSaved::proj's layout). With
+// `bf16` the products take bfloat16 operands (detail::gemm_bf16).
 template <class T>
 std::array<View4<T>, 3> project(const std::array<Part<T>, 3>& ps, bool one_gemm, int64_t B, int64_t L, int64_t S,
-                                int64_t H, int64_t E, int64_t Ev, T* proj, int threads) {
+                                int64_t H, int64_t E, int64_t Ev, T* proj, int threads, bool bf16 = false) {
   if (one_gemm) {
     const Part<T>& p = ps[0];
-    gemm<T>({p.rows, p.ld, p.cols}, false, p.x, p.cols, true, p.w, p.cols, p.p, p.ld, T(1), T(0), threads);
+    gemm_as<T>(bf16, {p.rows, p.ld, p.cols}, false, p.x, p.cols, true, p.w, p.cols, p.p, p.ld, T(1), T(0), threads);
   } else {
     for (const Part<T>& p : ps)
-      gemm<T>({p.rows, p.width, p.cols}, false, p.x, p.cols, true, p.w, p.cols, p.p, p.ld, T(1), T(0), threads);
+      gemm_as<T>(bf16, {p.rows, p.width, p.cols}, false, p.x, p.cols, true, p.w, p.cols, p.p, p.ld, T(1), T(0),
+                 threads);
   }
   T* const hq = proj;
   T* const hk = hq + B * L * H * E;
@@ -219,14 +222,15 @@ std::array<View4<T>, 3> project(const std::array<Part<T>, 3>& ps, bool one_gemm,
 }
 
 // out = o·W_oᵀ + b_o for the concatenated head outputs o (B·L, HEv) dense,
-// W_o [D, HEv], b_o [D] (nullptr: none), out (B, L, D) any strides.
+// W_o [D, HEv], b_o [D] (nullptr: none), out (B, L, D) any strides; `bf16`
+// as in project.
 template <class T>
-void project_out(const T* o, const T* wo, const T* bo, int64_t HEv, View3<T> out, int threads) {
+void project_out(const T* o, const T* wo, const T* bo, int64_t HEv, View3<T> out, int threads, bool bf16 = false) {
   const int64_t M = out.dim(0) * out.dim(1), D = out.dim(2);
   Tensor<T> scratch;
   T* y = out.is_contiguous() ? out.data : (scratch = Tensor<T>({out.dim(0), out.dim(1), D})).data();
   if (bo) fill_rows(y, M, D, D, bo, threads);
-  gemm<T>({M, D, HEv}, false, o, HEv, true, wo, HEv, y, D, T(1), bo ? T(1) : T(0), threads);
+  gemm_as<T>(bf16, {M, D, HEv}, false, o, HEv, true, wo, HEv, y, D, T(1), bo ? T(1) : T(0), threads);
   if (!out.is_contiguous()) scatter<T>(y, out);
 }
 

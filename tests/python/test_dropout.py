@@ -112,10 +112,11 @@ def mha_case(dropout, seed=3, D=12, H=3, B=2, L=7):
     return layer, rng.standard_normal((B, L, D)), rng.standard_normal((B, L, D))
 
 
-def composed(layer, x, dy, **sdpa_kw):
+def composed(layer, x, dy, mm=np.matmul, **sdpa_kw):
     """The layer's forward and backward written out around attn's dense call:
     q, k, v = x·W_tᵀ + b_t split into heads, O = sdpa(q, k, v), y = O·W_oᵀ + b_o;
-    dO = dy·W_o, (dq, dk, dv) = its backward, dx = Σ_t dP_t·W_t, dW_in = dPᵀ·x."""
+    dO = dy·W_o, (dq, dk, dv) = its backward, dx = Σ_t dP_t·W_t, dW_in = dPᵀ·x;
+    every matrix product through mm."""
     sd = layer.state_dict()
     B, L, D = x.shape
     H = layer.num_heads
@@ -123,13 +124,13 @@ def composed(layer, x, dy, **sdpa_kw):
     heads = lambda a: a.reshape(B, L, H, E).transpose(0, 2, 1, 3)
     merge = lambda a: a.transpose(0, 2, 1, 3).reshape(B, L, D)
     W, b = sd["in_proj_weight"], sd["in_proj_bias"]
-    q, k, v = (heads(x @ W[t * D:(t + 1) * D].T + b[t * D:(t + 1) * D]) for t in range(3))
+    q, k, v = (heads(mm(x, W[t * D:(t + 1) * D].T) + b[t * D:(t + 1) * D]) for t in range(3))
     o, w = attn.scaled_dot_product_attention(q, k, v, return_weights=True, **sdpa_kw)
-    y = merge(o) @ sd["out_proj.weight"].T + sd["out_proj.bias"]
-    dP = [merge(g) for g in attn.scaled_dot_product_attention_backward(heads(dy @ sd["out_proj.weight"]), q, k, v,
+    y = mm(merge(o), sd["out_proj.weight"].T) + sd["out_proj.bias"]
+    dP = [merge(g) for g in attn.scaled_dot_product_attention_backward(heads(mm(dy, sd["out_proj.weight"])), q, k, v,
                                                                        **sdpa_kw)]
-    dx = sum(dP[t] @ W[t * D:(t + 1) * D] for t in range(3))
-    dW = np.concatenate([np.einsum("bln,bld->nd", g, x) for g in dP])
+    dx = sum(mm(dP[t], W[t * D:(t + 1) * D]) for t in range(3))
+    dW = np.concatenate([mm(g.reshape(B * L, D).T, x.reshape(B * L, D)) for g in dP])
     return y, w, dx, dW
 
 

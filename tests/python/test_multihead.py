@@ -144,3 +144,49 @@ def test_threads_match_serial():
     for i, (o, w) in enumerate(got):
         np.testing.assert_array_equal(o, serial[i % 8][0])
         np.testing.assert_array_equal(w, serial[i % 8][1])
+
+
+def composed_bf16(layer, x, dy, **sdpa_kw):
+    """test_dropout.composed with every product on bfloat16 operands: the
+    GEMMs round both operands, the attention computes with
+    compute_dtype="bfloat16"."""
+    import ml_dtypes
+    from test_dropout import composed
+    r = lambda a: np.asarray(a, np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
+    y, _, dx, dW = composed(layer, x, dy, mm=lambda a, b: r(a) @ r(b), compute_dtype="bfloat16", **sdpa_kw)
+    return y, dx, dW
+
+
+def test_bfloat16_compute_is_the_composed_bfloat16_layer():
+    """compute_dtype="bfloat16": every product of the layer takes bfloat16
+    operands (the projections' GEMMs and the attention), forward and backward:
+    the layer equals its composition with the operands rounded (float32 sums
+    in another order), and differs from the exact layer by what the rounding
+    allows."""
+    rng = np.random.default_rng(11)
+    D, H, B, L = 32, 4, 2, 48  # more query rows than the decode kernel takes
+    exact = attn.MultiheadAttention(D, H, batch_first=True, seed=11)
+    state = {n: (rng.standard_normal(a.shape) * 0.3).astype(np.float32) for n, a in exact.state_dict().items()}
+    exact.load_state_dict(state)
+    bf = attn.MultiheadAttention(D, H, batch_first=True, seed=11, compute_dtype="bfloat16")
+    bf.load_state_dict(state)
+    assert bf.compute_dtype == "bfloat16" and exact.compute_dtype is None
+    x = rng.standard_normal((B, L, D)).astype(np.float32)
+    dy = rng.standard_normal((B, L, D)).astype(np.float32)
+    y, _ = bf(x, x, x, is_causal=True, need_weights=False)
+    dx = bf.backward(dy)["query"]
+    y_ref, dx_ref, dW_ref = composed_bf16(bf, x, dy, is_causal=True)
+    scale = np.max(np.abs(y_ref))
+    np.testing.assert_allclose(y, y_ref, rtol=0, atol=2e-5 * scale)
+    np.testing.assert_allclose(dx, dx_ref, rtol=0, atol=2e-4 * np.max(np.abs(dx_ref)))
+    np.testing.assert_allclose(bf.grads()["in_proj_weight"], dW_ref, rtol=0, atol=2e-4 * np.max(np.abs(dW_ref)))
+    y_exact, _ = exact(x, x, x, is_causal=True, need_weights=False)
+    diff = np.max(np.abs(y - y_exact))
+    assert 1e-4 * scale < diff < 2 ** -6 * scale  # bfloat16's rounding shows, within its bound
+
+
+def test_bfloat16_compute_errors_name_the_argument():
+    with pytest.raises(ValueError, match="compute_dtype"):
+        attn.MultiheadAttention(8, 2, compute_dtype="float16")
+    with pytest.raises(ValueError, match="compute_dtype is bfloat16"):
+        attn.MultiheadAttention(8, 2, dtype=np.float64, compute_dtype="bfloat16")

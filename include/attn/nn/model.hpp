@@ -30,8 +30,9 @@ namespace attn::nn {
 // (mixed precision): the parameters, their gradients and the optimizer
 // state stay float32, and every attention call computes its products
 // (Q·Kᵀ, P·V, and the backward's) with bfloat16 operands summed in float32
-// (SdpaOptions::compute_dtype = bfloat16). The GEMMs of the projections,
-// the MLP and the head stay float32.
+// (SdpaOptions::compute_dtype = bfloat16), as do the attention layers'
+// projection GEMMs (MhaOptions); the GEMMs of the MLP and the head stay
+// float32.
 enum class Precision { fp32, bf16 };
 const char* precision_name(Precision p);
 Precision parse_precision(const std::string& name);  // throws attn::InvalidArgument

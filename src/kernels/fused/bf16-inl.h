@@ -121,8 +121,8 @@ void RoundRow(const float* x, int64_t n, bool a_float, std::byte* dst) {
   }
 }
 
-// pp[k][r] = the pair (P[2k][r], P[2k + 1][r]) of the tile's nk probability
-// rows (st, ld floats apart; rows past nk are zeros) for k < K / 2, r < nrp.
+// bf16.hpp's Bf16Pairs on the running SIMD target (the paths without their
+// own conversion instruction).
 void ProbabilityPairs(const float* st, int64_t ld, int64_t nk, int64_t K, int64_t nrp, uint32_t* pp) {
   const DF d;
   const DU du;
@@ -190,7 +190,7 @@ class Bf16Products {
       for (int64_t r = 0; r < nrp; r += Lanes())
         hn::Store(hn::Mul(hn::Load(d, w_.ot + e * qbp + r), hn::Load(d, alpha + r)), d, w_.ot + e * qbp + r);
     const int64_t K = round_up(nk, ops_.kernel.kpad);
-    ProbabilityPairs(w_.st, qbp, nk, K, nrp, w_.pp);
+    (ops_.kernel.pairs ? ops_.kernel.pairs : &ProbabilityPairs)(w_.st, qbp, nk, K, nrp, w_.pp);
     gemm_(ops_.Evr, nrp, K, ops_.vt_cols(p, b, p.kv_head(h), j0), ops_.ldvt, w_.pp, qbp, w_.ot, qbp, 1.0f, true);
   }
   // Row r of the output: y = acc / sum.
@@ -308,11 +308,12 @@ class Bf16BackwardProducts {
   // dVᵀ += dYᵀ·(P∘m) ; dKᵀ += Qᵀ·dU
   void dkdv(int64_t nr, int64_t, int64_t nkp, TileOrigin at) {
     const int64_t K = round_up(nr, ops_.kernel.kpad);
-    ProbabilityPairs(w_.s, w_.kbp, nr, K, nkp, pairs_.get());
+    const Bf16Pairs pairs = ops_.kernel.pairs ? ops_.kernel.pairs : &ProbabilityPairs;
+    pairs(w_.s, w_.kbp, nr, K, nkp, pairs_.get());
     const int64_t col = i0_ + at.row, ldq = qo_.ldq;
     gemm_(Evr_, nkp, K, qo_.dyt.get() + (bh_ * Evr_ * ldq + col) * elem(), ldq, pairs_.get(), w_.kbp,
           dvt_.get() + at.key, KW_, 1.0f, true);
-    ProbabilityPairs(w_.dp, w_.kbp, nr, K, nkp, pairs_.get());
+    pairs(w_.dp, w_.kbp, nr, K, nkp, pairs_.get());
     gemm_(Er_, nkp, K, qo_.qt.get() + (bh_ * Er_ * ldq + col) * elem(), ldq, pairs_.get(), w_.kbp,
           dkt_.get() + at.key, KW_, 1.0f, true);
   }

@@ -30,10 +30,14 @@ uint16_t operand_of(T x) {
 template <class T>
 bool operand_row(const T* x, int64_t s, int64_t n, uint16_t* dst) {
   uint32_t bad = 0;
-  for (int64_t e = 0; e < n; ++e) {
-    dst[e] = operand_of(x[e * s]);
+  const auto one = [&](int64_t e, T y) {
+    dst[e] = operand_of(y);
     bad |= uint32_t((dst[e] & 0x7F80u) == 0x7F80u);
-  }
+  };
+  if (s == 1)  // contiguous (the common case): a loop the compiler vectorises
+    for (int64_t e = 0; e < n; ++e) one(e, x[e]);
+  else
+    for (int64_t e = 0; e < n; ++e) one(e, x[e * s]);
   return bad != 0;
 }
 

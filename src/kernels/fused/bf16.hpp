@@ -56,8 +56,8 @@ enum class Bf16Path {
 const char* bf16_path_name(Bf16Path path);
 // Whether this CPU (and for AMX, the operating system's permission) runs it.
 bool bf16_path_available(Bf16Path path);
-// The fastest available path: AMX, else AVX512_BF16, else portable
-// (decided once per process).
+// The fastest available path: AMX, else AVX512_BF16 on AMD CPUs, else
+// portable (decided once per process; bf16_products.cpp says why).
 Bf16Path bf16_best_path();
 
 // One product C[M × N] = alpha·(A·B) (accumulate false) or C += A·B
@@ -68,6 +68,12 @@ Bf16Path bf16_best_path();
 using Bf16Gemm = void (*)(int64_t M, int64_t N, int64_t K, const void* A, int64_t lda, const uint32_t* B,
                           int64_t ldb, float* C, int64_t ldc, float alpha, bool accumulate);
 
+// The probability pairs of a score tile: pp[k][r] = the pair (P[2k][r],
+// P[2k + 1][r]) of the tile's nk rows (st, ld floats apart; rows past nk are
+// zeros), rounded as operands (bf16_operand), for k < K / 2 and r < nrp
+// (a multiple of 8); pp rows are ld dwords apart.
+using Bf16Pairs = void (*)(const float* st, int64_t ld, int64_t nk, int64_t K, int64_t nrp, uint32_t* pp);
+
 // A path's products and their granularity.
 struct Bf16Kernel {
   Bf16Path path = Bf16Path::portable;
@@ -75,6 +81,7 @@ struct Bf16Kernel {
   int64_t kpad = 2;            // K a multiple of this
   int64_t mpad = 1;            // M a multiple of this (and A readable that far)
   bool a_float = false;        // A holds float32 values (the portable path) rather than bfloat16 bits
+  Bf16Pairs pairs = nullptr;   // null: the running SIMD target's (the same bits)
   void (*thread_begin)() = nullptr;  // per thread, before its first product (AMX: the tile configuration)
   void (*thread_end)() = nullptr;
 };

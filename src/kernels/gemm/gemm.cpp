@@ -27,11 +27,15 @@
 // long-K products at a third of the speed.
 #include "kernels/gemm/gemm.hpp"
 
+#include "kernels/fused/bf16.hpp"
+
 #ifndef ATTN_NO_BLAS
 #include <cblas.h>
 #include <omp.h>
 
 #include <oneapi/dnnl/dnnl.h>
+
+#include <oneapi/dnnl/dnnl.hpp>
 
 #include <atomic>
 #include <stdexcept>
@@ -88,7 +92,41 @@ GemmTiles gemm_tiles(GemmShape s, int64_t min_tile) {
   }
 }
 
+namespace {
+
+// A stored operand (rows × cols elements, rows ld apart) rounded to
+// bfloat16 into a dense copy (rows cols apart): bits, or float values.
+template <class Out>
+std::vector<Out> rounded_copy(const float* X, int64_t rows, int64_t cols, int64_t ld, int threads) {
+  std::vector<Out> r(size_t(rows * cols));
+#pragma omp parallel for num_threads(std::max(threads, 1)) schedule(static) if (threads != 1)
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t j = 0; j < cols; ++j) {
+      const uint16_t b = bf16_operand(X[i * ld + j]);
+      if constexpr (std::is_same_v<Out, float>) r[size_t(i * cols + j)] = bf16_value(b);
+      else r[size_t(i * cols + j)] = b;
+    }
+  return r;
+}
+
+// A and B as stored: A is [M×K] or, transposed, [K×M]; B [K×N] or [N×K].
+struct Stored {
+  int64_t rows, cols;
+};
+Stored stored_a(GemmShape s, bool ta) { return ta ? Stored{s.K, s.M} : Stored{s.M, s.K}; }
+Stored stored_b(GemmShape s, bool tb) { return tb ? Stored{s.N, s.K} : Stored{s.K, s.N}; }
+
+}  // namespace
+
 #ifdef ATTN_NO_BLAS
+
+void gemm_bf16(GemmShape s, bool ta, const float* A, int64_t lda, bool tb, const float* B, int64_t ldb, float* C,
+               int64_t ldc, float alpha, float beta, int threads) {
+  const Stored sa = stored_a(s, ta), sb = stored_b(s, tb);
+  const std::vector<float> a = rounded_copy<float>(A, sa.rows, sa.cols, lda, 1);
+  const std::vector<float> b = rounded_copy<float>(B, sb.rows, sb.cols, ldb, 1);
+  gemm<float>(s, ta, a.data(), sa.cols, tb, b.data(), sb.cols, C, ldc, alpha, beta, threads);
+}
 
 template <class T>
 void gemm(GemmShape s, bool ta, const T* A, int64_t lda, bool tb, const T* B, int64_t ldb, T* C,
@@ -159,6 +197,95 @@ void gemm(GemmShape s, bool ta, const T* A, int64_t lda, bool tb, const T* B, in
     }
   }
   if (refused) throw std::logic_error("detail::gemm: the library refused a product's arguments");
+}
+
+namespace {
+
+const dnnl::engine& cpu_engine() {
+  static const dnnl::engine e(dnnl::engine::kind::cpu, 0);
+  return e;
+}
+
+// One tile of gemm_bf16 (A, B: bfloat16 bits, the strides of the stored
+// operands): a single-threaded oneDNN matmul; false where oneDNN has no
+// bfloat16 matmul for this CPU.
+bool tile_bf16(GemmShape s, bool ta, const uint16_t* A, int64_t lda, bool tb, const uint16_t* B, int64_t ldb,
+               float* C, int64_t ldc, float alpha, float beta) {
+  using dt = dnnl::memory::data_type;
+  using dims = dnnl::memory::dims;
+  const dnnl::memory::desc a({s.M, s.K}, dt::bf16, ta ? dims{1, lda} : dims{lda, 1});
+  const dnnl::memory::desc b({s.K, s.N}, dt::bf16, tb ? dims{1, ldb} : dims{ldb, 1});
+  const dnnl::memory::desc c({s.M, s.N}, dt::f32, dims{ldc, 1});
+  dnnl::primitive_attr attr;
+  if (alpha != 1.0f) attr.set_output_scales(0, {alpha});
+  if (beta != 0.0f) {
+    dnnl::post_ops po;
+    po.append_sum(beta);
+    attr.set_post_ops(po);
+  }
+  dnnl::matmul::primitive_desc pd;
+  try {
+    pd = dnnl::matmul::primitive_desc(dnnl::matmul::desc(a, b, c), attr, cpu_engine());
+  } catch (const dnnl::error&) {
+    return false;
+  }
+  const dnnl::memory am(a, cpu_engine(), const_cast<uint16_t*>(A)), bm(b, cpu_engine(), const_cast<uint16_t*>(B)),
+      cm(c, cpu_engine(), C);
+  dnnl::stream st(cpu_engine());
+  dnnl::matmul(pd).execute(st, {{DNNL_ARG_SRC, am}, {DNNL_ARG_WEIGHTS, bm}, {DNNL_ARG_DST, cm}});
+  st.wait();
+  return true;
+}
+
+// Whether oneDNN runs bfloat16 matmuls on this CPU (asked once).
+bool dnnl_has_bf16() {
+  static const bool yes = [] {
+    const uint16_t one = 0x3F80;
+    float c = 0;
+    return tile_bf16({1, 1, 1}, false, &one, 1, false, &one, 1, &c, 1, 1.0f, 0.0f) && c == 1.0f;
+  }();
+  return yes;
+}
+
+}  // namespace
+
+void gemm_bf16(GemmShape s, bool ta, const float* A, int64_t lda, bool tb, const float* B, int64_t ldb, float* C,
+               int64_t ldc, float alpha, float beta, int threads) {
+  if (s.M == 0 || s.N == 0) return;
+  const Stored sa = stored_a(s, ta), sb = stored_b(s, tb);
+  const int team = threads > 0 ? threads : omp_get_max_threads();
+  if (s.K == 0 || !dnnl_has_bf16()) {  // sgemm on the rounded values
+    const std::vector<float> a = rounded_copy<float>(A, sa.rows, sa.cols, lda, team);
+    const std::vector<float> b = rounded_copy<float>(B, sb.rows, sb.cols, ldb, team);
+    return gemm<float>(s, ta, a.data(), sa.cols, tb, b.data(), sb.cols, C, ldc, alpha, beta, threads);
+  }
+  // Dense copies: a tile's rows of A (unless transposed) and columns of B
+  // (when transposed, the layer's weights) are then dense blocks, which
+  // oneDNN's AMX kernels take.
+  const std::vector<uint16_t> a = rounded_copy<uint16_t>(A, sa.rows, sa.cols, lda, team);
+  const std::vector<uint16_t> b = rounded_copy<uint16_t>(B, sb.rows, sb.cols, ldb, team);
+  lda = sa.cols, ldb = sb.cols;
+  const GemmTiles t = gemm_tiles(s, gemm_min_tile());
+  const int64_t across = (s.N + t.cols - 1) / t.cols, n = t.count(s);
+  std::atomic<bool> refused{false};
+#pragma omp parallel num_threads(int(std::min<int64_t>(n, team))) if (std::min<int64_t>(n, team) > 1)
+  {
+    omp_set_num_threads(1);  // oneDNN's team: this thread alone
+    std::vector<float> dense;  // the tile of C, dense (oneDNN's AMX kernels write no other)
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t r = i / across * t.rows, c = i % across * t.cols;
+      const GemmShape part{std::min(t.rows, s.M - r), std::min(t.cols, s.N - c), s.K};
+      dense.resize(size_t(part.M * part.N));
+      if (beta != 0.0f)
+        for (int64_t y = 0; y < part.M; ++y) std::copy_n(C + (r + y) * ldc + c, part.N, dense.data() + y * part.N);
+      if (!tile_bf16(part, ta, a.data() + (ta ? r : r * lda), lda, tb, b.data() + (tb ? c * ldb : c), ldb,
+                     dense.data(), part.N, alpha, beta))
+        refused = true;
+      for (int64_t y = 0; y < part.M; ++y) std::copy_n(dense.data() + y * part.N, part.N, C + (r + y) * ldc + c);
+    }
+  }
+  if (refused) throw std::logic_error("detail::gemm_bf16: oneDNN refused a product's arguments");
 }
 
 int64_t gemm_min_tile() {

@@ -4,6 +4,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 namespace attn::detail {
@@ -20,6 +21,25 @@ struct GemmShape {
 template <class T>
 void gemm(GemmShape s, bool transpose_a, const T* A, int64_t lda, bool transpose_b, const T* B,
           int64_t ldb, T* C, int64_t ldc, T alpha = T(1), T beta = T(0), int threads = 0);
+
+// The same product with the operands rounded to bfloat16 (bf16_operand of
+// kernels/fused/bf16.hpp: nearest even, subnormals to signed zero, NaN
+// kept) and float32 sums: what compute_dtype bfloat16 asks of the multi-head
+// layer's projections. Each tile is one single-threaded oneDNN matmul on
+// bfloat16 sources (AMX or AVX512_BF16 where the CPU has them), or, where
+// oneDNN has no bfloat16 matmul for the CPU, sgemm on the rounded values
+// (their products are exact in float32). Same tiles as gemm: the same bits
+// for any thread count.
+void gemm_bf16(GemmShape s, bool transpose_a, const float* A, int64_t lda, bool transpose_b, const float* B,
+               int64_t ldb, float* C, int64_t ldc, float alpha = 1.0f, float beta = 0.0f, int threads = 0);
+// gemm, or gemm_bf16 when `bf16` (float only; double ignores it).
+template <class T>
+void gemm_as(bool bf16, GemmShape s, bool transpose_a, const T* A, int64_t lda, bool transpose_b, const T* B,
+             int64_t ldb, T* C, int64_t ldc, T alpha, T beta, int threads) {
+  if constexpr (std::is_same_v<T, float>)
+    if (bf16) return gemm_bf16(s, transpose_a, A, lda, transpose_b, B, ldb, C, ldc, alpha, beta, threads);
+  gemm<T>(s, transpose_a, A, lda, transpose_b, B, ldb, C, ldc, alpha, beta, threads);
+}
 
 // Plain triple loop with the same signature (less the threads), summing in
 // double: the reference gemm is tested against, and the portable build's
