@@ -1,5 +1,5 @@
-// The bfloat16 forward's operands, built once per call (bf16.hpp), and its
-// entry points. Compiled once: the units run per SIMD target (fused.cpp,
+// The operands of the bfloat16 forward and backward, built once per call
+// (bf16.hpp), and their entry points. Compiled once: the units run per SIMD target (fused.cpp,
 // bf16-inl.h), the products on the chosen path (bf16_products.cpp).
 #include "kernels/fused/bf16.hpp"
 

@@ -1,5 +1,7 @@
-// Internal: the fused forward with bfloat16 products (compute_dtype
-// bfloat16, docs/fused.md "bfloat16 compute"). No SIMD types here.
+// Internal: the fused forward and backward with bfloat16 products
+// (compute_dtype bfloat16, docs/fused.md "bfloat16 compute"). No SIMD types
+// here. (The backward: bf16-inl.h, Bf16BackwardProducts, on the operands
+// below and Bf16BackwardOperands.)
 //
 // The unit is the float32 forward's (attention-inl.h, ForwardUnitT): the
 // same tiles, score pipeline and online softmax in float32; only the two
