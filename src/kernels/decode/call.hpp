@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "kernels/decode/decode.hpp"
+#include "kernels/fused/bf16.hpp"
 #include "kernels/fused/online_softmax.hpp"
 #include "kernels/score_rules.hpp"
 
@@ -49,6 +50,15 @@ struct Call {
   View3<float> lse;
   DecodePlan plan;
   int64_t Ep, Evp, tilep;
+  // bfloat16 products (decode/bf16.hpp) on `path`: q's bfloat16 rows are
+  // Eq = E rounded up to 32 elements long, the scores' one multiply is
+  // alpha = scale·log2(e), a tile's probability pairs are ldp apart per
+  // row, and `zeros` is a value row of zeros (a key a row does not see).
+  bool bf16 = false;
+  Bf16Path path = Bf16Path::portable;
+  float alpha = 0;
+  int64_t Eq = 0, ldp = 0;
+  const void* zeros = nullptr;
 };
 
 // ---- per-thread scratch ------------------------------------------------------
@@ -68,8 +78,19 @@ struct Call {
 //                        strides != 1), in the storage type (4 bytes each
 //                        allocated, enough for any)
 //   st, nan [rows]       online-softmax state and NaN flag (direct chunks)
+// and with bfloat16 products
+//   qb  [rows × Eq]      the block's queries rounded to bfloat16 (unscaled)
+//   pp  [rows × ldp]     a tile's probabilities rounded, in key pairs
+//   vr  [tile + 2]       the value rows of a tile's keys
+//   vp  [tile + 2]       the value rows of a pair loop (zeros for keys the row
+//                        does not see)
+// s and s2 hold two vectors more than their rows: the pairs read whole
+// vectors of a row's scores past its end.
 struct Scratch {
   hwy::AlignedFreeUniquePtr<float[]> q, s, s2, acc;
+  hwy::AlignedFreeUniquePtr<uint16_t[]> qb;
+  hwy::AlignedFreeUniquePtr<uint32_t[]> pp;
+  std::vector<const void*> vr, vp;
   std::vector<int64_t> begin, end, pos;
   std::vector<float> slope;
   std::vector<rules::Line<bool>> mask;
@@ -81,8 +102,11 @@ struct Scratch {
   explicit Scratch(const Call& c) {
     const int64_t rows = c.plan.rows;
     q = hwy::AllocateAligned<float>(size_t(rows * c.Ep));
-    s = hwy::AllocateAligned<float>(size_t(rows * c.tilep));
-    s2 = hwy::AllocateAligned<float>(size_t(rows * c.tilep));
+    const int64_t pad = 64;  // >= two vectors of any target
+    s = hwy::AllocateAligned<float>(size_t(rows * c.tilep + pad));
+    s2 = hwy::AllocateAligned<float>(size_t(rows * c.tilep + pad));
+    std::fill(s.get(), s.get() + rows * c.tilep + pad, 0.0f);
+    std::fill(s2.get(), s2.get() + rows * c.tilep + pad, 0.0f);
     acc = hwy::AllocateAligned<float>(size_t(rows * c.Evp));
     std::fill(q.get(), q.get() + rows * c.Ep, 0.0f);
     begin.resize(size_t(rows));
@@ -98,6 +122,13 @@ struct Scratch {
     }
     st.resize(size_t(rows));
     nan.resize(size_t(rows));
+    if (c.bf16) {
+      qb = hwy::AllocateAligned<uint16_t>(size_t(rows * c.Eq));
+      std::fill(qb.get(), qb.get() + rows * c.Eq, uint16_t(0));
+      pp = hwy::AllocateAligned<uint32_t>(size_t(rows * c.ldp));
+      vr.resize(size_t(c.plan.tile + 2));
+      vp.resize(size_t(c.plan.tile + 2));
+    }
   }
 };
 

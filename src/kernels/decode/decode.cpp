@@ -85,9 +85,11 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <stdexcept>
 #include <vector>
 
 #include "attn/half.hpp"
+#include "kernels/decode/bf16.hpp"
 #include "kernels/decode/decode.hpp"
 #include "kernels/fused/common.hpp"
 #include "kernels/fused/online_softmax.hpp"
@@ -95,6 +97,7 @@
 #include "kernels/fused/pipeline-inl.h"
 #include "kernels/decode/vectors-inl.h"
 #include "kernels/decode/blocks-inl.h"
+#include "kernels/decode/bf16-inl.h"
 
 #include "kernels/decode/call.hpp"
 
@@ -115,6 +118,24 @@ template <class T>
 void ScoreTile(const Call& c, Scratch& w, int64_t nm, const T* k, int64_t krow, int64_t nk, float* s,
                RowPrefetch pf) {
   const int64_t E = c.p->E;
+  if (c.bf16) {  // bfloat16 products (bf16.hpp), on the call's path
+    for (int64_t r0 = 0; r0 < nm; r0 += 4, pf.a.p = nullptr) {
+      const uint16_t* q = w.qb.get() + r0 * c.Eq;
+      float* sr = s + r0 * c.tilep;
+      const int rows = int(std::min<int64_t>(4, nm - r0));
+      if (c.path != Bf16Path::portable) {
+        decode_bf16_scores_native(c.kv->type, rows, q, c.Eq, k, krow, nk, E, c.alpha, sr, c.tilep, pf);
+        continue;
+      }
+      switch (rows) {
+        case 4: ScoreRowsBf16<4>(q, c.Eq, k, krow, nk, E, c.alpha, sr, c.tilep, pf); break;
+        case 3: ScoreRowsBf16<3>(q, c.Eq, k, krow, nk, E, c.alpha, sr, c.tilep, pf); break;
+        case 2: ScoreRowsBf16<2>(q, c.Eq, k, krow, nk, E, c.alpha, sr, c.tilep, pf); break;
+        default: ScoreRowsBf16<1>(q, c.Eq, k, krow, nk, E, c.alpha, sr, c.tilep, pf); break;
+      }
+    }
+    return;
+  }
   for (int64_t r0 = 0; r0 < nm; r0 += 4, pf.a.p = nullptr) {
     const float* q = w.q.get() + r0 * c.Ep;
     float* sr = s + r0 * c.tilep;
@@ -199,6 +220,56 @@ void ValueTile(const Call& c, Scratch& w, int64_t nm, const float* s, const T* v
   }
 }
 
+// The values of keys [a, b) of a tile (a even; the tile's nk keys from j0,
+// their value rows vr) with bfloat16 products: the tile's key pairs
+// (2m, 2m + 1) in order, a key a row does not see read as a row of zeros
+// with probability 0, so that it adds nothing (bf16.hpp). Where every row
+// sees the same keys the rows go in blocks of 4, else one by one; the bits
+// are the same either way (a pair of unseen keys adds +0 to a sum that is
+// never −0).
+template <class T>
+void ValueTileBf16(const Call& c, Scratch& w, int64_t nm, const void* const* vr, int64_t j0, int64_t nk, int64_t a,
+                   int64_t b, float* acc, RowPrefetch pf) {
+  const int64_t Ev = c.p->Ev;
+  const auto pairs = [&](int rows, int64_t r0, int64_t m0, int64_t m1, const RowPrefetch& f) {
+    const uint32_t* pp = w.pp.get() + r0 * c.ldp + m0;
+    float* o = acc + r0 * c.Evp;
+    if (c.path != Bf16Path::portable)
+      return decode_bf16_values_native(c.kv->type, rows, pp, c.ldp, m1 - m0, w.vp.data(), Ev, o, c.Evp, f);
+    const T* const* v = reinterpret_cast<const T* const*>(w.vp.data());
+    switch (rows) {
+      case 4: return ValueRowsBf16<4>(pp, c.ldp, m1 - m0, v, Ev, o, c.Evp, f);
+      case 3: return ValueRowsBf16<3>(pp, c.ldp, m1 - m0, v, Ev, o, c.Evp, f);
+      case 2: return ValueRowsBf16<2>(pp, c.ldp, m1 - m0, v, Ev, o, c.Evp, f);
+      default: return ValueRowsBf16<1>(pp, c.ldp, m1 - m0, v, Ev, o, c.Evp, f);
+    }
+  };
+  const rules::Keys k0 = TileKeys(w, 0, j0, nk);
+  bool same = true;
+  for (int64_t r = 0; r < nm && same; ++r) {
+    const rules::Keys k = TileKeys(w, r, j0, nk);
+    same = !w.holes[size_t(r)] && k.lo == k0.lo && k.hi == k0.hi;
+  }
+  if (same) {
+    const int64_t lo = std::max(a, k0.lo), hi = std::min(b, k0.hi);
+    if (hi <= lo) return;
+    const int64_t m0 = lo / 2, m1 = (hi + 1) / 2;
+    for (int64_t j = 2 * m0; j < 2 * m1; ++j) w.vp[size_t(j - 2 * m0)] = j >= lo && j < hi ? vr[j] : c.zeros;
+    pf.ahead += 2 * m0 - a;  // the pair loop's key 0 is the tile's key 2·m0
+    for (int64_t r0 = 0; r0 < nm; r0 += 4, pf.a.p = nullptr) pairs(int(std::min<int64_t>(4, nm - r0)), r0, m0, m1, pf);
+    return;
+  }
+  for (int64_t r = 0; r < nm; ++r) {
+    const rules::Keys k = TileKeys(w, r, j0, nk);
+    const int64_t lo = std::max(a, k.lo), hi = std::min(b, k.hi);
+    if (hi <= lo) continue;
+    const int64_t m0 = lo / 2, m1 = (hi + 1) / 2;
+    for (int64_t j = 2 * m0; j < 2 * m1; ++j)
+      w.vp[size_t(j - 2 * m0)] = j >= lo && j < hi && !Hidden(*c.p, w, r, j0 + j) ? vr[j] : c.zeros;
+    pairs(1, r, m0, m1, RowPrefetch{});
+  }
+}
+
 // ---- one chunk --------------------------------------------------------------
 
 // q[r][e] = scale·log2(e)·Q(b, hk·G + g, i, e) for the block's rows m = i·G + g,
@@ -210,8 +281,13 @@ void PackQueries(const Call& c, Scratch& w, const Unit& u) {
   for (int64_t r = 0; r < u.nm; ++r) {
     const int64_t m = u.m0 + r, i = m / G, h = u.hk * G + m % G;
     const float* src = &c.q(u.b, h, i, 0);
-    float* dst = w.q.get() + r * c.Ep;
-    for (int64_t e = 0; e < E; ++e) dst[e] = s2 * src[e * se];
+    if (c.bf16) {  // rounded, unscaled: the scores' sums are scaled (bf16.hpp)
+      uint16_t* dst = w.qb.get() + r * c.Eq;
+      for (int64_t e = 0; e < E; ++e) dst[e] = bf16_operand(src[e * se]);
+    } else {
+      float* dst = w.q.get() + r * c.Ep;
+      for (int64_t e = 0; e < E; ++e) dst[e] = s2 * src[e * se];
+    }
     const rules::Keys k = p.keys(u.b, i);
     w.begin[size_t(r)] = k.lo, w.end[size_t(r)] = k.hi;
     w.pos[size_t(r)] = i + p.rules.offset[size_t(u.b)];
@@ -233,6 +309,25 @@ HWY_INLINE bool AnyNonFinite(const float* HWY_RESTRICT x, int64_t n) {
   for (; i + N <= n; i += N) z = hn::MulAdd(hn::Load(d, x + i), zero, z);
   if (i < n) z = hn::MulAdd(hn::IfThenElseZero(hn::FirstN(d, size_t(n - i)), hn::Load(d, x + i)), zero, z);
   return std::isnan(hn::GetLane(hn::SumOfLanes(d, z)));
+}
+
+// pp[m] = the probabilities of keys 2m and 2m + 1 of a row (p) rounded to
+// bfloat16, the even key in the low half, for the nk keys' pairs; the
+// partner of an odd last key is 0 (p is read two vectors past its end).
+HWY_INLINE void ProbabilityPairs(const float* p, int64_t nk, uint32_t* pp) {
+  const int64_t npairs = (nk + 1) / 2;
+#if HWY_TARGET == HWY_SCALAR  // one lane
+  for (int64_t m = 0; m < npairs; ++m) pp[m] = bf16_operand(p[2 * m]) | uint32_t(bf16_operand(p[2 * m + 1])) << 16;
+#else
+  const DB d;
+  const DBU du;
+  for (int64_t m = 0; m < npairs; m += kBLanes) {
+    const auto lo = RoundToBf16High(hn::LoadU(d, p + 2 * m)), hi = RoundToBf16High(hn::LoadU(d, p + 2 * m + kBLanes));
+    const auto even = hn::ConcatEven(du, hi, lo), odd = hn::ConcatOdd(du, hi, lo);
+    hn::StoreU(hn::Or(hn::ShiftRight<16>(even), hn::And(odd, hn::Set(du, 0xFFFF0000u))), du, pp + m);
+  }
+#endif
+  if (nk % 2) pp[nk / 2] &= 0xFFFFu;
 }
 
 // Folds tile scores s (nk keys from j0) into the rows' states: the score
@@ -287,6 +382,7 @@ void SoftmaxTile(const Call& c, Scratch& w, int64_t nm, int64_t j0, int64_t nk, 
     }
     os::end_tile(st[r], hn::GetLane(hn::SumOfLanes(d, sum)));
     if (step.alpha != 1.0f) ScaleRow(acc + r * c.Evp, c.Evp, step.alpha);  // acc <- acc · alpha
+    if (c.bf16) ProbabilityPairs(row, nk, w.pp.get() + r * c.ldp);  // the row sum keeps the unrounded P
   }
 }
 
@@ -354,7 +450,12 @@ void ChunkT(const Call& c, Scratch& w, const Unit& u, float* acc, os::State<floa
       }
       ScoreTile(c, w, u.nm, kd, E, t.nk, w.s.get(), RowPrefetch{});
       SoftmaxTile(c, w, u.nm, j0, t.nk, acc, st, nan);
-      ValueTile(c, w, u.nm, w.s.get(), vd, Ev, j0, t.nk, acc, RowPrefetch{});
+      if (c.bf16) {
+        for (int64_t j = 0; j < t.nk; ++j) w.vr[size_t(j)] = vd + j * Ev;
+        ValueTileBf16<T>(c, w, u.nm, w.vr.data(), j0, t.nk, 0, t.nk, acc, RowPrefetch{});
+      } else {
+        ValueTile(c, w, u.nm, w.s.get(), vd, Ev, j0, t.nk, acc, RowPrefetch{});
+      }
       j0 += t.nk;
       t = next;
     }
@@ -376,6 +477,46 @@ void ChunkT(const Call& c, Scratch& w, const Unit& u, float* acc, os::State<floa
       ScoreTile(c, w, u.nm, r.k, krow, r.nk, w.s.get() + r.off, RowPrefetch{k_rows(r, 0), then, std::min(r.nk, ahead)});
     }
   };
+  struct Piece {
+    int run;
+    int64_t from, nk;  // keys [from, from + nk) of the run (bf16_pieces: the last may be the next run's first)
+  };
+  const auto exact_pieces = [](const Tile& x, std::vector<Piece>& out) {
+    out.clear();
+    for (int i = 0; i < x.nr; ++i)
+      for (int64_t b = 0; b < x.run[size_t(i)].nk; b += kInterleaveKeys)
+        out.push_back({i, b, std::min(kInterleaveKeys, x.run[size_t(i)].nk - b)});
+  };
+  // With bfloat16 products the value pieces start at even keys of the tile
+  // (a run's start rounded up; the piece before takes the key between), at
+  // most `step` keys each: the pairs are the tile's, whatever the runs.
+  const auto bf16_pieces = [](const Tile& x, int64_t step, std::vector<Piece>& out) {
+    out.clear();
+    for (int i = 0; i < x.nr; ++i) {
+      const Run& r = x.run[size_t(i)];
+      const int64_t end = i + 1 < x.nr ? round_up(x.run[size_t(i + 1)].off, 2) : x.nk;
+      for (int64_t a = round_up(r.off, 2); a < end; a += step) out.push_back({i, a - r.off, std::min(step, end - a)});
+    }
+  };
+  // The value rows of a tile's keys (bfloat16 products).
+  const auto value_rows = [&](const Tile& x) {
+    for (int i = 0; i < x.nr; ++i)
+      for (int64_t j = 0; j < x.run[size_t(i)].nk; ++j) w.vr[size_t(x.run[size_t(i)].off + j)] = x.run[size_t(i)].v + j * vrow;
+  };
+  std::vector<Piece> pt, pn;
+
+  // The stream after piece p of tile x: the rest of its run, then the next
+  // run of x, or the first run of `then` after x's last run.
+  const auto k_stream = [&](const Tile& x, const Piece& p, const Tile& then) {
+    const Run& r = x.run[size_t(p.run)];
+    return RowPrefetch{k_rows(r, p.from), k_rows(p.run + 1 < x.nr ? x.run[size_t(p.run + 1)] : first(then), 0),
+                       std::min(ahead, r.nk)};
+  };
+  const auto v_stream = [&](const Tile& x, const Piece& p, const Tile& then) {
+    const Run& r = x.run[size_t(p.run)];
+    return RowPrefetch{v_rows(r, p.from), v_rows(p.run + 1 < x.nr ? x.run[size_t(p.run + 1)] : first(then), 0),
+                       std::min(ahead, r.nk)};
+  };
   if constexpr (sizeof(T) == 4) {
     // float32: the scores of a tile, then its values, run by run; the value
     // loop's stream is V of each run, then K of the next tile.
@@ -383,6 +524,18 @@ void ChunkT(const Call& c, Scratch& w, const Unit& u, float* acc, os::State<floa
       const Tile next = next_tile(j0, t);
       score_tile(t);
       SoftmaxTile(c, w, u.nm, j0, t.nk, acc, st, nan);
+      if (c.bf16) {  // the runs' pieces (pairs may span two runs), each with its run's stream
+        value_rows(t);
+        bf16_pieces(t, c.plan.tile, pt);
+        for (const Piece& p : pt) {
+          const Run& r = t.run[size_t(p.run)];
+          ValueTileBf16<T>(c, w, u.nm, w.vr.data(), j0, t.nk, r.off + p.from, r.off + p.from + p.nk, acc,
+                           v_stream(t, p, next));
+        }
+        j0 += t.nk;
+        t = next;
+        continue;
+      }
       for (int i = 0; i < t.nr; ++i) {
         const Run& x = t.run[size_t(i)];
         const auto then = i + 1 < t.nr ? v_rows(t.run[size_t(i + 1)], 0) : k_rows(first(next), 0);
@@ -406,38 +559,22 @@ void ChunkT(const Call& c, Scratch& w, const Unit& u, float* acc, os::State<floa
   // the float32 loop's bits on the widened values (docs/decode.md,
   // "Interleaved tiles").
   if (t.nk == 0) return;
-  struct Piece {
-    int run;
-    int64_t from, nk;  // keys [from, from + nk) of the run
+  // The value pieces of a tile (the score pieces are always exact_pieces:
+  // a score reads its own key only).
+  const auto value_pieces = [&](const Tile& x, std::vector<Piece>& out) {
+    if (c.bf16) bf16_pieces(x, kInterleaveKeys, out);
+    else exact_pieces(x, out);
   };
-  const auto pieces = [](const Tile& x, std::vector<Piece>& out) {
-    out.clear();
-    for (int i = 0; i < x.nr; ++i)
-      for (int64_t b = 0; b < x.run[size_t(i)].nk; b += kInterleaveKeys)
-        out.push_back({i, b, std::min(kInterleaveKeys, x.run[size_t(i)].nk - b)});
-  };
-  // The stream after piece p of tile x: the rest of its run, then the next
-  // run of x, or the first run of `then` after x's last run.
-  const auto k_stream = [&](const Tile& x, const Piece& p, const Tile& then) {
-    const Run& r = x.run[size_t(p.run)];
-    return RowPrefetch{k_rows(r, p.from), k_rows(p.run + 1 < x.nr ? x.run[size_t(p.run + 1)] : first(then), 0),
-                       std::min(ahead, r.nk)};
-  };
-  const auto v_stream = [&](const Tile& x, const Piece& p, const Tile& then) {
-    const Run& r = x.run[size_t(p.run)];
-    return RowPrefetch{v_rows(r, p.from), v_rows(p.run + 1 < x.nr ? x.run[size_t(p.run + 1)] : first(then), 0),
-                       std::min(ahead, r.nk)};
-  };
-  std::vector<Piece> pt, pn;
   Tile next = next_tile(u.c0, t);
-  pieces(t, pt);
   score_tile(t);  // the first tile's scores as the float32 loop's (nothing to interleave with)
   SoftmaxTile(c, w, u.nm, u.c0, t.nk, acc, st, nan);
   RowPrefetch{k_rows(first(next), 0), {}, 0}.rows(0, std::min(first(next).nk, ahead));
   int64_t j0 = u.c0;
   while (next.nk > 0) {
     const Tile after = next_tile(j0 + t.nk, next);
-    pieces(next, pn);
+    exact_pieces(next, pn);
+    value_pieces(t, pt);
+    if (c.bf16) value_rows(t);
     for (size_t i = 0; i < std::max(pt.size(), pn.size()); ++i) {
       if (i < pn.size()) {
         const Piece& p = pn[i];
@@ -447,8 +584,12 @@ void ChunkT(const Call& c, Scratch& w, const Unit& u, float* acc, os::State<floa
       if (i < pt.size()) {
         const Piece& p = pt[i];
         const Run& r = t.run[size_t(p.run)];
-        ValueTile(c, w, u.nm, w.s.get() + r.off + p.from, r.v + p.from * vrow, vrow, j0 + r.off + p.from, p.nk, acc,
-                  v_stream(t, p, next));
+        if (c.bf16)
+          ValueTileBf16<T>(c, w, u.nm, w.vr.data(), j0, t.nk, r.off + p.from, r.off + p.from + p.nk, acc,
+                           v_stream(t, p, next));
+        else
+          ValueTile(c, w, u.nm, w.s.get() + r.off + p.from, r.v + p.from * vrow, vrow, j0 + r.off + p.from, p.nk,
+                    acc, v_stream(t, p, next));
       }
     }
     std::swap(w.s, w.s2);
@@ -456,12 +597,17 @@ void ChunkT(const Call& c, Scratch& w, const Unit& u, float* acc, os::State<floa
     SoftmaxTile(c, w, u.nm, j0, next.nk, acc, st, nan);
     t = next;
     next = after;
-    std::swap(pt, pn);
   }
+  value_pieces(t, pt);
+  if (c.bf16) value_rows(t);
   for (const Piece& p : pt) {
     const Run& r = t.run[size_t(p.run)];
-    ValueTile(c, w, u.nm, w.s.get() + r.off + p.from, r.v + p.from * vrow, vrow, j0 + r.off + p.from, p.nk, acc,
-              v_stream(t, p, Tile{}));
+    if (c.bf16)
+      ValueTileBf16<T>(c, w, u.nm, w.vr.data(), j0, t.nk, r.off + p.from, r.off + p.from + p.nk, acc,
+                       v_stream(t, p, Tile{}));
+    else
+      ValueTile(c, w, u.nm, w.s.get() + r.off + p.from, r.v + p.from * vrow, vrow, j0 + r.off + p.from, p.nk, acc,
+                v_stream(t, p, Tile{}));
   }
 }
 
@@ -519,9 +665,19 @@ void MergeBlock(const Call& c, const Unit& u, const Block& blk, float* pacc, os:
 }
 
 void ForwardImpl(const Problem& p, const KVLayout& kv, View4<const float> q, View4<float> out,
-                 View3<float> lse, DecodePlan plan) {
+                 View3<float> lse, DecodePlan plan, Bf16Path path) {
   const int64_t lanes = Lanes();
-  const Call c{&p, &kv, q, out, lse, plan, round_up(p.E, lanes), round_up(p.Ev, lanes), round_up(plan.tile, lanes)};
+  Call c{&p, &kv, q, out, lse, plan, round_up(p.E, lanes), round_up(p.Ev, lanes), round_up(plan.tile, lanes)};
+  std::vector<float> zeros;  // a value row of zeros, in any storage type
+  if (p.bf16_products) {
+    c.bf16 = true;
+    c.path = path == Bf16Path::portable ? path : Bf16Path::avx512_bf16;  // AMX adds nothing to 4-row blocks
+    c.alpha = float(p.rules.scale) * kLog2e;
+    c.Eq = round_up(p.E, 32);
+    c.ldp = round_up(ceil_div(c.tilep, 2), 16);
+    zeros.assign(size_t(round_up(p.Ev, 32)), 0.0f);
+    c.zeros = zeros.data();
+  }
   // The units: every (b, hk, row block) cut into chunks of the keys its rows
   // see, [lo of its first row, hi of its last) (a block that sees none still
   // has one, empty, chunk: its rows finalise to 0 and −inf, or the sink).
@@ -603,13 +759,15 @@ HWY_EXPORT(ForwardImpl);
 HWY_EXPORT(TargetNameImpl);
 
 void decode_forward_planned(const Problem& p, const KVLayout& kv, View4<const float> q, View4<float> out,
-                            View3<float> lse, DecodePlan plan) {
-  HWY_DYNAMIC_DISPATCH(ForwardImpl)(p, kv, q, out, lse, plan);
+                            View3<float> lse, DecodePlan plan, Bf16Path path) {
+  if (p.bf16_products && path != Bf16Path::portable && !bf16_path_available(Bf16Path::avx512_bf16))
+    throw std::logic_error("decode_forward_planned: the CPU has no AVX512_BF16");
+  HWY_DYNAMIC_DISPATCH(ForwardImpl)(p, kv, q, out, lse, plan, path);
 }
 
 void decode_forward(const Problem& p, const KVLayout& kv, View4<const float> q, View4<float> out,
                     View3<float> lse) {
-  decode_forward_planned(p, kv, q, out, lse, decode_plan(p));
+  decode_forward_planned(p, kv, q, out, lse, decode_plan(p), decode_bf16_path());
 }
 
 const char* decode_target_name() { return HWY_DYNAMIC_DISPATCH(TargetNameImpl)(); }

@@ -1,0 +1,63 @@
+// Internal: the decode kernel's bfloat16 products (compute_dtype bfloat16,
+// docs/decode.md "bfloat16 compute"). No SIMD types here.
+//
+// The kernel is decode.cpp's (tiles, chunks, online softmax, merges and
+// finalisation all float32); only its two products change, and both paths
+// below run them with the same arithmetic, so they give the same bits:
+//
+//  scores   s = alpha · Σ_e q̂_e·k̂_e, q̂ and k̂ rounded to bfloat16
+//           (bf16_operand; K of any storage type is rounded in registers).
+//           The features go in blocks of 32 into 16 float32 lanes: lane i
+//           of block t adds q̂·k̂ of feature 32t + 2i + 1, then of 32t + 2i
+//           (float32 fused multiply-adds, VDPBF16PS's order; features past
+//           E are zeros), the blocks in order; the 16 lanes are then summed
+//           by halving (lane_sum16), and the sum multiplied by alpha once.
+//  values   o_e += P̂_{2m+1}·v̂_{2m+1,e}, then P̂_{2m}·v̂_{2m,e}, for the key
+//           pairs m of a tile in order, P̂ the probabilities rounded to
+//           bfloat16 and v̂ the values so rounded: pp holds the pairs' bits
+//           (the even key in the low half), v the rows of the pair's keys
+//           (a key the row does not see points at a row of zeros and has
+//           P̂ = 0, so it adds nothing, not even 0·NaN).
+//
+// Paths: AVX512_BF16 (VDPBF16PS, VCVTNE2PS2BF16; bf16_native.cpp, compiled
+// once in a `#pragma GCC target` region like the fused forward's) and the
+// portable one (decode/bf16-inl.h, every SIMD target: float32 multiply-adds
+// on the rounded values). AMX tiles would add nothing here: a block has at
+// most 4 rows per key and the loop is bound by reading K and V.
+#pragma once
+
+#include <cstdint>
+
+#include "attn/half.hpp"
+#include "kernels/decode/prefetch.hpp"
+#include "kernels/fused/bf16.hpp"
+
+namespace attn::detail {
+
+// The sum of 16 lanes by halving: x_i + x_{i+8}, then + 4, + 2, + 1.
+inline float lane_sum16(const float* x) {
+  float y[8];
+  for (int i = 0; i < 8; ++i) y[i] = x[i] + x[i + 8];
+  for (int i = 0; i < 4; ++i) y[i] = y[i] + y[i + 4];
+  for (int i = 0; i < 2; ++i) y[i] = y[i] + y[i + 2];
+  return y[0] + y[1];
+}
+
+// The path the decode kernel takes for bfloat16 products: AVX512_BF16
+// where the CPU has it (AMX CPUs do), else portable.
+Bf16Path decode_bf16_path();
+
+// The AVX512_BF16 products (callable only where bf16_path_available says
+// so). scores: s[r·lds + j] for rows r < rows (<= 4) and keys j < nk, q
+// the rows' bfloat16 bits (ldq elements apart, zero up to E rounded up to
+// 32), key j at k + j·krow elements of storage type t. values: o[r·ldo + e]
+// for e < Ev, the npairs pairs of pp (ldp apart per row) and their 2·npairs
+// value rows v (storage type t). Each runs the prefetch stream pf along.
+void decode_bf16_scores_native(Dtype t, int rows, const uint16_t* q, int64_t ldq, const void* k, int64_t krow,
+                               int64_t nk, int64_t E, float alpha, float* s, int64_t lds,
+                               const decode_common::RowPrefetch& pf);
+void decode_bf16_values_native(Dtype t, int rows, const uint32_t* pp, int64_t ldp, int64_t npairs,
+                               const void* const* v, int64_t Ev, float* o, int64_t ldo,
+                               const decode_common::RowPrefetch& pf);
+
+}  // namespace attn::detail
