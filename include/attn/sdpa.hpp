@@ -131,8 +131,8 @@ struct SdpaOptions {
   // dot products: AVX512_BF16, AMX). Unset: bfloat16 for bfloat16 q, k, v,
   // float32 otherwise. It shapes the fused forward's products; the
   // backward's arithmetic stays float32 (on the saved state of the
-  // bfloat16 forward), and calls with few query rows (the decode kernel,
-  // bound by memory rather than by products) compute exactly. Only float32
+  // bfloat16 forward); calls with few query rows (the decode kernel) and
+  // decode_attention apply the same roundings (docs/decode.md). Only float32
   // and bfloat16; bfloat16 is refused with double inputs and with the
   // reference backend.
   std::optional<Dtype> compute_dtype;

@@ -43,6 +43,15 @@ inline float lane_sum16(const float* x) {
   return y[0] + y[1];
 }
 
+// Where the AVX512_BF16 value products keep feature e in an accumulator
+// row (rows of whole blocks of 32): the interleave of two value rows into
+// pairs leaves features 8β + 0..3 of each 128-bit block β of a block in the
+// first 16 floats, 8β + 4..7 in the next 16.
+inline int64_t decode_pair_position(int64_t e) {
+  const int64_t f = e % 32, b = f / 8, i = f % 8;
+  return e - f + (i < 4 ? 4 * b + i : 16 + 4 * b + i - 4);
+}
+
 // The path the decode kernel takes for bfloat16 products: AVX512_BF16
 // where the CPU has it (AMX CPUs do), else portable.
 Bf16Path decode_bf16_path();
@@ -51,8 +60,9 @@ Bf16Path decode_bf16_path();
 // so). scores: s[r·lds + j] for rows r < rows (<= 4) and keys j < nk, q
 // the rows' bfloat16 bits (ldq elements apart, zero up to E rounded up to
 // 32), key j at k + j·krow elements of storage type t. values: o[r·ldo + e]
-// for e < Ev, the npairs pairs of pp (ldp apart per row) and their 2·npairs
-// value rows v (storage type t). Each runs the prefetch stream pf along.
+// for e < Ev in decode_pair_position's order (rows of Ev rounded up to 32),
+// the npairs pairs of pp (ldp apart per row) and their 2·npairs value rows v
+// (storage type t). Each runs the prefetch stream pf along.
 void decode_bf16_scores_native(Dtype t, int rows, const uint16_t* q, int64_t ldq, const void* k, int64_t krow,
                                int64_t nk, int64_t E, float alpha, float* s, int64_t lds,
                                const decode_common::RowPrefetch& pf);

@@ -13,8 +13,8 @@
 // pair layout once per block and used by the R rows, whose probability
 // pair is one broadcast dword. The interleave leaves the features of a
 // strip permuted across its two accumulators (lo: features 8β + 0..3, hi:
-// 8β + 4..7 of each 128-bit block β); the block permutes its rows of the
-// output accumulator in and out once per call.
+// 8β + 4..7 of each 128-bit block β), and the accumulator rows keep that
+// order (decode_pair_position) until the kernel writes the output.
 #include <algorithm>
 #include <cstring>
 
@@ -127,10 +127,15 @@ inline void ScoreBlock(const uint16_t* q, int64_t ldq, const T* k, int64_t krow,
         acc[r * C + c] = Dot(acc[r * C + c], qv, R > 1 ? kv[c] : Ops32(k + c * krow + e, E - e));
     }
   }
-  alignas(64) float sums[16];
+  alignas(64) float sums[16];  // row r's C sums are sums[r·C, r·C + C)
   _mm512_store_ps(sums, _mm512_mul_ps(Sums16(acc), _mm512_set1_ps(alpha)));
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) s[r * lds + c] = sums[r * C + c];
+  for (int r = 0; r < R; ++r) {
+    if constexpr (C == 16) _mm512_storeu_ps(s + r * lds, _mm512_load_ps(sums + r * C));
+    else if constexpr (C == 8) _mm256_storeu_ps(s + r * lds, _mm256_load_ps(sums + r * C));
+    else if constexpr (C == 4) _mm_storeu_ps(s + r * lds, _mm_load_ps(sums + r * C));
+    else
+      for (int c = 0; c < C; ++c) s[r * lds + c] = sums[r * C + c];
+  }
 }
 
 template <int R, class T>
@@ -165,21 +170,13 @@ void Scores(int rows, const uint16_t* q, int64_t ldq, const T* k, int64_t krow, 
 template <int R, int NS, class T>
 inline void ValueBlock(const uint32_t* pp, int64_t ldp, int64_t npairs, const T* const* v, int64_t e0, int64_t Ev,
                        float* o, int64_t ldo, const RowPrefetch& pf) {
-  // Natural order <-> the interleave's: lo lane 4β + i holds feature 8β + i,
-  // hi lane 4β + i feature 8β + 4 + i.
-  const __m512i to_lo = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
-  const __m512i to_hi = _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
-  const __m512i from0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-  const __m512i from1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
   int64_t n[NS];
   for (int t = 0; t < NS; ++t) n[t] = std::min<int64_t>(32, Ev - e0 - 32 * t);
-  __m512 lo[R][NS], hi[R][NS];
+  __m512 lo[R][NS], hi[R][NS];  // features 8β + 0..3 and 8β + 4..7 of each 128-bit block β of a strip
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < NS; ++t) {
-      const float* src = o + r * ldo + e0 + 32 * t;
-      const __m512 a = _mm512_maskz_loadu_ps(First16(n[t]), src), b = _mm512_maskz_loadu_ps(First16(n[t] - 16), src + 16);
-      lo[r][t] = _mm512_permutex2var_ps(a, to_lo, b);
-      hi[r][t] = _mm512_permutex2var_ps(a, to_hi, b);
+      lo[r][t] = _mm512_loadu_ps(o + r * ldo + e0 + 32 * t);
+      hi[r][t] = _mm512_loadu_ps(o + r * ldo + e0 + 32 * t + 16);
     }
   for (int64_t m = 0; m < npairs; ++m) {
     pf.rows(2 * m, 2);
@@ -204,9 +201,8 @@ inline void ValueBlock(const uint32_t* pp, int64_t ldp, int64_t npairs, const T*
   }
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < NS; ++t) {
-      float* dst = o + r * ldo + e0 + 32 * t;
-      _mm512_mask_storeu_ps(dst, First16(n[t]), _mm512_permutex2var_ps(lo[r][t], from0, hi[r][t]));
-      _mm512_mask_storeu_ps(dst + 16, First16(n[t] - 16), _mm512_permutex2var_ps(lo[r][t], from1, hi[r][t]));
+      _mm512_storeu_ps(o + r * ldo + e0 + 32 * t, lo[r][t]);
+      _mm512_storeu_ps(o + r * ldo + e0 + 32 * t + 16, hi[r][t]);
     }
 }
 

@@ -54,7 +54,9 @@ struct Call {
   // Eq = E rounded up to 32 elements long, the scores' one multiply is
   // alpha = scale·log2(e), a tile's probability pairs are ldp apart per
   // row, and `zeros` is a value row of zeros (a key a row does not see).
-  bool bf16 = false;
+  // pair_layout: the accumulator rows hold the features in the AVX512_BF16
+  // products' order (decode_pair_position; Evp a multiple of 32).
+  bool bf16 = false, pair_layout = false;
   Bf16Path path = Bf16Path::portable;
   float alpha = 0;
   int64_t Eq = 0, ldp = 0;

@@ -1,6 +1,7 @@
 // The decode kernel: attention of a few new query rows per sequence over a
 // long key/value history (a KV cache, or the dense K/V of a call with few
-// query rows), float32 arithmetic on float32, float16 or bfloat16 storage.
+// query rows), float32 arithmetic on float32, float16 or bfloat16 storage,
+// or bfloat16 products (compute_dtype bfloat16).
 //
 // Memory traffic is the whole story. With L new queries and S cached keys,
 // the work is O(L·S·E) flops against O(S·(E + Ev)) bytes of K and V, so for
@@ -60,6 +61,14 @@
 //    stay float32: products are float32 × (exactly widened) stored values,
 //    the contract "exact for the stored precision"; a native bf16 dot
 //    (vdpbf16ps) would round q, so every target widens (docs/decode.md).
+//  * bfloat16 compute (p.bf16_products: compute_dtype bfloat16): the same
+//    tiles, chunks, softmax and merges; the two products take bfloat16
+//    operands instead (decode/bf16.hpp: q rounded once per block, K and V
+//    rounded as read, P rounded per tile into key pairs), on AVX512_BF16
+//    (bf16_native.cpp) or the portable path (bf16-inl.h), which give the
+//    same bits. Their value loop goes over the tile's key pairs, so its
+//    pieces start at even keys of the tile (a pair may span two pages), and
+//    a key a row does not see reads a row of zeros with probability 0.
 //
 // NaN, the rule of the dense call: keys a row does not see never touch it;
 // a visible key with NaN/inf in its q, k or v row poisons the row (output
@@ -630,10 +639,12 @@ void Finalize(const Call& c, const Unit& u, const float* acc, const os::State<fl
     const os::Final<float> f = os::finalize<os::Base2>(st[r]);
     const float* o = acc + r * c.Evp;
     // A non-finite value row the row sees leaves acc non-finite: poisoned too.
-    const bool bad = nan[r] || std::isnan(f.lse) || AnyNonFinite(o, p.Ev);
+    const bool bad = nan[r] || std::isnan(f.lse) || AnyNonFinite(o, c.pair_layout ? c.Evp : p.Ev);
     const float inv = bad ? qnan : f.inv_sum;
     float* dst = &c.out(u.b, h, i, 0);
     int64_t e = 0;
+    if (c.pair_layout)  // the AVX512_BF16 products' order of the features (bf16.hpp)
+      for (; e < p.Ev; ++e) dst[e * se] = o[decode_pair_position(e)] * inv;
     if (se == 1)
       for (const VF vinv = hn::Set(d, inv); e + N <= p.Ev; e += N)
         hn::StoreU(hn::Mul(hn::Load(d, o + e), vinv), d, dst + e);
@@ -675,6 +686,8 @@ void ForwardImpl(const Problem& p, const KVLayout& kv, View4<const float> q, Vie
     c.alpha = float(p.rules.scale) * kLog2e;
     c.Eq = round_up(p.E, 32);
     c.ldp = round_up(ceil_div(c.tilep, 2), 16);
+    c.pair_layout = c.path != Bf16Path::portable;
+    if (c.pair_layout) c.Evp = round_up(p.Ev, 32);
     zeros.assign(size_t(round_up(p.Ev, 32)), 0.0f);
     c.zeros = zeros.data();
   }
