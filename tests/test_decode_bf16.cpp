@@ -15,8 +15,9 @@
 // against the exact attention of the rounded operands (the reference
 // backend in double) within that bound, and against the exact attention of
 // the unrounded ones within the bound widened by the operands' rounding;
-// AVX512_BF16 (where the CPU has it) against the portable path bit for bit,
-// on every compiled SIMD target; 1, 2 and 3
+// AVX512_BF16 (where the CPU has it) against the portable path and AMX
+// against the AMX code on emulated tiles bit for bit, on every compiled SIMD
+// target; 1, 2 and 3
 // threads bit for bit; rows that see no key, and NaN and ±∞ reaching only
 // the rows that see them; the routes of the public calls (bfloat16 q, k, v
 // by default, compute_dtype either way, a paged cache as a contiguous one,
@@ -26,6 +27,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <map>
 #include <random>
 #include <string>
 #include <vector>
@@ -44,11 +46,18 @@ using namespace attn;
 using namespace attn::testing;
 using detail::Bf16Path;
 
-// The paths: portable always, AVX512_BF16 where the CPU has it.
+// The paths: portable and the AMX code on emulated tiles always,
+// AVX512_BF16 and AMX where the CPU has them.
 std::vector<Bf16Path> decode_paths() {
-  std::vector<Bf16Path> paths{Bf16Path::portable};
-  if (detail::bf16_path_available(Bf16Path::avx512_bf16)) paths.push_back(Bf16Path::avx512_bf16);
+  std::vector<Bf16Path> paths{Bf16Path::portable, Bf16Path::amx_emulated};
+  for (Bf16Path p : {Bf16Path::avx512_bf16, Bf16Path::amx})
+    if (detail::bf16_path_available(p)) paths.push_back(p);
   return paths;
+}
+// The path whose bits a native one gives: the portable one for AVX512_BF16
+// (its order of the sums), the emulation for AMX (the tiles' order).
+Bf16Path twin(Bf16Path p) {
+  return p == Bf16Path::avx512_bf16 ? Bf16Path::portable : p == Bf16Path::amx ? Bf16Path::amx_emulated : p;
 }
 
 // x's values stored as T (x then holds the stored values) and their view.
@@ -125,16 +134,16 @@ TEST(DecodeBf16, EveryPathAndStorageIsWithinTheBoundOfTheRoundedReference) {
       ASSERT_TRUE(detail::decode_suits_dense(detail::make_problem(c.args, c.opt))) << spec.str();
       const Storage st(t, c);
       const Ref r = reference(c.args, c.opt);
-      std::vector<Fwd> got;
+      std::map<Bf16Path, Fwd> got;
       for (Bf16Path path : decode_paths()) {
-        got.push_back(decode_on(path, c, st.kv, c.opt));
-        EXPECT_TRUE(within_bound(got.back(), r, spec.E, spec.softcap, false,
+        got.emplace(path, decode_on(path, c, st.kv, c.opt));
+        EXPECT_TRUE(within_bound(got.at(path), r, spec.E, spec.softcap, false,
                                  spec.str() + " " + dtype_name(t) + " on " + detail::bf16_path_name(path), false,
                                  merge_sums(c)));
       }
-      for (size_t i = 1; i < got.size(); ++i)  // the native path gives the portable bits
-        EXPECT_TRUE(same_bits(got[i].out, got[0].out) && same_bits(got[i].lse, got[0].lse))
-            << spec.str() << " " << dtype_name(t);
+      for (const auto& [path, f] : got)  // a native path gives its twin's bits
+        EXPECT_TRUE(same_bits(f.out, got.at(twin(path)).out) && same_bits(f.lse, got.at(twin(path)).lse))
+            << spec.str() << " " << dtype_name(t) << " " << detail::bf16_path_name(path);
     }
 }
 
@@ -173,14 +182,18 @@ TEST(DecodeBf16, EveryCompiledTargetKeepsTheBound) {
       for (const RandomSpec& spec : specs) {
         SdpaCase<float> c(spec);
         const Storage st(t, c);
-        const Fwd portable = decode_on(Bf16Path::portable, c, st.kv, c.opt);
-        EXPECT_TRUE(within_bound(portable, refs[n++], spec.E, spec.softcap, false, spec.str() + " " + dtype_name(t),
-                                 false, merge_sums(c)));
-        if (detail::bf16_path_available(Bf16Path::avx512_bf16)) {
-          const Fwd dp = decode_on(Bf16Path::avx512_bf16, c, st.kv, c.opt);
-          EXPECT_TRUE(same_bits(dp.out, portable.out) && same_bits(dp.lse, portable.lse))
-              << spec.str() << " " << dtype_name(t);
+        std::map<Bf16Path, Fwd> got;
+        for (Bf16Path path : decode_paths()) got.emplace(path, decode_on(path, c, st.kv, c.opt));
+        for (const auto& [path, f] : got) {
+          if (path == twin(path))
+            EXPECT_TRUE(within_bound(f, refs[n], spec.E, spec.softcap, false,
+                                     spec.str() + " " + dtype_name(t) + " on " + detail::bf16_path_name(path), false,
+                                     merge_sums(c)));
+          else
+            EXPECT_TRUE(same_bits(f.out, got.at(twin(path)).out) && same_bits(f.lse, got.at(twin(path)).lse))
+                << spec.str() << " " << dtype_name(t) << " " << detail::bf16_path_name(path);
         }
+        ++n;
       }
   });
   std::printf("decode with bfloat16 products, targets run: %s\n", names.c_str());

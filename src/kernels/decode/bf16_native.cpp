@@ -30,8 +30,9 @@
 namespace attn::detail {
 
 Bf16Path decode_bf16_path() {
-  static const Bf16Path path =
-      bf16_path_available(Bf16Path::avx512_bf16) ? Bf16Path::avx512_bf16 : Bf16Path::portable;
+  static const Bf16Path path = bf16_path_available(Bf16Path::amx)           ? Bf16Path::amx
+                               : bf16_path_available(Bf16Path::avx512_bf16) ? Bf16Path::avx512_bf16
+                                                                            : Bf16Path::portable;
   return path;
 }
 

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "kernels/decode/decode.hpp"
+#include "kernels/fused/common.hpp"
 #include "kernels/fused/bf16.hpp"
 #include "kernels/fused/online_softmax.hpp"
 #include "kernels/score_rules.hpp"
@@ -56,11 +57,30 @@ struct Call {
   // row, and `zeros` is a value row of zeros (a key a row does not see).
   // pair_layout: the accumulator rows hold the features in the AVX512_BF16
   // products' order (decode_pair_position; Evp a multiple of 32).
-  bool bf16 = false, pair_layout = false;
+  // amx: the products run as 16-row tile products (kernel: AMX or its
+  // emulation, kernels/fused/amx-inl.h) on operands packed per tile; the
+  // accumulators then have arows = rows rounded up to 16 rows per slot.
+  bool bf16 = false, pair_layout = false, amx = false;
   Bf16Path path = Bf16Path::portable;
+  Bf16Kernel kernel{};
   float alpha = 0;
-  int64_t Eq = 0, ldp = 0;
+  int64_t Eq = 0, ldp = 0, arows = 0;
   const void* zeros = nullptr;
+  int64_t qcols() const { return round_up(plan.rows, 16); }  // AMX: columns of the queries' pairs
+  int64_t tile16() const { return round_up(plan.tile, 32); }  // AMX: a tile's keys, padded
+};
+
+// The tile configuration of one thread for the AMX products (none else).
+struct TileThread {
+  const Call& c;
+  explicit TileThread(const Call& call) : c(call) {
+    if (c.amx && c.kernel.thread_begin) c.kernel.thread_begin();
+  }
+  ~TileThread() {
+    if (c.amx && c.kernel.thread_end) c.kernel.thread_end();
+  }
+  TileThread(const TileThread&) = delete;
+  TileThread& operator=(const TileThread&) = delete;
 };
 
 // ---- per-thread scratch ------------------------------------------------------
@@ -86,13 +106,21 @@ struct Call {
 //   vr  [tile + 2]       the value rows of a tile's keys
 //   vp  [tile + 2]       the value rows of a pair loop (zeros for keys the row
 //                        does not see)
+// and with AMX products (c.amx)
+//   qpair [Eq/2 × qcols]     the block's queries as B of K·Qᵀ (pairs, zero columns)
+//   kb  [tile16 × Eq]        a tile's keys as A of K·Qᵀ (bfloat16 bits, zero rows)
+//   sc  [tile16 × qcols]     K·Qᵀ of a tile (keys × queries)
+//   vb  [tile16/2 × Evp]     a tile's values as B of P·V (pairs of keys)
+//   kr  [tile + 2]           the key rows of a tile
+//   pp has arows rows (P as A of P·V: its pairs are the row's bfloat16 P)
 // s and s2 hold two vectors more than their rows: the pairs read whole
 // vectors of a row's scores past its end.
 struct Scratch {
   hwy::AlignedFreeUniquePtr<float[]> q, s, s2, acc;
-  hwy::AlignedFreeUniquePtr<uint16_t[]> qb;
-  hwy::AlignedFreeUniquePtr<uint32_t[]> pp;
-  std::vector<const void*> vr, vp;
+  hwy::AlignedFreeUniquePtr<uint16_t[]> qb, kb;
+  hwy::AlignedFreeUniquePtr<uint32_t[]> pp, qpair, vb;
+  hwy::AlignedFreeUniquePtr<float[]> sc;
+  std::vector<const void*> vr, vp, kr;
   std::vector<int64_t> begin, end, pos;
   std::vector<float> slope;
   std::vector<rules::Line<bool>> mask;
@@ -109,7 +137,7 @@ struct Scratch {
     s2 = hwy::AllocateAligned<float>(size_t(rows * c.tilep + pad));
     std::fill(s.get(), s.get() + rows * c.tilep + pad, 0.0f);
     std::fill(s2.get(), s2.get() + rows * c.tilep + pad, 0.0f);
-    acc = hwy::AllocateAligned<float>(size_t(rows * c.Evp));
+    acc = hwy::AllocateAligned<float>(size_t(std::max(rows, c.arows) * c.Evp));
     std::fill(q.get(), q.get() + rows * c.Ep, 0.0f);
     begin.resize(size_t(rows));
     end.resize(size_t(rows));
@@ -127,9 +155,20 @@ struct Scratch {
     if (c.bf16) {
       qb = hwy::AllocateAligned<uint16_t>(size_t(rows * c.Eq));
       std::fill(qb.get(), qb.get() + rows * c.Eq, uint16_t(0));
-      pp = hwy::AllocateAligned<uint32_t>(size_t(rows * c.ldp));
+      const int64_t prows = std::max(rows, c.arows);
+      pp = hwy::AllocateAligned<uint32_t>(size_t(prows * c.ldp));
+      std::fill(pp.get(), pp.get() + prows * c.ldp, 0u);
       vr.resize(size_t(c.plan.tile + 2));
       vp.resize(size_t(c.plan.tile + 2));
+    }
+    if (c.amx) {
+      const int64_t t16 = c.tile16(), nq = c.qcols();
+      qpair = hwy::AllocateAligned<uint32_t>(size_t(c.Eq / 2 * nq));
+      kb = hwy::AllocateAligned<uint16_t>(size_t(t16 * c.Eq));
+      sc = hwy::AllocateAligned<float>(size_t(t16 * nq));
+      vb = hwy::AllocateAligned<uint32_t>(size_t(t16 / 2 * c.Evp));
+      std::fill(kb.get(), kb.get() + t16 * c.Eq, uint16_t(0));
+      kr.resize(size_t(c.plan.tile + 2));
     }
   }
 };

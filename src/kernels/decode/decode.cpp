@@ -95,6 +95,8 @@
 #include <cstring>
 #include <limits>
 #include <stdexcept>
+#include <string>
+#include <type_traits>
 #include <vector>
 
 #include "attn/half.hpp"
@@ -132,7 +134,7 @@ void ScoreTile(const Call& c, Scratch& w, int64_t nm, const T* k, int64_t krow, 
       const uint16_t* q = w.qb.get() + r0 * c.Eq;
       float* sr = s + r0 * c.tilep;
       const int rows = int(std::min<int64_t>(4, nm - r0));
-      if (c.path != Bf16Path::portable) {
+      if (c.path == Bf16Path::avx512_bf16) {
         decode_bf16_scores_native(c.kv->type, rows, q, c.Eq, k, krow, nk, E, c.alpha, sr, c.tilep, pf);
         continue;
       }
@@ -243,7 +245,7 @@ void ValueTileBf16(const Call& c, Scratch& w, int64_t nm, const void* const* vr,
   const auto pairs = [&](int rows, int64_t r0, int64_t m0, int64_t m1, const RowPrefetch& f) {
     const uint32_t* pp = w.pp.get() + r0 * c.ldp + m0;
     float* o = acc + r0 * c.Evp;
-    if (c.path != Bf16Path::portable)
+    if (c.path == Bf16Path::avx512_bf16)
       return decode_bf16_values_native(c.kv->type, rows, pp, c.ldp, m1 - m0, w.vp.data(), Ev, o, c.Evp, f);
     const T* const* v = reinterpret_cast<const T* const*>(w.vp.data());
     switch (rows) {
@@ -301,9 +303,17 @@ void PackQueries(const Call& c, Scratch& w, const Unit& u) {
     w.begin[size_t(r)] = k.lo, w.end[size_t(r)] = k.hi;
     w.pos[size_t(r)] = i + p.rules.offset[size_t(u.b)];
     w.slope[size_t(r)] = p.rules.slope(h);
+    if (c.amx) {  // the row as a column of B of K·Qᵀ
+      const int64_t nq = c.qcols();
+      const uint16_t* b = w.qb.get() + r * c.Eq;
+      for (int64_t kp = 0; kp < c.Eq / 2; ++kp) w.qpair[size_t(kp * nq + r)] = b[2 * kp] | uint32_t(b[2 * kp + 1]) << 16;
+    }
     if (!p.rules.mask.empty()) w.mask[size_t(r)] = rules::key_row(p.rules.mask, u.b, h, i);
     if (!p.rules.bias.empty()) w.bias[size_t(r)] = rules::key_row(p.rules.bias, u.b, h, i);
   }
+  if (c.amx)  // the columns past the block's rows are zeros
+    for (int64_t k = 0; k < c.Eq / 2; ++k)
+      std::fill(w.qpair.get() + k * c.qcols() + u.nm, w.qpair.get() + (k + 1) * c.qcols(), 0u);
 }
 
 
@@ -395,6 +405,87 @@ void SoftmaxTile(const Call& c, Scratch& w, int64_t nm, int64_t j0, int64_t nk, 
   }
 }
 
+// ---- bfloat16 products on 16-row tiles (AMX, or its emulation) -----------------
+
+using DFU = hn::RebindToUnsigned<DF>;
+using VFU = hn::Vec<DFU>;
+
+// N elements of a row (n < N: zeros after n) as bfloat16 bits in the high
+// half of each 32-bit lane (bf16_operand; a bfloat16 element as stored: the
+// tile products read a subnormal as zero).
+template <class T>
+HWY_INLINE VFU HighBits(const T* x, int64_t n) {
+  const DF d;
+  const VF v = n >= Lanes() ? LoadF(d, x) : LoadTail(d, x, n);
+  if constexpr (std::is_same_v<T, hwy::bfloat16_t>) return hn::BitCast(DFU(), v);  // widened: the bits << 16
+  else return RoundToBf16High(v);
+}
+
+// A key row of E elements as bfloat16 bits, zeros up to Eq (a multiple of 32).
+template <class T>
+void KeyBits(const T* x, int64_t E, int64_t Eq, uint16_t* dst) {
+#if HWY_TARGET == HWY_SCALAR
+  for (int64_t e = 0; e < Eq; ++e) dst[e] = e < E ? uint16_t(hn::GetLane(HighBits(x + e, E - e)) >> 16) : 0;
+#else
+  const DFU du;
+  const hn::Repartition<uint16_t, DF> d16;
+  const int64_t N = Lanes();
+  for (int64_t e = 0; e < Eq; e += 2 * N) {
+    const VFU a = e < E ? HighBits(x + e, E - e) : hn::Zero(du);
+    const VFU b = e + N < E ? HighBits(x + e + N, E - e - N) : hn::Zero(du);
+    hn::StoreU(hn::ConcatOdd(d16, hn::BitCast(d16, b), hn::BitCast(d16, a)), d16, dst + e);
+  }
+#endif
+}
+
+// Two value rows as one row of pairs (a's bits low, b's high), zeros from Ev to Evp.
+template <class T>
+void ValuePairs(const T* a, const T* b, int64_t Ev, int64_t Evp, uint32_t* dst) {
+  const DFU du;
+  const int64_t N = Lanes();
+  for (int64_t e = 0; e < Evp; e += N) {
+    if (e >= Ev) {
+      hn::StoreU(hn::Zero(du), du, dst + e);
+      continue;
+    }
+    const VFU x = HighBits(a + e, Ev - e), y = HighBits(b + e, Ev - e);
+    hn::StoreU(hn::Or(hn::ShiftRight<16>(x), hn::And(y, hn::Set(du, 0xFFFF0000u))), du, dst + e);
+  }
+}
+
+// One tile of nk keys from j0 (key rows w.kr, value rows w.vr) with the
+// tile products: K·Qᵀ of the tile's keys (padded to 16) and the block's
+// query pairs, the softmax step, then acc += P·V with P the rows' rounded
+// probabilities (pp) and V the tile's value rows in key pairs (a key the
+// rows do not see as zeros). A tile whose rows see different keys, or
+// with keys the mask or bias hides, goes through the portable pair loop
+// instead (a key a row does not see never touches it).
+template <class T>
+void AmxTile(const Call& c, Scratch& w, const Unit& u, int64_t j0, int64_t nk, float* acc, os::State<float>* st,
+             uint8_t* nan) {
+  const int64_t E = c.p->E, Ev = c.p->Ev, nq = c.qcols(), m16 = round_up(nk, 16);
+  for (int64_t j = 0; j < nk; ++j) KeyBits(static_cast<const T*>(w.kr[size_t(j)]), E, c.Eq, w.kb.get() + j * c.Eq);
+  std::fill(w.kb.get() + nk * c.Eq, w.kb.get() + m16 * c.Eq, uint16_t(0));
+  c.kernel.gemm(m16, nq, c.Eq, w.kb.get(), c.Eq, w.qpair.get(), nq, w.sc.get(), nq, c.alpha, false);
+  for (int64_t r = 0; r < u.nm; ++r)  // scores: keys × queries to the rows' lines
+    for (int64_t j = 0; j < nk; ++j) w.s[size_t(r * c.tilep + j)] = w.sc[size_t(j * nq + r)];
+  SoftmaxTile(c, w, u.nm, j0, nk, acc, st, nan);
+  const rules::Keys k0 = TileKeys(w, 0, j0, nk);
+  bool same = true;
+  for (int64_t r = 0; r < u.nm && same; ++r) {
+    const rules::Keys k = TileKeys(w, r, j0, nk);
+    same = !w.holes[size_t(r)] && k.lo == k0.lo && k.hi == k0.hi;
+  }
+  if (!same) return ValueTileBf16<T>(c, w, u.nm, w.vr.data(), j0, nk, 0, nk, acc, RowPrefetch{});
+  if (k0.hi <= k0.lo) return;
+  const int64_t K = round_up(nk, 32), npairs = (nk + 1) / 2;
+  const auto row = [&](int64_t j) { return static_cast<const T*>(j >= k0.lo && j < k0.hi ? w.vr[size_t(j)] : c.zeros); };
+  for (int64_t k = 0; k < K / 2; ++k) ValuePairs(row(2 * k), row(2 * k + 1), Ev, c.Evp, w.vb.get() + k * c.Evp);
+  for (int64_t r = 0; r < u.nm; ++r)  // P past the tile's keys is zero
+    std::fill(w.pp.get() + r * c.ldp + npairs, w.pp.get() + r * c.ldp + K / 2, 0u);
+  c.kernel.gemm(round_up(u.nm, 16), c.Evp, K, w.pp.get(), 2 * c.ldp, w.vb.get(), c.Evp, acc, c.Evp, 1.0f, true);
+}
+
 // The chunk u into (acc, st, nan) for its nm rows (acc zeroed here).
 template <class T>
 void ChunkT(const Call& c, Scratch& w, const Unit& u, float* acc, os::State<float>* st, uint8_t* nan) {
@@ -442,6 +533,36 @@ void ChunkT(const Call& c, Scratch& w, const Unit& u, float* acc, os::State<floa
   // The first run of a tile (none: an empty run, which no stream follows).
   const auto first = [](const Tile& x) { return x.nr > 0 ? x.run[0] : Run{nullptr, nullptr, 0, 0}; };
   Tile t = u.c0 < kend ? tile_at(u.c0) : Tile{};
+  if (c.amx) {  // tile after tile: the rows of the next start loading, then AmxTile
+    const bool gather = kv.k_elem != 1 || kv.v_elem != 1;
+    T* kd = reinterpret_cast<T*>(w.kt.get());
+    T* vd = reinterpret_cast<T*>(w.vt.get());
+    for (int64_t j0 = u.c0; j0 < kend;) {
+      const Tile next = next_tile(j0, t);
+      for (int i = 0; i < next.nr; ++i) {
+        const Run& x = next.run[size_t(i)];
+        PrefetchRows(reinterpret_cast<const char*>(x.k), krow * int64_t(sizeof(T)), x.nk, E * int64_t(sizeof(T)));
+        PrefetchRows(reinterpret_cast<const char*>(x.v), vrow * int64_t(sizeof(T)), x.nk, Ev * int64_t(sizeof(T)));
+      }
+      for (int i = 0; i < t.nr; ++i) {
+        const Run& x = t.run[size_t(i)];
+        for (int64_t j = 0; j < x.nk; ++j) {
+          const size_t at = size_t(x.off + j);
+          if (gather) {
+            for (int64_t e = 0; e < E; ++e) kd[int64_t(at) * E + e] = x.k[j * kv.k_row + e * kv.k_elem];
+            for (int64_t e = 0; e < Ev; ++e) vd[int64_t(at) * Ev + e] = x.v[j * kv.v_row + e * kv.v_elem];
+            w.kr[at] = kd + int64_t(at) * E, w.vr[at] = vd + int64_t(at) * Ev;
+          } else {
+            w.kr[at] = x.k + j * krow, w.vr[at] = x.v + j * vrow;
+          }
+        }
+      }
+      AmxTile<T>(c, w, u, j0, t.nk, acc, st, nan);
+      j0 += t.nk;
+      t = next;
+    }
+    return;
+  }
   if (kv.k_elem != 1 || kv.v_elem != 1) {  // strided features: each tile's rows gathered, then as usual
     // A tile's rows with their features gathered contiguous (a dense view
     // whose features are strided): the kernel then reads the same values in
@@ -657,11 +778,11 @@ void Finalize(const Call& c, const Unit& u, const float* acc, const os::State<fl
 void MergeBlock(const Call& c, const Unit& u, const Block& blk, float* pacc, os::State<float>* pst,
                 uint8_t* pnan) {
   const int64_t rows = c.plan.rows, Evp = c.Evp;
-  float* acc0 = pacc + blk.slot * rows * Evp;
+  float* acc0 = pacc + blk.slot * c.arows * Evp;
   os::State<float>* st0 = pst + blk.slot * rows;
   uint8_t* nan0 = pnan + blk.slot * rows;
   for (int64_t k = 1; k < blk.count; ++k) {
-    const float* acck = pacc + (blk.slot + k) * rows * Evp;
+    const float* acck = pacc + (blk.slot + k) * c.arows * Evp;
     const os::State<float>* stk = pst + (blk.slot + k) * rows;
     const uint8_t* nank = pnan + (blk.slot + k) * rows;
     for (int64_t r = 0; r < u.nm; ++r) {
@@ -679,15 +800,22 @@ void ForwardImpl(const Problem& p, const KVLayout& kv, View4<const float> q, Vie
                  View3<float> lse, DecodePlan plan, Bf16Path path) {
   const int64_t lanes = Lanes();
   Call c{&p, &kv, q, out, lse, plan, round_up(p.E, lanes), round_up(p.Ev, lanes), round_up(plan.tile, lanes)};
+  c.arows = plan.rows;
   std::vector<float> zeros;  // a value row of zeros, in any storage type
   if (p.bf16_products) {
     c.bf16 = true;
-    c.path = path == Bf16Path::portable ? path : Bf16Path::avx512_bf16;  // AMX adds nothing to 4-row blocks
+    c.path = path;
     c.alpha = float(p.rules.scale) * kLog2e;
     c.Eq = round_up(p.E, 32);
     c.ldp = round_up(ceil_div(c.tilep, 2), 16);
-    c.pair_layout = c.path != Bf16Path::portable;
+    c.pair_layout = c.path == Bf16Path::avx512_bf16;
     if (c.pair_layout) c.Evp = round_up(p.Ev, 32);
+    if (c.path == Bf16Path::amx || c.path == Bf16Path::amx_emulated) {  // products of 16-row tiles
+      c.kernel = bf16_kernel(c.path);
+      c.amx = true;
+      c.Evp = round_up(p.Ev, 16);
+      c.arows = round_up(plan.rows, 16);
+    }
     zeros.assign(size_t(round_up(p.Ev, 32)), 0.0f);
     c.zeros = zeros.data();
   }
@@ -712,7 +840,7 @@ void ForwardImpl(const Problem& p, const KVLayout& kv, View4<const float> q, Vie
       }
   // Partials of the chunks of split blocks, slot by slot (layout as in Scratch).
   const int64_t rows = plan.rows;
-  hwy::AlignedFreeUniquePtr<float[]> pacc = hwy::AllocateAligned<float>(size_t(std::max<int64_t>(1, slots * rows * c.Evp)));
+  hwy::AlignedFreeUniquePtr<float[]> pacc = hwy::AllocateAligned<float>(size_t(std::max<int64_t>(1, slots * c.arows * c.Evp)));
   std::vector<os::State<float>> pst(size_t(slots * rows));
   std::vector<uint8_t> pnan(size_t(slots * rows));
   // Unit u of block k computes into slot (k.slot + its index), or straight
@@ -724,7 +852,7 @@ void ForwardImpl(const Problem& p, const KVLayout& kv, View4<const float> q, Vie
       Finalize(c, u, w.acc.get(), w.st.data(), w.nan.data());
     } else {
       const int64_t s = blk.slot + k;
-      Chunk(c, w, u, pacc.get() + s * rows * c.Evp, pst.data() + s * rows, pnan.data() + s * rows);
+      Chunk(c, w, u, pacc.get() + s * c.arows * c.Evp, pst.data() + s * rows, pnan.data() + s * rows);
     }
   };
   std::vector<int64_t> unit_block(units.size());
@@ -736,6 +864,7 @@ void ForwardImpl(const Problem& p, const KVLayout& kv, View4<const float> q, Vie
   {
     const FlushToZero ftz;  // as the fused kernels (kernels/fused/common.hpp)
     Scratch w(c);
+    const TileThread tiles(c);  // AMX: the tile configuration of this thread
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < nunits; ++i) {
       const Block& blk = blocks[size_t(unit_block[size_t(i)])];
@@ -773,8 +902,8 @@ HWY_EXPORT(TargetNameImpl);
 
 void decode_forward_planned(const Problem& p, const KVLayout& kv, View4<const float> q, View4<float> out,
                             View3<float> lse, DecodePlan plan, Bf16Path path) {
-  if (p.bf16_products && path != Bf16Path::portable && !bf16_path_available(Bf16Path::avx512_bf16))
-    throw std::logic_error("decode_forward_planned: the CPU has no AVX512_BF16");
+  if (p.bf16_products && !bf16_path_available(path))
+    throw std::logic_error(std::string("decode_forward_planned: this CPU does not run ") + bf16_path_name(path));
   HWY_DYNAMIC_DISPATCH(ForwardImpl)(p, kv, q, out, lse, plan, path);
 }
 
