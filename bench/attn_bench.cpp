@@ -30,6 +30,7 @@
 #include <fstream>
 #include <iostream>
 #include <map>
+#include <optional>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <sstream>
@@ -72,13 +73,33 @@ double median(std::vector<double> v) {
 }
 
 // What a table row runs: a backend, and for the fused one its products.
+// "fused-bf16" is the library's call (compute_dtype bfloat16, the best
+// path); "fused-bf16-amx", "-avx512" and "-portable" run one instruction
+// path through the kernel's entry point (forward only; refused where the
+// CPU lacks it).
 struct Variant {
   Backend be = Backend::fused;
   bool bf16 = false;  // compute_dtype bfloat16
-  std::string name() const { return bf16 ? "fused-bf16" : attn::backend_name(be); }
+  std::optional<attn::detail::Bf16Path> path;  // a forced instruction path
+  std::string name() const {
+    if (!bf16) return attn::backend_name(be);
+    if (!path) return "fused-bf16";
+    return *path == attn::detail::Bf16Path::amx           ? "fused-bf16-amx"
+           : *path == attn::detail::Bf16Path::avx512_bf16 ? "fused-bf16-avx512"
+                                                          : "fused-bf16-portable";
+  }
   static Variant parse(const std::string& name) {
-    if (name == "fused-bf16") return {Backend::fused, true};
-    return {attn::parse_backend(name), false};
+    using attn::detail::Bf16Path;
+    if (name == "fused-bf16") return {Backend::fused, true, {}};
+    for (Bf16Path path : {Bf16Path::amx, Bf16Path::avx512_bf16, Bf16Path::portable}) {
+      const Variant v{Backend::fused, true, path};
+      if (name != v.name()) continue;
+      if (!attn::detail::bf16_path_available(path))
+        throw std::invalid_argument("backend " + name + ": this CPU does not run the " +
+                                    attn::detail::bf16_path_name(path) + " path");
+      return v;
+    }
+    return {attn::parse_backend(name), false, {}};
   }
 };
 
@@ -172,6 +193,11 @@ void run_once(Buffers& buf, Variant var, bool causal, int threads, bool bwd) {
       attn::detail::fused_backward_tiled(p, a, buf.dout.view4(), buf.grads(), buf.out.view4(), buf.lse.view<3>(), t);
     return;
   }
+  if (var.path) {  // one instruction path (forward only)
+    const attn::detail::Problem p = problem_of(buf, causal, threads);
+    attn::detail::fused_forward_bf16(p, buf.args(), buf.out.view4(), {}, buf.lse.view<3>(), *var.path);
+    return;
+  }
   attn::SdpaOptions opt;
   opt.backend = be;
   opt.causal = causal;
@@ -256,7 +282,7 @@ std::string validate(Buffers& buf, Variant var, bool causal, bool bwd, const Con
   what += ", dq rows ok";
   if (buf.L <= c.full_check_len) {
     Buffers ref(buf.B, buf.H, buf.L, buf.S, buf.E);
-    run_once(ref, Variant{Backend::reference}, causal, 1, true);
+    run_once(ref, Variant{Backend::reference, false, {}}, causal, 1, true);
     struct P {
       const attn::Tensor<float>* got;
       const attn::Tensor<float>* want;
@@ -359,6 +385,10 @@ int main(int argc, char** argv) {
     peak[t] = attn_bench::fma_peak_gflops(t, 0.5);
     say("FMA peak, %d thread(s): %.1f GFLOP/s (re-measured next to every case: column 'peak')\n", t, peak[t]);
     doc["fma_peak_gflops"][std::to_string(t)] = peak[t];
+    if (const double amx = attn_bench::amx_peak_gflops(t, 0.5); amx > 0) {
+      say("AMX bfloat16 peak (TDPBF16PS, tiles in registers), %d thread(s): %.1f GFLOP/s\n", t, amx);
+      doc["amx_peak_gflops"][std::to_string(t)] = amx;
+    }
   }
   say("\n%6s %-6s %-7s %2s %-10s %10s %9s %7s %6s %7s %9s %8s %8s %s\n", "L=S", "mask", "mode", "th", "backend",
       "median ms", "GFLOP/s", "%peak", "peak", "%cpu-pk", "peak MiB", "extraMiB", "vs fused", "validation");

@@ -10,12 +10,15 @@ ratio attn/torch (below 1 means attn is faster).
     python3 bench/compare_torch.py [--attn-bench build/bench/attn-bench]
                                    [--lengths 512,1024] [--threads 1,2] [--json out.json]
 
-bfloat16 (--dtype bfloat16, forward): PyTorch's SDPA on bfloat16 tensors
-against attn's fused forward twice, exact float32 ("fused") and with
-bfloat16 products (compute_dtype bfloat16, "fused-bf16"), both through one
-attn-bench run; --dim sets E = Ev (64 by default).
+bfloat16 (--dtype bfloat16): PyTorch's SDPA on float32 and on bfloat16
+tensors against attn's fused backend twice, exact float32 ("fused") and
+with bfloat16 products (compute_dtype bfloat16, "fused-bf16"), and, forward
+only, on each instruction path named by --bf16-paths, all through one
+attn-bench run that also measures the FMA and AMX peaks; --dim sets
+E = Ev (64 by default), --modes fwd,fwdbwd.
 
-    python3 bench/compare_torch.py --dtype bfloat16 --lengths 4096 --threads 2 --dim 128
+    python3 bench/compare_torch.py --dtype bfloat16 --lengths 4096 --threads 2 --dim 128 --modes fwd \
+        --bf16-paths amx,avx512,portable
 
 Layer mode (--layer): attn.MultiheadAttention against
 torch.nn.MultiheadAttention through both Python front ends (batch_first,
@@ -118,38 +121,55 @@ def time_torch(torch, L, causal, mode, threads, reps, heads=8, dim=64, dtype="fl
     return statistics.median(times[1:])
 
 
-def time_attn(binary, L, causal, mode, threads, backends="fused", dim=64):
-    """(median seconds, validation) of the first backend; with several, a dict by backend name."""
+def time_attn(binary, L, causal, mode, threads, backends="fused", dim=64, doc_out=None):
+    """(median seconds, validation) of the first backend; with several, a dict by backend name.
+    doc_out (a dict), if given, gets attn-bench's whole JSON document (the machine's peaks)."""
     cmd = [binary, "--json", "-", "--lengths", str(L), "--causal", str(int(causal)), "--modes", mode,
            "--threads", str(threads), "--backends", backends, "--full-check-len", "0", "--dim", str(dim)]
     res = subprocess.run(cmd, check=True, capture_output=True, text=True)
     doc = json.loads(res.stdout)
+    if doc_out is not None:
+        doc_out.update(doc)
     rows = {r["backend"]: (r["median_s"], r["validation"]) for r in doc["results"]}
     return rows if "," in backends else rows[backends]
 
 
 def bf16_main(args, torch):
-    """--dtype bfloat16: torch bfloat16 SDPA against attn float32 and bfloat16-products forwards."""
+    """--dtype bfloat16: PyTorch's SDPA in float32 and bfloat16 against attn's float32 forward, its
+    bfloat16 products on the library's path and (forward) on every other path this CPU runs, with
+    the FMA and AMX peaks attn-bench measured in the same run."""
     dim = args.dim
+    paths = [p for p in args.bf16_paths.split(",") if p]
     print(f"torch {torch.__version__} (CPU capability {torch.backends.cpu.get_cpu_capability()}), "
-          f"attn-bench {args.attn_bench}, forward, B=1 H=8 E=Ev={dim}")
-    print(f"{'L=S':>6} {'mask':6} {'th':>2} {'torch bf16':>10} {'attn f32':>9} {'attn bf16':>9} "
-          f"{'bf16/torch':>10} {'bf16/f32':>8}  validation")
+          f"attn-bench {args.attn_bench}, B=1 H=8 E=Ev={dim}; ms, GFLOP/s in brackets; ratios are attn's time over "
+          f"the other's")
     rows = []
-    for L in parse_list(args.lengths):
-        for causal in parse_list(args.causal):
-            for threads in parse_list(args.threads):
-                t1 = time_torch(torch, L, bool(causal), "fwd", threads, args.reps, dim=dim, dtype="bfloat16")
-                a = time_attn(args.attn_bench, L, bool(causal), "fwd", threads, "fused,fused-bf16", dim)
-                t2 = time_torch(torch, L, bool(causal), "fwd", threads, args.reps, dim=dim, dtype="bfloat16")
-                t = statistics.median([t1, t2])
-                (f, _), (b, check) = a["fused"], a["fused-bf16"]
-                flop = 4.0 * 8 * L * L * dim / (2 if causal else 1)
-                rows.append(dict(L=L, E=dim, causal=bool(causal), threads=threads, torch_bf16_s=t, attn_f32_s=f,
-                                 attn_bf16_s=b, torch_gflops=flop / t * 1e-9, attn_f32_gflops=flop / f * 1e-9,
-                                 attn_bf16_gflops=flop / b * 1e-9, validation=check))
-                print(f"{L:6d} {'causal' if causal else 'full':6} {threads:2d} {t * 1e3:10.2f} {f * 1e3:9.2f} "
-                      f"{b * 1e3:9.2f} {b / t:10.3f} {b / f:8.3f}  {check}", flush=True)
+    for mode in parse_list(args.modes, str):
+        for L in parse_list(args.lengths):
+            for causal in parse_list(args.causal):
+                for threads in parse_list(args.threads):
+                    extra = [f"fused-bf16-{p}" for p in paths] if mode == "fwd" else []
+                    doc = {}
+                    tb1 = time_torch(torch, L, bool(causal), mode, threads, args.reps, dim=dim, dtype="bfloat16")
+                    tf1 = time_torch(torch, L, bool(causal), mode, threads, args.reps, dim=dim)
+                    a = time_attn(args.attn_bench, L, bool(causal), mode, threads,
+                                  ",".join(["fused", "fused-bf16"] + extra), dim, doc)
+                    tf2 = time_torch(torch, L, bool(causal), mode, threads, args.reps, dim=dim)
+                    tb2 = time_torch(torch, L, bool(causal), mode, threads, args.reps, dim=dim, dtype="bfloat16")
+                    tb, tf = statistics.median([tb1, tb2]), statistics.median([tf1, tf2])
+                    flop = 4.0 * 8 * L * L * dim / (2 if causal else 1) * (3.5 if mode == "fwdbwd" else 1)
+                    fma = doc.get("fma_peak_gflops", {}).get(str(threads), 0)
+                    amx = doc.get("amx_peak_gflops", {}).get(str(threads), 0)
+                    row = dict(L=L, E=dim, causal=bool(causal), mode=mode, threads=threads, torch_bf16_s=tb,
+                               torch_f32_s=tf, fma_peak_gflops=fma, amx_peak_gflops=amx,
+                               bf16_path=doc.get("bf16_path", ""), attn={k: v[0] for k, v in a.items()},
+                               validation={k: v[1] for k, v in a.items()})
+                    rows.append(row)
+                    print(f"\n{mode} L=S={L} {'causal' if causal else 'full'} threads={threads}: FMA peak {fma:.0f}, "
+                          f"AMX peak {amx:.0f} GFLOP/s; attn's bfloat16 path: {row['bf16_path']}")
+                    for name, t in [("torch bf16", tb), ("torch f32", tf)] + [(k, v[0]) for k, v in a.items()]:
+                        ratio = "" if name.startswith("torch") else f"  /torch bf16 {t / tb:.3f}  /torch f32 {t / tf:.3f}  /attn f32 {t / a['fused'][0]:.3f}  {a[name][1]}"
+                        print(f"  {name:20} {t * 1e3:9.2f} ms ({flop / t * 1e-9:7.1f}){ratio}", flush=True)
     if args.json:
         with open(args.json, "w") as out:
             json.dump(dict(torch=torch.__version__, results=rows), out, indent=2)
@@ -569,6 +589,8 @@ def main():
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                     help="bfloat16: torch bfloat16 against attn float32 and bfloat16 products (see above)")
     ap.add_argument("--dim", type=int, default=64, help="--dtype bfloat16: E = Ev")
+    ap.add_argument("--bf16-paths", default="", help="--dtype bfloat16, forward: also time these instruction "
+                    "paths of attn's bfloat16 products (amx, avx512, portable; comma-separated)")
     ap.add_argument("--json", default="", help="write the results here too")
     ap.add_argument("--decode", action="store_true", help="decode shapes over a KV cache (see above)")
     ap.add_argument("--attn-decode-bench", default=os.path.join("build", "bench", "attn-decode-bench"))

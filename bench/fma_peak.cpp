@@ -10,6 +10,7 @@
 
 #include <time.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <fstream>
@@ -112,6 +113,79 @@ double fma_peak_gflops(int threads, double seconds, double* per_cpu_second) {
   return best * 1e-9;
 }
 
-
 }  // namespace attn_bench
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+
+#include "kernels/fused/bf16.hpp"
+
+#pragma GCC push_options
+#pragma GCC target("amx-tile,amx-bf16")
+namespace attn_bench {
+namespace {
+// `iters` rounds of four TDPBF16PS on tiles 0-3 (C) from 4, 5 (A) and 6, 7
+// (B), all loaded once; returns the FLOPs done.
+double AmxChains(int64_t iters) {
+  struct Config {
+    uint8_t palette = 1, start_row = 0;
+    uint8_t reserved[14] = {};
+    uint16_t colsb[16] = {64, 64, 64, 64, 64, 64, 64, 64};
+    uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
+  } cfg;
+  __asm__ volatile("ldtilecfg %0" ::"m"(cfg));  // the whole 64 bytes (see bf16_products.cpp)
+  alignas(64) static const uint16_t ones[16 * 32] = {};  // zeros: the products' values do not matter
+  _tile_loadd(4, ones, 64);
+  _tile_loadd(5, ones, 64);
+  _tile_loadd(6, ones, 64);
+  _tile_loadd(7, ones, 64);
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t i = 0; i < iters; ++i) {
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  alignas(64) float c[16 * 16];
+  _tile_stored(0, c, 64);
+  _tile_release();
+  return double(iters) * 4 * 16 * 16 * 32 * 2 + double(c[0]) * 0;
+}
+}  // namespace
+#pragma GCC pop_options
+
+double amx_peak_gflops(int threads, double seconds) {
+  using attn::detail::Bf16Path;
+  if (!attn::detail::bf16_path_available(Bf16Path::amx)) return 0;  // also asks the OS for the tile state
+  int64_t iters = 1 << 14;
+  for (;;) {  // calibrate on one thread
+    const auto t0 = std::chrono::steady_clock::now();
+    AmxChains(iters);
+    const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (dt > seconds / 4) {
+      iters = int64_t(double(iters) * seconds / dt);
+      break;
+    }
+    iters *= 2;
+  }
+  double best = 0;
+  for (int rep = 0; rep < 3; ++rep) {
+    double total = 0;
+    const auto t0 = std::chrono::steady_clock::now();
+#pragma omp parallel num_threads(threads) reduction(+ : total)
+    total += AmxChains(iters);
+    const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    best = std::max(best, total / dt);
+  }
+  return best * 1e-9;
+}
+}  // namespace attn_bench
+#else
+namespace attn_bench {
+double amx_peak_gflops(int, double) { return 0; }
+}  // namespace attn_bench
+#endif
 #endif

@@ -10,6 +10,10 @@ namespace attn_bench {
 // *per_cpu_second (if given) gets GFLOP per second of CPU time the process
 // actually received, which does not depend on other load on the machine.
 double fma_peak_gflops(int threads, double seconds, double* per_cpu_second = nullptr);
+// The same for AMX's TDPBF16PS (bfloat16 products, float32 sums): each
+// thread runs four independent tile products on tiles held in registers,
+// 16·16·32·2 FLOPs each. 0 where the CPU (or the OS) has no AMX.
+double amx_peak_gflops(int threads, double seconds);
 // CPU time of all the process's threads (precise, unlike getrusage's ticks).
 double cpu_seconds();
 // The CPU's "model name" from /proc/cpuinfo ("unknown" without one).

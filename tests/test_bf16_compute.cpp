@@ -98,8 +98,12 @@ TEST(Bf16Gemm, EveryPathIsItsInstructionsDocumentedArithmetic) {
             detail::bf16_gemm(path, M, N, K, A.data(), K, B.data(), N, got.data(), N, alpha, accumulate);
             const bool amx = path == Bf16Path::amx || path == Bf16Path::amx_emulated;
             pair_loop(!amx, M, N, K, A.data(), B.data(), want.data(), alpha, accumulate);
-            ASSERT_TRUE(same_bits(got, want)) << detail::bf16_path_name(path) << " M=" << M << " N=" << N
-                                              << " K=" << K << " accumulate=" << accumulate;
+            // (The native tiles round inside an instruction differently from
+            // the SDM's pseudocode, docs/fused.md: only the bound holds them.)
+            if (path != Bf16Path::amx) {
+              ASSERT_TRUE(same_bits(got, want)) << detail::bf16_path_name(path) << " M=" << M << " N=" << N
+                                                << " K=" << K << " accumulate=" << accumulate;
+            }
             // And the arithmetic itself: the exact product of the rounded
             // operands within float32's accumulation bound, K·2^-24·Σ|a·b|.
             for (int64_t m = 0; m < M; ++m)
@@ -252,7 +256,7 @@ TEST(Bf16Compute, OneKeyTileRoundsPAsTheReference) {
   }
 }
 
-TEST(Bf16Compute, NativePathsGiveThePortableBits) {
+TEST(Bf16Compute, NativePathsGiveThePortableBitsAndAmxTheEmulatedValues) {
   for (const RandomSpec& spec : forward_specs()) {
     const SdpaCase<float> c(spec);
     const Fwd portable = forward_on(Bf16Path::portable, c.args, c.opt);
@@ -261,17 +265,20 @@ TEST(Bf16Compute, NativePathsGiveThePortableBits) {
       const Fwd dp = forward_on(Bf16Path::avx512_bf16, c.args, c.opt);
       EXPECT_TRUE(same_bits(dp.out, portable.out) && same_bits(dp.lse, portable.lse)) << spec.str();
     }
-    if (detail::bf16_path_available(Bf16Path::amx)) {
-      const Fwd amx = forward_on(Bf16Path::amx, c.args, c.opt);
-      EXPECT_TRUE(same_bits(amx.out, emulated.out) && same_bits(amx.lse, emulated.lse)) << spec.str();
-    }
-    // The AMX order of a pair's products differs from the portable one: the
-    // same values up to float32 rounding and a rare flip of P's rounding.
+    // The AMX order of a pair's products differs from the portable one, and
+    // the native tiles round inside one instruction differently again
+    // (docs/fused.md): the same values up to float32 rounding and a rare
+    // flip of P's rounding.
     const Ref r = reference(c.args, c.opt);
     double vmax = 0;
     for (size_t i = 0; i < r.v.size(); ++i) vmax = std::max(vmax, std::abs(r.v[i]));
     const double tol = 4 * 2 * kU * vmax + 4 * (spec.E + spec.S + 16) * kF * (1 + r.m) * vmax;
     EXPECT_TRUE(all_close(emulated.out, portable.out, tol, spec.str() + " emulated AMX vs portable"));
+    if (detail::bf16_path_available(Bf16Path::amx)) {
+      const Fwd amx = forward_on(Bf16Path::amx, c.args, c.opt);
+      EXPECT_TRUE(all_close(amx.out, emulated.out, tol, spec.str() + " AMX vs emulated AMX"));
+      EXPECT_TRUE(all_close(amx.lse, emulated.lse, 4 * (spec.E + 16) * kF * (1 + r.m), spec.str() + " AMX lse"));
+    }
   }
 }
 
