@@ -11,7 +11,7 @@
 // partials and adds them: three roundings), so the bound's (S + 16)·2^-24
 // becomes (S + 16 + 3n)·2^-24 (bf16_reference.hpp's extra_sums = 3n).
 //
-// Checked, for float32, float16 and bfloat16 storage of K and V: every path
+// Checked, for float32 and bfloat16 storage of K and V: every path
 // against the exact attention of the rounded operands (the reference
 // backend in double) within that bound, and against the exact attention of
 // the unrounded ones within the bound widened by the operands' rounding;
@@ -21,7 +21,7 @@
 // threads bit for bit; rows that see no key, and NaN and ±∞ reaching only
 // the rows that see them; the routes of the public calls (bfloat16 q, k, v
 // by default, compute_dtype either way, a paged cache as a contiguous one,
-// the exact path unchanged without bfloat16 compute).
+// the exact path unchanged without bfloat16 compute, float16 storage exact).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -125,7 +125,9 @@ std::vector<RandomSpec> decode_specs() {
   return specs;
 }
 
-const Dtype kStorage[] = {Dtype::float32, Dtype::float16, Dtype::bfloat16};
+// The storage types the bfloat16 products read (float16 storage keeps the
+// exact products: FloatSixteenStorageStaysExact).
+const Dtype kStorage[] = {Dtype::float32, Dtype::bfloat16};
 
 TEST(DecodeBf16, EveryPathAndStorageIsWithinTheBoundOfTheRoundedReference) {
   for (const RandomSpec& spec : decode_specs())
@@ -248,7 +250,7 @@ TEST(DecodeBf16, NonFiniteInputsReachOnlyTheRowsThatSeeThem) {
     for (const Poison& x : {Poison{"q", 1, kNaNf}, Poison{"k", S - 3, kNaNf}, Poison{"v", S - 1, kInf},
                             Poison{"k", S - 2, 3.4e38f}, Poison{"v", 7, -kInf}, Poison{"q", 3, kInf}})
       for (Bf16Path path : decode_paths()) {
-        if (t != Dtype::float32 && x.value == 3.4e38f) continue;  // beyond float16; bfloat16 stores it as ∞
+        if (t != Dtype::float32 && x.value == 3.4e38f) continue;  // bfloat16 stores it as ∞ (the ∞ case)
         RandomSpec spec = shape_spec(1, 4, 2, L, S, 24, 20);
         spec.causal = true, spec.align = CausalAlign::bottom_right, spec.seed = 9;
         SdpaCase<float> clean_case(spec), c(spec);
@@ -274,6 +276,24 @@ TEST(DecodeBf16, NonFiniteInputsReachOnlyTheRowsThatSeeThem) {
             }
           }
       }
+}
+
+// float16 storage keeps the exact products under bfloat16 compute: the
+// kernel's float32 bits, on every path asked for.
+TEST(DecodeBf16, FloatSixteenStorageStaysExact) {
+  for (const RandomSpec& spec : decode_specs()) {
+    SdpaCase<float> c(spec);
+    const Storage st(Dtype::float16, c);
+    detail::Problem p = detail::make_problem(c.args, c.opt);
+    ASSERT_FALSE(p.bf16_products);
+    Fwd exact{Tensor<float>({p.B, p.H, p.L, p.Ev}), Tensor<float>({p.B, p.H, p.L})};
+    detail::decode_forward(p, st.kv, c.args.q, exact.out.view4(), exact.lse.view<3>());
+    for (Bf16Path path : decode_paths()) {
+      const Fwd f = decode_on(path, c, st.kv, c.opt);
+      EXPECT_TRUE(same_bits(f.out, exact.out) && same_bits(f.lse, exact.lse))
+          << spec.str() << " on " << detail::bf16_path_name(path);
+    }
+  }
 }
 
 // ---- the public calls ---------------------------------------------------------------

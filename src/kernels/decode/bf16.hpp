@@ -6,7 +6,10 @@
 // below run them with the same arithmetic, so they give the same bits:
 //
 //  scores   s = alpha · Σ_e q̂_e·k̂_e, q̂ and k̂ rounded to bfloat16
-//           (bf16_operand; K of any storage type is rounded in registers).
+//           (bf16_operand; a float32 K is rounded in registers; float16
+//           storage keeps the exact products: rounding its 11-bit values
+//           costs more than the products save, and AVX512_FP16 has no
+//           products with float32 sums).
 //           The features go in blocks of 32 into 16 float32 lanes: lane i
 //           of block t adds q̂·k̂ of feature 32t + 2i + 1, then of 32t + 2i
 //           (float32 fused multiply-adds, VDPBF16PS's order; features past
@@ -22,8 +25,11 @@
 // Paths: AVX512_BF16 (VDPBF16PS, VCVTNE2PS2BF16; bf16_native.cpp, compiled
 // once in a `#pragma GCC target` region like the fused forward's) and the
 // portable one (decode/bf16-inl.h, every SIMD target: float32 multiply-adds
-// on the rounded values). AMX tiles would add nothing here: a block has at
-// most 4 rows per key and the loop is bound by reading K and V.
+// on the rounded values) give the same bits. AMX (and its emulation) runs
+// the products as tile products on operands packed per tile (decode.cpp,
+// AmxTile; a different order of the sums, so other bits within the same
+// bound): selectable, not the default, as the packing took longer than the
+// products it saves on an Emerald Rapids.
 #pragma once
 
 #include <cstdint>

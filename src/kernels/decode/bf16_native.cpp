@@ -30,9 +30,10 @@
 namespace attn::detail {
 
 Bf16Path decode_bf16_path() {
-  static const Bf16Path path = bf16_path_available(Bf16Path::amx)           ? Bf16Path::amx
-                               : bf16_path_available(Bf16Path::avx512_bf16) ? Bf16Path::avx512_bf16
-                                                                            : Bf16Path::portable;
+  // (Not AMX: packing a tile's keys and value pairs for the tile products
+  // took longer than VDPBF16PS on an Emerald Rapids, docs/decode.md.)
+  static const Bf16Path path =
+      bf16_path_available(Bf16Path::avx512_bf16) ? Bf16Path::avx512_bf16 : Bf16Path::portable;
   return path;
 }
 

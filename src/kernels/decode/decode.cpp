@@ -802,7 +802,9 @@ void ForwardImpl(const Problem& p, const KVLayout& kv, View4<const float> q, Vie
   Call c{&p, &kv, q, out, lse, plan, round_up(p.E, lanes), round_up(p.Ev, lanes), round_up(plan.tile, lanes)};
   c.arows = plan.rows;
   std::vector<float> zeros;  // a value row of zeros, in any storage type
-  if (p.bf16_products) {
+  // bfloat16 products, but for float16 storage (decode/bf16.hpp: rounding
+  // its values would cost more than the products save).
+  if (p.bf16_products && kv.type != Dtype::float16) {
     c.bf16 = true;
     c.path = path;
     c.alpha = float(p.rules.scale) * kLog2e;
