@@ -11,6 +11,7 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <vector>
 
 #include "attn/sdpa.hpp"
 #include "kernels/fused/bf16.hpp"
@@ -25,6 +26,16 @@ constexpr double kF = 0x1p-24;   // float32's
 inline const float kNaNf = std::numeric_limits<float>::quiet_NaN();
 inline const float kInf = std::numeric_limits<float>::infinity();
 
+// The paths this machine runs: always the portable one and the AMX code on
+// emulated tiles, the native ones where the CPU has them.
+inline std::vector<detail::Bf16Path> runnable_paths() {
+  using detail::Bf16Path;
+  std::vector<Bf16Path> paths{Bf16Path::portable, Bf16Path::amx_emulated};
+  for (Bf16Path p : {Bf16Path::avx512_bf16, Bf16Path::amx})
+    if (detail::bf16_path_available(p)) paths.push_back(p);
+  return paths;
+}
+
 inline double rounded(float x) { return double(detail::bf16_value(detail::bf16_operand(x))); }
 inline bool same_bits(const Tensor<float>& a, const Tensor<float>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
@@ -34,6 +45,15 @@ inline bool same_bits(const Tensor<float>& a, const Tensor<float>& b) {
 struct Fwd {
   Tensor<float> out, lse;
 };
+
+// Outputs of a public call.
+template <class T>
+Fwd call(const SdpaArgs<T>& a, const SdpaOptions& opt) {
+  Fwd r{Tensor<float>({a.q.dim(0), a.q.dim(1), a.q.dim(2), a.v.dim(3)}),
+        Tensor<float>({a.q.dim(0), a.q.dim(1), a.q.dim(2)})};
+  scaled_dot_product_attention(a, {r.out.view4(), {}, r.lse.view<3>()}, opt);
+  return r;
+}
 
 // The exact attention of the rounded q, k, v (the reference backend in
 // double), its weights, and the rounded values.

@@ -42,15 +42,6 @@ using namespace attn;
 using namespace attn::testing;
 using detail::Bf16Path;
 
-// The paths this machine runs: always the portable one and the AMX code on
-// emulated tiles, the native ones where the CPU has them.
-std::vector<Bf16Path> runnable_paths() {
-  std::vector<Bf16Path> paths{Bf16Path::portable, Bf16Path::amx_emulated};
-  for (Bf16Path p : {Bf16Path::avx512_bf16, Bf16Path::amx})
-    if (detail::bf16_path_available(p)) paths.push_back(p);
-  return paths;
-}
-
 // ---- the operands' rounding and the block products ----------------------------
 
 TEST(Bf16Operands, RoundToNearestEvenFlushSubnormalsKeepNaN) {
@@ -379,15 +370,6 @@ TEST(Bf16Compute, NonFiniteInputsReachOnlyTheRowsThatSeeThem) {
 }
 
 // ---- the option: defaults, routing, validation ---------------------------------------
-
-// Outputs of a public call.
-template <class T>
-Fwd call(const SdpaArgs<T>& a, const SdpaOptions& opt) {
-  Fwd r{Tensor<float>({a.q.dim(0), a.q.dim(1), a.q.dim(2), a.v.dim(3)}),
-        Tensor<float>({a.q.dim(0), a.q.dim(1), a.q.dim(2)})};
-  scaled_dot_product_attention(a, {r.out.view4(), {}, r.lse.view<3>()}, opt);
-  return r;
-}
 
 // q, k, v of a float32 case as bfloat16 (the float32 case holds the rounded values afterwards).
 struct Bf16Inputs {

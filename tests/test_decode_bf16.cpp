@@ -46,14 +46,6 @@ using namespace attn;
 using namespace attn::testing;
 using detail::Bf16Path;
 
-// The paths: portable and the AMX code on emulated tiles always,
-// AVX512_BF16 and AMX where the CPU has them.
-std::vector<Bf16Path> decode_paths() {
-  std::vector<Bf16Path> paths{Bf16Path::portable, Bf16Path::amx_emulated};
-  for (Bf16Path p : {Bf16Path::avx512_bf16, Bf16Path::amx})
-    if (detail::bf16_path_available(p)) paths.push_back(p);
-  return paths;
-}
 // The path whose bits a path gives: the portable one for AVX512_BF16 (its
 // order of the sums); itself for the others (the native AMX tiles round
 // inside an instruction differently from the emulation, docs/fused.md: the
@@ -137,7 +129,7 @@ TEST(DecodeBf16, EveryPathAndStorageIsWithinTheBoundOfTheRoundedReference) {
       const Storage st(t, c);
       const Ref r = reference(c.args, c.opt);
       std::map<Bf16Path, Fwd> got;
-      for (Bf16Path path : decode_paths()) {
+      for (Bf16Path path : runnable_paths()) {
         got.emplace(path, decode_on(path, c, st.kv, c.opt));
         EXPECT_TRUE(within_bound(got.at(path), r, spec.E, spec.softcap, false,
                                  spec.str() + " " + dtype_name(t) + " on " + detail::bf16_path_name(path), false,
@@ -158,7 +150,7 @@ TEST(DecodeBf16, TheExactAttentionOfTheUnroundedInputsIsWithinTheWiderBound) {
     Ref r = reference(c.args, c.opt);  // the weights and m of the rounded operands
     const Ref exact = reference(c.args, c.opt, false);
     r.out = exact.out, r.lse = exact.lse;
-    for (Bf16Path path : decode_paths())
+    for (Bf16Path path : runnable_paths())
       EXPECT_TRUE(within_bound(decode_on(path, c, st.kv, c.opt), r, spec.E, spec.softcap, false,
                                spec.str() + " against float64 on " + detail::bf16_path_name(path), true,
                                merge_sums(c)));
@@ -185,7 +177,7 @@ TEST(DecodeBf16, EveryCompiledTargetKeepsTheBound) {
         SdpaCase<float> c(spec);
         const Storage st(t, c);
         std::map<Bf16Path, Fwd> got;
-        for (Bf16Path path : decode_paths()) got.emplace(path, decode_on(path, c, st.kv, c.opt));
+        for (Bf16Path path : runnable_paths()) got.emplace(path, decode_on(path, c, st.kv, c.opt));
         for (const auto& [path, f] : got) {
           if (path == twin(path))
             EXPECT_TRUE(within_bound(f, refs[n], spec.E, spec.softcap, false,
@@ -206,7 +198,7 @@ TEST(DecodeBf16, AnyThreadCountGivesTheSameBits) {
     for (Dtype t : {Dtype::float32, Dtype::bfloat16}) {
       SdpaCase<float> c(spec);
       const Storage st(t, c);
-      for (Bf16Path path : decode_paths()) {
+      for (Bf16Path path : runnable_paths()) {
         const Fwd one = decode_on(path, c, st.kv, c.opt);
         for (int threads : {2, 3}) {
           SdpaOptions o = c.opt;
@@ -226,7 +218,7 @@ TEST(DecodeBf16, RowsThatSeeNoKeyAreZeroWithLseMinusInfinity) {
   spec.key_lengths = true, spec.mask = 1, spec.seed = 5;  // batch 0 sees no key; row 0 of the mask none
   SdpaCase<float> c(spec);
   const Storage st(Dtype::bfloat16, c);
-  for (Bf16Path path : decode_paths()) {
+  for (Bf16Path path : runnable_paths()) {
     const Fwd f = decode_on(path, c, st.kv, c.opt);
     for (int64_t h = 0; h < 4; ++h)
       for (int64_t i = 0; i < 3; ++i) {
@@ -249,7 +241,7 @@ TEST(DecodeBf16, NonFiniteInputsReachOnlyTheRowsThatSeeThem) {
   for (Dtype t : kStorage)
     for (const Poison& x : {Poison{"q", 1, kNaNf}, Poison{"k", S - 3, kNaNf}, Poison{"v", S - 1, kInf},
                             Poison{"k", S - 2, 3.4e38f}, Poison{"v", 7, -kInf}, Poison{"q", 3, kInf}})
-      for (Bf16Path path : decode_paths()) {
+      for (Bf16Path path : runnable_paths()) {
         if (t != Dtype::float32 && x.value == 3.4e38f) continue;  // bfloat16 stores it as ∞ (the ∞ case)
         RandomSpec spec = shape_spec(1, 4, 2, L, S, 24, 20);
         spec.causal = true, spec.align = CausalAlign::bottom_right, spec.seed = 9;
@@ -288,7 +280,7 @@ TEST(DecodeBf16, FloatSixteenStorageStaysExact) {
     ASSERT_FALSE(p.bf16_products);
     Fwd exact{Tensor<float>({p.B, p.H, p.L, p.Ev}), Tensor<float>({p.B, p.H, p.L})};
     detail::decode_forward(p, st.kv, c.args.q, exact.out.view4(), exact.lse.view<3>());
-    for (Bf16Path path : decode_paths()) {
+    for (Bf16Path path : runnable_paths()) {
       const Fwd f = decode_on(path, c, st.kv, c.opt);
       EXPECT_TRUE(same_bits(f.out, exact.out) && same_bits(f.lse, exact.lse))
           << spec.str() << " on " << detail::bf16_path_name(path);
@@ -297,14 +289,6 @@ TEST(DecodeBf16, FloatSixteenStorageStaysExact) {
 }
 
 // ---- the public calls ---------------------------------------------------------------
-
-template <class T>
-Fwd call(const SdpaArgs<T>& a, const SdpaOptions& opt) {
-  Fwd r{Tensor<float>({a.q.dim(0), a.q.dim(1), a.q.dim(2), a.v.dim(3)}),
-        Tensor<float>({a.q.dim(0), a.q.dim(1), a.q.dim(2)})};
-  scaled_dot_product_attention(a, {r.out.view4(), {}, r.lse.view<3>()}, opt);
-  return r;
-}
 
 // bfloat16 q, k, v with few rows take the kernel's bfloat16 products by
 // default (bitwise the float32 call's with compute_dtype bfloat16 on the same

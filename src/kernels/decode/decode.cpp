@@ -533,10 +533,22 @@ void ChunkT(const Call& c, Scratch& w, const Unit& u, float* acc, os::State<floa
   // The first run of a tile (none: an empty run, which no stream follows).
   const auto first = [](const Tile& x) { return x.nr > 0 ? x.run[0] : Run{nullptr, nullptr, 0, 0}; };
   Tile t = u.c0 < kend ? tile_at(u.c0) : Tile{};
+  // A tile's rows with their features gathered contiguous into kd, vd (a
+  // dense view whose features are strided): the kernel then reads the same
+  // values in the same order, so the layout does not change a bit.
+  const bool gather = kv.k_elem != 1 || kv.v_elem != 1;
+  T* kd = reinterpret_cast<T*>(w.kt.get());
+  T* vd = reinterpret_cast<T*>(w.vt.get());
+  const auto gather_tile = [&](const Tile& x) {
+    for (int i = 0; i < x.nr; ++i) {
+      const Run& r = x.run[size_t(i)];
+      for (int64_t j = 0; j < r.nk; ++j) {
+        for (int64_t e = 0; e < E; ++e) kd[(r.off + j) * E + e] = r.k[j * kv.k_row + e * kv.k_elem];
+        for (int64_t e = 0; e < Ev; ++e) vd[(r.off + j) * Ev + e] = r.v[j * kv.v_row + e * kv.v_elem];
+      }
+    }
+  };
   if (c.amx) {  // tile after tile: the rows of the next start loading, then AmxTile
-    const bool gather = kv.k_elem != 1 || kv.v_elem != 1;
-    T* kd = reinterpret_cast<T*>(w.kt.get());
-    T* vd = reinterpret_cast<T*>(w.vt.get());
     for (int64_t j0 = u.c0; j0 < kend;) {
       const Tile next = next_tile(j0, t);
       for (int i = 0; i < next.nr; ++i) {
@@ -544,17 +556,13 @@ void ChunkT(const Call& c, Scratch& w, const Unit& u, float* acc, os::State<floa
         PrefetchRows(reinterpret_cast<const char*>(x.k), krow * int64_t(sizeof(T)), x.nk, E * int64_t(sizeof(T)));
         PrefetchRows(reinterpret_cast<const char*>(x.v), vrow * int64_t(sizeof(T)), x.nk, Ev * int64_t(sizeof(T)));
       }
+      if (gather) gather_tile(t);
       for (int i = 0; i < t.nr; ++i) {
         const Run& x = t.run[size_t(i)];
         for (int64_t j = 0; j < x.nk; ++j) {
-          const size_t at = size_t(x.off + j);
-          if (gather) {
-            for (int64_t e = 0; e < E; ++e) kd[int64_t(at) * E + e] = x.k[j * kv.k_row + e * kv.k_elem];
-            for (int64_t e = 0; e < Ev; ++e) vd[int64_t(at) * Ev + e] = x.v[j * kv.v_row + e * kv.v_elem];
-            w.kr[at] = kd + int64_t(at) * E, w.vr[at] = vd + int64_t(at) * Ev;
-          } else {
-            w.kr[at] = x.k + j * krow, w.vr[at] = x.v + j * vrow;
-          }
+          const int64_t at = x.off + j;
+          w.kr[size_t(at)] = gather ? kd + at * E : x.k + j * krow;
+          w.vr[size_t(at)] = gather ? vd + at * Ev : x.v + j * vrow;
         }
       }
       AmxTile<T>(c, w, u, j0, t.nk, acc, st, nan);
@@ -563,21 +571,10 @@ void ChunkT(const Call& c, Scratch& w, const Unit& u, float* acc, os::State<floa
     }
     return;
   }
-  if (kv.k_elem != 1 || kv.v_elem != 1) {  // strided features: each tile's rows gathered, then as usual
-    // A tile's rows with their features gathered contiguous (a dense view
-    // whose features are strided): the kernel then reads the same values in
-    // the same order, so the layout does not change a bit of the result.
-    T* kd = reinterpret_cast<T*>(w.kt.get());
-    T* vd = reinterpret_cast<T*>(w.vt.get());
+  if (gather) {  // strided features: each tile's rows gathered, then as usual
     for (int64_t j0 = u.c0; j0 < kend;) {
       const Tile next = next_tile(j0, t);
-      for (int i = 0; i < t.nr; ++i) {
-        const Run& x = t.run[size_t(i)];
-        for (int64_t j = 0; j < x.nk; ++j) {
-          for (int64_t e = 0; e < E; ++e) kd[(x.off + j) * E + e] = x.k[j * kv.k_row + e * kv.k_elem];
-          for (int64_t e = 0; e < Ev; ++e) vd[(x.off + j) * Ev + e] = x.v[j * kv.v_row + e * kv.v_elem];
-        }
-      }
+      gather_tile(t);
       ScoreTile(c, w, u.nm, kd, E, t.nk, w.s.get(), RowPrefetch{});
       SoftmaxTile(c, w, u.nm, j0, t.nk, acc, st, nan);
       if (c.bf16) {
