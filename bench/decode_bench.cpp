@@ -317,7 +317,8 @@ int main(int argc, char** argv) {
   bool bf16_compute = false;
   app.add_flag("--bf16-compute", bf16_compute,
                "also run the float32 and bfloat16 caches with compute_dtype bfloat16 (bfloat16 products; float16 "
-               "caches stay exact) in the paired rounds (dtype+bf16), each checked against the float32 cache's result");
+               "caches stay exact, and so do all on CPUs where the products do not pay, docs/decode.md) in the paired "
+               "rounds (dtype+bf16), each checked against the float32 cache's result");
   app.add_option("--window", g_window,
                  "a causal sliding window: each query sees itself and this many keys before it (-1 = none); "
                  "GB/s then counts the keys some query sees");

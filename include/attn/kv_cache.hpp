@@ -7,9 +7,9 @@
 // are stored in float32, float16 or bfloat16 (converted on append, rounding
 // to nearest even); attention is computed in float32 on the stored values, so
 // results are exact for the stored precision (unless opt.compute_dtype is
-// bfloat16 over a float32 or bfloat16 cache: then q, k, v and the
-// probabilities are rounded to bfloat16 for the products, docs/decode.md
-// "bfloat16 compute").
+// bfloat16 over a float32 or bfloat16 cache on a CPU where bfloat16
+// products are faster: then q, k, v and the probabilities are rounded to
+// bfloat16 for the products, docs/decode.md "bfloat16 compute").
 //
 // Layouts
 // -------

@@ -132,8 +132,9 @@ struct SdpaOptions {
   // float32 otherwise. It shapes the fused forward's products; the
   // backward's arithmetic stays float32 (on the saved state of the
   // bfloat16 forward); calls with few query rows (the decode kernel) and
-  // decode_attention apply the same roundings but to float16 k and v,
-  // which stay exact there (docs/decode.md). Only float32
+  // decode_attention apply the same roundings where that is faster
+  // (AVX512_BF16 without AMX) and not to float16 k and v, else stay exact
+  // (docs/decode.md). Only float32
   // and bfloat16; bfloat16 is refused with double inputs and with the
   // reference backend.
   std::optional<Dtype> compute_dtype;

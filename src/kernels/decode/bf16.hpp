@@ -61,6 +61,14 @@ inline int64_t decode_pair_position(int64_t e) {
 // The path the decode kernel takes for bfloat16 products: AVX512_BF16
 // where the CPU has it (AMX CPUs do), else portable.
 Bf16Path decode_bf16_path();
+// Whether calls take the bfloat16 products at all: on CPUs with
+// AVX512_BF16 but no AMX (Zen 4/5, Cooper Lake). Elsewhere they stay
+// exact, which was faster: on an Emerald Rapids (AMX) VDPBF16PS issues
+// about once per 4 cycles against an FMA a cycle, and the bfloat16 loops
+// took longer than the exact ones (docs/decode.md); without AVX512_BF16 the
+// portable products are slower still. (Exact results are within the
+// bfloat16 bound too.)
+bool decode_bf16_pays();
 
 // The AVX512_BF16 products (callable only where bf16_path_available says
 // so). scores: s[r·lds + j] for rows r < rows (<= 4) and keys j < nk, q

@@ -29,6 +29,11 @@
 
 namespace attn::detail {
 
+bool decode_bf16_pays() {
+  static const bool pays = bf16_path_available(Bf16Path::avx512_bf16) && !bf16_path_available(Bf16Path::amx);
+  return pays;
+}
+
 Bf16Path decode_bf16_path() {
   // (Not AMX: packing a tile's keys and value pairs for the tile products
   // took longer than VDPBF16PS on an Emerald Rapids, docs/decode.md.)

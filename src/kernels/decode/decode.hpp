@@ -65,9 +65,10 @@ DecodePlan decode_plan(const Problem& p);
 // rules (per-sequence offsets and key ends: a cache's lengths). Every rule
 // is read from p; kv says where the keys live. With p.bf16_products the two
 // products take bfloat16 operands (kernels/decode/bf16.hpp) on `path`
-// (decode_forward: decode_bf16_path(); portable and AVX512_BF16 give the
-// same bits, AMX its own within the same bound) over float32 and bfloat16
-// storage; else, and over float16 storage, they are exact.
+// (portable and AVX512_BF16 give the same bits, AMX its own within the
+// same bound) over float32 and bfloat16 storage; else, and over float16
+// storage, they are exact. decode_forward takes decode_bf16_path() where
+// decode_bf16_pays(), and the exact products elsewhere.
 void decode_forward(const Problem& p, const KVLayout& kv, View4<const float> q, View4<float> out,
                     View3<float> lse);
 void decode_forward_planned(const Problem& p, const KVLayout& kv, View4<const float> q,
