@@ -209,14 +209,19 @@ double visible_pairs(const Shape& s) {
 // Keys any query of a sequence sees: all S, or the last L + window.
 int64_t keys_read(const Shape& s) { return g_window < 0 ? s.S : std::min(s.S, s.L + g_window); }
 
-// One storage type's cache of a shape, kept for the paired rounds.
+// One storage type's cache of a shape, kept for the paired rounds, and
+// whether the call takes bfloat16 products (compute_dtype bfloat16; the
+// label then says "+bf16").
 struct Kept {
   std::string dtype;
-  std::unique_ptr<attn::KVCache> cache;
+  std::shared_ptr<attn::KVCache> cache;
+  bool bf16 = false;
+  std::string label() const { return dtype + (bf16 ? "+bf16" : ""); }
 };
 
 // Half storage against float32, paired: rounds in which every storage type's
-// call runs once, each after its own bandwidth pass (which evicts the
+// call (and, with --bf16-compute, the float32 and bfloat16 caches' with
+// bfloat16 products) runs once, each after its own bandwidth pass (which evicts the
 // caches; none with --warm), the order rotating from round to round; the speed-up of a type is
 // the median over the rounds of (float32 time / its time) within a round. On
 // a machine whose memory speed drifts or switches between modes (docs/decode.md),
@@ -226,13 +231,15 @@ void paired_rounds(const Shape& s, const Tensor<float>& q, const std::vector<Kep
                    double min_seconds, const Rounds& rounds, bool quiet, nlohmann::json& doc) {
   size_t base = kept.size();
   for (size_t i = 0; i < kept.size(); ++i)
-    if (kept[i].dtype == "float32") base = i;
+    if (kept[i].dtype == "float32" && !kept[i].bf16) base = i;
   if (base == kept.size() || kept.size() < 2) return;
   Tensor<float> out({s.B, s.H, s.L, s.E});
   attn::SdpaOptions opt;
   opt.num_threads = threads;
   opt.causal = true;
   opt.window = {g_window, 0};
+  attn::SdpaOptions bf16 = opt;
+  bf16.compute_dtype = Dtype::bfloat16;
   const size_t n = kept.size();
   std::vector<std::vector<double>> ratio(n);
   const auto start = std::chrono::steady_clock::now();
@@ -242,7 +249,7 @@ void paired_rounds(const Shape& s, const Tensor<float>& q, const std::vector<Kep
       const size_t i = (round + k) % n;
       (void)rounds.before_call();
       const auto t0 = std::chrono::steady_clock::now();
-      attn::decode_attention(decode_args(q, *kept[i].cache), {out.view4()}, opt);
+      attn::decode_attention(decode_args(q, *kept[i].cache), {out.view4()}, kept[i].bf16 ? bf16 : opt);
       t[i] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     }
     for (size_t i = 0; i < n; ++i) ratio[i].push_back(t[base] / t[i]);
@@ -253,10 +260,11 @@ void paired_rounds(const Shape& s, const Tensor<float>& q, const std::vector<Kep
     if (i == base) continue;
     const double r = median(ratio[i]);
     char buf[96];
-    std::snprintf(buf, sizeof buf, "%s%s %.2fx", line.empty() ? "" : ", ", kept[i].dtype.c_str(), r);
+    std::snprintf(buf, sizeof buf, "%s%s %.2fx", line.empty() ? "" : ", ", kept[i].label().c_str(), r);
     line += buf;
     doc["paired"].push_back({{"shape", {s.B, s.H, s.Hkv, s.L, s.S, s.E}}, {"dtype", kept[i].dtype},
-                             {"speedup_vs_float32", r}, {"rounds", ratio[i].size()}});
+                             {"compute", kept[i].bf16 ? "bfloat16" : "float32"}, {"speedup_vs_float32", r},
+                             {"rounds", ratio[i].size()}});
   }
   if (!quiet)
     std::printf("%-22s paired, decode, speed-up over float32 in the same rounds: %s (median of %zu rounds)\n",
@@ -306,6 +314,11 @@ int main(int argc, char** argv) {
   app.add_option("--bandwidth-mib", bw_mib, "buffer size of the read-bandwidth measurement (well above the L3)");
   app.add_option("--json", json, "also write the results as JSON to this file ('-' = stdout only)");
   app.add_flag("--no-dense", no_dense, "skip the dense-call and per-head variants");
+  bool bf16_compute = false;
+  app.add_flag("--bf16-compute", bf16_compute,
+               "also run the float32 and bfloat16 caches with compute_dtype bfloat16 (bfloat16 products; float16 "
+               "caches stay exact, and so do all on CPUs where the products do not pay, docs/decode.md) in the paired "
+               "rounds (dtype+bf16), each checked against the float32 cache's result");
   app.add_option("--window", g_window,
                  "a causal sliding window: each query sees itself and this many keys before it (-1 = none); "
                  "GB/s then counts the keys some query sees");
@@ -374,7 +387,7 @@ int main(int argc, char** argv) {
       cfg.batch = s.B, cfg.kv_heads = s.Hkv, cfg.capacity = s.S, cfg.head_dim = s.E;
       cfg.dtype = dtype;
       cfg.page_size = page;
-      kept.push_back({dt, std::make_unique<attn::KVCache>(cfg)});
+      kept.push_back({dt, std::make_shared<attn::KVCache>(cfg)});
       attn::KVCache& cache = *kept.back().cache;
       fill_cache(cache, s);
       const double elem = dtype == Dtype::float32 ? 4 : 2;
@@ -488,6 +501,27 @@ int main(int argc, char** argv) {
       const Timing t_fused =
           time_it([&] { attn::detail::fused_forward(p, a, dense_out.view4(), {}, lse.view<3>()); }, min_seconds, rounds);
       emit("per-head", t_fused, "max |diff| vs decode " + sci(max_abs_diff(dense_out, out)), fl);
+    }
+    if (bf16_compute) {  // the caches again with bfloat16 products (float16's stay exact), checked against float32's result
+      const size_t stored = kept.size();
+      for (size_t i = 0; i < stored; ++i) {
+        if (kept[i].dtype == "float16") continue;
+        kept.push_back({kept[i].dtype, kept[i].cache, true});
+        attn::SdpaOptions bo;
+        bo.num_threads = threads;
+        bo.causal = true;
+        bo.window = {g_window, 0};
+        bo.compute_dtype = Dtype::bfloat16;
+        Tensor<float> out({s.B, s.H, s.L, s.E});
+        attn::decode_attention(decode_args(q, *kept.back().cache), {out.view4()}, bo);
+        if (!out_f32.size()) continue;
+        // q, k, v and P rounded to bfloat16: a few 2^-8 of the values' range.
+        const double d = max_abs_diff(out, out_f32), tol = 4e-2;
+        if (d >= tol) status = 1;
+        if (!quiet)
+          std::printf("%-22s %-8s check of compute_dtype bfloat16: %s\n", s.str().c_str(), kept.back().label().c_str(),
+                      ((d < tol ? "ok vs float32 " : "MISMATCH vs float32 ") + sci(d)).c_str());
+      }
     }
     paired_rounds(s, q, kept, threads, min_seconds, rounds, quiet, doc);
   }

@@ -83,6 +83,9 @@ detail::Problem decode_problem(const KVCache& cache, const ScoreArgs<float>& rul
   }
   p.rules = resolve_rules(rules, opt, p.E, std::move(offset), std::move(key_end));
   p.threads = threads;
+  // bfloat16 products when asked (kernels/decode/bf16.hpp); the reference
+  // backend refuses them (decode_attention).
+  p.bf16_products = opt.compute_dtype == Dtype::bfloat16;
   return p;
 }
 
@@ -126,6 +129,9 @@ void decode_attention(const DecodeArgs& args, const SdpaOutputs<float>& outputs,
   for (const auto& e : written) c.writable(e);
   std::vector<detail::Extent> read{c.extent(q, "q")};
   const int threads = detail::check_decode(c, args, opt, {B, H, L, cache.capacity()}, read);
+  if (opt.compute_dtype == Dtype::bfloat16 && opt.backend == Backend::reference)
+    c.fail("option 'compute_dtype' is bfloat16, which the reference backend does not compute (it is exact); "
+           "use compute_dtype float32, or backend auto or fused");
   c.disjoint(written, read);
   if (opt.check_finite) c.finite(q, "q");
   detail::decode_run(cache, args, opt, H, L, threads, q, out, lse, opt.backend);

@@ -269,8 +269,8 @@ TEST(NnTransformer, DropoutOnlyInTrainingForwards) {
 // 2·2^-7·m: q and k rounded move a score by up to 2^-7·m, m = scale·max_ij
 // Σ_e |q_ie·k_je|), carried through out_proj: |Δy_r| <= Σ_c |Wo_rc|·max|Δo|.
 // The logits differ; a training step is the same bit for bit for any thread
-// count. Sequences of 40 tokens: calls with at most 32 query rows take the
-// decode kernel, which is exact whatever compute_dtype says.
+// count. Sequences of 40 tokens: the fused forward's bfloat16 products
+// (calls with at most 32 query rows take the decode kernel's).
 TEST(NnTransformer, Bf16PrecisionWithinTheBound) {
   const int64_t B = 2, N = 40, D = 16, H = 2, E = D / H, M = B * N;
   const nn::ModelConfig mc = sized(9, N, D, H, 2);

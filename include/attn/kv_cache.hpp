@@ -6,7 +6,10 @@
 // sequence has its own length (0 <= length(b) <= capacity). Keys and values
 // are stored in float32, float16 or bfloat16 (converted on append, rounding
 // to nearest even); attention is computed in float32 on the stored values, so
-// results are exact for the stored precision.
+// results are exact for the stored precision (unless opt.compute_dtype is
+// bfloat16 over a float32 or bfloat16 cache on a CPU where bfloat16
+// products are faster: then q, k, v and the probabilities are rounded to
+// bfloat16 for the products, docs/decode.md "bfloat16 compute").
 //
 // Layouts
 // -------
@@ -201,8 +204,9 @@ struct DecodeArgs : ScoreArgs<float> {
 // false as there: one new token per sequence sees every key either way, a
 // block of L > 1 new tokens needs opt.causal = true to be causal.
 // opt.backend: reference reads the cache back as float32 and runs the
-// reference backend per sequence (for testing); fused/automatic run the
-// decode kernel (chunked prefill through the fused kernel for many rows).
+// reference backend per sequence (for testing; it refuses compute_dtype
+// bfloat16); fused/automatic run the decode kernel (chunked prefill through
+// the fused kernel for many rows, exact whatever compute_dtype says).
 // A sequence of length 0 (or a query that sees no key) gets output 0 and
 // lse −inf (with sinks: lse = the head's sink). NaN or ±inf in a q, k or v
 // row a query sees makes its output row and lse NaN; keys it does not see

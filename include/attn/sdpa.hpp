@@ -131,9 +131,11 @@ struct SdpaOptions {
   // keeps every gradient sum in float32 (PyTorch's and FlashAttention's
   // bfloat16 arithmetic; several times faster where the CPU has bfloat16
   // dot products: AVX512_BF16, AMX). Unset: bfloat16 for bfloat16 q, k, v,
-  // float32 otherwise. It shapes the fused kernels' products; calls with few
-  // query rows (the decode kernel, bound by memory rather than by products)
-  // compute exactly, forward and backward. Only float32
+  // float32 otherwise. It shapes the fused kernels' products, forward and
+  // backward; calls with few query rows (the decode kernel) and
+  // decode_attention apply the same roundings where that is faster
+  // (AVX512_BF16 on AMD CPUs) and not to float16 k and v, else stay exact
+  // (docs/decode.md). Only float32
   // and bfloat16; bfloat16 is refused with double inputs and with the
   // reference backend.
   std::optional<Dtype> compute_dtype;

@@ -19,7 +19,8 @@ struct ProblemOf {
   ScoreRules<F> rules;
   Dropout dropout;  // of the probabilities (kernels/dropout.hpp); off by default
   // The products take bfloat16 operands (SdpaOptions::compute_dtype; the
-  // fused forward's bfloat16 path, kernels/fused/bf16.hpp); false: exact.
+  // fused forward's bfloat16 path, kernels/fused/bf16.hpp, and the decode
+  // kernel's, kernels/decode/bf16.hpp); false: exact.
   bool bf16_products = false;
   int threads = 1;
 

@@ -1,8 +1,8 @@
 // The decode kernel's register blocks, compiled per target with decode.cpp
 // (included once per target after vectors-inl.h, so it has no ordinary
 // include guard): the block of R query rows × C keys of dot products, the
-// strips of R rows × NV vectors of probability-weighted value sums, and the
-// software prefetch of a stream of rows that runs along with them. They
+// strips of R rows × NV vectors of probability-weighted value sums (each
+// runs the software prefetch of prefetch.hpp along with its keys). They
 // know nothing of the call or its scratch; decode.cpp's ScoreTile and
 // ValueTile drive them over a tile.
 #if defined(ATTN_KERNELS_DECODE_BLOCKS_INL_H_) == defined(HWY_TARGET_TOGGLE)
@@ -17,6 +17,7 @@
 #include <cstdint>
 
 #include "kernels/decode/decode.hpp"
+#include "kernels/decode/prefetch.hpp"
 
 HWY_BEFORE_NAMESPACE();
 namespace attn::detail {
@@ -24,7 +25,9 @@ namespace HWY_NAMESPACE {
 namespace {
 
 // hn, DF, VF, Lanes() and ceil_div come with kernels/fused/simd-inl.h and
-// common.hpp; LoadF, LoadTail, PrefetchRows and StoreSums with vectors-inl.h.
+// common.hpp; LoadF, LoadTail and StoreSums with vectors-inl.h; RowPrefetch
+// with prefetch.hpp.
+using decode_common::RowPrefetch;
 
 // ---- scores: s[r][jj] = q_r · k_jj ----------------------------------------
 
@@ -54,31 +57,6 @@ HWY_INLINE void ScoreBlock(const float* HWY_RESTRICT q, int64_t ldq, const T* HW
     }
   }
   StoreSums<R, C>(acc, s, lds);
-}
-
-// Rows to start loading while a loop over keys runs (a.p = nullptr: none).
-// The rows of segment a, then those of segment b, form one stream; while the
-// loop uses key j it starts loading row j + ahead of the stream.
-struct RowPrefetch {
-  struct Segment {
-    const char* p = nullptr;
-    int64_t stride = 0, bytes = 0, count = 0;  // count rows of `bytes` bytes, `stride` bytes apart
-  };
-  Segment a, b;
-  int64_t ahead = 0;
-  HWY_INLINE void rows(int64_t j, int64_t n) const {
-    if (!a.p) return;
-    for (int64_t i = j + ahead; i < j + ahead + n; ++i) {
-      if (i < a.count) PrefetchRows(a.p + i * a.stride, a.stride, 1, a.bytes);
-      else if (b.p && i - a.count < b.count) PrefetchRows(b.p + (i - a.count) * b.stride, b.stride, 1, b.bytes);
-    }
-  }
-};
-
-// count rows of `width` elements from p, `row` elements apart.
-template <class T>
-RowPrefetch::Segment RowsOf(const T* p, int64_t row, int64_t width, int64_t count) {
-  return {reinterpret_cast<const char*>(p), row * int64_t(sizeof(T)), width * int64_t(sizeof(T)), count};
 }
 
 template <int R, class T>

@@ -10,6 +10,8 @@
 #include <vector>
 
 #include "kernels/decode/decode.hpp"
+#include "kernels/fused/common.hpp"
+#include "kernels/fused/bf16.hpp"
 #include "kernels/fused/online_softmax.hpp"
 #include "kernels/score_rules.hpp"
 
@@ -49,6 +51,36 @@ struct Call {
   View3<float> lse;
   DecodePlan plan;
   int64_t Ep, Evp, tilep;
+  // bfloat16 products (decode/bf16.hpp) on `path`: q's bfloat16 rows are
+  // Eq = E rounded up to 32 elements long, the scores' one multiply is
+  // alpha = scale·log2(e), a tile's probability pairs are ldp apart per
+  // row, and `zeros` is a value row of zeros (a key a row does not see).
+  // pair_layout: the accumulator rows hold the features in the AVX512_BF16
+  // products' order (decode_pair_position; Evp a multiple of 32).
+  // amx: the products run as 16-row tile products (kernel: AMX or its
+  // emulation, kernels/fused/amx-inl.h) on operands packed per tile; the
+  // accumulators then have arows = rows rounded up to 16 rows per slot.
+  bool bf16 = false, pair_layout = false, amx = false;
+  Bf16Path path = Bf16Path::portable;
+  Bf16Kernel kernel{};
+  float alpha = 0;
+  int64_t Eq = 0, ldp = 0, arows = 0;
+  const void* zeros = nullptr;
+  int64_t qcols() const { return round_up(plan.rows, 16); }  // AMX: columns of the queries' pairs
+  int64_t tile16() const { return round_up(plan.tile, 32); }  // AMX: a tile's keys, padded
+};
+
+// The tile configuration of one thread for the AMX products (none else).
+struct TileThread {
+  const Call& c;
+  explicit TileThread(const Call& call) : c(call) {
+    if (c.amx && c.kernel.thread_begin) c.kernel.thread_begin();
+  }
+  ~TileThread() {
+    if (c.amx && c.kernel.thread_end) c.kernel.thread_end();
+  }
+  TileThread(const TileThread&) = delete;
+  TileThread& operator=(const TileThread&) = delete;
 };
 
 // ---- per-thread scratch ------------------------------------------------------
@@ -68,8 +100,27 @@ struct Call {
 //                        strides != 1), in the storage type (4 bytes each
 //                        allocated, enough for any)
 //   st, nan [rows]       online-softmax state and NaN flag (direct chunks)
+// and with bfloat16 products
+//   qb  [rows × Eq]      the block's queries rounded to bfloat16 (unscaled)
+//   pp  [rows × ldp]     a tile's probabilities rounded, in key pairs
+//   vr  [tile + 2]       the value rows of a tile's keys
+//   vp  [tile + 2]       the value rows of a pair loop (zeros for keys the row
+//                        does not see)
+// and with AMX products (c.amx)
+//   qpair [Eq/2 × qcols]     the block's queries as B of K·Qᵀ (pairs, zero columns)
+//   kb  [tile16 × Eq]        a tile's keys as A of K·Qᵀ (bfloat16 bits, zero rows)
+//   sc  [tile16 × qcols]     K·Qᵀ of a tile (keys × queries)
+//   vb  [tile16/2 × Evp]     a tile's values as B of P·V (pairs of keys)
+//   kr  [tile + 2]           the key rows of a tile
+//   pp has arows rows (P as A of P·V: its pairs are the row's bfloat16 P)
+// s and s2 hold two vectors more than their rows: the pairs read whole
+// vectors of a row's scores past its end.
 struct Scratch {
   hwy::AlignedFreeUniquePtr<float[]> q, s, s2, acc;
+  hwy::AlignedFreeUniquePtr<uint16_t[]> qb, kb;
+  hwy::AlignedFreeUniquePtr<uint32_t[]> pp, qpair, vb;
+  hwy::AlignedFreeUniquePtr<float[]> sc;
+  std::vector<const void*> vr, vp, kr;
   std::vector<int64_t> begin, end, pos;
   std::vector<float> slope;
   std::vector<rules::Line<bool>> mask;
@@ -81,9 +132,12 @@ struct Scratch {
   explicit Scratch(const Call& c) {
     const int64_t rows = c.plan.rows;
     q = hwy::AllocateAligned<float>(size_t(rows * c.Ep));
-    s = hwy::AllocateAligned<float>(size_t(rows * c.tilep));
-    s2 = hwy::AllocateAligned<float>(size_t(rows * c.tilep));
-    acc = hwy::AllocateAligned<float>(size_t(rows * c.Evp));
+    const int64_t pad = 64;  // >= two vectors of any target
+    s = hwy::AllocateAligned<float>(size_t(rows * c.tilep + pad));
+    s2 = hwy::AllocateAligned<float>(size_t(rows * c.tilep + pad));
+    std::fill(s.get(), s.get() + rows * c.tilep + pad, 0.0f);
+    std::fill(s2.get(), s2.get() + rows * c.tilep + pad, 0.0f);
+    acc = hwy::AllocateAligned<float>(size_t(std::max(rows, c.arows) * c.Evp));
     std::fill(q.get(), q.get() + rows * c.Ep, 0.0f);
     begin.resize(size_t(rows));
     end.resize(size_t(rows));
@@ -98,6 +152,24 @@ struct Scratch {
     }
     st.resize(size_t(rows));
     nan.resize(size_t(rows));
+    if (c.bf16) {
+      qb = hwy::AllocateAligned<uint16_t>(size_t(rows * c.Eq));
+      std::fill(qb.get(), qb.get() + rows * c.Eq, uint16_t(0));
+      const int64_t prows = std::max(rows, c.arows);
+      pp = hwy::AllocateAligned<uint32_t>(size_t(prows * c.ldp));
+      std::fill(pp.get(), pp.get() + prows * c.ldp, 0u);
+      vr.resize(size_t(c.plan.tile + 2));
+      vp.resize(size_t(c.plan.tile + 2));
+    }
+    if (c.amx) {
+      const int64_t t16 = c.tile16(), nq = c.qcols();
+      qpair = hwy::AllocateAligned<uint32_t>(size_t(c.Eq / 2 * nq));
+      kb = hwy::AllocateAligned<uint16_t>(size_t(t16 * c.Eq));
+      sc = hwy::AllocateAligned<float>(size_t(t16 * nq));
+      vb = hwy::AllocateAligned<uint32_t>(size_t(t16 / 2 * c.Evp));
+      std::fill(kb.get(), kb.get() + t16 * c.Eq, uint16_t(0));
+      kr.resize(size_t(c.plan.tile + 2));
+    }
   }
 };
 

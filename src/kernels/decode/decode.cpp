@@ -1,6 +1,7 @@
 // The decode kernel: attention of a few new query rows per sequence over a
 // long key/value history (a KV cache, or the dense K/V of a call with few
-// query rows), float32 arithmetic on float32, float16 or bfloat16 storage.
+// query rows), float32 arithmetic on float32, float16 or bfloat16 storage,
+// or bfloat16 products (compute_dtype bfloat16).
 //
 // Memory traffic is the whole story. With L new queries and S cached keys,
 // the work is O(L·S·E) flops against O(S·(E + Ev)) bytes of K and V, so for
@@ -60,6 +61,14 @@
 //    stay float32: products are float32 × (exactly widened) stored values,
 //    the contract "exact for the stored precision"; a native bf16 dot
 //    (vdpbf16ps) would round q, so every target widens (docs/decode.md).
+//  * bfloat16 compute (p.bf16_products: compute_dtype bfloat16): the same
+//    tiles, chunks, softmax and merges; the two products take bfloat16
+//    operands instead (decode/bf16.hpp: q rounded once per block, K and V
+//    rounded as read, P rounded per tile into key pairs), on AVX512_BF16
+//    (bf16_native.cpp) or the portable path (bf16-inl.h), which give the
+//    same bits. Their value loop goes over the tile's key pairs, so its
+//    pieces start at even keys of the tile (a pair may span two pages), and
+//    a key a row does not see reads a row of zeros with probability 0.
 //
 // NaN, the rule of the dense call: keys a row does not see never touch it;
 // a visible key with NaN/inf in its q, k or v row poisons the row (output
@@ -85,9 +94,13 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
 #include <vector>
 
 #include "attn/half.hpp"
+#include "kernels/decode/bf16.hpp"
 #include "kernels/decode/decode.hpp"
 #include "kernels/fused/common.hpp"
 #include "kernels/fused/online_softmax.hpp"
@@ -95,6 +108,7 @@
 #include "kernels/fused/pipeline-inl.h"
 #include "kernels/decode/vectors-inl.h"
 #include "kernels/decode/blocks-inl.h"
+#include "kernels/decode/bf16-inl.h"
 
 #include "kernels/decode/call.hpp"
 
@@ -115,6 +129,24 @@ template <class T>
 void ScoreTile(const Call& c, Scratch& w, int64_t nm, const T* k, int64_t krow, int64_t nk, float* s,
                RowPrefetch pf) {
   const int64_t E = c.p->E;
+  if (c.bf16) {  // bfloat16 products (bf16.hpp), on the call's path
+    for (int64_t r0 = 0; r0 < nm; r0 += 4, pf.a.p = nullptr) {
+      const uint16_t* q = w.qb.get() + r0 * c.Eq;
+      float* sr = s + r0 * c.tilep;
+      const int rows = int(std::min<int64_t>(4, nm - r0));
+      if (c.path == Bf16Path::avx512_bf16) {
+        decode_bf16_scores_native(c.kv->type, rows, q, c.Eq, k, krow, nk, E, c.alpha, sr, c.tilep, pf);
+        continue;
+      }
+      switch (rows) {
+        case 4: ScoreRowsBf16<4>(q, c.Eq, k, krow, nk, E, c.alpha, sr, c.tilep, pf); break;
+        case 3: ScoreRowsBf16<3>(q, c.Eq, k, krow, nk, E, c.alpha, sr, c.tilep, pf); break;
+        case 2: ScoreRowsBf16<2>(q, c.Eq, k, krow, nk, E, c.alpha, sr, c.tilep, pf); break;
+        default: ScoreRowsBf16<1>(q, c.Eq, k, krow, nk, E, c.alpha, sr, c.tilep, pf); break;
+      }
+    }
+    return;
+  }
   for (int64_t r0 = 0; r0 < nm; r0 += 4, pf.a.p = nullptr) {
     const float* q = w.q.get() + r0 * c.Ep;
     float* sr = s + r0 * c.tilep;
@@ -199,6 +231,56 @@ void ValueTile(const Call& c, Scratch& w, int64_t nm, const float* s, const T* v
   }
 }
 
+// The values of keys [a, b) of a tile (a even; the tile's nk keys from j0,
+// their value rows vr) with bfloat16 products: the tile's key pairs
+// (2m, 2m + 1) in order, a key a row does not see read as a row of zeros
+// with probability 0, so that it adds nothing (bf16.hpp). Where every row
+// sees the same keys the rows go in blocks of 4, else one by one; the bits
+// are the same either way (a pair of unseen keys adds +0 to a sum that is
+// never −0).
+template <class T>
+void ValueTileBf16(const Call& c, Scratch& w, int64_t nm, const void* const* vr, int64_t j0, int64_t nk, int64_t a,
+                   int64_t b, float* acc, RowPrefetch pf) {
+  const int64_t Ev = c.p->Ev;
+  const auto pairs = [&](int rows, int64_t r0, int64_t m0, int64_t m1, const RowPrefetch& f) {
+    const uint32_t* pp = w.pp.get() + r0 * c.ldp + m0;
+    float* o = acc + r0 * c.Evp;
+    if (c.path == Bf16Path::avx512_bf16)
+      return decode_bf16_values_native(c.kv->type, rows, pp, c.ldp, m1 - m0, w.vp.data(), Ev, o, c.Evp, f);
+    const T* const* v = reinterpret_cast<const T* const*>(w.vp.data());
+    switch (rows) {
+      case 4: return ValueRowsBf16<4>(pp, c.ldp, m1 - m0, v, Ev, o, c.Evp, f);
+      case 3: return ValueRowsBf16<3>(pp, c.ldp, m1 - m0, v, Ev, o, c.Evp, f);
+      case 2: return ValueRowsBf16<2>(pp, c.ldp, m1 - m0, v, Ev, o, c.Evp, f);
+      default: return ValueRowsBf16<1>(pp, c.ldp, m1 - m0, v, Ev, o, c.Evp, f);
+    }
+  };
+  const rules::Keys k0 = TileKeys(w, 0, j0, nk);
+  bool same = true;
+  for (int64_t r = 0; r < nm && same; ++r) {
+    const rules::Keys k = TileKeys(w, r, j0, nk);
+    same = !w.holes[size_t(r)] && k.lo == k0.lo && k.hi == k0.hi;
+  }
+  if (same) {
+    const int64_t lo = std::max(a, k0.lo), hi = std::min(b, k0.hi);
+    if (hi <= lo) return;
+    const int64_t m0 = lo / 2, m1 = (hi + 1) / 2;
+    for (int64_t j = 2 * m0; j < 2 * m1; ++j) w.vp[size_t(j - 2 * m0)] = j >= lo && j < hi ? vr[j] : c.zeros;
+    pf.ahead += 2 * m0 - a;  // the pair loop's key 0 is the tile's key 2·m0
+    for (int64_t r0 = 0; r0 < nm; r0 += 4, pf.a.p = nullptr) pairs(int(std::min<int64_t>(4, nm - r0)), r0, m0, m1, pf);
+    return;
+  }
+  for (int64_t r = 0; r < nm; ++r) {
+    const rules::Keys k = TileKeys(w, r, j0, nk);
+    const int64_t lo = std::max(a, k.lo), hi = std::min(b, k.hi);
+    if (hi <= lo) continue;
+    const int64_t m0 = lo / 2, m1 = (hi + 1) / 2;
+    for (int64_t j = 2 * m0; j < 2 * m1; ++j)
+      w.vp[size_t(j - 2 * m0)] = j >= lo && j < hi && !Hidden(*c.p, w, r, j0 + j) ? vr[j] : c.zeros;
+    pairs(1, r, m0, m1, RowPrefetch{});
+  }
+}
+
 // ---- one chunk --------------------------------------------------------------
 
 // q[r][e] = scale·log2(e)·Q(b, hk·G + g, i, e) for the block's rows m = i·G + g,
@@ -210,15 +292,28 @@ void PackQueries(const Call& c, Scratch& w, const Unit& u) {
   for (int64_t r = 0; r < u.nm; ++r) {
     const int64_t m = u.m0 + r, i = m / G, h = u.hk * G + m % G;
     const float* src = &c.q(u.b, h, i, 0);
-    float* dst = w.q.get() + r * c.Ep;
-    for (int64_t e = 0; e < E; ++e) dst[e] = s2 * src[e * se];
+    if (c.bf16) {  // rounded, unscaled: the scores' sums are scaled (bf16.hpp)
+      uint16_t* dst = w.qb.get() + r * c.Eq;
+      for (int64_t e = 0; e < E; ++e) dst[e] = bf16_operand(src[e * se]);
+    } else {
+      float* dst = w.q.get() + r * c.Ep;
+      for (int64_t e = 0; e < E; ++e) dst[e] = s2 * src[e * se];
+    }
     const rules::Keys k = p.keys(u.b, i);
     w.begin[size_t(r)] = k.lo, w.end[size_t(r)] = k.hi;
     w.pos[size_t(r)] = i + p.rules.offset[size_t(u.b)];
     w.slope[size_t(r)] = p.rules.slope(h);
+    if (c.amx) {  // the row as a column of B of K·Qᵀ
+      const int64_t nq = c.qcols();
+      const uint16_t* b = w.qb.get() + r * c.Eq;
+      for (int64_t kp = 0; kp < c.Eq / 2; ++kp) w.qpair[size_t(kp * nq + r)] = b[2 * kp] | uint32_t(b[2 * kp + 1]) << 16;
+    }
     if (!p.rules.mask.empty()) w.mask[size_t(r)] = rules::key_row(p.rules.mask, u.b, h, i);
     if (!p.rules.bias.empty()) w.bias[size_t(r)] = rules::key_row(p.rules.bias, u.b, h, i);
   }
+  if (c.amx)  // the columns past the block's rows are zeros
+    for (int64_t k = 0; k < c.Eq / 2; ++k)
+      std::fill(w.qpair.get() + k * c.qcols() + u.nm, w.qpair.get() + (k + 1) * c.qcols(), 0u);
 }
 
 
@@ -233,6 +328,25 @@ HWY_INLINE bool AnyNonFinite(const float* HWY_RESTRICT x, int64_t n) {
   for (; i + N <= n; i += N) z = hn::MulAdd(hn::Load(d, x + i), zero, z);
   if (i < n) z = hn::MulAdd(hn::IfThenElseZero(hn::FirstN(d, size_t(n - i)), hn::Load(d, x + i)), zero, z);
   return std::isnan(hn::GetLane(hn::SumOfLanes(d, z)));
+}
+
+// pp[m] = the probabilities of keys 2m and 2m + 1 of a row (p) rounded to
+// bfloat16, the even key in the low half, for the nk keys' pairs; the
+// partner of an odd last key is 0 (p is read two vectors past its end).
+HWY_INLINE void ProbabilityPairs(const float* p, int64_t nk, uint32_t* pp) {
+  const int64_t npairs = (nk + 1) / 2;
+#if HWY_TARGET == HWY_SCALAR  // one lane
+  for (int64_t m = 0; m < npairs; ++m) pp[m] = bf16_operand(p[2 * m]) | uint32_t(bf16_operand(p[2 * m + 1])) << 16;
+#else
+  const DB d;
+  const DBU du;
+  for (int64_t m = 0; m < npairs; m += kBLanes) {
+    const auto lo = RoundToBf16High(hn::LoadU(d, p + 2 * m)), hi = RoundToBf16High(hn::LoadU(d, p + 2 * m + kBLanes));
+    const auto even = hn::ConcatEven(du, hi, lo), odd = hn::ConcatOdd(du, hi, lo);
+    hn::StoreU(hn::Or(hn::ShiftRight<16>(even), hn::And(odd, hn::Set(du, 0xFFFF0000u))), du, pp + m);
+  }
+#endif
+  if (nk % 2) pp[nk / 2] &= 0xFFFFu;
 }
 
 // Folds tile scores s (nk keys from j0) into the rows' states: the score
@@ -287,7 +401,89 @@ void SoftmaxTile(const Call& c, Scratch& w, int64_t nm, int64_t j0, int64_t nk, 
     }
     os::end_tile(st[r], hn::GetLane(hn::SumOfLanes(d, sum)));
     if (step.alpha != 1.0f) ScaleRow(acc + r * c.Evp, c.Evp, step.alpha);  // acc <- acc · alpha
+    if (c.bf16) ProbabilityPairs(row, nk, w.pp.get() + r * c.ldp);  // the row sum keeps the unrounded P
   }
+}
+
+// ---- bfloat16 products on 16-row tiles (AMX, or its emulation) -----------------
+
+using DFU = hn::RebindToUnsigned<DF>;
+using VFU = hn::Vec<DFU>;
+
+// N elements of a row (n < N: zeros after n) as bfloat16 bits in the high
+// half of each 32-bit lane (bf16_operand; a bfloat16 element as stored: the
+// tile products read a subnormal as zero).
+template <class T>
+HWY_INLINE VFU HighBits(const T* x, int64_t n) {
+  const DF d;
+  const VF v = n >= Lanes() ? LoadF(d, x) : LoadTail(d, x, n);
+  if constexpr (std::is_same_v<T, hwy::bfloat16_t>) return hn::BitCast(DFU(), v);  // widened: the bits << 16
+  else return RoundToBf16High(v);
+}
+
+// A key row of E elements as bfloat16 bits, zeros up to Eq (a multiple of 32).
+template <class T>
+void KeyBits(const T* x, int64_t E, int64_t Eq, uint16_t* dst) {
+#if HWY_TARGET == HWY_SCALAR
+  for (int64_t e = 0; e < Eq; ++e) dst[e] = e < E ? uint16_t(hn::GetLane(HighBits(x + e, E - e)) >> 16) : 0;
+#else
+  const DFU du;
+  const hn::Repartition<uint16_t, DF> d16;
+  const int64_t N = Lanes();
+  for (int64_t e = 0; e < Eq; e += 2 * N) {
+    const VFU a = e < E ? HighBits(x + e, E - e) : hn::Zero(du);
+    const VFU b = e + N < E ? HighBits(x + e + N, E - e - N) : hn::Zero(du);
+    hn::StoreU(hn::ConcatOdd(d16, hn::BitCast(d16, b), hn::BitCast(d16, a)), d16, dst + e);
+  }
+#endif
+}
+
+// Two value rows as one row of pairs (a's bits low, b's high), zeros from Ev to Evp.
+template <class T>
+void ValuePairs(const T* a, const T* b, int64_t Ev, int64_t Evp, uint32_t* dst) {
+  const DFU du;
+  const int64_t N = Lanes();
+  for (int64_t e = 0; e < Evp; e += N) {
+    if (e >= Ev) {
+      hn::StoreU(hn::Zero(du), du, dst + e);
+      continue;
+    }
+    const VFU x = HighBits(a + e, Ev - e), y = HighBits(b + e, Ev - e);
+    hn::StoreU(hn::Or(hn::ShiftRight<16>(x), hn::And(y, hn::Set(du, 0xFFFF0000u))), du, dst + e);
+  }
+}
+
+// One tile of nk keys from j0 (key rows w.kr, value rows w.vr) with the
+// tile products: K·Qᵀ of the tile's keys (padded to 16) and the block's
+// query pairs, the softmax step, then acc += P·V with P the rows' rounded
+// probabilities (pp) and V the tile's value rows in key pairs (a key the
+// rows do not see as zeros). A tile whose rows see different keys, or
+// with keys the mask or bias hides, goes through the portable pair loop
+// instead (a key a row does not see never touches it).
+template <class T>
+void AmxTile(const Call& c, Scratch& w, const Unit& u, int64_t j0, int64_t nk, float* acc, os::State<float>* st,
+             uint8_t* nan) {
+  const int64_t E = c.p->E, Ev = c.p->Ev, nq = c.qcols(), m16 = round_up(nk, 16);
+  for (int64_t j = 0; j < nk; ++j) KeyBits(static_cast<const T*>(w.kr[size_t(j)]), E, c.Eq, w.kb.get() + j * c.Eq);
+  std::fill(w.kb.get() + nk * c.Eq, w.kb.get() + m16 * c.Eq, uint16_t(0));
+  c.kernel.gemm(m16, nq, c.Eq, w.kb.get(), c.Eq, w.qpair.get(), nq, w.sc.get(), nq, c.alpha, false);
+  for (int64_t r = 0; r < u.nm; ++r)  // scores: keys × queries to the rows' lines
+    for (int64_t j = 0; j < nk; ++j) w.s[size_t(r * c.tilep + j)] = w.sc[size_t(j * nq + r)];
+  SoftmaxTile(c, w, u.nm, j0, nk, acc, st, nan);
+  const rules::Keys k0 = TileKeys(w, 0, j0, nk);
+  bool same = true;
+  for (int64_t r = 0; r < u.nm && same; ++r) {
+    const rules::Keys k = TileKeys(w, r, j0, nk);
+    same = !w.holes[size_t(r)] && k.lo == k0.lo && k.hi == k0.hi;
+  }
+  if (!same) return ValueTileBf16<T>(c, w, u.nm, w.vr.data(), j0, nk, 0, nk, acc, RowPrefetch{});
+  if (k0.hi <= k0.lo) return;
+  const int64_t K = round_up(nk, 32), npairs = (nk + 1) / 2;
+  const auto row = [&](int64_t j) { return static_cast<const T*>(j >= k0.lo && j < k0.hi ? w.vr[size_t(j)] : c.zeros); };
+  for (int64_t k = 0; k < K / 2; ++k) ValuePairs(row(2 * k), row(2 * k + 1), Ev, c.Evp, w.vb.get() + k * c.Evp);
+  for (int64_t r = 0; r < u.nm; ++r)  // P past the tile's keys is zero
+    std::fill(w.pp.get() + r * c.ldp + npairs, w.pp.get() + r * c.ldp + K / 2, 0u);
+  c.kernel.gemm(round_up(u.nm, 16), c.Evp, K, w.pp.get(), 2 * c.ldp, w.vb.get(), c.Evp, acc, c.Evp, 1.0f, true);
 }
 
 // The chunk u into (acc, st, nan) for its nm rows (acc zeroed here).
@@ -337,24 +533,56 @@ void ChunkT(const Call& c, Scratch& w, const Unit& u, float* acc, os::State<floa
   // The first run of a tile (none: an empty run, which no stream follows).
   const auto first = [](const Tile& x) { return x.nr > 0 ? x.run[0] : Run{nullptr, nullptr, 0, 0}; };
   Tile t = u.c0 < kend ? tile_at(u.c0) : Tile{};
-  if (kv.k_elem != 1 || kv.v_elem != 1) {  // strided features: each tile's rows gathered, then as usual
-    // A tile's rows with their features gathered contiguous (a dense view
-    // whose features are strided): the kernel then reads the same values in
-    // the same order, so the layout does not change a bit of the result.
-    T* kd = reinterpret_cast<T*>(w.kt.get());
-    T* vd = reinterpret_cast<T*>(w.vt.get());
+  // A tile's rows with their features gathered contiguous into kd, vd (a
+  // dense view whose features are strided): the kernel then reads the same
+  // values in the same order, so the layout does not change a bit.
+  const bool gather = kv.k_elem != 1 || kv.v_elem != 1;
+  T* kd = reinterpret_cast<T*>(w.kt.get());
+  T* vd = reinterpret_cast<T*>(w.vt.get());
+  const auto gather_tile = [&](const Tile& x) {
+    for (int i = 0; i < x.nr; ++i) {
+      const Run& r = x.run[size_t(i)];
+      for (int64_t j = 0; j < r.nk; ++j) {
+        for (int64_t e = 0; e < E; ++e) kd[(r.off + j) * E + e] = r.k[j * kv.k_row + e * kv.k_elem];
+        for (int64_t e = 0; e < Ev; ++e) vd[(r.off + j) * Ev + e] = r.v[j * kv.v_row + e * kv.v_elem];
+      }
+    }
+  };
+  if (c.amx) {  // tile after tile: the rows of the next start loading, then AmxTile
     for (int64_t j0 = u.c0; j0 < kend;) {
       const Tile next = next_tile(j0, t);
+      for (int i = 0; i < next.nr; ++i) {
+        const Run& x = next.run[size_t(i)];
+        PrefetchRows(reinterpret_cast<const char*>(x.k), krow * int64_t(sizeof(T)), x.nk, E * int64_t(sizeof(T)));
+        PrefetchRows(reinterpret_cast<const char*>(x.v), vrow * int64_t(sizeof(T)), x.nk, Ev * int64_t(sizeof(T)));
+      }
+      if (gather) gather_tile(t);
       for (int i = 0; i < t.nr; ++i) {
         const Run& x = t.run[size_t(i)];
         for (int64_t j = 0; j < x.nk; ++j) {
-          for (int64_t e = 0; e < E; ++e) kd[(x.off + j) * E + e] = x.k[j * kv.k_row + e * kv.k_elem];
-          for (int64_t e = 0; e < Ev; ++e) vd[(x.off + j) * Ev + e] = x.v[j * kv.v_row + e * kv.v_elem];
+          const int64_t at = x.off + j;
+          w.kr[size_t(at)] = gather ? kd + at * E : x.k + j * krow;
+          w.vr[size_t(at)] = gather ? vd + at * Ev : x.v + j * vrow;
         }
       }
+      AmxTile<T>(c, w, u, j0, t.nk, acc, st, nan);
+      j0 += t.nk;
+      t = next;
+    }
+    return;
+  }
+  if (gather) {  // strided features: each tile's rows gathered, then as usual
+    for (int64_t j0 = u.c0; j0 < kend;) {
+      const Tile next = next_tile(j0, t);
+      gather_tile(t);
       ScoreTile(c, w, u.nm, kd, E, t.nk, w.s.get(), RowPrefetch{});
       SoftmaxTile(c, w, u.nm, j0, t.nk, acc, st, nan);
-      ValueTile(c, w, u.nm, w.s.get(), vd, Ev, j0, t.nk, acc, RowPrefetch{});
+      if (c.bf16) {
+        for (int64_t j = 0; j < t.nk; ++j) w.vr[size_t(j)] = vd + j * Ev;
+        ValueTileBf16<T>(c, w, u.nm, w.vr.data(), j0, t.nk, 0, t.nk, acc, RowPrefetch{});
+      } else {
+        ValueTile(c, w, u.nm, w.s.get(), vd, Ev, j0, t.nk, acc, RowPrefetch{});
+      }
       j0 += t.nk;
       t = next;
     }
@@ -376,6 +604,46 @@ void ChunkT(const Call& c, Scratch& w, const Unit& u, float* acc, os::State<floa
       ScoreTile(c, w, u.nm, r.k, krow, r.nk, w.s.get() + r.off, RowPrefetch{k_rows(r, 0), then, std::min(r.nk, ahead)});
     }
   };
+  struct Piece {
+    int run;
+    int64_t from, nk;  // keys [from, from + nk) of the run (bf16_pieces: the last may be the next run's first)
+  };
+  const auto exact_pieces = [](const Tile& x, std::vector<Piece>& out) {
+    out.clear();
+    for (int i = 0; i < x.nr; ++i)
+      for (int64_t b = 0; b < x.run[size_t(i)].nk; b += kInterleaveKeys)
+        out.push_back({i, b, std::min(kInterleaveKeys, x.run[size_t(i)].nk - b)});
+  };
+  // With bfloat16 products the value pieces start at even keys of the tile
+  // (a run's start rounded up; the piece before takes the key between), at
+  // most `step` keys each: the pairs are the tile's, whatever the runs.
+  const auto bf16_pieces = [](const Tile& x, int64_t step, std::vector<Piece>& out) {
+    out.clear();
+    for (int i = 0; i < x.nr; ++i) {
+      const Run& r = x.run[size_t(i)];
+      const int64_t end = i + 1 < x.nr ? round_up(x.run[size_t(i + 1)].off, 2) : x.nk;
+      for (int64_t a = round_up(r.off, 2); a < end; a += step) out.push_back({i, a - r.off, std::min(step, end - a)});
+    }
+  };
+  // The value rows of a tile's keys (bfloat16 products).
+  const auto value_rows = [&](const Tile& x) {
+    for (int i = 0; i < x.nr; ++i)
+      for (int64_t j = 0; j < x.run[size_t(i)].nk; ++j) w.vr[size_t(x.run[size_t(i)].off + j)] = x.run[size_t(i)].v + j * vrow;
+  };
+  std::vector<Piece> pt, pn;
+
+  // The stream after piece p of tile x: the rest of its run, then the next
+  // run of x, or the first run of `then` after x's last run.
+  const auto k_stream = [&](const Tile& x, const Piece& p, const Tile& then) {
+    const Run& r = x.run[size_t(p.run)];
+    return RowPrefetch{k_rows(r, p.from), k_rows(p.run + 1 < x.nr ? x.run[size_t(p.run + 1)] : first(then), 0),
+                       std::min(ahead, r.nk)};
+  };
+  const auto v_stream = [&](const Tile& x, const Piece& p, const Tile& then) {
+    const Run& r = x.run[size_t(p.run)];
+    return RowPrefetch{v_rows(r, p.from), v_rows(p.run + 1 < x.nr ? x.run[size_t(p.run + 1)] : first(then), 0),
+                       std::min(ahead, r.nk)};
+  };
   if constexpr (sizeof(T) == 4) {
     // float32: the scores of a tile, then its values, run by run; the value
     // loop's stream is V of each run, then K of the next tile.
@@ -383,6 +651,18 @@ void ChunkT(const Call& c, Scratch& w, const Unit& u, float* acc, os::State<floa
       const Tile next = next_tile(j0, t);
       score_tile(t);
       SoftmaxTile(c, w, u.nm, j0, t.nk, acc, st, nan);
+      if (c.bf16) {  // the runs' pieces (pairs may span two runs), each with its run's stream
+        value_rows(t);
+        bf16_pieces(t, c.plan.tile, pt);
+        for (const Piece& p : pt) {
+          const Run& r = t.run[size_t(p.run)];
+          ValueTileBf16<T>(c, w, u.nm, w.vr.data(), j0, t.nk, r.off + p.from, r.off + p.from + p.nk, acc,
+                           v_stream(t, p, next));
+        }
+        j0 += t.nk;
+        t = next;
+        continue;
+      }
       for (int i = 0; i < t.nr; ++i) {
         const Run& x = t.run[size_t(i)];
         const auto then = i + 1 < t.nr ? v_rows(t.run[size_t(i + 1)], 0) : k_rows(first(next), 0);
@@ -406,38 +686,22 @@ void ChunkT(const Call& c, Scratch& w, const Unit& u, float* acc, os::State<floa
   // the float32 loop's bits on the widened values (docs/decode.md,
   // "Interleaved tiles").
   if (t.nk == 0) return;
-  struct Piece {
-    int run;
-    int64_t from, nk;  // keys [from, from + nk) of the run
+  // The value pieces of a tile (the score pieces are always exact_pieces:
+  // a score reads its own key only).
+  const auto value_pieces = [&](const Tile& x, std::vector<Piece>& out) {
+    if (c.bf16) bf16_pieces(x, kInterleaveKeys, out);
+    else exact_pieces(x, out);
   };
-  const auto pieces = [](const Tile& x, std::vector<Piece>& out) {
-    out.clear();
-    for (int i = 0; i < x.nr; ++i)
-      for (int64_t b = 0; b < x.run[size_t(i)].nk; b += kInterleaveKeys)
-        out.push_back({i, b, std::min(kInterleaveKeys, x.run[size_t(i)].nk - b)});
-  };
-  // The stream after piece p of tile x: the rest of its run, then the next
-  // run of x, or the first run of `then` after x's last run.
-  const auto k_stream = [&](const Tile& x, const Piece& p, const Tile& then) {
-    const Run& r = x.run[size_t(p.run)];
-    return RowPrefetch{k_rows(r, p.from), k_rows(p.run + 1 < x.nr ? x.run[size_t(p.run + 1)] : first(then), 0),
-                       std::min(ahead, r.nk)};
-  };
-  const auto v_stream = [&](const Tile& x, const Piece& p, const Tile& then) {
-    const Run& r = x.run[size_t(p.run)];
-    return RowPrefetch{v_rows(r, p.from), v_rows(p.run + 1 < x.nr ? x.run[size_t(p.run + 1)] : first(then), 0),
-                       std::min(ahead, r.nk)};
-  };
-  std::vector<Piece> pt, pn;
   Tile next = next_tile(u.c0, t);
-  pieces(t, pt);
   score_tile(t);  // the first tile's scores as the float32 loop's (nothing to interleave with)
   SoftmaxTile(c, w, u.nm, u.c0, t.nk, acc, st, nan);
   RowPrefetch{k_rows(first(next), 0), {}, 0}.rows(0, std::min(first(next).nk, ahead));
   int64_t j0 = u.c0;
   while (next.nk > 0) {
     const Tile after = next_tile(j0 + t.nk, next);
-    pieces(next, pn);
+    exact_pieces(next, pn);
+    value_pieces(t, pt);
+    if (c.bf16) value_rows(t);
     for (size_t i = 0; i < std::max(pt.size(), pn.size()); ++i) {
       if (i < pn.size()) {
         const Piece& p = pn[i];
@@ -447,8 +711,12 @@ void ChunkT(const Call& c, Scratch& w, const Unit& u, float* acc, os::State<floa
       if (i < pt.size()) {
         const Piece& p = pt[i];
         const Run& r = t.run[size_t(p.run)];
-        ValueTile(c, w, u.nm, w.s.get() + r.off + p.from, r.v + p.from * vrow, vrow, j0 + r.off + p.from, p.nk, acc,
-                  v_stream(t, p, next));
+        if (c.bf16)
+          ValueTileBf16<T>(c, w, u.nm, w.vr.data(), j0, t.nk, r.off + p.from, r.off + p.from + p.nk, acc,
+                           v_stream(t, p, next));
+        else
+          ValueTile(c, w, u.nm, w.s.get() + r.off + p.from, r.v + p.from * vrow, vrow, j0 + r.off + p.from, p.nk,
+                    acc, v_stream(t, p, next));
       }
     }
     std::swap(w.s, w.s2);
@@ -456,12 +724,17 @@ void ChunkT(const Call& c, Scratch& w, const Unit& u, float* acc, os::State<floa
     SoftmaxTile(c, w, u.nm, j0, next.nk, acc, st, nan);
     t = next;
     next = after;
-    std::swap(pt, pn);
   }
+  value_pieces(t, pt);
+  if (c.bf16) value_rows(t);
   for (const Piece& p : pt) {
     const Run& r = t.run[size_t(p.run)];
-    ValueTile(c, w, u.nm, w.s.get() + r.off + p.from, r.v + p.from * vrow, vrow, j0 + r.off + p.from, p.nk, acc,
-              v_stream(t, p, Tile{}));
+    if (c.bf16)
+      ValueTileBf16<T>(c, w, u.nm, w.vr.data(), j0, t.nk, r.off + p.from, r.off + p.from + p.nk, acc,
+                       v_stream(t, p, Tile{}));
+    else
+      ValueTile(c, w, u.nm, w.s.get() + r.off + p.from, r.v + p.from * vrow, vrow, j0 + r.off + p.from, p.nk, acc,
+                v_stream(t, p, Tile{}));
   }
 }
 
@@ -484,10 +757,12 @@ void Finalize(const Call& c, const Unit& u, const float* acc, const os::State<fl
     const os::Final<float> f = os::finalize<os::Base2>(st[r]);
     const float* o = acc + r * c.Evp;
     // A non-finite value row the row sees leaves acc non-finite: poisoned too.
-    const bool bad = nan[r] || std::isnan(f.lse) || AnyNonFinite(o, p.Ev);
+    const bool bad = nan[r] || std::isnan(f.lse) || AnyNonFinite(o, c.pair_layout ? c.Evp : p.Ev);
     const float inv = bad ? qnan : f.inv_sum;
     float* dst = &c.out(u.b, h, i, 0);
     int64_t e = 0;
+    if (c.pair_layout)  // the AVX512_BF16 products' order of the features (bf16.hpp)
+      for (; e < p.Ev; ++e) dst[e * se] = o[decode_pair_position(e)] * inv;
     if (se == 1)
       for (const VF vinv = hn::Set(d, inv); e + N <= p.Ev; e += N)
         hn::StoreU(hn::Mul(hn::Load(d, o + e), vinv), d, dst + e);
@@ -500,11 +775,11 @@ void Finalize(const Call& c, const Unit& u, const float* acc, const os::State<fl
 void MergeBlock(const Call& c, const Unit& u, const Block& blk, float* pacc, os::State<float>* pst,
                 uint8_t* pnan) {
   const int64_t rows = c.plan.rows, Evp = c.Evp;
-  float* acc0 = pacc + blk.slot * rows * Evp;
+  float* acc0 = pacc + blk.slot * c.arows * Evp;
   os::State<float>* st0 = pst + blk.slot * rows;
   uint8_t* nan0 = pnan + blk.slot * rows;
   for (int64_t k = 1; k < blk.count; ++k) {
-    const float* acck = pacc + (blk.slot + k) * rows * Evp;
+    const float* acck = pacc + (blk.slot + k) * c.arows * Evp;
     const os::State<float>* stk = pst + (blk.slot + k) * rows;
     const uint8_t* nank = pnan + (blk.slot + k) * rows;
     for (int64_t r = 0; r < u.nm; ++r) {
@@ -519,9 +794,30 @@ void MergeBlock(const Call& c, const Unit& u, const Block& blk, float* pacc, os:
 }
 
 void ForwardImpl(const Problem& p, const KVLayout& kv, View4<const float> q, View4<float> out,
-                 View3<float> lse, DecodePlan plan) {
+                 View3<float> lse, DecodePlan plan, Bf16Path path) {
   const int64_t lanes = Lanes();
-  const Call c{&p, &kv, q, out, lse, plan, round_up(p.E, lanes), round_up(p.Ev, lanes), round_up(plan.tile, lanes)};
+  Call c{&p, &kv, q, out, lse, plan, round_up(p.E, lanes), round_up(p.Ev, lanes), round_up(plan.tile, lanes)};
+  c.arows = plan.rows;
+  std::vector<float> zeros;  // a value row of zeros, in any storage type
+  // bfloat16 products, but for float16 storage (decode/bf16.hpp: rounding
+  // its values would cost more than the products save).
+  if (p.bf16_products && kv.type != Dtype::float16) {
+    c.bf16 = true;
+    c.path = path;
+    c.alpha = float(p.rules.scale) * kLog2e;
+    c.Eq = round_up(p.E, 32);
+    c.ldp = round_up(ceil_div(c.tilep, 2), 16);
+    c.pair_layout = c.path == Bf16Path::avx512_bf16;
+    if (c.pair_layout) c.Evp = round_up(p.Ev, 32);
+    if (c.path == Bf16Path::amx || c.path == Bf16Path::amx_emulated) {  // products of 16-row tiles
+      c.kernel = bf16_kernel(c.path);
+      c.amx = true;
+      c.Evp = round_up(p.Ev, 16);
+      c.arows = round_up(plan.rows, 16);
+    }
+    zeros.assign(size_t(round_up(p.Ev, 32)), 0.0f);
+    c.zeros = zeros.data();
+  }
   // The units: every (b, hk, row block) cut into chunks of the keys its rows
   // see, [lo of its first row, hi of its last) (a block that sees none still
   // has one, empty, chunk: its rows finalise to 0 and −inf, or the sink).
@@ -543,7 +839,7 @@ void ForwardImpl(const Problem& p, const KVLayout& kv, View4<const float> q, Vie
       }
   // Partials of the chunks of split blocks, slot by slot (layout as in Scratch).
   const int64_t rows = plan.rows;
-  hwy::AlignedFreeUniquePtr<float[]> pacc = hwy::AllocateAligned<float>(size_t(std::max<int64_t>(1, slots * rows * c.Evp)));
+  hwy::AlignedFreeUniquePtr<float[]> pacc = hwy::AllocateAligned<float>(size_t(std::max<int64_t>(1, slots * c.arows * c.Evp)));
   std::vector<os::State<float>> pst(size_t(slots * rows));
   std::vector<uint8_t> pnan(size_t(slots * rows));
   // Unit u of block k computes into slot (k.slot + its index), or straight
@@ -555,7 +851,7 @@ void ForwardImpl(const Problem& p, const KVLayout& kv, View4<const float> q, Vie
       Finalize(c, u, w.acc.get(), w.st.data(), w.nan.data());
     } else {
       const int64_t s = blk.slot + k;
-      Chunk(c, w, u, pacc.get() + s * rows * c.Evp, pst.data() + s * rows, pnan.data() + s * rows);
+      Chunk(c, w, u, pacc.get() + s * c.arows * c.Evp, pst.data() + s * rows, pnan.data() + s * rows);
     }
   };
   std::vector<int64_t> unit_block(units.size());
@@ -567,6 +863,7 @@ void ForwardImpl(const Problem& p, const KVLayout& kv, View4<const float> q, Vie
   {
     const FlushToZero ftz;  // as the fused kernels (kernels/fused/common.hpp)
     Scratch w(c);
+    const TileThread tiles(c);  // AMX: the tile configuration of this thread
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < nunits; ++i) {
       const Block& blk = blocks[size_t(unit_block[size_t(i)])];
@@ -603,13 +900,20 @@ HWY_EXPORT(ForwardImpl);
 HWY_EXPORT(TargetNameImpl);
 
 void decode_forward_planned(const Problem& p, const KVLayout& kv, View4<const float> q, View4<float> out,
-                            View3<float> lse, DecodePlan plan) {
-  HWY_DYNAMIC_DISPATCH(ForwardImpl)(p, kv, q, out, lse, plan);
+                            View3<float> lse, DecodePlan plan, Bf16Path path) {
+  if (p.bf16_products && !bf16_path_available(path))
+    throw std::logic_error(std::string("decode_forward_planned: this CPU does not run ") + bf16_path_name(path));
+  HWY_DYNAMIC_DISPATCH(ForwardImpl)(p, kv, q, out, lse, plan, path);
 }
 
 void decode_forward(const Problem& p, const KVLayout& kv, View4<const float> q, View4<float> out,
                     View3<float> lse) {
-  decode_forward_planned(p, kv, q, out, lse, decode_plan(p));
+  if (p.bf16_products && !decode_bf16_pays()) {  // exact where that is faster (bf16.hpp)
+    Problem exact = p;
+    exact.bf16_products = false;
+    return decode_forward_planned(exact, kv, q, out, lse, decode_plan(p), decode_bf16_path());
+  }
+  decode_forward_planned(p, kv, q, out, lse, decode_plan(p), decode_bf16_path());
 }
 
 const char* decode_target_name() { return HWY_DYNAMIC_DISPATCH(TargetNameImpl)(); }

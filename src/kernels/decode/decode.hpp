@@ -14,6 +14,8 @@
 
 namespace attn::detail {
 
+enum class Bf16Path;  // kernels/fused/bf16.hpp
+
 // Key j of sequence b, head hk starts at element
 //   page·k_page + hk·k_head + (j % page_size)·k_row      of k,
 // page = table ? table[b·table_stride + j / page_size] : b; its E features
@@ -61,11 +63,16 @@ DecodePlan decode_plan(const Problem& p);
 
 // Attention of p.L query rows per sequence over the keys of kv, under p's
 // rules (per-sequence offsets and key ends: a cache's lengths). Every rule
-// is read from p; kv says where the keys live.
+// is read from p; kv says where the keys live. With p.bf16_products the two
+// products take bfloat16 operands (kernels/decode/bf16.hpp) on `path`
+// (portable and AVX512_BF16 give the same bits, AMX its own within the
+// same bound) over float32 and bfloat16 storage; else, and over float16
+// storage, they are exact. decode_forward takes decode_bf16_path() where
+// decode_bf16_pays(), and the exact products elsewhere.
 void decode_forward(const Problem& p, const KVLayout& kv, View4<const float> q, View4<float> out,
                     View3<float> lse);
 void decode_forward_planned(const Problem& p, const KVLayout& kv, View4<const float> q,
-                            View4<float> out, View3<float> lse, DecodePlan plan);
+                            View4<float> out, View3<float> lse, DecodePlan plan, Bf16Path path);
 
 // Whether L new rows per sequence with G query heads per kv head suit the
 // decode kernel (few rows: bound by reading K and V). Larger blocks are
@@ -78,7 +85,8 @@ void prefill_forward(const Problem& p, const KVLayout& kv, View4<const float> q,
 // The dense call's use of the kernel: whether a validated request without
 // weights goes this way (few query rows; every rule and any strides are the
 // kernel's own), and the call itself on float32 or half q, k, v (half K and
-// V are read in their storage type, q is widened).
+// V are read in their storage type, q is widened; p.bf16_products says
+// which products).
 bool decode_suits_dense(const Problem& p);
 template <class T>
 void decode_forward_dense(const Problem& p, const SdpaArgs<T>& a, View4<float> out, View3<float> lse);

@@ -1,8 +1,7 @@
 // The decode kernel's vector helpers, compiled per target with decode.cpp
 // (which includes this header once per target, after the fused kernels'
 // simd-inl.h, so it has no ordinary include guard): loading stored K/V
-// elements (float32, float16, bfloat16) as float32 vectors, software
-// prefetch of rows, and the reduction of a register block of dot products
+// elements (float32, float16, bfloat16) as float32 vectors and the reduction of a register block of dot products
 // across lanes.
 #if defined(ATTN_KERNELS_DECODE_VECTORS_INL_H_) == defined(HWY_TARGET_TOGGLE)
 #ifdef ATTN_KERNELS_DECODE_VECTORS_INL_H_
@@ -43,20 +42,6 @@ HWY_INLINE VF LoadTail(DF d, const T* p, int64_t n) {
   std::memset(static_cast<void*>(buf), 0, sizeof(buf));
   std::memcpy(static_cast<void*>(buf), p, size_t(n) * sizeof(T));
   return LoadF(d, buf);
-}
-
-// Starts loading n rows of `bytes` bytes, `stride` bytes apart, into the L2
-// cache (locality 2: prefetcht1 on x86). A prefetch into L1 (hwy::Prefetch,
-// prefetcht0) holds one of the core's few L1 miss buffers until its line
-// arrives from DRAM, which capped the rows in flight; Zen 4 and Intel cores
-// take prefetcht1 into the L2, whose miss queue is deeper, and the demand
-// loads then hit the L2. On Zen 4 (2 threads, float32 K/V, alternating
-// calls in one process) it took 8-20% less time than prefetcht0 at
-// S = 4096 to 32768 (docs/decode.md, "Prefetch into the L2"); not measured
-// on Zen 3 or Intel.
-HWY_INLINE void PrefetchRows(const char* p, int64_t stride, int64_t n, int64_t bytes) {
-  for (int64_t j = 0; j < n; ++j, p += stride)
-    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + o, /*rw=*/0, /*locality=*/2);
 }
 
 // n stored elements widened to float32, a vector at a time (the bulk path of

@@ -27,6 +27,7 @@
 
 #include "kernels/fused/attention-inl.h"
 #include "kernels/fused/bf16.hpp"
+#include "kernels/fused/bf16_round-inl.h"
 #include "kernels/fused/blocking.hpp"
 #include "kernels/fused/simd-inl.h"
 
@@ -92,18 +93,7 @@ void PortableBf16Gemm(int64_t M, int64_t N, int64_t K, const void* Av, int64_t l
 
 // ---- operands of the unit ----------------------------------------------------
 
-// The bfloat16 bits of float32 lanes (bf16.hpp's bf16_operand) in the high
-// half of each 32-bit lane: nearest even, NaN kept quiet, subnormal → ±0.
-HWY_INLINE VU RoundToBf16High(VF x) {
-  const DU du;
-  const VU u = hn::BitCast(du, x);
-  const VU rounded = hn::Add(u, hn::Add(hn::Set(du, 0x7FFFu), hn::And(hn::ShiftRight<16>(u), hn::Set(du, 1u))));
-  const VU nan = hn::Or(u, hn::Set(du, 0x00400000u));
-  const VU zero = hn::And(u, hn::Set(du, 0x80000000u));
-  const auto is_nan = hn::RebindMask(du, hn::Ne(x, x));
-  const auto tiny = hn::Eq(hn::And(u, hn::Set(du, 0x7F800000u)), hn::Zero(du));
-  return hn::IfThenElse(tiny, zero, hn::IfThenElse(is_nan, nan, rounded));
-}
+// RoundToBf16High (the operands' rounding) comes with bf16_round-inl.h.
 
 // x[0, n) rounded to bfloat16 (bf16_operand) as A elements at dst: the
 // bits, or their float32 values (a_float); n a multiple of the lane count.
