@@ -264,16 +264,7 @@ TEST(Decode, ChunkedPrefillBitwiseForAnyThreadCountAndNaN) {
     c.B = 1, c.H = 8, c.Hkv = 2, c.L = 64, c.E = c.Ev = 32, c.page = page, c.lens = {8400};
     if (page == 100) c.dtype = Dtype::float16;  // widened chunks (by the threads) from half storage
     Filled f = fill(c, rng);
-    DecodeCall o;
-    o.num_threads = 1;
-    const Result base = run(c, f, o);
-    expect_matches_oracle(c, f, base);
-    for (const int threads : {2, 3, 8}) {
-      o.num_threads = threads;
-      const Result r = run(c, f, o);
-      EXPECT_TRUE(bitwise_equal(r.out, base.out)) << "page " << page << ", " << threads << " threads";
-      EXPECT_TRUE(bitwise_equal(r.lse, base.lse)) << "page " << page << ", " << threads << " threads";
-    }
+    expect_same_bits_for_threads(c, f, {2, 3, 8}, "page " + std::to_string(page));
     // Key 8350 (third chunk) of kv head 1 is NaN: rows i of heads 4..7 with
     // 8400 − 64 + i >= 8350, i.e. i >= 14, become NaN; nothing else does.
     KVCache cache(config_of(c));
@@ -452,17 +443,7 @@ TEST(Decode, SmallCallsRunOnOneThreadSameBits) {
   for (const int64_t S : {200, 2000}) {
     DecodeCase c;
     c.H = 9, c.Hkv = 3, c.E = c.Ev = 64, c.dtype = Dtype::bfloat16, c.lens = {S};
-    const Filled f = fill(c, rng);
-    DecodeCall o;
-    o.num_threads = 1;
-    const Result base = run(c, f, o);
-    expect_matches_oracle(c, f, base);
-    for (const int threads : {2, 3, 8}) {
-      o.num_threads = threads;
-      const Result r = run(c, f, o);
-      EXPECT_TRUE(bitwise_equal(r.out, base.out)) << S << " keys, " << threads << " threads";
-      EXPECT_TRUE(bitwise_equal(r.lse, base.lse)) << S << " keys, " << threads << " threads";
-    }
+    expect_same_bits_for_threads(c, fill(c, rng), {2, 3, 8}, std::to_string(S) + " keys");
   }
 }
 
