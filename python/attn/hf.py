@@ -364,6 +364,8 @@ class AttnCacheLayer(_CacheLayerMixin):
         if dropout:
             raise ValueError(f"{_FN}: 'dropout' is {dropout}; attention over AttnCache has no dropout "
                              "(use model.eval() for generation)")
+        if _torch.is_grad_enabled():  # the views below would drop a graph silently
+            _decode.refuse_grad(_FN, query=query, s_aux=sinks)
         pending = self._pending
         held = self.kv._c.length(0) + (0 if pending is None else pending[0].shape[-2])
         capacity = self.kv.capacity

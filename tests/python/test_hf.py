@@ -462,6 +462,8 @@ def test_attn_cache_step_equals_append_then_decode(storage):
         with pytest.raises(ValueError, match="argument 'q' has shape"):
             attn.hf.attention_forward(module, torch.zeros(B, H, 1, E + 1), keys, values, None)
         assert layer.get_seq_length() == 16 and layer.kv.lengths == (15, 15)
+        with torch.enable_grad(), pytest.raises(ValueError, match="'query' requires grad"):
+            attn.hf.attention_forward(module, q.clone().requires_grad_(), keys, values, None)
         layer.crop(-1)  # appends the pending token, then drops it
         assert layer.get_seq_length() == 15 and layer.kv.lengths == (15, 15)
         keys, values = layer.update(k, v)
