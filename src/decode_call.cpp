@@ -104,11 +104,13 @@ void detail::decode_run(const KVCache& cache, const ScoreArgs<float>& rules, con
   decode_forward(p, kv, q, out, lse);
 }
 
-void decode_attention(const DecodeArgs& args, const SdpaOutputs<float>& outputs, const SdpaOptions& opt) {
-  const detail::Checker c{"decode_attention"};
+namespace {
+
+// The checks of a call over `cache` (arguments, outputs, options, as
+// decode_attention documents them); returns the thread count.
+int check_call(const detail::Checker& c, const KVCache& cache, const DecodeArgs& args,
+               const SdpaOutputs<float>& outputs, const SdpaOptions& opt) {
   const auto& [out, weights, lse] = outputs;
-  if (args.cache == nullptr) c.fail("argument 'cache' is required but was not given (null)");
-  const KVCache& cache = *args.cache;
   const View4<const float>& q = args.q;
   c.require(q, "q");
   c.require(out, "out");
@@ -134,7 +136,44 @@ void decode_attention(const DecodeArgs& args, const SdpaOutputs<float>& outputs,
            "use compute_dtype float32, or backend auto or fused");
   c.disjoint(written, read);
   if (opt.check_finite) c.finite(q, "q");
-  detail::decode_run(cache, args, opt, H, L, threads, q, out, lse, opt.backend);
+  return threads;
+}
+
+}  // namespace
+
+void decode_attention(const DecodeArgs& args, const SdpaOutputs<float>& outputs, const SdpaOptions& opt) {
+  const detail::Checker c{"decode_attention"};
+  if (args.cache == nullptr) c.fail("argument 'cache' is required but was not given (null)");
+  const int threads = check_call(c, *args.cache, args, outputs, opt);
+  detail::decode_run(*args.cache, args, opt, args.q.dim(1), args.q.dim(2), threads, args.q, outputs.out, outputs.lse,
+                     opt.backend);
+}
+
+void decode_attention(KVCache& cache, View4<const float> k, View4<const float> v, const DecodeArgs& args,
+                      const SdpaOutputs<float>& outputs, const SdpaOptions& opt) {
+  const detail::Checker c{"decode_attention"};
+  if (args.cache != nullptr && args.cache != &cache)
+    c.fail("argument 'args.cache' is another cache than 'cache' (give null or the cache the keys are appended to)");
+  DecodeArgs a = args;
+  a.cache = &cache;
+  const int threads = check_call(c, cache, a, outputs, opt);
+  c.require(k, "k");
+  c.require(v, "v");
+  const int64_t B = cache.batch(), Hkv = cache.kv_heads(), n = k.dim(2);
+  c.shape(k, "k", {B, Hkv, n, cache.head_dim()}, "(B, Hkv, n, E) = " + shape_str({B, Hkv, n, cache.head_dim()}));
+  c.shape(v, "v", {B, Hkv, n, cache.value_dim()},
+          "(B, Hkv, n, Ev) = " + shape_str({B, Hkv, n, cache.value_dim()}) + " (n of 'k')");
+  if (std::string why = cache.append_refusal(n); !why.empty())
+    c.fail("argument 'cache' cannot take the " + std::to_string(n) + " new tokens of each sequence: " + why);
+  std::vector<int64_t> before(static_cast<size_t>(B));
+  for (int64_t b = 0; b < B; ++b) before[size_t(b)] = cache.length(b);
+  cache.append(k, v);
+  try {
+    detail::decode_run(cache, a, opt, a.q.dim(1), a.q.dim(2), threads, a.q, outputs.out, outputs.lse, opt.backend);
+  } catch (...) {  // checked above, so only e.g. std::bad_alloc: the cache as it was
+    for (int64_t b = 0; b < B; ++b) cache.truncate(b, before[size_t(b)]);
+    throw;
+  }
 }
 
 }  // namespace attn

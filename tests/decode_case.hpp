@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <initializer_list>
 #include <limits>
 #include <random>
 #include <string>
@@ -221,6 +222,22 @@ inline void expect_matches_oracle(const DecodeCase& c, const Filled& f, const Re
 
 inline bool bitwise_equal(const Tensor<float>& a, const Tensor<float>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+// The call on one thread matches the oracle, and each of `threads` gives
+// its bits.
+inline void expect_same_bits_for_threads(const DecodeCase& c, const Filled& f, std::initializer_list<int> threads,
+                                         const std::string& label) {
+  DecodeCall o;
+  o.num_threads = 1;
+  const Result base = run(c, f, o);
+  expect_matches_oracle(c, f, base);
+  for (const int t : threads) {
+    o.num_threads = t;
+    const Result r = run(c, f, o);
+    EXPECT_TRUE(bitwise_equal(r.out, base.out)) << label << ", " << t << " threads";
+    EXPECT_TRUE(bitwise_equal(r.lse, base.lse)) << label << ", " << t << " threads";
+  }
 }
 
 // A random shape: GQA ratio 1-8, 1-3 sequences of 0-120 tokens, L 1-17,

@@ -264,16 +264,7 @@ TEST(Decode, ChunkedPrefillBitwiseForAnyThreadCountAndNaN) {
     c.B = 1, c.H = 8, c.Hkv = 2, c.L = 64, c.E = c.Ev = 32, c.page = page, c.lens = {8400};
     if (page == 100) c.dtype = Dtype::float16;  // widened chunks (by the threads) from half storage
     Filled f = fill(c, rng);
-    DecodeCall o;
-    o.num_threads = 1;
-    const Result base = run(c, f, o);
-    expect_matches_oracle(c, f, base);
-    for (const int threads : {2, 3, 8}) {
-      o.num_threads = threads;
-      const Result r = run(c, f, o);
-      EXPECT_TRUE(bitwise_equal(r.out, base.out)) << "page " << page << ", " << threads << " threads";
-      EXPECT_TRUE(bitwise_equal(r.lse, base.lse)) << "page " << page << ", " << threads << " threads";
-    }
+    expect_same_bits_for_threads(c, f, {2, 3, 8}, "page " + std::to_string(page));
     // Key 8350 (third chunk) of kv head 1 is NaN: rows i of heads 4..7 with
     // 8400 − 64 + i >= 8350, i.e. i >= 14, become NaN; nothing else does.
     KVCache cache(config_of(c));
@@ -352,6 +343,107 @@ TEST(Decode, NonFiniteKeysAndValuesPoisonOnlyTheRowsThatSeeThem) {
         for (int64_t e = 0; e < c.Ev; ++e)
           ASSERT_EQ(std::isnan(out[row * size_t(c.Ev) + size_t(e)]), poisoned) << which << " head " << h << " row " << i;
       }
+  }
+}
+
+// A decoding step in one call (the overload that appends the new tokens'
+// keys and values first) gives the bits of an append followed by the call,
+// and stores the same tokens: float32 and bfloat16 storage, contiguous and
+// paged, grouped heads, k and v in the (B, n, Hkv, E) layout of a
+// projection (strided), steps of 1 and of 3 causal rows.
+TEST(Decode, StepAppendsThenAttendsBitwise) {
+  std::mt19937_64 rng(21);
+  for (const Dtype t : {Dtype::float32, Dtype::bfloat16})
+    for (const int64_t page : {int64_t(0), int64_t(16)}) {
+      DecodeCase c;
+      c.B = 2, c.H = 6, c.Hkv = 2, c.E = 24, c.Ev = 20, c.page = page, c.dtype = t;
+      c.lens = {70, 70};
+      const KVCacheConfig cfg = config_of(c, 8);
+      KVCache one(cfg), two(cfg);  // the step in one call; append, then the call
+      const Tensor<float> k0 = random_tensor<float>({c.B, c.Hkv, 70, c.E}, rng);
+      const Tensor<float> v0 = random_tensor<float>({c.B, c.Hkv, 70, c.Ev}, rng);
+      for (KVCache* cache : {&one, &two}) cache->append(View4<const float>(k0.view4()), View4<const float>(v0.view4()));
+      for (const int64_t n : {1, 3, 1}) {
+        SCOPED_TRACE(c.str() + " step of " + std::to_string(n));
+        const Tensor<float> q = random_tensor<float>({c.B, c.H, n, c.E}, rng);
+        const Tensor<float> k = random_tensor<float>({c.B, n, c.Hkv, c.E}, rng);
+        const Tensor<float> v = random_tensor<float>({c.B, n, c.Hkv, c.Ev}, rng);
+        const auto kv = View4<const float>::bnhd(k.data(), c.B, n, c.Hkv, c.E);
+        const auto vv = View4<const float>::bnhd(v.data(), c.B, n, c.Hkv, c.Ev);
+        Tensor<float> out1({c.B, c.H, n, c.Ev}), lse1({c.B, c.H, n}), out2({c.B, c.H, n, c.Ev}), lse2({c.B, c.H, n});
+        DecodeArgs a;
+        a.q = q.view4();
+        DecodeCall o;
+        o.num_threads = 2;
+        decode_attention(one, kv, vv, a, {out1.view4(), {}, lse1.view<3>()}, o);
+        two.append(kv, vv);
+        decode_call(q.view4(), two, out2.view4(), o, lse2.view<3>());
+        EXPECT_TRUE(bitwise_equal(out1, out2));
+        EXPECT_TRUE(bitwise_equal(lse1, lse2));
+      }
+      for (int64_t b = 0; b < c.B; ++b) {
+        ASSERT_EQ(one.length(b), 75);
+        ASSERT_EQ(two.length(b), 75);
+        Tensor<float> k1({c.Hkv, 75, c.E}), v1({c.Hkv, 75, c.Ev}), k2({c.Hkv, 75, c.E}), v2({c.Hkv, 75, c.Ev});
+        one.read(b, k1.view<3>(), v1.view<3>());
+        two.read(b, k2.view<3>(), v2.view<3>());
+        EXPECT_TRUE(bitwise_equal(k1, k2));
+        EXPECT_TRUE(bitwise_equal(v1, v2));
+      }
+    }
+}
+
+// A refused step names the argument and leaves the cache as it was.
+TEST(Decode, RefusedStepLeavesTheCache) {
+  KVCacheConfig cfg;
+  cfg.batch = 2, cfg.kv_heads = 2, cfg.capacity = 8, cfg.head_dim = 4;
+  KVCache cache(cfg), other(cfg);
+  Tensor<float> k({2, 2, 1, 4}), v({2, 2, 1, 4}), q({2, 4, 1, 4}), out({2, 4, 1, 4});
+  cache.append(View4<const float>(k.view4()), View4<const float>(v.view4()));
+  DecodeArgs a;
+  a.q = q.view4();
+  auto step = [&](DecodeArgs args, View4<const float> kk, View4<const float> vv, View4<float> o) {
+    return [&cache, args, kk, vv, o] { decode_attention(cache, kk, vv, args, {o, {}, {}}); };
+  };
+  const View4<const float> kv = k.view4(), vv = v.view4();
+  Tensor<float> q3({2, 3, 1, 4}), k5({2, 2, 1, 5}), v3({2, 2, 3, 4});
+  DecodeArgs bad_q = a;
+  bad_q.q = q3.view4();
+  EXPECT_TRUE(throws_with(step(bad_q, kv, vv, out.view4()), {"decode_attention", "'q'", "Hkv = 2"}));
+  EXPECT_TRUE(throws_with(step(a, k5.view4(), vv, out.view4()), {"decode_attention", "argument 'k' has shape"}));
+  EXPECT_TRUE(throws_with(step(a, kv, v3.view4(), out.view4()), {"decode_attention", "argument 'v' has shape",
+                                                                    "(n of 'k')"}));
+  EXPECT_TRUE(throws_with(step(a, kv, {}, out.view4()), {"decode_attention", "'v' is required"}));
+  EXPECT_TRUE(throws_with(step(a, kv, vv, {}), {"decode_attention", "'out' is required"}));
+  DecodeArgs elsewhere = a;
+  elsewhere.cache = &other;
+  EXPECT_TRUE(throws_with(step(elsewhere, kv, vv, out.view4()), {"decode_attention", "'args.cache'"}));
+  Tensor<float> k8({2, 2, 8, 4}), v8({2, 2, 8, 4});
+  EXPECT_TRUE(throws_with(step(a, k8.view4(), v8.view4(), out.view4()),
+                          {"decode_attention", "argument 'cache' cannot take the 8 new tokens"}));
+  for (int64_t b = 0; b < 2; ++b) EXPECT_EQ(cache.length(b), 1);
+  for (int64_t b = 0; b < 2; ++b) EXPECT_EQ(other.length(b), 0);
+  decode_attention(cache, kv, vv, a, {out.view4(), {}, {}});
+  for (int64_t b = 0; b < 2; ++b) EXPECT_EQ(cache.length(b), 2);
+}
+
+// A call below the plan's work threshold runs on one thread (waking a team
+// would cost more than the work); the bits are those of any thread count
+// on both sides of the threshold.
+TEST(Decode, SmallCallsRunOnOneThreadSameBits) {
+  const auto serial = [](int64_t S) {
+    detail::Problem p;
+    p.B = 1, p.H = 9, p.Hkv = 3, p.L = 1, p.E = p.Ev = 64;
+    p.rules.key_end = {S}, p.rules.offset = {S - 1};
+    return detail::decode_plan(p).serial;
+  };
+  EXPECT_TRUE(serial(200));    // 9 × 200 × 128 multiply-adds < 2^18
+  EXPECT_FALSE(serial(2000));  // 9 × 2000 × 128
+  std::mt19937_64 rng(22);
+  for (const int64_t S : {200, 2000}) {
+    DecodeCase c;
+    c.H = 9, c.Hkv = 3, c.E = c.Ev = 64, c.dtype = Dtype::bfloat16, c.lens = {S};
+    expect_same_bits_for_threads(c, fill(c, rng), {2, 3, 8}, std::to_string(S) + " keys");
   }
 }
 

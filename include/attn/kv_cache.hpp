@@ -215,4 +215,13 @@ struct DecodeArgs : ScoreArgs<float> {
 // in a fixed order). Figures, layouts and the kernel: docs/decode.md.
 void decode_attention(const DecodeArgs& args, const SdpaOutputs<float>& outputs, const SdpaOptions& opt = {});
 
+// One decoding step: appends the new tokens' keys k (B, Hkv, n, E) and
+// values v (B, Hkv, n, Ev) to every sequence of `cache`, then the call
+// above over it (the k and v of flash_attn_with_kvcache). args.cache is
+// null or &cache. Every argument is checked before the cache changes, so a
+// refused call leaves it as it was; so does a failure while attending (the
+// new tokens are taken back).
+void decode_attention(KVCache& cache, View4<const float> k, View4<const float> v, const DecodeArgs& args,
+                      const SdpaOutputs<float>& outputs, const SdpaOptions& opt = {});
+
 }  // namespace attn

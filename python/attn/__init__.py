@@ -10,7 +10,7 @@ Functions follow PyTorch's names and argument conventions:
     attn.MultiheadAttention(embed_dim, num_heads, ...)   # like torch.nn.MultiheadAttention,
                                                          # plus backward(), grads(), zero_grad()
     attn.KVCache(batch, kv_heads, capacity, head_dim, dtype=..., page_size=...)
-    attn.decode_attention(q, cache, *, scale=None, is_causal=False, return_lse=False)
+    attn.decode_attention(q, cache, *, scale=None, is_causal=False, return_lse=False, k=None, v=None)
     attn.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ...)
     attn.varlen_attention_backward(grad_output, q, k, v, cu_seqlens_q, ...)
 

@@ -309,6 +309,9 @@ def decode_attention(
     alibi_slopes: Optional[ArrayLike] = None,
     sinks: Optional[ArrayLike] = None,
     attn_mask: Optional[ArrayLike] = None,
+    k: Optional[ArrayLike] = None,
+    v: Optional[ArrayLike] = None,
 ) -> Any:
     """Attention of q (B, H, L, E), the last L tokens of each sequence, over
-    the cache; out (B, H, L, Ev) (and lse (B, H, L) with return_lse)."""
+    the cache; out (B, H, L, Ev) (and lse (B, H, L) with return_lse). With k
+    (B, Hkv, n, E) and v (B, Hkv, n, Ev), those new tokens are appended first."""

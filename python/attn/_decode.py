@@ -142,8 +142,13 @@ def refuse_grad(fn: str, **named: Any) -> None:
 
 def decode_attention(q: Any, cache: KVCache, *, scale: Optional[float] = None, is_causal: bool = False,
                      return_lse: bool = False, backend: str = "auto", num_threads: int = 0, window_size=None,
-                     softcap=None, chunk_size: int = 0, alibi_slopes=None, sinks=None, attn_mask=None):
+                     softcap=None, chunk_size: int = 0, alibi_slopes=None, sinks=None, attn_mask=None, k=None,
+                     v=None):
     """Attention of L new queries per sequence, q (B, H, L, E), over the cache.
+
+    k (B, Hkv, n, E) and v (B, Hkv, n, Ev), when given, are first appended to
+    every sequence (one call for a decoding step, as flash_attn_with_kvcache's
+    k and v); a call that is refused leaves the cache as it was.
 
     The queries are the last L tokens of each sequence: query i sits at
     position p = length - L + i. Every query sees the keys the cache holds;
@@ -171,32 +176,38 @@ def decode_attention(q: Any, cache: KVCache, *, scale: Optional[float] = None, i
     fn = "attn.decode_attention"
     if not isinstance(cache, KVCache):
         raise TypeError(f"{fn}: 'cache' must be an attn.KVCache, got {type(cache).__name__}")
-    refuse_grad(fn, q=q, alibi_slopes=alibi_slopes, sinks=sinks, attn_mask=attn_mask)
+    refuse_grad(fn, q=q, alibi_slopes=alibi_slopes, sinks=sinks, attn_mask=attn_mask, k=k, v=v)
     qa = _f32(q, fn, "q", 4)
+    ka = None if k is None else _f32(k, fn, "k", 4)
+    va = None if v is None else _f32(v, fn, "v", 4)
     out = np.empty(qa.shape[:3] + (cache.value_dim,), np.float32)
     lse = np.empty(qa.shape[:3], np.float32) if return_lse else None
     var = variant_kwargs(fn, np.dtype(np.float32), window_size, alibi_slopes, softcap, sinks, None, chunk_size)
     del var["position_offset"]  # the cache fixes the positions
     if attn_mask is not None:
-        m = to_numpy(widen_half(attn_mask), fn, "attn_mask")
-        # The extension takes a rank-4 mask or bias; the library checks its axes.
-        if m.ndim != 4:
-            raise ValueError(f"{fn}: 'attn_mask' has shape {m.shape}, expected 4 dimensions "
-                             f"(B|1, H|1, L|1, capacity|1) = ({qa.shape[0]}, {qa.shape[1]}, {qa.shape[2]}, "
-                             f"{cache.capacity})")
-        if m.dtype == np.bool_:
-            var["mask"] = np.ascontiguousarray(m)
-        elif m.dtype.kind == "f":
-            var["bias"] = np.ascontiguousarray(m, dtype=np.float32)
-        else:
-            raise ValueError(f"{fn}: 'attn_mask' has dtype {m.dtype}, expected bool (True = attend) or float "
-                             "(added to the scores)")
+        var.update(mask_operand(attn_mask, fn, qa.shape, cache.capacity))
     _attn.decode_attention(qa, cache._c, out, lse, scale=None if scale is None else float(scale),
                            causal=bool(is_causal), backend=str(backend),
-                           num_threads=int(num_threads), **var)
+                           num_threads=int(num_threads), k=ka, v=va, **var)
     if is_torch_tensor(q):
         import torch
 
         out = torch.from_numpy(out)
         lse = torch.from_numpy(lse) if lse is not None else None
     return (out, lse) if return_lse else out
+
+
+def mask_operand(attn_mask: Any, fn: str, q_shape: Tuple[int, ...], capacity: int) -> dict:
+    """attn_mask as the extension's keyword: {"mask": bool} or {"bias": float32},
+    rank 4 over the cache's key positions (the library checks its axes)."""
+    m = to_numpy(widen_half(attn_mask), fn, "attn_mask")
+    if m.ndim != 4:
+        raise ValueError(f"{fn}: 'attn_mask' has shape {m.shape}, expected 4 dimensions "
+                         f"(B|1, H|1, L|1, capacity|1) = ({q_shape[0]}, {q_shape[1]}, {q_shape[2]}, {capacity})")
+    if m.dtype == np.bool_:
+        return {"mask": np.ascontiguousarray(m)}
+    if m.dtype.kind == "f":
+        return {"bias": np.ascontiguousarray(m, dtype=np.float32)}
+    raise ValueError(f"{fn}: 'attn_mask' has dtype {m.dtype}, expected bool (True = attend) or float "
+                     "(added to the scores)")
+

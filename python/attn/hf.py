@@ -52,7 +52,9 @@ try:
 except ImportError as e:  # pragma: no cover - exercised only without them
     raise ImportError("attn.hf needs PyTorch and transformers (pip install torch transformers)") from e
 
-from . import _decode
+import numpy as _np
+
+from . import _attn, _decode
 from . import torch as _attn_torch
 
 __all__ = ["register", "attention_forward", "mask_rules", "MaskRules", "AttnCache", "AttnCacheLayer"]
@@ -239,13 +241,13 @@ def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_m
     if kwargs.get("output_attentions"):
         raise ValueError(f"{_FN}: 'output_attentions' is not supported (attn does not form the attention "
                          "weights); use attn_implementation='eager' to get them")
+    layer = getattr(key, "_attn_cache_layer", None)
+    if layer is not None:  # a decoding step over AttnCache: (B, L, H, Ev) already
+        return layer.attend(query, attention_mask, module=module, is_causal=is_causal, sliding_window=sliding_window,
+                            dropout=dropout, scale=scaling, softcap=softcap, sinks=s_aux), None
     kw = dict(dropout=float(dropout or 0.0), scale=scaling, softcap=softcap or None, sinks=s_aux)
     L = query.shape[-2]
-    layer = getattr(key, "_attn_cache_layer", None)
-    if layer is not None:
-        out = layer.attend(query, attention_mask, sliding_window=sliding_window,
-                           causal=_sdpa_causal(module, is_causal, L), **kw)
-    elif isinstance(attention_mask, MaskRules):
+    if isinstance(attention_mask, MaskRules):
         out = _with_rules(query, key, value, attention_mask, **kw)
     elif attention_mask is not None:
         out = _call(query, key, value, attn_mask=attention_mask, **kw)
@@ -260,6 +262,20 @@ def _sdpa_causal(module: Any, is_causal: Optional[bool], L: int) -> bool:
     return bool(L > 1 and causal)
 
 
+def _float32_view(t: Any, name: str) -> Any:
+    """A tensor as float32 NumPy for the per-step call: a float32 CPU
+    tensor's own memory through Tensor.numpy() (no copy, and a fraction of
+    DLPack's cost per call); other float dtypes are widened first (a copy);
+    what numpy() refuses (another device, a lazy negation) goes through the
+    checked conversion, whose errors name the argument."""
+    if t.dtype != _torch.float32:
+        t = t.float()
+    try:
+        return t.detach().numpy() if t.requires_grad else t.numpy()
+    except (RuntimeError, TypeError):
+        return _decode._f32(t, _FN, name, t.dim())
+
+
 # --------------------------------------------------------------------------
 # The cache.
 
@@ -267,12 +283,14 @@ def _sdpa_causal(module: Any, is_causal: Optional[bool], L: int) -> bool:
 class AttnCacheLayer(_CacheLayerMixin):
     """One layer's keys and values in an attn.KVCache.
 
-    update() appends the new tokens. When the layer held nothing before (the
-    prompt), it returns the new keys and values themselves, and attention runs
-    on them as usual; afterwards it returns the new tokens marked with this
-    layer, and the attention function attends over the whole stored history
-    with attn.decode_attention (attend()). Inference only: decode_attention has
-    no backward."""
+    update() takes the new tokens. When the layer held nothing before (the
+    prompt), it appends them and returns the new keys and values themselves,
+    and attention runs on them as usual. Afterwards it keeps them pending and
+    returns them marked with this layer; the attention function then appends
+    them and attends over the whole stored history in one call of
+    attn.decode_attention (attend()). Whatever reads the cache first (another
+    update, crop, reorder) appends pending tokens. Inference only:
+    decode_attention has no backward."""
 
     is_compileable = False
     is_croppable = True
@@ -284,6 +302,7 @@ class AttnCacheLayer(_CacheLayerMixin):
         self.page_size = int(page_size)
         self.max_cache_len = None if max_cache_len is None else int(max_cache_len)
         self.kv: Optional[_decode.KVCache] = None
+        self._pending: Optional[Tuple[Any, Any]] = None  # keys and values update() took, not yet appended
 
     def lazy_initialization(self, key_states: Any, value_states: Any) -> None:
         self.device = key_states.device
@@ -296,8 +315,16 @@ class AttnCacheLayer(_CacheLayerMixin):
     def _new(self, B: int, Hkv: int, capacity: int, E: int, Ev: int) -> _decode.KVCache:
         return _decode.KVCache(B, Hkv, capacity, E, value_dim=Ev, dtype=self.storage, page_size=self.page_size)
 
+    def _flush(self) -> None:
+        """Appends the pending tokens (a step whose attention has not run)."""
+        if self._pending is not None:
+            k, v = self._pending
+            self._pending = None
+            self.kv.append(k.detach().float(), v.detach().float())
+
     def _rebuild(self, rows: list, capacity: int) -> None:
         """A new KVCache whose sequence b holds the tokens of old sequence rows[b]."""
+        self._flush()
         old = self.kv
         new = self._new(len(rows), old.kv_heads, capacity, old.head_dim, old.value_dim)
         for b, src in enumerate(rows):
@@ -312,56 +339,78 @@ class AttnCacheLayer(_CacheLayerMixin):
                              "generation under torch.no_grad(), or train without a cache")
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        self._flush()
         B, n = key_states.shape[0], key_states.shape[-2]
         if B != self.kv.batch:
             raise ValueError(f"{_FN}: the cache holds {self.kv.batch} sequences, the new keys have batch {B}")
-        held = self.get_seq_length()
+        held = self.kv._c.length(0)
         if held + n > self.kv.capacity:
             if self.max_cache_len is not None:
                 raise ValueError(f"{_FN}: {held} + {n} tokens exceed max_cache_len={self.max_cache_len}")
             self._rebuild(list(range(B)), max(2 * self.kv.capacity, held + n))
-        self.kv.append(key_states.detach().float(), value_states.detach().float())
         if held == 0:
+            self.kv.append(key_states.detach().float(), value_states.detach().float())
             return key_states, value_states
-        k, v = key_states.detach().view_as(key_states), value_states.detach().view_as(value_states)
+        # attend() appends them, in the call that attends (the library checks their shapes).
+        self._pending = (key_states, value_states)
+        k = key_states.detach()
         k._attn_cache_layer = self
-        return k, v
+        return k, value_states
 
-    def attend(self, query: Any, mask: Any, *, causal: bool, sliding_window: Optional[int], dropout: float,
-               scale: Optional[float], softcap: Optional[float], sinks: Any) -> Any:
-        """The new queries (B, H, L, E), the last L tokens, over everything stored."""
-        if dropout != 0.0:
+    def attend(self, query: Any, mask: Any, *, module: Any, is_causal: Optional[bool], sliding_window: Optional[int],
+               dropout: float, scale: Optional[float], softcap: Optional[float], sinks: Any) -> Any:
+        """The new queries (B, H, L, E), the last L tokens, over everything
+        stored and the pending tokens: output (B, L, H, Ev)."""
+        if dropout:
             raise ValueError(f"{_FN}: 'dropout' is {dropout}; attention over AttnCache has no dropout "
                              "(use model.eval() for generation)")
-        # No mask: the module's window, on the causal side.
+        if _torch.is_grad_enabled():  # the views below would drop a graph silently
+            _decode.refuse_grad(_FN, query=query, s_aux=sinks)
+        pending = self._pending
+        held = self.kv._c.length(0) + (0 if pending is None else pending[0].shape[-2])
+        capacity = self.kv.capacity
+        # No mask: SDPA's causal rule and the module's window, on the causal side.
+        causal = _sdpa_causal(module, is_causal, query.shape[-2])
         window_size = None if sliding_window is None else (sliding_window - 1, 0)
         attn_mask = None
         if isinstance(mask, MaskRules):
-            if (mask.kv_offset, mask.kv_length) != (0, self.get_seq_length()):
+            if (mask.kv_offset, mask.kv_length) != (0, held):
                 raise ValueError(f"{_FN}: the mask covers keys {mask.kv_offset}..{mask.kv_offset + mask.kv_length} "
-                                 f"but the cache holds {self.get_seq_length()} tokens")
+                                 f"but the cache holds {held} tokens")
             causal, window_size = mask.causal, mask.window_size()
             if mask.padding is not None:
                 # One row of real-key flags per sequence, broadcast over heads and queries: O(B·S).
-                attn_mask = _torch.zeros(mask.batch, 1, 1, self.kv.capacity, dtype=_torch.bool)
+                attn_mask = _torch.zeros(mask.batch, 1, 1, capacity, dtype=_torch.bool)
                 attn_mask[:, 0, 0, :mask.kv_length] = mask.padding.cpu()
         elif mask is not None:
             # transformers' own (B, 1, L, S) mask over the held keys, padded to the capacity.
             m = mask if mask.dtype == _torch.bool else mask.float()
             fill = False if m.dtype == _torch.bool else float("-inf")
-            attn_mask = m.new_full(m.shape[:-1] + (self.kv.capacity,), fill)
+            attn_mask = m.new_full(m.shape[:-1] + (capacity,), fill)
             attn_mask[..., :m.shape[-1]] = m
             causal, window_size = False, None  # the mask holds every rule
-        out = _decode.decode_attention(
-            query.detach().float(), self.kv, scale=scale, is_causal=causal, window_size=window_size,
-            softcap=softcap, sinks=None if sinks is None else sinks.detach().float(), attn_mask=attn_mask)
-        return out.to(query.dtype)
+        q = _float32_view(query, "query")
+        B, H, L = q.shape[:3]
+        left, right = (-1, -1) if window_size is None else window_size
+        masks = {} if attn_mask is None else _decode.mask_operand(attn_mask, _FN, q.shape, capacity)
+        k = v = None
+        if pending is not None:
+            k, v = _float32_view(pending[0], "key"), _float32_view(pending[1], "value")
+        out = _np.empty((B, L, H, self.kv.value_dim), _np.float32)
+        _attn.decode_attention(q, self.kv._c, out.transpose(0, 2, 1, 3), None, scale, causal, "auto", 0, left, right,
+                               float(softcap or 0.0), 0, None, None if sinks is None else _float32_view(sinks, "s_aux"),
+                               masks.get("mask"), masks.get("bias"), k, v)
+        self._pending = None
+        o = _torch.from_numpy(out)
+        return o if query.dtype == _torch.float32 else o.to(query.dtype)
 
     def get_mask_sizes(self, query_length: int) -> Tuple[int, int]:
         return self.get_seq_length() + query_length, 0
 
     def get_seq_length(self) -> int:
-        return 0 if self.kv is None else self.kv.lengths[0]
+        if self.kv is None:
+            return 0
+        return self.kv._c.length(0) + (0 if self._pending is None else self._pending[0].shape[-2])
 
     def get_max_length(self) -> int:
         return -1 if self.max_cache_len is None else self.max_cache_len
@@ -375,6 +424,7 @@ class AttnCacheLayer(_CacheLayerMixin):
         return 0 if self.kv is None else self.kv.storage_bytes
 
     def reset(self) -> None:
+        self._pending = None
         if self.kv is not None:
             self.kv.reset()
 
@@ -382,6 +432,7 @@ class AttnCacheLayer(_CacheLayerMixin):
         """Drop the last -tokens_to_remove tokens (transformers' negative convention)."""
         if tokens_to_remove > 0:
             raise ValueError(f"{_FN}: crop takes a negative number of tokens to remove, got {tokens_to_remove}")
+        self._flush()
         keep = max(self.get_seq_length() + tokens_to_remove, 0)
         if self.kv is not None and tokens_to_remove:
             for b in range(self.kv.batch):

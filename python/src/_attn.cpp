@@ -511,13 +511,15 @@ void bind_decode(nb::module_& m) {
             c.read(b, view_of<float, 3>(k, "k"), view_of<float, 3>(v, "v"));
           },
           "b"_a, "k"_a.noconvert(), "v"_a.noconvert());
+  // k and v, when given, are the step's new tokens, appended before
+  // attending: a decoding step in one call (attn.hf's AttnCache).
   m.def(
       "decode_attention",
-      [](const Arr<const float, 4>& q, const KVCache& cache, const Arr<float, 4>& out,
-         const std::optional<Arr<float, 3>>& lse, std::optional<double> scale, bool causal, const std::string& backend,
-         int num_threads, int64_t window_left, int64_t window_right, double softcap, int64_t chunk_size,
-         const Opt<Arr<const float, 1>>& alibi_slopes, const Opt<Arr<const float, 1>>& sinks,
-         const Opt<Arr<const bool, 4>>& mask, const Opt<Arr<const float, 4>>& bias) {
+      [](const Arr<const float, 4>& q, KVCache& cache, const Arr<float, 4>& out, const std::optional<Arr<float, 3>>& lse,
+         std::optional<double> scale, bool causal, const std::string& backend, int num_threads, int64_t window_left,
+         int64_t window_right, double softcap, int64_t chunk_size, const Opt<Arr<const float, 1>>& alibi_slopes,
+         const Opt<Arr<const float, 1>>& sinks, const Opt<Arr<const bool, 4>>& mask,
+         const Opt<Arr<const float, 4>>& bias, const Opt<Arr<const float, 4>>& k, const Opt<Arr<const float, 4>>& v) {
         attn::DecodeArgs a;
         a.q = view_of<const float, 4>(q, "q");
         a.cache = &cache;
@@ -528,15 +530,21 @@ void bind_decode(nb::module_& m) {
         const attn::SdpaOptions o = sdpa_options(scale, causal, backend, num_threads,
                                                  variants(window_left, window_right, softcap, chunk_size, std::nullopt));
         const attn::SdpaOutputs<float> outs{view_of<float, 4>(out, "out"), {}, view_of<float, 3>(lse, "lse")};
+        const auto kv = view_of<const float, 4>(k, "k"), vv = view_of<const float, 4>(v, "v");
         nb::gil_scoped_release release;
-        attn::decode_attention(a, outs, o);
+        if (k || v)
+          attn::decode_attention(cache, kv, vv, a, outs, o);
+        else
+          attn::decode_attention(a, outs, o);
       },
       "q"_a.noconvert(), "cache"_a, "out"_a.noconvert(), "lse"_a.noconvert().none(), "scale"_a.none(), "causal"_a,
       "backend"_a, "num_threads"_a, "window_left"_a = -1, "window_right"_a = -1, "softcap"_a = 0.0,
       "chunk_size"_a = 0, "alibi_slopes"_a.noconvert().none() = nb::none(), "sinks"_a.noconvert().none() = nb::none(),
       "mask"_a.noconvert().none() = nb::none(), "bias"_a.noconvert().none() = nb::none(),
+      "k"_a.noconvert().none() = nb::none(), "v"_a.noconvert().none() = nb::none(),
       "Attention of q (B, H, L, E) over the cache into out (and lse); the score rules as in sdpa;\n"
-      "mask (bool) / bias (float) of shape (B|1, H|1, L|1, capacity|1).");
+      "mask (bool) / bias (float) of shape (B|1, H|1, L|1, capacity|1). With k (B, Hkv, n, E) and\n"
+      "v (B, Hkv, n, Ev), the new tokens are appended first (nothing changes when the call is refused).");
 }
 
 }  // namespace

@@ -321,3 +321,60 @@ def test_sizes_that_overflow_are_refused_before_allocating():
     with pytest.raises(ValueError, match="exhausted"):
         cache.append(kv[:, :1], kv[:, :1], seq=1)
     assert cache.lengths == (4, 0, 0, 0) and cache.free_pages == 0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("page_size", [0, 16])
+def test_step_appends_then_attends_bitwise(dtype, page_size):
+    """decode_attention(q, cache, k=k, v=v), one call for a decoding step,
+    gives the bits of cache.append(k, v) followed by decode_attention(q,
+    cache), and stores the same tokens; k and v in a projection's
+    (B, n, Hkv, E) layout seen as (B, Hkv, n, E) (strided), steps of 1 and of
+    3 causal rows."""
+    rng = np.random.default_rng(30)
+    B, H, Hkv, E, Ev = 2, 6, 2, 24, 20
+    one, two = (attn.KVCache(B, Hkv, 80, E, value_dim=Ev, dtype=dtype, page_size=page_size) for _ in range(2))
+    k0 = rng.standard_normal((B, Hkv, 70, E)).astype(np.float32)
+    v0 = rng.standard_normal((B, Hkv, 70, Ev)).astype(np.float32)
+    one.append(k0, v0)
+    two.append(k0, v0)
+    for n in (1, 3, 1):
+        q = rng.standard_normal((B, H, n, E)).astype(np.float32)
+        k = rng.standard_normal((B, n, Hkv, E)).astype(np.float32).transpose(0, 2, 1, 3)
+        v = rng.standard_normal((B, n, Hkv, Ev)).astype(np.float32).transpose(0, 2, 1, 3)
+        got, got_lse = attn.decode_attention(q, one, is_causal=True, return_lse=True, k=k, v=v)
+        two.append(k, v)
+        want, want_lse = attn.decode_attention(q, two, is_causal=True, return_lse=True)
+        assert np.array_equal(got, want) and np.array_equal(got_lse, want_lse)
+    assert one.lengths == two.lengths == (75, 75)
+    for b in range(B):
+        for x, y in zip(one.read(b), two.read(b)):
+            assert np.array_equal(x, y)
+    # and against the oracle on the stored values
+    out, lse = oracle(q.astype(np.float64), one)
+    np.testing.assert_allclose(got, out, atol=2e-5, rtol=0)
+
+
+def test_step_errors_name_the_argument_and_leave_the_cache():
+    cache = attn.KVCache(1, 2, 4, 4)
+    q = np.zeros((1, 4, 1, 4), np.float32)
+    k = np.ones((1, 2, 1, 4), np.float32)
+    with pytest.raises(ValueError, match="argument 'k' has shape"):
+        attn.decode_attention(q, cache, k=np.ones((1, 2, 1, 5), np.float32), v=k)
+    with pytest.raises(ValueError, match="argument 'v' has shape"):
+        attn.decode_attention(q, cache, k=k, v=np.ones((1, 2, 2, 4), np.float32))
+    with pytest.raises(ValueError, match="'v' is required"):
+        attn.decode_attention(q, cache, k=k)
+    with pytest.raises(ValueError, match="'k' has dtype float64"):
+        attn.decode_attention(q, cache, k=k.astype(np.float64), v=k)
+    with pytest.raises(ValueError, match="'q'"):
+        attn.decode_attention(np.zeros((1, 3, 1, 4), np.float32), cache, k=k, v=k)
+    with pytest.raises(ValueError, match="'cache' cannot take the 5 new tokens"):
+        attn.decode_attention(q, cache, k=np.ones((1, 2, 5, 4), np.float32), v=np.ones((1, 2, 5, 4), np.float32))
+    assert cache.lengths == (0,)
+    out = attn.decode_attention(q, cache, k=k, v=2 * k)
+    assert cache.lengths == (1,) and np.array_equal(out, np.full((1, 4, 1, 4), 2.0, np.float32))
+    torch = pytest.importorskip("torch")
+    with pytest.raises(ValueError, match="'k' requires grad"):
+        attn.decode_attention(q, cache, k=torch.ones(1, 2, 1, 4, requires_grad=True), v=torch.ones(1, 2, 1, 4))
+    assert cache.lengths == (1,)

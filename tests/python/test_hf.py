@@ -38,6 +38,8 @@ have that margin, so it cannot pass by skipping them.
 
 import copy
 
+import numpy as np
+
 import pytest
 
 torch = pytest.importorskip("torch", reason="PyTorch is not installed (`make test-models` installs it)")
@@ -423,3 +425,53 @@ def test_attn_cache_with_a_bfloat16_model():
         got, _ = greedy(model, ids, mask, 10, cache=cache)
     assert cache.get_seq_length() == ids.shape[1] + 9
     assert_same_tokens(got, want, logits, BF16_BOUND, "bfloat16 model, AttnCache vs DynamicCache")
+
+
+@pytest.mark.parametrize("storage", ["float32", "bfloat16"])
+def test_attn_cache_step_equals_append_then_decode(storage):
+    """A layer's decoding steps through AttnCacheLayer (update() keeps the
+    new tokens, the attention appends them and attends in one call) give the
+    bits of appending to an attn.KVCache and calling attn.decode_attention.
+    The layer counts a pending step's tokens; whatever reads the cache before
+    the attention runs (crop) appends them first; a refused attention names
+    the argument and leaves the cache and the pending tokens as they were."""
+    g = torch.Generator().manual_seed(11)
+    B, H, Hkv, E = 2, 6, 2, 16
+    module = torch.nn.Module()
+    module.is_causal = True
+    layer = attn.hf.AttnCacheLayer(dtype=storage, max_cache_len=40)
+    ref = attn.KVCache(B, Hkv, 40, E, dtype=storage)
+    with torch.no_grad():
+        k0, v0 = torch.randn(B, Hkv, 9, E, generator=g), torch.randn(B, Hkv, 9, E, generator=g)
+        layer.update(k0, v0)
+        ref.append(k0, v0)
+        for held in range(10, 16):
+            # the model's layouts: (B, n, heads, E) projections seen as (B, heads, n, E)
+            q = torch.randn(B, 1, H, E, generator=g).transpose(1, 2)
+            k, v = (torch.randn(B, 1, Hkv, E, generator=g).transpose(1, 2) for _ in range(2))
+            keys, values = layer.update(k, v)
+            assert layer.get_seq_length() == held
+            rules = attn.hf.MaskRules(batch=B, q_length=1, kv_length=held, q_offset=held - 1, kv_offset=0,
+                                      causal=True, window=None, padding=None)
+            got, _ = attn.hf.attention_forward(module, q, keys, values, rules, scaling=0.3)
+            ref.append(k, v)
+            want = attn.decode_attention(q, ref, scale=0.3, is_causal=True)
+            assert got.shape == (B, 1, H, E) and got.is_contiguous()
+            assert torch.equal(got, want.transpose(1, 2))
+        keys, values = layer.update(k, v)
+        with pytest.raises(ValueError, match="argument 'q' has shape"):
+            attn.hf.attention_forward(module, torch.zeros(B, H, 1, E + 1), keys, values, None)
+        assert layer.get_seq_length() == 16 and layer.kv.lengths == (15, 15)
+        with torch.enable_grad(), pytest.raises(ValueError, match="'query' requires grad"):
+            attn.hf.attention_forward(module, q.clone().requires_grad_(), keys, values, None)
+        layer.crop(-1)  # appends the pending token, then drops it
+        assert layer.get_seq_length() == 15 and layer.kv.lengths == (15, 15)
+        keys, values = layer.update(k, v)
+        layer.update(k, v)  # the second update appends the first's tokens
+        assert layer.get_seq_length() == 17 and layer.kv.lengths == (16, 16)
+        ref.append(k, v)
+        ref.append(k, v)
+        attn.hf.attention_forward(module, q, keys, values, None)
+    for b in range(B):
+        for x, y in zip(layer.kv.read(b), ref.read(b)):
+            assert np.array_equal(x, y)

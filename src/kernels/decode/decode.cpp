@@ -858,7 +858,7 @@ void ForwardImpl(const Problem& p, const KVLayout& kv, View4<const float> q, Vie
   for (size_t k = 0; k < blocks.size(); ++k)
     for (int64_t i = 0; i < blocks[k].count; ++i) unit_block[size_t(blocks[k].first + i)] = int64_t(k);
   const int64_t nunits = int64_t(units.size()), nblocks = int64_t(blocks.size());
-  const int threads = int(std::min<int64_t>(p.threads, nunits));
+  const int threads = plan.serial ? 1 : int(std::min<int64_t>(p.threads, nunits));
 #pragma omp parallel num_threads(std::max(threads, 1))
   {
     const FlushToZero ftz;  // as the fused kernels (kernels/fused/common.hpp)

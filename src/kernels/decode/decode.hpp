@@ -50,14 +50,21 @@ namespace decode_common {
 constexpr int64_t kMaxRows = 128;      // query rows per block (the M of one unit)
 constexpr int64_t kTargetUnits = 32;   // split the keys until about this many units exist
 constexpr int64_t kMinChunk = 256;     // ... but never into chunks shorter than this
+// Multiply-adds (rows × keys × (E + Ev)) below which one thread runs the
+// call: starting and joining a team of sleeping threads costs about what a
+// core does with this much work (~15 µs; 9 rows over 256 keys of 64 + 64).
+constexpr int64_t kMinParallelWork = int64_t(1) << 18;
 }  // namespace decode_common
 
 // How the work is cut; depends only on the shape (never on the threads).
 // The G·L query rows of a (sequence, kv head) are split into blocks of at
 // most `rows`; the keys of each block into chunks of `chunk` keys (merged by
-// log-sum-exp); a chunk is walked in tiles of at most `tile` keys.
+// log-sum-exp); a chunk is walked in tiles of at most `tile` keys. `serial`:
+// the call is too small to be worth more than one thread (the result is the
+// same bits either way: the chunks and their merge order are the plan's).
 struct DecodePlan {
   int64_t rows = 0, chunk = 0, tile = 0;
+  bool serial = false;
 };
 DecodePlan decode_plan(const Problem& p);
 

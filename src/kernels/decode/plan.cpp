@@ -30,6 +30,7 @@ DecodePlan decode_plan(const Problem& p) {
   for (int64_t b = 0; b < p.B; ++b) smax = std::max(smax, p.keys(b, p.L - 1).hi - p.keys(b, 0).lo);
   const int64_t nsplit = std::max<int64_t>(1, ceil_div(kTargetUnits, p.B * p.Hkv * nrb));
   plan.chunk = std::max(kMinChunk, round_up(ceil_div(smax, nsplit), plan.tile));
+  plan.serial = double(p.B) * double(p.H * p.L) * double(smax) * double(p.E + p.Ev) < double(kMinParallelWork);
   return plan;
 }
 
