@@ -205,14 +205,19 @@ void backward(const Checker& c, const ProblemFor<T>& p, const SdpaArgs<T>& args,
       // rows runs the decode kernel forward instead, whose last bits differ.
       // So the missing ones come from the forward this call's forward runs,
       // and the gradients are the same bits with the saved state or without.
+      // (A call with few query rows and bfloat16 compute gets here too: the
+      // float32 backward on its forward's state, with the float32 kernel's
+      // problem, whose scratch is laid out for float32 products.)
+      ProblemFor<T> pf = p;
+      pf.bf16_products = false;
       if ((saved.out.empty() || saved.lse.empty()) && detail::decode_suits_dense(p)) {
         auto o = Tensor<float>::uninitialized({p.B, p.H, p.L, p.Ev});
         auto l = Tensor<float>::uninitialized({p.B, p.H, p.L});
         detail::decode_forward_dense(p, args, o.view4(), l.template view<3>());
-        return detail::fused_backward(p, args, dout, g, saved.out.empty() ? View4<const float>(o.view4()) : saved.out,
+        return detail::fused_backward(pf, args, dout, g, saved.out.empty() ? View4<const float>(o.view4()) : saved.out,
                                       saved.lse.empty() ? View3<const float>(l.template view<3>()) : saved.lse);
       }
-      return detail::fused_backward(p, args, dout, g, saved.out, saved.lse);
+      return detail::fused_backward(pf, args, dout, g, saved.out, saved.lse);
     }
   } else {
     (void)choose<T>(c, opt);

@@ -878,4 +878,24 @@ TEST(Bf16Backward, ThePublicCallRunsItWithOrWithoutTheSavedState) {
   }
 }
 
+// Calls with few query rows take the decode kernel's forward (docs/fused.md)
+// and the float32 backward on its state: the same bits with the saved state
+// or without, and the float32 backward's gradients on that state.
+TEST(Bf16Backward, FewQueryRowsTakeTheFloat32BackwardOnTheDecodeForward) {
+  std::mt19937_64 rng(29);
+  for (const int64_t L : {1, 5, 32}) {
+    SdpaCase<float> c({.B = 2, .H = 4, .Hkv = 2, .L = L, .S = 400, .E = 16, .Ev = 8}, rng);
+    SdpaOptions bf = c.opt, exact = c.opt;
+    bf.compute_dtype = Dtype::bfloat16;
+    exact.compute_dtype = Dtype::float32;
+    const Tensor<float> dout = random_tensor<float>({2, 4, L, 8}, rng);
+    const Fwd fb = call(c.args, bf);
+    const Grads saved = backward_of(c.args, bf, dout, &fb), recomputed = backward_of(c.args, bf, dout, nullptr);
+    EXPECT_TRUE(same_grads(saved, recomputed)) << "L " << L;
+    EXPECT_TRUE(same_grads(saved, backward_of(c.args, exact, dout, &fb))) << "L " << L;
+    const Bf16Inputs h(c);  // bfloat16 inputs: bfloat16 compute by default, the same route
+    EXPECT_TRUE(same_grads(backward_of(h.a, c.opt, dout, nullptr), backward_of(c.args, bf, dout, nullptr))) << L;
+  }
+}
+
 }  // namespace
