@@ -135,7 +135,8 @@ def test_ml_dtypes_bfloat16():
         # within bfloat16's bound (P rounded: 2^-8 relative, docs/fused.md) of the exact one.
         got, _ = check_against_float32(h, r, mask, False, True, dout, want_compute_dtype="bfloat16")
         exact = attn.scaled_dot_product_attention(*r, mask, enable_gqa=True)
-        assert not np.array_equal(np.asarray(got), np.asarray(exact))  # (both routes round)
+        if L > 32:  # (the decode route, few query rows, rounds only where that pays: docs/decode.md)
+            assert not np.array_equal(np.asarray(got), np.asarray(exact))
         assert np.abs(np.asarray(got) - np.asarray(exact)).max() <= 2.0**-8 * np.abs(r[2]).max() + 1e-5
         # bfloat16 rounds differently from float16: the inputs really were read as bfloat16.
         assert not np.array_equal(r[0], q.astype(np.float16).astype(F32))
