@@ -148,7 +148,19 @@ TEST(Gemm, TilesFollowTheRule) {
 // float32's accumulation bound (K + 2)·2^-24·(|alpha|·Σ_k |a·b| + |beta·c|);
 // and clearly apart from the float32 product (the rounding is really
 // there); the same bits for any thread count; NaN reaches its row.
+// Every route gemm_bf16 can take on this machine: the one it picks, and the
+// AMX tiles' (emulated everywhere, native where the CPU has them).
+std::vector<attn::detail::Bf16Path> gemm_bf16_routes() {
+  using attn::detail::Bf16Path;
+  std::vector<Bf16Path> r{attn::detail::bf16_best_path(), Bf16Path::amx_emulated};
+  if (attn::detail::bf16_path_available(Bf16Path::amx) && r[0] != Bf16Path::amx) r.push_back(Bf16Path::amx);
+  if (r[0] == Bf16Path::amx) r.push_back(Bf16Path::portable);  // the library route
+  return r;
+}
+
 TEST(GemmBf16, IsTheProductOfTheRoundedOperands) {
+  for (const auto path : gemm_bf16_routes()) {
+  SCOPED_TRACE(attn::detail::bf16_path_name(path));
   std::mt19937_64 rng(17);
   const auto r = [](float x) { return double(attn::detail::bf16_value(attn::detail::bf16_operand(x))); };
   for (int64_t M : {1, 17, 300})
@@ -162,11 +174,12 @@ TEST(GemmBf16, IsTheProductOfTheRoundedOperands) {
           auto B = random_tensor<float>({(tb ? N : K) * ldb}, rng);
           auto C = random_tensor<float>({M * ldc}, rng);
           const auto C0 = C;
-          attn::detail::gemm_bf16({M, N, K}, ta, A.data(), lda, tb, B.data(), ldb, C.data(), ldc, alpha, beta, 2);
+          attn::detail::gemm_bf16_on(path, {M, N, K}, ta, A.data(), lda, tb, B.data(), ldb, C.data(), ldc, alpha, beta,
+                                     2);
           for (int64_t threads : {1, 3}) {
             auto again = C0;
-            attn::detail::gemm_bf16({M, N, K}, ta, A.data(), lda, tb, B.data(), ldb, again.data(), ldc, alpha, beta,
-                                    int(threads));
+            attn::detail::gemm_bf16_on(path, {M, N, K}, ta, A.data(), lda, tb, B.data(), ldb, again.data(), ldc, alpha,
+                                       beta, int(threads));
             ASSERT_EQ(std::memcmp(again.data(), C.data(), C.size() * sizeof(float)), 0) << M << " " << N << " " << K;
           }
           double worst = 0, apart = 0;
@@ -193,7 +206,9 @@ TEST(GemmBf16, IsTheProductOfTheRoundedOperands) {
   auto A = random_tensor<float>({40 * 64}, rng), B = random_tensor<float>({64 * 48}, rng);
   A[2 * 64 + 5] = std::numeric_limits<float>::quiet_NaN();
   std::vector<float> C(40 * 48, 0.0f);
-  attn::detail::gemm_bf16({40, 48, 64}, false, A.data(), 64, false, B.data(), 48, C.data(), 48);
+  attn::detail::gemm_bf16_on(path, {40, 48, 64}, false, A.data(), 64, false, B.data(), 48, C.data(), 48, 1.0f, 0.0f,
+                             0);
   for (int64_t i = 0; i < 40; ++i)
     for (int64_t j = 0; j < 48; ++j) ASSERT_EQ(std::isnan(C[size_t(i * 48 + j)]), i == 2) << i << " " << j;
+  }
 }

@@ -59,10 +59,31 @@ HWY_INLINE void ScoreBlock(const float* HWY_RESTRICT q, int64_t ldq, const T* HW
   StoreSums<R, C>(acc, s, lds);
 }
 
+// Keys per score block: R·C sums a multiple of four where the registers
+// allow (StoreSums reduces four at a time; a single sum costs about as much
+// as four). With 3 rows (a group of 3 query heads per key/value head), 4
+// keys rather than 2 per block: a decoding step of 9 heads over 3 at 2,000
+// bfloat16 keys of 64 took about 7% less time (medians of five alternating
+// runs, one thread, Emerald Rapids, AVX-512). Each score still sums its
+// features in the same order, whatever the storage type.
+template <int R>
+constexpr int ScoreKeys() {
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
+  return R == 1 || R == 3 ? 4 : 2;  // 3 × 4 accumulators + 4 keys + 1 query within 32 registers
+#else
+  return R == 1 ? 4 : 2;  // 16 registers
+#endif
+}
+
 template <int R, class T>
 HWY_INLINE void ScoreRows(const float* q, int64_t ldq, const T* k, int64_t krow, int64_t nk, int64_t E,
                           float* s, int64_t lds, RowPrefetch pf) {
   int64_t jj = 0;
+  if constexpr (ScoreKeys<R>() == 4)
+    for (; jj + 4 <= nk; jj += 4) {
+      pf.rows(jj, 4);
+      ScoreBlock<R, 4>(q, ldq, k + jj * krow, krow, E, s + jj, lds);
+    }
   for (; jj + 2 <= nk; jj += 2) {
     pf.rows(jj, 2);
     ScoreBlock<R, 2>(q, ldq, k + jj * krow, krow, E, s + jj, lds);

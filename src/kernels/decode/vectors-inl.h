@@ -108,6 +108,8 @@ HWY_INLINE void StoreSums(VF (&acc)[R][C], float* HWY_RESTRICT s, int64_t lds) {
       const hn::Full64<float> d2;
       hn::StoreU(hn::LowerHalf(d2, v), d2, s + (f / 2) * lds);
       hn::StoreU(hn::UpperHalf(d2, v), d2, s + (f / 2 + 1) * lds);
+    } else if constexpr (C == 4) {  // one row of four keys
+      hn::StoreU(v, d4, s + (f / 4) * lds);
     } else {
       HWY_ALIGN float t[4];
       hn::Store(v, d4, t);

@@ -203,4 +203,10 @@ void bf16_gemm(Bf16Path path, int64_t M, int64_t N, int64_t K, const float* A, i
 void bf16_portable_gemm(int64_t M, int64_t N, int64_t K, const void* A, int64_t lda, const uint32_t* B,
                         int64_t ldb, float* C, int64_t ldc, float alpha, bool accumulate);
 
+// Rows rounded to bfloat16 operands (bf16_operand) on the running SIMD
+// target: x[0, n) to bits at dst; two rows to the pair layout, dst[j] =
+// (lo[j], hi[j]) with lo in the low half (hi null: zeros).
+void bf16_round_row(const float* x, int64_t n, uint16_t* dst);
+void bf16_pair_rows(const float* lo, const float* hi, int64_t n, uint32_t* dst);
+
 }  // namespace attn::detail

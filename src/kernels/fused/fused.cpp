@@ -38,6 +38,32 @@ void GemmImpl(int64_t M, int64_t N, int64_t K, const float* A, int64_t ars, int6
   Gemm(M, N, K, A, ars, aks, B, ldb, C, ldc, accumulate);
 }
 
+// x[0, n) rounded to bfloat16 operands (bf16_operand) at dst.
+void RoundRowBf16Impl(const float* HWY_RESTRICT x, int64_t n, uint16_t* HWY_RESTRICT dst) {
+  const DF d;
+  const hn::Rebind<uint16_t, DU> d16;
+  int64_t j = 0;
+  for (; j + Lanes() <= n; j += Lanes())
+    hn::StoreU(hn::TruncateTo(d16, hn::ShiftRight<16>(RoundToBf16High(hn::LoadU(d, x + j)))), d16, dst + j);
+  for (; j < n; ++j) dst[j] = bf16_operand(x[j]);
+}
+
+// dst[j] = the pair (lo[j], hi[j]) rounded to bfloat16 operands, lo in the
+// low half (bf16.hpp's pair layout); hi null: zeros.
+void PairRowsBf16Impl(const float* HWY_RESTRICT lo, const float* HWY_RESTRICT hi, int64_t n,
+                      uint32_t* HWY_RESTRICT dst) {
+  const DF d;
+  const DU du;
+  const VU high = hn::Set(du, 0xFFFF0000u);
+  int64_t j = 0;
+  for (; j + Lanes() <= n; j += Lanes()) {
+    const VU l = hn::ShiftRight<16>(RoundToBf16High(hn::LoadU(d, lo + j)));
+    const VU h = hi ? hn::And(RoundToBf16High(hn::LoadU(d, hi + j)), high) : hn::Zero(du);
+    hn::StoreU(hn::Or(l, h), du, dst + j);
+  }
+  for (; j < n; ++j) dst[j] = uint32_t(bf16_operand(lo[j])) | (hi ? uint32_t(bf16_operand(hi[j])) << 16 : 0u);
+}
+
 }  // namespace
 }  // namespace HWY_NAMESPACE
 }  // namespace attn::detail
@@ -59,6 +85,13 @@ HWY_EXPORT(TanhArray);
 HWY_EXPORT(TargetNameImpl);
 HWY_EXPORT(LanesImpl);
 HWY_EXPORT(GemmImpl);
+HWY_EXPORT(RoundRowBf16Impl);
+HWY_EXPORT(PairRowsBf16Impl);
+
+void bf16_round_row(const float* x, int64_t n, uint16_t* dst) { HWY_DYNAMIC_DISPATCH(RoundRowBf16Impl)(x, n, dst); }
+void bf16_pair_rows(const float* lo, const float* hi, int64_t n, uint32_t* dst) {
+  HWY_DYNAMIC_DISPATCH(PairRowsBf16Impl)(lo, hi, n, dst);
+}
 
 void fused_forward_tiled(const Problem& p, const SdpaArgs<float>& a, View4<float> out,
                          View4<float> weights, View3<float> lse, const FusedPlan& t) {

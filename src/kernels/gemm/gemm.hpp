@@ -9,6 +9,8 @@
 
 namespace attn::detail {
 
+enum class Bf16Path;  // kernels/fused/bf16.hpp
+
 // C[M×N] = alpha · op(A)·op(B) + beta · C, all row-major.
 //   op(A) is A[M×K] (lda >= K), or A stored [K×M] and transposed (lda >= M).
 //   op(B) is B[K×N] (ldb >= N), or B stored [N×K] and transposed (ldb >= K).
@@ -25,13 +27,19 @@ void gemm(GemmShape s, bool transpose_a, const T* A, int64_t lda, bool transpose
 // The same product with the operands rounded to bfloat16 (bf16_operand of
 // kernels/fused/bf16.hpp: nearest even, subnormals to signed zero, NaN
 // kept) and float32 sums: what compute_dtype bfloat16 asks of the multi-head
-// layer's projections. Each tile is one single-threaded oneDNN matmul on
-// bfloat16 sources (AMX or AVX512_BF16 where the CPU has them), or, where
-// oneDNN has no bfloat16 matmul for the CPU, sgemm on the rounded values
-// (their products are exact in float32). Same tiles as gemm: the same bits
-// for any thread count.
+// layer's projections. With AMX (bf16_best_path) the operands are rounded
+// once into the tiles' layouts and each tile of C is one call of the fused
+// kernels' AMX block product over all of K; elsewhere each tile is one
+// single-threaded oneDNN matmul on bfloat16 sources (AVX512_BF16 where the
+// CPU has it), or, where oneDNN has no bfloat16 matmul for the CPU, sgemm
+// on the rounded values (their products are exact in float32). Same tiles
+// as gemm: the same bits for any thread count.
 void gemm_bf16(GemmShape s, bool transpose_a, const float* A, int64_t lda, bool transpose_b, const float* B,
                int64_t ldb, float* C, int64_t ldc, float alpha = 1.0f, float beta = 0.0f, int threads = 0);
+// gemm_bf16 on a given path (tests): amx and amx_emulated take the tiles,
+// the others the library route.
+void gemm_bf16_on(Bf16Path path, GemmShape s, bool transpose_a, const float* A, int64_t lda, bool transpose_b,
+                  const float* B, int64_t ldb, float* C, int64_t ldc, float alpha, float beta, int threads);
 // gemm, or gemm_bf16 when `bf16` (float only; double ignores it).
 template <class T>
 void gemm_as(bool bf16, GemmShape s, bool transpose_a, const T* A, int64_t lda, bool transpose_b, const T* B,
