@@ -229,3 +229,62 @@ def test_compute_dtype_names_and_refusals():
         attn.scaled_dot_product_attention(q, k, v, compute_dtype="bfloat16")  # float64
     with pytest.raises(ValueError, match=r"option 'compute_dtype' is bfloat16, which the reference backend"):
         attn.scaled_dot_product_attention(*r, compute_dtype="bfloat16", backend="reference")
+
+
+# (B, H, Hkv, L, S, E, is_causal): full and causal, grouped heads, one-row
+# decoding, E from 32 to 128.
+ACCURACY_SHAPES = [
+    (1, 4, 4, 64, 64, 64, False),
+    (2, 4, 2, 128, 256, 64, True),
+    (1, 8, 8, 257, 257, 128, True),
+    (1, 2, 1, 33, 500, 32, False),
+    (2, 3, 3, 100, 100, 80, False),
+    (1, 4, 4, 512, 512, 64, False),
+    (1, 4, 2, 1, 300, 64, False),
+    (1, 2, 2, 700, 700, 128, True),
+]
+
+
+def test_bfloat16_at_least_as_accurate_as_torch():
+    """torch bfloat16 tensors through attn.torch (bfloat16 compute, the
+    default) against PyTorch's own bfloat16 SDPA on the same inputs: the
+    relative error (Frobenius) of the output and of dq, dk, dv against the
+    float64 attention of the same bfloat16 values, median over the shapes,
+    is no larger than PyTorch's."""
+    torch = pytest.importorskip("torch", reason="PyTorch is not installed")
+    import statistics
+
+    import attn.torch as at
+
+    def exact(q, k, v, causal, dout):
+        q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
+        g = q.shape[1] // k.shape[1]
+        s = q @ k.repeat_interleave(g, 1).transpose(-1, -2) / q.shape[-1] ** 0.5
+        if causal:  # top-left aligned, as is_causal in both
+            s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+        y = torch.softmax(s, -1) @ v.repeat_interleave(g, 1)
+        y.backward(dout.double())
+        return [y.detach(), q.grad, k.grad, v.grad]
+
+    def run(fn, q, k, v, causal, dout):
+        q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        y = fn(q, k, v, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1])
+        y.backward(dout)
+        assert y.dtype == torch.bfloat16 and q.grad.dtype == torch.bfloat16
+        return [y.detach(), q.grad, k.grad, v.grad]
+
+    g = torch.Generator().manual_seed(5)
+    errors = {"attn": [], "torch": []}
+    for B, H, Hkv, L, S, E, causal in ACCURACY_SHAPES:
+        q, dout = (torch.randn(B, H, L, E, generator=g).bfloat16() for _ in range(2))
+        k, v = (torch.randn(B, Hkv, S, E, generator=g).bfloat16() for _ in range(2))
+        want = exact(q, k, v, causal, dout)
+        for name, fn in (("attn", at.scaled_dot_product_attention),
+                         ("torch", torch.nn.functional.scaled_dot_product_attention)):
+            got = run(fn, q, k, v, causal, dout)
+            errors[name].append([((a.double() - b).norm() / b.norm()).item() for a, b in zip(got, want)])
+    for i, what in enumerate(("output", "dq", "dk", "dv")):
+        ours = statistics.median(e[i] for e in errors["attn"])
+        theirs = statistics.median(e[i] for e in errors["torch"])
+        assert ours < 4e-3, (what, ours)  # a few units of bfloat16's rounding (2^-9)
+        assert ours <= theirs, f"{what}: median relative error {ours:.3e}, PyTorch's {theirs:.3e}"
