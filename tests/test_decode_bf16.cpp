@@ -381,3 +381,56 @@ TEST(DecodeBf16, TheCacheCallTakesItWhenAsked) {
 }
 
 }  // namespace
+
+// Chunked prefill (more than 32 new rows) with compute_dtype bfloat16: the
+// fused forward's bfloat16 products, so one chunk of keys gives the dense
+// call's bits with the same rounding (q, k, v rounded, bottom-right causal);
+// several chunks (pages of 300 tokens, bfloat16 storage widened in chunks of
+// 4096 keys) stay within the bound against the exact attention of the
+// stored values and differ from the exact call; float16 storage stays exact.
+TEST(DecodeBf16, ChunkedPrefillTakesTheBfloat16ForwardWhenAsked) {
+  for (Dtype t : {Dtype::float32, Dtype::bfloat16, Dtype::float16})
+    for (int64_t len : {int64_t(700), int64_t(5000)}) {
+      DecodeCase dc;
+      dc.B = 1, dc.H = 4, dc.Hkv = 2, dc.L = 40, dc.E = 64, dc.Ev = 48, dc.dtype = t, dc.lens = {len};
+      ASSERT_FALSE(detail::decode_suits_rows(dc.L, dc.H / dc.Hkv));
+      SCOPED_TRACE(dc.str());
+      std::mt19937_64 rng(51);
+      const Filled f = fill(dc, rng);
+      DecodeCall asked;
+      asked.compute_dtype = Dtype::bfloat16;
+      const Result got = run(dc, f, asked), exact = run(dc, f);
+      EXPECT_EQ(bitwise_equal(got.out, exact.out), t == Dtype::float16);
+      if (t == Dtype::float16) continue;
+      // The dense call on the stored values, compute_dtype bfloat16.
+      SdpaArgs<float> a;
+      a.q = f.q.view4();
+      a.k = View4<const float>(f.k[0].data(), {1, dc.Hkv, len, dc.E}, {dc.Hkv * len * dc.E, len * dc.E, dc.E, 1});
+      a.v = View4<const float>(f.v[0].data(), {1, dc.Hkv, len, dc.Ev}, {dc.Hkv * len * dc.Ev, len * dc.Ev, dc.Ev, 1});
+      SdpaOptions o;
+      o.causal = true, o.causal_align = CausalAlign::bottom_right, o.compute_dtype = Dtype::bfloat16;
+      Tensor<float> dense({1, dc.H, dc.L, dc.Ev}), dlse({1, dc.H, dc.L});
+      scaled_dot_product_attention(a, {dense.view4(), {}, dlse.view<3>()}, o);
+      if (len <= 4096) {  // one chunk
+        EXPECT_TRUE(bitwise_equal(got.out, dense));
+        EXPECT_TRUE(bitwise_equal(got.lse, dlse));
+      }
+      // Several chunks: merged in order; docs/fused.md's bound, with
+      // 2^-8 of P and of v, 2·2^-7·m·max|v| of q and k's rounding.
+      Tensor<float> out, lse;
+      oracle(dc, f, out, lse);
+      double vmax = 0, diff = 0;
+      for (size_t i = 0; i < f.v[0].size(); ++i) vmax = std::max(vmax, double(std::abs(f.v[0][i])));
+      for (size_t i = 0; i < out.size(); ++i) diff = std::max(diff, double(std::abs(got.out[i] - out[i])));
+      double m = 0;  // the largest magnitude of a score's terms
+      for (int64_t h = 0; h < dc.H; ++h)
+        for (int64_t i = 0; i < dc.L; ++i)
+          for (int64_t j = 0; j < len; ++j) {
+            double sum = 0;
+            for (int64_t e = 0; e < dc.E; ++e) sum += std::abs(double(a.q(0, h, i, e)) * a.k(0, h / 2, j, e));
+            m = std::max(m, sum / std::sqrt(double(dc.E)));
+          }
+      EXPECT_LE(diff, (0x1p-8 + 0x1p-8) * vmax + 2 * 0x1p-7 * m * vmax);
+      EXPECT_GT(diff, 1e-4) << "the products were exact";
+    }
+}

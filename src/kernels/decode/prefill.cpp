@@ -8,7 +8,8 @@
 // block product, which reuses a K/V block across a whole tile of queries
 // from cache, runs close to the FMA peak. So a request whose rows do not
 // suit the decode kernel (decode_suits_rows) comes here and runs the fused
-// forward on float32 views of the stored keys:
+// forward (its bfloat16 products under compute_dtype bfloat16, except over
+// float16 storage) on float32 views of the stored keys:
 //
 //  * A float32 sequence that lies in one page (always, for the contiguous
 //    layout) is one fused call on views of the storage itself: no copy.
@@ -35,6 +36,7 @@
 
 #include "attn/merge.hpp"
 #include "kernels/decode/decode.hpp"
+#include "kernels/fused/bf16.hpp"
 #include "kernels/fused/fused.hpp"
 
 namespace attn::detail {
@@ -94,6 +96,15 @@ void prefill_forward(const Problem& p, const KVLayout& kv, View4<const float> q,
   Tensor<float> part = Tensor<float>::uninitialized({1, p.H, p.L, p.Ev}), plse = Tensor<float>::uninitialized({1, p.H, p.L}),
                 own_lse;
   if (lse.empty()) own_lse = Tensor<float>({1, p.H, p.L});
+  // compute_dtype bfloat16: the fused forward's bfloat16 products, as the
+  // dense call's; float16 storage stays exact, as in the decode kernel.
+  const bool bf16 = p.bf16_products && kv.type != Dtype::float16;
+  // (The float32 forward's scratch is laid out by bf16_products: false there.)
+  const auto forward = [&](Problem cp, const SdpaArgs<float>& a, View4<float> o, View3<float> l) {
+    cp.bf16_products = bf16;
+    if (bf16) fused_forward_bf16(cp, a, o, {}, l, bf16_best_path());
+    else fused_forward(cp, a, o, {}, l);
+  };
   for (int64_t b = 0; b < p.B; ++b) {
     View4<float> ob(out.data + b * out.strides[0], {1, p.H, p.L, p.Ev},
                     {out.strides[0], out.strides[1], out.strides[2], out.strides[3]});
@@ -123,9 +134,9 @@ void prefill_forward(const Problem& p, const KVLayout& kv, View4<const float> q,
       Problem cp = p.keys_of(b, j0, nk);
       if (j0 != klo) cp.rules.sinks = {};  // counted once, in the first chunk
       if (j0 == klo) {
-        fused_forward(cp, a, ob, {}, lb);
+        forward(cp, a, ob, lb);
       } else {
-        fused_forward(cp, a, part.view4(), {}, plse.view<3>());
+        forward(cp, a, part.view4(), plse.view<3>());
         merge_attention<float>(ob, lb, View4<const float>(part.view4()), View3<const float>(plse.view<3>()), p.threads);
       }
     }
