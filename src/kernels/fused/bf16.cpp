@@ -34,7 +34,13 @@ bool operand_row(const T* x, int64_t s, int64_t n, uint16_t* dst) {
     dst[e] = operand_of(y);
     bad |= uint32_t((dst[e] & 0x7F80u) == 0x7F80u);
   };
-  if (s == 1)  // contiguous (the common case): a loop the compiler vectorises
+  if constexpr (std::is_same_v<T, float>)
+    if (s == 1) {  // contiguous float32 (the common case): the SIMD target's rounding
+      bf16_round_row(x, n, dst);
+      for (int64_t e = 0; e < n; ++e) bad |= uint32_t((dst[e] & 0x7F80u) == 0x7F80u);
+      return bad != 0;
+    }
+  if (s == 1)
     for (int64_t e = 0; e < n; ++e) one(e, x[e]);
   else
     for (int64_t e = 0; e < n; ++e) one(e, x[e * s]);
@@ -155,10 +161,7 @@ Bf16BackwardOperands::Bf16BackwardOperands(const Problem& p, const Bf16Operands&
       // dY rounded; a bad row (NaN or ±∞ after rounding), a bad q or a NaN
       // lse poisons the row: its dY becomes zeros and D = 0.
       bool bad = ops.qbad[size_t(row)] || lse(b, h, i) != lse(b, h, i);
-      for (int64_t e = 0; e < p.Ev; ++e) {
-        dyr[size_t(e)] = bf16_operand(dout(b, h, i, e));
-        bad = bad || (dyr[size_t(e)] & 0x7F80u) == 0x7F80u;
-      }
+      bad = operand_row(&dout(b, h, i, 0), dout.strides[3], p.Ev, dyr.data()) || bad;
       poisoned[size_t(row)] = bad;
       if (bad) continue;
       float acc = 0;  // D_i = Σ_e dY_ie·Y_ie
