@@ -38,6 +38,11 @@ void GemmImpl(int64_t M, int64_t N, int64_t K, const float* A, int64_t ars, int6
   Gemm(M, N, K, A, ars, aks, B, ldb, C, ldc, accumulate);
 }
 
+void ExpPairsImpl(const float* st, int64_t ld, int64_t nk, int64_t K, int64_t nrp, const float* shift, float* tsum,
+                  uint32_t* pp) {
+  ForColumnGroups<ExpPairsOp>(nrp / Lanes(), Lanes(), st, ld, nk, K, shift, tsum, pp);
+}
+
 }  // namespace
 }  // namespace HWY_NAMESPACE
 }  // namespace attn::detail
@@ -59,6 +64,7 @@ HWY_EXPORT(TanhArray);
 HWY_EXPORT(TargetNameImpl);
 HWY_EXPORT(LanesImpl);
 HWY_EXPORT(GemmImpl);
+HWY_EXPORT(ExpPairsImpl);
 
 void fused_forward_tiled(const Problem& p, const SdpaArgs<float>& a, View4<float> out,
                          View4<float> weights, View3<float> lse, const FusedPlan& t) {
@@ -145,6 +151,11 @@ const char* fused_target_name() { return HWY_DYNAMIC_DISPATCH(TargetNameImpl)();
 void fused_gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t ars, int64_t aks, const float* B,
                 int64_t ldb, float* C, int64_t ldc, bool accumulate) {
   HWY_DYNAMIC_DISPATCH(GemmImpl)(M, N, K, A, ars, aks, B, ldb, C, ldc, accumulate);
+}
+
+void bf16_exp_pairs(const float* st, int64_t ld, int64_t nk, int64_t K, int64_t nrp, const float* shift, float* tsum,
+                    uint32_t* pp) {
+  HWY_DYNAMIC_DISPATCH(ExpPairsImpl)(st, ld, nk, K, nrp, shift, tsum, pp);
 }
 
 void fused_exp(const float* x, float* y, int64_t n) { HWY_DYNAMIC_DISPATCH(ExpArray)(x, y, n); }
