@@ -185,7 +185,9 @@ struct Float32Products {
 
 // One forward unit: queries [i0, i0 + nr) of (b, h) against the keys they
 // see, tile by tile; `Products` does the two products (Float32Products, or
-// the bfloat16 ones of bf16-inl.h), the rest is the same for both.
+// the bfloat16 ones of bf16-inl.h) and the tile's exponentials (where its
+// P goes: back into st, or straight into the bfloat16 pairs), the rest is
+// the same for both.
 template <class Products>
 void ForwardUnitT(const FusedCall& c, Products& pr, ForwardScratch& w, int64_t b, int64_t h, int64_t i0, int64_t nr,
                   View4<float> out, View4<float> weights, View3<float> lse) {
