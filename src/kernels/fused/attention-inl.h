@@ -111,6 +111,7 @@ void SoftmaxTileT(Products& pr, ForwardScratch& w, int64_t nr, int64_t nrp, int6
     shift[r] = step.shift;
   }
   std::fill(shift + nr, shift + nrp, 0.0f);
+  std::fill(alpha + nr, alpha + nrp, 1.0f);  // the padding columns: nothing to rescale
   pr.exponentiate(nrp, nk, static_cast<const float*>(shift), tsum, keep_p);
   for (int64_t r = 0; r < nr; ++r) os::end_tile(w.rows[r], tsum[r]);
 }

@@ -254,10 +254,11 @@ class Bf16Products {
     const DF d;
     const int64_t nrp = round_up(nr, Lanes()), qbp = w_.qbp;
     const float* alpha = w_.colv + 2 * qbp;
-    if (std::any_of(alpha, alpha + nr, [](float a) { return a != 1.0f; }))  // (a factor 1 changes nothing)
-      for (int64_t e = 0; e < p.Ev; ++e)  // acc <- acc · alpha, per query (column)
-        for (int64_t r = 0; r < nrp; r += Lanes())
-          hn::Store(hn::Mul(hn::Load(d, w_.ot + e * qbp + r), hn::Load(d, alpha + r)), d, w_.ot + e * qbp + r);
+    for (int64_t r = 0; r < nrp; r += Lanes()) {  // acc <- acc · alpha, per query (column)
+      const VF a = hn::Load(d, alpha + r);
+      if (hn::AllTrue(d, hn::Eq(a, hn::Set(d, 1.0f)))) continue;  // no max grew: factors 1 change nothing
+      for (float* o = w_.ot + r; o < w_.ot + p.Ev * qbp; o += qbp) hn::Store(hn::Mul(hn::Load(d, o), a), d, o);
+    }
     const int64_t K = round_up(nk, ops_.kernel.kpad);
     if (!paired_) (ops_.kernel.pairs ? ops_.kernel.pairs : &ProbabilityPairs)(w_.st, qbp, nk, K, nrp, w_.pp);
     gemm_(ops_.Evr, nrp, K, ops_.vt_cols(p, b, p.kv_head(h), j0), ops_.ldvt, w_.pp, qbp, w_.ot, qbp, 1.0f, true);
