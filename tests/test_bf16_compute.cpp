@@ -147,7 +147,9 @@ TEST(Bf16Gemm, ProbabilityPairsRoundAsOperands) {
 // exponentials (fused_exp2), a float32 sum in key order and the pairs'
 // rounding (bf16_operand) give one after the other, bit for bit, on every
 // compiled target: masked (−∞) and poisoned (NaN) scores, results that
-// round to a subnormal, odd key counts, pairs of zeros up to K.
+// round to a subnormal, odd key counts, pairs of zeros up to K. Most
+// vectors hold no special score (the pass's short rounding, for normal P),
+// and every fourth row sits at its edge (s − shift from −126 up).
 TEST(Bf16Gemm, ExponentialsGoStraightIntoThePairs) {
   std::mt19937_64 rng(13);
   std::uniform_real_distribution<float> score(-40.0f, 2.0f);
@@ -161,8 +163,11 @@ TEST(Bf16Gemm, ExponentialsGoStraightIntoThePairs) {
           auto st = hwy::AllocateAligned<float>(n), shift = hwy::AllocateAligned<float>(size_t(ld));
           auto tsum = hwy::AllocateAligned<float>(size_t(ld));
           auto pp = hwy::AllocateAligned<uint32_t>(size_t(K / 2 * ld));
-          for (size_t i = 0; i < n; ++i) st[i] = i % 7 == 3 ? specials[(i / 7) % 6] : score(rng);
           for (int64_t r = 0; r < ld; ++r) shift[size_t(r)] = r % 5 == 0 ? 0.0f : score(rng) + 3.0f;
+          for (size_t i = 0; i < n; ++i) {
+            const float edge = shift[i % size_t(ld)] - 126.0f + 0.75f * float(i % 13) / 13.0f;
+            st[i] = i % 97 == 3 ? specials[(i / 97) % 6] : (i / size_t(ld)) % 4 == 1 ? edge : score(rng);
+          }
           std::fill(pp.get(), pp.get() + K / 2 * ld, 0xDEADBEEFu);
           std::vector<float> x(n), p(n);
           for (int64_t j = 0; j < nk; ++j)
