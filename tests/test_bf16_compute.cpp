@@ -23,6 +23,8 @@
 // of bits, threads, masked rows and NaN, and the public call.
 #include <gtest/gtest.h>
 
+#include <hwy/aligned_allocator.h>
+
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -139,6 +141,53 @@ TEST(Bf16Gemm, ProbabilityPairsRoundAsOperands) {
             }
         }
   }
+}
+
+// The forward's one pass from scores to pairs (no dropout) gives what the
+// exponentials (fused_exp2), a float32 sum in key order and the pairs'
+// rounding (bf16_operand) give one after the other, bit for bit, on every
+// compiled target: masked (−∞) and poisoned (NaN) scores, results that
+// round to a subnormal, odd key counts, pairs of zeros up to K. Most
+// vectors hold no special score (the pass's short rounding, for normal P),
+// and every fourth row sits at its edge (s − shift from −126 up).
+TEST(Bf16Gemm, ExponentialsGoStraightIntoThePairs) {
+  std::mt19937_64 rng(13);
+  std::uniform_real_distribution<float> score(-40.0f, 2.0f);
+  const float specials[] = {-std::numeric_limits<float>::infinity(), kNaNf, -126.7f, -126.2f, -130.0f, 0.0f};
+  const int64_t ld = 96;  // the kernel's loads and stores are aligned: tiles from the aligned allocator
+  for_each_target([&](int64_t) {
+    for (int64_t nrp : {16, 48, 96})
+      for (int64_t nk : {1, 2, 5, 33, 144})
+        for (int64_t K : {nk + nk % 2, (nk + 31) / 32 * 32}) {
+          const size_t n = size_t(nk * ld);
+          auto st = hwy::AllocateAligned<float>(n), shift = hwy::AllocateAligned<float>(size_t(ld));
+          auto tsum = hwy::AllocateAligned<float>(size_t(ld));
+          auto pp = hwy::AllocateAligned<uint32_t>(size_t(K / 2 * ld));
+          for (int64_t r = 0; r < ld; ++r) shift[size_t(r)] = r % 5 == 0 ? 0.0f : score(rng) + 3.0f;
+          for (size_t i = 0; i < n; ++i) {
+            const float edge = shift[i % size_t(ld)] - 126.0f + 0.75f * float(i % 13) / 13.0f;
+            st[i] = i % 97 == 3 ? specials[(i / 97) % 6] : (i / size_t(ld)) % 4 == 1 ? edge : score(rng);
+          }
+          std::fill(pp.get(), pp.get() + K / 2 * ld, 0xDEADBEEFu);
+          std::vector<float> x(n), p(n);
+          for (int64_t j = 0; j < nk; ++j)
+            for (int64_t r = 0; r < ld; ++r) x[size_t(j * ld + r)] = st[size_t(j * ld + r)] - shift[size_t(r)];
+          detail::fused_exp2(x.data(), p.data(), int64_t(n));
+          detail::bf16_exp_pairs(st.get(), ld, nk, K, nrp, shift.get(), tsum.get(), pp.get());
+          const std::string at = "nrp=" + std::to_string(nrp) + " nk=" + std::to_string(nk) + " K=" + std::to_string(K);
+          for (int64_t r = 0; r < nrp; ++r) {
+            float want = 0.0f;
+            for (int64_t j = 0; j < nk; ++j) want += p[size_t(j * ld + r)];
+            ASSERT_EQ(std::memcmp(&tsum[size_t(r)], &want, 4), 0) << at << " r=" << r << " sum " << tsum[size_t(r)]
+                                                                 << " want " << want;
+            for (int64_t k = 0; k < K / 2; ++k) {
+              const uint32_t lo = 2 * k < nk ? detail::bf16_operand(p[size_t(2 * k * ld + r)]) : 0u;
+              const uint32_t hi = 2 * k + 1 < nk ? detail::bf16_operand(p[size_t((2 * k + 1) * ld + r)]) : 0u;
+              ASSERT_EQ(pp[size_t(k * ld + r)], lo | hi << 16) << at << " k=" << k << " r=" << r;
+            }
+          }
+        }
+  });
 }
 
 // The bfloat16 forward's plan: fused_plan's promises (tiles.hpp), key tiles at

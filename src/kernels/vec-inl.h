@@ -85,16 +85,23 @@ HWY_INLINE VF ExpSoftmax(DF d, VF x) {
 // for x <= 127. Below −126.5, including −∞, n is clamped to −127, whose
 // exponent bits are all zero, so the result is exactly 0 with no compare or
 // select; in [−126.5, −126) the result is a subnormal near 2^x.
+// n comes from one add: t = x + 1.5·2^23 has a last bit worth 1 for
+// |x| <= 2^22, so it is 1.5·2^23 + n with n rounded to nearest even (what a
+// round instruction gives), its bits are those of 1.5·2^23 plus n, and
+// those shifted up 23 places leave (n + 127)·2^23, the exponent of 2^n
+// (1.5·2^23's bits end in 22 zeros). No float-to-integer conversion, whose
+// overflow fix-ups cost more than the conversion itself.
 HWY_INLINE VF Exp2Softmax(DF d, VF x) {
   const hn::RebindToSigned<DF> di;
   const VF xc = ClampBelow(d, x, -127.0f);  // keeps −∞ out of the integer path
-  const VF n = hn::Round(xc);
-  const VF f = hn::Sub(xc, n);
+  const VF magic = hn::Set(d, 12582912.0f);  // 1.5·2^23
+  const VF t = hn::Add(xc, magic);
+  const VF f = hn::Sub(xc, hn::Sub(t, magic));
   constexpr float kPoly[] = {1.534579205326736e-4f,  1.3399929739534855e-3f, 9.618489071726799e-3f,
                              5.550328642129898e-2f,  2.4022646248340607e-1f, 6.931471824645996e-1f,
                              1.0f};
   const VF p = Horner(d, f, kPoly);
-  const auto e = hn::ShiftLeft<23>(hn::Add(hn::ConvertTo(di, n), hn::Set(di, 127)));  // 2^n, 0 for n = −127
+  const auto e = hn::ShiftLeft<23>(hn::Add(hn::BitCast(di, t), hn::Set(di, 127)));  // 2^n, 0 for n = −127
   return RestoreNaN(x, hn::Mul(p, hn::BitCast(d, e)));
 }
 

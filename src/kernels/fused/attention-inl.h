@@ -92,9 +92,12 @@ namespace {
 
 // ---- forward ---------------------------------------------------------------
 
-// Folds a transposed tile into the per-query online softmax: st_t becomes
-// 2^(s − shift) and colv[2·qbp ..] holds each query's rescale factor.
-void SoftmaxTileT(ForwardScratch& w, int64_t nr, int64_t nrp, int64_t nk) {
+// Folds a transposed tile into the per-query online softmax: the tile's
+// column maxima give each query's shift and rescale factor (colv[2·qbp ..]),
+// then the products' exponentiate pass makes P = 2^(s − shift) and the
+// column sums (keep_p: P must stay in st, for dropout to multiply it).
+template <class Products>
+void SoftmaxTileT(Products& pr, ForwardScratch& w, int64_t nr, int64_t nrp, int64_t nk, bool keep_p) {
   const int64_t N = int64_t(hn::Lanes(DF()));
   float* tmax = w.colv;
   float* shift = tmax + w.qbp;
@@ -108,7 +111,8 @@ void SoftmaxTileT(ForwardScratch& w, int64_t nr, int64_t nrp, int64_t nk) {
     shift[r] = step.shift;
   }
   std::fill(shift + nr, shift + nrp, 0.0f);
-  ForColumnGroups<ExpOp>(nrp / N, N, st, w.qbp, nk, static_cast<const float*>(shift), tsum);
+  std::fill(alpha + nr, alpha + nrp, 1.0f);  // the padding columns: nothing to rescale
+  pr.exponentiate(nrp, nk, static_cast<const float*>(shift), tsum, keep_p);
   for (int64_t r = 0; r < nr; ++r) os::end_tile(w.rows[r], tsum[r]);
 }
 
@@ -140,6 +144,11 @@ struct Float32Products {
   // The transposed score tile through the score pipeline (st).
   void scores(int64_t b, int64_t h, int64_t i0, int64_t nr, int64_t nrp, int64_t j0, int64_t nk) {
     ScoreTileT(c, w, b, h, i0, nr, nrp, j0, nk);
+  }
+  // st <- 2^(st − shift), tsum = the column sums (each in key order).
+  void exponentiate(int64_t nrp, int64_t nk, const float* shift, float* tsum, bool) {
+    const int64_t N = Lanes();
+    ForColumnGroups<ExpOp>(nrp / N, N, w.st, w.qbp, nk, shift, tsum);
   }
   // o <- o·alpha + P·V for the tile's probabilities (st) and rescale factors.
   void accumulate(int64_t b, int64_t h, int64_t nr, int64_t j0, int64_t nk) {
@@ -177,7 +186,9 @@ struct Float32Products {
 
 // One forward unit: queries [i0, i0 + nr) of (b, h) against the keys they
 // see, tile by tile; `Products` does the two products (Float32Products, or
-// the bfloat16 ones of bf16-inl.h), the rest is the same for both.
+// the bfloat16 ones of bf16-inl.h) and the tile's exponentials (where its
+// P goes: back into st, or straight into the bfloat16 pairs), the rest is
+// the same for both.
 template <class Products>
 void ForwardUnitT(const FusedCall& c, Products& pr, ForwardScratch& w, int64_t b, int64_t h, int64_t i0, int64_t nr,
                   View4<float> out, View4<float> weights, View3<float> lse) {
@@ -196,7 +207,7 @@ void ForwardUnitT(const FusedCall& c, Products& pr, ForwardScratch& w, int64_t b
     const int64_t nk = std::min(w.kb, keys.hi - j0);
     if (band.classify(i0, nr, j0, nk) == rules::Tile::empty) continue;
     pr.scores(b, h, i0, nr, nrp, j0, nk);
-    SoftmaxTileT(w, nr, nrp, nk);
+    SoftmaxTileT(pr, w, nr, nrp, nk, p.dropout.on());
     if (p.dropout.on()) DropTileT(p, w, b, h, i0, nr, j0, nk);  // o += (P∘m)·V; the sums keep P
     pr.accumulate(b, h, nr, j0, nk);
   }

@@ -9,8 +9,10 @@
 //                probabilities after the softmax, rounded to bfloat16 in pairs
 //
 // Per tile the extra work over the float32 unit is the rounding of P into
-// pairs (one pass over the tile, a few integer operations per score); the
-// queries are paired once per unit, K and V once per call (bf16.cpp). The
+// pairs, a few integer operations per score in the pass that exponentiates
+// the tile (TileExpPairsChunk; with dropout, which multiplies P first, a
+// pass of its own); the queries are paired once per unit, K and V once per
+// call (bf16.cpp). The
 // products themselves run on the path the call chose (bf16.hpp); the
 // portable one is here: float32 multiply-adds on the rounded values, the
 // odd element of each pair first (VDPBF16PS's order, so the same bits).
@@ -131,6 +133,70 @@ void ProbabilityPairs(const float* st, int64_t ld, int64_t nk, int64_t K, int64_
   }
 }
 
+// The softmax's exponentials of C column groups of a transposed tile, two key
+// rows at a time, straight into probability pairs: for keys 2k and 2k + 1,
+// P = 2^(s − shift) (TileExpChunk's values), added to the column sums in key
+// order (TileExpChunk's sums, P unrounded), then rounded into the pair
+// pp[k] (ProbabilityPairs's bits), zeros past nk up to K / 2 pairs. One pass
+// over the tile instead of writing P back to st and reading it again.
+// Where every x = s − shift of the two rows' vectors is at least −126 (no
+// NaN), each P is a normal float (Exp2Softmax: 2^n·2^f with 2^f >= 1 when
+// n = −126), whose rounding needs neither RoundToBf16High's NaN nor its
+// subnormal case: the same bits in four integer operations.
+template <int C>
+HWY_INLINE void TileExpPairsChunk(const float* st, int64_t ld, int64_t nk, int64_t K, const float* shift,
+                                  float* tsum, uint32_t* pp) {
+  const DF d;
+  const DU du;
+  const int64_t N = Lanes();
+  const VU high = hn::Set(du, 0xFFFF0000u), half = hn::Set(du, 0x7FFFu), one = hn::Set(du, 1u);
+  const VF normal = hn::Set(d, -126.0f);
+  const auto round_normal = [&](VF p) {  // RoundToBf16High for a normal float
+    const VU u = hn::BitCast(du, p);
+    return hn::Add(u, hn::Add(half, hn::And(hn::ShiftRight<16>(u), one)));
+  };
+  VF sh[C], sum[C];
+#pragma GCC unroll 4
+  for (int g = 0; g < C; ++g) sh[g] = hn::Load(d, shift + g * N), sum[g] = hn::Zero(d);
+  int64_t k = 0;
+  for (; 2 * k + 1 < nk; ++k) {
+    const float* e = st + 2 * k * ld;
+    const float* o = e + ld;
+#pragma GCC unroll 4
+    for (int g = 0; g < C; ++g) {
+      const VF xe = hn::Sub(hn::Load(d, e + g * N), sh[g]), xo = hn::Sub(hn::Load(d, o + g * N), sh[g]);
+      const VF pe = Exp2Softmax(d, xe), po = Exp2Softmax(d, xo);  // 0 if masked
+      sum[g] = hn::Add(hn::Add(sum[g], pe), po);
+      VU re, ro;
+      if (hn::AllTrue(d, hn::And(hn::Ge(xe, normal), hn::Ge(xo, normal))))
+        re = round_normal(pe), ro = round_normal(po);
+      else
+        re = RoundToBf16High(pe), ro = RoundToBf16High(po);
+      hn::Store(hn::Or(hn::ShiftRight<16>(re), hn::And(ro, high)), du, pp + k * ld + g * N);
+    }
+  }
+  if (2 * k < nk) {  // an odd key count: the last pair's second element is 0
+    const float* e = st + 2 * k * ld;
+    for (int g = 0; g < C; ++g) {
+      const VF pe = Exp2Softmax(d, hn::Sub(hn::Load(d, e + g * N), sh[g]));
+      sum[g] = hn::Add(sum[g], pe);
+      hn::Store(hn::ShiftRight<16>(RoundToBf16High(pe)), du, pp + k * ld + g * N);
+    }
+    ++k;
+  }
+  for (; 2 * k < K; ++k)
+    for (int g = 0; g < C; ++g) hn::Store(hn::Zero(du), du, pp + k * ld + g * N);
+#pragma GCC unroll 4
+  for (int g = 0; g < C; ++g) hn::Store(sum[g], d, tsum + g * N);
+}
+template <int C>
+struct ExpPairsOp {
+  static void run(int64_t r, const float* st, int64_t ld, int64_t nk, int64_t K, const float* shift, float* tsum,
+                  uint32_t* pp) {
+    TileExpPairsChunk<C>(st + r, ld, nk, K, shift + r, tsum + r, pp + r);
+  }
+};
+
 // ---- the unit's products ---------------------------------------------------------
 
 // The bfloat16 products of one thread (see the top of this file); the
@@ -170,17 +236,31 @@ class Bf16Products {
           w_.qbp, w_.st, w_.qbp, c_.scale * kLog2e, false);
     ScoreRulesT(c_, w_, b, h, i0, nr, nrp, j0, nk);
   }
+  // The tile's P = 2^(st − shift) and its column sums (tsum). Unless P must
+  // stay in st (keep_p), it goes straight into the pairs of the product
+  // (the same values and sums as the float32 unit's pass, then the pairs').
+  void exponentiate(int64_t nrp, int64_t nk, const float* shift, float* tsum, bool keep_p) {
+    const int64_t N = Lanes();
+    paired_ = !keep_p;
+    if (keep_p)
+      ForColumnGroups<ExpOp>(nrp / N, N, w_.st, w_.qbp, nk, shift, tsum);
+    else
+      ForColumnGroups<ExpPairsOp>(nrp / N, N, static_cast<const float*>(w_.st), w_.qbp, nk,
+                                  round_up(nk, ops_.kernel.kpad), shift, tsum, w_.pp);
+  }
   // oᵀ <- oᵀ·alpha + Vᵀ·Pᵀ with P rounded to bfloat16.
   void accumulate(int64_t b, int64_t h, int64_t nr, int64_t j0, int64_t nk) {
     const Problem& p = *c_.p;
     const DF d;
     const int64_t nrp = round_up(nr, Lanes()), qbp = w_.qbp;
     const float* alpha = w_.colv + 2 * qbp;
-    for (int64_t e = 0; e < p.Ev; ++e)  // acc <- acc · alpha, per query (column)
-      for (int64_t r = 0; r < nrp; r += Lanes())
-        hn::Store(hn::Mul(hn::Load(d, w_.ot + e * qbp + r), hn::Load(d, alpha + r)), d, w_.ot + e * qbp + r);
+    for (int64_t r = 0; r < nrp; r += Lanes()) {  // acc <- acc · alpha, per query (column)
+      const VF a = hn::Load(d, alpha + r);
+      if (hn::AllTrue(d, hn::Eq(a, hn::Set(d, 1.0f)))) continue;  // no max grew: factors 1 change nothing
+      for (float* o = w_.ot + r; o < w_.ot + p.Ev * qbp; o += qbp) hn::Store(hn::Mul(hn::Load(d, o), a), d, o);
+    }
     const int64_t K = round_up(nk, ops_.kernel.kpad);
-    (ops_.kernel.pairs ? ops_.kernel.pairs : &ProbabilityPairs)(w_.st, qbp, nk, K, nrp, w_.pp);
+    if (!paired_) (ops_.kernel.pairs ? ops_.kernel.pairs : &ProbabilityPairs)(w_.st, qbp, nk, K, nrp, w_.pp);
     gemm_(ops_.Evr, nrp, K, ops_.vt_cols(p, b, p.kv_head(h), j0), ops_.ldvt, w_.pp, qbp, w_.ot, qbp, 1.0f, true);
   }
   // Row r of the output: y = acc / sum.
@@ -193,6 +273,7 @@ class Bf16Products {
   ForwardScratch& w_;
   const Bf16Operands& ops_;
   Bf16Gemm gemm_;
+  bool paired_ = false;  // the tile's P is already in pp (exponentiate)
 };
 
 void ForwardBf16Impl(const Problem& p, const Bf16Operands& ops, View4<float> out, View4<float> weights,

@@ -202,6 +202,13 @@ void bf16_gemm(Bf16Path path, int64_t M, int64_t N, int64_t K, const float* A, i
 // (fused.cpp; A as float32).
 void bf16_portable_gemm(int64_t M, int64_t N, int64_t K, const void* A, int64_t lda, const uint32_t* B,
                         int64_t ldb, float* C, int64_t ldc, float alpha, bool accumulate);
+// The forward's exponentials of a transposed score tile straight into its
+// probability pairs, on the running SIMD target (fused.cpp; for its test):
+// P = 2^(st − shift) for the tile's nk rows, tsum[r] = Σ over the rows of
+// P (float32, in key order), pp as Bf16Pairs leaves it for P; nrp a
+// multiple of the lane count.
+void bf16_exp_pairs(const float* st, int64_t ld, int64_t nk, int64_t K, int64_t nrp, const float* shift, float* tsum,
+                    uint32_t* pp);
 
 // Rows rounded to bfloat16 operands (bf16_operand) on the running SIMD
 // target: x[0, n) to bits at dst; two rows to the pair layout, dst[j] =

@@ -64,6 +64,11 @@ void PairRowsBf16Impl(const float* HWY_RESTRICT lo, const float* HWY_RESTRICT hi
   for (; j < n; ++j) dst[j] = uint32_t(bf16_operand(lo[j])) | (hi ? uint32_t(bf16_operand(hi[j])) << 16 : 0u);
 }
 
+void ExpPairsImpl(const float* st, int64_t ld, int64_t nk, int64_t K, int64_t nrp, const float* shift, float* tsum,
+                  uint32_t* pp) {
+  ForColumnGroups<ExpPairsOp>(nrp / Lanes(), Lanes(), st, ld, nk, K, shift, tsum, pp);
+}
+
 }  // namespace
 }  // namespace HWY_NAMESPACE
 }  // namespace attn::detail
@@ -92,6 +97,7 @@ void bf16_round_row(const float* x, int64_t n, uint16_t* dst) { HWY_DYNAMIC_DISP
 void bf16_pair_rows(const float* lo, const float* hi, int64_t n, uint32_t* dst) {
   HWY_DYNAMIC_DISPATCH(PairRowsBf16Impl)(lo, hi, n, dst);
 }
+HWY_EXPORT(ExpPairsImpl);
 
 void fused_forward_tiled(const Problem& p, const SdpaArgs<float>& a, View4<float> out,
                          View4<float> weights, View3<float> lse, const FusedPlan& t) {
@@ -178,6 +184,11 @@ const char* fused_target_name() { return HWY_DYNAMIC_DISPATCH(TargetNameImpl)();
 void fused_gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t ars, int64_t aks, const float* B,
                 int64_t ldb, float* C, int64_t ldc, bool accumulate) {
   HWY_DYNAMIC_DISPATCH(GemmImpl)(M, N, K, A, ars, aks, B, ldb, C, ldc, accumulate);
+}
+
+void bf16_exp_pairs(const float* st, int64_t ld, int64_t nk, int64_t K, int64_t nrp, const float* shift, float* tsum,
+                    uint32_t* pp) {
+  HWY_DYNAMIC_DISPATCH(ExpPairsImpl)(st, ld, nk, K, nrp, shift, tsum, pp);
 }
 
 void fused_exp(const float* x, float* y, int64_t n) { HWY_DYNAMIC_DISPATCH(ExpArray)(x, y, n); }
