@@ -38,14 +38,12 @@ void GemmImpl(int64_t M, int64_t N, int64_t K, const float* A, int64_t ars, int6
   Gemm(M, N, K, A, ars, aks, B, ldb, C, ldc, accumulate);
 }
 
-// x[0, n) rounded to bfloat16 operands (bf16_operand) at dst.
-void RoundRowBf16Impl(const float* HWY_RESTRICT x, int64_t n, uint16_t* HWY_RESTRICT dst) {
-  const DF d;
-  const hn::Rebind<uint16_t, DU> d16;
-  int64_t j = 0;
-  for (; j + Lanes() <= n; j += Lanes())
-    hn::StoreU(hn::TruncateTo(d16, hn::ShiftRight<16>(RoundToBf16High(hn::LoadU(d, x + j)))), d16, dst + j);
-  for (; j < n; ++j) dst[j] = bf16_operand(x[j]);
+// x[0, n) rounded to bfloat16 operands (bf16_operand) at dst: RoundRow's
+// whole vectors, then the tail.
+void RoundRowBf16Impl(const float* x, int64_t n, uint16_t* dst) {
+  const int64_t whole = n / Lanes() * Lanes();
+  RoundRow(x, whole, false, reinterpret_cast<std::byte*>(dst));
+  for (int64_t j = whole; j < n; ++j) dst[j] = bf16_operand(x[j]);
 }
 
 // dst[j] = the pair (lo[j], hi[j]) rounded to bfloat16 operands, lo in the

@@ -354,15 +354,13 @@ void gemm_bf16_tiles(const Bf16Kernel& kern, GemmShape s, bool ta, const float* 
 void gemm_bf16_library(GemmShape s, bool ta, const float* A, int64_t lda, bool tb, const float* B, int64_t ldb,
                        float* C, int64_t ldc, float alpha, float beta, int team) {
   const Stored sa = stored_a(s, ta), sb = stored_b(s, tb);
-  const int threads = team;
   if (s.K == 0 || !dnnl_has_bf16()) {  // sgemm on the rounded values
     const std::vector<float> a = rounded_copy<float>(A, sa.rows, sa.cols, lda, team);
     const std::vector<float> b = rounded_copy<float>(B, sb.rows, sb.cols, ldb, team);
-    return gemm<float>(s, ta, a.data(), sa.cols, tb, b.data(), sb.cols, C, ldc, alpha, beta, threads);
+    return gemm<float>(s, ta, a.data(), sa.cols, tb, b.data(), sb.cols, C, ldc, alpha, beta, team);
   }
   // Dense copies: a tile's rows of A (unless transposed) and columns of B
-  // (when transposed, the layer's weights) are then dense blocks, which
-  // oneDNN's AMX kernels take.
+  // (when transposed, the layer's weights) are then dense blocks.
   const std::vector<uint16_t> a = rounded_copy<uint16_t>(A, sa.rows, sa.cols, lda, team);
   const std::vector<uint16_t> b = rounded_copy<uint16_t>(B, sb.rows, sb.cols, ldb, team);
   lda = sa.cols, ldb = sb.cols;
