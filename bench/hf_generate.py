@@ -3,8 +3,11 @@
 model) with attn against PyTorch SDPA: the prefill time of a long prompt,
 then greedy tokens per second over the new tokens (whole steps), and the
 time spent inside the attention function per new token (wall clock around
-each call, all layers summed, the calls for new tokens only); then one layer's
-decoding step alone (cache update and attention) at the prompt's length.
+each call, all layers summed, the calls for new tokens only), and that time
+with the cache updates of the same steps added (Cache.update, where
+DynamicCache writes the whole history before the attention reads it); then
+one layer's decoding step alone (cache update and attention) at the prompt's
+length.
 
     python bench/hf_generate.py [--prompt-tokens 2000] [--new-tokens 128] [--threads N]
 
@@ -24,7 +27,7 @@ os.environ.setdefault("TQDM_DISABLE", "1")
 
 import torch
 from transformers import AttentionInterface
-from transformers import masking_utils
+from transformers import cache_utils, masking_utils
 
 import attn.hf
 
@@ -52,8 +55,27 @@ class Timed:
         return out
 
 
-def run(model, ids, new_tokens, impl, timed, cache):
-    """(prefill seconds, decode tokens/s, attention ms per decoded token, tokens)."""
+class TimedUpdate:
+    """transformers' Cache.update wrapped to add up the seconds spent in it on
+    single new tokens: the cache's share of a decoding step's attention."""
+
+    def __init__(self):
+        self.seconds, self.fn = 0.0, cache_utils.Cache.update
+        outer = self
+
+        def update(cache, key_states, *args, **kwargs):
+            t0 = time.perf_counter()
+            out = outer.fn(cache, key_states, *args, **kwargs)
+            if key_states.shape[-2] == 1:
+                outer.seconds += time.perf_counter() - t0
+            return out
+
+        cache_utils.Cache.update = update
+
+
+def run(model, ids, new_tokens, impl, timed, cache, updates):
+    """(prefill seconds, decode tokens/s, attention ms per decoded token,
+    cache update + attention ms per decoded token, tokens)."""
     model.set_attn_implementation(impl)
     # No config: the timed implementation is a wrapper that AttnCache(config) would not recognise.
     kw = {} if cache is None else dict(cache=attn.hf.AttnCache(dtype=cache, max_cache_len=ids.shape[1] + new_tokens))
@@ -63,13 +85,14 @@ def run(model, ids, new_tokens, impl, timed, cache):
         prefill = time.perf_counter() - t0
         if cache is not None:
             kw["cache"] = attn.hf.AttnCache(dtype=cache, max_cache_len=ids.shape[1] + new_tokens)
-        timed.seconds = 0.0
+        timed.seconds = updates.seconds = 0.0
         t0 = time.perf_counter()
         out = model.generate(input_ids=ids, max_new_tokens=new_tokens, do_sample=False, **kw)
         total = time.perf_counter() - t0
     decode = max(total - prefill, 1e-9)
     steps = new_tokens - 1
-    return prefill, steps / decode, 1e3 * timed.seconds / steps, out[0, ids.shape[1]:]
+    return (prefill, steps / decode, 1e3 * timed.seconds / steps, 1e3 * (timed.seconds + updates.seconds) / steps,
+            out[0, ids.shape[1]:])
 
 
 def layer_step(context, steps=100):
@@ -131,19 +154,20 @@ def main(argv=None):
     masking_utils.AttentionMaskInterface.register("attn_timed", attn.hf.mask_rules)
     print(f"SmolLM2-135M-Instruct, prompt {ids.shape[1]} tokens, {args.new_tokens} new tokens, "
           f"{torch.get_num_threads()} torch threads")
-    print(f"{'configuration':<28} {'prefill s':>9} {'tokens/s':>9} {'attn ms/token':>13}  tokens")
+    print(f"{'configuration':<28} {'prefill s':>9} {'tokens/s':>9} {'attn ms/token':>13} {'+ update':>9}  tokens")
     step = layer_step(ids.shape[1])
+    updates = TimedUpdate()
     best = {}
     for _ in range(args.repeat):  # round robin; the best of the repeats
         for name, impl, cache in CONFIGS:
-            r = run(model, ids, args.new_tokens, f"{impl}_timed", timed[impl], cache)
+            r = run(model, ids, args.new_tokens, f"{impl}_timed", timed[impl], cache, updates)
             if name not in best or r[1] > best[name][1]:
                 best[name] = r
-    ref = best[CONFIGS[0][0]][3]
+    ref = best[CONFIGS[0][0]][4]
     for name, _, _ in CONFIGS:
-        prefill, rate, attn_ms, tokens = best[name]
+        prefill, rate, attn_ms, step_ms, tokens = best[name]
         same = "= sdpa" if torch.equal(tokens, ref) else f"differ from step {int((tokens != ref).nonzero()[0])}"
-        print(f"{name:<28} {prefill:9.2f} {rate:9.2f} {attn_ms:13.2f}  {same}")
+        print(f"{name:<28} {prefill:9.2f} {rate:9.2f} {attn_ms:13.2f} {step_ms:9.2f}  {same}")
     print(f"one layer's decoding step at {ids.shape[1]} keys (cache update + attention, median of 100):")
     for name, _, _ in CONFIGS:
         print(f"  {name:<26} {1e3 * step[name]:7.3f} ms  ({step[name] / step[CONFIGS[0][0]]:.2f} of sdpa's)")
