@@ -70,7 +70,7 @@ void AmxBlock(int64_t K, const uint16_t* A, int64_t lda, const uint32_t* B, int6
   if constexpr (NT > 1) Tiles::template store<1>(c1, sc);
   if constexpr (MT > 1) Tiles::template store<2>(c2, sc);
   if constexpr (MT > 1 && NT > 1) Tiles::template store<3>(c3, sc);
-  if (accumulate) return;
+  if (accumulate || alpha == 1.0f) return;  // (a product by 1 is the value itself)
   for (int64_t r = 0; r < 16 * MT; ++r)  // C = alpha·(A·B), one rounding as on the other paths
     for (int64_t n = 0; n < 16 * NT; ++n) C[r * ldc + n] *= alpha;
 }

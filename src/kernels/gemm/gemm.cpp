@@ -330,13 +330,15 @@ void gemm_bf16_tiles(const Bf16Kernel& kern, GemmShape s, bool ta, const float* 
           const int64_t m = std::min({kRows, r + t.rows - r1, s.M - r1});
           const int64_t w = std::min({kCols, c0 + t.cols - c1, s.N - c1});
           const int64_t mp = round_up(m, kPanel), wp = round_up(w, kPanel);
-          dense.assign(size_t(mp * wp), 0.0f);  // accumulated into from the first chunk on
+          // The first chunk's products start from zeroed tiles (C is not read), the later ones
+          // accumulate into the block: the same sums as accumulating from zeros.
+          if (dense.size() < size_t(mp * wp)) dense.resize(size_t(mp * wp));
           for (int64_t c = 0; c < chunks; ++c)
             for (int64_t y = 0; y < mp; y += kPanel)
               for (int64_t x = 0; x < wp; x += kPanel)
                 kern.gemm(kPanel, kPanel, chunk_k(c), a.data() + (r1 + y) * Kp + c * kChunk * kPanel, chunk_k(c),
                           b.data() + (c1 + x) * Kp / 2 + c * kChunk / 2 * kPanel, kPanel, dense.data() + y * wp + x,
-                          wp, 1.0f, true);
+                          wp, 1.0f, c > 0);
           for (int64_t y = 0; y < m; ++y) {
             float* dst = C + (r1 + y) * ldc + c1;
             const float* src = dense.data() + y * wp;
