@@ -30,7 +30,9 @@
 #include <limits>
 #include <random>
 #include <string>
+#include <thread>
 #include <tuple>
+#include <utility>
 
 #include "kernels/fused/bf16.hpp"
 #include "kernels/fused/common.hpp"
@@ -847,6 +849,40 @@ TEST(Bf16Backward, AnyThreadCountGivesTheSameBits) {
             << spec.str() << " " << threads << " threads on " << detail::bf16_path_name(path);
       }
     }
+  }
+}
+
+// The operand buffers a thread keeps between calls (bf16.hpp, OperandBuffer)
+// hold the last call's bytes: calls after larger ones with other values give
+// the bits of the same calls on a fresh thread, whose buffers are new.
+TEST(Bf16Backward, ReusedOperandBuffersGiveTheBitsOfNewOnes) {
+  const std::vector<RandomSpec> specs = backward_specs();
+  for (Bf16Path path : {Bf16Path::portable, detail::bf16_best_path()}) {
+    std::vector<std::pair<Fwd, Grads>> fresh;
+    for (const RandomSpec& spec : specs) {  // each on a new thread: nothing kept yet
+      std::thread t([&] {
+        SdpaCase<float> c(spec);
+        const Fwd f = forward_on(path, c.args, c.opt);
+        Grads g = backward_on(path, c.args, c.opt, random_dout(c.args, spec.seed), f);
+        fresh.emplace_back(f, std::move(g));
+      });
+      t.join();
+    }
+    std::thread t([&] {  // all on one thread, in reverse order, each after a call with other values
+      for (size_t i = specs.size(); i-- > 0;) {
+        RandomSpec other = specs[i];
+        other.seed += 1000;
+        SdpaCase<float> o(other);
+        backward_on(path, o.args, o.opt, random_dout(o.args, other.seed), forward_on(path, o.args, o.opt));
+        SdpaCase<float> c(specs[i]);
+        const Fwd f = forward_on(path, c.args, c.opt);
+        const Grads g = backward_on(path, c.args, c.opt, random_dout(c.args, specs[i].seed), f);
+        EXPECT_TRUE(same_bits(f.out, fresh[i].first.out) && same_bits(f.lse, fresh[i].first.lse) &&
+                    same_grads(g, fresh[i].second))
+            << specs[i].str() << " on " << detail::bf16_path_name(path);
+      }
+    });
+    t.join();
   }
 }
 

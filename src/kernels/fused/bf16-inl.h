@@ -99,18 +99,22 @@ void PortableBf16Gemm(int64_t M, int64_t N, int64_t K, const void* Av, int64_t l
 
 // x[0, n) rounded to bfloat16 (bf16_operand) as A elements at dst: the
 // bits, or their float32 values (a_float); n a multiple of the lane count.
-void RoundRow(const float* x, int64_t n, bool a_float, std::byte* dst) {
+// Returns whether one of them is ±∞ or NaN (its exponent all ones).
+bool RoundRow(const float* x, int64_t n, bool a_float, std::byte* dst) {
   const DF d;
   const DU du;
   const hn::Rebind<uint16_t, DU> d16;
-  const VU high = hn::Set(du, 0xFFFF0000u);
+  const VU high = hn::Set(du, 0xFFFF0000u), exponent = hn::Set(du, 0x7F800000u);
+  VU bad = hn::Zero(du);
   for (int64_t j = 0; j < n; j += Lanes()) {
     const VU r = RoundToBf16High(hn::LoadU(d, x + j));
+    bad = hn::Or(bad, hn::VecFromMask(du, hn::Eq(hn::And(r, exponent), exponent)));
     if (a_float)
       hn::StoreU(hn::BitCast(d, hn::And(r, high)), d, reinterpret_cast<float*>(dst) + j);
     else
       hn::StoreU(hn::TruncateTo(d16, hn::ShiftRight<16>(r)), d16, reinterpret_cast<uint16_t*>(dst) + j);
   }
+  return !hn::AllTrue(du, hn::Eq(bad, hn::Zero(du)));
 }
 
 // bf16.hpp's Bf16Pairs on the running SIMD target (the paths without their

@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <cstring>
 #include <type_traits>
+#include <utility>
+#include <vector>
 
 #include "kernels/fused/common.hpp"
 #include "kernels/fused/fused.hpp"
@@ -35,11 +37,7 @@ bool operand_row(const T* x, int64_t s, int64_t n, uint16_t* dst) {
     bad |= uint32_t((dst[e] & 0x7F80u) == 0x7F80u);
   };
   if constexpr (std::is_same_v<T, float>)
-    if (s == 1) {  // contiguous float32 (the common case): the SIMD target's rounding
-      bf16_round_row(x, n, dst);
-      for (int64_t e = 0; e < n; ++e) bad |= uint32_t((dst[e] & 0x7F80u) == 0x7F80u);
-      return bad != 0;
-    }
+    if (s == 1) return bf16_round_row(x, n, dst);  // contiguous float32, the common case: SIMD
   if (s == 1)
     for (int64_t e = 0; e < n; ++e) one(e, x[e]);
   else
@@ -82,7 +80,53 @@ bool pack_keys(const Problem& p, const SdpaArgs<T>& a, int64_t b, int64_t hk, in
   return any;
 }
 
+// The buffers this thread keeps for its next calls (OperandBuffer).
+std::vector<std::pair<size_t, hwy::AlignedFreeUniquePtr<std::byte[]>>>& kept_buffers() {
+  thread_local std::vector<std::pair<size_t, hwy::AlignedFreeUniquePtr<std::byte[]>>> kept;
+  return kept;
+}
+
 }  // namespace
+
+OperandBuffer::OperandBuffer(size_t bytes, bool zeroed) {
+  bytes = std::max<size_t>(bytes, 1);
+  auto& kept = kept_buffers();
+  auto best = kept.end();  // the smallest kept buffer that holds `bytes`
+  for (auto it = kept.begin(); it != kept.end(); ++it)
+    if (it->first >= bytes && (best == kept.end() || it->first < best->first)) best = it;
+  if (best != kept.end()) {
+    cap_ = best->first;
+    p_ = std::move(best->second);
+    kept.erase(best);
+  } else {
+    cap_ = bytes;
+    p_ = hwy::AllocateAligned<std::byte>(bytes);
+  }
+  if (zeroed) std::memset(p_.get(), 0, bytes);
+}
+
+void OperandBuffer::release() {
+  if (!p_ || cap_ > kKeptBytes) return;
+  auto& kept = kept_buffers();
+  if (kept.size() >= kKept) {
+    const auto smallest = std::min_element(kept.begin(), kept.end(),
+                                           [](const auto& x, const auto& y) { return x.first < y.first; });
+    if (smallest->first >= cap_) return;
+    kept.erase(smallest);
+  }
+  kept.emplace_back(cap_, std::move(p_));
+}
+
+OperandBuffer::~OperandBuffer() { release(); }
+
+OperandBuffer& OperandBuffer::operator=(OperandBuffer&& o) noexcept {
+  if (this != &o) {
+    release();
+    p_ = std::move(o.p_);
+    cap_ = o.cap_;
+  }
+  return *this;
+}
 
 template <class T>
 Bf16Operands::Bf16Operands(const Problem& p, const SdpaArgs<T>& a, const Bf16Kernel& kern) : kernel(kern) {
@@ -91,19 +135,17 @@ Bf16Operands::Bf16Operands(const Problem& p, const SdpaArgs<T>& a, const Bf16Ker
   krows = p.S + 16;
   ldvt = round_up(p.S + 32, 16);
   const int64_t qrows = p.B * p.H * p.L, kvs = p.B * p.Hkv;
-  q = hwy::AllocateAligned<uint16_t>(size_t(std::max<int64_t>(qrows * E2, 1)));
-  k = hwy::AllocateAligned<std::byte>(size_t(std::max<int64_t>(kvs * krows * E2 * elem(), 1)));
-  vt = hwy::AllocateAligned<std::byte>(size_t(std::max<int64_t>(kvs * Evr * ldvt * elem(), 1)));
+  q = OperandBuffer(size_t(qrows * E2) * sizeof(uint16_t), false);  // every row written below
+  k = OperandBuffer(size_t(kvs * krows * E2 * elem()), true);
+  vt = OperandBuffer(size_t(kvs * Evr * ldvt * elem()), true);
   qbad.assign(size_t(qrows), 0);
   bad_keys.assign(size_t(kvs * p.S), 0);
-  std::memset(k.get(), 0, size_t(kvs * krows * E2 * elem()));
-  std::memset(vt.get(), 0, size_t(kvs * Evr * ldvt * elem()));
 
   // q: bits per row, a bad row zeros.
 #pragma omp parallel for num_threads(p.threads) schedule(static)
   for (int64_t u = 0; u < qrows; ++u) {
     const int64_t i = u % p.L, h = (u / p.L) % p.H, b = u / (p.L * p.H);
-    uint16_t* row = q.get() + u * E2;
+    uint16_t* row = q.as<uint16_t>() + u * E2;
     const bool bad = operand_row(&a.q(b, h, i, 0), a.q.strides[3], p.E, row);
     std::fill(row + (bad ? 0 : p.E), row + E2, uint16_t(0));
     qbad[size_t(u)] = bad;
@@ -133,15 +175,10 @@ Bf16BackwardOperands::Bf16BackwardOperands(const Problem& p, const Bf16Operands&
   const Bf16Kernel& kern = ops.kernel;
   const int64_t es = ops.elem(), E2 = ops.E2, Evr = ops.Evr, BH = p.B * p.H;
   ldq = p.L + 32, Er = round_up(p.E, kern.mpad), Ev2 = round_up(p.Ev, kern.kpad);
-  const auto zeroed = [](auto& ptr, int64_t n) {
-    using E = std::remove_reference_t<decltype(ptr[0])>;
-    ptr = hwy::AllocateAligned<E>(size_t(std::max<int64_t>(n, 1)));
-    std::memset(static_cast<void*>(ptr.get()), 0, size_t(std::max<int64_t>(n, 1)) * sizeof(E));
-  };
-  zeroed(q, (BH * p.L + 16) * E2 * es);
-  zeroed(qt, BH * Er * ldq * es);
-  zeroed(dy, (BH * p.L + 16) * Ev2 * es);
-  zeroed(dyt, BH * Evr * ldq * es);
+  q = OperandBuffer(size_t((BH * p.L + 16) * E2 * es), true);
+  qt = OperandBuffer(size_t(BH * Er * ldq * es), true);
+  dy = OperandBuffer(size_t((BH * p.L + 16) * Ev2 * es), true);
+  dyt = OperandBuffer(size_t(BH * Evr * ldq * es), true);
   D.assign(size_t(BH * p.L), 0.0f);
   poisoned.assign(size_t(BH * p.L), 0);
   const auto put = [&](std::byte* base, int64_t i, uint16_t bits) {

@@ -39,11 +39,15 @@ void GemmImpl(int64_t M, int64_t N, int64_t K, const float* A, int64_t ars, int6
 }
 
 // x[0, n) rounded to bfloat16 operands (bf16_operand) at dst: RoundRow's
-// whole vectors, then the tail.
-void RoundRowBf16Impl(const float* x, int64_t n, uint16_t* dst) {
+// whole vectors, then the tail; whether one is ±∞ or NaN.
+bool RoundRowBf16Impl(const float* x, int64_t n, uint16_t* dst) {
   const int64_t whole = n / Lanes() * Lanes();
-  RoundRow(x, whole, false, reinterpret_cast<std::byte*>(dst));
-  for (int64_t j = whole; j < n; ++j) dst[j] = bf16_operand(x[j]);
+  bool bad = RoundRow(x, whole, false, reinterpret_cast<std::byte*>(dst));
+  for (int64_t j = whole; j < n; ++j) {
+    dst[j] = bf16_operand(x[j]);
+    bad = bad || (dst[j] & 0x7F80u) == 0x7F80u;
+  }
+  return bad;
 }
 
 // dst[j] = the pair (lo[j], hi[j]) rounded to bfloat16 operands, lo in the
@@ -91,7 +95,9 @@ HWY_EXPORT(GemmImpl);
 HWY_EXPORT(RoundRowBf16Impl);
 HWY_EXPORT(PairRowsBf16Impl);
 
-void bf16_round_row(const float* x, int64_t n, uint16_t* dst) { HWY_DYNAMIC_DISPATCH(RoundRowBf16Impl)(x, n, dst); }
+bool bf16_round_row(const float* x, int64_t n, uint16_t* dst) {
+  return HWY_DYNAMIC_DISPATCH(RoundRowBf16Impl)(x, n, dst);
+}
 void bf16_pair_rows(const float* lo, const float* hi, int64_t n, uint32_t* dst) {
   HWY_DYNAMIC_DISPATCH(PairRowsBf16Impl)(lo, hi, n, dst);
 }
