@@ -61,19 +61,23 @@ constexpr int64_t kKeyBlock = 64;
 template <class A, class T>
 bool pack_keys(const Problem& p, const SdpaArgs<T>& a, int64_t b, int64_t hk, int64_t j0, int64_t j1, A* k, A* vt,
                int64_t E2, int64_t ldvt, uint8_t* bad_keys) {
-  std::vector<uint16_t> kr(size_t(p.E)), vr(size_t((j1 - j0) * p.Ev));
+  std::vector<uint16_t> kr(std::is_same_v<A, uint16_t> ? 0 : size_t(p.E)), vr(size_t((j1 - j0) * p.Ev));
   bool any = false;
   for (int64_t j = j0; j < j1; ++j) {
     uint16_t* v = vr.data() + (j - j0) * p.Ev;
-    const bool bad = operand_row(&a.k(b, hk, j, 0), a.k.strides[3], p.E, kr.data()) |
+    constexpr bool bits = std::is_same_v<A, uint16_t>;  // k's rows take the bits as they are rounded
+    uint16_t* kb = bits ? reinterpret_cast<uint16_t*>(k + j * E2) : kr.data();
+    const bool bad = operand_row(&a.k(b, hk, j, 0), a.k.strides[3], p.E, kb) |
                      operand_row(&a.v(b, hk, j, 0), a.v.strides[3], p.Ev, v);
     bad_keys[j] = bad;
     any = any || bad;
     if (bad) {
       std::fill(v, v + p.Ev, uint16_t(0));
+      if constexpr (bits) std::fill(kb, kb + p.E, uint16_t(0));
       continue;
     }
-    for (int64_t e = 0; e < p.E; ++e) k[j * E2 + e] = element<A>(kr[size_t(e)]);
+    if constexpr (!bits)
+      for (int64_t e = 0; e < p.E; ++e) k[j * E2 + e] = element<A>(kr[size_t(e)]);
   }
   for (int64_t e = 0; e < p.Ev; ++e)  // the block transposed: contiguous writes
     for (int64_t j = j0; j < j1; ++j) vt[e * ldvt + j] = element<A>(vr[size_t((j - j0) * p.Ev + e)]);

@@ -113,7 +113,8 @@ inline float bf16_value(uint16_t bits) {
   return x;
 }
 
-// The bytes of one call's operands, reused across calls: each thread keeps
+// The bytes of one call's operands (the attention's, the bfloat16 GEMMs'
+// panels), reused across calls: each thread keeps
 // the buffers its calls release (at most kKept, each at most kKeptBytes, the
 // smallest dropped first) and hands them to its next calls, so that a
 // repeated call does not map, fault in and free fresh pages every time (at

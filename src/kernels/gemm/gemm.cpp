@@ -282,8 +282,9 @@ void gemm_bf16_tiles(const Bf16Kernel& kern, GemmShape s, bool ta, const float* 
   // Row panel p's chunk c starts at (p·Kp + c·kChunk)·32 elements of a, column
   // panel q's at half that in b (dwords); each is copied in the order that
   // reads the stored operand contiguously.
-  std::vector<uint16_t> a(size_t(Mp * Kp), 0);
-  std::vector<uint32_t> b(size_t(Np * Kp / 2), 0u);
+  const OperandBuffer abuf(size_t(Mp * Kp) * sizeof(uint16_t), true), bbuf(size_t(Np * Kp / 2) * sizeof(uint32_t), true);
+  uint16_t* const a = abuf.as<uint16_t>();
+  uint32_t* const b = bbuf.as<uint32_t>();
   const int64_t pa = Mp / kPanel, pb = Np / kPanel;
 #pragma omp parallel for num_threads(team) schedule(static) if (team > 1)
   for (int64_t u = 0; u < (pa + pb) * chunks; ++u) {
@@ -292,7 +293,7 @@ void gemm_bf16_tiles(const Bf16Kernel& kern, GemmShape s, bool ta, const float* 
     const int64_t kn = std::min(s.K, k0 + kChunk) - k0;  // stored elements of K in the chunk
     if (panel < pa) {  // A: 32 rows of ck elements
       const int64_t i0 = panel * kPanel, rows = std::min(kPanel, s.M - i0);
-      uint16_t* blk = a.data() + (i0 * Kp + k0 * kPanel);
+      uint16_t* blk = a + (i0 * Kp + k0 * kPanel);
       for (int64_t ii = 0; !ta && ii < rows; ++ii) bf16_round_row(A + (i0 + ii) * lda + k0, kn, blk + ii * ck);
       uint16_t t[kPanel][kPanel];  // op(A)'s columns k.. are stored rows: transposed 32 × 32 at a time
       for (int64_t k = 0; ta && k < kn; k += kPanel) {
@@ -303,7 +304,7 @@ void gemm_bf16_tiles(const Bf16Kernel& kern, GemmShape s, bool ta, const float* 
       }
     } else {  // B: ck / 2 pair rows of 32 columns
       const int64_t j0 = (panel - pa) * kPanel, cols = std::min(kPanel, s.N - j0);
-      uint32_t* blk = b.data() + (j0 * Kp / 2 + k0 / 2 * kPanel);
+      uint32_t* blk = b + (j0 * Kp / 2 + k0 / 2 * kPanel);
       for (int64_t k = 0; !tb && k < kn; k += 2)
         bf16_pair_rows(B + (k0 + k) * ldb + j0, k + 1 < kn ? B + (k0 + k + 1) * ldb + j0 : nullptr, cols,
                        blk + k / 2 * kPanel);
@@ -343,8 +344,8 @@ void gemm_bf16_tiles(const Bf16Kernel& kern, GemmShape s, bool ta, const float* 
           for (int64_t c = 0; c < chunks; ++c)
             for (int64_t y = 0; y < mp; y += kPanel)
               for (int64_t x = 0; x < wp; x += kPanel)
-                kern.gemm(kPanel, kPanel, chunk_k(c), a.data() + (r1 + y) * Kp + c * kChunk * kPanel, chunk_k(c),
-                          b.data() + (c1 + x) * Kp / 2 + c * kChunk / 2 * kPanel, kPanel, blk + y * ldk + x,
+                kern.gemm(kPanel, kPanel, chunk_k(c), a + (r1 + y) * Kp + c * kChunk * kPanel, chunk_k(c),
+                          b + (c1 + x) * Kp / 2 + c * kChunk / 2 * kPanel, kPanel, blk + y * ldk + x,
                           ldk, 1.0f, c > 0);
           for (int64_t y = 0; y < m && !direct; ++y) {
             float* dst = C + (r1 + y) * ldc + c1;
