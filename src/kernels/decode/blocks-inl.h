@@ -111,7 +111,7 @@ HWY_INLINE void ValueStrip(const float* HWY_RESTRICT p, int64_t ldp, int64_t nk,
     pf.rows(jj, 1);
     const T* vj = v + jj * vrow + e0;
     VF vv[NV];
-    for (int c = 0; c < NV; ++c) vv[c] = TAIL ? LoadTail(d, vj, Ev - e0) : LoadF(d, vj + c * N);
+    LoadValues<NV, TAIL>(d, vj, Ev - e0, vv);  // bfloat16: even, odd features (EvenOddPosition)
     for (int r = 0; r < R; ++r) {
       const VF pr = hn::Set(d, p[r * ldp + jj]);
       for (int c = 0; c < NV; ++c) acc[r][c] = hn::MulAdd(pr, vv[c], acc[r][c]);

@@ -523,8 +523,8 @@ void Finalize(const Call& c, const Unit& u, const float* acc, const os::State<fl
     const float inv = bad ? qnan : f.inv_sum;
     float* dst = &c.out(u.b, h, i, 0);
     int64_t e = 0;
-    if (c.pair_layout)  // the AVX512_BF16 products' order of the features (bf16.hpp)
-      for (; e < p.Ev; ++e) dst[e * se] = o[decode_pair_position(e)] * inv;
+    if (c.pair_layout || c.even_odd)  // the features in the AVX512_BF16 products' order (bf16.hpp), or even/odd
+      for (; e < p.Ev; ++e) dst[e * se] = o[c.pair_layout ? decode_pair_position(e) : EvenOddPosition(e, p.Ev)] * inv;
     if (se == 1)
       for (const VF vinv = hn::Set(d, inv); e + N <= p.Ev; e += N)
         hn::StoreU(hn::Mul(hn::Load(d, o + e), vinv), d, dst + e);
@@ -561,6 +561,7 @@ void ForwardImpl(const Problem& p, const KVLayout& kv, View4<const float> q, Vie
   Call c{&p, &kv, q, out, lse, plan, round_up(p.E, lanes), round_up(p.Ev, lanes), round_up(plan.tile, lanes)};
   c.arows = plan.rows;
   std::vector<float> zeros;  // a value row of zeros, in any storage type
+  c.even_odd = kv.type == Dtype::bfloat16 && !p.bf16_products;  // the exact value loop's order (LoadValues)
   // bfloat16 products, but for float16 storage (decode/bf16.hpp: rounding
   // its values would cost more than the products save).
   if (p.bf16_products && kv.type != Dtype::float16) {
