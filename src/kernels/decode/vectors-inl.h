@@ -33,8 +33,18 @@ HWY_INLINE VF LoadF(DF d, const hwy::float16_t* HWY_RESTRICT p) {
   return hn::PromoteTo(d, hn::LoadU(dh, p));
 }
 HWY_INLINE VF LoadF(DF d, const hwy::bfloat16_t* HWY_RESTRICT p) {
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
+  // One VPERMW with zero masking puts word i into the high half of dword i
+  // (PromoteTo: VPMOVZXWD, then a shift).
+  (void)d;
+  const __m512i idx = _mm512_set_epi16(15, 0, 14, 0, 13, 0, 12, 0, 11, 0, 10, 0, 9, 0, 8, 0, 7, 0, 6, 0, 5, 0, 4, 0,
+                                       3, 0, 2, 0, 1, 0, 0, 0);
+  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return VF{_mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(0xAAAAAAAAu, idx, _mm512_castsi256_si512(x)))};
+#else
   const hn::Rebind<hwy::bfloat16_t, DF> db;
   return hn::PromoteTo(d, hn::LoadU(db, p));
+#endif
 }
 // The first n (< N) elements, zeros after them; never reads past p + n.
 template <class T>
