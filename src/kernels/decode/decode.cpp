@@ -53,11 +53,16 @@
 //    next, 16 keys of each in turn, so K and V are two steady streams, each
 //    prefetched ahead of its own loop (ChunkT; 0-20% less time on Zen 4).
 //  * Storage types: float16 and bfloat16 are widened in registers
-//    (F16C / AVX-512 conversions, a shift for bfloat16, portable code on
-//    other targets); the data never exists as float32 in memory. The
-//    products and their order are those of the float32 kernel on the
-//    widened values, so a half-precision cache gives the float32 call's
-//    result on the rounded values, bit for bit. Queries
+//    (F16C / AVX-512 conversions; bfloat16 keys by one zero-masked VPERMW
+//    on AVX-512, a shift elsewhere; portable code on other targets); the
+//    data never exists as float32 in memory. A bfloat16 value row is read
+//    as 32-bit feature pairs, a shift giving the even and an AND the odd
+//    features (no shuffle), so its accumulators hold each block of
+//    2·Lanes features even first, then odd, until Finalize writes them
+//    (EvenOddPosition, vectors-inl.h). The products and their order are
+//    those of the float32 kernel on the widened values, so a
+//    half-precision cache gives the float32 call's result on the rounded
+//    values, bit for bit. Queries
 //    stay float32: products are float32 × (exactly widened) stored values,
 //    the contract "exact for the stored precision"; a native bf16 dot
 //    (vdpbf16ps) would round q, so every target widens (docs/decode.md).
