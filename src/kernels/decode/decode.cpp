@@ -25,9 +25,9 @@
 //    tile·E (and tile·Ev) elements, or in a paged cache the runs of the
 //    pages it spans (at most kMaxRuns), so paged and contiguous caches give
 //    the same bits and small pages do not make short tiles. Scores: a register block of
-//    up to 4 rows × 2 keys, E accumulated in vectors (the key vector is
-//    converted once and used by the 4 rows), the 8 sums reduced across lanes
-//    together by a transposing tree at the end; then the online-softmax step per row (in base 2: the queries are
+//    up to 4 rows × 2 keys (4 keys on AVX-512, ScoreKeys), E accumulated in
+//    vectors (the key vector is converted once and used by the 4 rows), the
+//    sums reduced across lanes four at a time by a transposing tree at the end; then the online-softmax step per row (in base 2: the queries are
 //    pre-multiplied by scale·log2(e)); then acc += P·V with a register block
 //    of up to 4 rows × a strip of value vectors (as wide as half the
 //    vector registers allow: 4 vectors for 4 rows on AVX-512), each value
