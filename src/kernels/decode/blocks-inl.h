@@ -64,12 +64,16 @@ HWY_INLINE void ScoreBlock(const float* HWY_RESTRICT q, int64_t ldq, const T* HW
 // as four). With 3 rows (a group of 3 query heads per key/value head), 4
 // keys rather than 2 per block: a decoding step of 9 heads over 3 at 2,000
 // bfloat16 keys of 64 took about 7% less time (medians of five alternating
-// runs, one thread, Emerald Rapids, AVX-512). Each score still sums its
-// features in the same order, whatever the storage type.
+// runs, one thread, Emerald Rapids, AVX-512). With 4 rows, 4 keys too (16
+// accumulators): 0-8% less time with bfloat16 K/V in the caches, float32
+// the same or faster (5 alternating runs, one thread, (H, Hkv) = (8, 2) at
+// E = 64 and (32, 8) at E = 128, S = 4096, Emerald Rapids); with 2 rows
+// float32 took longer. Each score still sums its features in the same
+// order, whatever the storage type or the block.
 template <int R>
 constexpr int ScoreKeys() {
 #if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
-  return R == 1 || R == 3 ? 4 : 2;  // 3 × 4 accumulators + 4 keys + 1 query within 32 registers
+  return R == 2 ? 2 : 4;  // 4 × 4 accumulators + 4 keys + 1 query within 32 registers
 #else
   return R == 1 ? 4 : 2;  // 16 registers
 #endif
@@ -111,7 +115,7 @@ HWY_INLINE void ValueStrip(const float* HWY_RESTRICT p, int64_t ldp, int64_t nk,
     pf.rows(jj, 1);
     const T* vj = v + jj * vrow + e0;
     VF vv[NV];
-    for (int c = 0; c < NV; ++c) vv[c] = TAIL ? LoadTail(d, vj, Ev - e0) : LoadF(d, vj + c * N);
+    LoadValues<NV, TAIL>(d, vj, Ev - e0, vv);  // bfloat16: even, odd features (EvenOddPosition)
     for (int r = 0; r < R; ++r) {
       const VF pr = hn::Set(d, p[r * ldp + jj]);
       for (int c = 0; c < NV; ++c) acc[r][c] = hn::MulAdd(pr, vv[c], acc[r][c]);

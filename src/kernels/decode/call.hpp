@@ -57,10 +57,13 @@ struct Call {
   // row, and `zeros` is a value row of zeros (a key a row does not see).
   // pair_layout: the accumulator rows hold the features in the AVX512_BF16
   // products' order (decode_pair_position; Evp a multiple of 32).
+  // even_odd: exact products over bfloat16 storage, whose value loop keeps
+  // the features of each block of 2·Lanes even first, then odd
+  // (EvenOddPosition in vectors-inl.h).
   // amx: the products run as 16-row tile products (kernel: AMX or its
   // emulation, kernels/fused/amx-inl.h) on operands packed per tile; the
   // accumulators then have arows = rows rounded up to 16 rows per slot.
-  bool bf16 = false, pair_layout = false, amx = false;
+  bool bf16 = false, pair_layout = false, even_odd = false, amx = false;
   Bf16Path path = Bf16Path::portable;
   Bf16Kernel kernel{};
   float alpha = 0;

@@ -25,9 +25,9 @@
 //    tile·E (and tile·Ev) elements, or in a paged cache the runs of the
 //    pages it spans (at most kMaxRuns), so paged and contiguous caches give
 //    the same bits and small pages do not make short tiles. Scores: a register block of
-//    up to 4 rows × 2 keys, E accumulated in vectors (the key vector is
-//    converted once and used by the 4 rows), the 8 sums reduced across lanes
-//    together by a transposing tree at the end; then the online-softmax step per row (in base 2: the queries are
+//    up to 4 rows × 2 keys (4 keys on AVX-512, ScoreKeys), E accumulated in
+//    vectors (the key vector is converted once and used by the 4 rows), the
+//    sums reduced across lanes four at a time by a transposing tree at the end; then the online-softmax step per row (in base 2: the queries are
 //    pre-multiplied by scale·log2(e)); then acc += P·V with a register block
 //    of up to 4 rows × a strip of value vectors (as wide as half the
 //    vector registers allow: 4 vectors for 4 rows on AVX-512), each value
@@ -53,11 +53,16 @@
 //    next, 16 keys of each in turn, so K and V are two steady streams, each
 //    prefetched ahead of its own loop (ChunkT; 0-20% less time on Zen 4).
 //  * Storage types: float16 and bfloat16 are widened in registers
-//    (F16C / AVX-512 conversions, a shift for bfloat16, portable code on
-//    other targets); the data never exists as float32 in memory. The
-//    products and their order are those of the float32 kernel on the
-//    widened values, so a half-precision cache gives the float32 call's
-//    result on the rounded values, bit for bit. Queries
+//    (F16C / AVX-512 conversions; bfloat16 keys by one zero-masked VPERMW
+//    on AVX-512, a shift elsewhere; portable code on other targets); the
+//    data never exists as float32 in memory. A bfloat16 value row is read
+//    as 32-bit feature pairs, a shift giving the even and an AND the odd
+//    features (no shuffle), so its accumulators hold each block of
+//    2·Lanes features even first, then odd, until Finalize writes them
+//    (EvenOddPosition, vectors-inl.h). The products and their order are
+//    those of the float32 kernel on the widened values, so a
+//    half-precision cache gives the float32 call's result on the rounded
+//    values, bit for bit. Queries
 //    stay float32: products are float32 × (exactly widened) stored values,
 //    the contract "exact for the stored precision"; a native bf16 dot
 //    (vdpbf16ps) would round q, so every target widens (docs/decode.md).
@@ -523,8 +528,8 @@ void Finalize(const Call& c, const Unit& u, const float* acc, const os::State<fl
     const float inv = bad ? qnan : f.inv_sum;
     float* dst = &c.out(u.b, h, i, 0);
     int64_t e = 0;
-    if (c.pair_layout)  // the AVX512_BF16 products' order of the features (bf16.hpp)
-      for (; e < p.Ev; ++e) dst[e * se] = o[decode_pair_position(e)] * inv;
+    if (c.pair_layout || c.even_odd)  // the features in the AVX512_BF16 products' order (bf16.hpp), or even/odd
+      for (; e < p.Ev; ++e) dst[e * se] = o[c.pair_layout ? decode_pair_position(e) : EvenOddPosition(e, p.Ev)] * inv;
     if (se == 1)
       for (const VF vinv = hn::Set(d, inv); e + N <= p.Ev; e += N)
         hn::StoreU(hn::Mul(hn::Load(d, o + e), vinv), d, dst + e);
@@ -561,6 +566,7 @@ void ForwardImpl(const Problem& p, const KVLayout& kv, View4<const float> q, Vie
   Call c{&p, &kv, q, out, lse, plan, round_up(p.E, lanes), round_up(p.Ev, lanes), round_up(plan.tile, lanes)};
   c.arows = plan.rows;
   std::vector<float> zeros;  // a value row of zeros, in any storage type
+  c.even_odd = kv.type == Dtype::bfloat16 && !p.bf16_products;  // the exact value loop's order (LoadValues)
   // bfloat16 products, but for float16 storage (decode/bf16.hpp: rounding
   // its values would cost more than the products save).
   if (p.bf16_products && kv.type != Dtype::float16) {

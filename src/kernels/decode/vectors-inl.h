@@ -14,6 +14,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "kernels/decode/decode.hpp"
 
@@ -32,8 +33,18 @@ HWY_INLINE VF LoadF(DF d, const hwy::float16_t* HWY_RESTRICT p) {
   return hn::PromoteTo(d, hn::LoadU(dh, p));
 }
 HWY_INLINE VF LoadF(DF d, const hwy::bfloat16_t* HWY_RESTRICT p) {
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
+  // One VPERMW with zero masking puts word i into the high half of dword i
+  // (PromoteTo: VPMOVZXWD, then a shift).
+  (void)d;
+  const __m512i idx = _mm512_set_epi16(15, 0, 14, 0, 13, 0, 12, 0, 11, 0, 10, 0, 9, 0, 8, 0, 7, 0, 6, 0, 5, 0, 4, 0,
+                                       3, 0, 2, 0, 1, 0, 0, 0);
+  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return VF{_mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(0xAAAAAAAAu, idx, _mm512_castsi256_si512(x)))};
+#else
   const hn::Rebind<hwy::bfloat16_t, DF> db;
   return hn::PromoteTo(d, hn::LoadU(db, p));
+#endif
 }
 // The first n (< N) elements, zeros after them; never reads past p + n.
 template <class T>
@@ -42,6 +53,46 @@ HWY_INLINE VF LoadTail(DF d, const T* p, int64_t n) {
   std::memset(static_cast<void*>(buf), 0, sizeof(buf));
   std::memcpy(static_cast<void*>(buf), p, size_t(n) * sizeof(T));
   return LoadF(d, buf);
+}
+
+// The value loop's loads: NV vectors of a value row from p, float32 and
+// float16 widened in order (vector c: the features cN .. cN + N − 1). A
+// bfloat16 row is read as 32-bit words, each a pair of features (2i, 2i + 1):
+// the word shifted left by 16 is the even feature as a float32, the word with
+// its low half cleared the odd one, one shift and one AND per 2N features
+// and no shuffle (PromoteTo costs a shuffle and a shift per N). So for
+// bfloat16 each pair of vectors (2i, 2i + 1) holds the even, then the odd
+// features of the 2N from p + 2iN: the accumulators keep that order
+// (EvenOddPosition) until the kernel writes the output, and each element
+// still sums its keys in order, so the bits are those of the float32 loop.
+// TAIL: one vector of the first n (< N) features, in order.
+template <class T>
+constexpr bool kEvenOdd = std::is_same_v<T, hwy::bfloat16_t>;
+template <int NV, bool TAIL, class T>
+HWY_INLINE void LoadValues(DF d, const T* HWY_RESTRICT p, int64_t n, VF (&v)[NV]) {
+  const int64_t N = int64_t(hn::Lanes(d));
+  if constexpr (TAIL) {
+    v[0] = LoadTail(d, p, n);
+  } else if constexpr (kEvenOdd<T> && NV % 2 == 0) {
+    const hn::RebindToUnsigned<DF> du;
+    const auto odd = hn::Set(du, 0xFFFF0000u);
+    for (int i = 0; i < NV / 2; ++i) {
+      const auto x = hn::LoadU(du, reinterpret_cast<const uint32_t*>(p + 2 * i * N));
+      v[2 * i] = hn::BitCast(d, hn::ShiftLeft<16>(x));
+      v[2 * i + 1] = hn::BitCast(d, hn::And(x, odd));
+    }
+  } else {
+    for (int c = 0; c < NV; ++c) v[c] = LoadF(d, p + c * N);
+  }
+}
+
+// Where the exact value loop keeps feature e of a bfloat16 value row of Ev
+// features in its accumulator row (LoadValues): in each whole block of 2N
+// features the even ones first, then the odd ones; the features past the
+// last whole block in order. (One lane: the order of the features.)
+HWY_INLINE int64_t EvenOddPosition(int64_t e, int64_t Ev) {
+  const int64_t N = Lanes(), f = e % (2 * N);
+  return e >= Ev / (2 * N) * (2 * N) ? e : e - f + (f % 2 ? N : 0) + f / 2;
 }
 
 // n stored elements widened to float32, a vector at a time (the bulk path of
