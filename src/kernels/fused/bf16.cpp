@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <new>
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
@@ -94,11 +95,11 @@ constexpr int64_t kKeyBlock = 64;
 template <class A, class T>
 bool pack_keys(const Problem& p, const SdpaArgs<T>& a, int64_t b, int64_t hk, int64_t j0, int64_t j1, A* k, A* vt,
                int64_t E2, int64_t ldvt, uint8_t* bad_keys) {
-  std::vector<uint16_t> kr(std::is_same_v<A, uint16_t> ? 0 : size_t(p.E)), vr(size_t((j1 - j0) * p.Ev));
+  constexpr bool bits = std::is_same_v<A, uint16_t>;  // k's rows take the bits as they are rounded
+  std::vector<uint16_t> kr(bits ? 0 : size_t(p.E)), vr(size_t((j1 - j0) * p.Ev));
   bool any = false;
   for (int64_t j = j0; j < j1; ++j) {
     uint16_t* v = vr.data() + (j - j0) * p.Ev;
-    constexpr bool bits = std::is_same_v<A, uint16_t>;  // k's rows take the bits as they are rounded
     uint16_t* kb = bits ? reinterpret_cast<uint16_t*>(k + j * E2) : kr.data();
     const bool bad = operand_row(&a.k(b, hk, j, 0), a.k.strides[3], p.E, kb) |
                      operand_row(&a.v(b, hk, j, 0), a.v.strides[3], p.Ev, v);
@@ -113,7 +114,7 @@ bool pack_keys(const Problem& p, const SdpaArgs<T>& a, int64_t b, int64_t hk, in
       for (int64_t e = 0; e < p.E; ++e) k[j * E2 + e] = element<A>(kr[size_t(e)]);
   }
   int64_t e8 = 0;  // the block transposed: contiguous writes
-  if constexpr (std::is_same_v<A, uint16_t>)
+  if constexpr (bits)
     e8 = transpose8(vr.data(), p.Ev, j1 - j0, p.Ev, vt + j0, ldvt);
   for (int64_t e = 0; e < p.Ev; ++e)
     for (int64_t j = e < e8 ? j0 + (j1 - j0) / 8 * 8 : j0; j < j1; ++j)
@@ -142,6 +143,7 @@ OperandBuffer::OperandBuffer(size_t bytes, bool zeroed) {
   } else {
     cap_ = bytes;
     p_ = hwy::AllocateAligned<std::byte>(bytes);
+    if (!p_) throw std::bad_alloc();
   }
   if (zeroed) std::memset(p_.get(), 0, bytes);
 }
