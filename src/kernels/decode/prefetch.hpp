@@ -5,6 +5,8 @@
 
 #include <cstdint>
 
+#include "kernels/prefetch.hpp"
+
 namespace attn::detail::decode_common {
 
 // Starts loading n rows of `bytes` bytes, `stride` bytes apart, into the L2
@@ -18,7 +20,7 @@ namespace attn::detail::decode_common {
 // on Zen 3 or Intel.
 inline void PrefetchRows(const char* p, int64_t stride, int64_t n, int64_t bytes) {
   for (int64_t j = 0; j < n; ++j, p += stride)
-    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + o, /*rw=*/0, /*locality=*/2);
+    for (int64_t o = 0; o < bytes; o += 64) PrefetchL2(p + o);
 }
 
 // Rows to start loading while a loop over keys runs (a.p = nullptr: none).

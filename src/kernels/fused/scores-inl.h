@@ -19,8 +19,6 @@
 #include <cstring>
 #include <vector>
 
-#include <hwy/cache_control.h>
-
 #include "attn/sdpa.hpp"
 #include "kernels/fused/common.hpp"
 #include "kernels/fused/fused.hpp"
@@ -28,6 +26,7 @@
 #include "kernels/fused/simd-inl.h"
 #include "kernels/fused/pipeline-inl.h"
 #include "kernels/fused/tiles.hpp"
+#include "kernels/prefetch.hpp"
 
 HWY_BEFORE_NAMESPACE();
 namespace attn::detail {
@@ -150,7 +149,7 @@ constexpr int64_t kAhead = 8;
 void PrefetchRow(const float* row, int64_t F, int64_t sf) {
   if (sf != 1) return;  // element-strided rows: one line per element, not worth it
   const char* p = reinterpret_cast<const char*>(row);
-  for (int64_t o = 0; o < F * int64_t(sizeof(float)); o += 64) hwy::Prefetch(p + o);
+  for (int64_t o = 0; o < F * int64_t(sizeof(float)); o += 64) PrefetchL1(p + o);
 }
 
 // Row-major copy of nk rows of a (B, Hx, N, F) view into dst [nk × ld].
