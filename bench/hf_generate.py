@@ -22,7 +22,6 @@ import statistics
 import sys
 import time
 
-os.environ.setdefault("OMP_WAIT_POLICY", "passive")  # torch's and attn's OpenMP threads take turns
 os.environ.setdefault("TQDM_DISABLE", "1")
 
 import torch
@@ -71,6 +70,17 @@ class TimedUpdate:
             return out
 
         cache_utils.Cache.update = update
+
+
+def openmp_runtimes() -> str:
+    """How many OpenMP runtimes this process loaded (torch's wheel ships its
+    own libgomp; with one runtime loaded, torch and attn share its threads)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            libs = {line.split()[-1] for line in maps if "libgomp" in line or "libiomp" in line}
+    except OSError:
+        return "OpenMP runtimes unknown"
+    return f"{len(libs)} OpenMP runtime{'s' if len(libs) != 1 else ''} loaded"
 
 
 def run(model, ids, new_tokens, impl, timed, cache, updates):
@@ -153,7 +163,8 @@ def main(argv=None):
     AttentionInterface.register("attn_timed", timed["attn"])
     masking_utils.AttentionMaskInterface.register("attn_timed", attn.hf.mask_rules)
     print(f"SmolLM2-135M-Instruct, prompt {ids.shape[1]} tokens, {args.new_tokens} new tokens, "
-          f"{torch.get_num_threads()} torch threads")
+          f"{torch.get_num_threads()} torch threads, OMP_WAIT_POLICY "
+          f"{os.environ.get('OMP_WAIT_POLICY') or 'unset'}, {openmp_runtimes()}")
     print(f"{'configuration':<28} {'prefill s':>9} {'tokens/s':>9} {'attn ms/token':>13} {'+ update':>9}  tokens")
     step = layer_step(ids.shape[1])
     updates = TimedUpdate()
