@@ -96,6 +96,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -625,22 +626,30 @@ void ForwardImpl(const Problem& p, const KVLayout& kv, View4<const float> q, Vie
   std::vector<int64_t> unit_block(units.size());
   for (size_t k = 0; k < blocks.size(); ++k)
     for (int64_t i = 0; i < blocks[k].count; ++i) unit_block[size_t(blocks[k].first + i)] = int64_t(k);
-  const int64_t nunits = int64_t(units.size()), nblocks = int64_t(blocks.size());
+  // A split block is merged by the thread that finishes its last chunk (the
+  // chunks' partials are merged in chunk order whoever runs them), so the
+  // threads meet once, at the end: no barrier between the units and the
+  // merges, which under OMP_WAIT_POLICY=passive cost a sleeping thread's
+  // wake-up of about 25 µs a call (an empty parallel region after 1 ms idle,
+  // Emerald Rapids VM). The counter's acquire-release decrement makes the
+  // other chunks' partials visible to the merging thread.
+  std::vector<std::atomic<int64_t>> chunks_left(blocks.size());
+  for (size_t k = 0; k < blocks.size(); ++k) chunks_left[k].store(blocks[k].count, std::memory_order_relaxed);
+  const int64_t nunits = int64_t(units.size());
   const int threads = plan.serial ? 1 : int(std::min<int64_t>(p.threads, nunits));
 #pragma omp parallel num_threads(std::max(threads, 1))
   {
     const FlushToZero ftz;  // as the fused kernels (kernels/fused/common.hpp)
     Scratch w(c);
     const TileThread tiles(c);  // AMX: the tile configuration of this thread
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, 1) nowait
     for (int64_t i = 0; i < nunits; ++i) {
-      const Block& blk = blocks[size_t(unit_block[size_t(i)])];
+      const int64_t k = unit_block[size_t(i)];
+      const Block& blk = blocks[size_t(k)];
       run_unit(w, blk, i - blk.first);
+      if (blk.count > 1 && chunks_left[size_t(k)].fetch_sub(1, std::memory_order_acq_rel) == 1)
+        MergeBlock(c, units[size_t(blk.first)], blk, pacc.get(), pst.data(), pnan.data());
     }
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t k = 0; k < nblocks; ++k)
-      if (blocks[size_t(k)].count > 1)
-        MergeBlock(c, units[size_t(blocks[size_t(k)].first)], blocks[size_t(k)], pacc.get(), pst.data(), pnan.data());
   }
 }
 
