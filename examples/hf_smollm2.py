@@ -19,9 +19,12 @@ import sys
 import time
 
 os.environ.setdefault("TQDM_DISABLE", "1")  # the GGUF loader's progress bars
-# torch and attn each have an OpenMP runtime: threads that spin after a region
-# would take the cores from the other's next one (README.md, "Threads").
-os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+# A generation step is many short parallel regions, torch's and attn's, on
+# one OpenMP runtime (whichever libgomp loads first serves both): a waiting
+# thread spins briefly before it sleeps, as in `attn generate` (README.md,
+# "Threads"), unless the environment says otherwise.
+if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+    os.environ["GOMP_SPINCOUNT"] = "10000"
 
 import torch
 import transformers
