@@ -6,7 +6,7 @@
 // whose only statements were the builtin, as loops without effects, so the
 // kernels issued no prefetch at all (objdump of decode.cpp.o: no prefetch
 // instruction in the score or value loops). A volatile asm is never deleted.
-Other architectures keep the builtin (the test prefetch_emitted checks x86).
+// Other architectures keep the builtin (the test prefetch_emitted checks x86).
 #pragma once
 
 namespace attn::detail {
