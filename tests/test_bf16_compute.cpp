@@ -201,12 +201,19 @@ TEST(Bf16Compute, ItsPlanKeepsThePromises) {
       p.B = p.H = p.Hkv = 1, p.L = p.S = n, p.E = p.Ev = e, p.bf16_products = true;
       const detail::FusedPlan t = detail::fused_plan_bf16(p), f = detail::fused_plan(p);
       EXPECT_EQ(t.q_block, f.q_block);
-      EXPECT_EQ(t.k_block % detail::kRowMultiple, 0) << n << " " << e;
-      EXPECT_GE(t.k_block, f.k_block);
-      EXPECT_LE(t.k_block, (n + detail::kRowMultiple - 1) / detail::kRowMultiple * detail::kRowMultiple);
-      for (int64_t lanes : {4, 8, 16})
-        EXPECT_LE(detail::ForwardScratch(p, t, lanes, detail::Alloc::no).bytes(), detail::kScratchBudgetBytes)
-            << n << " " << e << " " << lanes;
+      // The AMX paths' plan: 192-query blocks from L = 2048, key tiles at
+      // least as long as the other paths'.
+      const detail::FusedPlan a = detail::fused_plan_bf16(p, true);
+      EXPECT_EQ(a.q_block, n >= 2048 ? 192 : f.q_block) << n << " " << e;
+      EXPECT_GE(a.k_block, t.k_block) << n << " " << e;
+      for (const detail::FusedPlan& x : {t, a}) {
+        EXPECT_EQ(x.k_block % detail::kRowMultiple, 0) << n << " " << e;
+        EXPECT_GE(x.k_block, f.k_block);
+        EXPECT_LE(x.k_block, (n + detail::kRowMultiple - 1) / detail::kRowMultiple * detail::kRowMultiple);
+        for (int64_t lanes : {4, 8, 16})
+          EXPECT_LE(detail::ForwardScratch(p, x, lanes, detail::Alloc::no).bytes(), detail::kScratchBudgetBytes)
+              << n << " " << e << " " << lanes;
+      }
       // The backward's: these blocks rounded up to whole pairs of rows and
       // keys and whole 16-row AMX tiles (multiples of 32).
       const detail::FusedPlan bw = detail::fused_backward_plan_bf16(p);
@@ -402,6 +409,29 @@ TEST(Bf16Compute, AnyThreadCountGivesTheSameBits) {
             << spec.str() << " " << threads << " threads on " << detail::bf16_path_name(path);
       }
     }
+  }
+}
+
+// Long sequences on the AMX paths take 192-query blocks and key tiles of up
+// to 384 (fused_plan_bf16): within the bound of the rounded reference, and
+// the same bits for any thread count.
+TEST(Bf16Compute, TheTilePathsLongSequencePlanKeepsTheBound) {
+  RandomSpec spec = shape_spec(1, 2, 1, 2100, 800, 16, 8);
+  spec.causal = true, spec.align = CausalAlign::bottom_right, spec.seed = 31;
+  const SdpaCase<float> c(spec);
+  const detail::FusedPlan t = detail::fused_plan_bf16(detail::make_problem(c.args, c.opt), true);
+  ASSERT_EQ(t.q_block, 192);
+  ASSERT_LT(t.k_block, spec.S);  // more than one key tile
+  const Ref r = reference(c.args, c.opt);
+  std::vector<Bf16Path> paths{Bf16Path::amx_emulated};
+  if (detail::bf16_path_available(Bf16Path::amx)) paths.push_back(Bf16Path::amx);
+  for (Bf16Path path : paths) {
+    const Fwd one = forward_on(path, c.args, c.opt);
+    EXPECT_TRUE(within_bound(one, r, spec.E, spec.softcap, false, spec.str() + " on " + detail::bf16_path_name(path)));
+    SdpaOptions o = c.opt;
+    o.num_threads = 3;
+    const Fwd more = forward_on(path, c.args, o);
+    EXPECT_TRUE(same_bits(one.out, more.out) && same_bits(one.lse, more.lse)) << detail::bf16_path_name(path);
   }
 }
 

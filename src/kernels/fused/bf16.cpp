@@ -267,7 +267,7 @@ void fused_forward_bf16_tiled(const Problem& p, const SdpaArgs<T>& a, View4<floa
 template <class T>
 void fused_forward_bf16(const Problem& p, const SdpaArgs<T>& a, View4<float> out, View4<float> weights,
                         View3<float> lse, Bf16Path path) {
-  fused_forward_bf16_tiled(p, a, out, weights, lse, path, fused_plan_bf16(p));
+  fused_forward_bf16_tiled(p, a, out, weights, lse, path, fused_plan_bf16(p, bf16_tile_path(path)));
 }
 
 void fused_backward_bf16_tiled(const Problem& p, const SdpaArgs<float>& a, View4<const float> dout,
@@ -278,7 +278,7 @@ void fused_backward_bf16_tiled(const Problem& p, const SdpaArgs<float>& a, View4
   const Bf16Operands ops(pb, a, bf16_kernel(path));
   // The saved state; recomputed by the bfloat16 forward when not given.
   const SavedState st(pb, out, lse, [&](View4<float> o, View3<float> l) {
-    fused_forward_bf16_ops(pb, ops, o, {}, l, fused_plan_bf16(p));
+    fused_forward_bf16_ops(pb, ops, o, {}, l, fused_plan_bf16(p, bf16_tile_path(path)));
   });
   const Bf16BackwardOperands qo(pb, ops, dout, st.out, st.lse);
   fused_backward_bf16_ops(pb, ops, qo, a, dout, g, st.out, st.lse, t);

@@ -56,6 +56,9 @@ enum class Bf16Path {
   amx_emulated,  // the AMX path's code on the plain C++ emulation of its tiles (tests only)
 };
 const char* bf16_path_name(Bf16Path path);
+// Whether the path's products run on AMX tiles, native or emulated (the
+// forward's plan: fused_plan_bf16).
+inline bool bf16_tile_path(Bf16Path path) { return path == Bf16Path::amx || path == Bf16Path::amx_emulated; }
 // Whether this CPU (and for AMX, the operating system's permission) runs it.
 bool bf16_path_available(Bf16Path path);
 // The fastest available path: AMX, else AVX512_BF16 on AMD CPUs, else
@@ -196,7 +199,7 @@ struct Bf16BackwardOperands {
 };
 
 // The forward with bfloat16 products on `path` (T: float, float16_t or
-// bfloat16_t inputs; everything else float32), on fused_plan_bf16(p) or a
+// bfloat16_t inputs; everything else float32), on its fused_plan_bf16 or a
 // given plan. Results are the same bits for any thread count.
 template <class T>
 void fused_forward_bf16(const Problem& p, const SdpaArgs<T>& a, View4<float> out, View4<float> weights,

@@ -42,8 +42,9 @@ struct FusedPlan {
 // sizes up to 256.
 FusedPlan fused_plan(const Problem& p);
 // The plan of the forward with bfloat16 products (bf16.hpp), whose key and
-// value operands are bfloat16: the same promises.
-FusedPlan fused_plan_bf16(const Problem& p);
+// value operands are bfloat16: the same promises. `tiles`: the products run
+// on AMX tiles (native or emulated), which take larger blocks.
+FusedPlan fused_plan_bf16(const Problem& p, bool tiles = false);
 // The plan of the backward with bfloat16 products: fused_plan_bf16's, both
 // blocks rounded up to a multiple of 32 (whole pairs of rows and keys, and
 // whole 16-row tiles of the AMX products).
