@@ -220,6 +220,10 @@ TEST(Bf16Compute, ItsPlanKeepsThePromises) {
       EXPECT_TRUE(bw.q_block % 32 == 0 && bw.q_block >= t.q_block && bw.q_block < t.q_block + 32) << n << " " << e;
       EXPECT_TRUE(bw.k_block % 32 == 0 && bw.k_block >= t.k_block && bw.k_block < t.k_block + 32) << n << " " << e;
       EXPECT_EQ(bw.own_heads, t.own_heads);
+      // On AMX tiles, heads of E + Ev >= 256 take the tile forward's key tiles.
+      const detail::FusedPlan bt = detail::fused_backward_plan_bf16(p, true);
+      EXPECT_EQ(bt.q_block, bw.q_block);
+      EXPECT_EQ(bt.k_block, e >= 128 ? (a.k_block + 31) / 32 * 32 : bw.k_block) << n << " " << e;
     }
 }
 
@@ -769,7 +773,8 @@ BwdRef backward_reference(const SdpaArgs<float>& a, const SdpaOptions& opt, cons
 
 // The backward's cases: the forward's (no soft-cap: this reference leaves
 // out its derivative, which the float32 code shares), one with enough
-// (batch, kv head) pairs for the plan's one-unit-per-head split, and dropout.
+// (batch, kv head) pairs for the plan's one-unit-per-head split, one with
+// two of the AMX paths' key tiles, and dropout.
 std::vector<RandomSpec> backward_specs() {
   std::vector<RandomSpec> specs = forward_specs();
   for (RandomSpec& s : specs) s.softcap = 0;
@@ -778,6 +783,10 @@ std::vector<RandomSpec> backward_specs() {
   specs.push_back(s);
   s = shape_spec(1, 2, 1, 300, 310, 64, 32);
   s.window = {90, 20}, s.seed = 201;
+  specs.push_back(s);
+  // Two key tiles of the AMX paths' plan for heads of 128 (384 keys).
+  s = shape_spec(1, 1, 1, 96, 420, 128, 128);
+  s.causal = true, s.align = CausalAlign::bottom_right, s.seed = 202;
   specs.push_back(s);
 #ifdef ATTN_TESTS_UNDER_SANITIZER
   // The double references of the large shapes take longer than a test may

@@ -286,7 +286,7 @@ void fused_backward_bf16_tiled(const Problem& p, const SdpaArgs<float>& a, View4
 
 void fused_backward_bf16(const Problem& p, const SdpaArgs<float>& a, View4<const float> dout,
                          const SdpaGrads<float>& g, View4<const float> out, View3<const float> lse, Bf16Path path) {
-  fused_backward_bf16_tiled(p, a, dout, g, out, lse, path, fused_backward_plan_bf16(p));
+  fused_backward_bf16_tiled(p, a, dout, g, out, lse, path, fused_backward_plan_bf16(p, bf16_tile_path(path)));
 }
 
 void bf16_gemm(Bf16Path path, int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,

@@ -214,7 +214,7 @@ void fused_forward_bf16_ops(const Problem& p, const Bf16Operands& ops, View4<flo
 // The backward with bfloat16 products on `path` (bf16-inl.h: S = Q·Kᵀ as
 // the forward's, dP = dY·Vᵀ, dV += Pᵀ·dY, dK += dSᵀ·Q, dQ += dS·K, each on
 // bfloat16 operands into float32 sums; dY rounded to bfloat16, P and dS
-// float32 until they enter a product), on fused_backward_plan_bf16(p) or a
+// float32 until they enter a product), on its fused_backward_plan_bf16 or a
 // given plan. out and lse: the bfloat16 forward's (recomputed when empty).
 // float16 and bfloat16 inputs come widened (exactly) to float32.
 void fused_backward_bf16(const Problem& p, const SdpaArgs<float>& a, View4<const float> dout,

@@ -47,8 +47,9 @@ FusedPlan fused_plan(const Problem& p);
 FusedPlan fused_plan_bf16(const Problem& p, bool tiles = false);
 // The plan of the backward with bfloat16 products: fused_plan_bf16's, both
 // blocks rounded up to a multiple of 32 (whole pairs of rows and keys, and
-// whole 16-row tiles of the AMX products).
-FusedPlan fused_backward_plan_bf16(const Problem& p);
+// whole 16-row tiles of the AMX products); on AMX tiles (`tiles`), heads of
+// E + Ev >= 256 take the key tiles of fused_plan_bf16(p, true).
+FusedPlan fused_backward_plan_bf16(const Problem& p, bool tiles = false);
 
 // Whether a scratch only measures its layout or also allocates it.
 enum class Alloc { no, yes };
