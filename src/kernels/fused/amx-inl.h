@@ -55,16 +55,24 @@ void AmxBlock(int64_t K, const uint16_t* A, int64_t lda, const uint32_t* B, int6
     if constexpr (MT > 1) Tiles::template zero<2>();
     if constexpr (MT > 1 && NT > 1) Tiles::template zero<3>();
   }
+  // Each operand tile of the next 32 elements of K is loaded as soon as the
+  // last product reading its register has been issued (tile registers are
+  // not renamed: a load waits for the products before it that read its
+  // register), so the loads overlap the remaining products of the step.
+  Tiles::template load<4>(A, sa);
+  if constexpr (MT > 1) Tiles::template load<5>(A + 16 * lda, sa);
+  Tiles::template load<6>(B, sb);
+  if constexpr (NT > 1) Tiles::template load<7>(B + 16, sb);
   for (int64_t k0 = 0; k0 < K; k0 += 32) {
-    const uint32_t* b = B + (k0 / 2) * ldb;
-    Tiles::template load<4>(A + k0, sa);
-    if constexpr (MT > 1) Tiles::template load<5>(A + 16 * lda + k0, sa);
-    Tiles::template load<6>(b, sb);
-    if constexpr (NT > 1) Tiles::template load<7>(b + 16, sb);
+    const bool more = k0 + 32 < K;
     Tiles::template dp<0, 4, 6>();
-    if constexpr (NT > 1) Tiles::template dp<1, 4, 7>();
     if constexpr (MT > 1) Tiles::template dp<2, 5, 6>();
+    if (more) Tiles::template load<6>(B + ((k0 + 32) / 2) * ldb, sb);
+    if constexpr (NT > 1) Tiles::template dp<1, 4, 7>();
+    if (more) Tiles::template load<4>(A + k0 + 32, sa);
     if constexpr (MT > 1 && NT > 1) Tiles::template dp<3, 5, 7>();
+    if constexpr (MT > 1) if (more) Tiles::template load<5>(A + 16 * lda + k0 + 32, sa);
+    if constexpr (NT > 1) if (more) Tiles::template load<7>(B + ((k0 + 32) / 2) * ldb + 16, sb);
   }
   Tiles::template store<0>(C, sc);
   if constexpr (NT > 1) Tiles::template store<1>(c1, sc);
