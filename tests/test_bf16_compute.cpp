@@ -151,8 +151,12 @@ TEST(Bf16Gemm, ProbabilityPairsRoundAsOperands) {
 // compiled target: masked (−∞) and poisoned (NaN) scores, results that
 // round to a subnormal, odd key counts, pairs of zeros up to K. Most
 // vectors hold no special score (the pass's short rounding, for normal P),
-// and every fourth row sits at its edge (s − shift from −126 up).
+// and every fourth row sits at its edge (s − shift from −126 up). Where
+// the CPU has AVX512_BF16, its VCVTNE2PS2BF16 pairs too.
 TEST(Bf16Gemm, ExponentialsGoStraightIntoThePairs) {
+  std::vector<bool> cvts{false};
+  if (detail::bf16_path_available(Bf16Path::avx512_bf16)) cvts.push_back(true);
+  for (const bool cvt : cvts) {
   std::mt19937_64 rng(13);
   std::uniform_real_distribution<float> score(-40.0f, 2.0f);
   const float specials[] = {-std::numeric_limits<float>::infinity(), kNaNf, -126.7f, -126.2f, -130.0f, 0.0f};
@@ -175,8 +179,9 @@ TEST(Bf16Gemm, ExponentialsGoStraightIntoThePairs) {
           for (int64_t j = 0; j < nk; ++j)
             for (int64_t r = 0; r < ld; ++r) x[size_t(j * ld + r)] = st[size_t(j * ld + r)] - shift[size_t(r)];
           detail::fused_exp2(x.data(), p.data(), int64_t(n));
-          detail::bf16_exp_pairs(st.get(), ld, nk, K, nrp, shift.get(), tsum.get(), pp.get());
-          const std::string at = "nrp=" + std::to_string(nrp) + " nk=" + std::to_string(nk) + " K=" + std::to_string(K);
+          detail::bf16_exp_pairs(st.get(), ld, nk, K, nrp, shift.get(), tsum.get(), pp.get(), cvt);
+          const std::string at = "nrp=" + std::to_string(nrp) + " nk=" + std::to_string(nk) + " K=" + std::to_string(K) +
+                                 (cvt ? " VCVTNE2PS2BF16" : "");
           for (int64_t r = 0; r < nrp; ++r) {
             float want = 0.0f;
             for (int64_t j = 0; j < nk; ++j) want += p[size_t(j * ld + r)];
@@ -190,6 +195,7 @@ TEST(Bf16Gemm, ExponentialsGoStraightIntoThePairs) {
           }
         }
   });
+  }
 }
 
 // The bfloat16 forward's plan: fused_plan's promises (tiles.hpp), key tiles at

@@ -87,6 +87,7 @@ struct Bf16Kernel {
   int64_t mpad = 1;            // M a multiple of this (and A readable that far)
   bool a_float = false;        // A holds float32 values (the portable path) rather than bfloat16 bits
   Bf16Pairs pairs = nullptr;   // null: the running SIMD target's (the same bits)
+  bool vcvtne2ps2bf16 = false;  // the CPU has it: the forward's exponentials round their pairs with it
   void (*thread_begin)() = nullptr;  // per thread, before its first product (AMX: the tile configuration)
   void (*thread_end)() = nullptr;
 };
@@ -240,9 +241,9 @@ void bf16_portable_gemm(int64_t M, int64_t N, int64_t K, const void* A, int64_t 
 // probability pairs, on the running SIMD target (fused.cpp; for its test):
 // P = 2^(st − shift) for the tile's nk rows, tsum[r] = Σ over the rows of
 // P (float32, in key order), pp as Bf16Pairs leaves it for P; nrp a
-// multiple of the lane count.
+// multiple of the lane count. vcvtne2ps2bf16: as Bf16Kernel's (the same bits).
 void bf16_exp_pairs(const float* st, int64_t ld, int64_t nk, int64_t K, int64_t nrp, const float* shift, float* tsum,
-                    uint32_t* pp);
+                    uint32_t* pp, bool vcvtne2ps2bf16 = false);
 
 // Rows rounded to bfloat16 operands (bf16_operand) on the running SIMD
 // target: x[0, n) to bits at dst (returns whether one is ±∞ or NaN); two

@@ -332,12 +332,14 @@ Bf16Kernel bf16_kernel(Bf16Path path) {
 #if ATTN_BF16_X86
       k.gemm = &dp::Gemm;
       k.pairs = &dp::Pairs;
+      k.vcvtne2ps2bf16 = true;
 #endif
       break;
     case Bf16Path::amx:
 #if ATTN_BF16_X86
       k.gemm = &native::AmxGemm<native::Tiles>;
       k.pairs = &dp::Pairs;
+      k.vcvtne2ps2bf16 = true;
       k.thread_begin = &native::AmxBegin<native::Tiles>;
       k.thread_end = &native::AmxEnd<native::Tiles>;
 #endif

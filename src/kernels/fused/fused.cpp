@@ -67,8 +67,8 @@ void PairRowsBf16Impl(const float* HWY_RESTRICT lo, const float* HWY_RESTRICT hi
 }
 
 void ExpPairsImpl(const float* st, int64_t ld, int64_t nk, int64_t K, int64_t nrp, const float* shift, float* tsum,
-                  uint32_t* pp) {
-  ForColumnGroups<ExpPairsOp>(nrp / Lanes(), Lanes(), st, ld, nk, K, shift, tsum, pp);
+                  uint32_t* pp, bool cvt) {
+  ForColumnGroups<ExpPairsOp>(nrp / Lanes(), Lanes(), st, ld, nk, K, shift, tsum, pp, cvt);
 }
 
 }  // namespace
@@ -191,8 +191,8 @@ void fused_gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t ars, in
 }
 
 void bf16_exp_pairs(const float* st, int64_t ld, int64_t nk, int64_t K, int64_t nrp, const float* shift, float* tsum,
-                    uint32_t* pp) {
-  HWY_DYNAMIC_DISPATCH(ExpPairsImpl)(st, ld, nk, K, nrp, shift, tsum, pp);
+                    uint32_t* pp, bool vcvtne2ps2bf16) {
+  HWY_DYNAMIC_DISPATCH(ExpPairsImpl)(st, ld, nk, K, nrp, shift, tsum, pp, vcvtne2ps2bf16);
 }
 
 void fused_exp(const float* x, float* y, int64_t n) { HWY_DYNAMIC_DISPATCH(ExpArray)(x, y, n); }
