@@ -18,6 +18,33 @@
 
 namespace attn::detail {
 
+int64_t transpose8(const uint16_t* src, int64_t lds, int64_t rj, int64_t ce, uint16_t* dst, int64_t ldd) {
+#if defined(__SSE2__)
+  const int64_t ne = ce / 8 * 8, nj = rj / 8 * 8;
+  for (int64_t e = 0; e < ne; e += 8)
+    for (int64_t j = 0; j < nj; j += 8) {
+      __m128i r[8];
+      for (int i = 0; i < 8; ++i) r[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + (j + i) * lds + e));
+      const __m128i a0 = _mm_unpacklo_epi16(r[0], r[1]), a1 = _mm_unpackhi_epi16(r[0], r[1]);
+      const __m128i a2 = _mm_unpacklo_epi16(r[2], r[3]), a3 = _mm_unpackhi_epi16(r[2], r[3]);
+      const __m128i a4 = _mm_unpacklo_epi16(r[4], r[5]), a5 = _mm_unpackhi_epi16(r[4], r[5]);
+      const __m128i a6 = _mm_unpacklo_epi16(r[6], r[7]), a7 = _mm_unpackhi_epi16(r[6], r[7]);
+      const __m128i b0 = _mm_unpacklo_epi32(a0, a2), b1 = _mm_unpackhi_epi32(a0, a2);
+      const __m128i b2 = _mm_unpacklo_epi32(a1, a3), b3 = _mm_unpackhi_epi32(a1, a3);
+      const __m128i b4 = _mm_unpacklo_epi32(a4, a6), b5 = _mm_unpackhi_epi32(a4, a6);
+      const __m128i b6 = _mm_unpacklo_epi32(a5, a7), b7 = _mm_unpackhi_epi32(a5, a7);
+      const __m128i c[8] = {_mm_unpacklo_epi64(b0, b4), _mm_unpackhi_epi64(b0, b4), _mm_unpacklo_epi64(b1, b5),
+                            _mm_unpackhi_epi64(b1, b5), _mm_unpacklo_epi64(b2, b6), _mm_unpackhi_epi64(b2, b6),
+                            _mm_unpacklo_epi64(b3, b7), _mm_unpackhi_epi64(b3, b7)};
+      for (int i = 0; i < 8; ++i) _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (e + i) * ldd + j), c[i]);
+    }
+  return nj > 0 ? ne : 0;
+#else
+  (void)src, (void)lds, (void)rj, (void)ce, (void)dst, (void)ldd;
+  return 0;
+#endif
+}
+
 namespace {
 
 // The operand bits of one input value.
@@ -54,36 +81,6 @@ template <class A>
 A element(uint16_t bits) {
   if constexpr (std::is_same_v<A, float>) return bf16_value(bits);
   else return bits;
-}
-
-// dst[e·ldd + j] = src[j·lds + e] for e < ce, j < rj rounded down to 8s:
-// 8 × 8 blocks of 16-bit values through registers where SSE2 exists; returns
-// ce rounded down to 8 (what it wrote: the rest is the caller's).
-int64_t transpose8(const uint16_t* src, int64_t lds, int64_t rj, int64_t ce, uint16_t* dst, int64_t ldd) {
-#if defined(__SSE2__)
-  const int64_t ne = ce / 8 * 8, nj = rj / 8 * 8;
-  for (int64_t e = 0; e < ne; e += 8)
-    for (int64_t j = 0; j < nj; j += 8) {
-      __m128i r[8];
-      for (int i = 0; i < 8; ++i) r[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + (j + i) * lds + e));
-      const __m128i a0 = _mm_unpacklo_epi16(r[0], r[1]), a1 = _mm_unpackhi_epi16(r[0], r[1]);
-      const __m128i a2 = _mm_unpacklo_epi16(r[2], r[3]), a3 = _mm_unpackhi_epi16(r[2], r[3]);
-      const __m128i a4 = _mm_unpacklo_epi16(r[4], r[5]), a5 = _mm_unpackhi_epi16(r[4], r[5]);
-      const __m128i a6 = _mm_unpacklo_epi16(r[6], r[7]), a7 = _mm_unpackhi_epi16(r[6], r[7]);
-      const __m128i b0 = _mm_unpacklo_epi32(a0, a2), b1 = _mm_unpackhi_epi32(a0, a2);
-      const __m128i b2 = _mm_unpacklo_epi32(a1, a3), b3 = _mm_unpackhi_epi32(a1, a3);
-      const __m128i b4 = _mm_unpacklo_epi32(a4, a6), b5 = _mm_unpackhi_epi32(a4, a6);
-      const __m128i b6 = _mm_unpacklo_epi32(a5, a7), b7 = _mm_unpackhi_epi32(a5, a7);
-      const __m128i c[8] = {_mm_unpacklo_epi64(b0, b4), _mm_unpackhi_epi64(b0, b4), _mm_unpacklo_epi64(b1, b5),
-                            _mm_unpackhi_epi64(b1, b5), _mm_unpacklo_epi64(b2, b6), _mm_unpackhi_epi64(b2, b6),
-                            _mm_unpacklo_epi64(b3, b7), _mm_unpackhi_epi64(b3, b7)};
-      for (int i = 0; i < 8; ++i) _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (e + i) * ldd + j), c[i]);
-    }
-  return nj > 0 ? ne : 0;
-#else
-  (void)src, (void)lds, (void)rj, (void)ce, (void)dst, (void)ldd;
-  return 0;
-#endif
 }
 
 // Keys per work item of the key/value pass (a fixed split).

@@ -286,6 +286,11 @@ void gemm_bf16_tiles(const Bf16Kernel& kern, GemmShape s, bool ta, const float* 
   uint16_t* const a = abuf.as<uint16_t>();
   uint32_t* const b = bbuf.as<uint32_t>();
   const int64_t pa = Mp / kPanel, pb = Np / kPanel;
+  // A transposed: its stored rows (op(A)'s columns) rounded once into a
+  // dense copy, whose panels are then transposed 8 × 8 at a time (rounding
+  // 32-element pieces one call each, then moving them one element at a
+  // time, took longer than the products: 768 × 768 × 2048, one thread).
+  const std::vector<uint16_t> at = ta ? rounded_copy<uint16_t>(A, s.K, s.M, lda, team) : std::vector<uint16_t>();
 #pragma omp parallel for num_threads(team) schedule(static) if (team > 1)
   for (int64_t u = 0; u < (pa + pb) * chunks; ++u) {
     // Chunk-major: consecutive units read the same stored rows of a transposed operand.
@@ -295,12 +300,11 @@ void gemm_bf16_tiles(const Bf16Kernel& kern, GemmShape s, bool ta, const float* 
       const int64_t i0 = panel * kPanel, rows = std::min(kPanel, s.M - i0);
       uint16_t* blk = a + (i0 * Kp + k0 * kPanel);
       for (int64_t ii = 0; !ta && ii < rows; ++ii) bf16_round_row(A + (i0 + ii) * lda + k0, kn, blk + ii * ck);
-      uint16_t t[kPanel][kPanel];  // op(A)'s columns k.. are stored rows: transposed 32 × 32 at a time
-      for (int64_t k = 0; ta && k < kn; k += kPanel) {
-        const int64_t nk = std::min(kPanel, kn - k);
-        for (int64_t kk = 0; kk < nk; ++kk) bf16_round_row(A + (k0 + k + kk) * lda + i0, rows, t[kk]);
+      if (ta) {  // blk[ii][kk] = op(A)[i0 + ii][k0 + kk], the rounded copy's [k0 + kk][i0 + ii]
+        const uint16_t* src = at.data() + k0 * s.M + i0;
+        const int64_t e8 = transpose8(src, s.M, kn, rows, blk, ck), k8 = e8 > 0 ? kn / 8 * 8 : 0;
         for (int64_t ii = 0; ii < rows; ++ii)
-          for (int64_t kk = 0; kk < nk; ++kk) blk[ii * ck + k + kk] = t[kk][ii];
+          for (int64_t kk = ii < e8 ? k8 : 0; kk < kn; ++kk) blk[ii * ck + kk] = src[kk * s.M + ii];
       }
     } else {  // B: ck / 2 pair rows of 32 columns
       const int64_t j0 = (panel - pa) * kPanel, cols = std::min(kPanel, s.N - j0);
