@@ -58,11 +58,11 @@ FusedPlan fused_plan(const Problem& p) { return plan_for(p, 2); }
 FusedPlan fused_plan_bf16(const Problem& p, bool tiles) { return plan_for(p, 1, tiles); }
 
 // On AMX tiles, heads of E + Ev >= 256 take the tile forward's key tiles:
-// at B=1, H=8, L=S=4096, E=128, 2 threads, Emerald Rapids, 96 × 384 took
-// 177-182 ms against 205-214 with 96 × 160 (full), 104-105 against 120
-// (causal); E=256 (L=2048) 102 against 118. At E=64 they were no faster
-// (131 against 130 ms full, 73 against 71 causal), so smaller heads keep
-// theirs.
+// at B=1, H=8, L=S=4096, E=128, 2 threads, Emerald Rapids (medians of 5),
+// 96 × 384 took 153 ms against 185 with 96 × 160 (full), 96 against 114
+// (causal); at E=256, L=S=2048, 96 × 288 took 94 against 108 with 96 × 64.
+// At E=64, 384-key tiles were no faster (131 against 130 ms full, 73
+// against 71 causal), so smaller heads keep theirs.
 FusedPlan fused_backward_plan_bf16(const Problem& p, bool tiles) {
   FusedPlan t = plan_for(p, 1);
   if (tiles && p.E + p.Ev >= 256) t.k_block = plan_for(p, 1, true).k_block;
