@@ -257,8 +257,8 @@ bool dnnl_has_bf16() {
 // gemm_bf16 on AMX tiles (native, or the tests' emulation). The operands
 // are rounded once per call into panels the tiles load whole: A in blocks
 // of 32 rows × kChunk (row-major), B in blocks of kChunk/2 pair rows × 32
-// columns (bf16.hpp's pair layout), K cut into chunks of kChunk elements,
-// everything zero-padded (M and N to 32, K to 32). Each C tile of
+// columns (bf16.hpp's pair layout), K cut into equal chunks of at most
+// kMaxChunk elements (a multiple of 32), everything zero-padded (M and N to 32, K to 32). Each C tile of
 // gemm_tiles runs in blocks of kRows × kCols: per chunk, the path's block
 // product (32 × 32) on each pair of panels, accumulated into a dense block
 // (each element sums its chunks in order, so C's bits do not depend on the
@@ -270,19 +270,24 @@ bool dnnl_has_bf16() {
 // TDPBF16PS, from L2 at 20-28 ns, with its tiles in registers at 5.7 ns
 // (Emerald Rapids, one thread); row-major operands with K = 2048 put a
 // tile's 16 rows 4 KiB apart, in one L1 set. A chunk's A and B panels of a
-// block (128 KiB each) and the block of C (256 KiB) stay in L2. On the
-// layer's products this took 0.73-0.89 of the time of a oneDNN matmul per
-// tile of C (one thread, the packing included).
+// block (up to 512 KiB each) and the block of C (256 KiB) stay in L2. Why
+// long chunks: each block product loads and stores its C tiles and waits
+// for its first and last products; on the layer's products (D = 512, 1024,
+// 2048, 4096 rows, one thread) chunks of up to 1024 took 0.83-0.89 of the
+// time of chunks of 256, and longer ones did no better.
 void gemm_bf16_tiles(const Bf16Kernel& kern, GemmShape s, bool ta, const float* A, int64_t lda, bool tb,
                      const float* B, int64_t ldb, float* C, int64_t ldc, float alpha, float beta, int team) {
-  constexpr int64_t kPanel = 32, kChunk = 256, kRows = 256, kCols = 256;
+  constexpr int64_t kPanel = 32, kMaxChunk = 1024, kRows = 256, kCols = 256;
   const int64_t Mp = round_up(s.M, kPanel), Np = round_up(s.N, kPanel), Kp = round_up(s.K, kern.kpad);
+  const int64_t kChunk = round_up(ceil_div(Kp, ceil_div(Kp, kMaxChunk)), kern.kpad);
   const int64_t chunks = ceil_div(Kp, kChunk);
   const auto chunk_k = [&](int64_t c) { return std::min(kChunk, Kp - c * kChunk); };
   // Row panel p's chunk c starts at (p·Kp + c·kChunk)·32 elements of a, column
   // panel q's at half that in b (dwords); each is copied in the order that
   // reads the stored operand contiguously.
-  const OperandBuffer abuf(size_t(Mp * Kp) * sizeof(uint16_t), true), bbuf(size_t(Np * Kp / 2) * sizeof(uint32_t), true);
+  // Zeroed only where a panel has padding: the copies below write every other element.
+  const OperandBuffer abuf(size_t(Mp * Kp) * sizeof(uint16_t), Mp != s.M || Kp != s.K),
+      bbuf(size_t(Np * Kp / 2) * sizeof(uint32_t), Np != s.N || Kp != s.K);
   uint16_t* const a = abuf.as<uint16_t>();
   uint32_t* const b = bbuf.as<uint32_t>();
   const int64_t pa = Mp / kPanel, pb = Np / kPanel;
@@ -331,8 +336,8 @@ void gemm_bf16_tiles(const Bf16Kernel& kern, GemmShape s, bool ta, const float* 
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < n; ++i) {
       const int64_t r = i / across * t.rows, c0 = i % across * t.cols;
-      // In blocks of at most kBlock × kBlock: a block of C (256 KiB) and its
-      // chunks of A and B (128 KiB each) stay in the L2 cache.
+      // In blocks of at most kRows × kCols: a block of C (256 KiB) and its
+      // chunks of A and B (up to 512 KiB each) stay in the L2 cache.
       for (int64_t r1 = r; r1 < std::min(r + t.rows, s.M); r1 += kRows)
         for (int64_t c1 = c0; c1 < std::min(c0 + t.cols, s.N); c1 += kCols) {
           const int64_t m = std::min({kRows, r + t.rows - r1, s.M - r1});
