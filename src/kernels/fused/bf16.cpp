@@ -87,8 +87,8 @@ A element(uint16_t bits) {
 constexpr int64_t kKeyBlock = 64;
 
 // The k rows and vt columns of keys [j0, j1) of one (b, kv head), A the
-// path's element type; a bad key (in K or V) stays zero. Returns whether
-// one is bad.
+// path's element type; a bad key (in K or V) is zeros, as are k's columns
+// past E. Returns whether one is bad.
 template <class A, class T>
 bool pack_keys(const Problem& p, const SdpaArgs<T>& a, int64_t b, int64_t hk, int64_t j0, int64_t j1, A* k, A* vt,
                int64_t E2, int64_t ldvt, uint8_t* bad_keys) {
@@ -102,9 +102,10 @@ bool pack_keys(const Problem& p, const SdpaArgs<T>& a, int64_t b, int64_t hk, in
                      operand_row(&a.v(b, hk, j, 0), a.v.strides[3], p.Ev, v);
     bad_keys[j] = bad;
     any = any || bad;
+    std::fill(k + j * E2 + p.E, k + (j + 1) * E2, A(0));
     if (bad) {
       std::fill(v, v + p.Ev, uint16_t(0));
-      if constexpr (bits) std::fill(kb, kb + p.E, uint16_t(0));
+      std::fill(k + j * E2, k + j * E2 + p.E, A(0));
       continue;
     }
     if constexpr (!bits)
@@ -176,8 +177,10 @@ Bf16Operands::Bf16Operands(const Problem& p, const SdpaArgs<T>& a, const Bf16Ker
   ldvt = round_up(p.S + 32, 16);
   const int64_t qrows = p.B * p.H * p.L, kvs = p.B * p.Hkv;
   q = OperandBuffer(size_t(qrows * E2) * sizeof(uint16_t), false);  // every row written below
-  k = OperandBuffer(size_t(kvs * krows * E2 * elem()), true);
-  vt = OperandBuffer(size_t(kvs * Evr * ldvt * elem()), true);
+  // k and vt: their padding is zeroed below, with the keys' pass (every
+  // other element is written there).
+  k = OperandBuffer(size_t(kvs * krows * E2 * elem()), false);
+  vt = OperandBuffer(size_t(kvs * Evr * ldvt * elem()), false);
   qbad.assign(size_t(qrows), 0);
   bad_keys.assign(size_t(kvs * p.S), 0);
 
@@ -198,6 +201,14 @@ Bf16Operands::Bf16Operands(const Problem& p, const SdpaArgs<T>& a, const Bf16Ker
   for (int64_t u = 0; u < kvs * nblk; ++u) {
     const int64_t kv = u / nblk, j0 = (u % nblk) * kKeyBlock, j1 = std::min(p.S, j0 + kKeyBlock);
     uint8_t* bad = bad_keys.data() + kv * p.S;
+    if (j0 == 0) {  // the head's padding: k's rows past S, vt's rows past Ev and columns past S
+      const int64_t es = elem();
+      std::byte* kp = k.get() + (kv * krows + p.S) * E2 * es;
+      std::fill(kp, kp + (krows - p.S) * E2 * es, std::byte(0));
+      std::byte* vp = vt.get() + kv * Evr * ldvt * es;
+      for (int64_t e = 0; e < p.Ev; ++e) std::fill(vp + (e * ldvt + p.S) * es, vp + (e + 1) * ldvt * es, std::byte(0));
+      std::fill(vp + p.Ev * ldvt * es, vp + Evr * ldvt * es, std::byte(0));
+    }
     const bool b = kern.a_float
                        ? pack_keys(p, a, kv / p.Hkv, kv % p.Hkv, j0, j1,
                                    reinterpret_cast<float*>(k.get()) + kv * krows * E2,

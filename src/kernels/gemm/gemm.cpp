@@ -344,9 +344,10 @@ void gemm_bf16_tiles(const Bf16Kernel& kern, GemmShape s, bool ta, const float* 
           const int64_t w = std::min({kCols, c0 + t.cols - c1, s.N - c1});
           const int64_t mp = round_up(m, kPanel), wp = round_up(w, kPanel);
           // The first chunk's products start from zeroed tiles (C is not read), the later ones
-          // accumulate into the block: the same sums as accumulating from zeros. Where C is
-          // only written (beta 0, alpha 1) and the block has no padding, the block is C itself.
-          const bool direct = beta == 0.0f && alpha == 1.0f && m == mp && w == wp;
+          // accumulate into the block: the same sums as accumulating from zeros. Where alpha is
+          // 1, beta 0 or 1 and the block has no padding, the block is C itself (beta 1: the
+          // first chunk accumulates into C too, the sum starting from C's value).
+          const bool direct = (beta == 0.0f || beta == 1.0f) && alpha == 1.0f && m == mp && w == wp;
           if (!direct && dense.size() < size_t(mp * wp)) dense.resize(size_t(mp * wp));
           float* const blk = direct ? C + r1 * ldc + c1 : dense.data();
           const int64_t ldk = direct ? ldc : wp;
@@ -355,7 +356,7 @@ void gemm_bf16_tiles(const Bf16Kernel& kern, GemmShape s, bool ta, const float* 
               for (int64_t x = 0; x < wp; x += kPanel)
                 kern.gemm(kPanel, kPanel, chunk_k(c), a + (r1 + y) * Kp + c * kChunk * kPanel, chunk_k(c),
                           b + (c1 + x) * Kp / 2 + c * kChunk / 2 * kPanel, kPanel, blk + y * ldk + x,
-                          ldk, 1.0f, c > 0);
+                          ldk, 1.0f, c > 0 || (direct && beta == 1.0f));
           for (int64_t y = 0; y < m && !direct; ++y) {
             float* dst = C + (r1 + y) * ldc + c1;
             const float* src = dense.data() + y * wp;
