@@ -7,6 +7,7 @@
 
 #include "kernels/fused/bf16.hpp"
 #include "kernels/gemm/gemm.hpp"
+#include "simd_targets.hpp"
 #include "testing.hpp"
 
 namespace {
@@ -215,4 +216,50 @@ TEST(GemmBf16, IsTheProductOfTheRoundedOperands) {
   for (int64_t i = 0; i < 40; ++i)
     for (int64_t j = 0; j < 48; ++j) ASSERT_EQ(std::isnan(C[size_t(i * 48 + j)]), i == 2) << i << " " << j;
   }
+}
+
+// The rows the bfloat16 products read: bf16_round_row and bf16_pair_rows give
+// bf16_operand's bits element by element (nearest even, ties both ways, NaN
+// kept and made quiet, subnormals to signed zeros, overflow to ±∞) and flag
+// a row with ±∞ or NaN after rounding, on every SIMD target, with and
+// without AVX512_BF16's conversion instruction (where the CPU has it), at
+// every length and alignment.
+TEST(Bf16Rounding, RowsAndPairsGiveTheScalarBits) {
+  std::mt19937_64 rng(5);
+  std::uniform_real_distribution<float> u(-3.0f, 3.0f);
+  const uint32_t specials[] = {0x7FC00000u, 0x7F800001u, 0xFFA00000u, 0x7F800000u, 0xFF800000u, 0x00000000u,
+                               0x80000000u, 0x00000001u, 0x807FFFFFu, 0x00800000u, 0x3F808000u, 0x3F818000u,
+                               0x3F80FFFFu, 0x7F7FFFFFu, 0xFF7FFFFFu, 0x7F7F7FFFu, 0x3F807FFFu};
+  std::vector<float> x(300), y(300);
+  for (size_t i = 0; i < x.size(); ++i) {
+    x[i] = u(rng), y[i] = u(rng);
+    if (i % 7 == 3) std::memcpy(&x[i], &specials[(i / 7) % std::size(specials)], 4);
+    if (i % 11 == 5) std::memcpy(&y[i], &specials[(i / 11) % std::size(specials)], 4);
+  }
+  attn::testing::for_each_target([&](int64_t) {
+    for (const int cvt : {0, 1})
+      for (int64_t off : {0, 1, 5})
+        for (int64_t n : {0, 1, 15, 16, 31, 32, 33, 64, 97, 250}) {
+          SCOPED_TRACE("cvt " + std::to_string(cvt) + " offset " + std::to_string(off) + " n " + std::to_string(n));
+          std::vector<uint16_t> bits(size_t(n) + 1, 0xABCD);
+          const bool bad = attn::detail::bf16_round_row(x.data() + off, n, bits.data(), cvt);
+          bool want_bad = false;
+          for (int64_t j = 0; j < n; ++j) {
+            const uint16_t w = attn::detail::bf16_operand(x[size_t(off + j)]);
+            ASSERT_EQ(bits[size_t(j)], w) << j;
+            want_bad = want_bad || (w & 0x7F80u) == 0x7F80u;
+          }
+          EXPECT_EQ(bits[size_t(n)], 0xABCD);  // nothing past the row
+          EXPECT_EQ(bad, want_bad);
+          for (const bool with_hi : {true, false}) {
+            std::vector<uint32_t> pairs(size_t(n) + 1, 0xDEADBEEFu);
+            attn::detail::bf16_pair_rows(x.data() + off, with_hi ? y.data() + off : nullptr, n, pairs.data(), cvt);
+            for (int64_t j = 0; j < n; ++j) {
+              const uint32_t hi = with_hi ? attn::detail::bf16_operand(y[size_t(off + j)]) : 0u;
+              ASSERT_EQ(pairs[size_t(j)], attn::detail::bf16_operand(x[size_t(off + j)]) | hi << 16) << j;
+            }
+            EXPECT_EQ(pairs[size_t(n)], 0xDEADBEEFu);
+          }
+        }
+  });
 }

@@ -28,7 +28,7 @@ HWY_INLINE auto RoundToBf16High(V x) {
   const auto rounded = hn::Add(u, hn::Add(hn::Set(du, 0x7FFFu), hn::And(hn::ShiftRight<16>(u), hn::Set(du, 1u))));
   const auto nan = hn::Or(u, hn::Set(du, 0x00400000u));
   const auto zero = hn::And(u, hn::Set(du, 0x80000000u));
-  const auto is_nan = hn::RebindMask(du, hn::Ne(x, x));
+  const auto is_nan = hn::RebindMask(du, hn::IsNaN(x));  // (Ne(x, x) is an ordered compare: false for NaN)
   const auto tiny = hn::Eq(hn::And(u, hn::Set(du, 0x7F800000u)), hn::Zero(du));
   return hn::IfThenElse(tiny, zero, hn::IfThenElse(is_nan, nan, rounded));
 }

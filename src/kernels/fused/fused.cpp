@@ -39,11 +39,31 @@ void GemmImpl(int64_t M, int64_t N, int64_t K, const float* A, int64_t ars, int6
 }
 
 // x[0, n) rounded to bfloat16 operands (bf16_operand) at dst: RoundRow's
-// whole vectors, then the tail; whether one is ±∞ or NaN.
-bool RoundRowBf16Impl(const float* x, int64_t n, uint16_t* dst) {
-  const int64_t whole = n / Lanes() * Lanes();
-  bool bad = RoundRow(x, whole, false, reinterpret_cast<std::byte*>(dst));
-  for (int64_t j = whole; j < n; ++j) {
+// whole vectors, then the tail; whether one is ±∞ or NaN. With cvt (an
+// AVX-512 target on a CPU with AVX512_BF16), 32 elements at a time by
+// VCVTNE2PS2BF16, whose conversion is bf16_operand's (CvtPairs): one
+// instruction where RoundToBf16High takes about ten.
+bool RoundRowBf16Impl(const float* x, int64_t n, uint16_t* dst, bool cvt) {
+  int64_t j = 0;
+  bool bad = false;
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
+  if (cvt) {
+    const __m512i exponent = _mm512_set1_epi16(0x7F80);
+    __mmask32 any = 0;
+    for (; j + 32 <= n; j += 32) {
+      __m512i r;
+      asm("vcvtne2ps2bf16 %2, %1, %0" : "=v"(r) : "v"(_mm512_loadu_ps(x + j + 16)), "v"(_mm512_loadu_ps(x + j)));
+      _mm512_storeu_si512(dst + j, r);
+      any |= _mm512_cmpeq_epi16_mask(_mm512_and_si512(r, exponent), exponent);
+    }
+    bad = any != 0;
+  }
+#else
+  (void)cvt;
+#endif
+  const int64_t whole = j + (n - j) / Lanes() * Lanes();
+  bad = RoundRow(x + j, whole - j, false, reinterpret_cast<std::byte*>(dst + j)) || bad;
+  for (j = whole; j < n; ++j) {
     dst[j] = bf16_operand(x[j]);
     bad = bad || (dst[j] & 0x7F80u) == 0x7F80u;
   }
@@ -51,13 +71,16 @@ bool RoundRowBf16Impl(const float* x, int64_t n, uint16_t* dst) {
 }
 
 // dst[j] = the pair (lo[j], hi[j]) rounded to bfloat16 operands, lo in the
-// low half (bf16.hpp's pair layout); hi null: zeros.
+// low half (bf16.hpp's pair layout); hi null: zeros. cvt: CvtPairs.
 void PairRowsBf16Impl(const float* HWY_RESTRICT lo, const float* HWY_RESTRICT hi, int64_t n,
-                      uint32_t* HWY_RESTRICT dst) {
+                      uint32_t* HWY_RESTRICT dst, bool cvt) {
   const DF d;
   const DU du;
   const VU high = hn::Set(du, 0xFFFF0000u);
   int64_t j = 0;
+  if (kCvtPairs && cvt)
+    for (; j + Lanes() <= n; j += Lanes())
+      hn::StoreU(CvtPairs(hn::LoadU(d, lo + j), hi ? hn::LoadU(d, hi + j) : hn::Zero(d)), du, dst + j);
   for (; j + Lanes() <= n; j += Lanes()) {
     const VU l = hn::ShiftRight<16>(RoundToBf16High(hn::LoadU(d, lo + j)));
     const VU h = hi ? hn::And(RoundToBf16High(hn::LoadU(d, hi + j)), high) : hn::Zero(du);
@@ -95,11 +118,13 @@ HWY_EXPORT(GemmImpl);
 HWY_EXPORT(RoundRowBf16Impl);
 HWY_EXPORT(PairRowsBf16Impl);
 
-bool bf16_round_row(const float* x, int64_t n, uint16_t* dst) {
-  return HWY_DYNAMIC_DISPATCH(RoundRowBf16Impl)(x, n, dst);
+bool bf16_round_row(const float* x, int64_t n, uint16_t* dst, int cvt) {
+  static const bool has = bf16_path_available(Bf16Path::avx512_bf16);
+  return HWY_DYNAMIC_DISPATCH(RoundRowBf16Impl)(x, n, dst, cvt < 0 ? has : cvt > 0 && has);
 }
-void bf16_pair_rows(const float* lo, const float* hi, int64_t n, uint32_t* dst) {
-  HWY_DYNAMIC_DISPATCH(PairRowsBf16Impl)(lo, hi, n, dst);
+void bf16_pair_rows(const float* lo, const float* hi, int64_t n, uint32_t* dst, int cvt) {
+  static const bool has = bf16_path_available(Bf16Path::avx512_bf16);
+  HWY_DYNAMIC_DISPATCH(PairRowsBf16Impl)(lo, hi, n, dst, cvt < 0 ? has : cvt > 0 && has);
 }
 HWY_EXPORT(ExpPairsImpl);
 
