@@ -221,44 +221,84 @@ Bf16Operands::Bf16Operands(const Problem& p, const SdpaArgs<T>& a, const Bf16Ker
   any_bad_keys = any;
 }
 
+namespace {
+
+// dst[e·ldd + j] = src[j·lds + e] for e < ce, j < rj (transpose8, then the
+// rest one at a time), then zeros in dst's columns [rj, ldd) of those rows
+// and in its whole rows [ce, cp).
+void transposed_bits(const uint16_t* src, int64_t lds, int64_t rj, int64_t ce, int64_t cp, uint16_t* dst,
+                     int64_t ldd) {
+  const int64_t e8 = transpose8(src, lds, rj, ce, dst, ldd);
+  for (int64_t e = 0; e < ce; ++e) {
+    for (int64_t j = e < e8 ? rj / 8 * 8 : 0; j < rj; ++j) dst[e * ldd + j] = src[j * lds + e];
+    std::fill(dst + e * ldd + rj, dst + (e + 1) * ldd, uint16_t(0));
+  }
+  std::fill(dst + ce * ldd, dst + cp * ldd, uint16_t(0));
+}
+
+}  // namespace
+
 Bf16BackwardOperands::Bf16BackwardOperands(const Problem& p, const Bf16Operands& ops, View4<const float> dout,
                                            View4<const float> out, View3<const float> lse) {
   const Bf16Kernel& kern = ops.kernel;
   const int64_t es = ops.elem(), E2 = ops.E2, Evr = ops.Evr, BH = p.B * p.H;
   ldq = p.L + 32, Er = round_up(p.E, kern.mpad), Ev2 = round_up(p.Ev, kern.kpad);
-  q = OperandBuffer(size_t((BH * p.L + 16) * E2 * es), true);
-  qt = OperandBuffer(size_t(BH * Er * ldq * es), true);
-  dy = OperandBuffer(size_t((BH * p.L + 16) * Ev2 * es), true);
-  dyt = OperandBuffer(size_t(BH * Evr * ldq * es), true);
+  // Bits are written whole, padding included (q's rows are copies of ops.q's,
+  // the transposed ones come through transpose8); the portable path's
+  // float32 elements are put one at a time into zeroed buffers.
+  const bool bits = !kern.a_float;
+  q = OperandBuffer(size_t((BH * p.L + 16) * E2 * es), !bits);
+  qt = OperandBuffer(size_t(BH * Er * ldq * es), !bits);
+  dy = OperandBuffer(size_t((BH * p.L + 16) * Ev2 * es), !bits);
+  dyt = OperandBuffer(size_t(BH * Evr * ldq * es), !bits);
+  if (bits) {  // the rows past the last head
+    std::fill(q.as<uint16_t>() + BH * p.L * E2, q.as<uint16_t>() + (BH * p.L + 16) * E2, uint16_t(0));
+    std::fill(dy.as<uint16_t>() + BH * p.L * Ev2, dy.as<uint16_t>() + (BH * p.L + 16) * Ev2, uint16_t(0));
+  }
   D.assign(size_t(BH * p.L), 0.0f);
   poisoned.assign(size_t(BH * p.L), 0);
-  const auto put = [&](std::byte* base, int64_t i, uint16_t bits) {
-    if (kern.a_float) reinterpret_cast<float*>(base)[i] = bf16_value(bits);
-    else reinterpret_cast<uint16_t*>(base)[i] = bits;
-  };
+  const auto put = [&](std::byte* base, int64_t i, uint16_t v) { reinterpret_cast<float*>(base)[i] = bf16_value(v); };
 #pragma omp parallel for num_threads(p.threads) schedule(static)
   for (int64_t bh = 0; bh < BH; ++bh) {
     const int64_t b = bh / p.H, h = bh % p.H;
-    std::vector<uint16_t> dyr(size_t(p.Ev));
+    std::vector<uint16_t> dyr(size_t(p.L * p.Ev));  // the head's dY rows, rounded (zeros where poisoned)
+    for (int64_t i = 0; i < p.L; ++i) {
+      const int64_t row = bh * p.L + i;
+      uint16_t* r = dyr.data() + i * p.Ev;
+      // dY rounded; a bad row (NaN or ±∞ after rounding), a bad q or a NaN
+      // lse poisons the row: its dY becomes zeros and D = 0.
+      bool bad = ops.qbad[size_t(row)] || lse(b, h, i) != lse(b, h, i);
+      bad = operand_row(&dout(b, h, i, 0), dout.strides[3], p.Ev, r) || bad;
+      poisoned[size_t(row)] = bad;
+      if (bad) {
+        std::fill(r, r + p.Ev, uint16_t(0));
+        continue;
+      }
+      float acc = 0;  // D_i = Σ_e dY_ie·Y_ie
+      for (int64_t e = 0; e < p.Ev; ++e) acc += bf16_value(r[e]) * out(b, h, i, e);
+      D[size_t(row)] = acc;
+    }
+    const uint16_t* qh = ops.q_row(p, b, h, 0);  // the head's L rows of E2, adjacent
+    if (bits) {
+      std::memcpy(q.as<uint16_t>() + bh * p.L * E2, qh, size_t(p.L * E2) * sizeof(uint16_t));
+      transposed_bits(qh, E2, p.L, p.E, Er, qt.as<uint16_t>() + bh * Er * ldq, ldq);
+      uint16_t* d = dy.as<uint16_t>() + bh * p.L * Ev2;
+      for (int64_t i = 0; i < p.L; ++i) {
+        std::copy_n(dyr.data() + i * p.Ev, p.Ev, d + i * Ev2);
+        std::fill(d + i * Ev2 + p.Ev, d + (i + 1) * Ev2, uint16_t(0));
+      }
+      transposed_bits(dyr.data(), p.Ev, p.L, p.Ev, Evr, dyt.as<uint16_t>() + bh * Evr * ldq, ldq);
+      continue;
+    }
     std::byte* qtb = qt.get() + bh * Er * ldq * es;
     std::byte* dytb = dyt.get() + bh * Evr * ldq * es;
     for (int64_t i = 0; i < p.L; ++i) {
       const int64_t row = bh * p.L + i;
-      const uint16_t* qr = ops.q_row(p, b, h, i);
-      for (int64_t e = 0; e < p.E; ++e) put(q.get(), row * E2 + e, qr[e]), put(qtb, e * ldq + i, qr[e]);
-      // dY rounded; a bad row (NaN or ±∞ after rounding), a bad q or a NaN
-      // lse poisons the row: its dY becomes zeros and D = 0.
-      bool bad = ops.qbad[size_t(row)] || lse(b, h, i) != lse(b, h, i);
-      bad = operand_row(&dout(b, h, i, 0), dout.strides[3], p.Ev, dyr.data()) || bad;
-      poisoned[size_t(row)] = bad;
-      if (bad) continue;
-      float acc = 0;  // D_i = Σ_e dY_ie·Y_ie
+      for (int64_t e = 0; e < p.E; ++e) put(q.get(), row * E2 + e, qh[i * E2 + e]), put(qtb, e * ldq + i, qh[i * E2 + e]);
       for (int64_t e = 0; e < p.Ev; ++e) {
-        acc += bf16_value(dyr[size_t(e)]) * out(b, h, i, e);
-        put(dy.get(), row * Ev2 + e, dyr[size_t(e)]);
-        put(dytb, e * ldq + i, dyr[size_t(e)]);
+        put(dy.get(), row * Ev2 + e, dyr[size_t(i * p.Ev + e)]);
+        put(dytb, e * ldq + i, dyr[size_t(i * p.Ev + e)]);
       }
-      D[size_t(row)] = acc;
     }
   }
 }
