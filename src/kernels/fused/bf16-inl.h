@@ -99,14 +99,34 @@ void PortableBf16Gemm(int64_t M, int64_t N, int64_t K, const void* Av, int64_t l
 
 // x[0, n) rounded to bfloat16 (bf16_operand) as A elements at dst: the
 // bits, or their float32 values (a_float); n a multiple of the lane count.
-// Returns whether one of them is ±∞ or NaN (its exponent all ones).
-bool RoundRow(const float* x, int64_t n, bool a_float, std::byte* dst) {
+// Returns whether one of them is ±∞ or NaN (its exponent all ones). With
+// cvt (bits, an AVX-512 target on a CPU with AVX512_BF16), 32 elements at a
+// time by VCVTNE2PS2BF16, whose conversion is bf16_operand's (see CvtPairs):
+// one instruction where RoundToBf16High takes about ten.
+bool RoundRow(const float* x, int64_t n, bool a_float, std::byte* dst, bool cvt = false) {
   const DF d;
   const DU du;
   const hn::Rebind<uint16_t, DU> d16;
   const VU high = hn::Set(du, 0xFFFF0000u), exponent = hn::Set(du, 0x7F800000u);
   VU bad = hn::Zero(du);
-  for (int64_t j = 0; j < n; j += Lanes()) {
+  int64_t j = 0;
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
+  if (cvt && !a_float) {
+    const __m512i exponent16 = _mm512_set1_epi16(0x7F80);
+    __mmask32 any = 0;
+    auto* bits = reinterpret_cast<uint16_t*>(dst);
+    for (; j + 32 <= n; j += 32) {
+      __m512i r;
+      asm("vcvtne2ps2bf16 %2, %1, %0" : "=v"(r) : "v"(_mm512_loadu_ps(x + j + 16)), "v"(_mm512_loadu_ps(x + j)));
+      _mm512_storeu_si512(bits + j, r);
+      any |= _mm512_cmpeq_epi16_mask(_mm512_and_si512(r, exponent16), exponent16);
+    }
+    if (any != 0) bad = hn::Set(du, 1u);
+  }
+#else
+  (void)cvt;
+#endif
+  for (; j < n; j += Lanes()) {
     const VU r = RoundToBf16High(hn::LoadU(d, x + j));
     bad = hn::Or(bad, hn::VecFromMask(du, hn::Eq(hn::And(r, exponent), exponent)));
     if (a_float)
@@ -428,7 +448,7 @@ class Bf16BackwardProducts {
     const int64_t M = round_up(nr, ops_.kernel.mpad), K = round_up(nkp, ops_.kernel.kpad), es = elem();
     for (int64_t r = 0; r < M; ++r) {  // dU rounded, zeros past nr and nkp
       std::byte* dst = dsa_.get() + r * KW_ * es;
-      if (r < nr) RoundRow(w_.dp + r * w_.kbp, nkp, af_, dst);
+      if (r < nr) RoundRow(w_.dp + r * w_.kbp, nkp, af_, dst, ops_.kernel.vcvtne2ps2bf16);
       std::memset(dst + (r < nr ? nkp : 0) * es, 0, size_t((K - (r < nr ? nkp : 0)) * es));
     }
     gemm_(M, E16_, K, dsa_.get(), KW_, kpairs_.get() + at.key / 2 * E16_, E16_, dq_.get() + at.row * E16_, E16_,

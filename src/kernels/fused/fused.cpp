@@ -39,31 +39,12 @@ void GemmImpl(int64_t M, int64_t N, int64_t K, const float* A, int64_t ars, int6
 }
 
 // x[0, n) rounded to bfloat16 operands (bf16_operand) at dst: RoundRow's
-// whole vectors, then the tail; whether one is ±∞ or NaN. With cvt (an
-// AVX-512 target on a CPU with AVX512_BF16), 32 elements at a time by
-// VCVTNE2PS2BF16, whose conversion is bf16_operand's (CvtPairs): one
-// instruction where RoundToBf16High takes about ten.
+// whole vectors (with cvt, 32 at a time by AVX512_BF16's instruction), then
+// the tail; whether one is ±∞ or NaN.
 bool RoundRowBf16Impl(const float* x, int64_t n, uint16_t* dst, bool cvt) {
-  int64_t j = 0;
-  bool bad = false;
-#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
-  if (cvt) {
-    const __m512i exponent = _mm512_set1_epi16(0x7F80);
-    __mmask32 any = 0;
-    for (; j + 32 <= n; j += 32) {
-      __m512i r;
-      asm("vcvtne2ps2bf16 %2, %1, %0" : "=v"(r) : "v"(_mm512_loadu_ps(x + j + 16)), "v"(_mm512_loadu_ps(x + j)));
-      _mm512_storeu_si512(dst + j, r);
-      any |= _mm512_cmpeq_epi16_mask(_mm512_and_si512(r, exponent), exponent);
-    }
-    bad = any != 0;
-  }
-#else
-  (void)cvt;
-#endif
-  const int64_t whole = j + (n - j) / Lanes() * Lanes();
-  bad = RoundRow(x + j, whole - j, false, reinterpret_cast<std::byte*>(dst + j)) || bad;
-  for (j = whole; j < n; ++j) {
+  const int64_t whole = n / Lanes() * Lanes();
+  bool bad = RoundRow(x, whole, false, reinterpret_cast<std::byte*>(dst), cvt);
+  for (int64_t j = whole; j < n; ++j) {
     dst[j] = bf16_operand(x[j]);
     bad = bad || (dst[j] & 0x7F80u) == 0x7F80u;
   }
