@@ -96,18 +96,25 @@ GemmTiles gemm_tiles(GemmShape s, int64_t min_tile) {
 namespace {
 
 // A stored operand (rows × cols elements, rows ld apart) rounded to
-// bfloat16 into a dense copy (rows cols apart): bits, or float values.
+// bfloat16 into a dense copy (rows cols apart): float values, or (uint16_t)
+// the bits, a row at a time by bf16_round_row in a buffer reused across
+// calls (one element at a time into a fresh vector, the copy and its page
+// faults took a third of a 3072 × 1024 × 4096 product with A transposed).
 template <class Out>
-std::vector<Out> rounded_copy(const float* X, int64_t rows, int64_t cols, int64_t ld, int threads) {
-  std::vector<Out> r(size_t(rows * cols));
+auto rounded_copy(const float* X, int64_t rows, int64_t cols, int64_t ld, int threads) {
+  if constexpr (std::is_same_v<Out, float>) {
+    std::vector<float> r(size_t(rows * cols));
 #pragma omp parallel for num_threads(std::max(threads, 1)) schedule(static) if (threads != 1)
-  for (int64_t i = 0; i < rows; ++i)
-    for (int64_t j = 0; j < cols; ++j) {
-      const uint16_t b = bf16_operand(X[i * ld + j]);
-      if constexpr (std::is_same_v<Out, float>) r[size_t(i * cols + j)] = bf16_value(b);
-      else r[size_t(i * cols + j)] = b;
-    }
-  return r;
+    for (int64_t i = 0; i < rows; ++i)
+      for (int64_t j = 0; j < cols; ++j) r[size_t(i * cols + j)] = bf16_value(bf16_operand(X[i * ld + j]));
+    return r;
+  } else {
+    OperandBuffer r(size_t(rows * cols) * sizeof(uint16_t), false);
+    uint16_t* const d = r.as<uint16_t>();
+#pragma omp parallel for num_threads(std::max(threads, 1)) schedule(static) if (threads != 1)
+    for (int64_t i = 0; i < rows; ++i) bf16_round_row(X + i * ld, cols, d + i * cols);
+    return r;
+  }
 }
 
 // A and B as stored: A is [M×K] or, transposed, [K×M]; B [K×N] or [N×K].
@@ -295,7 +302,7 @@ void gemm_bf16_tiles(const Bf16Kernel& kern, GemmShape s, bool ta, const float* 
   // dense copy, whose panels are then transposed 8 × 8 at a time (rounding
   // 32-element pieces one call each, then moving them one element at a
   // time, took longer than the products: 768 × 768 × 2048, one thread).
-  const std::vector<uint16_t> at = ta ? rounded_copy<uint16_t>(A, s.K, s.M, lda, team) : std::vector<uint16_t>();
+  const OperandBuffer at = ta ? rounded_copy<uint16_t>(A, s.K, s.M, lda, team) : OperandBuffer();
 #pragma omp parallel for num_threads(team) schedule(static) if (team > 1)
   for (int64_t u = 0; u < (pa + pb) * chunks; ++u) {
     // Chunk-major: consecutive units read the same stored rows of a transposed operand.
@@ -306,7 +313,7 @@ void gemm_bf16_tiles(const Bf16Kernel& kern, GemmShape s, bool ta, const float* 
       uint16_t* blk = a + (i0 * Kp + k0 * kPanel);
       for (int64_t ii = 0; !ta && ii < rows; ++ii) bf16_round_row(A + (i0 + ii) * lda + k0, kn, blk + ii * ck);
       if (ta) {  // blk[ii][kk] = op(A)[i0 + ii][k0 + kk], the rounded copy's [k0 + kk][i0 + ii]
-        const uint16_t* src = at.data() + k0 * s.M + i0;
+        const uint16_t* src = at.as<uint16_t>() + k0 * s.M + i0;
         const int64_t e8 = transpose8(src, s.M, kn, rows, blk, ck), k8 = e8 > 0 ? kn / 8 * 8 : 0;
         for (int64_t ii = 0; ii < rows; ++ii)
           for (int64_t kk = ii < e8 ? k8 : 0; kk < kn; ++kk) blk[ii * ck + kk] = src[kk * s.M + ii];
@@ -381,8 +388,10 @@ void gemm_bf16_library(GemmShape s, bool ta, const float* A, int64_t lda, bool t
   }
   // Dense copies: a tile's rows of A (unless transposed) and columns of B
   // (when transposed, the layer's weights) are then dense blocks.
-  const std::vector<uint16_t> a = rounded_copy<uint16_t>(A, sa.rows, sa.cols, lda, team);
-  const std::vector<uint16_t> b = rounded_copy<uint16_t>(B, sb.rows, sb.cols, ldb, team);
+  const OperandBuffer abuf = rounded_copy<uint16_t>(A, sa.rows, sa.cols, lda, team);
+  const OperandBuffer bbuf = rounded_copy<uint16_t>(B, sb.rows, sb.cols, ldb, team);
+  const uint16_t* const a = abuf.as<uint16_t>();
+  const uint16_t* const b = bbuf.as<uint16_t>();
   lda = sa.cols, ldb = sb.cols;
   const GemmTiles t = gemm_tiles(s, gemm_min_tile());
   const int64_t across = (s.N + t.cols - 1) / t.cols, n = t.count(s);
@@ -398,7 +407,7 @@ void gemm_bf16_library(GemmShape s, bool ta, const float* A, int64_t lda, bool t
       dense.resize(size_t(part.M * part.N));
       if (beta != 0.0f)
         for (int64_t y = 0; y < part.M; ++y) std::copy_n(C + (r + y) * ldc + c, part.N, dense.data() + y * part.N);
-      if (!tile_bf16(part, ta, a.data() + (ta ? r : r * lda), lda, tb, b.data() + (tb ? c * ldb : c), ldb,
+      if (!tile_bf16(part, ta, a + (ta ? r : r * lda), lda, tb, b + (tb ? c * ldb : c), ldb,
                      dense.data(), part.N, alpha, beta))
         refused = true;
       for (int64_t y = 0; y < part.M; ++y) std::copy_n(dense.data() + y * part.N, part.N, C + (r + y) * ldc + c);
