@@ -273,6 +273,11 @@ void ScoreRulesT(const FusedCall& c, ForwardScratch& w, int64_t b, int64_t h, in
   const int64_t hk = p.kv_head(h);
   const ScoreRules<float>& sr = p.rules;
   const rules::Band band = band_of(c, b);
+  // A tile no rule touches (every query sees every key; no soft-cap, ALiBi,
+  // bias or mask; no bad key or query; no padding column) stays as it is.
+  if (nr == nrp && !w.any_qbad && !c.any_bad_keys && !sr.capped() && !sr.alibi() && !sr.elementwise() &&
+      band.classify(i0, nr, j0, nk) == rules::Tile::full)
+    return;
   const float slope = sr.slope(h);
   const int64_t off = sr.offset[size_t(b)];
   // The rows of the block that see key j under the band are [first, end);
