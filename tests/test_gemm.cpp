@@ -236,6 +236,9 @@ TEST(Bf16Rounding, RowsAndPairsGiveTheScalarBits) {
     if (i % 7 == 3) std::memcpy(&x[i], &specials[(i / 7) % std::size(specials)], 4);
     if (i % 11 == 5) std::memcpy(&y[i], &specials[(i / 11) % std::size(specials)], 4);
   }
+  std::vector<float> m(x);  // x, y and a third row: the rows that pair
+  m.insert(m.end(), y.begin(), y.end());
+  for (size_t i = 0; i < x.size(); ++i) m.push_back(i % 5 == 1 ? y[i] * 1e-39f : x[(i * 7) % x.size()] * 3.0f);
   attn::testing::for_each_target([&](int64_t) {
     for (const int cvt : {0, 1})
       for (int64_t off : {0, 1, 5})
@@ -251,14 +254,22 @@ TEST(Bf16Rounding, RowsAndPairsGiveTheScalarBits) {
           }
           EXPECT_EQ(bits[size_t(n)], 0xABCD);  // nothing past the row
           EXPECT_EQ(bad, want_bad);
-          for (const bool with_hi : {true, false}) {
-            std::vector<uint32_t> pairs(size_t(n) + 1, 0xDEADBEEFu);
-            attn::detail::bf16_pair_rows(x.data() + off, with_hi ? y.data() + off : nullptr, n, pairs.data(), cvt);
-            for (int64_t j = 0; j < n; ++j) {
-              const uint32_t hi = with_hi ? attn::detail::bf16_operand(y[size_t(off + j)]) : 0u;
-              ASSERT_EQ(pairs[size_t(j)], attn::detail::bf16_operand(x[size_t(off + j)]) | hi << 16) << j;
+          // Three rows of 300 (x, y, z) pair as (x, y), then (z, zeros); two, as (x, y) only.
+          for (const int64_t rows : {2, 3}) {
+            const int64_t ldd = n + 3;
+            std::vector<uint32_t> pairs(size_t(2 * ldd), 0xDEADBEEFu);
+            attn::detail::bf16_pair_rows(m.data() + off, 300, rows, n, pairs.data(), ldd, cvt);
+            for (int64_t r = 0; r < rows; r += 2)
+              for (int64_t j = 0; j < n; ++j) {
+                const uint32_t lo = attn::detail::bf16_operand(m[size_t(r * 300 + off + j)]);
+                const uint32_t hi = r + 1 < rows ? attn::detail::bf16_operand(m[size_t((r + 1) * 300 + off + j)]) : 0u;
+                ASSERT_EQ(pairs[size_t(r / 2 * ldd + j)], lo | hi << 16) << r << " " << j;
+              }
+            for (int64_t j = n; j < 2 * ldd; ++j) {
+              if (j < ldd || j >= ldd + n || rows == 2) {
+                EXPECT_EQ(pairs[size_t(j)], 0xDEADBEEFu) << j;
+              }
             }
-            EXPECT_EQ(pairs[size_t(n)], 0xDEADBEEFu);
           }
         }
   });

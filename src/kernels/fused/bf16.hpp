@@ -252,12 +252,14 @@ void bf16_exp_pairs(const float* st, int64_t ld, int64_t nk, int64_t K, int64_t 
                     uint32_t* pp, bool vcvtne2ps2bf16 = false);
 
 // Rows rounded to bfloat16 operands (bf16_operand) on the running SIMD
-// target: x[0, n) to bits at dst (returns whether one is ±∞ or NaN); two
-// rows to the pair layout, dst[j] = (lo[j], hi[j]) with lo in the low half
-// (hi null: zeros). cvt: whether AVX-512 targets convert with AVX512_BF16's
-// instruction (-1: where the CPU has it; 0: never; 1: where it has it;
-// the same bits either way).
+// target: x[0, n) to bits at dst (returns whether one is ±∞ or NaN); rows
+// in pairs to the pair layout, dst[(r/2)·ldd + j] = (x[r][j], x[r + 1][j])
+// for even r < rows, x[r] = src + r·lds, the first in the low half (past
+// the last row: zeros). cvt: whether AVX-512 targets convert with
+// AVX512_BF16's instruction (-1: where the CPU has it; 0: never; 1: where
+// it has it; the same bits either way).
 bool bf16_round_row(const float* x, int64_t n, uint16_t* dst, int cvt = -1);
-void bf16_pair_rows(const float* lo, const float* hi, int64_t n, uint32_t* dst, int cvt = -1);
+void bf16_pair_rows(const float* src, int64_t lds, int64_t rows, int64_t n, uint32_t* dst, int64_t ldd,
+                    int cvt = -1);
 
 }  // namespace attn::detail

@@ -51,23 +51,30 @@ bool RoundRowBf16Impl(const float* x, int64_t n, uint16_t* dst, bool cvt) {
   return bad;
 }
 
-// dst[j] = the pair (lo[j], hi[j]) rounded to bfloat16 operands, lo in the
-// low half (bf16.hpp's pair layout); hi null: zeros. cvt: CvtPairs.
-void PairRowsBf16Impl(const float* HWY_RESTRICT lo, const float* HWY_RESTRICT hi, int64_t n,
-                      uint32_t* HWY_RESTRICT dst, bool cvt) {
+// dst[(r/2)·ldd + j] = the pair (x[r][j], x[r + 1][j]) for even r < rows and
+// j < n (x[r] = src + r·lds; past the last row: zeros), rounded to bfloat16
+// operands, the first in the low half (bf16.hpp's pair layout). cvt:
+// CvtPairs.
+void PairRowsBf16Impl(const float* HWY_RESTRICT src, int64_t lds, int64_t rows, int64_t n,
+                      uint32_t* HWY_RESTRICT dst, int64_t ldd, bool cvt) {
   const DF d;
   const DU du;
   const VU high = hn::Set(du, 0xFFFF0000u);
-  int64_t j = 0;
-  if (kCvtPairs && cvt)
-    for (; j + Lanes() <= n; j += Lanes())
-      hn::StoreU(CvtPairs(hn::LoadU(d, lo + j), hi ? hn::LoadU(d, hi + j) : hn::Zero(d)), du, dst + j);
-  for (; j + Lanes() <= n; j += Lanes()) {
-    const VU l = hn::ShiftRight<16>(RoundToBf16High(hn::LoadU(d, lo + j)));
-    const VU h = hi ? hn::And(RoundToBf16High(hn::LoadU(d, hi + j)), high) : hn::Zero(du);
-    hn::StoreU(hn::Or(l, h), du, dst + j);
+  for (int64_t r = 0; r < rows; r += 2) {
+    const float* lo = src + r * lds;
+    const float* hi = r + 1 < rows ? lo + lds : nullptr;
+    uint32_t* out = dst + r / 2 * ldd;
+    int64_t j = 0;
+    if (kCvtPairs && cvt)
+      for (; j + Lanes() <= n; j += Lanes())
+        hn::StoreU(CvtPairs(hn::LoadU(d, lo + j), hi ? hn::LoadU(d, hi + j) : hn::Zero(d)), du, out + j);
+    for (; j + Lanes() <= n; j += Lanes()) {
+      const VU l = hn::ShiftRight<16>(RoundToBf16High(hn::LoadU(d, lo + j)));
+      const VU h = hi ? hn::And(RoundToBf16High(hn::LoadU(d, hi + j)), high) : hn::Zero(du);
+      hn::StoreU(hn::Or(l, h), du, out + j);
+    }
+    for (; j < n; ++j) out[j] = uint32_t(bf16_operand(lo[j])) | (hi ? uint32_t(bf16_operand(hi[j])) << 16 : 0u);
   }
-  for (; j < n; ++j) dst[j] = uint32_t(bf16_operand(lo[j])) | (hi ? uint32_t(bf16_operand(hi[j])) << 16 : 0u);
 }
 
 void ExpPairsImpl(const float* st, int64_t ld, int64_t nk, int64_t K, int64_t nrp, const float* shift, float* tsum,
@@ -103,9 +110,9 @@ bool bf16_round_row(const float* x, int64_t n, uint16_t* dst, int cvt) {
   static const bool has = bf16_path_available(Bf16Path::avx512_bf16);
   return HWY_DYNAMIC_DISPATCH(RoundRowBf16Impl)(x, n, dst, cvt < 0 ? has : cvt > 0 && has);
 }
-void bf16_pair_rows(const float* lo, const float* hi, int64_t n, uint32_t* dst, int cvt) {
+void bf16_pair_rows(const float* src, int64_t lds, int64_t rows, int64_t n, uint32_t* dst, int64_t ldd, int cvt) {
   static const bool has = bf16_path_available(Bf16Path::avx512_bf16);
-  HWY_DYNAMIC_DISPATCH(PairRowsBf16Impl)(lo, hi, n, dst, cvt < 0 ? has : cvt > 0 && has);
+  HWY_DYNAMIC_DISPATCH(PairRowsBf16Impl)(src, lds, rows, n, dst, ldd, cvt < 0 ? has : cvt > 0 && has);
 }
 HWY_EXPORT(ExpPairsImpl);
 

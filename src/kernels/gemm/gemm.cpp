@@ -321,9 +321,7 @@ void gemm_bf16_tiles(const Bf16Kernel& kern, GemmShape s, bool ta, const float* 
     } else {  // B: ck / 2 pair rows of 32 columns
       const int64_t j0 = (panel - pa) * kPanel, cols = std::min(kPanel, s.N - j0);
       uint32_t* blk = b + (j0 * Kp / 2 + k0 / 2 * kPanel);
-      for (int64_t k = 0; !tb && k < kn; k += 2)
-        bf16_pair_rows(B + (k0 + k) * ldb + j0, k + 1 < kn ? B + (k0 + k + 1) * ldb + j0 : nullptr, cols,
-                       blk + k / 2 * kPanel);
+      if (!tb) bf16_pair_rows(B + k0 * ldb + j0, ldb, kn, cols, blk, kPanel);
       std::vector<uint16_t> row(size_t(tb ? ck : 0), 0);
       for (int64_t jj = 0; tb && jj < cols; ++jj) {  // op(B)'s column jj is a stored row: its pairs are adjacent
         bf16_round_row(B + (j0 + jj) * ldb + k0, kn, row.data());
