@@ -322,11 +322,15 @@ void gemm_bf16_tiles(const Bf16Kernel& kern, GemmShape s, bool ta, const float* 
       const int64_t j0 = (panel - pa) * kPanel, cols = std::min(kPanel, s.N - j0);
       uint32_t* blk = b + (j0 * Kp / 2 + k0 / 2 * kPanel);
       if (!tb) bf16_pair_rows(B + k0 * ldb + j0, ldb, kn, cols, blk, kPanel);
-      std::vector<uint16_t> row(size_t(tb ? ck : 0), 0);
-      for (int64_t jj = 0; tb && jj < cols; ++jj) {  // op(B)'s column jj is a stored row: its pairs are adjacent
-        bf16_round_row(B + (j0 + jj) * ldb + k0, kn, row.data());
+      if (tb) {  // op(B)'s column jj is a stored row: rounded, its pairs are adjacent
+        std::vector<uint16_t> rows(size_t(kPanel * ck), 0);  // the panel's rows, zeros past kn and cols
+        for (int64_t jj = 0; jj < cols; ++jj) bf16_round_row(B + (j0 + jj) * ldb + k0, kn, rows.data() + jj * ck);
+        // Then transposed as pairs, a pair row of the panel at a time (contiguous writes).
         for (int64_t k2 = 0; k2 < ck / 2; ++k2)
-          blk[k2 * kPanel + jj] = uint32_t(row[size_t(2 * k2)]) | uint32_t(row[size_t(2 * k2 + 1)]) << 16;
+          for (int64_t jj = 0; jj < kPanel; ++jj) {
+            const uint16_t* r = rows.data() + jj * ck + 2 * k2;
+            blk[k2 * kPanel + jj] = uint32_t(r[0]) | uint32_t(r[1]) << 16;
+          }
       }
     }
   }
