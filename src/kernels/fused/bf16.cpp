@@ -294,7 +294,8 @@ Bf16BackwardOperands::Bf16BackwardOperands(const Problem& p, const Bf16Operands&
     std::byte* dytb = dyt.get() + bh * Evr * ldq * es;
     for (int64_t i = 0; i < p.L; ++i) {
       const int64_t row = bh * p.L + i;
-      for (int64_t e = 0; e < p.E; ++e) put(q.get(), row * E2 + e, qh[i * E2 + e]), put(qtb, e * ldq + i, qh[i * E2 + e]);
+      for (int64_t e = 0; e < p.E; ++e)
+        put(q.get(), row * E2 + e, qh[i * E2 + e]), put(qtb, e * ldq + i, qh[i * E2 + e]);
       for (int64_t e = 0; e < p.Ev; ++e) {
         put(dy.get(), row * Ev2 + e, dyr[size_t(i * p.Ev + e)]);
         put(dytb, e * ldq + i, dyr[size_t(i * p.Ev + e)]);

@@ -265,14 +265,16 @@ bool dnnl_has_bf16() {
 // are rounded once per call into panels the tiles load whole: A in blocks
 // of 32 rows × kChunk (row-major), B in blocks of kChunk/2 pair rows × 32
 // columns (bf16.hpp's pair layout), K cut into equal chunks of at most
-// kMaxChunk elements (a multiple of 32), everything zero-padded (M and N to 32, K to 32). Each C tile of
-// gemm_tiles runs in blocks of kRows × kCols: per chunk, the path's block
-// product (32 × 32) on each pair of panels, accumulated into a dense block
-// (each element sums its chunks in order, so C's bits do not depend on the
-// threads); then C = alpha·block + beta·C. Where beta is 0, alpha 1 and the
-// block is whole, the block is C's own rows (no copy: on the multi-head
-// layer's forward at (B, N, D, H) = (8, 128, 256, 4), bfloat16 products,
-// one thread, this and starting from zeroed tiles took 0.89 of the time).
+// kMaxChunk elements (a multiple of 32), everything zero-padded (M and N
+// to 32, K to 32). Each C tile of gemm_tiles runs in blocks of
+// kRows × kCols: per chunk, the path's block product (32 × 32) on each pair
+// of panels, accumulated into a dense block (each element sums its chunks
+// in order, so C's bits do not depend on the threads); then
+// C = alpha·block + beta·C. Where alpha is 1, beta 0 or 1 and the block is
+// whole, the block is C's own rows, the products accumulating onto C when
+// beta is 1 (no copy: on the multi-head layer's forward at (B, N, D, H) =
+// (8, 128, 256, 4), bfloat16 products, one thread, this and starting from
+// zeroed tiles took 0.89 of the time).
 // Why panels: the block product runs from the L1 cache at about 8.5 ns per
 // TDPBF16PS, from L2 at 20-28 ns, with its tiles in registers at 5.7 ns
 // (Emerald Rapids, one thread); row-major operands with K = 2048 put a
