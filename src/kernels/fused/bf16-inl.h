@@ -97,12 +97,37 @@ void PortableBf16Gemm(int64_t M, int64_t N, int64_t K, const void* Av, int64_t l
 
 // RoundToBf16High (the operands' rounding) comes with bf16_round-inl.h.
 
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
+constexpr bool kCvtPairs = true;
+// VCVTNE2PS2BF16: lo's 16 floats rounded to the low 16 bfloat16 of the
+// result, hi's to the high 16, with bf16_operand's conversion (nearest
+// even, a subnormal input to a signed zero, NaN kept and made quiet; the
+// AVX512_BF16 path's Pairs says so too). Only where the CPU has AVX512_BF16
+// (Bf16Kernel::vcvtne2ps2bf16); an asm statement, as this target's code is
+// compiled without that extension.
+HWY_INLINE __m512i CvtNe2(VF lo, VF hi) {
+  __m512i both;
+  asm("vcvtne2ps2bf16 %2, %1, %0" : "=v"(both) : "v"(hi.raw), "v"(lo.raw));
+  return both;
+}
+// The pair vector (pe, po): CvtNe2, then one permutation that interleaves
+// its two halves.
+HWY_INLINE VU CvtPairs(VF pe, VF po) {
+  alignas(64) static constexpr uint16_t kInterleave[32] = {0,  16, 1,  17, 2,  18, 3,  19, 4,  20, 5,
+                                                           21, 6,  22, 7,  23, 8,  24, 9,  25, 10, 26,
+                                                           11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  return VU{_mm512_permutexvar_epi16(_mm512_load_si512(kInterleave), CvtNe2(pe, po))};
+}
+#else
+constexpr bool kCvtPairs = false;
+HWY_INLINE VU CvtPairs(VF, VF) { return VU{}; }
+#endif
+
 // x[0, n) rounded to bfloat16 (bf16_operand) as A elements at dst: the
 // bits, or their float32 values (a_float); n a multiple of the lane count.
 // Returns whether one of them is ±∞ or NaN (its exponent all ones). With
 // cvt (bits, an AVX-512 target on a CPU with AVX512_BF16), 32 elements at a
-// time by VCVTNE2PS2BF16, whose conversion is bf16_operand's (see CvtPairs):
-// one instruction where RoundToBf16High takes about ten.
+// time by CvtNe2: one instruction where RoundToBf16High takes about ten.
 bool RoundRow(const float* x, int64_t n, bool a_float, std::byte* dst, bool cvt = false) {
   const DF d;
   const DU du;
@@ -116,8 +141,7 @@ bool RoundRow(const float* x, int64_t n, bool a_float, std::byte* dst, bool cvt 
     __mmask32 any = 0;
     auto* bits = reinterpret_cast<uint16_t*>(dst);
     for (; j + 32 <= n; j += 32) {
-      __m512i r;
-      asm("vcvtne2ps2bf16 %2, %1, %0" : "=v"(r) : "v"(_mm512_loadu_ps(x + j + 16)), "v"(_mm512_loadu_ps(x + j)));
+      const __m512i r = CvtNe2(hn::LoadU(d, x + j), hn::LoadU(d, x + j + 16));
       _mm512_storeu_si512(bits + j, r);
       any |= _mm512_cmpeq_epi16_mask(_mm512_and_si512(r, exponent16), exponent16);
     }
@@ -157,26 +181,6 @@ void ProbabilityPairs(const float* st, int64_t ld, int64_t nk, int64_t K, int64_
   }
 }
 
-#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
-constexpr bool kCvtPairs = true;
-// The pair vector (pe, po) with VCVTNE2PS2BF16, whose conversion is
-// bf16_operand's (nearest even, a subnormal input to a signed zero, NaN kept
-// and made quiet; the AVX512_BF16 path's Pairs says so too), and one
-// permutation that interleaves its two halves. Only where the CPU has
-// AVX512_BF16 (Bf16Kernel::vcvtne2ps2bf16); an asm statement, as this
-// target's code is compiled without that extension.
-HWY_INLINE VU CvtPairs(VF pe, VF po) {
-  alignas(64) static constexpr uint16_t kInterleave[32] = {0,  16, 1,  17, 2,  18, 3,  19, 4,  20, 5,
-                                                           21, 6,  22, 7,  23, 8,  24, 9,  25, 10, 26,
-                                                           11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-  __m512i both;
-  asm("vcvtne2ps2bf16 %2, %1, %0" : "=v"(both) : "v"(po.raw), "v"(pe.raw));
-  return VU{_mm512_permutexvar_epi16(_mm512_load_si512(kInterleave), both)};
-}
-#else
-constexpr bool kCvtPairs = false;
-HWY_INLINE VU CvtPairs(VF, VF) { return VU{}; }
-#endif
 
 // The softmax's exponentials of C column groups of a transposed tile, two key
 // rows at a time, straight into probability pairs: for keys 2k and 2k + 1,

@@ -18,9 +18,10 @@
 
 namespace attn::detail {
 
-int64_t transpose8(const uint16_t* src, int64_t lds, int64_t rj, int64_t ce, uint16_t* dst, int64_t ldd) {
+void transpose8(const uint16_t* src, int64_t lds, int64_t rj, int64_t ce, uint16_t* dst, int64_t ldd) {
+  int64_t ne = 0, nj = 0;  // the part done in blocks
 #if defined(__SSE2__)
-  const int64_t ne = ce / 8 * 8, nj = rj / 8 * 8;
+  ne = ce / 8 * 8, nj = rj / 8 * 8;
   for (int64_t e = 0; e < ne; e += 8)
     for (int64_t j = 0; j < nj; j += 8) {
       __m128i r[8];
@@ -38,11 +39,9 @@ int64_t transpose8(const uint16_t* src, int64_t lds, int64_t rj, int64_t ce, uin
                             _mm_unpacklo_epi64(b3, b7), _mm_unpackhi_epi64(b3, b7)};
       for (int i = 0; i < 8; ++i) _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (e + i) * ldd + j), c[i]);
     }
-  return nj > 0 ? ne : 0;
-#else
-  (void)src, (void)lds, (void)rj, (void)ce, (void)dst, (void)ldd;
-  return 0;
 #endif
+  for (int64_t e = 0; e < ce; ++e)
+    for (int64_t j = e < ne ? nj : 0; j < rj; ++j) dst[e * ldd + j] = src[j * lds + e];
 }
 
 namespace {
@@ -111,12 +110,11 @@ bool pack_keys(const Problem& p, const SdpaArgs<T>& a, int64_t b, int64_t hk, in
     if constexpr (!bits)
       for (int64_t e = 0; e < p.E; ++e) k[j * E2 + e] = element<A>(kr[size_t(e)]);
   }
-  int64_t e8 = 0;  // the block transposed: contiguous writes
-  if constexpr (bits)
-    e8 = transpose8(vr.data(), p.Ev, j1 - j0, p.Ev, vt + j0, ldvt);
-  for (int64_t e = 0; e < p.Ev; ++e)
-    for (int64_t j = e < e8 ? j0 + (j1 - j0) / 8 * 8 : j0; j < j1; ++j)
-      vt[e * ldvt + j] = element<A>(vr[size_t((j - j0) * p.Ev + e)]);
+  if constexpr (bits)  // the block transposed: contiguous writes
+    transpose8(vr.data(), p.Ev, j1 - j0, p.Ev, vt + j0, ldvt);
+  else
+    for (int64_t e = 0; e < p.Ev; ++e)
+      for (int64_t j = j0; j < j1; ++j) vt[e * ldvt + j] = element<A>(vr[size_t((j - j0) * p.Ev + e)]);
   return any;
 }
 
@@ -223,16 +221,13 @@ Bf16Operands::Bf16Operands(const Problem& p, const SdpaArgs<T>& a, const Bf16Ker
 
 namespace {
 
-// dst[e·ldd + j] = src[j·lds + e] for e < ce, j < rj (transpose8, then the
-// rest one at a time), then zeros in dst's columns [rj, ldd) of those rows
-// and in its whole rows [ce, cp).
+// dst[e·ldd + j] = src[j·lds + e] for e < ce, j < rj (transpose8), then
+// zeros in dst's columns [rj, ldd) of those rows and in its whole rows
+// [ce, cp).
 void transposed_bits(const uint16_t* src, int64_t lds, int64_t rj, int64_t ce, int64_t cp, uint16_t* dst,
                      int64_t ldd) {
-  const int64_t e8 = transpose8(src, lds, rj, ce, dst, ldd);
-  for (int64_t e = 0; e < ce; ++e) {
-    for (int64_t j = e < e8 ? rj / 8 * 8 : 0; j < rj; ++j) dst[e * ldd + j] = src[j * lds + e];
-    std::fill(dst + e * ldd + rj, dst + (e + 1) * ldd, uint16_t(0));
-  }
+  transpose8(src, lds, rj, ce, dst, ldd);
+  for (int64_t e = 0; e < ce; ++e) std::fill(dst + e * ldd + rj, dst + (e + 1) * ldd, uint16_t(0));
   std::fill(dst + ce * ldd, dst + cp * ldd, uint16_t(0));
 }
 

@@ -93,11 +93,10 @@ struct Bf16Kernel {
 };
 Bf16Kernel bf16_kernel(Bf16Path path);
 
-// dst[e·ldd + j] = src[j·lds + e] for e < ce, j < rj rounded down to 8s:
-// 8 × 8 blocks of 16-bit values through registers where SSE2 exists; returns
-// ce rounded down to 8 (what it wrote: the rest is the caller's), 0 where it
-// wrote nothing.
-int64_t transpose8(const uint16_t* src, int64_t lds, int64_t rj, int64_t ce, uint16_t* dst, int64_t ldd);
+// dst[e·ldd + j] = src[j·lds + e] for e < ce, j < rj: 8 × 8 blocks of
+// 16-bit values through registers where SSE2 exists, the edges one at a
+// time.
+void transpose8(const uint16_t* src, int64_t lds, int64_t rj, int64_t ce, uint16_t* dst, int64_t ldd);
 
 // float32 bits b to bfloat16 bits: nearest even (±∞ beyond the range), NaN
 // stays a quiet NaN. bfloat16_t(x) (src/half.cpp) is this.

@@ -315,10 +315,7 @@ void gemm_bf16_tiles(const Bf16Kernel& kern, GemmShape s, bool ta, const float* 
       uint16_t* blk = a + (i0 * Kp + k0 * kPanel);
       for (int64_t ii = 0; !ta && ii < rows; ++ii) bf16_round_row(A + (i0 + ii) * lda + k0, kn, blk + ii * ck);
       if (ta) {  // blk[ii][kk] = op(A)[i0 + ii][k0 + kk], the rounded copy's [k0 + kk][i0 + ii]
-        const uint16_t* src = at.as<uint16_t>() + k0 * s.M + i0;
-        const int64_t e8 = transpose8(src, s.M, kn, rows, blk, ck), k8 = e8 > 0 ? kn / 8 * 8 : 0;
-        for (int64_t ii = 0; ii < rows; ++ii)
-          for (int64_t kk = ii < e8 ? k8 : 0; kk < kn; ++kk) blk[ii * ck + kk] = src[kk * s.M + ii];
+        transpose8(at.as<uint16_t>() + k0 * s.M + i0, s.M, kn, rows, blk, ck);
       }
     } else {  // B: ck / 2 pair rows of 32 columns
       const int64_t j0 = (panel - pa) * kPanel, cols = std::min(kPanel, s.N - j0);
