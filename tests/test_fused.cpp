@@ -796,20 +796,32 @@ TEST(Fused, VectorisedExpIsAccurateToAFewUlp) {
 }
 
 TEST(Fused, VectorisedExp2IsAccurateToAFewUlp) {
-  // The forward's exponential (scores in base 2), over its stated range [-126, 127].
+  // The forward's exponential (scores in base 2), over its stated range
+  // [-126, 127], on every compiled target (AVX-512 scales by VSCALEFPS).
   std::vector<float> x;
   for (float v = -126.0f; v < 127.0f; v += 0.0191f) x.push_back(v);
   for (float v = -1.0f; v < 1.0f; v += 0.000731f) x.push_back(v);
   for (int k = -126; k <= 127; ++k) x.push_back(float(k));  // exact powers of two
-  std::vector<float> y(x.size());
-  attn::detail::fused_exp2(x.data(), y.data(), int64_t(x.size()));
-  const auto [worst_ulp, worst_x] = worst_ulp_error(x, y, [](double v) { return std::exp2(v); });
-  EXPECT_LE(worst_ulp, 4.0) << "at x = " << worst_x;
-  std::printf("vectorised exp2: worst error %.2f ulp (at %g) over %zu points\n", worst_ulp, double(worst_x), x.size());
-  const float neg[4] = {-std::numeric_limits<float>::infinity(), -1e4f, -200.0f, -126.51f};
-  float out[4] = {1, 1, 1, 1};
-  attn::detail::fused_exp2(neg, out, 4);
-  for (float o : out) EXPECT_EQ(o, 0.0f);
+  const std::string names = attn::testing::for_each_target([&](int64_t) {
+    std::vector<float> y(x.size());
+    attn::detail::fused_exp2(x.data(), y.data(), int64_t(x.size()));
+    const auto [worst_ulp, worst_x] = worst_ulp_error(x, y, [](double v) { return std::exp2(v); });
+    EXPECT_LE(worst_ulp, 4.0) << "at x = " << worst_x;
+    std::printf("vectorised exp2 on %s: worst error %.2f ulp (at %g) over %zu points\n",
+                attn::detail::fused_target_name(), worst_ulp, double(worst_x), x.size());
+    // Masked scores and underflow: 2^−∞ and anything below −151 are exactly
+    // 0; below −126.5, a subnormal or 0 (by target); 2^0 is exactly 1; NaN
+    // stays NaN.
+    const float neg[7] = {-std::numeric_limits<float>::infinity(), -1e4f, -200.0f, -151.0f, -126.51f, 0.0f,
+                          std::numeric_limits<float>::quiet_NaN()};
+    float out[7] = {1, 1, 1, 1, 1, 0, 0};
+    attn::detail::fused_exp2(neg, out, 7);
+    for (int i = 0; i < 4; ++i) EXPECT_EQ(out[i], 0.0f) << neg[i];
+    EXPECT_TRUE(out[4] >= 0.0f && out[4] < std::numeric_limits<float>::min()) << out[4];
+    EXPECT_EQ(out[5], 1.0f);
+    EXPECT_TRUE(std::isnan(out[6]));
+  });
+  std::printf("exp2 targets run: %s\n", names.c_str());
 }
 
 }  // namespace
