@@ -774,7 +774,8 @@ std::pair<double, float> worst_ulp_error(const std::vector<float>& x, const std:
 
 TEST(Fused, VectorisedExpIsAccurateToAFewUlp) {
   // The kernels' exp is for softmax arguments (<= 0, or barely above after
-  // rounding); tested over its whole stated range [-87.3, 88].
+  // rounding); tested over its whole stated range [-87.3, 88], on every
+  // compiled target (AVX-512 scales by VSCALEFPS).
   std::vector<float> x;
   for (float v = -87.3f; v < 88.0f; v += 0.0137f) x.push_back(v);
   for (float v = -1.0f; v < 1.0f; v += 0.000731f) x.push_back(v);
@@ -782,17 +783,25 @@ TEST(Fused, VectorisedExpIsAccurateToAFewUlp) {
   x.push_back(-0.0f);
   x.push_back(1e-30f);
   x.push_back(-1e-30f);
-  std::vector<float> y(x.size());
-  attn::detail::fused_exp(x.data(), y.data(), int64_t(x.size()));
-  const auto [worst_ulp, worst_x] = worst_ulp_error(x, y, [](double v) { return std::exp(v); });
-  EXPECT_LE(worst_ulp, 4.0) << "at x = " << worst_x;
-  EXPECT_EQ(y[x.size() - 4], 1.0f);  // exp(0) is exactly 1
-  std::printf("vectorised exp: worst error %.2f ulp (at %g) over %zu points\n", worst_ulp, double(worst_x), x.size());
-  // Masked scores and underflow: exp(−∞) and anything below −87.33 are exactly 0.
-  const float neg[5] = {-std::numeric_limits<float>::infinity(), -1e4f, -200.0f, -103.0f, -87.5f};
-  float out[5] = {1, 1, 1, 1, 1};
-  attn::detail::fused_exp(neg, out, 5);
-  for (float o : out) EXPECT_EQ(o, 0.0f);
+  const std::string names = attn::testing::for_each_target([&](int64_t) {
+    std::vector<float> y(x.size());
+    attn::detail::fused_exp(x.data(), y.data(), int64_t(x.size()));
+    const auto [worst_ulp, worst_x] = worst_ulp_error(x, y, [](double v) { return std::exp(v); });
+    EXPECT_LE(worst_ulp, 4.0) << "at x = " << worst_x;
+    EXPECT_EQ(y[x.size() - 4], 1.0f);  // exp(0) is exactly 1
+    std::printf("vectorised exp on %s: worst error %.2f ulp (at %g) over %zu points\n",
+                attn::detail::fused_target_name(), worst_ulp, double(worst_x), x.size());
+    // Masked scores and underflow: exp(−∞) and anything below −105 are
+    // exactly 0; below −87.33, a subnormal or 0 (by target); NaN stays NaN.
+    const float neg[6] = {-std::numeric_limits<float>::infinity(), -1e4f, -200.0f, -105.0f, -87.5f,
+                          std::numeric_limits<float>::quiet_NaN()};
+    float out[6] = {1, 1, 1, 1, 1, 0};
+    attn::detail::fused_exp(neg, out, 6);
+    for (int i = 0; i < 4; ++i) EXPECT_EQ(out[i], 0.0f) << neg[i];
+    EXPECT_TRUE(out[4] >= 0.0f && out[4] < std::numeric_limits<float>::min()) << out[4];
+    EXPECT_TRUE(std::isnan(out[5]));
+  });
+  std::printf("exp targets run: %s\n", names.c_str());
 }
 
 TEST(Fused, VectorisedExp2IsAccurateToAFewUlp) {
