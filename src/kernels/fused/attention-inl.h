@@ -422,6 +422,8 @@ void BackwardTileT(const FusedCall& c, Products& pr, BackwardScratch& w, int64_t
   pr.scores(b, h, i0, nr, j0, nk, nkp, at);
   for (int64_t r = 0; r < nr; ++r) ProbRow(w.s + r * w.kbp, nkp, lse[r], poisoned[r]);  // P
   pr.dp(nr, nkp, at);  // dP = dY·Vᵀ
+  if constexpr (requires { pr.fused_ds(nr, nkp, at, jobs, D); })  // dS formed and rounded in one pass
+    if (!p.dropout.on() && !p.rules.capped() && (jobs.dkdv || jobs.dq) && pr.fused_ds(nr, nkp, at, jobs, D)) return;
   for (int64_t r = 0; r < nr; ++r) {
     float* dpr = w.dp + r * w.kbp;
     float* pr_ = w.s + r * w.kbp;

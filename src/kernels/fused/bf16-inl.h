@@ -439,12 +439,9 @@ class Bf16BackwardProducts {
     const int64_t K = round_up(nr, ops_.kernel.kpad);
     const Bf16Pairs pairs = ops_.kernel.pairs ? ops_.kernel.pairs : &ProbabilityPairs;
     pairs(w_.s, w_.kbp, nr, K, nkp, pairs_.get());
-    const int64_t col = i0_ + at.row, ldq = qo_.ldq;
-    gemm_(Evr_, nkp, K, qo_.dyt.get() + (bh_ * Evr_ * ldq + col) * elem(), ldq, pairs_.get(), w_.kbp,
-          dvt_.get() + at.key, KW_, 1.0f, true);
+    dv_product(nr, nkp, at);
     pairs(w_.dp, w_.kbp, nr, K, nkp, pairs_.get());
-    gemm_(Er_, nkp, K, qo_.qt.get() + (bh_ * Er_ * ldq + col) * elem(), ldq, pairs_.get(), w_.kbp,
-          dkt_.get() + at.key, KW_, 1.0f, true);
+    dk_product(nr, nkp, at);
   }
   // dQ += dU·K (the scale is applied when written out)
   void dq(int64_t nr, int64_t, int64_t nkp, TileOrigin at) {
@@ -455,8 +452,47 @@ class Bf16BackwardProducts {
       if (r < nr) RoundRow(w_.dp + r * w_.kbp, nkp, af_, dst, ops_.kernel.vcvtne2ps2bf16);
       std::memset(dst + (r < nr ? nkp : 0) * es, 0, size_t((K - (r < nr ? nkp : 0)) * es));
     }
-    gemm_(M, E16_, K, dsa_.get(), KW_, kpairs_.get() + at.key / 2 * E16_, E16_, dq_.get() + at.row * E16_, E16_,
-          1.0f, true);
+    dq_product(nr, nkp, at);
+  }
+  // dS = P∘(dP − D) straight into its two bfloat16 operands, when the tile
+  // has neither dropout nor a soft-cap and the CPU has VCVTNE2PS2BF16: one
+  // pass over two rows of P and dP at a time gives dK's pairs (as Pairs
+  // would from dS) and dQ's rounded rows (as RoundRow would), so dS is never
+  // stored as float32 and read back twice; the bits are those of dkdv and dq
+  // (after dV's product, which needs P's pairs in the same buffer). Returns
+  // false where it does not apply.
+  bool fused_ds(int64_t nr, int64_t nkp, TileOrigin at, TileJobs jobs, const float* D) {
+    if (!kCvtPairs || af_ || !ops_.kernel.vcvtne2ps2bf16) return false;
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
+    const int64_t K = round_up(nr, ops_.kernel.kpad), M = round_up(nr, ops_.kernel.mpad), ld = w_.kbp;
+    if (jobs.dkdv) {
+      ops_.kernel.pairs(w_.s, ld, nr, K, nkp, pairs_.get());
+      dv_product(nr, nkp, at);
+    }
+    const DF d;
+    const int64_t N = Lanes();  // 16
+    const auto ds = [&](int64_t r, int64_t j) {
+      if (r >= nr || j >= nkp) return hn::Zero(d);
+      return hn::Mul(hn::Load(d, w_.s + r * ld + j), hn::Sub(hn::Load(d, w_.dp + r * ld + j), hn::Set(d, D[r])));
+    };
+    auto* rows = reinterpret_cast<uint16_t*>(dsa_.get());
+    for (int64_t k = 0; 2 * k < std::max(K, M); ++k)
+      for (int64_t j = 0; j < nkp; j += 2 * N) {  // (dU's rows: zeros past nkp up to a multiple of 32 >= K)
+        const VF e0 = ds(2 * k, j), e1 = ds(2 * k, j + N), o0 = ds(2 * k + 1, j), o1 = ds(2 * k + 1, j + N);
+        if (jobs.dkdv && 2 * k < K) {
+          hn::Store(CvtPairs(e0, o0), DU(), pairs_.get() + k * ld + j);
+          if (j + N < nkp) hn::Store(CvtPairs(e1, o1), DU(), pairs_.get() + k * ld + j + N);
+        }
+        if (2 * k < M) _mm512_storeu_si512(rows + 2 * k * KW_ + j, CvtNe2(e0, e1));
+        if (2 * k + 1 < M) _mm512_storeu_si512(rows + (2 * k + 1) * KW_ + j, CvtNe2(o0, o1));
+      }
+    if (jobs.dkdv) dk_product(nr, nkp, at);
+    if (jobs.dq) dq_product(nr, nkp, at);
+    return true;
+#else
+    (void)nr, (void)nkp, (void)at, (void)jobs, (void)D;
+    return false;
+#endif
   }
   void zero_key_grads() {
     std::fill(dkt_.get(), dkt_.get() + Er_ * KW_, 0.0f);
@@ -476,6 +512,23 @@ class Bf16BackwardProducts {
   const float* dq_row(int64_t r) const { return dq_.get() + r * E16_; }
 
  private:
+  // dVᵀ += dYᵀ·(P∘m), dKᵀ += Qᵀ·dU from the pairs buffer; dQ += dU·K from
+  // dU's rounded rows.
+  void dv_product(int64_t nr, int64_t nkp, TileOrigin at) {
+    const int64_t K = round_up(nr, ops_.kernel.kpad), col = i0_ + at.row, ldq = qo_.ldq;
+    gemm_(Evr_, nkp, K, qo_.dyt.get() + (bh_ * Evr_ * ldq + col) * elem(), ldq, pairs_.get(), w_.kbp,
+          dvt_.get() + at.key, KW_, 1.0f, true);
+  }
+  void dk_product(int64_t nr, int64_t nkp, TileOrigin at) {
+    const int64_t K = round_up(nr, ops_.kernel.kpad), col = i0_ + at.row, ldq = qo_.ldq;
+    gemm_(Er_, nkp, K, qo_.qt.get() + (bh_ * Er_ * ldq + col) * elem(), ldq, pairs_.get(), w_.kbp,
+          dkt_.get() + at.key, KW_, 1.0f, true);
+  }
+  void dq_product(int64_t nr, int64_t nkp, TileOrigin at) {
+    const int64_t M = round_up(nr, ops_.kernel.mpad), K = round_up(nkp, ops_.kernel.kpad);
+    gemm_(M, E16_, K, dsa_.get(), KW_, kpairs_.get() + at.key / 2 * E16_, E16_, dq_.get() + at.row * E16_, E16_,
+          1.0f, true);
+  }
   template <class T>
   static hwy::AlignedFreeUniquePtr<T[]> alloc(int64_t n) {
     auto a = hwy::AllocateAligned<T>(size_t(std::max<int64_t>(n, 1)));
