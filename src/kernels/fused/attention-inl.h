@@ -305,7 +305,7 @@ void PackVt(const FusedCall& c, BackwardScratch& w, int64_t b, int64_t hk, int64
 struct TileJobs {
   bool dkdv = false;  // dk/dv (scratch, k-block rows) += ...
   bool dq = false;    // dq scratch (q-block rows) += dS·K (unscaled)
-};  // dS is always left in w.dp (the dbias pass reads it)
+};  // with neither (the dbias pass, which reads it), dS is left in w.dp
 
 // Backward state of a query block: q (scaled), dY, lse and D for its rows.
 void PackQueryBlock(const FusedCall& c, BackwardScratch& w, int64_t b, int64_t h, int64_t i0, int64_t nr,
@@ -407,8 +407,9 @@ struct Float32BackwardProducts {
 };
 
 // One tile of the backward, rows i0..i0+nr × keys j0..j0+nk, lying at `at`
-// in the packed query and key blocks (dS is left at w.dp's origin; the
-// accumulators are written at the tile's rows and keys); `pr` does the
+// in the packed query and key blocks (dS is left at w.dp's origin, unless
+// pr forms it in one pass, fused_ds; the accumulators are written at the
+// tile's rows and keys); `pr` does the
 // products (Float32BackwardProducts, or the bfloat16 ones of bf16-inl.h).
 template <class Products>
 void BackwardTileT(const FusedCall& c, Products& pr, BackwardScratch& w, int64_t b, int64_t h, int64_t i0,

@@ -459,14 +459,15 @@ class Bf16BackwardProducts {
   // pass over two rows of P and dP at a time gives dK's pairs (as Pairs
   // would from dS) and dQ's rounded rows (as RoundRow would), so dS is never
   // stored as float32 and read back twice; the bits are those of dkdv and dq
-  // (after dV's product, which needs P's pairs in the same buffer). Returns
-  // false where it does not apply.
+  // (after dV's product, which needs P's pairs in the same buffer). Only for
+  // a tile with a dK/dV or dQ job (BackwardTileT: dS is then not left in
+  // w.dp). Returns false where it does not apply.
   bool fused_ds(int64_t nr, int64_t nkp, TileOrigin at, TileJobs jobs, const float* D) {
     if (!kCvtPairs || af_ || !ops_.kernel.vcvtne2ps2bf16) return false;
 #if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
     const int64_t K = round_up(nr, ops_.kernel.kpad), M = round_up(nr, ops_.kernel.mpad), ld = w_.kbp;
     if (jobs.dkdv) {
-      ops_.kernel.pairs(w_.s, ld, nr, K, nkp, pairs_.get());
+      (ops_.kernel.pairs ? ops_.kernel.pairs : &ProbabilityPairs)(w_.s, ld, nr, K, nkp, pairs_.get());
       dv_product(nr, nkp, at);
     }
     const DF d;
