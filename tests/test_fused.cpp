@@ -772,6 +772,19 @@ std::pair<double, float> worst_ulp_error(const std::vector<float>& x, const std:
   return {worst, at};
 }
 
+// y = f(x) by the running target's vector function `apply`, held within 4 ulp
+// of `want` (the figure printed, named `name`).
+template <class Apply, class Want>
+std::vector<float> within_4_ulp(const char* name, const std::vector<float>& x, Apply apply, Want want) {
+  std::vector<float> y(x.size());
+  apply(x.data(), y.data(), int64_t(x.size()));
+  const auto [worst_ulp, worst_x] = worst_ulp_error(x, y, want);
+  EXPECT_LE(worst_ulp, 4.0) << name << " at x = " << worst_x;
+  std::printf("vectorised %s on %s: worst error %.2f ulp (at %g) over %zu points\n", name,
+              attn::detail::fused_target_name(), worst_ulp, double(worst_x), x.size());
+  return y;
+}
+
 TEST(Fused, VectorisedExpIsAccurateToAFewUlp) {
   // The kernels' exp is for softmax arguments (<= 0, or barely above after
   // rounding); tested over its whole stated range [-87.3, 88], on every
@@ -784,13 +797,9 @@ TEST(Fused, VectorisedExpIsAccurateToAFewUlp) {
   x.push_back(1e-30f);
   x.push_back(-1e-30f);
   const std::string names = attn::testing::for_each_target([&](int64_t) {
-    std::vector<float> y(x.size());
-    attn::detail::fused_exp(x.data(), y.data(), int64_t(x.size()));
-    const auto [worst_ulp, worst_x] = worst_ulp_error(x, y, [](double v) { return std::exp(v); });
-    EXPECT_LE(worst_ulp, 4.0) << "at x = " << worst_x;
+    const std::vector<float> y =
+        within_4_ulp("exp", x, attn::detail::fused_exp, [](double v) { return std::exp(v); });
     EXPECT_EQ(y[x.size() - 4], 1.0f);  // exp(0) is exactly 1
-    std::printf("vectorised exp on %s: worst error %.2f ulp (at %g) over %zu points\n",
-                attn::detail::fused_target_name(), worst_ulp, double(worst_x), x.size());
     // Masked scores and underflow: exp(−∞) and anything below −105 are
     // exactly 0; below −87.33, a subnormal or 0 (by target); NaN stays NaN.
     const float neg[6] = {-std::numeric_limits<float>::infinity(), -1e4f, -200.0f, -105.0f, -87.5f,
@@ -812,12 +821,7 @@ TEST(Fused, VectorisedExp2IsAccurateToAFewUlp) {
   for (float v = -1.0f; v < 1.0f; v += 0.000731f) x.push_back(v);
   for (int k = -126; k <= 127; ++k) x.push_back(float(k));  // exact powers of two
   const std::string names = attn::testing::for_each_target([&](int64_t) {
-    std::vector<float> y(x.size());
-    attn::detail::fused_exp2(x.data(), y.data(), int64_t(x.size()));
-    const auto [worst_ulp, worst_x] = worst_ulp_error(x, y, [](double v) { return std::exp2(v); });
-    EXPECT_LE(worst_ulp, 4.0) << "at x = " << worst_x;
-    std::printf("vectorised exp2 on %s: worst error %.2f ulp (at %g) over %zu points\n",
-                attn::detail::fused_target_name(), worst_ulp, double(worst_x), x.size());
+    within_4_ulp("exp2", x, attn::detail::fused_exp2, [](double v) { return std::exp2(v); });
     // Masked scores and underflow: 2^−∞ and anything below −151 are exactly
     // 0; below −126.5, a subnormal or 0 (by target); 2^0 is exactly 1; NaN
     // stays NaN.
@@ -995,12 +999,7 @@ TEST(FusedVariants, VectorisedTanhIsAccurateToAFewUlp) {
     x.push_back(v);
   // Every compiled target (their reciprocal estimates differ).
   const std::string names = attn::testing::for_each_target([&](int64_t) {
-    std::vector<float> y(x.size());
-    attn::detail::fused_tanh(x.data(), y.data(), int64_t(x.size()));
-    const auto [worst_ulp, worst_x] = worst_ulp_error(x, y, [](double v) { return std::tanh(v); });
-    EXPECT_LE(worst_ulp, 4.0) << "at x = " << worst_x;
-    std::printf("vectorised tanh on %s: worst error %.2f ulp (at %g) over %zu points\n",
-                attn::detail::fused_target_name(), worst_ulp, double(worst_x), x.size());
+    within_4_ulp("tanh", x, attn::detail::fused_tanh, [](double v) { return std::tanh(v); });
     const float inf = std::numeric_limits<float>::infinity();
     // The specials among near-zero lanes, so no vector takes the near-0 path alone.
     const float special[8] = {0.0f, inf, -inf, 50.0f, -1e30f, std::numeric_limits<float>::quiet_NaN(), 0.1f, 0.2f};

@@ -57,40 +57,50 @@ HWY_INLINE VF Horner(DF d, VF x, const float (&c)[N]) {
   return p;
 }
 
+// 2^n·y for the two exponentials below, where n is an integer taken as the
+// float t − 1.5·2^23 (t = 1.5·2^23 + n: its last bit is worth 1, so its bits
+// are those of 1.5·2^23 plus n). On AVX-512 one VSCALEFPS (kScalef): the
+// nearest float to 2^n·y, 0 far enough below the normal range, and the
+// callers clamp their argument low enough that −∞ gives exactly 0.
+// Elsewhere the bits of t shifted up 23 places, plus 127's, are the
+// exponent of 2^n (1.5·2^23's bits end in 22 zeros), all zero for n = −127
+// (2^n taken as 0): the callers clamp so that n >= −127. No float-to-integer
+// conversion, whose overflow fix-ups cost more than the conversion itself;
+// a NaN x stays NaN (RestoreNaN).
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
+constexpr bool kScalef = true;
+HWY_INLINE VF TimesPow2(DF, VF, VF y, VF, VF n) { return VF{_mm512_scalef_ps(y.raw, n.raw)}; }
+#else
+constexpr bool kScalef = false;
+HWY_INLINE VF TimesPow2(DF d, VF x, VF y, VF t, VF) {
+  const hn::RebindToSigned<DF> di;
+  const auto e = hn::ShiftLeft<23>(hn::Add(hn::BitCast(di, t), hn::Set(di, 127)));  // 2^n, 0 for n = −127
+  return RestoreNaN(x, hn::Mul(y, hn::BitCast(d, e)));
+}
+#endif
+
 // exp for the softmax, where arguments are s − max <= 0 (or −∞), or s − lse
 // a rounding error above 0: valid for x <= 88, within a few ulp of exp on
-// [−87.3, 88], and exactly 0 for −∞. Cephes's range reduction
+// [−87.3, 88], exactly 0 for −∞, and below −87.33 (where exp(x) is below the
+// smallest normal float) a subnormal or 0. Cephes's range reduction
 // x = n·ln2 + r, |r| <= ln2/2, and its degree-7 polynomial for exp(r); about
 // 15 vector operations against ~25 for Highway's general Exp. n is
-// x·log2(e) rounded to nearest as Exp2Softmax rounds (1.5·2^23 added and
-// taken away again); 2^n·exp(r) as there: on AVX-512 one VSCALEFPS, with x
-// clamped at −120 (exactly 0 below about −104, the subnormal nearest
-// exp(x) above), elsewhere the exponent bits of 2^n, exactly 0 below
-// −87.33 (where exp(x) would be smaller than the smallest normal float).
-// (The backward with bfloat16 products, B=1, H=8, L=S=4096, E=128, two
-// threads, on an Emerald Rapids: 122 against 113-118 ms before the scaling.)
+// x·log2(e) rounded to nearest by adding 1.5·2^23 and taking it away again
+// (as Exp2Softmax does), then 2^n·exp(r) by TimesPow2, with x clamped at
+// −120 for VSCALEFPS (2^-173: 0), else at −88 (n >= −127). (The backward
+// with bfloat16 products, B=1, H=8, L=S=4096, E=128, two threads, on an
+// Emerald Rapids: 122 against 113-118 ms before the scaling.)
 HWY_INLINE VF ExpSoftmax(DF d, VF x) {
   constexpr float kPoly[] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
                              4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
   const VF magic = hn::Set(d, 12582912.0f);  // 1.5·2^23
-#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
-  const VF xc = ClampBelow(d, x, -120.0f);  // keeps −∞ out of r (NaN stays: ClampBelow)
-#else
-  const VF xc = ClampBelow(d, x, -88.0f);  // keeps −∞ out of the integer path
-#endif
+  const VF xc = ClampBelow(d, x, kScalef ? -120.0f : -88.0f);  // −∞ kept out of r and n (NaN stays)
   const VF t = hn::MulAdd(xc, hn::Set(d, 1.44269504088896341f), magic);
   const VF n = hn::Sub(t, magic);
   VF r = hn::NegMulAdd(n, hn::Set(d, 0.693359375f), xc);  // r = x − n·ln2, ln2 in two parts
   r = hn::NegMulAdd(n, hn::Set(d, -2.12194440e-4f), r);
   const VF p = Horner(d, r, kPoly);
-  const VF y = hn::MulAdd(p, hn::Mul(r, r), hn::Add(r, hn::Set(d, 1.0f)));  // exp(r)
-#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
-  return VF{_mm512_scalef_ps(y.raw, n.raw)};
-#else
-  const hn::RebindToSigned<DF> di;
-  const auto e = hn::ShiftLeft<23>(hn::Add(hn::BitCast(di, t), hn::Set(di, 127)));  // 2^n
-  return RestoreNaN(x, hn::IfThenZeroElse(hn::Lt(x, hn::Set(d, -87.33f)), hn::Mul(y, hn::BitCast(d, e))));
-#endif
+  return TimesPow2(d, x, hn::MulAdd(p, hn::Mul(r, r), hn::Add(r, hn::Set(d, 1.0f))), t, n);  // 2^n·exp(r)
 }
 
 // 2^x for the forward's softmax, whose scores are in base 2 (log2(e) is
@@ -99,36 +109,22 @@ HWY_INLINE VF ExpSoftmax(DF d, VF x) {
 // degree-5 polynomial with constant term 1 (2^0 = 1 exactly), fitted for
 // relative error (minimax on a dense grid: 9e-8; within 2 ulp with float
 // rounding, tests/test_fused.cpp measures 4 as its bound). Valid for
-// x <= 127; −∞ gives exactly 0.
-// n comes from two adds: t = x + 1.5·2^23 has a last bit worth 1 for
-// |x| <= 2^22, so it is 1.5·2^23 + n with n rounded to nearest even (what a
-// round instruction gives, at a cost of two uops on port 0 of Intel's AVX-512
-// cores), and t − 1.5·2^23 = n exactly. On AVX-512, 2^n·2^f is one VSCALEFPS
-// with x clamped at −160, so that below about −150, −∞ included, the result
-// is exactly 0 and in between the subnormal nearest 2^n·2^f. Elsewhere the
-// bits of t shifted up 23 places are (n + 127)·2^23, the exponent of 2^n
-// (1.5·2^23's bits end in 22 zeros), with x clamped at −127, whose exponent
-// bits are all zero: exactly 0 below −126.5, a subnormal near 2^x in
-// [−126.5, −126). No float-to-integer conversion, whose overflow fix-ups cost
-// more than the conversion itself. (The scaling instruction and the degree-5
-// polynomial took the bfloat16 forward at B=1, H=8, L=S=4096, E=64, one
-// thread, on an Emerald Rapids from 61.6-62.3 ms to 57.4-57.5.)
+// x <= 127; −∞ gives exactly 0, below −126.5 a subnormal or 0.
+// n comes from two adds, t = x + 1.5·2^23 (n rounded to nearest even, what
+// a round instruction gives, at a cost of two uops on port 0 of Intel's
+// AVX-512 cores) and t − 1.5·2^23 = n exactly; 2^n·2^f by TimesPow2, with x
+// clamped at −160 for VSCALEFPS (0 below about −150), else at −127 (0 below
+// −126.5). (The scaling instruction and the degree-5 polynomial took the
+// bfloat16 forward at B=1, H=8, L=S=4096, E=64, one thread, on an Emerald
+// Rapids from 61.6-62.3 ms to 57.4-57.5.)
 HWY_INLINE VF Exp2Softmax(DF d, VF x) {
   constexpr float kPoly[] = {1.3274990120e-3f, 9.6718461659e-3f, 5.5506927358e-2f, 2.4022234778e-1f,
                              6.9314701769e-1f, 1.0f};
   const VF magic = hn::Set(d, 12582912.0f);  // 1.5·2^23
-#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
-  const VF xc = ClampBelow(d, x, -160.0f);  // keeps −∞ out of f (NaN stays: ClampBelow)
-  const VF n = hn::Sub(hn::Add(xc, magic), magic);
-  return VF{_mm512_scalef_ps(Horner(d, hn::Sub(xc, n), kPoly).raw, n.raw)};
-#else
-  const hn::RebindToSigned<DF> di;
-  const VF xc = ClampBelow(d, x, -127.0f);  // keeps −∞ out of the integer path
+  const VF xc = ClampBelow(d, x, kScalef ? -160.0f : -127.0f);  // −∞ kept out of f and n (NaN stays)
   const VF t = hn::Add(xc, magic);
-  const VF p = Horner(d, hn::Sub(xc, hn::Sub(t, magic)), kPoly);
-  const auto e = hn::ShiftLeft<23>(hn::Add(hn::BitCast(di, t), hn::Set(di, 127)));  // 2^n, 0 for n = −127
-  return RestoreNaN(x, hn::Mul(p, hn::BitCast(d, e)));
-#endif
+  const VF n = hn::Sub(t, magic);
+  return TimesPow2(d, x, Horner(d, hn::Sub(xc, n), kPoly), t, n);
 }
 
 // tanh for the soft-cap, for every float. A vector whose lanes are all near
