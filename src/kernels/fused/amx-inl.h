@@ -36,7 +36,8 @@ void AmxEnd() {
   Tiles::release();
 }
 
-// One block of MT × NT C tiles at C (rows of ldc floats).
+// One block of MT × NT C tiles at C (rows of ldc floats): the edges of
+// AmxGemm, at most one of MT, NT 2 (whole 2 × 2 blocks: AmxBlocks22).
 template <class Tiles, int MT, int NT>
 void AmxBlock(int64_t K, const uint16_t* A, int64_t lda, const uint32_t* B, int64_t ldb, float* C, int64_t ldc,
               float alpha, bool accumulate) {
@@ -155,8 +156,7 @@ void AmxGemm(int64_t M, int64_t N, int64_t K, const void* Av, int64_t lda, const
       const bool two_n = N - n0 >= 32;
       const uint16_t* a = A + m0 * lda;
       float* c = C + m0 * ldc + n0;
-      if (two_m && two_n) AmxBlock<Tiles, 2, 2>(K, a, lda, B + n0, ldb, c, ldc, alpha, accumulate);
-      else if (two_m) AmxBlock<Tiles, 2, 1>(K, a, lda, B + n0, ldb, c, ldc, alpha, accumulate);
+      if (two_m) AmxBlock<Tiles, 2, 1>(K, a, lda, B + n0, ldb, c, ldc, alpha, accumulate);  // (two_n: pipelined)
       else if (two_n) AmxBlock<Tiles, 1, 2>(K, a, lda, B + n0, ldb, c, ldc, alpha, accumulate);
       else AmxBlock<Tiles, 1, 1>(K, a, lda, B + n0, ldb, c, ldc, alpha, accumulate);
     }
