@@ -25,7 +25,7 @@ from typing import Any, Dict, Optional, Tuple
 import numpy as np
 
 from . import _attn
-from ._arrays import float_array, is_torch_tensor, to_numpy
+from ._arrays import _is_bfloat16, float_array, is_torch_tensor, to_numpy, widen_half
 from ._decode import KVCache, refuse_grad
 from ._variants import variant_kwargs
 
@@ -41,7 +41,7 @@ def _torch() -> Any:
 def _canon_mask(x: Any, fn: str, name: str, dtype: np.dtype) -> Optional[np.ndarray]:
     if x is None:
         return None
-    m = to_numpy(x, fn, name)
+    m = to_numpy(widen_half(x), fn, name)  # a bfloat16 or float16 bias exactly as float32
     if m.dtype == np.bool_:
         return m
     if m.dtype.kind == "f":
@@ -81,12 +81,31 @@ def _layer_mask(attn_mask: Any, fn: str, dtype: np.dtype, B: int, H: int, L: int
 
 
 def _input(x: Any, fn: str, name: str, dtype: np.dtype) -> np.ndarray:
-    """A float input of the layer's dtype (the error names the layer's)."""
+    """A float input of the layer's dtype (the error names the layer's); a
+    bfloat16 layer's as float32 (exact)."""
+    if dtype.name == "bfloat16":
+        if not _is_bfloat16(x):
+            got = x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
+            raise ValueError(f"{fn}: '{name}' has dtype {got}, expected bfloat16 (the layer's dtype; a torch "
+                             "bfloat16 tensor or an ml_dtypes.bfloat16 array; or construct the layer with "
+                             "dtype=float32)")
+        return float_array(widen_half(x), fn, name)
     a = float_array(x, fn, name)
     if a.dtype != dtype:
         raise ValueError(f"{fn}: '{name}' has dtype {a.dtype}, expected {dtype} (the layer's dtype; "
                          f"construct it with dtype={a.dtype} or convert the input)")
     return a
+
+
+def _as_dtype(a: Optional[np.ndarray], dtype: np.dtype, torch_out: bool) -> Any:
+    """A float32 or float64 result in the layer's dtype (bfloat16: rounded to
+    nearest even), as a torch tensor when `torch_out`."""
+    if a is None:
+        return None
+    if torch_out:
+        t = _torch().from_numpy(a)
+        return t.to(_torch().bfloat16) if dtype.name == "bfloat16" else t
+    return a.astype(dtype) if a.dtype != dtype else a
 
 
 class _Saved:
@@ -123,11 +142,21 @@ class MultiheadAttention:
     [3E, E] and in_proj_bias [3E] when kdim = vdim = embed_dim, otherwise
     q_proj_weight, k_proj_weight, v_proj_weight; out_proj.weight [E, E],
     out_proj.bias [E]. They start as PyTorch initialises them (Xavier-uniform
-    weights, zero biases), drawn from `seed`. dtype is float32 (default) or
-    float64. add_bias_kv and add_zero_attn exist for PyTorch's argument order
-    and must keep their defaults.
+    weights, zero biases), drawn from `seed`. dtype is float32 (default),
+    float64 or bfloat16 (torch.bfloat16, ml_dtypes.bfloat16 or "bfloat16";
+    needs the ml_dtypes package). add_bias_kv and add_zero_attn exist for
+    PyTorch's argument order and must keep their defaults.
 
-    compute_dtype="bfloat16" (float32 layers) gives every product of the
+    A bfloat16 layer is what torch's layer after .to(torch.bfloat16) is: its
+    parameters hold bfloat16 values (the initial and the loaded ones rounded
+    to nearest even), it takes bfloat16 inputs (torch tensors or
+    ml_dtypes.bfloat16 arrays; float masks and biases in any float dtype) and
+    returns bfloat16 outputs, attention weights and input gradients, rounded
+    from float32; it computes as compute_dtype="bfloat16" by default, with
+    float32 activations between the products. Its parameter gradients
+    accumulate in float32; grads() returns them rounded to bfloat16.
+
+    compute_dtype="bfloat16" (float32 and bfloat16 layers) gives every product of the
     layer bfloat16 operands with float32 sums, forward and backward: the
     projections' GEMMs and the attention inside (as
     attn.scaled_dot_product_attention(compute_dtype="bfloat16") computes
@@ -180,6 +209,9 @@ class MultiheadAttention:
         if device is not None and str(device) != "cpu":
             raise ValueError(f"{_FN}: device is '{device}'; attn runs on the CPU only")
         self.dtype = self._dtype(dtype)
+        # What the library computes in: a bfloat16 layer is a float32 one
+        # whose parameters hold bfloat16 values.
+        self._float = np.dtype(np.float32) if self.dtype.name == "bfloat16" else self.dtype
         self.compute_dtype = self._compute_dtype(compute_dtype, self.dtype)
         self.embed_dim = int(embed_dim)
         self.num_heads = int(num_heads)
@@ -192,14 +224,17 @@ class MultiheadAttention:
         self.dropout = float(dropout)
         self.generator = np.random.default_rng(int(seed)) if generator is None else generator
         self.training = True
-        cls, self._cache_cls = _CLASSES[self.dtype]
+        cls, self._cache_cls = _CLASSES[self._float]
         initial_sinks = None
         if not isinstance(sinks, bool):
-            initial_sinks = variant_kwargs(_FN, self.dtype, None, None, None, sinks, None)["sinks"]
+            initial_sinks = variant_kwargs(_FN, self._float, None, None, None, widen_half(sinks), None)["sinks"]
         self._layer = cls(self.embed_dim, self.num_heads, bias=self.bias, kdim=self.kdim, vdim=self.vdim,
                           seed=int(seed), sinks=initial_sinks is not None or bool(sinks))
         if initial_sinks is not None:
             self._layer.set_parameter("sinks", initial_sinks)
+        if self.dtype != self._float:  # the initial values rounded, as torch's .to(bfloat16) does
+            for n in self._layer.parameter_names():
+                self._layer.set_parameter(n, self._rounded(self._layer.get_parameter(n)))
         self.head_dim = self._layer.head_dim
         self._qkv_same_embed_dim = self._layer.packed_in_proj
         # The state of the most recent forward call (None: nothing to
@@ -221,18 +256,30 @@ class MultiheadAttention:
             return np.dtype(np.float32)
         if name in ("float64", "double"):
             return np.dtype(np.float64)
-        raise ValueError(f"{_FN}: dtype is {dtype}, expected float32 or float64")
+        if name == "bfloat16":
+            try:
+                import ml_dtypes
+            except ImportError:
+                raise ValueError(f"{_FN}: dtype bfloat16 needs the ml_dtypes package (NumPy's bfloat16 "
+                                 "arrays; pip install ml_dtypes)") from None
+            return np.dtype(ml_dtypes.bfloat16)
+        raise ValueError(f"{_FN}: dtype is {dtype}, expected float32, float64 or bfloat16")
 
     @staticmethod
     def _compute_dtype(compute_dtype: Any, dtype: np.dtype) -> Optional[str]:
         if compute_dtype is None:
-            return None
+            return "bfloat16" if dtype.name == "bfloat16" else None  # PyTorch's products for bfloat16
         name = str(compute_dtype).replace("torch.", "")
         if name not in ("float32", "bfloat16"):
             raise ValueError(f"{_FN}: compute_dtype is {compute_dtype}, expected None, 'float32' or 'bfloat16'")
-        if name == "bfloat16" and dtype != np.float32:
-            raise ValueError(f"{_FN}: compute_dtype is bfloat16, which takes a float32 layer; this one is {dtype}")
+        if name == "bfloat16" and dtype == np.float64:
+            raise ValueError(f"{_FN}: compute_dtype is bfloat16, which takes a float32 or bfloat16 layer; "
+                             f"this one is {dtype}")
         return name
+
+    def _rounded(self, a: np.ndarray) -> np.ndarray:
+        """float32 values rounded to the layer's bfloat16 (nearest even), as float32."""
+        return np.ascontiguousarray(a, dtype=np.float32).astype(self.dtype).astype(np.float32)
 
     # Training mode ------------------------------------------------------------
 
@@ -265,7 +312,7 @@ class MultiheadAttention:
 
     def state_dict(self) -> Dict[str, np.ndarray]:
         """A dict of copies of the parameters, by PyTorch state_dict name."""
-        return {n: self._layer.get_parameter(n) for n in self._layer.parameter_names()}
+        return {n: _as_dtype(self._layer.get_parameter(n), self.dtype, False) for n in self._layer.parameter_names()}
 
     def load_state_dict(self, state_dict: Dict[str, Any], strict: bool = True) -> None:
         """Copies parameters in from a dict of arrays or tensors (e.g. a
@@ -281,15 +328,16 @@ class MultiheadAttention:
         self._version += 1
         for n in names:
             if n in state_dict:
-                a = to_numpy(state_dict[n], _FN + ".load_state_dict", n)
-                self._layer.set_parameter(n, np.ascontiguousarray(a, dtype=self.dtype))
+                a = to_numpy(widen_half(state_dict[n]), _FN + ".load_state_dict", n)
+                a = np.ascontiguousarray(a, dtype=self._float)
+                self._layer.set_parameter(n, self._rounded(a) if self.dtype != self._float else a)
 
     def grads(self) -> Dict[str, np.ndarray]:
         """Copies of the parameter gradients accumulated by backward(), by
         state_dict name (the keys and shapes of state_dict()). They start at
         zero, and each backward() adds to them until zero_grad()."""
         with self._grad_lock:
-            return {n: self._layer.get_grad(n) for n in self._layer.parameter_names()}
+            return {n: _as_dtype(self._layer.get_grad(n), self.dtype, False) for n in self._layer.parameter_names()}
 
     def zero_grad(self) -> None:
         """Sets every parameter gradient to zero (call it between training steps)."""
@@ -350,7 +398,8 @@ class MultiheadAttention:
                  attn_mask: Any, average_attn_weights: bool, is_causal: bool,
                  backend: str, cache: Any, var: Dict[str, Any], dropout_seed: Any) -> Tuple[Any, Optional[Any]]:
         fn = _FN + ".forward"
-        variants = variant_kwargs(fn, self.dtype, var["window_size"], var["alibi_slopes"], var["softcap"], None,
+        variants = variant_kwargs(fn, self._float, var["window_size"], widen_half(var["alibi_slopes"]), var["softcap"],
+                                  None,
                                   var["position_offset"], var["chunk_size"])
         del variants["sinks"]  # the layer's own parameter
         dropout_p, seed = self._dropout(fn, dropout_seed)
@@ -383,8 +432,8 @@ class MultiheadAttention:
         H = self.num_heads
 
         kpm = None
-        mask, bias = _layer_mask(attn_mask, fn, self.dtype, B, H, L, S, batched)
-        p = _canon_mask(key_padding_mask, fn, "key_padding_mask", self.dtype)
+        mask, bias = _layer_mask(attn_mask, fn, self._float, B, H, L, S, batched)
+        p = _canon_mask(key_padding_mask, fn, "key_padding_mask", self._float)
         if p is not None:
             if not batched and p.ndim == 1:
                 p = p[None]
@@ -399,7 +448,7 @@ class MultiheadAttention:
                 add = p[:, None, None, :]
                 bias = add if bias is None else bias + add
 
-        dtype = self.dtype
+        dtype = self._float
         if batched and not self.batch_first:
             out_buf = np.empty((L, B, self.embed_dim), dtype)
             out = np.swapaxes(out_buf, 0, 1)
@@ -423,11 +472,7 @@ class MultiheadAttention:
             w = None if w is None else w[0]
         self._saved = _Saved(cache, version, batched, self.batch_first, torch_out, same, out_buf.shape,
                              in_shapes)
-        if torch_out:
-            torch = _torch()
-            out_buf = torch.from_numpy(out_buf)
-            w = None if w is None else torch.from_numpy(w)
-        return out_buf, w
+        return _as_dtype(out_buf, self.dtype, torch_out), _as_dtype(w, self.dtype, torch_out)
 
     __call__ = forward
 
@@ -461,7 +506,8 @@ class MultiheadAttention:
         fn = _FN + ".decode"
         if not isinstance(cache, KVCache):
             raise TypeError(f"{fn}: 'cache' must be an attn.KVCache, got {type(cache).__name__}")
-        variants = variant_kwargs(fn, self.dtype, window_size, alibi_slopes, softcap, None, None, chunk_size)
+        variants = variant_kwargs(fn, self._float, window_size, widen_half(alibi_slopes), softcap, None, None,
+                                  chunk_size)
         del variants["sinks"], variants["position_offset"]  # the layer's own; the cache's positions
         refuse_grad(fn, query=query)
         q = _input(query, fn, "query", self.dtype)
@@ -474,17 +520,17 @@ class MultiheadAttention:
         elif not self.batch_first:
             q = np.swapaxes(q, 0, 1)
         B, L = q.shape[0], q.shape[1]
-        mask, bias = _layer_mask(attn_mask, fn, self.dtype, B, self.num_heads, L, cache.capacity, batched)
+        mask, bias = _layer_mask(attn_mask, fn, self._float, B, self.num_heads, L, cache.capacity, batched)
         if batched and not self.batch_first:
-            out_buf = np.empty((L, B, self.embed_dim), self.dtype)
+            out_buf = np.empty((L, B, self.embed_dim), self._float)
             out = np.swapaxes(out_buf, 0, 1)
         else:
-            out_buf = out = np.empty((B, L, self.embed_dim), self.dtype)
+            out_buf = out = np.empty((B, L, self.embed_dim), self._float)
         self._layer.decode(q, cache._c, out, attn_mask=mask, attn_bias=bias, causal=bool(is_causal),
                            backend=str(backend), num_threads=int(num_threads), **variants)
         if not batched:
             out_buf = out_buf[0]
-        return _torch().from_numpy(out_buf) if is_torch_tensor(query) else out_buf
+        return _as_dtype(out_buf, self.dtype, is_torch_tensor(query))
 
     # Backward -----------------------------------------------------------------
 
@@ -521,10 +567,7 @@ class MultiheadAttention:
         if saved.version != self._version:
             raise ValueError(f"{fn}: the parameters were changed by load_state_dict after the forward "
                              "call; gradients need the weights that forward used, so run forward again")
-        g = to_numpy(grad_output, fn, "grad_output")
-        if g.dtype != self.dtype:
-            raise ValueError(f"{fn}: 'grad_output' has dtype {g.dtype}, expected {self.dtype} (the layer's "
-                             "dtype)")
+        g = _input(grad_output, fn, "grad_output", self.dtype)
         # Checked in the caller's layout: the library sees the (N, L, E) view
         # made of it, in which a wrong shape would read as another one.
         if g.shape != saved.out_shape:
@@ -536,7 +579,7 @@ class MultiheadAttention:
                 return a[None]
             return a if saved.batch_first else np.swapaxes(a, 0, 1)
 
-        grads = {n: np.empty(shape, self.dtype) for n, shape in zip(("query", "key", "value"), saved.in_shapes)}
+        grads = {n: np.empty(shape, self._float) for n, shape in zip(("query", "key", "value"), saved.in_shapes)}
         if saved.self_attention:
             grads["key"] = grads["value"] = None
         dq, dk, dv = (None if a is None else to_bld(a) for a in grads.values())
@@ -547,10 +590,7 @@ class MultiheadAttention:
             self._layer.backward(saved.cache, to_bld(g), dquery=dq, dkey=dk, dvalue=dv)
         if not retain_graph and self._saved is saved:
             self._saved = None
-        if saved.torch_out:
-            torch = _torch()
-            return {n: None if a is None else torch.from_numpy(a) for n, a in grads.items()}
-        return grads
+        return {n: _as_dtype(a, self.dtype, saved.torch_out) for n, a in grads.items()}
 
     def __repr__(self) -> str:
         return (f"attn.MultiheadAttention(embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
