@@ -28,6 +28,8 @@ layer backward). The two are timed alternately, one call each per round, so
 load changes hit both; the outputs and input gradients are compared first.
 --layer-dtype bfloat16: torch's layer and inputs in bfloat16 against attn's
 float32 layer with compute_dtype="bfloat16" (bfloat16 operands, float32 sums).
+--layer-dtype bfloat16-params: the same against attn's layer with bfloat16
+parameters (dtype=torch.bfloat16), both on the same bfloat16 torch tensors.
 
     python3 bench/compare_torch.py --layer [--layer-shapes "8,128,256,4;4,512,512,8"] [--threads 2]
                                    [--reps 15] [--json out.json]
@@ -405,20 +407,25 @@ def layer_rows(torch, attn, shapes, threads, reps, dtype="float32"):
     import numpy as np
     import torch.nn.functional as F
 
-    bf16 = dtype == "bfloat16"
+    params = dtype == "bfloat16-params"
+    bf16 = dtype == "bfloat16" or params
     tdt = torch.bfloat16 if bf16 else torch.float32
     compute = dict(compute_dtype="bfloat16") if bf16 else {}
     rows = []
     for B, N, D, H in shapes:
         torch.set_num_threads(threads)
         ref = torch.nn.MultiheadAttention(D, H, batch_first=True)
-        mine = attn.MultiheadAttention(D, H, batch_first=True, dtype=np.float32, seed=0, **compute)
-        mine.load_state_dict({n: p.detach() for n, p in ref.state_dict().items()})
         ref = ref.to(tdt)
+        mine = attn.MultiheadAttention(D, H, batch_first=True, dtype=torch.bfloat16 if params else np.float32,
+                                       seed=0, **compute)
+        mine.load_state_dict({n: p.detach() for n, p in ref.state_dict().items()})
         rng = np.random.default_rng(0)
         x = rng.standard_normal((B, N, D)).astype(np.float32)
         dout = rng.standard_normal((B, N, D)).astype(np.float32)
         xt, doutt = torch.from_numpy(x).to(tdt), torch.from_numpy(dout).to(tdt)
+        if params:  # attn's layer on the same bfloat16 tensors
+            x, dout = xt, doutt
+        as_np = (lambda a: a.float().numpy()) if params else (lambda a: a)
 
         # Validate: the same output and input gradient.
         ya, _ = mine(x, x, x, need_weights=False)
@@ -426,8 +433,8 @@ def layer_rows(torch, attn, shapes, threads, reps, dtype="float32"):
         xg = xt.clone().requires_grad_(True)
         yt, _ = ref(xg, xg, xg, need_weights=False)
         yt.backward(doutt)
-        check = (f"max|dy| {np.abs(ya - yt.detach().float().numpy()).max():.1e}, "
-                 f"max|dx| {np.abs(ga - xg.grad.float().numpy()).max():.1e}")
+        check = (f"max|dy| {np.abs(as_np(ya) - yt.detach().float().numpy()).max():.1e}, "
+                 f"max|dx| {np.abs(as_np(ga) - xg.grad.float().numpy()).max():.1e}")
 
         # The attention alone: q, k, v as (B, H, N, d) views of one (B, N, 3D) array.
         qkv = rng.standard_normal((B, N, 3 * D)).astype(np.float32)
@@ -607,8 +614,9 @@ def main():
     ap.add_argument("--decode-window", type=int, default=-1,
                     help="decode mode: a causal sliding window of this many keys before each query (-1: none)")
     ap.add_argument("--layer", action="store_true", help="time the multi-head layers (see above)")
-    ap.add_argument("--layer-dtype", default="float32", choices=["float32", "bfloat16"],
-                    help="--layer: bfloat16 = torch's layer in bfloat16 against attn's with compute_dtype bfloat16")
+    ap.add_argument("--layer-dtype", default="float32", choices=["float32", "bfloat16", "bfloat16-params"],
+                    help="--layer: bfloat16 = torch's layer in bfloat16 against attn's with compute_dtype bfloat16; "
+                         "bfloat16-params: against attn's layer with bfloat16 parameters")
     ap.add_argument("--layer-shapes", default="8,128,256,4;4,512,512,8;1,2048,768,12",
                     help="layer and gemm modes: B,N,D,H;...")
     ap.add_argument("--gemm", action="store_true", help="the layer's GEMMs alone (see above)")

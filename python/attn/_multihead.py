@@ -410,9 +410,9 @@ class MultiheadAttention:
                              "torch autograd; call it under torch.no_grad() or on detached tensors and "
                              "get gradients from its backward() (or use "
                              "attn.torch.scaled_dot_product_attention, an autograd Function)")
-        q = _input(query, fn, "query", self.dtype)
-        k = _input(key, fn, "key", self.dtype)
-        v = _input(value, fn, "value", self.dtype)
+        q = _input(query, fn, "query", self.dtype)  # (a bfloat16 layer's: widened copies, one per object)
+        k = q if key is query else _input(key, fn, "key", self.dtype)
+        v = k if value is key else q if value is query else _input(value, fn, "value", self.dtype)
         in_shapes = (q.shape, k.shape, v.shape)
         same = query is key and key is value and self._qkv_same_embed_dim
         if q.ndim not in (2, 3):
