@@ -23,6 +23,8 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+# The dense call's stored dtypes other than bfloat16, by name.
+_STORAGE_NAMES = {np.dtype(np.float32): "float32", np.dtype(np.float64): "float64", np.dtype(np.float16): "float16"}
 # The storage dtypes of the dense call's q, k, v, by name.
 STORAGE_DTYPES = ("float32", "float64", "float16", "bfloat16")
 
@@ -117,7 +119,8 @@ def _is_bfloat16(x: Any) -> bool:
     """torch.bfloat16 tensors and ml_dtypes.bfloat16 arrays."""
     if is_torch_tensor(x):
         return x.dtype == sys.modules["torch"].bfloat16
-    return isinstance(x, np.ndarray) and x.dtype.name == "bfloat16"
+    # (dtype.name is computed on every access: the kind, a field, rules out the others first)
+    return isinstance(x, np.ndarray) and x.dtype.kind == "V" and x.dtype.name == "bfloat16"
 
 
 def storage_array(x: Any, fn: str, name: str, want: Optional[str] = None) -> Tuple[np.ndarray, str]:
@@ -129,8 +132,8 @@ def storage_array(x: Any, fn: str, name: str, want: Optional[str] = None) -> Tup
     if bf16:
         a = a.view(np.uint16) if a.dtype != np.uint16 else a
         kind = "bfloat16"
-    elif a.dtype in FLOAT_DTYPES or a.dtype == np.float16:
-        kind = a.dtype.name
+    elif a.dtype in _STORAGE_NAMES:
+        kind = _STORAGE_NAMES[a.dtype]
     else:
         raise ValueError(f"{fn}: '{name}' has dtype {a.dtype}, expected float32, float64, float16 or bfloat16")
     if want is not None and kind != want:
@@ -178,6 +181,8 @@ def view_bh(a: np.ndarray, nlead: int) -> np.ndarray:
     """Views a (lead..., *tail) array with `nlead` leading axes as
     (B, H, *tail): H is the last leading axis, B all the others merged.
     Copies only when the merge has no strided form."""
+    if nlead == 2:  # (B, H, ...) already
+        return a
     tail_shape, tail_strides = a.shape[nlead:], a.strides[nlead:]
     if nlead == 0:
         return as_strided(a, (1, 1) + tail_shape, (0, 0) + tail_strides, writeable=False)
@@ -200,6 +205,8 @@ def expand_operand(a: np.ndarray, lead: Tuple[int, ...], tail: int, keep_ones: b
     gradient of a broadcast operand must be summed back to."""
     n = len(lead)
     pad = n - (a.ndim - tail)
+    if pad == 0 and a.shape[:n] == lead:  # nothing to broadcast (the common case)
+        return a
     a = a.reshape((1,) * pad + a.shape)
     if not keep_ones:
         return np.broadcast_to(a, lead + a.shape[n:])
