@@ -83,7 +83,7 @@ def _layer_mask(attn_mask: Any, fn: str, dtype: np.dtype, B: int, H: int, L: int
 def _input(x: Any, fn: str, name: str, dtype: np.dtype) -> np.ndarray:
     """A float input of the layer's dtype (the error names the layer's); a
     bfloat16 layer's as float32 (exact)."""
-    if dtype.name == "bfloat16":
+    if dtype.kind == "V":  # bfloat16, the one layer dtype NumPy does not have (dtype.name is slow to read)
         if not _is_bfloat16(x):
             got = x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
             raise ValueError(f"{fn}: '{name}' has dtype {got}, expected bfloat16 (the layer's dtype; a torch "
@@ -104,7 +104,7 @@ def _as_dtype(a: Optional[np.ndarray], dtype: np.dtype, torch_out: bool) -> Any:
         return None
     if torch_out:
         t = _torch().from_numpy(a)
-        return t.to(_torch().bfloat16) if dtype.name == "bfloat16" else t
+        return t.to(_torch().bfloat16) if dtype.kind == "V" else t
     return a.astype(dtype) if a.dtype != dtype else a
 
 
