@@ -81,6 +81,11 @@ def test_parameters_hold_bfloat16_values():
         np.testing.assert_array_equal(a.astype(np.float32), sd[n].astype(np.float32).astype(BF16).astype(np.float32))
     assert layer.compute_dtype == "bfloat16"
     assert "dtype=bfloat16" in repr(layer)
+    full = attn.MultiheadAttention(16, 2, seed=4)  # a float32 layer takes bfloat16 values exactly
+    full.load_state_dict(layer.state_dict())
+    for n, a in full.state_dict().items():
+        assert a.dtype == np.float32
+        np.testing.assert_array_equal(a, layer.state_dict()[n].astype(np.float32))
 
 
 def test_float32_products_on_a_bfloat16_layer():
