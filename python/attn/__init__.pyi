@@ -186,9 +186,9 @@ class MultiheadAttention:
     def eval(self) -> "MultiheadAttention":
         """Eval mode: forward() drops nothing."""
     def parameter_names(self) -> List[str]: ...
-    def state_dict(self) -> Dict[str, npt.NDArray[np.floating[Any]]]: ...
+    def state_dict(self) -> Dict[str, npt.NDArray[Any]]: ...  # the layer's dtype (bfloat16: ml_dtypes)
     def load_state_dict(self, state_dict: Dict[str, ArrayLike], strict: bool = True) -> None: ...
-    def grads(self) -> Dict[str, npt.NDArray[np.floating[Any]]]:
+    def grads(self) -> Dict[str, npt.NDArray[Any]]:
         """Copies of the accumulated parameter gradients, by state_dict name."""
     def zero_grad(self) -> None:
         """Resets every parameter gradient to zero."""
