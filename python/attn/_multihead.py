@@ -80,10 +80,16 @@ def _layer_mask(attn_mask: Any, fn: str, dtype: np.dtype, B: int, H: int, L: int
     return None, m
 
 
+def _is_bf16(dtype: np.dtype) -> bool:
+    """Whether a layer dtype is bfloat16, the one NumPy does not have (by its
+    kind: dtype.name is computed on every read)."""
+    return dtype.kind == "V"
+
+
 def _input(x: Any, fn: str, name: str, dtype: np.dtype) -> np.ndarray:
     """A float input of the layer's dtype (the error names the layer's); a
     bfloat16 layer's as float32 (exact)."""
-    if dtype.kind == "V":  # bfloat16, the one layer dtype NumPy does not have (dtype.name is slow to read)
+    if _is_bf16(dtype):
         if not _is_bfloat16(x):
             got = x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
             raise ValueError(f"{fn}: '{name}' has dtype {got}, expected bfloat16 (the layer's dtype; a torch "
@@ -104,7 +110,7 @@ def _as_dtype(a: Optional[np.ndarray], dtype: np.dtype, torch_out: bool) -> Any:
         return None
     if torch_out:
         t = _torch().from_numpy(a)
-        return t.to(_torch().bfloat16) if dtype.kind == "V" else t
+        return t.to(_torch().bfloat16) if _is_bf16(dtype) else t
     return a.astype(dtype) if a.dtype != dtype else a
 
 
@@ -211,7 +217,7 @@ class MultiheadAttention:
         self.dtype = self._dtype(dtype)
         # What the library computes in: a bfloat16 layer is a float32 one
         # whose parameters hold bfloat16 values.
-        self._float = np.dtype(np.float32) if self.dtype.name == "bfloat16" else self.dtype
+        self._float = np.dtype(np.float32) if _is_bf16(self.dtype) else self.dtype
         self.compute_dtype = self._compute_dtype(compute_dtype, self.dtype)
         self.embed_dim = int(embed_dim)
         self.num_heads = int(num_heads)
@@ -232,7 +238,7 @@ class MultiheadAttention:
                           seed=int(seed), sinks=initial_sinks is not None or bool(sinks))
         if initial_sinks is not None:
             self._layer.set_parameter("sinks", initial_sinks)
-        if self.dtype != self._float:  # the initial values rounded, as torch's .to(bfloat16) does
+        if _is_bf16(self.dtype):  # the initial values rounded, as torch's .to(bfloat16) does
             for n in self._layer.parameter_names():
                 self._layer.set_parameter(n, self._rounded(self._layer.get_parameter(n)))
         self.head_dim = self._layer.head_dim
@@ -268,7 +274,7 @@ class MultiheadAttention:
     @staticmethod
     def _compute_dtype(compute_dtype: Any, dtype: np.dtype) -> Optional[str]:
         if compute_dtype is None:
-            return "bfloat16" if dtype.name == "bfloat16" else None  # PyTorch's products for bfloat16
+            return "bfloat16" if _is_bf16(dtype) else None  # PyTorch's products for bfloat16
         name = str(compute_dtype).replace("torch.", "")
         if name not in ("float32", "bfloat16"):
             raise ValueError(f"{_FN}: compute_dtype is {compute_dtype}, expected None, 'float32' or 'bfloat16'")
@@ -329,8 +335,8 @@ class MultiheadAttention:
         for n in names:
             if n in state_dict:
                 a = to_numpy(widen_half(state_dict[n]), _FN + ".load_state_dict", n)
-                a = np.ascontiguousarray(a, dtype=self._float)
-                self._layer.set_parameter(n, self._rounded(a) if self.dtype != self._float else a)
+                self._layer.set_parameter(n, self._rounded(a) if _is_bf16(self.dtype)
+                                          else np.ascontiguousarray(a, dtype=self._float))
 
     def grads(self) -> Dict[str, np.ndarray]:
         """Copies of the parameter gradients accumulated by backward(), by
@@ -398,9 +404,8 @@ class MultiheadAttention:
                  attn_mask: Any, average_attn_weights: bool, is_causal: bool,
                  backend: str, cache: Any, var: Dict[str, Any], dropout_seed: Any) -> Tuple[Any, Optional[Any]]:
         fn = _FN + ".forward"
-        variants = variant_kwargs(fn, self._float, var["window_size"], widen_half(var["alibi_slopes"]), var["softcap"],
-                                  None,
-                                  var["position_offset"], var["chunk_size"])
+        variants = variant_kwargs(fn, self._float, var["window_size"], widen_half(var["alibi_slopes"]),
+                                  var["softcap"], None, var["position_offset"], var["chunk_size"])
         del variants["sinks"]  # the layer's own parameter
         dropout_p, seed = self._dropout(fn, dropout_seed)
         torch_out = any(is_torch_tensor(x) for x in (query, key, value))
