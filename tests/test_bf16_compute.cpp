@@ -847,7 +847,7 @@ TEST(Bf16Backward, TheExactGradientsAreWithinTheBoundOfTheRoundings) {
 TEST(Bf16Backward, NativePathsGiveThePortableBits) {
   if (!detail::bf16_path_available(Bf16Path::avx512_bf16)) GTEST_SKIP() << "no AVX512_BF16 on this CPU";
   for (const RandomSpec& spec : backward_specs())
-    for (const double dropout : {0.0, 0.1}) {  // without dropout AVX512_BF16 forms dS in one pass (fused_ds)
+    for (const double dropout : {0.0, 0.1}) {  // without dropout AVX512_BF16 forms dS in one pass (fused_tile)
       SdpaCase<float> c(spec);
       c.opt.dropout_p = dropout;
       const Tensor<float> dout = random_dout(c.args, spec.seed);

@@ -9,8 +9,7 @@
 // else a tile at a time from a copy) comes from the block product, the
 // masks are applied, each query's running max and sum are updated
 // (online_softmax.hpp, in base 2), the output accumulator is rescaled and
-// P·V added (V likewise). At the end each row
-// is divided once by its sum; the log-sum-exp is the only extra state saved.
+// P·V added (V likewise). At the end each row is divided once by its sum; the log-sum-exp is the only state saved.
 // Memory traffic per unit: Q and the output once, K and V once per query
 // block (re-read L / q_block times from cache or memory); the L×S matrices
 // never exist. A unit visits only the keys its rows see under the band rule
@@ -18,11 +17,11 @@
 // rule classifies empty, so the cost grows with the visible band, not with
 // S. A head's sink enters as the initial state of each row's softmax (one
 // seen logit, no value), so it is in the sum and the lse and takes its
-// weight. Attention weights, when asked for, are a
-// second pass per unit: exp(S − max) / sum, tile by tile.
+// weight. Attention weights, when asked for, are a second pass per unit: exp(S − max) / sum, tile by tile.
 //
-// Backward. With P = exp(S − lse) recomputed per tile (scores in natural
-// units, query rows × keys) and D_i = Σ_e dY_ie·Y_ie:
+// Backward. With P = exp(S − lse) recomputed per tile (query rows × keys; the
+// scores in natural units, or in base 2 where the products ask for it, then
+// P = 2^(S·log2(e) − lse·log2(e))) and D_i = Σ_e dY_ie·Y_ie:
 //   dV = Pᵀ·dY,  dP = dY·Vᵀ,  dS = P∘(dP − D),  dU = dS∘capped'(U),
 //   dQ = scale·dU·K,  dK = scale·dUᵀ·Q,  dbias = dS summed over the bias's
 //   broadcast axes,  d(sink_h) = −Σ_{b,i} exp(sink_h − lse_i)·D_i.
@@ -369,6 +368,7 @@ struct Float32BackwardProducts {
 
   // The padded width of a tile's nk keys.
   int64_t width(int64_t nk) const { return round_up(nk, Lanes()); }
+  float score_unit() const { return 1.0f; }  // scores in natural units
   void pack_keys(int64_t b, int64_t hk, int64_t j0, int64_t nk, bool rows) {
     PackKeyBlock(c, w, b, hk, j0, nk, rows);
   }
@@ -408,7 +408,7 @@ struct Float32BackwardProducts {
 
 // One tile of the backward, rows i0..i0+nr × keys j0..j0+nk, lying at `at`
 // in the packed query and key blocks (dS is left at w.dp's origin, unless
-// pr forms it in one pass, fused_ds; the accumulators are written at the
+// pr forms it in one pass, fused_tile; the accumulators are written at the
 // tile's rows and keys); `pr` does the
 // products (Float32BackwardProducts, or the bfloat16 ones of bf16-inl.h).
 template <class Products>
@@ -421,10 +421,10 @@ void BackwardTileT(const FusedCall& c, Products& pr, BackwardScratch& w, int64_t
   const float* D = w.D + at.row;
   const uint8_t* poisoned = w.poisoned + at.row;
   pr.scores(b, h, i0, nr, j0, nk, nkp, at);
-  for (int64_t r = 0; r < nr; ++r) ProbRow(w.s + r * w.kbp, nkp, lse[r], poisoned[r]);  // P
+  if constexpr (requires { pr.fused_tile(nr, nkp, at, jobs, lse, D, poisoned); })  // P, dP, dS in one pass
+    if (pr.fused_tile(nr, nkp, at, jobs, lse, D, poisoned)) return;
+  for (int64_t r = 0; r < nr; ++r) ProbRow(w.s + r * w.kbp, nkp, lse[r], poisoned[r], pr.score_unit());  // P
   pr.dp(nr, nkp, at);  // dP = dY·Vᵀ
-  if constexpr (requires { pr.fused_ds(nr, nkp, at, jobs, D); })  // dS formed and rounded in one pass
-    if (!p.dropout.on() && !p.rules.capped() && (jobs.dkdv || jobs.dq) && pr.fused_ds(nr, nkp, at, jobs, D)) return;
   for (int64_t r = 0; r < nr; ++r) {
     float* dpr = w.dp + r * w.kbp;
     float* pr_ = w.s + r * w.kbp;

@@ -346,9 +346,9 @@ void ForwardBf16Impl(const Problem& p, const Bf16Operands& ops, View4<float> out
 //
 // The float32 backward's units and tile (attention-inl.h, BackwardTileT) with
 // these products, PyTorch's and FlashAttention's bfloat16 backward:
-//   S   = scale · Q·Kᵀ      A = Q, B = K pairs (features paired): the
-//                           forward's float32 sums (its K·Qᵀ pairs the same
-//                           products in the same order)
+//   S   = scale·log2(e) · Q·Kᵀ   A = Q, B = K pairs (features paired): the
+//                           forward's scores (its K·Qᵀ pairs the same
+//                           products in the same order), in base 2
 //   dP  = dY·Vᵀ             A = dY rounded, B = V pairs (features paired)
 //   dVᵀ += dYᵀ·(P∘m)        A = dY rounded, transposed, B = P rounded, rows paired
 //   dKᵀ += Qᵀ·dU            A = Q transposed, B = dU rounded, rows paired (× scale on store)
@@ -364,6 +364,7 @@ void ForwardBf16Impl(const Problem& p, const Bf16Operands& ops, View4<float> out
 //   vpairs [Ev2/2 × KW]   V pairs of the key block, B of dP
 //   kpairs [KW/2 × E16]   K pairs of the key block, B of dQ  E16 = E up to 16
 //   pairs  [QW/2 × kbp]   P or dU rounded, rows paired       QW = qb + 32
+//   dspairs [QW/2 × kbp]  dU rounded, rows paired (fused_tile, beside P's)
 //   dsa    [qb + 16 × KW] dU rows rounded, A of dQ
 //   dkt    [Er × KW], dvt [Evr × KW], dq [qb + 16 × E16]   accumulators
 class Bf16BackwardProducts {
@@ -379,6 +380,7 @@ class Bf16BackwardProducts {
     vpairs_ = alloc<uint32_t>(Ev2_ / 2 * KW_);
     kpairs_ = alloc<uint32_t>(KW_ / 2 * E16_);
     pairs_ = alloc<uint32_t>(QW_ / 2 * w.kbp);
+    if (ops_.kernel.vcvtne2ps2bf16) dspairs_ = alloc<uint32_t>(QW_ / 2 * w.kbp);  // fused_tile's
     dsa_ = alloc<std::byte>((w.qb + 16) * KW_ * elem());
     dkt_ = alloc<float>(Er_ * KW_);
     dvt_ = alloc<float>(Evr_ * KW_);
@@ -392,6 +394,7 @@ class Bf16BackwardProducts {
   Bf16BackwardProducts& operator=(const Bf16BackwardProducts&) = delete;
 
   int64_t width(int64_t nk) const { return round_up(nk, 16); }
+  float score_unit() const { return kLog2e; }  // scores in base 2
 
   // K and V pairs of keys [j0, j0 + nk) of (b, hk), from the call's operands
   // (zeros past nk).
@@ -418,15 +421,16 @@ class Bf16BackwardProducts {
     }
   }
 
-  // w.s = the tile's scores (natural units) through the score pipeline.
+  // w.s = the tile's scores in base 2 (× log2(e), so that P takes
+  // Exp2Softmax) through the score pipeline.
   void scores(int64_t b, int64_t h, int64_t i0, int64_t nr, int64_t j0, int64_t nk, int64_t nkp, TileOrigin at) {
     const Problem& p = *c_.p;
     BackwardScratch& w = w_;
     // s = scale · Q·Kᵀ
     const int64_t row = bh_ * p.L + i0_ + at.row;
     gemm_(round_up(nr, ops_.kernel.mpad), nkp, E2_, qo_.q.get() + row * E2_ * elem(), E2_, kfpairs_.get() + at.key,
-          KW_, w.s, w.kbp, c_.scale, false);
-    ScoreTileRules(c_, w, b, h, i0, nr, j0, nk, nkp);
+          KW_, w.s, w.kbp, c_.scale * kLog2e, false);
+    ScoreTileRules(c_, w, b, h, i0, nr, j0, nk, nkp, kLog2e);
   }
   // w.dp = dY·Vᵀ
   void dp(int64_t nr, int64_t nkp, TileOrigin at) {
@@ -441,7 +445,7 @@ class Bf16BackwardProducts {
     pairs(w_.s, w_.kbp, nr, K, nkp, pairs_.get());
     dv_product(nr, nkp, at);
     pairs(w_.dp, w_.kbp, nr, K, nkp, pairs_.get());
-    dk_product(nr, nkp, at);
+    dk_product(nr, nkp, at, pairs_.get());
   }
   // dQ += dU·K (the scale is applied when written out)
   void dq(int64_t nr, int64_t, int64_t nkp, TileOrigin at) {
@@ -454,44 +458,61 @@ class Bf16BackwardProducts {
     }
     dq_product(nr, nkp, at);
   }
-  // dS = P∘(dP − D) straight into its two bfloat16 operands, when the tile
-  // has neither dropout nor a soft-cap and the CPU has VCVTNE2PS2BF16: one
-  // pass over two rows of P and dP at a time gives dK's pairs (as Pairs
-  // would from dS) and dQ's rounded rows (as RoundRow would), so dS is never
-  // stored as float32 and read back twice; the bits are those of dkdv and dq
-  // (after dV's product, which needs P's pairs in the same buffer). Only for
-  // a tile with a dK/dV or dQ job (BackwardTileT: dS is then not left in
-  // w.dp). Returns false where it does not apply.
-  bool fused_ds(int64_t nr, int64_t nkp, TileOrigin at, TileJobs jobs, const float* D) {
-    if (!kCvtPairs || af_ || !ops_.kernel.vcvtne2ps2bf16) return false;
+  // P, dP and dS of the tile in one pass, when the tile has neither dropout
+  // nor a soft-cap nor a poisoned row and the CPU has VCVTNE2PS2BF16: dP =
+  // dY·Vᵀ first, then one pass over two rows of the scores and of dP at a
+  // time gives P = 2^(s − lse·log2(e)) (ProbRow's values) rounded into dV's pairs
+  // (as Pairs would), and dS = P∘(dP − D) rounded into dK's pairs and dQ's
+  // rows (as Pairs and RoundRow would). So neither P nor dS is stored as
+  // float32 and read back; the bits are those of the separate passes. Only
+  // for a tile with a dK/dV or dQ job (BackwardTileT: dS is then not left
+  // in w.dp). Returns false, having done nothing, where it does not apply.
+  bool fused_tile(int64_t nr, int64_t nkp, TileOrigin at, TileJobs jobs, const float* lse, const float* D,
+                  const uint8_t* poisoned) {
+    const Problem& p = *c_.p;
+    if (!kCvtPairs || af_ || !ops_.kernel.vcvtne2ps2bf16 || p.dropout.on() || p.rules.capped()) return false;
+    if (!(jobs.dkdv || jobs.dq) || std::any_of(poisoned, poisoned + nr, [](uint8_t x) { return x != 0; })) return false;
 #if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
+    dp(nr, nkp, at);
     const int64_t K = round_up(nr, ops_.kernel.kpad), M = round_up(nr, ops_.kernel.mpad), ld = w_.kbp;
-    if (jobs.dkdv) {
-      (ops_.kernel.pairs ? ops_.kernel.pairs : &ProbabilityPairs)(w_.s, ld, nr, K, nkp, pairs_.get());
-      dv_product(nr, nkp, at);
-    }
     const DF d;
     const int64_t N = Lanes();  // 16
-    const auto ds = [&](int64_t r, int64_t j) {
-      if (r >= nr || j >= nkp) return hn::Zero(d);
-      return hn::Mul(hn::Load(d, w_.s + r * ld + j), hn::Sub(hn::Load(d, w_.dp + r * ld + j), hn::Set(d, D[r])));
-    };
     auto* rows = reinterpret_cast<uint16_t*>(dsa_.get());
-    for (int64_t k = 0; 2 * k < std::max(K, M); ++k)
+    for (int64_t k = 0; 2 * k < std::max(K, M); ++k) {
+      const int64_t re = 2 * k, ro = 2 * k + 1;
+      const VF she = hn::Set(d, re < nr ? os::lse_shift(lse[re]) * kLog2e : 0.0f);
+      const VF sho = hn::Set(d, ro < nr ? os::lse_shift(lse[ro]) * kLog2e : 0.0f);
+      const VF De = hn::Set(d, re < nr ? D[re] : 0.0f), Do = hn::Set(d, ro < nr ? D[ro] : 0.0f);
+      const auto prob = [&](int64_t r, VF sh, int64_t j) {  // P, 0 past the tile
+        if (r >= nr || j >= nkp) return hn::Zero(d);
+        return Exp2Softmax(d, hn::Sub(hn::Load(d, w_.s + r * ld + j), sh));
+      };
+      const auto ds = [&](int64_t r, VF pr, VF Dr, int64_t j) {  // dS = P∘(dP − D)
+        if (r >= nr || j >= nkp) return hn::Zero(d);
+        return hn::Mul(pr, hn::Sub(hn::Load(d, w_.dp + r * ld + j), Dr));
+      };
       for (int64_t j = 0; j < nkp; j += 2 * N) {  // (dU's rows: zeros past nkp up to a multiple of 32 >= K)
-        const VF e0 = ds(2 * k, j), e1 = ds(2 * k, j + N), o0 = ds(2 * k + 1, j), o1 = ds(2 * k + 1, j + N);
-        if (jobs.dkdv && 2 * k < K) {
-          hn::Store(CvtPairs(e0, o0), DU(), pairs_.get() + k * ld + j);
-          if (j + N < nkp) hn::Store(CvtPairs(e1, o1), DU(), pairs_.get() + k * ld + j + N);
+        const VF pe0 = prob(re, she, j), pe1 = prob(re, she, j + N), po0 = prob(ro, sho, j),
+                 po1 = prob(ro, sho, j + N);
+        const VF e0 = ds(re, pe0, De, j), e1 = ds(re, pe1, De, j + N), o0 = ds(ro, po0, Do, j),
+                 o1 = ds(ro, po1, Do, j + N);
+        if (jobs.dkdv && re < K) {
+          hn::Store(CvtPairs(pe0, po0), DU(), pairs_.get() + k * ld + j);
+          hn::Store(CvtPairs(e0, o0), DU(), dspairs_.get() + k * ld + j);
+          if (j + N < nkp) {
+            hn::Store(CvtPairs(pe1, po1), DU(), pairs_.get() + k * ld + j + N);
+            hn::Store(CvtPairs(e1, o1), DU(), dspairs_.get() + k * ld + j + N);
+          }
         }
-        if (2 * k < M) _mm512_storeu_si512(rows + 2 * k * KW_ + j, CvtNe2(e0, e1));
-        if (2 * k + 1 < M) _mm512_storeu_si512(rows + (2 * k + 1) * KW_ + j, CvtNe2(o0, o1));
+        if (re < M) _mm512_storeu_si512(rows + re * KW_ + j, CvtNe2(e0, e1));
+        if (ro < M) _mm512_storeu_si512(rows + ro * KW_ + j, CvtNe2(o0, o1));
       }
-    if (jobs.dkdv) dk_product(nr, nkp, at);
+    }
+    if (jobs.dkdv) dv_product(nr, nkp, at), dk_product(nr, nkp, at, dspairs_.get());
     if (jobs.dq) dq_product(nr, nkp, at);
     return true;
 #else
-    (void)nr, (void)nkp, (void)at, (void)jobs, (void)D;
+    (void)nr, (void)nkp, (void)at, (void)jobs, (void)lse, (void)D;
     return false;
 #endif
   }
@@ -520,9 +541,9 @@ class Bf16BackwardProducts {
     gemm_(Evr_, nkp, K, qo_.dyt.get() + (bh_ * Evr_ * ldq + col) * elem(), ldq, pairs_.get(), w_.kbp,
           dvt_.get() + at.key, KW_, 1.0f, true);
   }
-  void dk_product(int64_t nr, int64_t nkp, TileOrigin at) {
+  void dk_product(int64_t nr, int64_t nkp, TileOrigin at, const uint32_t* dspairs) {
     const int64_t K = round_up(nr, ops_.kernel.kpad), col = i0_ + at.row, ldq = qo_.ldq;
-    gemm_(Er_, nkp, K, qo_.qt.get() + (bh_ * Er_ * ldq + col) * elem(), ldq, pairs_.get(), w_.kbp,
+    gemm_(Er_, nkp, K, qo_.qt.get() + (bh_ * Er_ * ldq + col) * elem(), ldq, dspairs, w_.kbp,
           dkt_.get() + at.key, KW_, 1.0f, true);
   }
   void dq_product(int64_t nr, int64_t nkp, TileOrigin at) {
@@ -586,7 +607,7 @@ class Bf16BackwardProducts {
   bool af_ = false;
   int64_t E2_ = 0, Evr_ = 0, Er_ = 0, Ev2_ = 0, E16_ = 0, QW_ = 0, KW_ = 0;
   int64_t bh_ = 0, i0_ = 0;  // the query block: (b·H + h), its first row
-  hwy::AlignedFreeUniquePtr<uint32_t[]> kfpairs_, vpairs_, kpairs_, pairs_;
+  hwy::AlignedFreeUniquePtr<uint32_t[]> kfpairs_, vpairs_, kpairs_, pairs_, dspairs_;
   hwy::AlignedFreeUniquePtr<std::byte[]> dsa_;
   hwy::AlignedFreeUniquePtr<float[]> dkt_, dvt_, dq_;
 };

@@ -356,9 +356,10 @@ struct TileOrigin {
 
 // The score pipeline (pipeline-inl.h) over the products in w.s (rows
 // i0..i0+nr against keys j0..j0+nk; −∞ also for padding up to nkp); with a
-// soft-cap, dcap receives its derivative.
+// soft-cap, dcap receives its derivative; unit as ApplyScoreRules's (log2(e):
+// the products are in base 2).
 void ScoreTileRules(const FusedCall& c, BackwardScratch& w, int64_t b, int64_t h, int64_t i0, int64_t nr,
-                    int64_t j0, int64_t nk, int64_t nkp) {
+                    int64_t j0, int64_t nk, int64_t nkp, float unit) {
   const Problem& p = *c.p;
   const ScoreRules<float>& sr = p.rules;
   const rules::Band band = band_of(c, b);
@@ -374,7 +375,7 @@ void ScoreTileRules(const FusedCall& c, BackwardScratch& w, int64_t b, int64_t h
     if (!sr.bias.empty()) line.bias = rules::key_row(sr.bias, b, h, i);
     if (!sr.mask.empty()) line.mask = rules::key_row(sr.mask, b, h, i);
     line.at = j0;
-    ApplyScoreRules(w.s + r * w.kbp, nkp, line, sr, 1.0f, w.dcap ? w.dcap + r * w.kbp : nullptr);
+    ApplyScoreRules(w.s + r * w.kbp, nkp, line, sr, unit, w.dcap ? w.dcap + r * w.kbp : nullptr);
   }
 }
 
@@ -383,7 +384,7 @@ void ScoreTileRules(const FusedCall& c, BackwardScratch& w, int64_t b, int64_t h
 void ScoreTile(const FusedCall& c, BackwardScratch& w, int64_t b, int64_t h, int64_t i0, int64_t nr,
                int64_t j0, int64_t nk, int64_t nkp, TileOrigin at) {
   Gemm(nr, nkp, c.p->E, w.q + at.row * w.Ep, w.Ep, 1, w.kt + at.key, w.kbp, w.s, w.kbp, false);
-  ScoreTileRules(c, w, b, h, i0, nr, j0, nk, nkp);
+  ScoreTileRules(c, w, b, h, i0, nr, j0, nk, nkp, 1.0f);
 }
 
 }  // namespace

@@ -150,18 +150,24 @@ void ExpArray(const float* x, float* y, int64_t n) { ApplyArray<ExpSoftmax>(x, y
 void Exp2Array(const float* x, float* y, int64_t n) { ApplyArray<Exp2Softmax>(x, y, n); }
 void TanhArray(const float* x, float* y, int64_t n) { ApplyArray<Tanh>(x, y, n); }
 
-// Row of s becomes exp(s − lse) (0 everywhere for a fully masked row). A
+// Row of s becomes exp(s − lse) (0 everywhere for a fully masked row); with
+// unit = log2(e) the row holds s·log2(e) and becomes 2^(s·log2(e) −
+// lse·log2(e)), the same probabilities by the cheaper Exp2Softmax. A
 // poisoned row (NaN lse, or a non-finite dY or query) becomes NaN at every
 // visible score and 0 at the masked ones (−∞), so the NaN reaches exactly the
 // gradients the row touches.
-void ProbRow(float* row, int64_t nkp, float lse, bool poisoned) {
+void ProbRow(float* row, int64_t nkp, float lse, bool poisoned, float unit) {
   if (poisoned) {
     for (int64_t j = 0; j < nkp; ++j) row[j] = row[j] == kNegInf ? 0.0f : kNaN;
     return;
   }
   const DF d;
   const int64_t N = int64_t(hn::Lanes(d));
-  const VF shift = hn::Set(d, os::lse_shift(lse));
+  const VF shift = hn::Set(d, os::lse_shift(lse) * unit);
+  if (unit != 1.0f) {
+    for (int64_t j = 0; j < nkp; j += N) hn::Store(Exp2Softmax(d, hn::Sub(hn::Load(d, row + j), shift)), d, row + j);
+    return;
+  }
   for (int64_t j = 0; j < nkp; j += N)
     hn::Store(ExpSoftmax(d, hn::Sub(hn::Load(d, row + j), shift)), d, row + j);
 }
