@@ -1033,4 +1033,26 @@ TEST(Bf16Backward, FewQueryRowsTakeTheFloat32BackwardOnTheDecodeForward) {
   }
 }
 
+// Without a rule that reads a score's value the products may leave the
+// scores' scale to the pass after the rules (docs/fused.md): a zero float
+// bias (a rule that reads the value, so the product scales) gives the same
+// bits, forward and backward, on every path, causal or not.
+TEST(Bf16Backward, DeferredScoreScaleGivesTheScaledBits) {
+  std::mt19937_64 rng(31);
+  for (Bf16Path path : runnable_paths())
+    for (const bool causal : {false, true}) {
+      SdpaCase<float> c({.B = 1, .H = 2, .Hkv = 1, .L = 70, .S = 300, .E = 40, .Ev = 24}, rng);
+      c.opt.causal = causal;
+      const Tensor<float> dout = random_tensor<float>({1, 2, 70, 24}, rng);
+      const Fwd plain = forward_on(path, c.args, c.opt);
+      const Grads g = backward_on(path, c.args, c.opt, dout, plain);
+      const Tensor<float> zeros({1, 1, 1, 300});
+      c.args.bias = zeros.view4();
+      const Fwd biased = forward_on(path, c.args, c.opt);
+      EXPECT_TRUE(same_bits(plain.out, biased.out) && same_bits(plain.lse, biased.lse)) << int(path) << causal;
+      const Grads gb = backward_on(path, c.args, c.opt, dout, biased);  // (and the bias's gradient)
+      EXPECT_TRUE(same_bits(g.dq, gb.dq) && same_bits(g.dk, gb.dk) && same_bits(g.dv, gb.dv)) << int(path) << causal;
+    }
+}
+
 }  // namespace

@@ -48,6 +48,27 @@ HWY_INLINE VF ClampBelow(DF d, VF x, float lo) { return hn::Max(x, hn::Set(d, lo
 HWY_INLINE VF RestoreNaN(VF x, VF y) { return hn::IfThenElse(hn::IsNaN(x), x, y); }
 #endif
 
+// x·a rounded to float32 before anything is added to it: the empty asm
+// statement on its register keeps the compiler from contracting it with a
+// following add into a fused multiply-add (GCC contracts by default in
+// C++), which would skip that rounding. For a scale applied later than the
+// product it belongs to, with the bits the product's own scaling gives.
+HWY_INLINE VF MulRounded(VF x, VF a) {
+  VF y = hn::Mul(x, a);
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
+  asm("" : "+v"(y.raw));
+#elif HWY_ARCH_X86 && HWY_TARGET != HWY_EMU128
+  asm("" : "+x"(y.raw));
+#else
+  volatile float sink[hn::MaxLanes(DF())];  // elsewhere through memory
+  for (size_t i = 0; i < hn::Lanes(DF()); ++i) sink[i] = hn::ExtractLane(y, i);
+  HWY_ALIGN float back[hn::MaxLanes(DF())];
+  for (size_t i = 0; i < hn::Lanes(DF()); ++i) back[i] = sink[i];
+  y = hn::Load(DF(), back);
+#endif
+  return y;
+}
+
 // c[0]·x^(N−1) + c[1]·x^(N−2) + … + c[N−1] by Horner's rule.
 template <size_t N>
 HWY_INLINE VF Horner(DF d, VF x, const float (&c)[N]) {

@@ -92,18 +92,17 @@ namespace {
 // ---- forward ---------------------------------------------------------------
 
 // Folds a transposed tile into the per-query online softmax: the tile's
-// column maxima give each query's shift and rescale factor (colv[2·qbp ..]),
+// column maxima (the products' score_maxima) give each query's shift and
+// rescale factor (colv[2·qbp ..]),
 // then the products' exponentiate pass makes P = 2^(s − shift) and the
 // column sums (keep_p: P must stay in st, for dropout to multiply it).
 template <class Products>
 void SoftmaxTileT(Products& pr, ForwardScratch& w, int64_t nr, int64_t nrp, int64_t nk, bool keep_p) {
-  const int64_t N = int64_t(hn::Lanes(DF()));
   float* tmax = w.colv;
   float* shift = tmax + w.qbp;
   float* alpha = shift + w.qbp;
   float* tsum = alpha + w.qbp;
-  float* st = w.st;
-  ForColumnGroups<MaxOp>(nrp / N, N, static_cast<const float*>(st), w.qbp, nk, tmax);
+  pr.score_maxima(nrp, nk, tmax);
   for (int64_t r = 0; r < nr; ++r) {
     const os::Step<float> step = os::begin_tile<os::Base2>(w.rows[r], tmax[r]);
     alpha[r] = step.alpha;
@@ -143,6 +142,10 @@ struct Float32Products {
   // The transposed score tile through the score pipeline (st).
   void scores(int64_t b, int64_t h, int64_t i0, int64_t nr, int64_t nrp, int64_t j0, int64_t nk) {
     ScoreTileT(c, w, b, h, i0, nr, nrp, j0, nk);
+  }
+  // The tile's column maxima.
+  void score_maxima(int64_t nrp, int64_t nk, float* tmax) const {
+    ForColumnGroups<MaxOp>(nrp / Lanes(), Lanes(), static_cast<const float*>(w.st), w.qbp, nk, tmax);
   }
   // st <- 2^(st − shift), tsum = the column sums (each in key order).
   void exponentiate(int64_t nrp, int64_t nk, const float* shift, float* tsum, bool) {
@@ -369,6 +372,7 @@ struct Float32BackwardProducts {
   // The padded width of a tile's nk keys.
   int64_t width(int64_t nk) const { return round_up(nk, Lanes()); }
   float score_unit() const { return 1.0f; }  // scores in natural units
+  float deferred_scale() const { return 1.0f; }  // and scaled (w.q is)
   void pack_keys(int64_t b, int64_t hk, int64_t j0, int64_t nk, bool rows) {
     PackKeyBlock(c, w, b, hk, j0, nk, rows);
   }
@@ -423,7 +427,8 @@ void BackwardTileT(const FusedCall& c, Products& pr, BackwardScratch& w, int64_t
   pr.scores(b, h, i0, nr, j0, nk, nkp, at);
   if constexpr (requires { pr.fused_tile(nr, nkp, at, jobs, lse, D, poisoned); })  // P, dP, dS in one pass
     if (pr.fused_tile(nr, nkp, at, jobs, lse, D, poisoned)) return;
-  for (int64_t r = 0; r < nr; ++r) ProbRow(w.s + r * w.kbp, nkp, lse[r], poisoned[r], pr.score_unit());  // P
+  for (int64_t r = 0; r < nr; ++r)  // P
+    ProbRow(w.s + r * w.kbp, nkp, lse[r], poisoned[r], pr.score_unit(), pr.deferred_scale());
   pr.dp(nr, nkp, at);  // dP = dY·Vᵀ
   for (int64_t r = 0; r < nr; ++r) {
     float* dpr = w.dp + r * w.kbp;
@@ -615,20 +620,6 @@ void OwnedHeadUnit(const FusedCall& c, BackwardScratch& w, const SdpaGrads<float
                    int64_t b, int64_t hk) {
   Float32BackwardProducts pr{c, w};
   OwnedHeadUnitT(c, pr, w, g, dout, out, lse, b, hk);
-}
-
-// acc += d(sink_h) of one call: −Σ_{b,i} exp(sink_h − lse_i)·D_i with
-// D_i = Σ_e dY_ie·Y_ie, summed in (b, i) order in double.
-void AddSinkGradient(const FusedCall& c, int64_t h, const View4<const float>& dout, const View4<const float>& out,
-                     const View3<const float>& lse, double& acc) {
-  const Problem& p = *c.p;
-  const float sink = c.p->rules.sink(h);
-  for (int64_t b = 0; sink != kNegInf && b < p.B; ++b)
-    for (int64_t i = 0; i < p.L; ++i) {
-      double D = 0;
-      for (int64_t e = 0; e < p.Ev; ++e) D += double(dout(b, h, i, e)) * double(out(b, h, i, e));
-      acc -= std::exp(double(sink) - double(lse(b, h, i))) * D;
-    }
 }
 
 // Every unit of a dense backward call, threads taking them dynamically;

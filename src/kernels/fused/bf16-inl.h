@@ -195,11 +195,14 @@ void ProbabilityPairs(const float* st, int64_t ld, int64_t nk, int64_t K, int64_
 // neither RoundToBf16High's NaN nor its subnormal case: the same bits in
 // four integer operations. (At B=1, H=8, L=S=4096, one thread, Emerald
 // Rapids, the instructions took the forward from 50-51 to 44-46 ms at
-// E=64, causal.)
-template <int C, bool kCvt>
+// E=64, causal.) kScaled: st lacks the scores' scale a (the products
+// deferred it), each score is multiplied by it first (the same bits).
+template <int C, bool kCvt, bool kScaled>
 HWY_INLINE void TileExpPairsChunk(const float* st, int64_t ld, int64_t nk, int64_t K, const float* shift,
-                                  float* tsum, uint32_t* pp) {
+                                  float* tsum, uint32_t* pp, float a) {
   const DF d;
+  const VF av = hn::Set(d, a);
+  const auto score = [&](const float* x) { return kScaled ? MulRounded(hn::Load(d, x), av) : hn::Load(d, x); };
   const DU du;
   const int64_t N = Lanes();
   const VU high = hn::Set(du, 0xFFFF0000u), half = hn::Set(du, 0x7FFFu), one = hn::Set(du, 1u);
@@ -217,7 +220,7 @@ HWY_INLINE void TileExpPairsChunk(const float* st, int64_t ld, int64_t nk, int64
     const float* o = e + ld;
 #pragma GCC unroll 4
     for (int g = 0; g < C; ++g) {
-      const VF xe = hn::Sub(hn::Load(d, e + g * N), sh[g]), xo = hn::Sub(hn::Load(d, o + g * N), sh[g]);
+      const VF xe = hn::Sub(score(e + g * N), sh[g]), xo = hn::Sub(score(o + g * N), sh[g]);
       const VF pe = Exp2Softmax(d, xe), po = Exp2Softmax(d, xo);  // 0 if masked
       sum[g] = hn::Add(hn::Add(sum[g], pe), po);
       if constexpr (kCvt) {
@@ -235,7 +238,7 @@ HWY_INLINE void TileExpPairsChunk(const float* st, int64_t ld, int64_t nk, int64
   if (2 * k < nk) {  // an odd key count: the last pair's second element is 0
     const float* e = st + 2 * k * ld;
     for (int g = 0; g < C; ++g) {
-      const VF pe = Exp2Softmax(d, hn::Sub(hn::Load(d, e + g * N), sh[g]));
+      const VF pe = Exp2Softmax(d, hn::Sub(score(e + g * N), sh[g]));
       sum[g] = hn::Add(sum[g], pe);
       hn::Store(hn::ShiftRight<16>(RoundToBf16High(pe)), du, pp + k * ld + g * N);
     }
@@ -249,20 +252,34 @@ HWY_INLINE void TileExpPairsChunk(const float* st, int64_t ld, int64_t nk, int64
 template <int C>
 struct ExpPairsOp {
   static void run(int64_t r, const float* st, int64_t ld, int64_t nk, int64_t K, const float* shift, float* tsum,
-                  uint32_t* pp, bool cvt) {
-    if (kCvtPairs && cvt) TileExpPairsChunk<C, kCvtPairs>(st + r, ld, nk, K, shift + r, tsum + r, pp + r);
-    else TileExpPairsChunk<C, false>(st + r, ld, nk, K, shift + r, tsum + r, pp + r);
+                  uint32_t* pp, bool cvt, float a) {
+    st += r, shift += r, tsum += r, pp += r;
+    if (kCvtPairs && cvt && a != 1.0f) TileExpPairsChunk<C, kCvtPairs, true>(st, ld, nk, K, shift, tsum, pp, a);
+    else if (kCvtPairs && cvt) TileExpPairsChunk<C, kCvtPairs, false>(st, ld, nk, K, shift, tsum, pp, a);
+    else if (a != 1.0f) TileExpPairsChunk<C, false, true>(st, ld, nk, K, shift, tsum, pp, a);
+    else TileExpPairsChunk<C, false, false>(st, ld, nk, K, shift, tsum, pp, a);
   }
 };
 
 // ---- the unit's products ---------------------------------------------------------
 
+// Whether no score rule reads a score's value (no soft-cap, ALiBi or float
+// bias; the band and the boolean mask only hide scores), so that the
+// products may leave the scores' scale to the pass after the rules.
+HWY_INLINE bool ScaleFree(const ScoreRules<float>& r) { return !r.capped() && !r.alibi() && r.bias.empty(); }
+
 // The bfloat16 products of one thread (see the top of this file); the
 // path's per-thread set-up lives as long as the object.
 class Bf16Products {
  public:
-  Bf16Products(const FusedCall& c, ForwardScratch& w, const Bf16Operands& ops)
-      : c_(c), w_(w), ops_(ops), gemm_(ops.kernel.gemm ? ops.kernel.gemm : &PortableBf16Gemm) {
+  // defer: the call may leave the scores' scale to the passes that read them
+  // (scores).
+  Bf16Products(const FusedCall& c, ForwardScratch& w, const Bf16Operands& ops, bool defer)
+      : c_(c),
+        w_(w),
+        ops_(ops),
+        gemm_(ops.kernel.gemm ? ops.kernel.gemm : &PortableBf16Gemm),
+        deferred_(defer ? c.scale * kLog2e : 1.0f) {
     if (ops_.kernel.thread_begin) ops_.kernel.thread_begin();
   }
   ~Bf16Products() {
@@ -287,12 +304,24 @@ class Bf16Products {
     std::fill(w_.ot, w_.ot + ops_.Evr * qbp, 0.0f);
   }
   // st = scale·log2(e)·K·Qᵀ over the tile (rows padded to the path's
-  // height), then the score pipeline.
+  // height), then the score pipeline. With a deferred scale (a call whose
+  // rules only hide scores, without dropout or weights: ForwardBf16Impl) st
+  // holds K·Qᵀ, and the two passes that read it, the maxima and the
+  // exponentials, multiply each score by the scale as the product would
+  // have (the same bits): no pass of its own after every block of the
+  // product. (−∞ and NaN stay what they are under the scale.)
   void scores(int64_t b, int64_t h, int64_t i0, int64_t nr, int64_t nrp, int64_t j0, int64_t nk) {
     const Problem& p = *c_.p;
     gemm_(round_up(nk, ops_.kernel.mpad), nrp, ops_.E2, ops_.k_rows(p, b, p.kv_head(h), j0), ops_.E2, w_.qp,
-          w_.qbp, w_.st, w_.qbp, c_.scale * kLog2e, false);
+          w_.qbp, w_.st, w_.qbp, deferred_ != 1.0f ? 1.0f : c_.scale * kLog2e, false);
     ScoreRulesT(c_, w_, b, h, i0, nr, nrp, j0, nk);
+  }
+  // The column maxima of the tile's scores.
+  void score_maxima(int64_t nrp, int64_t nk, float* tmax) const {
+    const int64_t N = Lanes();
+    if (deferred_ != 1.0f) ForColumnGroups<ScaledMaxOp>(nrp / N, N, static_cast<const float*>(w_.st), w_.qbp, nk,
+                                                        deferred_, tmax);
+    else ForColumnGroups<MaxOp>(nrp / N, N, static_cast<const float*>(w_.st), w_.qbp, nk, tmax);
   }
   // The tile's P = 2^(st − shift) and its column sums (tsum). Unless P must
   // stay in st (keep_p), it goes straight into the pairs of the product
@@ -304,7 +333,8 @@ class Bf16Products {
       ForColumnGroups<ExpOp>(nrp / N, N, w_.st, w_.qbp, nk, shift, tsum);
     else
       ForColumnGroups<ExpPairsOp>(nrp / N, N, static_cast<const float*>(w_.st), w_.qbp, nk,
-                                  round_up(nk, ops_.kernel.kpad), shift, tsum, w_.pp, ops_.kernel.vcvtne2ps2bf16);
+                                  round_up(nk, ops_.kernel.kpad), shift, tsum, w_.pp, ops_.kernel.vcvtne2ps2bf16,
+                                  deferred_);
   }
   // oᵀ <- oᵀ·alpha + Vᵀ·Pᵀ with P rounded to bfloat16.
   void accumulate(int64_t b, int64_t h, int64_t nr, int64_t j0, int64_t nk) {
@@ -332,6 +362,7 @@ class Bf16Products {
   const Bf16Operands& ops_;
   Bf16Gemm gemm_;
   bool paired_ = false;  // the tile's P is already in pp (exponentiate)
+  const float deferred_;  // the scale st lacks (scores), or 1
 };
 
 void ForwardBf16Impl(const Problem& p, const Bf16Operands& ops, View4<float> out, View4<float> weights,
@@ -339,7 +370,8 @@ void ForwardBf16Impl(const Problem& p, const Bf16Operands& ops, View4<float> out
   FusedCall c{&p, nullptr, t, float(p.rules.scale)};
   c.bad_keys = ops.bad_keys.data();
   c.any_bad_keys = ops.any_bad_keys;
-  ForwardUnits(c, t, out, weights, lse, [&](ForwardScratch& w) { return Bf16Products(c, w, ops); });
+  const bool defer = ScaleFree(p.rules) && !p.dropout.on() && weights.empty();  // (keep_p: st must be P)
+  ForwardUnits(c, t, out, weights, lse, [&](ForwardScratch& w) { return Bf16Products(c, w, ops, defer); });
 }
 
 // ---- the backward's products ------------------------------------------------------
@@ -371,7 +403,12 @@ class Bf16BackwardProducts {
  public:
   Bf16BackwardProducts(const FusedCall& c, BackwardScratch& w, const Bf16Operands& ops,
                        const Bf16BackwardOperands& qo)
-      : c_(c), w_(w), ops_(ops), qo_(qo), gemm_(ops.kernel.gemm ? ops.kernel.gemm : &PortableBf16Gemm) {
+      : c_(c),
+        w_(w),
+        ops_(ops),
+        qo_(qo),
+        gemm_(ops.kernel.gemm ? ops.kernel.gemm : &PortableBf16Gemm),
+        deferred_(ScaleFree(c.p->rules) ? c.scale * kLog2e : 1.0f) {
     const Problem& p = *c.p;
     af_ = ops.kernel.a_float;
     E2_ = ops.E2, Evr_ = ops.Evr, Er_ = qo.Er, Ev2_ = qo.Ev2;
@@ -395,6 +432,7 @@ class Bf16BackwardProducts {
 
   int64_t width(int64_t nk) const { return round_up(nk, 16); }
   float score_unit() const { return kLog2e; }  // scores in base 2
+  float deferred_scale() const { return deferred_; }  // the scale w.s still lacks (scores)
 
   // K and V pairs of keys [j0, j0 + nk) of (b, hk), from the call's operands
   // (zeros past nk).
@@ -422,14 +460,15 @@ class Bf16BackwardProducts {
   }
 
   // w.s = the tile's scores in base 2 (× log2(e), so that P takes
-  // Exp2Softmax) through the score pipeline.
+  // Exp2Softmax) through the score pipeline, the scale deferred to P's pass
+  // where no rule reads a score's value (as the forward's scores).
   void scores(int64_t b, int64_t h, int64_t i0, int64_t nr, int64_t j0, int64_t nk, int64_t nkp, TileOrigin at) {
     const Problem& p = *c_.p;
     BackwardScratch& w = w_;
     // s = scale · Q·Kᵀ
     const int64_t row = bh_ * p.L + i0_ + at.row;
     gemm_(round_up(nr, ops_.kernel.mpad), nkp, E2_, qo_.q.get() + row * E2_ * elem(), E2_, kfpairs_.get() + at.key,
-          KW_, w.s, w.kbp, c_.scale * kLog2e, false);
+          KW_, w.s, w.kbp, ScaleFree(p.rules) ? 1.0f : c_.scale * kLog2e, false);
     ScoreTileRules(c_, w, b, h, i0, nr, j0, nk, nkp, kLog2e);
   }
   // w.dp = dY·Vᵀ
@@ -477,6 +516,7 @@ class Bf16BackwardProducts {
     const int64_t K = round_up(nr, ops_.kernel.kpad), M = round_up(nr, ops_.kernel.mpad), ld = w_.kbp;
     const DF d;
     const int64_t N = Lanes();  // 16
+    const VF a = hn::Set(d, deferred_);
     auto* rows = reinterpret_cast<uint16_t*>(dsa_.get());
     for (int64_t k = 0; 2 * k < std::max(K, M); ++k) {
       const int64_t re = 2 * k, ro = 2 * k + 1;
@@ -485,7 +525,7 @@ class Bf16BackwardProducts {
       const VF De = hn::Set(d, re < nr ? D[re] : 0.0f), Do = hn::Set(d, ro < nr ? D[ro] : 0.0f);
       const auto prob = [&](int64_t r, VF sh, int64_t j) {  // P, 0 past the tile
         if (r >= nr || j >= nkp) return hn::Zero(d);
-        return Exp2Softmax(d, hn::Sub(hn::Load(d, w_.s + r * ld + j), sh));
+        return Exp2Softmax(d, hn::Sub(MulRounded(hn::Load(d, w_.s + r * ld + j), a), sh));
       };
       const auto ds = [&](int64_t r, VF pr, VF Dr, int64_t j) {  // dS = P∘(dP − D)
         if (r >= nr || j >= nkp) return hn::Zero(d);
@@ -605,6 +645,7 @@ class Bf16BackwardProducts {
   const Bf16BackwardOperands& qo_;
   Bf16Gemm gemm_;
   bool af_ = false;
+  const float deferred_;  // the score scale left to P's pass (scores), or 1
   int64_t E2_ = 0, Evr_ = 0, Er_ = 0, Ev2_ = 0, E16_ = 0, QW_ = 0, KW_ = 0;
   int64_t bh_ = 0, i0_ = 0;  // the query block: (b·H + h), its first row
   hwy::AlignedFreeUniquePtr<uint32_t[]> kfpairs_, vpairs_, kpairs_, pairs_, dspairs_;

@@ -79,7 +79,7 @@ void PairRowsBf16Impl(const float* HWY_RESTRICT src, int64_t lds, int64_t rows, 
 
 void ExpPairsImpl(const float* st, int64_t ld, int64_t nk, int64_t K, int64_t nrp, const float* shift, float* tsum,
                   uint32_t* pp, bool cvt) {
-  ForColumnGroups<ExpPairsOp>(nrp / Lanes(), Lanes(), st, ld, nk, K, shift, tsum, pp, cvt);
+  ForColumnGroups<ExpPairsOp>(nrp / Lanes(), Lanes(), st, ld, nk, K, shift, tsum, pp, cvt, 1.0f);
 }
 
 }  // namespace

@@ -15,6 +15,7 @@
 #endif
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -385,6 +386,20 @@ void ScoreTile(const FusedCall& c, BackwardScratch& w, int64_t b, int64_t h, int
                int64_t j0, int64_t nk, int64_t nkp, TileOrigin at) {
   Gemm(nr, nkp, c.p->E, w.q + at.row * w.Ep, w.Ep, 1, w.kt + at.key, w.kbp, w.s, w.kbp, false);
   ScoreTileRules(c, w, b, h, i0, nr, j0, nk, nkp, 1.0f);
+}
+
+// acc += d(sink_h) of one call: −Σ_{b,i} exp(sink_h − lse_i)·D_i with
+// D_i = Σ_e dY_ie·Y_ie, summed in (b, i) order in double.
+void AddSinkGradient(const FusedCall& c, int64_t h, const View4<const float>& dout, const View4<const float>& out,
+                     const View3<const float>& lse, double& acc) {
+  const Problem& p = *c.p;
+  const float sink = c.p->rules.sink(h);
+  for (int64_t b = 0; sink != kNegInf && b < p.B; ++b)
+    for (int64_t i = 0; i < p.L; ++i) {
+      double D = 0;
+      for (int64_t e = 0; e < p.Ev; ++e) D += double(dout(b, h, i, e)) * double(out(b, h, i, e));
+      acc -= std::exp(double(sink) - double(lse(b, h, i))) * D;
+    }
 }
 
 }  // namespace

@@ -152,22 +152,28 @@ void TanhArray(const float* x, float* y, int64_t n) { ApplyArray<Tanh>(x, y, n);
 
 // Row of s becomes exp(s − lse) (0 everywhere for a fully masked row); with
 // unit = log2(e) the row holds s·log2(e) and becomes 2^(s·log2(e) −
-// lse·log2(e)), the same probabilities by the cheaper Exp2Softmax. A
+// lse·log2(e)), the same probabilities by the cheaper Exp2Softmax. With
+// scale != 1 the row holds the products before their scale (the products
+// deferred it to this pass): each is multiplied by it first, the same bits
+// as a scaled row. A
 // poisoned row (NaN lse, or a non-finite dY or query) becomes NaN at every
 // visible score and 0 at the masked ones (−∞), so the NaN reaches exactly the
 // gradients the row touches.
-void ProbRow(float* row, int64_t nkp, float lse, bool poisoned, float unit) {
+void ProbRow(float* row, int64_t nkp, float lse, bool poisoned, float unit, float scale) {
   if (poisoned) {
     for (int64_t j = 0; j < nkp; ++j) row[j] = row[j] == kNegInf ? 0.0f : kNaN;
     return;
   }
   const DF d;
   const int64_t N = int64_t(hn::Lanes(d));
-  const VF shift = hn::Set(d, os::lse_shift(lse) * unit);
+  const VF shift = hn::Set(d, os::lse_shift(lse) * unit), a = hn::Set(d, scale);
   if (unit != 1.0f) {
-    for (int64_t j = 0; j < nkp; j += N) hn::Store(Exp2Softmax(d, hn::Sub(hn::Load(d, row + j), shift)), d, row + j);
+    for (int64_t j = 0; j < nkp; j += N)
+      hn::Store(Exp2Softmax(d, hn::Sub(MulRounded(hn::Load(d, row + j), a), shift)), d, row + j);
     return;
   }
+  if (scale != 1.0f)
+    for (int64_t j = 0; j < nkp; j += N) hn::Store(hn::Mul(hn::Load(d, row + j), a), d, row + j);
   for (int64_t j = 0; j < nkp; j += N)
     hn::Store(ExpSoftmax(d, hn::Sub(hn::Load(d, row + j), shift)), d, row + j);
 }
@@ -183,6 +189,22 @@ HWY_INLINE void TileMaxChunk(const float* st, int64_t ld, int64_t nk, float* tma
   for (int64_t jj = 0; jj < nk; ++jj) {
     const float* row = st + jj * ld;
     for (int g = 0; g < C; ++g) m[g] = hn::Max(m[g], hn::Load(d, row + g * N));
+  }
+  for (int g = 0; g < C; ++g) hn::Store(m[g], d, tmax + g * N);
+}
+
+// TileMaxChunk's maxima of the tile's elements times a (a score scale the
+// products deferred: the maxima of the scaled scores, st left as it is).
+template <int C>
+HWY_INLINE void TileScaledMaxChunk(const float* st, int64_t ld, int64_t nk, float a, float* tmax) {
+  const DF d;
+  const int64_t N = int64_t(hn::Lanes(d));
+  const VF av = hn::Set(d, a);
+  VF m[C];
+  for (int g = 0; g < C; ++g) m[g] = hn::Set(d, kNegInf);
+  for (int64_t jj = 0; jj < nk; ++jj) {
+    const float* row = st + jj * ld;
+    for (int g = 0; g < C; ++g) m[g] = hn::Max(m[g], hn::Mul(hn::Load(d, row + g * N), av));
   }
   for (int g = 0; g < C; ++g) hn::Store(m[g], d, tmax + g * N);
 }
@@ -221,6 +243,12 @@ template <int C>
 struct MaxOp {
   static void run(int64_t r, const float* st, int64_t ld, int64_t nk, float* tmax) {
     TileMaxChunk<C>(st + r, ld, nk, tmax + r);
+  }
+};
+template <int C>
+struct ScaledMaxOp {
+  static void run(int64_t r, const float* st, int64_t ld, int64_t nk, float a, float* tmax) {
+    TileScaledMaxChunk<C>(st + r, ld, nk, a, tmax + r);
   }
 };
 template <int C>
