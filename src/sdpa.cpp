@@ -195,7 +195,8 @@ template <class T>
 void backward(const Checker& c, const ProblemFor<T>& p, const SdpaArgs<T>& args, View4<const T> dout,
               const SdpaSaved<T>& saved, const SdpaGrads<T>& g, const SdpaOptions& opt) {
   if constexpr (std::is_same_v<T, float>) {
-    if (choose<T>(c, opt) == Backend::fused && !detail::scores_may_overflow(args.q, args.k, p.E, p.rules.scale)) {
+    if (choose<T>(c, opt) == Backend::fused &&
+        !detail::scores_may_overflow(args.q, args.k, p.E, p.rules.scale, p.threads)) {
       // bfloat16 products, as the forward's (which recomputes the saved
       // state when it is missing, so the bits are the same either way).
       if (p.bf16_products && (p.dropout.on() || !detail::decode_suits_dense(p)))

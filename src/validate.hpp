@@ -82,14 +82,49 @@ const char* name_of(const NamedValue<E> (&names)[N], E v) {
   return "?";
 }
 
+// max |x[i]| over a row of n float32 (NaN left out; kernels/fused/fused.cpp,
+// SIMD on the running target).
+float max_abs_row(const float* x, int64_t n);
+
+// max |x| over a view, NaN left out: its rows (the last axis) split over
+// `threads`, a float32 row of adjacent elements by max_abs_row. (The maximum
+// does not depend on the order.)
+template <class T, int R>
+float max_abs(const View<T, R>& v, int threads) {
+  const int64_t n = v.shape[R - 1], rows = n > 0 ? v.numel() / n : 0, s = v.strides[R - 1];
+  float m = 0;
+#if defined(_OPENMP)  // (headers of the library's parts built without OpenMP include this one too)
+#pragma omp parallel for num_threads(threads) schedule(static) reduction(max : m) if (rows * n >= (1 << 16))
+#else
+  (void)threads;
+#endif
+  for (int64_t r = 0; r < rows; ++r) {
+    int64_t off = 0;
+    for (int64_t i = R - 2, rest = r; i >= 0; --i) {
+      off += rest % v.shape[size_t(i)] * v.strides[size_t(i)];
+      rest /= v.shape[size_t(i)];
+    }
+    const T* row = v.data + off;
+    if constexpr (std::is_same_v<std::remove_cv_t<T>, float>)
+      if (s == 1) {
+        m = std::max(m, max_abs_row(row, n));
+        continue;
+      }
+    for (int64_t e = 0; e < n; ++e) {
+      const float a = std::fabs(float(row[e * s]));
+      m = a > m ? a : m;  // (NaN: not greater)
+    }
+  }
+  return m;
+}
+
 // Whether a float32 kernel's scores u = scale·q·k can leave float32's range:
 // |u| <= E·max|q|·max|k|·scale, checked against 2^120 (one pass over q and
-// k). Such calls go to the reference, which accumulates in double.
+// k, split over `threads`). Such calls go to the reference, which
+// accumulates in double.
 template <class Q, class K>
-bool scores_may_overflow(const Q& q, const K& k, int64_t E, double scale) {
-  float big[2] = {0, 0};
-  for_each(q, [&](auto y, const auto&) { big[0] = std::max(big[0], std::fabs(float(y))); });
-  for_each(k, [&](auto y, const auto&) { big[1] = std::max(big[1], std::fabs(float(y))); });
+bool scores_may_overflow(const Q& q, const K& k, int64_t E, double scale, int threads) {
+  const float big[2] = {max_abs(q, threads), max_abs(k, threads)};
   return double(E) * double(big[0]) * double(big[1]) * std::max(1.0, std::fabs(scale)) > 0x1p120;
 }
 

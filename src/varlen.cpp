@@ -149,7 +149,8 @@ bool check_sequences(const VarlenChecker& c, const VarlenArgs<T>& a, const Packe
   // Scores that may leave float32's range: dense calls, which compute such
   // sequences in double.
   return std::is_same_v<T, float> && opt.backend != Backend::reference && opt.compute_dtype != Dtype::bfloat16 &&
-         !detail::scores_may_overflow(a.q, a.k, p.E, opt.scale.value_or(1.0 / std::sqrt(double(p.E))));
+         !detail::scores_may_overflow(a.q, a.k, p.E, opt.scale.value_or(1.0 / std::sqrt(double(p.E))),
+                                      c.threads(opt.num_threads));
 }
 
 // ---- head-major copies for the fused path ------------------------------------

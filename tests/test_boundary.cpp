@@ -5,6 +5,7 @@
 #include <omp.h>
 
 #include <cerrno>
+#include <cmath>
 #include <filesystem>
 #include <limits>
 #include <vector>
@@ -104,6 +105,31 @@ TEST(Writers, NullDataWithElementsIsAnArgumentError) {
 }
 
 // ---- 11.6: sizes never overflow --------------------------------------------------
+
+// The overflow check's max |x| (validate.hpp): NaN left out, ±∞ counted, the
+// same on rows of adjacent elements (SIMD, whole vectors and a tail) and
+// strided rows, for one thread or two (the view is large enough to be
+// split); against a plain loop.
+TEST(Sizes, MaxAbsLeavesNaNOutOnEveryLayout) {
+  std::vector<float> x(size_t(2 * 3 * 150 * 74));
+  for (size_t i = 0; i < x.size(); ++i) x[i] = float(int(i * 7919 % 1000) - 500) * 0.01f;
+  for (const float special : {0.0f, std::numeric_limits<float>::quiet_NaN(), -std::numeric_limits<float>::infinity()})
+    for (const size_t at : {size_t(3), x.size() - 1, size_t(74 * 7 + 40)}) {
+      std::vector<float> y = x;
+      y[at] = special == 0.0f ? -123.5f : special;
+      float want = 0;
+      for (float v : y) want = std::fabs(v) > want ? std::fabs(v) : want;
+      const View4<const float> rows(y.data(), {2, 3, 150, 74}, {3 * 150 * 74, 150 * 74, 74, 1});
+      const View4<const float> strided(y.data(), {2, 3, 150, 37}, {3 * 150 * 74, 150 * 74, 74, 2});
+      float want_strided = 0;
+      for (size_t i = 0; i < y.size(); i += 2)
+        if (std::fabs(y[i]) > want_strided) want_strided = std::fabs(y[i]);  // (NaN: not greater)
+      for (const int threads : {1, 2}) {
+        EXPECT_EQ(attn::detail::max_abs(rows, threads), want) << special << " at " << at;
+        EXPECT_EQ(attn::detail::max_abs(strided, threads), want_strided) << special << " at " << at;
+      }
+    }
+}
 
 TEST(Sizes, ViewAndTensorCountsAreChecked) {
   const View4<const float> v(nullptr, {kHuge, kHuge, 1, 1}, {0, 0, 0, 0});

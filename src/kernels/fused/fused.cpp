@@ -38,6 +38,21 @@ void GemmImpl(int64_t M, int64_t N, int64_t K, const float* A, int64_t ars, int6
   Gemm(M, N, K, A, ars, aks, B, ldb, C, ldc, accumulate);
 }
 
+// max |x[i]| over i < n, NaN left out (0 for none), four vectors at a time.
+float MaxAbsImpl(const float* x, int64_t n) {
+  const DF d;
+  const int64_t N = Lanes();
+  const auto abs = [&](VF v) { return hn::IfThenZeroElse(hn::IsNaN(v), hn::Abs(v)); };
+  VF m[4] = {hn::Zero(d), hn::Zero(d), hn::Zero(d), hn::Zero(d)};
+  int64_t i = 0;
+  for (; i + 4 * N <= n; i += 4 * N)
+    for (int c = 0; c < 4; ++c) m[c] = hn::Max(m[c], abs(hn::LoadU(d, x + i + c * N)));
+  for (; i + N <= n; i += N) m[0] = hn::Max(m[0], abs(hn::LoadU(d, x + i)));
+  float r = hn::GetLane(hn::MaxOfLanes(d, hn::Max(hn::Max(m[0], m[1]), hn::Max(m[2], m[3]))));
+  for (; i < n; ++i) r = std::fabs(x[i]) > r ? std::fabs(x[i]) : r;  // (NaN: not greater)
+  return r;
+}
+
 // x[0, n) rounded to bfloat16 operands (bf16_operand) at dst: RoundRow's
 // whole vectors (with cvt, 32 at a time by AVX512_BF16's instruction), then
 // the tail; whether one is ±∞ or NaN.
@@ -105,6 +120,9 @@ HWY_EXPORT(LanesImpl);
 HWY_EXPORT(GemmImpl);
 HWY_EXPORT(RoundRowBf16Impl);
 HWY_EXPORT(PairRowsBf16Impl);
+HWY_EXPORT(MaxAbsImpl);
+
+float max_abs_row(const float* x, int64_t n) { return HWY_DYNAMIC_DISPATCH(MaxAbsImpl)(x, n); }
 
 bool bf16_round_row(const float* x, int64_t n, uint16_t* dst, int cvt) {
   static const bool has = bf16_path_available(Bf16Path::avx512_bf16);
