@@ -64,7 +64,7 @@ Bf16Path decode_bf16_path();
 // Whether calls take the bfloat16 products at all: where the fused forward
 // takes AVX512_BF16 (bf16_best_path: AMD CPUs with it and no AMX, Zen 4/5).
 // Elsewhere they stay exact, which was faster: on an Emerald Rapids VDPBF16PS issues
-// about once per 4 cycles against an FMA a cycle, and the bfloat16 loops
+// once per 2 cycles against two FMAs a cycle, and the bfloat16 loops
 // took longer than the exact ones (docs/decode.md); without AVX512_BF16 the
 // portable products are slower still. (Exact results are within the
 // bfloat16 bound too.)
