@@ -62,6 +62,28 @@ TEST(Bf16Operands, RoundToNearestEvenFlushSubnormalsKeepNaN) {
   EXPECT_TRUE(std::isnan(detail::bf16_value(detail::bf16_operand(kNaNf))));
 }
 
+// bfloat16 inputs as operands, every bit pattern, on every compiled target
+// this CPU runs: bf16_operand's bits for their float32 values, and the flag
+// for ±∞ and NaN; lengths that leave a tail.
+TEST(Bf16Operands, BfloatInputsTakeTheOperandBitsOfTheirValues) {
+  std::vector<uint16_t> all(65536), got(65536);
+  for (size_t i = 0; i < all.size(); ++i) all[i] = uint16_t(i);
+  const std::string names = for_each_target([&](int64_t) {
+    for (const int64_t n : {int64_t(65536), int64_t(1), int64_t(37)})
+      for (int64_t start = 0; start + n <= 65536; start += n == 65536 ? n : 4093) {
+        const bool bad = detail::bf16_operand_bits_row(all.data() + start, n, got.data());
+        bool want_bad = false;
+        for (int64_t i = 0; i < n; ++i) {
+          const uint16_t x = all[size_t(start + i)];
+          want_bad = want_bad || (x & 0x7F80u) == 0x7F80u;
+          ASSERT_EQ(got[size_t(i)], detail::bf16_operand(detail::bf16_value(x))) << x;
+        }
+        ASSERT_EQ(bad, want_bad) << start << " " << n;
+      }
+  });
+  std::printf("bfloat16 input operands, targets run: %s\n", names.c_str());
+}
+
 // C = alpha·(A·B) or C += A·B with the instructions' documented order per
 // pair: VDPBF16PS adds the odd element's product first, TDPBF16PS the even's
 // (Intel SDM); each a float32 fused multiply-add (the products are exact).

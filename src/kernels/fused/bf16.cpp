@@ -68,6 +68,8 @@ bool operand_row(const T* x, int64_t s, int64_t n, uint16_t* dst) {
   };
   if constexpr (std::is_same_v<T, float>)
     if (s == 1) return bf16_round_row(x, n, dst);  // contiguous float32, the common case: SIMD
+  if constexpr (std::is_same_v<T, bfloat16_t>)
+    if (s == 1) return bf16_operand_bits_row(reinterpret_cast<const uint16_t*>(x), n, dst);  // SIMD too
   if (s == 1)
     for (int64_t e = 0; e < n; ++e) one(e, x[e]);
   else

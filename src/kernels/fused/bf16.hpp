@@ -258,6 +258,11 @@ void bf16_exp_pairs(const float* st, int64_t ld, int64_t nk, int64_t K, int64_t 
 // AVX512_BF16's instruction (-1: where the CPU has it; 0: never; 1: where
 // it has it; the same bits either way).
 bool bf16_round_row(const float* x, int64_t n, uint16_t* dst, int cvt = -1);
+// bfloat16 values x[0, n) as operands at dst: the same bits, but a
+// subnormal becomes a signed zero and a NaN is made quiet (what
+// bf16_operand gives for their float32 values); returns whether one is ±∞
+// or NaN. SIMD on the running target.
+bool bf16_operand_bits_row(const uint16_t* x, int64_t n, uint16_t* dst);
 void bf16_pair_rows(const float* src, int64_t lds, int64_t rows, int64_t n, uint32_t* dst, int64_t ldd,
                     int cvt = -1);
 

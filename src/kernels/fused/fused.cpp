@@ -38,6 +38,34 @@ void GemmImpl(int64_t M, int64_t N, int64_t K, const float* A, int64_t ars, int6
   Gemm(M, N, K, A, ars, aks, B, ldb, C, ldc, accumulate);
 }
 
+// bf16_operand_bits_row: per 16-bit lane, a zero exponent keeps only the
+// sign, a NaN (magnitude above ∞'s bits) gets its quiet bit.
+bool OperandBitsImpl(const uint16_t* x, int64_t n, uint16_t* dst) {
+  const hn::ScalableTag<int16_t> d;
+  const int64_t N = int64_t(hn::Lanes(d));
+  const auto expo = hn::Set(d, int16_t(0x7F80)), mag = hn::Set(d, int16_t(0x7FFF));
+  const auto sign = hn::Set(d, int16_t(-0x8000)), quiet = hn::Set(d, int16_t(0x0040));
+  auto bad = hn::Zero(d);
+  const auto one = [&](hn::Vec<decltype(d)> v) {
+    const auto e = hn::And(v, expo);
+    v = hn::IfThenElse(hn::Eq(e, hn::Zero(d)), hn::And(v, sign), v);
+    v = hn::IfThenElse(hn::Gt(hn::And(v, mag), expo), hn::Or(v, quiet), v);  // (the magnitude is >= 0 as int16)
+    bad = hn::Or(bad, hn::VecFromMask(d, hn::Eq(e, expo)));
+    return v;
+  };
+  const auto* xi = reinterpret_cast<const int16_t*>(x);
+  auto* di = reinterpret_cast<int16_t*>(dst);
+  int64_t i = 0;
+  for (; i + N <= n; i += N) hn::StoreU(one(hn::LoadU(d, xi + i)), d, di + i);
+  if (i < n) {
+    HWY_ALIGN int16_t buf[64] = {};  // >= the lane count of any target
+    std::copy(xi + i, xi + n, buf);
+    hn::Store(one(hn::Load(d, buf)), d, buf);
+    std::copy(buf, buf + (n - i), di + i);
+  }
+  return !hn::AllTrue(d, hn::Eq(bad, hn::Zero(d)));
+}
+
 // max |x[i]| over i < n, NaN left out (0 for none), four vectors at a time.
 float MaxAbsImpl(const float* x, int64_t n) {
   const DF d;
@@ -121,6 +149,11 @@ HWY_EXPORT(GemmImpl);
 HWY_EXPORT(RoundRowBf16Impl);
 HWY_EXPORT(PairRowsBf16Impl);
 HWY_EXPORT(MaxAbsImpl);
+HWY_EXPORT(OperandBitsImpl);
+
+bool bf16_operand_bits_row(const uint16_t* x, int64_t n, uint16_t* dst) {
+  return HWY_DYNAMIC_DISPATCH(OperandBitsImpl)(x, n, dst);
+}
 
 float max_abs_row(const float* x, int64_t n) { return HWY_DYNAMIC_DISPATCH(MaxAbsImpl)(x, n); }
 
