@@ -191,16 +191,24 @@ void forward(const Checker& c, const ProblemFor<T>& p, const SdpaArgs<T>& args,
   }
 }
 
+// Whether a backward takes the bfloat16 products, as the forward's (which
+// recomputes the saved state when it is missing, so the bits are the same
+// either way): the fused backend, scores within float32's range.
+template <class T>
+bool bf16_backward(const Checker& c, const ProblemFor<T>& p, const SdpaArgs<T>& args, const SdpaOptions& opt) {
+  return p.bf16_products && (p.dropout.on() || !detail::decode_suits_dense(p)) &&
+         choose<T>(c, opt) == Backend::fused &&
+         !detail::scores_may_overflow(args.q, args.k, p.E, p.rules.scale, p.threads);
+}
+
 template <class T>
 void backward(const Checker& c, const ProblemFor<T>& p, const SdpaArgs<T>& args, View4<const T> dout,
               const SdpaSaved<T>& saved, const SdpaGrads<T>& g, const SdpaOptions& opt) {
   if constexpr (std::is_same_v<T, float>) {
+    if (bf16_backward(c, p, args, opt))
+      return detail::fused_backward_bf16(p, args, dout, g, saved.out, saved.lse, detail::bf16_best_path());
     if (choose<T>(c, opt) == Backend::fused &&
         !detail::scores_may_overflow(args.q, args.k, p.E, p.rules.scale, p.threads)) {
-      // bfloat16 products, as the forward's (which recomputes the saved
-      // state when it is missing, so the bits are the same either way).
-      if (p.bf16_products && (p.dropout.on() || !detail::decode_suits_dense(p)))
-        return detail::fused_backward_bf16(p, args, dout, g, saved.out, saved.lse, detail::bf16_best_path());
       // The fused backward uses the forward's out and lse. Without them it
       // would recompute them with its own forward; a call with few query
       // rows runs the decode kernel forward instead, whose last bits differ.
@@ -293,6 +301,9 @@ void backward_call(const SdpaArgs<T>& args, View4<const compute_t<T>> dout, cons
   c.optional(lse, "lse", {p.B, p.H, p.L}, read);
   c.disjoint(written, read);
   if (opt.check_finite) c.finite(dout, "dout");
+  if constexpr (std::is_same_v<T, bfloat16_t>)  // bfloat16 products on the inputs as they are
+    if (bf16_backward(c, p, args, opt))
+      return detail::fused_backward_bf16(p, args, dout, g, saved.out, saved.lse, detail::bf16_best_path());
   if constexpr (is_half_v<T>) {
     const detail::Widened<T> w(args, p.threads);
     backward<float>(c, p, w.args, dout, saved, g, opt);

@@ -82,12 +82,13 @@ const char* name_of(const NamedValue<E> (&names)[N], E v) {
   return "?";
 }
 
-// max |x[i]| over a row of n float32 (NaN left out; kernels/fused/fused.cpp,
-// SIMD on the running target).
+// max |x[i]| over a row of n float32 or bfloat16 (NaN left out;
+// kernels/fused/fused.cpp, SIMD on the running target).
 float max_abs_row(const float* x, int64_t n);
+float max_abs_row(const bfloat16_t* x, int64_t n);
 
 // max |x| over a view, NaN left out: its rows (the last axis) split over
-// `threads`, a float32 row of adjacent elements by max_abs_row. (The maximum
+// `threads`, a float32 or bfloat16 row of adjacent elements by max_abs_row. (The maximum
 // does not depend on the order.)
 template <class T, int R>
 float max_abs(const View<T, R>& v, int threads) {
@@ -105,7 +106,7 @@ float max_abs(const View<T, R>& v, int threads) {
       rest /= v.shape[size_t(i)];
     }
     const T* row = v.data + off;
-    if constexpr (std::is_same_v<std::remove_cv_t<T>, float>)
+    if constexpr (std::is_same_v<std::remove_cv_t<T>, float> || std::is_same_v<std::remove_cv_t<T>, bfloat16_t>)
       if (s == 1) {
         m = std::max(m, max_abs_row(row, n));
         continue;

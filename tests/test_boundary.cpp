@@ -6,6 +6,7 @@
 
 #include <cerrno>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <limits>
 #include <vector>
@@ -107,7 +108,7 @@ TEST(Writers, NullDataWithElementsIsAnArgumentError) {
 // ---- 11.6: sizes never overflow --------------------------------------------------
 
 // The overflow check's max |x| (validate.hpp): NaN left out, ±∞ counted, the
-// same on rows of adjacent elements (SIMD, whole vectors and a tail) and
+// same on rows of adjacent float32 or bfloat16 (SIMD, whole vectors and a tail) and
 // strided rows, for one thread or two (the view is large enough to be
 // split); against a plain loop.
 TEST(Sizes, MaxAbsLeavesNaNOutOnEveryLayout) {
@@ -124,9 +125,19 @@ TEST(Sizes, MaxAbsLeavesNaNOutOnEveryLayout) {
       float want_strided = 0;
       for (size_t i = 0; i < y.size(); i += 2)
         if (std::fabs(y[i]) > want_strided) want_strided = std::fabs(y[i]);  // (NaN: not greater)
+      std::vector<attn::bfloat16_t> yb(y.size());  // the same as bfloat16 (the high halves)
+      float want_b = 0;
+      for (size_t i = 0; i < y.size(); ++i) {
+        uint32_t u;
+        std::memcpy(&u, &y[i], 4);
+        yb[i].bits = uint16_t(u >> 16);
+        if (std::fabs(float(yb[i])) > want_b) want_b = std::fabs(float(yb[i]));
+      }
+      const View4<const attn::bfloat16_t> rows_b(yb.data(), {2, 3, 150, 74}, {3 * 150 * 74, 150 * 74, 74, 1});
       for (const int threads : {1, 2}) {
         EXPECT_EQ(attn::detail::max_abs(rows, threads), want) << special << " at " << at;
         EXPECT_EQ(attn::detail::max_abs(strided, threads), want_strided) << special << " at " << at;
+        EXPECT_EQ(attn::detail::max_abs(rows_b, threads), want_b) << special << " at " << at;
       }
     }
 }

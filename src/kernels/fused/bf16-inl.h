@@ -654,9 +654,9 @@ class Bf16BackwardProducts {
 };
 
 void BackwardBf16Impl(const Problem& p, const Bf16Operands& ops, const Bf16BackwardOperands& qo,
-                      const SdpaArgs<float>& a, View4<const float> dout, const SdpaGrads<float>& g,
-                      View4<const float> out, View3<const float> lse, FusedPlan t) {
-  FusedCall c{&p, &a, t, float(p.rules.scale)};
+                      View4<const float> dout, const SdpaGrads<float>& g, View4<const float> out,
+                      View3<const float> lse, FusedPlan t) {
+  FusedCall c{&p, nullptr, t, float(p.rules.scale)};  // (the products read the call's operands from ops)
   c.bad_keys = ops.bad_keys.data();
   c.any_bad_keys = ops.any_bad_keys;
   BackwardUnits(c, t, dout, g, out, lse,

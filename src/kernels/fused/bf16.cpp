@@ -316,7 +316,8 @@ void fused_forward_bf16(const Problem& p, const SdpaArgs<T>& a, View4<float> out
   fused_forward_bf16_tiled(p, a, out, weights, lse, path, fused_plan_bf16(p, bf16_tile_path(path)));
 }
 
-void fused_backward_bf16_tiled(const Problem& p, const SdpaArgs<float>& a, View4<const float> dout,
+template <class T>
+void fused_backward_bf16_tiled(const Problem& p, const SdpaArgs<T>& a, View4<const float> dout,
                                const SdpaGrads<float>& g, View4<const float> out, View3<const float> lse,
                                Bf16Path path, const FusedPlan& t) {
   Problem pb = p;
@@ -327,10 +328,11 @@ void fused_backward_bf16_tiled(const Problem& p, const SdpaArgs<float>& a, View4
     fused_forward_bf16_ops(pb, ops, o, {}, l, fused_plan_bf16(p, bf16_tile_path(path)));
   });
   const Bf16BackwardOperands qo(pb, ops, dout, st.out, st.lse);
-  fused_backward_bf16_ops(pb, ops, qo, a, dout, g, st.out, st.lse, t);
+  fused_backward_bf16_ops(pb, ops, qo, dout, g, st.out, st.lse, t);
 }
 
-void fused_backward_bf16(const Problem& p, const SdpaArgs<float>& a, View4<const float> dout,
+template <class T>
+void fused_backward_bf16(const Problem& p, const SdpaArgs<T>& a, View4<const float> dout,
                          const SdpaGrads<float>& g, View4<const float> out, View3<const float> lse, Bf16Path path) {
   fused_backward_bf16_tiled(p, a, dout, g, out, lse, path, fused_backward_plan_bf16(p, bf16_tile_path(path)));
 }
@@ -373,5 +375,14 @@ ATTN_INSTANTIATE_BF16(float)
 ATTN_INSTANTIATE_BF16(float16_t)
 ATTN_INSTANTIATE_BF16(bfloat16_t)
 #undef ATTN_INSTANTIATE_BF16
+#define ATTN_INSTANTIATE_BF16_BACKWARD(T)                                                                          \
+  template void fused_backward_bf16<T>(const Problem&, const SdpaArgs<T>&, View4<const float>,                   \
+                                       const SdpaGrads<float>&, View4<const float>, View3<const float>, Bf16Path);  \
+  template void fused_backward_bf16_tiled<T>(const Problem&, const SdpaArgs<T>&, View4<const float>,             \
+                                             const SdpaGrads<float>&, View4<const float>, View3<const float>,    \
+                                             Bf16Path, const FusedPlan&);
+ATTN_INSTANTIATE_BF16_BACKWARD(float)
+ATTN_INSTANTIATE_BF16_BACKWARD(bfloat16_t)
+#undef ATTN_INSTANTIATE_BF16_BACKWARD
 
 }  // namespace attn::detail

@@ -222,16 +222,19 @@ void fused_forward_bf16_ops(const Problem& p, const Bf16Operands& ops, View4<flo
 // bfloat16 operands into float32 sums; dY rounded to bfloat16, P and dS
 // float32 until they enter a product), on its fused_backward_plan_bf16 or a
 // given plan. out and lse: the bfloat16 forward's (recomputed when empty).
-// float16 and bfloat16 inputs come widened (exactly) to float32.
-void fused_backward_bf16(const Problem& p, const SdpaArgs<float>& a, View4<const float> dout,
+// q, k and v in float32 or bfloat16 (rounded, or taken as they are, into
+// the operands once, as the forward does; float16 inputs come widened).
+template <class T>
+void fused_backward_bf16(const Problem& p, const SdpaArgs<T>& a, View4<const float> dout,
                          const SdpaGrads<float>& g, View4<const float> out, View3<const float> lse, Bf16Path path);
-void fused_backward_bf16_tiled(const Problem& p, const SdpaArgs<float>& a, View4<const float> dout,
+template <class T>
+void fused_backward_bf16_tiled(const Problem& p, const SdpaArgs<T>& a, View4<const float> dout,
                                const SdpaGrads<float>& g, View4<const float> out, View3<const float> lse,
                                Bf16Path path, const FusedPlan& t);
 // The units on built operands (fused.cpp: dispatched to the SIMD target).
 void fused_backward_bf16_ops(const Problem& p, const Bf16Operands& ops, const Bf16BackwardOperands& qo,
-                             const SdpaArgs<float>& a, View4<const float> dout, const SdpaGrads<float>& g,
-                             View4<const float> out, View3<const float> lse, const FusedPlan& t);
+                             View4<const float> dout, const SdpaGrads<float>& g, View4<const float> out,
+                             View3<const float> lse, const FusedPlan& t);
 
 // For tests: one product on `path` from float32 operands A [M × K] (lda)
 // and B [K × N] (ldb), rounded as above and laid out (and padded) as the

@@ -38,6 +38,27 @@ void GemmImpl(int64_t M, int64_t N, int64_t K, const float* A, int64_t ars, int6
   Gemm(M, N, K, A, ars, aks, B, ldb, C, ldc, accumulate);
 }
 
+// max |x[i]| over i < n bfloat16 bits, NaN left out: the largest magnitude
+// bits (x & 0x7FFF, ordered as the values are) not above ∞'s.
+uint16_t MaxAbsBitsImpl(const uint16_t* x, int64_t n) {
+  const hn::ScalableTag<int16_t> d;
+  const int64_t N = int64_t(hn::Lanes(d));
+  const auto mag = hn::Set(d, int16_t(0x7FFF)), inf = hn::Set(d, int16_t(0x7F80));
+  const auto* xi = reinterpret_cast<const int16_t*>(x);
+  auto m = hn::Zero(d);
+  int64_t i = 0;
+  for (; i + N <= n; i += N) {
+    const auto a = hn::And(hn::LoadU(d, xi + i), mag);
+    m = hn::Max(m, hn::IfThenZeroElse(hn::Gt(a, inf), a));
+  }
+  uint16_t r = uint16_t(hn::GetLane(hn::MaxOfLanes(d, m)));
+  for (; i < n; ++i) {
+    const uint16_t a = x[i] & 0x7FFFu;
+    if (a <= 0x7F80u && a > r) r = a;
+  }
+  return r;
+}
+
 // bf16_operand_bits_row: per 16-bit lane, a zero exponent keeps only the
 // sign, a NaN (magnitude above ∞'s bits) gets its quiet bit.
 bool OperandBitsImpl(const uint16_t* x, int64_t n, uint16_t* dst) {
@@ -156,6 +177,10 @@ bool bf16_operand_bits_row(const uint16_t* x, int64_t n, uint16_t* dst) {
 }
 
 float max_abs_row(const float* x, int64_t n) { return HWY_DYNAMIC_DISPATCH(MaxAbsImpl)(x, n); }
+HWY_EXPORT(MaxAbsBitsImpl);
+float max_abs_row(const bfloat16_t* x, int64_t n) {
+  return bf16_value(HWY_DYNAMIC_DISPATCH(MaxAbsBitsImpl)(reinterpret_cast<const uint16_t*>(x), n));
+}
 
 bool bf16_round_row(const float* x, int64_t n, uint16_t* dst, int cvt) {
   static const bool has = bf16_path_available(Bf16Path::avx512_bf16);
@@ -178,9 +203,9 @@ void fused_forward_bf16_ops(const Problem& p, const Bf16Operands& ops, View4<flo
 }
 
 void fused_backward_bf16_ops(const Problem& p, const Bf16Operands& ops, const Bf16BackwardOperands& qo,
-                             const SdpaArgs<float>& a, View4<const float> dout, const SdpaGrads<float>& g,
-                             View4<const float> out, View3<const float> lse, const FusedPlan& t) {
-  HWY_DYNAMIC_DISPATCH(BackwardBf16Impl)(p, ops, qo, a, dout, g, out, lse, t);
+                             View4<const float> dout, const SdpaGrads<float>& g, View4<const float> out,
+                             View3<const float> lse, const FusedPlan& t) {
+  HWY_DYNAMIC_DISPATCH(BackwardBf16Impl)(p, ops, qo, dout, g, out, lse, t);
 }
 
 void bf16_portable_gemm(int64_t M, int64_t N, int64_t K, const void* A, int64_t lda, const uint32_t* B,
