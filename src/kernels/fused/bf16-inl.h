@@ -342,10 +342,23 @@ class Bf16Products {
     const DF d;
     const int64_t nrp = round_up(nr, Lanes()), qbp = w_.qbp;
     const float* alpha = w_.colv + 2 * qbp;
-    for (int64_t r = 0; r < nrp; r += Lanes()) {  // acc <- acc · alpha, per query (column)
-      const VF a = hn::Load(d, alpha + r);
-      if (hn::AllTrue(d, hn::Eq(a, hn::Set(d, 1.0f)))) continue;  // no max grew: factors 1 change nothing
-      for (float* o = w_.ot + r; o < w_.ot + p.Ev * qbp; o += qbp) hn::Store(hn::Mul(hn::Load(d, o), a), d, o);
+    // acc <- acc · alpha, per query (column), over the column groups whose
+    // factors are not all 1 (no max grew there: they would change nothing),
+    // eight groups at a time row by row, so that each row's part is one
+    // contiguous run (walking a group down the rows, a stride of qbp, took
+    // about a fifth of the unit's own time at E=128; B=1, H=8, L=S=4096, two
+    // threads, Emerald Rapids: 40.5-40.9 against 40.9-41.2 ms, the same bits).
+    constexpr int kGroups = 8;
+    for (int64_t r = 0; r < nrp;) {
+      VF a[kGroups];
+      int64_t at[kGroups];
+      int n = 0;
+      for (; r < nrp && n < kGroups; r += Lanes()) {
+        a[n] = hn::Load(d, alpha + r);
+        if (!hn::AllTrue(d, hn::Eq(a[n], hn::Set(d, 1.0f)))) at[n++] = r;
+      }
+      for (float* row = w_.ot; n > 0 && row < w_.ot + p.Ev * qbp; row += qbp)
+        for (int g = 0; g < n; ++g) hn::Store(hn::Mul(hn::Load(d, row + at[g]), a[g]), d, row + at[g]);
     }
     const int64_t K = round_up(nk, ops_.kernel.kpad);
     if (!paired_) (ops_.kernel.pairs ? ops_.kernel.pairs : &ProbabilityPairs)(w_.st, qbp, nk, K, nrp, w_.pp);
