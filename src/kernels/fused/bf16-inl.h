@@ -478,10 +478,10 @@ class Bf16BackwardProducts {
   void scores(int64_t b, int64_t h, int64_t i0, int64_t nr, int64_t j0, int64_t nk, int64_t nkp, TileOrigin at) {
     const Problem& p = *c_.p;
     BackwardScratch& w = w_;
-    // s = scale · Q·Kᵀ
+    // s = scale·log2(e)·Q·Kᵀ (Q·Kᵀ with the scale deferred)
     const int64_t row = bh_ * p.L + i0_ + at.row;
     gemm_(round_up(nr, ops_.kernel.mpad), nkp, E2_, qo_.q.get() + row * E2_ * elem(), E2_, kfpairs_.get() + at.key,
-          KW_, w.s, w.kbp, ScaleFree(p.rules) ? 1.0f : c_.scale * kLog2e, false);
+          KW_, w.s, w.kbp, deferred_ != 1.0f ? 1.0f : c_.scale * kLog2e, false);
     ScoreTileRules(c_, w, b, h, i0, nr, j0, nk, nkp, kLog2e);
   }
   // w.dp = dY·Vᵀ

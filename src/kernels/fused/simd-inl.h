@@ -167,15 +167,14 @@ void ProbRow(float* row, int64_t nkp, float lse, bool poisoned, float unit, floa
   const DF d;
   const int64_t N = int64_t(hn::Lanes(d));
   const VF shift = hn::Set(d, os::lse_shift(lse) * unit), a = hn::Set(d, scale);
-  if (unit != 1.0f) {
-    for (int64_t j = 0; j < nkp; j += N)
-      hn::Store(Exp2Softmax(d, hn::Sub(MulRounded(hn::Load(d, row + j), a), shift)), d, row + j);
-    return;
-  }
-  if (scale != 1.0f)
-    for (int64_t j = 0; j < nkp; j += N) hn::Store(hn::Mul(hn::Load(d, row + j), a), d, row + j);
-  for (int64_t j = 0; j < nkp; j += N)
-    hn::Store(ExpSoftmax(d, hn::Sub(hn::Load(d, row + j), shift)), d, row + j);
+  const auto run = [&](auto exp) {
+    for (int64_t j = 0; j < nkp; j += N) {
+      const VF s = scale != 1.0f ? MulRounded(hn::Load(d, row + j), a) : hn::Load(d, row + j);
+      hn::Store(exp(d, hn::Sub(s, shift)), d, row + j);
+    }
+  };
+  if (unit != 1.0f) run([](DF df, VF x) { return Exp2Softmax(df, x); });
+  else run([](DF df, VF x) { return ExpSoftmax(df, x); });
 }
 
 // Column maxima of C vector-wide column groups of a transposed tile, walking
