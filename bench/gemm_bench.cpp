@@ -26,7 +26,9 @@
 // same run, with the same threads (fma_peak.hpp): of its GFLOP/s, and of its
 // GFLOP per CPU-second against the product's (the time the process's threads
 // ran, which other load on a shared machine does not lower; threads waiting
-// passively for each other are not counted in it). The header names the CPU,
+// passively for each other are not counted in it); the bfloat16 candidates'
+// totals also give their fraction of the bfloat16 peak measured in the same
+// run (AMX's TDPBF16PS where the CPU has it, else VDPBF16PS). The header names the CPU,
 // the settings that force a library's choice when set (OPENBLAS_CORETYPE,
 // BLIS_ARCH_TYPE, ONEDNN_MAX_CPU_ISA) and what each library chose.
 //
@@ -293,12 +295,18 @@ int main(int argc, char** argv) {
     double peak = 0, per_cpu = 0;
     if (peak_seconds > 0) peak = attn_bench::fma_peak_gflops(threads, peak_seconds, &per_cpu);
     peaks[threads] = {peak, per_cpu};
+    // The bfloat16 candidates' own limit: AMX's tiles where the CPU has them, else VDPBF16PS.
+    double bf16_peak = peak_seconds > 0 ? attn_bench::amx_peak_gflops(threads, peak_seconds) : 0;
+    const char* bf16_peak_what = "AMX bfloat16 peak (TDPBF16PS, tiles in registers)";
+    if (bf16_peak == 0 && peak_seconds > 0) {
+      bf16_peak = attn_bench::dpbf16_peak_gflops(threads, peak_seconds);
+      bf16_peak_what = "AVX512_BF16 peak (VDPBF16PS, 512-bit, 12 chains a thread)";
+    }
     if (table) {
       std::printf("\n%d thread%s; FMA peak %.1f GFLOP/s (%.1f per CPU-second)\n", threads, threads > 1 ? "s" : "",
                   peak, per_cpu);
-      if (const double amx = peak_seconds > 0 ? attn_bench::amx_peak_gflops(threads, peak_seconds) : 0; amx > 0)
-        std::printf("AMX bfloat16 peak (TDPBF16PS, tiles in registers) %.1f GFLOP/s: the bfloat16 rows' own "
-                    "limit\n", amx);
+      if (bf16_peak > 0)
+        std::printf("%s %.1f GFLOP/s: the bfloat16 rows' own limit\n", bf16_peak_what, bf16_peak);
       std::printf("%6s %6s %6s %2s %2s %-12s %9s %8s %6s %8s %6s %8s  %s\n", "M", "N", "K", "ta", "tb", "candidate",
                   "median ms", "GFLOP/s", "% peak", "GF/cpu-s", "% peak", "rel err", "picked");
     }
@@ -364,15 +372,20 @@ int main(int argc, char** argv) {
     for (size_t c = 0; c < cands.size(); ++c) {
       const double gflops = total_flops / total_s[c] * 1e-9, frac = peak > 0 ? gflops / peak : 0;
       const double per_cpu_s = total_flops / total_cpu[c] * 1e-9, frac_cpu = per_cpu > 0 ? per_cpu_s / per_cpu : 0;
+      const double bf16_frac = cands[c].bf16 && bf16_peak > 0 ? gflops / bf16_peak : 0;
       summary.push_back({{"candidate", cands[c].name}, {"threads", threads}, {"total_s", total_s[c]},
                          {"gflops", gflops}, {"peak_fraction", frac}, {"min_peak_fraction", worst[c]},
                          {"max_peak_fraction", best[c]}, {"gflop_per_cpu_s", per_cpu_s},
-                         {"cpu_peak_fraction", frac_cpu}});
-      if (table)
+                         {"cpu_peak_fraction", frac_cpu}, {"bf16_peak_gflops", bf16_peak},
+                         {"bf16_peak_fraction", bf16_frac}});
+      if (table) {
         std::printf("  %-12s %9.1f ms %8.1f GFLOP/s %6.1f%% of the peak (per product %.1f-%.1f%%); "
-                    "%.1f GFLOP per CPU-second, %.1f%%\n",
+                    "%.1f GFLOP per CPU-second, %.1f%%",
                     cands[c].name.c_str(), total_s[c] * 1e3, gflops, 100 * frac, 100 * worst[c], 100 * best[c],
                     per_cpu_s, 100 * frac_cpu);
+        if (bf16_frac > 0) std::printf("; %.1f%% of the bfloat16 peak", 100 * bf16_frac);
+        std::printf("\n");
+      }
     }
   }
   nlohmann::json peaks_json = nlohmann::json::object();
