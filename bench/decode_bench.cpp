@@ -316,8 +316,8 @@ int main(int argc, char** argv) {
   app.add_flag("--no-dense", no_dense, "skip the dense-call and per-head variants");
   bool bf16_compute = false;
   app.add_flag("--bf16-compute", bf16_compute,
-               "also run the float32 and bfloat16 caches with compute_dtype bfloat16 (bfloat16 products where they "
-               "pay: bfloat16 caches on CPUs that take AVX512_BF16; the others stay exact, docs/decode.md) in the paired "
+               "also run the float32 and bfloat16 caches with compute_dtype bfloat16 (bfloat16 products; float16 "
+               "caches stay exact, and so do all on CPUs where the products do not pay, docs/decode.md) in the paired "
                "rounds (dtype+bf16), each checked against the float32 cache's result");
   app.add_option("--window", g_window,
                  "a causal sliding window: each query sees itself and this many keys before it (-1 = none); "

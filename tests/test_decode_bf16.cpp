@@ -306,14 +306,12 @@ TEST(DecodeBf16, TheDenseCallTakesItWithBfloat16Compute) {
   asked.compute_dtype = Dtype::bfloat16;
   exact.compute_dtype = Dtype::float32;
   const Fwd f32_call = call(c.args, c.opt);
-  // Where the products pay, the kernel's bfloat16 ones (float32 inputs
-  // holding the rounded values give the same bits); elsewhere the exact ones.
-  const bool pays = detail::decode_bf16_pays(Dtype::bfloat16), pays_f32 = detail::decode_bf16_pays(Dtype::float32);
-  const Fwd best = pays ? decode_on(detail::decode_bf16_path(), c, f32.kv, c.opt) : f32_call;
+  // Where the products pay, the kernel's bfloat16 ones; elsewhere the exact ones.
+  const Fwd best = detail::decode_bf16_pays() ? decode_on(detail::decode_bf16_path(), c, f32.kv, c.opt) : f32_call;
   EXPECT_TRUE(same_bits(call(h, c.opt).out, best.out));
-  EXPECT_TRUE(same_bits(call(c.args, asked).out, pays_f32 ? best.out : f32_call.out));
+  EXPECT_TRUE(same_bits(call(c.args, asked).out, best.out));
   EXPECT_TRUE(same_bits(call(h, exact).out, f32_call.out));
-  EXPECT_EQ(same_bits(best.out, f32_call.out), !pays);
+  EXPECT_EQ(same_bits(best.out, f32_call.out), !detail::decode_bf16_pays());
   // The exact path: the kernel's float32 products.
   const detail::Problem p = detail::make_problem(c.args, c.opt);
   ASSERT_FALSE(p.bf16_products);
@@ -342,7 +340,7 @@ TEST(DecodeBf16, TheCacheCallTakesItWhenAsked) {
       results.push_back(run(dc, f, o));
       if (page != 0) continue;
       // The exact call where the bfloat16 products do not pay (bf16.hpp).
-      EXPECT_EQ(bitwise_equal(results.back().out, run(dc, f).out), !detail::decode_bf16_pays(t)) << dtype_name(t);
+      EXPECT_EQ(bitwise_equal(results.back().out, run(dc, f).out), !detail::decode_bf16_pays()) << dtype_name(t);
       // The bound of docs/fused.md: P rounded (2^-8), the scores moved by q's
       // and k's rounding (2·2^-8·m) and their float32 sums, v's rounding (2^-8).
       Tensor<float> out, lse;

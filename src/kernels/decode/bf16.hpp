@@ -61,17 +61,17 @@ inline int64_t decode_pair_position(int64_t e) {
 // The path the decode kernel takes for bfloat16 products: AVX512_BF16
 // where the CPU has it (AMX CPUs do), else portable.
 Bf16Path decode_bf16_path();
-// Whether calls over `storage` take the bfloat16 products at all: where the
-// fused forward takes AVX512_BF16 (bf16_best_path: AMD CPUs with it and no
-// AMX, Zen 4/5), over bfloat16 and float16 storage (float16's products stay
-// exact in the kernel). Elsewhere they stay exact, which was faster: over
-// float32 storage rounding every row in registers cost more than the
-// products save (Zen 4: 0.72-0.83 of the exact call's speed); on an
-// Emerald Rapids VDPBF16PS issues once per 2 cycles against two FMAs a
-// cycle, and the bfloat16 loops took longer than the exact ones
-// (docs/decode.md); without AVX512_BF16 the portable products are slower
-// still. (Exact results are within the bfloat16 bound too.)
-bool decode_bf16_pays(Dtype storage);
+// Whether calls take the bfloat16 products at all: where the fused forward
+// takes AVX512_BF16 (bf16_best_path: AMD CPUs with it and no AMX, Zen 4/5),
+// over every storage type, so that float32 inputs holding bfloat16 values
+// give the bfloat16 inputs' bits (over a float32 cache that costs speed:
+// rounding every row in registers, 0.72-0.83 of the exact call's on a
+// Zen 4). Elsewhere they stay exact, which was faster: on an Emerald
+// Rapids VDPBF16PS issues once per 2 cycles against two FMAs a cycle, and
+// the bfloat16 loops took longer than the exact ones (docs/decode.md);
+// without AVX512_BF16 the portable products are slower still. (Exact
+// results are within the bfloat16 bound too.)
+bool decode_bf16_pays();
 
 // The AVX512_BF16 products (callable only where bf16_path_available says
 // so). scores: s[r·lds + j] for rows r < rows (<= 4) and keys j < nk, q

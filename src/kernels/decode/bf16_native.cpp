@@ -35,9 +35,9 @@
 
 namespace attn::detail {
 
-bool decode_bf16_pays(Dtype storage) {
-  static const bool native = bf16_best_path() == Bf16Path::avx512_bf16;  // the fused forward's rule
-  return native && storage != Dtype::float32;
+bool decode_bf16_pays() {
+  static const bool pays = bf16_best_path() == Bf16Path::avx512_bf16;  // the fused forward's rule
+  return pays;
 }
 
 Bf16Path decode_bf16_path() {

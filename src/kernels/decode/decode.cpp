@@ -685,7 +685,7 @@ void decode_forward_planned(const Problem& p, const KVLayout& kv, View4<const fl
 
 void decode_forward(const Problem& p, const KVLayout& kv, View4<const float> q, View4<float> out,
                     View3<float> lse) {
-  if (p.bf16_products && !decode_bf16_pays(kv.type)) {  // exact where that is faster (bf16.hpp)
+  if (p.bf16_products && !decode_bf16_pays()) {  // exact where that is faster (bf16.hpp)
     Problem exact = p;
     exact.bf16_products = false;
     return decode_forward_planned(exact, kv, q, out, lse, decode_plan(p), decode_bf16_path());

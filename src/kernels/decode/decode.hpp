@@ -75,7 +75,7 @@ DecodePlan decode_plan(const Problem& p);
 // (portable and AVX512_BF16 give the same bits, AMX its own within the
 // same bound) over float32 and bfloat16 storage; else, and over float16
 // storage, they are exact. decode_forward takes decode_bf16_path() where
-// decode_bf16_pays(kv.type), and the exact products elsewhere.
+// decode_bf16_pays(), and the exact products elsewhere.
 void decode_forward(const Problem& p, const KVLayout& kv, View4<const float> q, View4<float> out,
                     View3<float> lse);
 void decode_forward_planned(const Problem& p, const KVLayout& kv, View4<const float> q,
