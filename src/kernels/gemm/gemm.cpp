@@ -397,14 +397,25 @@ void gemm_bf16_library(GemmShape s, bool ta, const float* A, int64_t lda, bool t
   const GemmTiles t = gemm_tiles(s, gemm_min_tile());
   const int64_t across = (s.N + t.cols - 1) / t.cols, n = t.count(s);
   std::atomic<bool> refused{false};
+  // oneDNN writes C's tile in place, but where C's rows are a multiple of
+  // 4 KiB apart (their lines share L1 sets) into a dense tile copied out:
+  // in place took 0.95 of the time on the multi-head layer's forward at
+  // (8, 128, 256, 4) and 1.2× on products with rows 8 KiB apart (Zen 4).
+  const bool direct = ldc % 1024 != 0;
 #pragma omp parallel num_threads(int(std::min<int64_t>(n, team))) if (std::min<int64_t>(n, team) > 1)
   {
     omp_set_num_threads(1);  // oneDNN's team: this thread alone
-    std::vector<float> dense;  // the tile of C, dense (oneDNN's AMX kernels write no other)
+    std::vector<float> dense;  // the tile of C, dense where C's rows are a multiple of 4 KiB apart
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < n; ++i) {
       const int64_t r = i / across * t.rows, c = i % across * t.cols;
       const GemmShape part{std::min(t.rows, s.M - r), std::min(t.cols, s.N - c), s.K};
+      if (direct) {
+        if (!tile_bf16(part, ta, a + (ta ? r : r * lda), lda, tb, b + (tb ? c * ldb : c), ldb, C + r * ldc + c,
+                       ldc, alpha, beta))
+          refused = true;
+        continue;
+      }
       dense.resize(size_t(part.M * part.N));
       if (beta != 0.0f)
         for (int64_t y = 0; y < part.M; ++y) std::copy_n(C + (r + y) * ldc + c, part.N, dense.data() + y * part.N);
