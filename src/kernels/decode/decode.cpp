@@ -422,10 +422,11 @@ void ChunkT(const Call& c, Scratch& w, const Unit& u, float* acc, os::State<floa
       if (c.bf16) {  // the runs' pieces (pairs may span two runs), each with its run's stream
         value_rows(t);
         bf16_pieces(t, c.plan.tile, pt);
-        for (const Piece& p : pt) {
+        for (const Piece& p : pt) {  // the stream: V of the run's rest, its next run, then K of the next tile
           const Run& r = t.run[size_t(p.run)];
+          const auto then = p.run + 1 < t.nr ? v_rows(t.run[size_t(p.run + 1)], 0) : k_rows(first(next), 0);
           ValueTileBf16<T>(c, w, u.nm, w.vr.data(), j0, t.nk, r.off + p.from, r.off + p.from + p.nk, acc,
-                           v_stream(t, p, next));
+                           RowPrefetch{v_rows(r, p.from), then, std::min(ahead, r.nk)});
         }
         j0 += t.nk;
         t = next;
