@@ -65,9 +65,10 @@ Bf16Path decode_bf16_path();
 // takes AVX512_BF16 (bf16_best_path: AMD CPUs with it and no AMX, Zen 4/5),
 // over every storage type, so that float32 inputs holding bfloat16 values
 // give the bfloat16 inputs' bits (over a float32 cache that costs speed:
-// 0.88-0.92 of the exact call's on a Zen 4, K/V from memory). Elsewhere they stay exact, which was faster: on an Emerald
-// Rapids VDPBF16PS issues once per 2 cycles against two FMAs a cycle, and
-// the bfloat16 loops took longer than the exact ones (docs/decode.md);
+// 0.88-0.92 of the exact call's on a Zen 4, K/V from memory). Elsewhere
+// they stay exact, which was faster: on an Emerald Rapids VDPBF16PS issues
+// once per 2 cycles against two FMAs a cycle, and the bfloat16 loops took
+// longer than the exact ones (docs/decode.md);
 // without AVX512_BF16 the portable products are slower still. (Exact
 // results are within the bfloat16 bound too.)
 bool decode_bf16_pays();
