@@ -68,9 +68,9 @@ Bf16Path decode_bf16_path();
 // 0.88-0.92 of the exact call's on a Zen 4, K/V from memory). Elsewhere
 // they stay exact, which was faster: on an Emerald Rapids VDPBF16PS issues
 // once per 2 cycles against two FMAs a cycle, and the bfloat16 loops took
-// longer than the exact ones (docs/decode.md);
-// without AVX512_BF16 the portable products are slower still. (Exact
-// results are within the bfloat16 bound too.)
+// longer than the exact ones (docs/decode.md); without AVX512_BF16 the
+// portable products are slower still. (Exact results are within the
+// bfloat16 bound too.)
 bool decode_bf16_pays();
 
 // The AVX512_BF16 products (callable only where bf16_path_available says

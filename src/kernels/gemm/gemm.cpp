@@ -410,19 +410,14 @@ void gemm_bf16_library(GemmShape s, bool ta, const float* A, int64_t lda, bool t
     for (int64_t i = 0; i < n; ++i) {
       const int64_t r = i / across * t.rows, c = i % across * t.cols;
       const GemmShape part{std::min(t.rows, s.M - r), std::min(t.cols, s.N - c), s.K};
-      if (direct) {
-        if (!tile_bf16(part, ta, a + (ta ? r : r * lda), lda, tb, b + (tb ? c * ldb : c), ldb, C + r * ldc + c,
-                       ldc, alpha, beta))
-          refused = true;
-        continue;
-      }
-      dense.resize(size_t(part.M * part.N));
-      if (beta != 0.0f)
+      if (!direct) dense.resize(size_t(part.M * part.N));
+      if (!direct && beta != 0.0f)
         for (int64_t y = 0; y < part.M; ++y) std::copy_n(C + (r + y) * ldc + c, part.N, dense.data() + y * part.N);
       if (!tile_bf16(part, ta, a + (ta ? r : r * lda), lda, tb, b + (tb ? c * ldb : c), ldb,
-                     dense.data(), part.N, alpha, beta))
+                     direct ? C + r * ldc + c : dense.data(), direct ? ldc : part.N, alpha, beta))
         refused = true;
-      for (int64_t y = 0; y < part.M; ++y) std::copy_n(dense.data() + y * part.N, part.N, C + (r + y) * ldc + c);
+      for (int64_t y = 0; !direct && y < part.M; ++y)
+        std::copy_n(dense.data() + y * part.N, part.N, C + (r + y) * ldc + c);
     }
   }
   if (refused) throw std::logic_error("detail::gemm_bf16: oneDNN refused a product's arguments");
