@@ -3,7 +3,10 @@
 // shapes, M/N/K = 1, every transpose combination, padded leading dimensions,
 // alpha/beta, products of many tiles, several thread counts; and the same
 // bits for any thread count.
+#include <array>
 #include <cstring>
+#include <stdexcept>
+#include <utility>
 
 #include "kernels/fused/bf16.hpp"
 #include "kernels/gemm/gemm.hpp"
@@ -216,6 +219,59 @@ TEST(GemmBf16, IsTheProductOfTheRoundedOperands) {
                              0);
   for (int64_t i = 0; i < 40; ++i)
     for (int64_t j = 0; j < 48; ++j) ASSERT_EQ(std::isnan(C[size_t(i * 48 + j)]), i == 2) << i << " " << j;
+  }
+}
+
+// gemm_bf16's bias: C = op(A)·op(B) + bias, every row, on every route;
+// against the sum in double of the rounded operands' products plus the bias,
+// within the same bound with |bias| added to the magnitude; the same bits
+// for any thread count; the columns past N and C's other elements untouched;
+// refused with alpha ≠ 1 or beta ≠ 0.
+TEST(GemmBf16, AddsTheBiasToEveryRow) {
+  for (const auto path : gemm_bf16_routes()) {
+    SCOPED_TRACE(attn::detail::bf16_path_name(path));
+    std::mt19937_64 rng(23);
+    const auto r = [](float x) { return double(attn::detail::bf16_value(attn::detail::bf16_operand(x))); };
+    // (70, 45, 1101): two chunks of the AMX route in padded blocks; (256, 256, 64): whole blocks in C itself.
+    for (const auto& [M, N, K] : {std::array<int64_t, 3>{70, 45, 1101}, {256, 256, 64}, {5, 3, 0}})
+      for (int t = 0; t < 4; ++t) {
+        const bool ta = t & 1, tb = t & 2;
+        const int64_t lda = (ta ? M : K) + 1, ldb = (tb ? K : N) + 2, ldc = N + 3;
+        auto A = random_tensor<float>({std::max<int64_t>((ta ? K : M) * lda, 1)}, rng);
+        auto B = random_tensor<float>({std::max<int64_t>((tb ? N : K) * ldb, 1)}, rng);
+        const auto bias = random_tensor<float>({N}, rng);
+        auto C = random_tensor<float>({M * ldc}, rng);
+        const auto C0 = C;
+        attn::detail::gemm_bf16_on(path, {M, N, K}, ta, A.data(), lda, tb, B.data(), ldb, C.data(), ldc, 1.0f, 0.0f,
+                                   2, bias.data());
+        for (int threads : {1, 3}) {
+          auto again = C0;
+          attn::detail::gemm_bf16_on(path, {M, N, K}, ta, A.data(), lda, tb, B.data(), ldb, again.data(), ldc, 1.0f,
+                                     0.0f, threads, bias.data());
+          ASSERT_EQ(std::memcmp(again.data(), C.data(), C.size() * sizeof(float)), 0) << M << " " << N << " " << K;
+        }
+        for (int64_t i = 0; i < M; ++i)
+          for (int64_t j = 0; j < ldc; ++j) {
+            const float got = C[size_t(i * ldc + j)];
+            if (j >= N) {
+              ASSERT_EQ(got, C0[size_t(i * ldc + j)]) << "past N at " << i << " " << j;
+              continue;
+            }
+            double want = bias[size_t(j)], mag = std::abs(want);
+            for (int64_t k = 0; k < K; ++k) {
+              const float a = ta ? A[size_t(k * lda + i)] : A[size_t(i * lda + k)];
+              const float b = tb ? B[size_t(j * ldb + k)] : B[size_t(k * ldb + j)];
+              want += r(a) * r(b), mag += std::abs(r(a) * r(b));
+            }
+            ASSERT_LE(std::abs(got - want), double(K + 2) * 0x1p-24 * mag + 1e-30)
+                << M << "x" << N << "x" << K << " ta=" << ta << " tb=" << tb << " at " << i << " " << j;
+          }
+      }
+    std::vector<float> a(4, 1.0f), b(4, 1.0f), c(4), bias(2, 1.0f);
+    for (const auto& [alpha, beta] : {std::pair{0.5f, 0.0f}, {1.0f, 1.0f}})
+      EXPECT_THROW(attn::detail::gemm_bf16_on(path, {2, 2, 2}, false, a.data(), 2, false, b.data(), 2, c.data(), 2,
+                                              alpha, beta, 1, bias.data()),
+                   std::logic_error);
   }
 }
 

@@ -135,11 +135,16 @@ struct MhaSaved {
   int64_t H = 0, E = 0, Ev = 0;  // the layer's heads
   bool self_attention = false;
   Tensor<T> query, key, value;   // inputs, dense (B, N, width); self-attention: query only
-  // The projections after the Q/K transform, head-major: q (B, H, L, E),
-  // k (B, H, S, E) and v (B, H, S, Ev), each contiguous, one after the other
-  // (the attention reads each head's rows densely).
+  // The projections after the Q/K transform, q (B, H, L, E), k (B, H, S, E)
+  // and v (B, H, S, Ev). Float32 products: head-major in `proj`, each
+  // contiguous, one after the other (the attention reads each head's rows
+  // densely). bfloat16 products (heads_in_packed): where the GEMMs wrote
+  // them in `packed`, each head a strided view (that attention copies its
+  // operands into its own layouts, so a dense copy would be a pass for
+  // nothing); `proj` is then empty. q(), k(), v() view either.
   Tensor<T> proj;
-  Tensor<T> packed;              // the forward's scratch: the projections as the GEMM writes them
+  Tensor<T> packed;              // the projections as the GEMMs write them (float32 products: scratch)
+  bool heads_in_packed = false;
   Tensor<T> attn_out;            // concatenated head outputs, (B, L, H·Ev)
   Tensor<T> lse;                 // (B, H, L)
   Tensor<bool> mask;             // mask combined with key_padding_mask, in its broadcast shape
@@ -157,7 +162,11 @@ struct MhaSaved {
  private:
   View4<const T> head(int part, int64_t N, int64_t F) const {
     const int64_t offset = part == 0 ? 0 : B * L * H * E + (part == 2 ? B * S * H * E : 0);
-    return View4<const T>::bhnd(proj.data() + offset, B, H, N, F);
+    if (!heads_in_packed) return View4<const T>::bhnd(proj.data() + offset, B, H, N, F);
+    // packed: self-attention's rows [q | k | v] (2·H·E + H·Ev wide), else q, k, v one after the other
+    const int64_t ld = self_attention ? 2 * H * E + H * Ev : part == 2 ? H * Ev : H * E;
+    return View4<const T>(packed.data() + (self_attention ? part * H * E : offset), {B, H, N, F},
+                          {N * ld, F, ld, 1});
   }
 };
 

@@ -183,8 +183,8 @@ void MultiheadAttention<T>::forward(const MhaArgs<T>& a, const MhaOutputs<T>& o,
                                   a.key_lengths.data, o.out.data,       o.head_weights.data,
                                   o.avg_weights.data};
     for (const auto& op : detail::kPerHeadOperands<T>) ptrs.push_back((a.*op.member).data);
-    std::vector<const Tensor<T>*> owned{&cache->query, &cache->key,      &cache->value, &cache->proj,
-                                        &cache->attn_out, &cache->lse, &cache->bias};
+    std::vector<const Tensor<T>*> owned{&cache->query,    &cache->key, &cache->value, &cache->proj,
+                                        &cache->packed,   &cache->attn_out, &cache->lse, &cache->bias};
     for (const Tensor<T>& t : cache->per_head) owned.push_back(&t);
     bool aliased = false;
     for (const void* p : ptrs)
@@ -211,10 +211,14 @@ void MultiheadAttention<T>::forward(const MhaArgs<T>& a, const MhaOutputs<T>& o,
   // weight blocks are consecutive rows of in_proj_weight), else three; then
   // + b and the split into dense heads.
   const int64_t HE = H * E, HEv = H * Ev, proj_size = B * L * HE + B * S * (HE + HEv);
-  sized(st.packed, {proj_size});
-  sized(st.proj, {proj_size});
-  const auto ps = parts<T>(*this, cfg_, packed_, self, B, L, S, xq, xk, xv, st.packed.data(), nullptr);
   const bool bf16 = opt.sdpa.compute_dtype == Dtype::bfloat16;  // the projections' products too
+  st.heads_in_packed = bf16 && std::is_same_v<T, float>;  // (project's layouts)
+  sized(st.packed, {proj_size});
+  if (st.heads_in_packed)
+    st.proj = Tensor<T>();
+  else
+    sized(st.proj, {proj_size});
+  const auto ps = parts<T>(*this, cfg_, packed_, self, B, L, S, xq, xk, xv, st.packed.data(), nullptr);
   const auto [qh, kh, vh] = project(ps, self && packed_, B, L, S, H, E, Ev, st.proj.data(), threads, bf16);
   if (qk_.forward) qk_.forward(qh, kh);
 
@@ -282,7 +286,8 @@ void MultiheadAttention<T>::backward(const MhaSaved<T>& cache, View3<const T> do
   const int64_t HE = H * E, HEv = H * Ev;
   const bool consistent =
       cache.H == H && cache.E == E && cache.Ev == Ev &&
-      cache.proj.size() == size_t(self ? B * L * (2 * HE + HEv) : B * L * HE + B * S * (HE + HEv)) &&
+      cache.packed.size() == size_t(self ? B * L * (2 * HE + HEv) : B * L * HE + B * S * (HE + HEv)) &&
+      (cache.heads_in_packed || cache.proj.size() == cache.packed.size()) &&
       cache.attn_out.shape() == std::vector<int64_t>{B, L, HEv} &&
       cache.query.shape() == std::vector<int64_t>{B, L, D} &&
       (self ? (L == S && cache.key.rank() == 0 && cache.value.rank() == 0)
@@ -332,7 +337,7 @@ void MultiheadAttention<T>::backward(const MhaSaved<T>& cache, View3<const T> do
   // o = sdpa(q, k, v): the gradients land in dense heads, then in a buffer
   // laid out as the GEMM wrote the projections.
   Tensor<T>& dproj = dproj_;
-  sized(dproj, {int64_t(cache.proj.size())});
+  sized(dproj, {int64_t(cache.packed.size())});
   const T* xs = cache.query.data();
   const auto ps = parts<T>(*this, cfg_, packed_, self, B, L, S, xs, self ? xs : cache.key.data(),
                            self ? xs : cache.value.data(), dproj.data(), &grads_);
@@ -341,7 +346,7 @@ void MultiheadAttention<T>::backward(const MhaSaved<T>& cache, View3<const T> do
   SdpaOptions so = cache.options.sdpa;
   so.check_finite = false;  // the forward checked its inputs
   SdpaGrads<T> sg;
-  sized(heads_dproj_, {int64_t(cache.proj.size())});
+  sized(heads_dproj_, {int64_t(cache.packed.size())});
   T* const hq = heads_dproj_.data();
   T* const hk = hq + B * L * HE;
   T* const hv = hk + B * S * HE;

@@ -10,6 +10,7 @@
 #include <functional>
 #include <map>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -195,22 +196,35 @@ void fill_rows(T* C, int64_t m, int64_t n, int64_t ldc, const T* bias, int threa
   parallel_rows(threads, m, n, [&](int64_t i) { std::copy_n(bias, n, C + i * ldc); });
 }
 
-// The projections as dense heads: [q | k | v] = x·Wᵀ (into the parts' GEMM
+// The projections' heads: [q | k | v] = x·Wᵀ (into the parts' GEMM
 // output: one product when `one_gemm`, a packed self-attention whose three
 // weight blocks are consecutive rows of in_proj_weight; else three), then
 // + b and the split into q (B, H, L, E), k (B, H, S, E), v (B, H, S, Ev)
 // laid out one after the other in `proj` (MhaSaved::proj's layout). With
-// `bf16` the products take bfloat16 operands (detail::gemm_bf16).
+// `bf16` (float) the products take bfloat16 operands (detail::gemm_bf16),
+// which add the bias as they write each tile, and the heads stay where the
+// GEMMs wrote them: strided views, `proj` unused (MhaSaved::heads_in_packed).
 template <class T>
 std::array<View4<T>, 3> project(const std::array<Part<T>, 3>& ps, bool one_gemm, int64_t B, int64_t L, int64_t S,
                                 int64_t H, int64_t E, int64_t Ev, T* proj, int threads, bool bf16 = false) {
+  if constexpr (std::is_same_v<T, float>)
+    if (bf16) {
+      for (int i = 0; i < (one_gemm ? 1 : 3); ++i) {
+        const Part<T>& p = ps[size_t(i)];
+        detail::gemm_bf16({p.rows, one_gemm ? p.ld : p.width, p.cols}, false, p.x, p.cols, true, p.w, p.cols, p.p,
+                          p.ld, 1.0f, 0.0f, threads, p.b);
+      }
+      const auto head = [&](const Part<T>& p, int64_t N, int64_t F) {
+        return View4<T>(p.p, {B, H, N, F}, {N * p.ld, F, p.ld, 1});
+      };
+      return {head(ps[0], L, E), head(ps[1], S, E), head(ps[2], S, Ev)};
+    }
   if (one_gemm) {
     const Part<T>& p = ps[0];
-    gemm_as<T>(bf16, {p.rows, p.ld, p.cols}, false, p.x, p.cols, true, p.w, p.cols, p.p, p.ld, T(1), T(0), threads);
+    gemm<T>({p.rows, p.ld, p.cols}, false, p.x, p.cols, true, p.w, p.cols, p.p, p.ld, T(1), T(0), threads);
   } else {
     for (const Part<T>& p : ps)
-      gemm_as<T>(bf16, {p.rows, p.width, p.cols}, false, p.x, p.cols, true, p.w, p.cols, p.p, p.ld, T(1), T(0),
-                 threads);
+      gemm<T>({p.rows, p.width, p.cols}, false, p.x, p.cols, true, p.w, p.cols, p.p, p.ld, T(1), T(0), threads);
   }
   T* const hq = proj;
   T* const hk = hq + B * L * H * E;
@@ -229,8 +243,16 @@ void project_out(const T* o, const T* wo, const T* bo, int64_t HEv, View3<T> out
   const int64_t M = out.dim(0) * out.dim(1), D = out.dim(2);
   Tensor<T> scratch;
   T* y = out.is_contiguous() ? out.data : (scratch = Tensor<T>({out.dim(0), out.dim(1), D})).data();
-  if (bo) fill_rows(y, M, D, D, bo, threads);
-  gemm_as<T>(bf16, {M, D, HEv}, false, o, HEv, true, wo, HEv, y, D, T(1), bo ? T(1) : T(0), threads);
+  bool done = false;
+  if constexpr (std::is_same_v<T, float>)
+    if (bf16) {  // the bias added as each tile is written
+      detail::gemm_bf16({M, D, HEv}, false, o, HEv, true, wo, HEv, y, D, 1.0f, 0.0f, threads, bo);
+      done = true;
+    }
+  if (!done) {
+    if (bo) fill_rows(y, M, D, D, bo, threads);
+    gemm<T>({M, D, HEv}, false, o, HEv, true, wo, HEv, y, D, T(1), bo ? T(1) : T(0), threads);
+  }
   if (!out.is_contiguous()) scatter<T>(y, out);
 }
 

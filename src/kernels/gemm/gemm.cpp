@@ -39,11 +39,12 @@
 #include <oneapi/dnnl/dnnl.hpp>
 
 #include <atomic>
-#include <stdexcept>
 #include <string>
 #endif
 
 #include <algorithm>
+#include <stdexcept>
+#include <unordered_map>
 
 namespace attn::detail {
 
@@ -124,21 +125,34 @@ struct Stored {
 Stored stored_a(GemmShape s, bool ta) { return ta ? Stored{s.K, s.M} : Stored{s.M, s.K}; }
 Stored stored_b(GemmShape s, bool tb) { return tb ? Stored{s.N, s.K} : Stored{s.K, s.N}; }
 
+// gemm_bf16's bias comes with alpha 1 and beta 0 only.
+void check_bias(const float* bias, float alpha, float beta) {
+  if (bias && (alpha != 1.0f || beta != 0.0f))
+    throw std::logic_error("detail::gemm_bf16: a bias needs alpha = 1 and beta = 0");
+}
+
+// Every row of C (m, n), leading dimension ldc, set to bias (n).
+void fill_bias(float* C, int64_t m, int64_t n, int64_t ldc, const float* bias) {
+  for (int64_t i = 0; i < m; ++i) std::copy_n(bias, n, C + i * ldc);
+}
+
 }  // namespace
 
 #ifdef ATTN_NO_BLAS
 
 void gemm_bf16(GemmShape s, bool ta, const float* A, int64_t lda, bool tb, const float* B, int64_t ldb, float* C,
-               int64_t ldc, float alpha, float beta, int threads) {
+               int64_t ldc, float alpha, float beta, int threads, const float* bias) {
+  check_bias(bias, alpha, beta);
   const Stored sa = stored_a(s, ta), sb = stored_b(s, tb);
   const std::vector<float> a = rounded_copy<float>(A, sa.rows, sa.cols, lda, 1);
   const std::vector<float> b = rounded_copy<float>(B, sb.rows, sb.cols, ldb, 1);
+  if (bias) fill_bias(C, s.M, s.N, ldc, bias), beta = 1.0f;
   gemm<float>(s, ta, a.data(), sa.cols, tb, b.data(), sb.cols, C, ldc, alpha, beta, threads);
 }
 
 void gemm_bf16_on(Bf16Path, GemmShape s, bool ta, const float* A, int64_t lda, bool tb, const float* B, int64_t ldb,
-                  float* C, int64_t ldc, float alpha, float beta, int threads) {
-  gemm_bf16(s, ta, A, lda, tb, B, ldb, C, ldc, alpha, beta, threads);
+                  float* C, int64_t ldc, float alpha, float beta, int threads, const float* bias) {
+  gemm_bf16(s, ta, A, lda, tb, B, ldb, C, ldc, alpha, beta, threads, bias);
 }
 
 template <class T>
@@ -223,7 +237,7 @@ const dnnl::engine& cpu_engine() {
 // operands): a single-threaded oneDNN matmul; false where oneDNN has no
 // bfloat16 matmul for this CPU.
 bool tile_bf16(GemmShape s, bool ta, const uint16_t* A, int64_t lda, bool tb, const uint16_t* B, int64_t ldb,
-               float* C, int64_t ldc, float alpha, float beta) {
+               float* C, int64_t ldc, float alpha, float beta, const float* bias = nullptr) {
   using dt = dnnl::memory::data_type;
   using dims = dnnl::memory::dims;
   const dnnl::memory::desc a({s.M, s.K}, dt::bf16, ta ? dims{1, lda} : dims{lda, 1});
@@ -236,16 +250,20 @@ bool tile_bf16(GemmShape s, bool ta, const uint16_t* A, int64_t lda, bool tb, co
     po.append_sum(beta);
     attr.set_post_ops(po);
   }
+  const dnnl::memory::desc bias_md({1, s.N}, dt::f32, dims{s.N, 1});
   dnnl::matmul::primitive_desc pd;
   try {
-    pd = dnnl::matmul::primitive_desc(dnnl::matmul::desc(a, b, c), attr, cpu_engine());
+    pd = dnnl::matmul::primitive_desc(bias ? dnnl::matmul::desc(a, b, bias_md, c) : dnnl::matmul::desc(a, b, c),
+                                      attr, cpu_engine());
   } catch (const dnnl::error&) {
     return false;
   }
   const dnnl::memory am(a, cpu_engine(), const_cast<uint16_t*>(A)), bm(b, cpu_engine(), const_cast<uint16_t*>(B)),
       cm(c, cpu_engine(), C);
+  std::unordered_map<int, dnnl::memory> args{{DNNL_ARG_SRC, am}, {DNNL_ARG_WEIGHTS, bm}, {DNNL_ARG_DST, cm}};
+  if (bias) args.emplace(DNNL_ARG_BIAS, dnnl::memory(bias_md, cpu_engine(), const_cast<float*>(bias)));
   dnnl::stream st(cpu_engine());
-  dnnl::matmul(pd).execute(st, {{DNNL_ARG_SRC, am}, {DNNL_ARG_WEIGHTS, bm}, {DNNL_ARG_DST, cm}});
+  dnnl::matmul(pd).execute(st, args);
   st.wait();
   return true;
 }
@@ -285,7 +303,8 @@ bool dnnl_has_bf16() {
 // 2048, 4096 rows, one thread) chunks of up to 1024 took 0.83-0.89 of the
 // time of chunks of 256, and longer ones did no better.
 void gemm_bf16_tiles(const Bf16Kernel& kern, GemmShape s, bool ta, const float* A, int64_t lda, bool tb,
-                     const float* B, int64_t ldb, float* C, int64_t ldc, float alpha, float beta, int team) {
+                     const float* B, int64_t ldb, float* C, int64_t ldc, float alpha, float beta, int team,
+                     const float* bias) {
   constexpr int64_t kPanel = 32, kMaxChunk = 1024, kRows = 256, kCols = 256;
   const int64_t Mp = round_up(s.M, kPanel), Np = round_up(s.N, kPanel), Kp = round_up(s.K, kern.kpad);
   const int64_t kChunk = round_up(ceil_div(Kp, ceil_div(Kp, kMaxChunk)), kern.kpad);
@@ -355,16 +374,21 @@ void gemm_bf16_tiles(const Bf16Kernel& kern, GemmShape s, bool ta, const float* 
           // accumulate into the block: the same sums as accumulating from zeros. Where alpha is
           // 1, beta 0 or 1 and the block has no padding, the block is C itself (beta 1: the
           // first chunk accumulates into C too, the sum starting from C's value).
+          // A bias is the block's starting value (beta is 0 then): the first chunk accumulates onto it.
           const bool direct = (beta == 0.0f || beta == 1.0f) && alpha == 1.0f && m == mp && w == wp;
           if (!direct && dense.size() < size_t(mp * wp)) dense.resize(size_t(mp * wp));
           float* const blk = direct ? C + r1 * ldc + c1 : dense.data();
           const int64_t ldk = direct ? ldc : wp;
+          for (int64_t y = 0; bias && y < mp; ++y) {  // the padding (dense blocks only) starts from 0
+            std::copy_n(bias + c1, w, blk + y * ldk);
+            std::fill(blk + y * ldk + w, blk + y * ldk + wp, 0.0f);
+          }
           for (int64_t c = 0; c < chunks; ++c)
             for (int64_t y = 0; y < mp; y += kPanel)
               for (int64_t x = 0; x < wp; x += kPanel)
                 kern.gemm(kPanel, kPanel, chunk_k(c), a + (r1 + y) * Kp + c * kChunk * kPanel, chunk_k(c),
                           b + (c1 + x) * Kp / 2 + c * kChunk / 2 * kPanel, kPanel, blk + y * ldk + x,
-                          ldk, 1.0f, c > 0 || (direct && beta == 1.0f));
+                          ldk, 1.0f, c > 0 || bias || (direct && beta == 1.0f));
           for (int64_t y = 0; y < m && !direct; ++y) {
             float* dst = C + (r1 + y) * ldc + c1;
             const float* src = dense.data() + y * wp;
@@ -380,20 +404,23 @@ void gemm_bf16_tiles(const Bf16Kernel& kern, GemmShape s, bool ta, const float* 
 }
 
 void gemm_bf16_library(GemmShape s, bool ta, const float* A, int64_t lda, bool tb, const float* B, int64_t ldb,
-                       float* C, int64_t ldc, float alpha, float beta, int team) {
+                       float* C, int64_t ldc, float alpha, float beta, int team, const float* bias) {
   const Stored sa = stored_a(s, ta), sb = stored_b(s, tb);
   if (s.K == 0 || !dnnl_has_bf16()) {  // sgemm on the rounded values
     const std::vector<float> a = rounded_copy<float>(A, sa.rows, sa.cols, lda, team);
     const std::vector<float> b = rounded_copy<float>(B, sb.rows, sb.cols, ldb, team);
+    if (bias) fill_bias(C, s.M, s.N, ldc, bias), beta = 1.0f;
     return gemm<float>(s, ta, a.data(), sa.cols, tb, b.data(), sb.cols, C, ldc, alpha, beta, team);
   }
   // Dense copies: a tile's rows of A (unless transposed) and columns of B
-  // (when transposed, the layer's weights) are then dense blocks.
-  const OperandBuffer abuf = rounded_copy<uint16_t>(A, sa.rows, sa.cols, lda, team);
-  const OperandBuffer bbuf = rounded_copy<uint16_t>(B, sb.rows, sb.cols, ldb, team);
-  const uint16_t* const a = abuf.as<uint16_t>();
-  const uint16_t* const b = bbuf.as<uint16_t>();
-  lda = sa.cols, ldb = sb.cols;
+  // (when transposed, the layer's weights) are then dense blocks. Rounded
+  // in the region that runs the tiles (one region, not three: on the
+  // multi-head layer's small products the start and end of each region
+  // cost as much as the rounding).
+  const OperandBuffer abuf(size_t(sa.rows * sa.cols) * sizeof(uint16_t), false);
+  const OperandBuffer bbuf(size_t(sb.rows * sb.cols) * sizeof(uint16_t), false);
+  uint16_t* const a = abuf.as<uint16_t>();
+  uint16_t* const b = bbuf.as<uint16_t>();
   const GemmTiles t = gemm_tiles(s, gemm_min_tile());
   const int64_t across = (s.N + t.cols - 1) / t.cols, n = t.count(s);
   std::atomic<bool> refused{false};
@@ -402,8 +429,12 @@ void gemm_bf16_library(GemmShape s, bool ta, const float* A, int64_t lda, bool t
   // in place took 0.95 of the time on the multi-head layer's forward at
   // (8, 128, 256, 4) and 1.2× on products with rows 8 KiB apart (Zen 4).
   const bool direct = ldc % 1024 != 0;
-#pragma omp parallel num_threads(int(std::min<int64_t>(n, team))) if (std::min<int64_t>(n, team) > 1)
+#pragma omp parallel num_threads(team) if (team > 1)
   {
+#pragma omp for schedule(static) nowait
+    for (int64_t i = 0; i < sa.rows; ++i) bf16_round_row(A + i * lda, sa.cols, a + i * sa.cols);
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < sb.rows; ++i) bf16_round_row(B + i * ldb, sb.cols, b + i * sb.cols);
     omp_set_num_threads(1);  // oneDNN's team: this thread alone
     std::vector<float> dense;  // the tile of C, dense where C's rows are a multiple of 4 KiB apart
 #pragma omp for schedule(dynamic, 1)
@@ -413,8 +444,9 @@ void gemm_bf16_library(GemmShape s, bool ta, const float* A, int64_t lda, bool t
       if (!direct) dense.resize(size_t(part.M * part.N));
       if (!direct && beta != 0.0f)
         for (int64_t y = 0; y < part.M; ++y) std::copy_n(C + (r + y) * ldc + c, part.N, dense.data() + y * part.N);
-      if (!tile_bf16(part, ta, a + (ta ? r : r * lda), lda, tb, b + (tb ? c * ldb : c), ldb,
-                     direct ? C + r * ldc + c : dense.data(), direct ? ldc : part.N, alpha, beta))
+      if (!tile_bf16(part, ta, a + (ta ? r : r * sa.cols), sa.cols, tb, b + (tb ? c * sb.cols : c), sb.cols,
+                     direct ? C + r * ldc + c : dense.data(), direct ? ldc : part.N, alpha, beta,
+                     bias ? bias + c : nullptr))
         refused = true;
       for (int64_t y = 0; !direct && y < part.M; ++y)
         std::copy_n(dense.data() + y * part.N, part.N, C + (r + y) * ldc + c);
@@ -426,17 +458,18 @@ void gemm_bf16_library(GemmShape s, bool ta, const float* A, int64_t lda, bool t
 }  // namespace
 
 void gemm_bf16_on(Bf16Path path, GemmShape s, bool ta, const float* A, int64_t lda, bool tb, const float* B,
-                  int64_t ldb, float* C, int64_t ldc, float alpha, float beta, int threads) {
+                  int64_t ldb, float* C, int64_t ldc, float alpha, float beta, int threads, const float* bias) {
+  check_bias(bias, alpha, beta);
   if (s.M == 0 || s.N == 0) return;
   const int team = threads > 0 ? threads : omp_get_max_threads();
   if (s.K > 0 && (path == Bf16Path::amx || path == Bf16Path::amx_emulated))
-    return gemm_bf16_tiles(bf16_kernel(path), s, ta, A, lda, tb, B, ldb, C, ldc, alpha, beta, team);
-  gemm_bf16_library(s, ta, A, lda, tb, B, ldb, C, ldc, alpha, beta, team);
+    return gemm_bf16_tiles(bf16_kernel(path), s, ta, A, lda, tb, B, ldb, C, ldc, alpha, beta, team, bias);
+  gemm_bf16_library(s, ta, A, lda, tb, B, ldb, C, ldc, alpha, beta, team, bias);
 }
 
 void gemm_bf16(GemmShape s, bool ta, const float* A, int64_t lda, bool tb, const float* B, int64_t ldb, float* C,
-               int64_t ldc, float alpha, float beta, int threads) {
-  gemm_bf16_on(bf16_best_path(), s, ta, A, lda, tb, B, ldb, C, ldc, alpha, beta, threads);
+               int64_t ldc, float alpha, float beta, int threads, const float* bias) {
+  gemm_bf16_on(bf16_best_path(), s, ta, A, lda, tb, B, ldb, C, ldc, alpha, beta, threads, bias);
 }
 
 int64_t gemm_min_tile() {

@@ -34,12 +34,17 @@ void gemm(GemmShape s, bool transpose_a, const T* A, int64_t lda, bool transpose
 // CPU has it), or, where oneDNN has no bfloat16 matmul for the CPU, sgemm
 // on the rounded values (their products are exact in float32). Same tiles
 // as gemm: the same bits for any thread count.
+// `bias` (N floats; nullptr: none) is added to every row of the product,
+// C = op(A)·op(B) + bias, in the pass that writes each tile (alpha 1 and
+// beta 0 only): a linear layer's output without a pass of its own.
 void gemm_bf16(GemmShape s, bool transpose_a, const float* A, int64_t lda, bool transpose_b, const float* B,
-               int64_t ldb, float* C, int64_t ldc, float alpha = 1.0f, float beta = 0.0f, int threads = 0);
+               int64_t ldb, float* C, int64_t ldc, float alpha = 1.0f, float beta = 0.0f, int threads = 0,
+               const float* bias = nullptr);
 // gemm_bf16 on a given path (tests): amx and amx_emulated take the tiles,
 // the others the library route.
 void gemm_bf16_on(Bf16Path path, GemmShape s, bool transpose_a, const float* A, int64_t lda, bool transpose_b,
-                  const float* B, int64_t ldb, float* C, int64_t ldc, float alpha, float beta, int threads);
+                  const float* B, int64_t ldb, float* C, int64_t ldc, float alpha, float beta, int threads,
+                  const float* bias = nullptr);
 // gemm, or gemm_bf16 when `bf16` (float only; double ignores it).
 template <class T>
 void gemm_as(bool bf16, GemmShape s, bool transpose_a, const T* A, int64_t lda, bool transpose_b, const T* B,
