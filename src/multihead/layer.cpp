@@ -29,7 +29,10 @@
 // attention reads again and again (dY, Y) and accumulates (dQ): it splits
 // dY and Y, and merges dq, dk, dv back into the GEMM layout, where dW and
 // dx are one product each. Each split or merge is one pass over a buffer
-// the GEMMs read or write anyway.
+// the GEMMs read or write anyway. The bfloat16 forward makes no split: its
+// attention copies q, k, v into its own layouts, so it reads the strided
+// heads once (its backward, tried on strided dY, Y and dQ, ran slower: the
+// splits and the merge stay there).
 //
 // Construction, initialisation and the parameters by name are in
 // params.cpp; the steps forward, backward and decode share (dense
@@ -209,7 +212,8 @@ void MultiheadAttention<T>::forward(const MhaArgs<T>& a, const MhaOutputs<T>& o,
 
   // [q | k | v] = x·Wᵀ: one product for a packed self-attention (the three
   // weight blocks are consecutive rows of in_proj_weight), else three; then
-  // + b and the split into dense heads.
+  // + b and the split into dense heads (bfloat16 products: the GEMMs add b,
+  // and the heads stay in their layout, MhaSaved::heads_in_packed).
   const int64_t HE = H * E, HEv = H * Ev, proj_size = B * L * HE + B * S * (HE + HEv);
   const bool bf16 = opt.sdpa.compute_dtype == Dtype::bfloat16;  // the projections' products too
   st.heads_in_packed = bf16 && std::is_same_v<T, float>;  // (project's layouts)
