@@ -6,6 +6,7 @@
 // which read float16 .npy files, need no SIMD code).
 #include "attn/half.hpp"
 
+#include <algorithm>
 #include <string>
 
 #include "kernels/decode/decode.hpp"
@@ -78,6 +79,46 @@ const char* dtype_name(Dtype t) { return detail::name_of(kDtypes, t); }
 
 Dtype parse_dtype(std::string_view name) { return detail::Checker{"parse_dtype"}.parse(kDtypes, name, "dtype"); }
 
+// Bulk conversions (attn/half.hpp): blocks of 2^14 values, each block one
+// call of the KV cache's row conversions below, on the calling thread below
+// 2^16 values.
+namespace {
+template <class F>
+void convert_blocks(const char* fn, const void* src, int64_t n, const void* dst, size_t src_size,
+                    size_t dst_size, int num_threads, const F& block) {
+  const detail::Checker c{fn};
+  const int threads = c.threads(num_threads);
+  if (n < 0) c.fail("argument 'n' is " + std::to_string(n) + ", expected n >= 0");
+  if (n == 0) return;
+  if (!src) c.fail("argument 'src' is null");
+  if (!dst) c.fail("argument 'dst' is null");
+  const auto s = reinterpret_cast<uintptr_t>(src), d = reinterpret_cast<uintptr_t>(dst);
+  if (uint64_t(n) > UINTPTR_MAX / 8 || (s < d + uintptr_t(n) * dst_size && d < s + uintptr_t(n) * src_size))
+    c.fail("arguments 'src' and 'dst' overlap");
+  constexpr int64_t kBlock = int64_t(1) << 14;
+  const int64_t blocks = (n + kBlock - 1) / kBlock;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && n >= (int64_t(1) << 16))
+  for (int64_t b = 0; b < blocks; ++b) block(b * kBlock, std::min(kBlock, n - b * kBlock));
+}
+}  // namespace
+
+void to_float(const float16_t* src, int64_t n, float* dst, int num_threads) {
+  convert_blocks("to_float", src, n, dst, 2, 4, num_threads,
+                 [&](int64_t i, int64_t m) { detail::convert_from_storage(Dtype::float16, src + i, m, dst + i); });
+}
+void to_float(const bfloat16_t* src, int64_t n, float* dst, int num_threads) {
+  convert_blocks("to_float", src, n, dst, 2, 4, num_threads,
+                 [&](int64_t i, int64_t m) { detail::convert_from_storage(Dtype::bfloat16, src + i, m, dst + i); });
+}
+void from_float(const float* src, int64_t n, float16_t* dst, int num_threads) {
+  convert_blocks("from_float", src, n, dst, 4, 2, num_threads,
+                 [&](int64_t i, int64_t m) { detail::convert_to_storage(Dtype::float16, src + i, 1, m, dst + i); });
+}
+void from_float(const float* src, int64_t n, bfloat16_t* dst, int num_threads) {
+  convert_blocks("from_float", src, n, dst, 4, 2, num_threads,
+                 [&](int64_t i, int64_t m) { detail::convert_to_storage(Dtype::bfloat16, src + i, 1, m, dst + i); });
+}
+
 namespace detail {
 
 // The KV cache's rows (kernels/decode/decode.hpp): the half types' rounding
@@ -97,7 +138,10 @@ void convert_to_storage(Dtype t, const float* x, int64_t stride, int64_t n, void
     }
     case Dtype::bfloat16: {
       uint16_t* y = static_cast<uint16_t*>(dst);
-      for (int64_t i = 0; i < n; ++i) y[i] = attn::bfloat16_t(x[i * stride]).bits;
+      if (stride == 1)  // (the loop the compiler vectorises: bfloat16_t(x) is bf16_round of x's bits)
+        for (int64_t i = 0; i < n; ++i) y[i] = bf16_round(bits_of(x[i]));
+      else
+        for (int64_t i = 0; i < n; ++i) y[i] = attn::bfloat16_t(x[i * stride]).bits;
       return;
     }
   }

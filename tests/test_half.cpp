@@ -9,9 +9,13 @@
 // conversions themselves.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <iterator>
 #include <random>
+#include <string>
+#include <vector>
 
 #include "sdpa_case.hpp"
 #include "validate.hpp"
@@ -90,6 +94,64 @@ TEST(HalfTypes, AgreeWithTheKVCacheStorage) {
     for (size_t i = 0; i < x.size(); ++i)
       ASSERT_EQ(k[i], t == Dtype::float16 ? float(float16_t(x[i])) : float(bfloat16_t(x[i]))) << i;
   }
+}
+
+// The bulk conversions give the scalar conversions' bits, element by element
+// (random values over the whole range, ties, subnormals, ±∞, NaN), across
+// block edges and unaligned starts, the same for 1, 2 and 3 threads; bad
+// arguments are refused by name.
+// f() throws attn::InvalidArgument whose message contains `what`.
+template <class F>
+void expect_invalid(const F& f, const std::string& what) {
+  try {
+    f();
+    ADD_FAILURE() << "accepted; expected an error naming " << what;
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+  }
+}
+
+template <class Hf>
+void bulk_conversions_match_scalar() {
+  std::mt19937_64 rng(11);
+  std::uniform_int_distribution<uint32_t> bits;
+  const int64_t n = 70001;  // past the parallel threshold, and not a whole number of blocks
+  std::vector<float> x(size_t(n) + 1);
+  for (float& v : x) {
+    const uint32_t b = bits(rng);
+    std::memcpy(&v, &b, 4);
+  }
+  const float special[] = {0.0f, -0.0f, 1.0f + 0x1p-8f, 1.0f + 0x1p-9f, 65504.0f, 65520.0f, 0x1p-140f, -0x1p-20f,
+                           INFINITY, -INFINITY, NAN, -NAN};
+  std::copy(std::begin(special), std::end(special), x.begin() + 3);
+  std::vector<Hf> h(x.size()), h2(x.size());
+  std::vector<float> w(x.size()), w2(x.size());
+  from_float(x.data() + 1, n, h.data() + 1, 2);  // unaligned starts
+  to_float(h.data() + 1, n, w.data() + 1, 2);
+  for (int64_t i = 1; i <= n; ++i) {
+    ASSERT_EQ(h[size_t(i)].bits, Hf(x[size_t(i)]).bits) << i;
+    const float want = float(h[size_t(i)]);
+    ASSERT_EQ(std::memcmp(&w[size_t(i)], &want, 4), 0) << i;
+  }
+  for (int threads : {1, 3}) {
+    from_float(x.data() + 1, n, h2.data() + 1, threads);
+    to_float(h.data() + 1, n, w2.data() + 1, threads);
+    ASSERT_EQ(std::memcmp(h2.data(), h.data(), h.size() * 2), 0) << threads;
+    ASSERT_EQ(std::memcmp(w2.data(), w.data(), w.size() * 4), 0) << threads;
+  }
+  expect_invalid([&] { from_float(x.data(), -1, h.data()); }, "'n'");
+  expect_invalid([&] { from_float(nullptr, 4, h.data()); }, "'src'");
+  expect_invalid([&] { to_float(h.data(), 4, nullptr); }, "'dst'");
+  expect_invalid([&] { to_float(h.data(), 4, w.data(), -1); }, "num_threads");
+  // float32 values over their own bits, and half values inside the float32 buffer they widen into.
+  expect_invalid([&] { from_float(x.data(), 4, reinterpret_cast<Hf*>(x.data() + 1)); }, "overlap");
+  expect_invalid([&] { to_float(reinterpret_cast<const Hf*>(w.data() + 3), 4, w.data()); }, "overlap");
+  from_float(x.data(), 0, static_cast<Hf*>(nullptr));  // nothing to do
+}
+
+TEST(HalfTypes, BulkConversionsGiveTheScalarBits) {
+  bulk_conversions_match_scalar<float16_t>();
+  bulk_conversions_match_scalar<bfloat16_t>();
 }
 
 // ---- a half case: the float32 case rounded, and the same values in Hf ---------

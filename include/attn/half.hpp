@@ -56,6 +56,16 @@ template <> float16_t::operator float() const;
 template <> bfloat16_t::Half16(float x);
 template <> bfloat16_t::operator float() const;
 
+// The same conversions over n contiguous values: dst[i] = float(src[i])
+// (exact), or the half type of src[i] (rounded as above). On num_threads
+// OpenMP threads (0: OpenMP's default) from 2^16 values on; the same bits
+// for any count. src and dst must not overlap. Throws attn::InvalidArgument
+// naming the argument (n < 0, a null pointer, overlap, num_threads).
+void to_float(const float16_t* src, int64_t n, float* dst, int num_threads = 0);
+void to_float(const bfloat16_t* src, int64_t n, float* dst, int num_threads = 0);
+void from_float(const float* src, int64_t n, float16_t* dst, int num_threads = 0);
+void from_float(const float* src, int64_t n, bfloat16_t* dst, int num_threads = 0);
+
 static_assert(sizeof(float16_t) == 2 && sizeof(bfloat16_t) == 2, "the half types are 16 bits wide");
 
 // Whether T is one of the two half storage types.

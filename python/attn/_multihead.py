@@ -95,6 +95,11 @@ def _input(x: Any, fn: str, name: str, dtype: np.dtype) -> np.ndarray:
             raise ValueError(f"{fn}: '{name}' has dtype {got}, expected bfloat16 (the layer's dtype; a torch "
                              "bfloat16 tensor or an ml_dtypes.bfloat16 array; or construct the layer with "
                              "dtype=float32)")
+        bits = _bf16_bits(x, fn, name)
+        if bits is not None:  # widened by the library, on its threads
+            wide = np.empty(bits.shape, np.float32)
+            _attn.to_float_bf16(bits, wide)
+            return wide
         return float_array(widen_half(x), fn, name)
     a = float_array(x, fn, name)
     if a.dtype != dtype:
@@ -103,11 +108,25 @@ def _input(x: Any, fn: str, name: str, dtype: np.dtype) -> np.ndarray:
     return a
 
 
+def _bf16_bits(x: Any, fn: str, name: str) -> Optional[np.ndarray]:
+    """The uint16 bits of a C-contiguous torch.bfloat16 tensor or
+    ml_dtypes.bfloat16 array (same memory); None for any other layout."""
+    bits = to_numpy(x, fn, name, half=True)
+    if bits.dtype != np.uint16:
+        bits = bits.view(np.uint16)
+    return bits if bits.flags.c_contiguous else None
+
+
 def _as_dtype(a: Optional[np.ndarray], dtype: np.dtype, torch_out: bool) -> Any:
     """A float32 or float64 result in the layer's dtype (bfloat16: rounded to
-    nearest even), as a torch tensor when `torch_out`."""
+    nearest even by the library, on its threads), as a torch tensor when
+    `torch_out`."""
     if a is None:
         return None
+    if _is_bf16(dtype):
+        bits = np.empty(a.shape, np.uint16)
+        _attn.from_float_bf16(np.ascontiguousarray(a, np.float32), bits)
+        return _torch().from_numpy(bits.view(np.int16)).view(_torch().bfloat16) if torch_out else bits.view(dtype)
     if torch_out:
         t = _torch().from_numpy(a)
         return t.to(_torch().bfloat16) if _is_bf16(dtype) else t

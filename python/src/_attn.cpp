@@ -547,9 +547,24 @@ void bind_decode(nb::module_& m) {
       "v (B, Hkv, n, Ev), the new tokens are appended first (nothing changes when the call is refused).");
 }
 
+// A C-contiguous array of any rank (bfloat16 as its uint16 bits, above).
+template <class T>
+using Arr1 = nb::ndarray<T, nb::c_contig, nb::device::cpu>;
+
+// dst = f(src) over arrays of as many elements, the GIL released meanwhile.
+template <class S, class D>
+void bulk_convert(const Arr1<const S>& src, const Arr1<D>& dst, void (*f)(const S*, int64_t, D*, int)) {
+  if (src.size() != dst.size())
+    throw attn::InvalidArgument("attn: argument 'dst' has " + std::to_string(dst.size()) +
+                                " elements, expected as many as 'src' (" + std::to_string(src.size()) + ")");
+  nb::gil_scoped_release unlocked;
+  f(src.data(), int64_t(src.size()), dst.data(), 0);
+}
+
 }  // namespace
 
 NB_MODULE(_attn, m) {
+  using namespace nb::literals;
   m.doc() = "Low-level bindings of libattn; use the functions of the attn package instead.";
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {
     try {
@@ -576,6 +591,16 @@ NB_MODULE(_attn, m) {
   bind_multihead<float>(m, "MultiheadAttentionF32", "MhaSavedF32");
   bind_multihead<double>(m, "MultiheadAttentionF64", "MhaSavedF64");
   bind_decode(m);
+  // The bulk bfloat16 conversions (attn/half.hpp), for the bfloat16 layer's
+  // inputs and outputs (bulk_convert).
+  m.def(
+      "to_float_bf16",
+      [](Arr1<const attn::bfloat16_t> src, Arr1<float> dst) { bulk_convert(src, dst, attn::to_float); },
+      "src"_a.noconvert(), "dst"_a.noconvert(), "dst = src (bfloat16 bits) widened to float32, exactly.");
+  m.def(
+      "from_float_bf16",
+      [](Arr1<const float> src, Arr1<attn::bfloat16_t> dst) { bulk_convert(src, dst, attn::from_float); },
+      "src"_a.noconvert(), "dst"_a.noconvert(), "dst = src (float32) rounded to bfloat16 bits, nearest even.");
   m.def(
       "parse_backend", [](const std::string& name) { return std::string(attn::backend_name(attn::parse_backend(name))); },
       nb::arg("name"), "Validates a backend name; returns it, or raises ValueError.");

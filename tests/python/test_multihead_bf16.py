@@ -128,6 +128,41 @@ def test_errors_name_the_argument():
         attn.MultiheadAttention(8, 2, dtype=np.float16)
 
 
+def test_edge_conversions_are_torchs_and_ml_dtypes():
+    """The layer's edges (the library's bulk conversions): widening is exact
+    and rounding gives torch's and ml_dtypes' bits on finite values (random
+    over the range, ties, subnormals, the largest values, ±inf), NaN stays
+    NaN; a bfloat16 input in any layout gives the contiguous copy's result."""
+    torch = pytest.importorskip("torch")
+    from attn import _attn
+
+    rng = np.random.default_rng(5)
+    x = rng.integers(0, 2**32, 100003, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    x = np.where(np.isnan(x), np.float32(1.5), x)
+    special = np.array([0.0, -0.0, 1 + 2.0**-8, 1 + 3 * 2.0**-8, 1 + 2.0**-9, 2.0**-130, -(2.0**-140),
+                        3.38953139e38, -3.4e38, np.inf, -np.inf], np.float32)
+    x[:special.size] = special
+    bits = np.empty(x.shape, np.uint16)
+    _attn.from_float_bf16(x, bits)
+    assert np.array_equal(bits, torch.from_numpy(x).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16))
+    assert np.array_equal(bits, x.astype(BF16).view(np.uint16))
+    wide = np.empty(x.shape, np.float32)
+    bits.setflags(write=False)  # (read-only sources are taken)
+    _attn.to_float_bf16(bits, wide)
+    assert np.array_equal(wide.view(np.uint32), bits.astype(np.uint32) << 16)
+    nan = np.empty(2, np.uint16)
+    _attn.from_float_bf16(np.array([np.nan, -np.nan], np.float32), nan)
+    assert np.isnan(nan.view(BF16).astype(np.float32)).all()
+    with pytest.raises(ValueError, match="argument 'dst' has 3 elements"):
+        _attn.from_float_bf16(x[:4], np.empty(3, np.uint16))
+
+    layer = attn.MultiheadAttention(16, 2, batch_first=True, dtype=torch.bfloat16, seed=1)
+    xs = torch.randn(5, 3, 16).to(torch.bfloat16).transpose(0, 1)  # (3, 5, 16), not contiguous
+    y, _ = layer(xs, xs, xs, need_weights=False)
+    yc, _ = layer(xs.contiguous(), xs.contiguous(), xs.contiguous(), need_weights=False)
+    assert y.dtype == torch.bfloat16 and torch.equal(y.view(torch.int16), yc.view(torch.int16))
+
+
 def test_at_least_as_accurate_as_torch_bfloat16_layer():
     """Against the float64 layer on the same bfloat16 parameters and inputs:
     the median error (relative to the largest value) of the output, the input
