@@ -128,8 +128,7 @@ def _as_dtype(a: Optional[np.ndarray], dtype: np.dtype, torch_out: bool) -> Any:
         _attn.from_float_bf16(np.ascontiguousarray(a, np.float32), bits)
         return _torch().from_numpy(bits.view(np.int16)).view(_torch().bfloat16) if torch_out else bits.view(dtype)
     if torch_out:
-        t = _torch().from_numpy(a)
-        return t.to(_torch().bfloat16) if _is_bf16(dtype) else t
+        return _torch().from_numpy(a)
     return a.astype(dtype) if a.dtype != dtype else a
 
 
