@@ -57,15 +57,13 @@
 //    on AVX-512, a shift elsewhere; portable code on other targets); the
 //    data never exists as float32 in memory. A bfloat16 value row is read
 //    as 32-bit feature pairs, a shift giving the even and an AND the odd
-//    features (no shuffle), so its accumulators hold each block of
-//    2·Lanes features even first, then odd, until Finalize writes them
-//    (EvenOddPosition, vectors-inl.h). The products and their order are
-//    those of the float32 kernel on the widened values, so a
-//    half-precision cache gives the float32 call's result on the rounded
-//    values, bit for bit. Queries
-//    stay float32: products are float32 × (exactly widened) stored values,
-//    the contract "exact for the stored precision"; a native bf16 dot
-//    (vdpbf16ps) would round q, so every target widens (docs/decode.md).
+//    features (no shuffle), so its accumulators hold each block of 2·Lanes features even first,
+//    then odd, until Finalize writes them in order (EvenOddPosition, BlockOrder: vectors-inl.h).
+//    The products and their order are those of the float32 kernel on the widened values, so a
+//    half-precision cache gives the float32 call's result on the rounded values, bit for bit.
+//    Queries stay float32: products are float32 × (exactly widened) stored values, the contract
+//    "exact for the stored precision"; a native bf16 dot (vdpbf16ps) would round q, so every
+//    target widens (docs/decode.md).
 //  * bfloat16 compute (p.bf16_products: compute_dtype bfloat16): the same
 //    tiles, chunks, softmax and merges; the two products take bfloat16
 //    operands instead (decode/bf16.hpp: q rounded once per block, K and V
@@ -521,6 +519,7 @@ void Finalize(const Call& c, const Unit& u, const float* acc, const os::State<fl
   const DF d;
   const int64_t G = p.group(), se = c.out.strides[3], N = Lanes();
   const float qnan = std::numeric_limits<float>::quiet_NaN();
+  const BlockOrder order(c.pair_layout);
   for (int64_t r = 0; r < u.nm; ++r) {
     const int64_t m = u.m0 + r, i = m / G, h = u.hk * G + m % G;
     const os::Final<float> f = os::finalize<os::Base2>(st[r]);
@@ -531,7 +530,8 @@ void Finalize(const Call& c, const Unit& u, const float* acc, const os::State<fl
     float* dst = &c.out(u.b, h, i, 0);
     int64_t e = 0;
     if (c.pair_layout || c.even_odd)  // the features in the AVX512_BF16 products' order (bf16.hpp), or even/odd
-      for (; e < p.Ev; ++e) dst[e * se] = o[c.pair_layout ? decode_pair_position(e) : EvenOddPosition(e, p.Ev)] * inv;
+      for (e = se == 1 ? order.Write(o, p.Ev, inv, dst) : 0; e < p.Ev; ++e)
+        dst[e * se] = o[c.pair_layout ? decode_pair_position(e) : EvenOddPosition(e, p.Ev)] * inv;
     if (se == 1)
       for (const VF vinv = hn::Set(d, inv); e + N <= p.Ev; e += N)
         hn::StoreU(hn::Mul(hn::Load(d, o + e), vinv), d, dst + e);
