@@ -123,7 +123,10 @@ int Checker::threads(int requested, const char* name) const {
     fail(std::string("option '") + name + "' is " + std::to_string(requested) + ", expected 0 (the default) to " +
          std::to_string(kMaxThreads));
   if (requested == 0) return std::max(1, omp_get_max_threads());
-  return std::min(requested, std::max(1, 4 * omp_get_num_procs()));
+  // The processors this process may run on, asked once (a system call, a
+  // twentieth of a decode call over a few keys).
+  static const int procs = std::max(1, omp_get_num_procs());
+  return std::min(requested, 4 * procs);
 }
 
 }  // namespace attn::detail
