@@ -121,6 +121,46 @@ void from_float(const float* src, int64_t n, bfloat16_t* dst, int num_threads) {
 
 namespace detail {
 
+// The contiguous bfloat16 rows of the bulk conversions and the cache's
+// appends and reads: the scalar arithmetic in loops the compiler vectorises,
+// compiled for the baseline and, on x86, once more for AVX-512 (16 lanes
+// where the baseline has 4; the same integer operations, so the same bits):
+// rounding 2^18 values took 85 µs on one Zen 4 core with the baseline loop.
+namespace {
+[[gnu::always_inline]] inline void round_loop(const float* x, int64_t n, uint16_t* y) {
+  for (int64_t i = 0; i < n; ++i) y[i] = bf16_round(bits_of(x[i]));
+}
+[[gnu::always_inline]] inline void widen_loop(const uint16_t* h, int64_t n, float* y) {
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t b = uint32_t(h[i]) << 16;
+    std::memcpy(y + i, &b, 4);
+  }
+}
+void round_rows(const float* x, int64_t n, uint16_t* y) { round_loop(x, n, y); }
+void widen_rows(const uint16_t* h, int64_t n, float* y) { widen_loop(h, n, y); }
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define ATTN_HALF_WIDE [[gnu::target("avx512f,avx512bw")]]
+bool cpu_wide() { return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw"); }
+#else
+#define ATTN_HALF_WIDE
+bool cpu_wide() { return false; }
+#endif
+ATTN_HALF_WIDE void round_rows_wide(const float* x, int64_t n, uint16_t* y) { round_loop(x, n, y); }
+ATTN_HALF_WIDE void widen_rows_wide(const uint16_t* h, int64_t n, float* y) { widen_loop(h, n, y); }
+#undef ATTN_HALF_WIDE
+}  // namespace
+
+bool bf16_rows_wide() {
+  static const bool yes = cpu_wide();
+  return yes;
+}
+void bf16_round_rows(const float* x, int64_t n, uint16_t* y, bool wide) {
+  (wide && bf16_rows_wide() ? round_rows_wide : round_rows)(x, n, y);
+}
+void bf16_widen_rows(const uint16_t* h, int64_t n, float* y, bool wide) {
+  (wide && bf16_rows_wide() ? widen_rows_wide : widen_rows)(h, n, y);
+}
+
 // The KV cache's rows (kernels/decode/decode.hpp): the half types' rounding
 // above on the way in; exact widening on the way out (the decode kernel's
 // vector widening, convert_from_storage, gives the same bits).
@@ -138,8 +178,8 @@ void convert_to_storage(Dtype t, const float* x, int64_t stride, int64_t n, void
     }
     case Dtype::bfloat16: {
       uint16_t* y = static_cast<uint16_t*>(dst);
-      if (stride == 1)  // (the loop the compiler vectorises: bfloat16_t(x) is bf16_round of x's bits)
-        for (int64_t i = 0; i < n; ++i) y[i] = bf16_round(bits_of(x[i]));
+      if (stride == 1)  // (bfloat16_t(x) is bf16_round of x's bits)
+        bf16_round_rows(x, n, y, true);
       else
         for (int64_t i = 0; i < n; ++i) y[i] = attn::bfloat16_t(x[i * stride]).bits;
       return;
@@ -155,14 +195,8 @@ void widen_from_storage(Dtype t, const void* src, int64_t n, float* y) {
     case Dtype::float16:
       for (int64_t i = 0; i < n; ++i) y[i] = float16_t::from_bits(static_cast<const uint16_t*>(src)[i]);
       return;
-    case Dtype::bfloat16: {  // the bits moved up (bfloat16_t's float(), in a loop the compiler vectorises)
-      const auto* h = static_cast<const uint16_t*>(src);
-      for (int64_t i = 0; i < n; ++i) {
-        const uint32_t b = uint32_t(h[i]) << 16;
-        std::memcpy(y + i, &b, 4);
-      }
-      return;
-    }
+    case Dtype::bfloat16:  // the bits moved up (bfloat16_t's float())
+      return bf16_widen_rows(static_cast<const uint16_t*>(src), n, y, true);
   }
 }
 

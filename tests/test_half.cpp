@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "sdpa_case.hpp"
+#include "kernels/decode/decode.hpp"
 #include "validate.hpp"
 
 namespace {
@@ -152,6 +153,40 @@ void bulk_conversions_match_scalar() {
 TEST(HalfTypes, BulkConversionsGiveTheScalarBits) {
   bulk_conversions_match_scalar<float16_t>();
   bulk_conversions_match_scalar<bfloat16_t>();
+}
+
+// The bfloat16 rows' two loops (the baseline one, and the AVX-512 one where
+// the CPU runs it) give the scalar conversions' bits, at every length and
+// start around a vector's width.
+TEST(HalfTypes, BfloatRowsGiveTheScalarBitsOnBothLoops) {
+  std::mt19937_64 rng(12);
+  std::uniform_int_distribution<uint32_t> bits;
+  std::vector<float> x(4099);
+  for (float& v : x) {
+    const uint32_t b = bits(rng);
+    std::memcpy(&v, &b, 4);
+  }
+  const float special[] = {0.0f, -0.0f, 1.0f + 0x1p-8f, 1.0f + 0x1p-9f, 1.0f + 3 * 0x1p-9f, 0x1p-140f, -0x1p-130f,
+                           0x1.fffffep127f, INFINITY, -INFINITY, NAN, -NAN};
+  std::copy(std::begin(special), std::end(special), x.begin() + 5);
+  std::vector<bool> loops{false};
+  if (detail::bf16_rows_wide()) loops.push_back(true);
+  RecordProperty("avx512_loop", detail::bf16_rows_wide() ? "ran" : "not on this CPU");
+  for (bool wide : loops)
+    for (int64_t start : {0, 1, 7})
+      for (int64_t n : {int64_t(0), int64_t(1), int64_t(15), int64_t(16), int64_t(17), int64_t(63), int64_t(4090)}) {
+        std::vector<uint16_t> h(size_t(n) + 1, 0xABCD);
+        std::vector<float> w(size_t(n) + 1, 7.0f);
+        detail::bf16_round_rows(x.data() + start, n, h.data(), wide);
+        detail::bf16_widen_rows(h.data(), n, w.data(), wide);
+        for (int64_t i = 0; i < n; ++i) {
+          ASSERT_EQ(h[size_t(i)], bfloat16_t(x[size_t(start + i)]).bits) << wide << " " << start << " " << i;
+          const float want = float(bfloat16_t::from_bits(h[size_t(i)]));
+          ASSERT_EQ(std::memcmp(&w[size_t(i)], &want, 4), 0) << wide << " " << start << " " << i;
+        }
+        EXPECT_EQ(h[size_t(n)], 0xABCD) << "wrote past n";
+        EXPECT_EQ(w[size_t(n)], 7.0f) << "wrote past n";
+      }
 }
 
 // ---- a half case: the float32 case rounded, and the same values in Hf ---------

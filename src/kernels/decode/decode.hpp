@@ -107,6 +107,12 @@ const char* decode_target_name();
 void convert_to_storage(Dtype t, const float* x, int64_t stride, int64_t n, void* dst);
 void widen_from_storage(Dtype t, const void* src, int64_t n, float* y);
 void convert_from_storage(Dtype t, const void* src, int64_t n, float* y);
+// The contiguous bfloat16 rows of the two plain ones (src/half.cpp): with
+// `wide`, the AVX-512 copy of the loop where bf16_rows_wide() says the CPU
+// runs it (the same bits; tests run both).
+bool bf16_rows_wide();
+void bf16_round_rows(const float* x, int64_t n, uint16_t* y, bool wide);
+void bf16_widen_rows(const uint16_t* h, int64_t n, float* y, bool wide);
 
 // The cache's storage as the kernel reads it.
 // The decode call holds the cache's shared lock for the whole call (lock)
