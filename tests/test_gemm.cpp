@@ -110,7 +110,9 @@ TEST(Gemm, BitwiseIdenticalForAnyThreadCount) {
 // The tiling rule, for both tile sizes the CPU may ask for: the tiles cover
 // C; small products are one tile; a side is halved (to a multiple of 16)
 // only while the tile stays as large as a min_tile square (1/rows + 1/cols
-// <= 2/min_tile), into at most 16 tiles; the layer's products are cut
+// <= 2/min_tile), into at most 16 tiles, except that a product with two
+// tiles' work is cut in two while the sides stay at least half a min_tile;
+// the layer's products are cut
 // finely enough to share among several threads.
 TEST(Gemm, TilesFollowTheRule) {
   const int64_t cpu = attn::detail::gemm_min_tile();
@@ -125,8 +127,13 @@ TEST(Gemm, TilesFollowTheRule) {
       EXPECT_GE(t.rows, 1) << what;
       EXPECT_GE(t.cols, 1) << what;
       EXPECT_LE(t.count(s), 16) << what;
-      if (t.count(s) > 1) {
+      if (t.count(s) > 2) {
         EXPECT_LE(1.0 / double(t.rows) + 1.0 / double(t.cols), 2.0 / double(min_tile)) << what;
+      }
+      if (t.count(s) == 2) {  // a product too small to halve by the rule, but with two tiles' work
+        EXPECT_GE(2 * std::min(t.rows, t.cols), min_tile) << what;
+      }
+      if (t.count(s) > 1) {
         EXPECT_GE(2.0 * double(s.M) * double(s.N) * double(s.K) / double(t.count(s)), double(1 << 24)) << what;
       }
       if (t.rows < s.M) {
@@ -143,6 +150,9 @@ TEST(Gemm, TilesFollowTheRule) {
   EXPECT_EQ(gemm_tiles({4096, 1536, 512}, 640).count({4096, 1536, 512}), 8);   // 1024 x 768
   EXPECT_EQ(gemm_tiles({1024, 1024, 4096}, 640).count({1024, 1024, 4096}), 2);  // 512 x 1024
   EXPECT_EQ(gemm_tiles({512, 512, 4096}, 640).count({512, 512, 4096}), 1);
+  // The smallest layer's weight gradients (D = 256, 1024 rows): two tiles, not one.
+  EXPECT_EQ(gemm_tiles({256, 256, 1024}, 256).count({256, 256, 1024}), 2);
+  EXPECT_EQ(gemm_tiles({256, 256, 1024}, 640).count({256, 256, 1024}), 1);
 }
 
 }  // namespace

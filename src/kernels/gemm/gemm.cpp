@@ -89,6 +89,8 @@ GemmTiles gemm_tiles(GemmShape s, int64_t min_tile) {
       t = longer;
     else if (fits(shorter, t))
       t = shorter;
+    else if (n == 1 && 2 * std::min(longer.rows, longer.cols) >= min_tile)
+      return longer;  // two tiles' work in two, sides down to half the minimum (one would leave a thread idle)
     else
       return t;
   }
