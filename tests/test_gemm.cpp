@@ -112,8 +112,7 @@ TEST(Gemm, BitwiseIdenticalForAnyThreadCount) {
 // only while the tile stays as large as a min_tile square (1/rows + 1/cols
 // <= 2/min_tile), into at most 16 tiles, except that a product with two
 // tiles' work is cut in two while the sides stay at least half a min_tile;
-// the layer's products are cut
-// finely enough to share among several threads.
+// the layer's products are cut finely enough to share among several threads.
 TEST(Gemm, TilesFollowTheRule) {
   const int64_t cpu = attn::detail::gemm_min_tile();
   EXPECT_TRUE(cpu == 256 || cpu == 640) << cpu;

@@ -22,6 +22,9 @@
 // whole product. At most 16 tiles of at least 256×256 kept that loss to
 // about 7% of one core's GFLOP per CPU-second on the layer's products with
 // the AVX-512 kernels (Zen 4, one thread; 32 tiles of 128 and more lost 9%).
+// One exception: a product with two tiles' work that the rule would leave
+// whole is cut in two, sides down to half the minimum (the smallest layer's
+// 256 × 256 × 1024 weight gradient ran on one of two threads).
 // Its AVX2 kernels need larger tiles (gemm_min_tile): below about 526×526
 // oneDNN switches them to kernels that do not pack, which ran the layer's
 // long-K products at a third of the speed.
