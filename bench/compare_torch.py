@@ -23,8 +23,9 @@ E = Ev (64 by default), --modes fwd,fwdbwd.
 Layer mode (--layer): attn.MultiheadAttention against
 torch.nn.MultiheadAttention through both Python front ends (batch_first,
 float32, self-attention, the same weights: attn loads torch's state_dict),
-forward (torch under no_grad) and forward+backward (torch autograd; attn's
-layer backward). The two are timed alternately, one call each per round, so
+forward (both under torch.no_grad(), so neither layer keeps state for a
+backward) and forward+backward (torch autograd; attn's layer backward). The
+two are timed alternately, one call each per round, so
 load changes hit both; the outputs and input gradients are compared first.
 --layer-dtype bfloat16: torch's layer and inputs in bfloat16 against attn's
 float32 layer with compute_dtype="bfloat16" (bfloat16 operands, float32 sums).
@@ -455,8 +456,9 @@ def layer_rows(torch, attn, shapes, threads, reps, dtype="float32"):
             y, _ = ref(xx, xx, xx, need_weights=False)
             y.backward(doutt)
 
-        def attn_fwd():
-            mine(x, x, x, need_weights=False)
+        def attn_fwd():  # inference, as torch's: nothing kept for a backward
+            with torch.no_grad():
+                mine(x, x, x, need_weights=False)
 
         def attn_fwdbwd():
             mine(x, x, x, need_weights=False)

@@ -14,11 +14,13 @@ module's autograd graph would; backward(grad_output) turns it into input
 gradients and adds the parameter gradients to grads(). Attention dropout, as
 in torch.nn.MultiheadAttention, acts in training mode only (train()/eval(),
 training); the cache keeps the call's dropout seed, so backward() drops the
-same weights the forward did.
+same weights the forward did. Under torch.no_grad() or torch.inference_mode()
+forward() saves nothing, as torch's layer keeps no graph there.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 from typing import Any, Dict, Optional, Tuple
 
@@ -36,6 +38,13 @@ def _torch() -> Any:
     import torch  # present: a torch tensor came in
 
     return torch
+
+
+def _grad_enabled() -> bool:
+    """False under torch.no_grad() or torch.inference_mode() (torch imported),
+    else True."""
+    torch = sys.modules.get("torch")
+    return torch is None or bool(torch.is_grad_enabled())
 
 
 def _canon_mask(x: Any, fn: str, name: str, dtype: np.dtype) -> Optional[np.ndarray]:
@@ -214,7 +223,8 @@ class MultiheadAttention:
     `out, _ = mha(x, x, x); grads = mha.backward(dout)` gives the input
     gradients and adds the parameter gradients to mha.grads() (by state_dict
     name; zero_grad() clears them). Update the parameters (load_state_dict)
-    only after backward.
+    only after backward. Under torch.no_grad() or torch.inference_mode() a
+    forward remembers nothing (inference).
     """
 
     def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0, bias: bool = True,
@@ -401,8 +411,16 @@ class MultiheadAttention:
 
         The layer keeps what backward() needs from this call (copies of the
         inputs, projections and masks) until the next forward call or until
-        backward() consumes it.
+        backward() consumes it. Under torch.no_grad() or
+        torch.inference_mode() it keeps nothing (inference: no copies, as
+        torch's layer builds no graph there), and the state of an earlier
+        forward, if any, stays for backward().
         """
+        var = dict(window_size=window_size, softcap=softcap, chunk_size=chunk_size, alibi_slopes=alibi_slopes,
+                   position_offset=position_offset)
+        if not _grad_enabled():
+            return self._forward(query, key, value, key_padding_mask, need_weights, attn_mask,
+                                 average_attn_weights, is_causal, backend, None, var, dropout_seed)
         # A failed call leaves nothing behind to differentiate. The previous
         # call's cache lends its buffers to this one (no new allocation in a
         # training loop), taken under the lock a backward holds while it
@@ -413,14 +431,12 @@ class MultiheadAttention:
                 previous.taken = True
         cache = previous.cache if previous is not None else self._cache_cls()
         return self._forward(query, key, value, key_padding_mask, need_weights, attn_mask,
-                             average_attn_weights, is_causal, backend, cache,
-                             dict(window_size=window_size, softcap=softcap, chunk_size=chunk_size,
-                                  alibi_slopes=alibi_slopes, position_offset=position_offset),
-                             dropout_seed)
+                             average_attn_weights, is_causal, backend, cache, var, dropout_seed)
 
     def _forward(self, query: Any, key: Any, value: Any, key_padding_mask: Any, need_weights: bool,
                  attn_mask: Any, average_attn_weights: bool, is_causal: bool,
                  backend: str, cache: Any, var: Dict[str, Any], dropout_seed: Any) -> Tuple[Any, Optional[Any]]:
+        """forward()'s work; cache None: nothing kept for backward()."""
         fn = _FN + ".forward"
         variants = variant_kwargs(fn, self._float, var["window_size"], widen_half(var["alibi_slopes"]),
                                   var["softcap"], None, var["position_offset"], var["chunk_size"])
@@ -493,8 +509,9 @@ class MultiheadAttention:
         if not batched:
             out_buf = out_buf[0]
             w = None if w is None else w[0]
-        self._saved = _Saved(cache, version, batched, self.batch_first, torch_out, same, out_buf.shape,
-                             in_shapes)
+        if cache is not None:
+            self._saved = _Saved(cache, version, batched, self.batch_first, torch_out, same, out_buf.shape,
+                                 in_shapes)
         return _as_dtype(out_buf, self.dtype, torch_out), _as_dtype(w, self.dtype, torch_out)
 
     __call__ = forward
@@ -586,7 +603,8 @@ class MultiheadAttention:
         if saved is None:
             raise ValueError(f"{fn}: there is no forward call to differentiate; call forward() first "
                              "(each backward() uses up the state of the last forward unless "
-                             "retain_graph=True, and a forward that raised saves none)")
+                             "retain_graph=True; a forward that raised, or ran under torch.no_grad() or "
+                             "torch.inference_mode(), saves none)")
         if saved.version != self._version:
             raise ValueError(f"{fn}: the parameters were changed by load_state_dict after the forward "
                              "call; gradients need the weights that forward used, so run forward again")

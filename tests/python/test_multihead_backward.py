@@ -246,6 +246,37 @@ def test_accumulation_zero_grad_and_retain_graph():
         layer.backward(dout)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_no_grad_forward_keeps_nothing(dtype):
+    """Under torch.no_grad() and torch.inference_mode() forward gives the same
+    bits and saves no state: backward() still differentiates the last forward
+    that ran with gradients enabled, and raises when there is none."""
+    torch = pytest.importorskip("torch")
+    tdt = getattr(torch, dtype)
+    rng = np.random.default_rng(9)
+    layer = attn.MultiheadAttention(8, 2, batch_first=True, dtype=tdt, seed=1)
+    x = torch.from_numpy(rng.standard_normal((2, 5, 8)).astype(np.float32)).to(tdt)
+    y = torch.from_numpy(rng.standard_normal((2, 5, 8)).astype(np.float32)).to(tdt)
+    dout = torch.from_numpy(rng.standard_normal((2, 5, 8)).astype(np.float32)).to(tdt)
+    with torch.no_grad():
+        quiet, _ = layer(x, x, x, need_weights=False)
+    with pytest.raises(ValueError, match=r"ran under torch.no_grad\(\) or torch.inference_mode\(\), saves none"):
+        layer.backward(dout)
+    out, _ = layer(x, x, x, need_weights=False)
+    assert torch.equal(quiet, out)
+    want = layer.backward(dout, retain_graph=True)["query"]
+    layer.zero_grad()
+    for mode in (torch.no_grad, torch.inference_mode):
+        with mode():
+            other, _ = layer(y, y, y, need_weights=False)  # another input, kept nowhere
+        assert not torch.equal(other, out)
+    got = layer.backward(dout)["query"]  # still the gradient of the forward on x
+    assert torch.equal(got, want)
+    assert any(bool((g != 0).any()) for g in layer.grads().values())
+    with pytest.raises(ValueError, match="no forward call to differentiate"):
+        layer.backward(dout)
+
+
 def test_dead_rows_get_zero_gradient():
     """A batch whose keys are all padding: its output rows are out_proj.bias
     and nothing flows back to its query, key or value."""
