@@ -136,7 +136,7 @@ test-sanitize: deps
 # by several threads: tests/test_kv_cache_threads.cpp). Their calls run
 # OpenMP with one thread (libgomp is not instrumented), so every report is
 # about attn's own synchronisation.
-TSAN_TESTS = test_kv_cache_threads
+TSAN_TESTS = test_kv_cache_threads test_multihead_threads
 test-tsan: deps
 	cmake -S . -B build-tsan -DCMAKE_BUILD_TYPE=Debug -DATTN_TSAN=ON -DATTN_BUILD_BENCH=OFF -DATTN_BUILD_APPS=OFF \
 	  $(if $(CCACHE),-DCMAKE_CXX_COMPILER_LAUNCHER=$(CCACHE)) $(CMAKE_FLAGS)

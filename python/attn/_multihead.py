@@ -276,7 +276,6 @@ class MultiheadAttention:
         # so a backward never mixes old activations with new weights), and a
         # lock for the gradient buffers, which backward adds to.
         self._saved: Optional[_Saved] = None
-        self._scratch: Any = None  # the inference calls' cache (forward under torch.no_grad())
         self._version = 0
         self._grad_lock = threading.Lock()
 
@@ -413,26 +412,15 @@ class MultiheadAttention:
         The layer keeps what backward() needs from this call (copies of the
         inputs, projections and masks) until the next forward call or until
         backward() consumes it. Under torch.no_grad() or
-        torch.inference_mode() it keeps nothing for backward() (as torch's
-        layer builds no graph there; its buffers are reused by the next such
-        call), and the state of an earlier forward, if any, stays for
+        torch.inference_mode() it keeps nothing (as torch's layer builds no
+        graph there), and the state of an earlier forward, if any, stays for
         backward().
         """
         var = dict(window_size=window_size, softcap=softcap, chunk_size=chunk_size, alibi_slopes=alibi_slopes,
                    position_offset=position_offset)
-        if not _grad_enabled():
-            # The buffers of the layer's inference calls, one call's at a time
-            # (a concurrent call makes its own): allocating them afresh cost
-            # a page fault per page on every call.
-            with self._grad_lock:
-                scratch, self._scratch = self._scratch, None
-            scratch = scratch if scratch is not None else self._cache_cls()
-            try:
-                return self._forward(query, key, value, key_padding_mask, need_weights, attn_mask,
-                                     average_attn_weights, is_causal, backend, scratch, var, dropout_seed,
-                                     keep=False)
-            finally:
-                self._scratch = scratch
+        if not _grad_enabled():  # no state to fill (the library reuses its buffers from call to call)
+            return self._forward(query, key, value, key_padding_mask, need_weights, attn_mask,
+                                 average_attn_weights, is_causal, backend, None, var, dropout_seed)
         # A failed call leaves nothing behind to differentiate. The previous
         # call's cache lends its buffers to this one (no new allocation in a
         # training loop), taken under the lock a backward holds while it
@@ -447,9 +435,8 @@ class MultiheadAttention:
 
     def _forward(self, query: Any, key: Any, value: Any, key_padding_mask: Any, need_weights: bool,
                  attn_mask: Any, average_attn_weights: bool, is_causal: bool,
-                 backend: str, cache: Any, var: Dict[str, Any], dropout_seed: Any,
-                 keep: bool = True) -> Tuple[Any, Optional[Any]]:
-        """forward()'s work, filling `cache`; kept for backward() unless not `keep`."""
+                 backend: str, cache: Any, var: Dict[str, Any], dropout_seed: Any) -> Tuple[Any, Optional[Any]]:
+        """forward()'s work, filling `cache` for backward() (None: nothing kept)."""
         fn = _FN + ".forward"
         variants = variant_kwargs(fn, self._float, var["window_size"], widen_half(var["alibi_slopes"]),
                                   var["softcap"], None, var["position_offset"], var["chunk_size"])
@@ -522,7 +509,7 @@ class MultiheadAttention:
         if not batched:
             out_buf = out_buf[0]
             w = None if w is None else w[0]
-        if keep:
+        if cache is not None:
             self._saved = _Saved(cache, version, batched, self.batch_first, torch_out, same, out_buf.shape,
                                  in_shapes)
         return _as_dtype(out_buf, self.dtype, torch_out), _as_dtype(w, self.dtype, torch_out)

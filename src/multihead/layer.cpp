@@ -179,24 +179,26 @@ void MultiheadAttention<T>::forward(const MhaArgs<T>& a, const MhaOutputs<T>& o,
   // the caller's old cache stay valid while they are read.
   MhaSaved<T> st;
   // A cache refilled call after call (a training loop) lends its buffers to
-  // the new state, unless an argument points into one of them.
-  if (cache) {
+  // the new state, unless an argument points into one of them; without a
+  // cache, the layer's spare state lends them (and takes them back below).
+  std::unique_ptr<MhaSaved<T>> spare = cache ? nullptr : spare_.take();
+  if (MhaSaved<T>* lender = cache ? cache : spare.get()) {
     std::vector<const void*> ptrs{a.query.data,       a.key.data,       a.value.data,
                                   a.mask.data,        a.bias.data,      a.key_padding_mask.data,
                                   a.key_lengths.data, o.out.data,       o.head_weights.data,
                                   o.avg_weights.data};
     for (const auto& op : detail::kPerHeadOperands<T>) ptrs.push_back((a.*op.member).data);
-    std::vector<const Tensor<T>*> owned{&cache->query,    &cache->key, &cache->value, &cache->proj,
-                                        &cache->packed,   &cache->attn_out, &cache->lse, &cache->bias};
-    for (const Tensor<T>& t : cache->per_head) owned.push_back(&t);
+    std::vector<const Tensor<T>*> owned{&lender->query,    &lender->key, &lender->value, &lender->proj,
+                                        &lender->packed,   &lender->attn_out, &lender->lse, &lender->bias};
+    for (const Tensor<T>& t : lender->per_head) owned.push_back(&t);
     bool aliased = false;
     for (const void* p : ptrs)
       for (const Tensor<T>* t : owned) aliased = aliased || inside(*t, p);
-    for (const void* p : ptrs) aliased = aliased || inside(cache->mask, p) || inside(cache->key_lengths, p);
+    for (const void* p : ptrs) aliased = aliased || inside(lender->mask, p) || inside(lender->key_lengths, p);
     if (!aliased) {
-      st.query = std::move(cache->query), st.key = std::move(cache->key), st.value = std::move(cache->value);
-      st.proj = std::move(cache->proj), st.packed = std::move(cache->packed);
-      st.attn_out = std::move(cache->attn_out), st.lse = std::move(cache->lse);
+      st.query = std::move(lender->query), st.key = std::move(lender->key), st.value = std::move(lender->value);
+      st.proj = std::move(lender->proj), st.packed = std::move(lender->packed);
+      st.attn_out = std::move(lender->attn_out), st.lse = std::move(lender->lse);
     }
   }
   st.B = B, st.L = L, st.S = S, st.H = H, st.E = E, st.Ev = Ev;
@@ -276,7 +278,12 @@ void MultiheadAttention<T>::forward(const MhaArgs<T>& a, const MhaOutputs<T>& o,
   // y = o·W_oᵀ + b_o
   project_out(st.attn_out.data(), parameter(kOutProjWeight).data(),
               cfg_.bias ? parameter(kOutProjBias).data() : nullptr, HEv, o.out, threads, bf16);
-  if (cache) *cache = std::move(st);
+  if (cache) {
+    *cache = std::move(st);
+  } else {
+    *spare = std::move(st);
+    spare_.give(std::move(spare));
+  }
 }
 template <class T>
 void MultiheadAttention<T>::backward(const MhaSaved<T>& cache, View3<const T> dout, const MhaGrads<T>& g) {
