@@ -102,17 +102,19 @@ GemmTiles gemm_tiles(GemmShape s, int64_t min_tile) {
 namespace {
 
 // A stored operand (rows × cols elements, rows ld apart) rounded to
-// bfloat16 into a dense copy (rows cols apart): float values, or (uint16_t)
-// the bits, a row at a time by bf16_round_row in a buffer reused across
-// calls (one element at a time into a fresh vector, the copy and its page
-// faults took a third of a 3072 × 1024 × 4096 product with A transposed).
+// bfloat16 into a dense copy (rows cols apart) in a buffer reused across
+// calls: float values (the CPUs without oneDNN's bfloat16 matmul), or
+// (uint16_t) the bits, a row at a time by bf16_round_row (one element at a
+// time into a fresh vector, the copy and its page faults took a third of a
+// 3072 × 1024 × 4096 product with A transposed).
 template <class Out>
 auto rounded_copy(const float* X, int64_t rows, int64_t cols, int64_t ld, int threads) {
   if constexpr (std::is_same_v<Out, float>) {
-    std::vector<float> r(size_t(rows * cols));
+    OperandBuffer r(size_t(rows * cols) * sizeof(float), false);
+    float* const d = r.as<float>();
 #pragma omp parallel for num_threads(std::max(threads, 1)) schedule(static) if (threads != 1)
     for (int64_t i = 0; i < rows; ++i)
-      for (int64_t j = 0; j < cols; ++j) r[size_t(i * cols + j)] = bf16_value(bf16_operand(X[i * ld + j]));
+      for (int64_t j = 0; j < cols; ++j) d[i * cols + j] = bf16_value(bf16_operand(X[i * ld + j]));
     return r;
   } else {
     OperandBuffer r(size_t(rows * cols) * sizeof(uint16_t), false);
@@ -149,10 +151,10 @@ void gemm_bf16(GemmShape s, bool ta, const float* A, int64_t lda, bool tb, const
                int64_t ldc, float alpha, float beta, int threads, const float* bias) {
   check_bias(bias, alpha, beta);
   const Stored sa = stored_a(s, ta), sb = stored_b(s, tb);
-  const std::vector<float> a = rounded_copy<float>(A, sa.rows, sa.cols, lda, 1);
-  const std::vector<float> b = rounded_copy<float>(B, sb.rows, sb.cols, ldb, 1);
+  const OperandBuffer a = rounded_copy<float>(A, sa.rows, sa.cols, lda, 1);
+  const OperandBuffer b = rounded_copy<float>(B, sb.rows, sb.cols, ldb, 1);
   if (bias) fill_bias(C, s.M, s.N, ldc, bias), beta = 1.0f;
-  gemm<float>(s, ta, a.data(), sa.cols, tb, b.data(), sb.cols, C, ldc, alpha, beta, threads);
+  gemm<float>(s, ta, a.as<float>(), sa.cols, tb, b.as<float>(), sb.cols, C, ldc, alpha, beta, threads);
 }
 
 void gemm_bf16_on(Bf16Path, GemmShape s, bool ta, const float* A, int64_t lda, bool tb, const float* B, int64_t ldb,
@@ -412,10 +414,10 @@ void gemm_bf16_library(GemmShape s, bool ta, const float* A, int64_t lda, bool t
                        float* C, int64_t ldc, float alpha, float beta, int team, const float* bias) {
   const Stored sa = stored_a(s, ta), sb = stored_b(s, tb);
   if (s.K == 0 || !dnnl_has_bf16()) {  // sgemm on the rounded values
-    const std::vector<float> a = rounded_copy<float>(A, sa.rows, sa.cols, lda, team);
-    const std::vector<float> b = rounded_copy<float>(B, sb.rows, sb.cols, ldb, team);
+    const OperandBuffer a = rounded_copy<float>(A, sa.rows, sa.cols, lda, team);
+    const OperandBuffer b = rounded_copy<float>(B, sb.rows, sb.cols, ldb, team);
     if (bias) fill_bias(C, s.M, s.N, ldc, bias), beta = 1.0f;
-    return gemm<float>(s, ta, a.data(), sa.cols, tb, b.data(), sb.cols, C, ldc, alpha, beta, team);
+    return gemm<float>(s, ta, a.as<float>(), sa.cols, tb, b.as<float>(), sb.cols, C, ldc, alpha, beta, team);
   }
   // Dense copies: a tile's rows of A (unless transposed) and columns of B
   // (when transposed, the layer's weights) are then dense blocks. Rounded
