@@ -21,7 +21,9 @@
 //
 // Each candidate's product is first validated (a sample of entries against
 // the sum in double; bfloat16 against the sum of its rounded operands), then
-// timed: rounds that call every candidate once in turn, the median of --reps
+// timed: rounds that call every candidate once in turn, in the order given
+// and in reverse on every other round (so that no candidate always follows
+// the same one, as compare_torch.py alternates), the median of --reps
 // rounds after one warm-up. Fractions are of the FMA peak measured in the
 // same run, with the same threads (fma_peak.hpp): of its GFLOP/s, and of its
 // GFLOP per CPU-second against the product's (the time the process's threads
@@ -340,7 +342,8 @@ int main(int argc, char** argv) {
       }
       std::vector<std::vector<double>> t(cands.size()), cpu(cands.size());
       for (int r = 0; r < reps; ++r)
-        for (size_t c = 0; c < cands.size(); ++c) {
+        for (size_t i = 0; i < cands.size(); ++i) {
+          const size_t c = r % 2 == 0 ? i : cands.size() - 1 - i;  // odd rounds in reverse order
           cands[c].set_threads(threads);
           const double c0 = attn_bench::cpu_seconds();
           const auto t0 = std::chrono::steady_clock::now();
