@@ -130,7 +130,8 @@ TEST(Gemm, TilesFollowTheRule) {
         EXPECT_LE(1.0 / double(t.rows) + 1.0 / double(t.cols), 2.0 / double(min_tile)) << what;
       }
       if (t.count(s) == 2) {  // a product too small to halve by the rule, but with two tiles' work
-        EXPECT_GE(2 * std::min(t.rows, t.cols), min_tile) << what;
+        const bool whole_below = double(min_tile) * double(s.M + s.N) > 2.0 * double(s.M) * double(s.N);
+        EXPECT_TRUE(2 * std::min(t.rows, t.cols) >= min_tile || whole_below) << what;
       }
       if (t.count(s) > 1) {
         EXPECT_GE(2.0 * double(s.M) * double(s.N) * double(s.K) / double(t.count(s)), double(1 << 24)) << what;
@@ -148,10 +149,18 @@ TEST(Gemm, TilesFollowTheRule) {
   EXPECT_EQ(gemm_tiles({512, 512, 4096}, 256).count({512, 512, 4096}), 4);
   EXPECT_EQ(gemm_tiles({4096, 1536, 512}, 640).count({4096, 1536, 512}), 8);   // 1024 x 768
   EXPECT_EQ(gemm_tiles({1024, 1024, 4096}, 640).count({1024, 1024, 4096}), 2);  // 512 x 1024
-  EXPECT_EQ(gemm_tiles({512, 512, 4096}, 640).count({512, 512, 4096}), 1);
-  // The smallest layer's weight gradients (D = 256, 1024 rows): two tiles, not one.
+  // Two tiles' work in two, not one: the smallest layer's weight gradients
+  // (D = 256, 1024 rows), and with the AVX2 minimum the products whose whole
+  // is below it too.
   EXPECT_EQ(gemm_tiles({256, 256, 1024}, 256).count({256, 256, 1024}), 2);
-  EXPECT_EQ(gemm_tiles({256, 256, 1024}, 640).count({256, 256, 1024}), 1);
+  EXPECT_EQ(gemm_tiles({256, 256, 1024}, 640).count({256, 256, 1024}), 2);
+  EXPECT_EQ(gemm_tiles({512, 512, 4096}, 640).count({512, 512, 4096}), 2);  // 256 x 512
+  const auto half = gemm_tiles({2048, 256, 256}, 640);  // 1024 x 256
+  EXPECT_EQ(half.rows, 1024);
+  EXPECT_EQ(half.cols, 256);
+  // Still one tile: too little work for two (2^24 FLOPs each).
+  EXPECT_EQ(gemm_tiles({256, 256, 128}, 640).count({256, 256, 128}), 1);
+  EXPECT_EQ(gemm_tiles({1280, 1280, 8}, 640).count({1280, 1280, 8}), 1);
 }
 
 }  // namespace

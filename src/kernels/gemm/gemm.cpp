@@ -23,8 +23,14 @@
 // about 7% of one core's GFLOP per CPU-second on the layer's products with
 // the AVX-512 kernels (Zen 4, one thread; 32 tiles of 128 and more lost 9%).
 // One exception: a product with two tiles' work that the rule would leave
-// whole is cut in two, sides down to half the minimum (the smallest layer's
-// 256 × 256 × 1024 weight gradient ran on one of two threads).
+// whole is cut in two, where the halves' sides stay at half the minimum or
+// more, or where the whole is itself below the minimum (then the library
+// runs the same kernels on the halves). On one thread of oneDNN's AVX2
+// kernels (Zen 4) the halves ran at 0.98-1.4x the whole's GFLOP/s
+// (2048 × 256 × 256 against 1024 × 256 × 256, 512 × 512 × 4096 against
+// 256 × 512 × 4096 with A transposed), so the layer's products at D = 256
+// run on both threads instead of one; with AVX-512 the smallest layer's
+// 256 × 256 × 1024 weight gradient had run on one of two threads.
 // Its AVX2 kernels need larger tiles (gemm_min_tile): below about 526×526
 // oneDNN switches them to kernels that do not pack, which ran the layer's
 // long-K products at a third of the speed.
@@ -73,10 +79,10 @@ GemmTiles gemm_tiles(GemmShape s, int64_t min_tile) {
   constexpr int64_t kAlign = 16;             // sides stay multiples of the micro-kernels' widths
   const auto half = [](int64_t side) { return ((side + 1) / 2 + kAlign - 1) / kAlign * kAlign; };
   // 1/rows + 1/cols <= 2/min_tile, and each side really smaller than before.
-  const auto fits = [&](GemmTiles t, GemmTiles was) {
-    return (t.rows < was.rows || t.cols < was.cols) &&
-           double(min_tile) * double(t.rows + t.cols) <= 2.0 * double(t.rows) * double(t.cols);
+  const auto large = [&](GemmTiles t) {
+    return double(min_tile) * double(t.rows + t.cols) <= 2.0 * double(t.rows) * double(t.cols);
   };
+  const auto fits = [&](GemmTiles t, GemmTiles was) { return (t.rows < was.rows || t.cols < was.cols) && large(t); };
   GemmTiles t{std::max<int64_t>(s.M, 1), std::max<int64_t>(s.N, 1)};
   const double flops = 2.0 * double(s.M) * double(s.N) * double(s.K);
   for (;;) {
@@ -92,8 +98,9 @@ GemmTiles gemm_tiles(GemmShape s, int64_t min_tile) {
       t = longer;
     else if (fits(shorter, t))
       t = shorter;
-    else if (n == 1 && 2 * std::min(longer.rows, longer.cols) >= min_tile)
-      return longer;  // two tiles' work in two, sides down to half the minimum (one would leave a thread idle)
+    else if (n == 1 && (longer.rows < t.rows || longer.cols < t.cols) &&
+             (2 * std::min(longer.rows, longer.cols) >= min_tile || !large(t)))
+      return longer;  // two tiles' work in two (one would leave a thread idle): see below
     else
       return t;
   }
