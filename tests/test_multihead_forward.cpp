@@ -524,6 +524,57 @@ TEST(MultiheadAttentionLayout, RefilledCacheEqualsAFreshOne) {
   }
 }
 
+// A forward without a saved state reads the caller's masks, bias, key
+// lengths and slopes where they are (strided, broadcast) instead of copying
+// them, beside the layer's sinks, and borrows the layer's buffers: its output is the one of a forward
+// that fills a state, bit for bit, call after call with changing operands,
+// and the caller's operands are left as they were.
+TEST(MultiheadAttentionLayout, ForwardWithoutStateEqualsForwardWithOne) {
+  std::mt19937_64 rng(44);
+  for (const Dtype compute : {Dtype::float32, Dtype::bfloat16}) {
+    // With the layer's own sinks in bfloat16 (they join the caller's operands).
+    MultiheadAttention<float> m(compute == Dtype::float32 ? config(8, 2) : with_sinks(config(8, 2)), 44);
+    randomize(m, rng);
+    for (int round = 0; round < 6; ++round) {
+      SCOPED_TRACE(std::string(compute == Dtype::float32 ? "float32" : "bfloat16, sinks") + ", round " +
+                   std::to_string(round));
+      const int64_t B = 2, L = 3 + round % 3, S = round % 2 ? L : L + 2;
+      const bool self = S == L && round % 4 == 1;
+      Tensor<float> q = random_tensor<float>({B, L, 8}, rng), k = random_tensor<float>({B, S, 8}, rng),
+                    v = random_tensor<float>({B, S, 8}, rng);
+      MhaArgs<float> mk;
+      // A bool mask stored transposed (strided), broadcast over the batch.
+      Tensor<bool> mask_t = random_bools({1, 2, S, L}, rng, 0.7);
+      const View4<const bool> mt = mask_t.view4();
+      if (round % 3 != 2) mk.mask = View4<const bool>(mt.data, {1, 2, L, S}, {mt.strides[0], mt.strides[1], 1, L});
+      // A float bias broadcast over the heads, every other round.
+      Tensor<float> bias = random_tensor<float>({B, 1, L, S}, rng);
+      if (round % 2 == 0) mk.bias = bias.view4();
+      Tensor<bool> pad({B, S});  // the last key of batch 1 is padding
+      pad[size_t(2 * S - 1)] = true;
+      if (round % 3 == 1) mk.key_padding_mask = pad.view<2>();
+      Tensor<int64_t> lengths({B});
+      lengths[0] = S, lengths[1] = S - 1;
+      if (round % 3 == 0) mk.key_lengths = lengths.view<1>();
+      Tensor<float> slopes({2});
+      slopes[0] = 0.5f, slopes[1] = 0.25f;
+      if (round >= 3) mk.alibi_slopes = slopes.view<1>();
+      const Tensor<bool> mask_before = mask_t;
+      const Tensor<float> bias_before = bias;
+      const MhaArgs<float> a = self ? inputs<float>(v3(q), {}, {}, mk) : inputs<float>(v3(q), v3(k), v3(v), mk);
+      MhaOptions opt;
+      opt.sdpa.compute_dtype = compute;
+      Tensor<float> y_saved({B, L, 8}), y({B, L, 8});
+      MhaSaved<float> saved;
+      m.forward(a, {v3(y_saved)}, opt, &saved);
+      m.forward(a, {v3(y)}, opt);
+      EXPECT_TRUE(all_close(y, y_saved, 0.0, "out"));
+      EXPECT_TRUE(all_close(mask_t, mask_before, 0.0, "mask"));
+      EXPECT_TRUE(all_close(bias, bias_before, 0.0, "bias"));
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------
 // (f) Self-attention without a mask commutes with permuting the tokens.
 

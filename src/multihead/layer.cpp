@@ -76,16 +76,22 @@ using namespace detail::mha_steps;
 
 namespace {
 
+// A dense copy of a view, a row (its last dimension) at a time.
 template <class T, int R>
 Tensor<T> copy_of(View<const T, R> v) {
   std::vector<int64_t> shape(v.shape.begin(), v.shape.end());
-  Tensor<T> t(shape);
+  Tensor<T> t = Tensor<T>::uninitialized(shape);
+  const int64_t n = v.shape[R - 1], s = v.strides[R - 1];
+  if (t.size() == 0) return t;
   std::array<int64_t, R> idx{};
-  for (size_t f = 0; f < t.size(); ++f) {
+  for (size_t f = 0; f < t.size(); f += size_t(n)) {
     int64_t o = 0;
-    for (int i = 0; i < R; ++i) o += idx[size_t(i)] * v.strides[size_t(i)];
-    t[f] = v.data[o];
-    for (int i = R - 1; i >= 0; --i) {
+    for (int i = 0; i < R - 1; ++i) o += idx[size_t(i)] * v.strides[size_t(i)];
+    if (s == 1)
+      std::copy_n(v.data + o, n, t.data() + f);
+    else
+      for (int64_t j = 0; j < n; ++j) t[f + size_t(j)] = v.data[o + j * s];
+    for (int i = R - 2; i >= 0; --i) {
       if (++idx[size_t(i)] < v.shape[size_t(i)]) break;
       idx[size_t(i)] = 0;
     }
@@ -228,8 +234,12 @@ void MultiheadAttention<T>::forward(const MhaArgs<T>& a, const MhaOutputs<T>& o,
   const auto [qh, kh, vh] = project(ps, self && packed_, B, L, S, H, E, Ev, st.proj.data(), threads, bf16);
   if (qk_.forward) qk_.forward(qh, kh);
 
-  // The masks, owned by the cache: key_padding_mask (true = padding) folds
-  // into the bool mask (true = attend).
+  // The masks: a saved state owns copies (its backward may run after the
+  // caller's arrays are gone), a call without one reads the caller's (the
+  // copy of a (1, 12, 2048, 2048) float bias took a fifth of the layer's
+  // forward at (1, 2048, 768, 12)). key_padding_mask (true = padding) folds
+  // into the bool mask (true = attend) either way.
+  const bool keep = cache != nullptr;
   const auto& am = a.mask;
   if (!a.key_padding_mask.empty()) {
     const int64_t Hm = am.empty() ? 1 : am.dim(1), Lm = am.empty() ? 1 : am.dim(2);
@@ -244,16 +254,26 @@ void MultiheadAttention<T>::forward(const MhaArgs<T>& a, const MhaOutputs<T>& o,
               see = am(am.dim(0) == 1 ? 0 : b, h, am.dim(2) == 1 ? 0 : i, am.dim(3) == 1 ? 0 : j);
             m(b, h, i, j) = see;
           }
-  } else if (!am.empty()) {
+  } else if (!am.empty() && keep) {
     st.mask = copy_of<bool, 4>(am);
   }
-  if (!a.bias.empty()) st.bias = copy_of<T, 4>(a.bias);
-  if (!a.key_lengths.empty()) st.key_lengths = copy_of<int64_t, 1>(a.key_lengths);
-  st.per_head.resize(detail::kPerHeadOperands<T>.size());
-  for (size_t i = 0; i < st.per_head.size(); ++i)
-    if (const View1<const T>& v = a.*detail::kPerHeadOperands<T>[i].member; !v.empty()) st.per_head[i] = copy_of<T, 1>(v);
+  if (keep) {
+    if (!a.bias.empty()) st.bias = copy_of<T, 4>(a.bias);
+    if (!a.key_lengths.empty()) st.key_lengths = copy_of<int64_t, 1>(a.key_lengths);
+    st.per_head.resize(detail::kPerHeadOperands<T>.size());
+    for (size_t i = 0; i < st.per_head.size(); ++i)
+      if (const View1<const T>& v = a.*detail::kPerHeadOperands<T>[i].member; !v.empty())
+        st.per_head[i] = copy_of<T, 1>(v);
+  }
 
-  const SdpaArgs<T> args = sdpa_args<T>(st, qh, kh, vh, cfg_.sinks ? &params_.at(kSinks) : nullptr);
+  SdpaArgs<T> args = sdpa_args<T>(st, qh, kh, vh, cfg_.sinks ? &params_.at(kSinks) : nullptr);
+  if (!keep) {  // the caller's operands as they are
+    if (a.key_padding_mask.empty()) args.mask = am;
+    args.bias = a.bias;
+    args.key_lengths = a.key_lengths;
+    for (const auto& op : detail::kPerHeadOperands<T>)
+      if (!(a.*op.member).empty()) args.*op.member = a.*op.member;  // (not the layer's sinks)
+  }
 
   sized(st.attn_out, {B, L, HEv});
   sized(st.lse, {B, H, L});
