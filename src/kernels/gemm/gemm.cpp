@@ -117,8 +117,13 @@ namespace {
 template <class Out>
 auto rounded_copy(const float* X, int64_t rows, int64_t cols, int64_t ld, int threads) {
   if constexpr (std::is_same_v<Out, float>) {
+#ifdef ATTN_NO_BLAS
+    std::vector<float> r(size_t(rows * cols));  // (the portable build has no operand buffers)
+    float* const d = r.data();
+#else
     OperandBuffer r(size_t(rows * cols) * sizeof(float), false);
     float* const d = r.as<float>();
+#endif
 #pragma omp parallel for num_threads(std::max(threads, 1)) schedule(static) if (threads != 1)
     for (int64_t i = 0; i < rows; ++i)
       for (int64_t j = 0; j < cols; ++j) d[i * cols + j] = bf16_value(bf16_operand(X[i * ld + j]));
@@ -158,10 +163,10 @@ void gemm_bf16(GemmShape s, bool ta, const float* A, int64_t lda, bool tb, const
                int64_t ldc, float alpha, float beta, int threads, const float* bias) {
   check_bias(bias, alpha, beta);
   const Stored sa = stored_a(s, ta), sb = stored_b(s, tb);
-  const OperandBuffer a = rounded_copy<float>(A, sa.rows, sa.cols, lda, 1);
-  const OperandBuffer b = rounded_copy<float>(B, sb.rows, sb.cols, ldb, 1);
+  const std::vector<float> a = rounded_copy<float>(A, sa.rows, sa.cols, lda, 1);
+  const std::vector<float> b = rounded_copy<float>(B, sb.rows, sb.cols, ldb, 1);
   if (bias) fill_bias(C, s.M, s.N, ldc, bias), beta = 1.0f;
-  gemm<float>(s, ta, a.as<float>(), sa.cols, tb, b.as<float>(), sb.cols, C, ldc, alpha, beta, threads);
+  gemm<float>(s, ta, a.data(), sa.cols, tb, b.data(), sb.cols, C, ldc, alpha, beta, threads);
 }
 
 void gemm_bf16_on(Bf16Path, GemmShape s, bool ta, const float* A, int64_t lda, bool tb, const float* B, int64_t ldb,
