@@ -26,11 +26,12 @@
 // whole is cut in two, where the halves' sides stay at half the minimum or
 // more, or where the whole is itself below the minimum (then the library
 // runs the same kernels on the halves). On one thread of oneDNN's AVX2
-// kernels (Zen 4) the halves ran at 0.98-1.4x the whole's GFLOP/s
-// (2048 × 256 × 256 against 1024 × 256 × 256, 512 × 512 × 4096 against
-// 256 × 512 × 4096 with A transposed), so the layer's products at D = 256
-// run on both threads instead of one; with AVX-512 the smallest layer's
-// 256 × 256 × 1024 weight gradient had run on one of two threads.
+// kernels (Zen 4) the halves ran at 0.82-1.4x the whole's GFLOP/s
+// (1.07x for 1024 × 256 × 256 against 2048 × 256 × 256, 1.38x for
+// 256 × 512 × 4096 against 512 × 512 × 4096 with A transposed, 0.82x for
+// 128 × 256 × 4096 against 256 × 256 × 4096), so the layer's products at
+// D = 256 run on both threads instead of one; with AVX-512 the smallest
+// layer's 256 × 256 × 1024 weight gradient had run on one of two threads.
 // Its AVX2 kernels need larger tiles (gemm_min_tile): below about 526×526
 // oneDNN switches them to kernels that do not pack, which ran the layer's
 // long-K products at a third of the speed.
