@@ -146,8 +146,9 @@ def varlen_attention_backward(
 
 class MultiheadAttention:
     """torch.nn.MultiheadAttention's interface, computed by libattn, with a
-    backward pass: forward() saves its state, backward(grad_output) returns the
-    input gradients and accumulates the parameter gradients (grads())."""
+    backward pass: forward() saves its state (none under torch.no_grad() or
+    torch.inference_mode()), backward(grad_output) returns the input
+    gradients and accumulates the parameter gradients (grads())."""
 
     embed_dim: int
     num_heads: int
