@@ -75,7 +75,8 @@ TEST(MultiheadThreads, ConcurrentForwardsWithoutStateGiveTheSerialBits) { run_th
 
 TEST(MultiheadThreads, ConcurrentBfloat16ForwardsWithoutStateGiveTheSerialBits) { run_threads(Dtype::bfloat16); }
 
-// A copy of a layer has its own spare state: both run side by side.
+// A copy of a layer has its own spare state: both run side by side, each
+// giving its serial bits.
 TEST(MultiheadThreads, ACopiedLayerBorrowsItsOwnState) {
   MultiheadConfig cfg;
   cfg.embed_dim = kD;
@@ -84,14 +85,24 @@ TEST(MultiheadThreads, ACopiedLayerBorrowsItsOwnState) {
   const Tensor<float> x = input(0, 4);
   const Tensor<float> first = forward(a, x, Dtype::float32);  // a's spare state now holds buffers
   const MultiheadAttention<float> b = a;
+  std::vector<Tensor<float>> want_b;  // b's outputs on other inputs and shapes, serially
+  for (int i = 0; i < 20; ++i) {
+    MhaSaved<float> saved;
+    want_b.push_back(forward(b, input(1, i), Dtype::float32, &saved));
+  }
+  int mismatches_b = 0;
   std::thread other([&] {
-    for (int i = 0; i < 20; ++i) EXPECT_EQ(forward(b, input(1, i), Dtype::float32).size(), input(1, i).size());
+    for (int i = 0; i < 20; ++i) {
+      const Tensor<float> y = forward(b, input(1, i), Dtype::float32);
+      for (size_t j = 0; j < y.size(); ++j) mismatches_b += y[j] != want_b[size_t(i)][j];
+    }
   });
   for (int i = 0; i < 20; ++i) {
     const Tensor<float> y = forward(a, x, Dtype::float32);
     for (size_t j = 0; j < y.size(); ++j) ASSERT_EQ(y[j], first[j]);
   }
   other.join();
+  EXPECT_EQ(mismatches_b, 0);
 }
 
 }  // namespace
