@@ -66,6 +66,10 @@ struct Strided {
     std::normal_distribution<double> nd(0, stddev);
     for_each_index([&](int64_t b, int64_t h, int64_t n, int64_t f) { view(b, h, n, f) = T(nd(rng)); });
   }
+  // The values of `from` (same shape) at the same indices: the same tensor in this layout.
+  void assign_values(const View4<const T>& from) {
+    for_each_index([&](int64_t b, int64_t h, int64_t n, int64_t f) { view(b, h, n, f) = from(b, h, n, f); });
+  }
   template <class F>
   void for_each_index(F&& fn) const {
     for (int64_t b = 0; b < view.dim(0); ++b)

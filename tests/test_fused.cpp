@@ -673,6 +673,36 @@ TEST(Fused, BitwiseDeterministicAcrossThreadCounts) {
   }
 }
 
+// K and V whose rows are not adjacent (the heads of a (B, S, H, E) tensor)
+// are packed per key tile, or, where the units would pack them many times,
+// copied dense once per call (fused.cpp, DenseKV): both give the bits of the
+// same values laid out dense, forward and backward, on any thread count.
+TEST(Fused, StridedKeysAndValuesGiveTheDenseLayoutsBits) {
+  for (int64_t L : {40, 600}) {  // 4 query heads per kv head: packed 4 times, and at least 16
+    for (int threads : {1, 2}) {
+      Case dense;
+      dense.B = 2, dense.H = 8, dense.Hkv = 2, dense.L = L, dense.S = L, dense.E = 24, dense.Ev = 16;
+      dense.causal = true, dense.threads = threads, dense.seed = 7;
+      Case strided = dense;
+      strided.layout = Layout::bnhd;
+      Data a(dense), b(strided);
+      b.qbuf.assign_values(a.args.q);
+      b.kbuf.assign_values(a.args.k);
+      b.vbuf.assign_values(a.args.v);
+      b.doutbuf.assign_values(a.dout());
+      ASSERT_NE(b.args.k.strides[2], b.args.k.dim(3));  // rows not adjacent
+      const Results ra = run(a, Backend::fused), rb = run(b, Backend::fused);
+      SCOPED_TRACE("L=" + std::to_string(L) + " threads=" + std::to_string(threads));
+      EXPECT_TRUE(attn::testing::all_close(rb.out.view, ra.out.view, 0.0, "out"));
+      EXPECT_EQ(std::memcmp(rb.lse.data(), ra.lse.data(), ra.lse.size() * sizeof(float)), 0);
+      EXPECT_TRUE(attn::testing::all_close(rb.dq.view, ra.dq.view, 0.0, "dq"));
+      EXPECT_TRUE(attn::testing::all_close(rb.dk.view, ra.dk.view, 0.0, "dk"));
+      EXPECT_TRUE(attn::testing::all_close(rb.dv.view, ra.dv.view, 0.0, "dv"));
+      if (threads == 1) compare(b, rb, run(b, Backend::reference));
+    }
+  }
+}
+
 TEST(Fused, BackwardRecomputesMissingSavedState) {
   Case c;
   c.B = 2, c.H = 2, c.Hkv = 1, c.L = 64, c.S = 65, c.E = 16, c.Ev = 16, c.causal = true, c.seed = 5;

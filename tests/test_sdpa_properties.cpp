@@ -158,17 +158,10 @@ TEST(SdpaProperties, LayoutsAndStridesGiveIdenticalResults) {
   other.pad = 3;
   std::mt19937_64 rng2(5);
   SdpaCase<float> b(other, rng2);
-  // Copy a's logical values into b's layout.
-  auto copy = [](const View4<const float>& from, const View4<const float>& to_const) {
-    View4<float> to(const_cast<float*>(to_const.data), to_const.shape, to_const.strides);
-    for (int64_t i0 = 0; i0 < from.dim(0); ++i0)
-      for (int64_t i1 = 0; i1 < from.dim(1); ++i1)
-        for (int64_t i2 = 0; i2 < from.dim(2); ++i2)
-          for (int64_t i3 = 0; i3 < from.dim(3); ++i3) to(i0, i1, i2, i3) = from(i0, i1, i2, i3);
-  };
-  copy(a.args.q, b.args.q);
-  copy(a.args.k, b.args.k);
-  copy(a.args.v, b.args.v);
+  // a's values in b's layout.
+  b.qbuf.assign_values(a.args.q);
+  b.kbuf.assign_values(a.args.k);
+  b.vbuf.assign_values(a.args.v);
   EXPECT_TRUE(all_close(a.forward(), b.forward(), 0.0, "bhnd vs strided bnhd"));
 }
 

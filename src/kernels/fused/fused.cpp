@@ -192,9 +192,61 @@ void bf16_pair_rows(const float* src, int64_t lds, int64_t rows, int64_t n, uint
 }
 HWY_EXPORT(ExpPairsImpl);
 
+namespace {
+
+// K and V copied dense once per call where the forward's units would
+// otherwise gather the same strided rows many times: rows that are not
+// adjacent (the heads of a (B, S, H, E) tensor seen as (B, H, S, E), the
+// layout of torch's q.view(B, L, H, E).transpose(1, 2)) are packed per key
+// tile, once for every query block and every query head of a kv head.
+// Copied once, K and V take the in-place route of a dense call: the same
+// products in the same order, so the same bits. On Zen 4 (2 threads,
+// causal), strided K and V took 1.06-1.14× the dense inputs' time; the copy
+// took 0.89-0.93× the strided call's at (1, 8, 2048-4096, 64-128), where
+// they are packed 22-43 times, but 1.03-1.06× at (4, 8, 512, 64) and
+// (8, 8, 768, 64), packed 6 and 8 times: hence kDenseKVPacks. Not where the
+// copy would pass kDenseKVBytes (the tiles pack the rows then).
+constexpr int64_t kDenseKVPacks = 16;
+constexpr int64_t kDenseKVBytes = int64_t(256) << 20;
+
+bool rows_adjacent_view(const View4<const float>& x) { return x.strides[3] == 1 && x.strides[2] == x.dim(3); }
+
+struct DenseKV {
+  OperandBuffer k, v;
+  SdpaArgs<float> args;
+  bool used = false;
+  DenseKV(const Problem& p, const SdpaArgs<float>& a, const FusedPlan& t) : args(a) {
+    const bool k_dense = rows_adjacent_view(a.k), v_dense = rows_adjacent_view(a.v);
+    const int64_t rows = p.B * p.Hkv * p.S;
+    const int64_t packs = p.group() * ceil_div(std::max<int64_t>(p.L, 1), std::max<int64_t>(t.q_block, 1));
+    const int64_t bytes = rows * ((k_dense ? 0 : p.E) + (v_dense ? 0 : p.Ev)) * int64_t(sizeof(float));
+    if ((k_dense && v_dense) || packs < kDenseKVPacks || rows == 0 || bytes > kDenseKVBytes) return;
+    used = true;
+    if (!k_dense) k = OperandBuffer(size_t(rows * p.E) * sizeof(float), false);
+    if (!v_dense) v = OperandBuffer(size_t(rows * p.Ev) * sizeof(float), false);
+    const auto copy = [&](const View4<const float>& x, int64_t F, float* dst, int64_t r) {
+      const int64_t j = r % p.S, h = r / p.S % p.Hkv, b = r / (p.S * p.Hkv);
+      const float* src = &x(b, h, j, 0);
+      if (x.strides[3] == 1) std::copy_n(src, F, dst + r * F);
+      else
+        for (int64_t f = 0; f < F; ++f) dst[r * F + f] = src[f * x.strides[3]];
+    };
+#pragma omp parallel for num_threads(std::max(p.threads, 1)) schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+      if (!k_dense) copy(a.k, p.E, k.as<float>(), r);
+      if (!v_dense) copy(a.v, p.Ev, v.as<float>(), r);
+    }
+    if (!k_dense) args.k = View4<const float>::bhnd(k.as<float>(), p.B, p.Hkv, p.S, p.E);
+    if (!v_dense) args.v = View4<const float>::bhnd(v.as<float>(), p.B, p.Hkv, p.S, p.Ev);
+  }
+};
+
+}  // namespace
+
 void fused_forward_tiled(const Problem& p, const SdpaArgs<float>& a, View4<float> out,
                          View4<float> weights, View3<float> lse, const FusedPlan& t) {
-  HWY_DYNAMIC_DISPATCH(ForwardImpl)(p, a, out, weights, lse, t);
+  const DenseKV dense(p, a, t);
+  HWY_DYNAMIC_DISPATCH(ForwardImpl)(p, dense.used ? dense.args : a, out, weights, lse, t);
 }
 
 void fused_forward_bf16_ops(const Problem& p, const Bf16Operands& ops, View4<float> out, View4<float> weights,
