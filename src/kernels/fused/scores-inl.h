@@ -143,21 +143,29 @@ void PrefetchRow(const float* row, int64_t F, int64_t sf) {
   for (int64_t o = 0; o < F * int64_t(sizeof(float)); o += 64) PrefetchL1(p + o);
 }
 
-// dst[f·ld + jj] = X(b, hx, j0 + jj, f) for jj < nk; columns nk..ld zero.
-// Rows that are not adjacent start loading kAhead rows on, as in PackRows
-// (with PackQ's: 0.93 of the float32 backward's time at (8, 4, 128, 64) and
-// (4, 8, 512, 64) on a (B, L, H, E) tensor, the same at (1, 8, 2048, 64);
-// Zen 4, 2 threads).
-void PackTransposed(const View4<const float>& X, int64_t b, int64_t hx, int64_t j0, int64_t nk,
-                    float* dst, int64_t ld) {
+// fn(jj, row) for the nk rows of a (B, Hx, N, F) view from j0; rows that
+// are not adjacent start loading kAhead rows on. (For the transposes of K
+// and V and the rows of Q in the backward too: 0.93 of the float32
+// backward's time at (8, 4, 128, 64) and (4, 8, 512, 64) on a (B, L, H, E)
+// tensor, the same at (1, 8, 2048, 64); Zen 4, 2 threads.)
+template <class Fn>
+void ForRows(const View4<const float>& X, int64_t b, int64_t hx, int64_t j0, int64_t nk, const Fn& fn) {
   const int64_t F = X.dim(3), sf = X.strides[3];
   const bool ahead = !rows_adjacent(X);
   for (int64_t jj = 0; ahead && jj < std::min(nk, kAhead); ++jj) PrefetchRow(&X(b, hx, j0 + jj, 0), F, sf);
   for (int64_t jj = 0; jj < nk; ++jj) {
-    const float* src = &X(b, hx, j0 + jj, 0);
     if (ahead && jj + kAhead < nk) PrefetchRow(&X(b, hx, j0 + jj + kAhead, 0), F, sf);
-    for (int64_t f = 0; f < F; ++f) dst[f * ld + jj] = src[f * sf];
+    fn(jj, &X(b, hx, j0 + jj, 0));
   }
+}
+
+// dst[f·ld + jj] = X(b, hx, j0 + jj, f) for jj < nk; columns nk..ld zero.
+void PackTransposed(const View4<const float>& X, int64_t b, int64_t hx, int64_t j0, int64_t nk,
+                    float* dst, int64_t ld) {
+  const int64_t F = X.dim(3), sf = X.strides[3];
+  ForRows(X, b, hx, j0, nk, [&](int64_t jj, const float* src) {
+    for (int64_t f = 0; f < F; ++f) dst[f * ld + jj] = src[f * sf];
+  });
   for (int64_t f = 0; f < F; ++f) std::fill(dst + f * ld + nk, dst + (f + 1) * ld, 0.0f);
 }
 
@@ -165,17 +173,13 @@ void PackTransposed(const View4<const float>& X, int64_t b, int64_t hx, int64_t 
 void PackRows(const View4<const float>& X, int64_t b, int64_t hx, int64_t j0, int64_t nk,
               float* dst, int64_t ld) {
   const int64_t F = X.dim(3), sf = X.strides[3];
-  const bool ahead = !rows_adjacent(X);
-  for (int64_t jj = 0; ahead && jj < std::min(nk, kAhead); ++jj) PrefetchRow(&X(b, hx, j0 + jj, 0), F, sf);
-  for (int64_t jj = 0; jj < nk; ++jj) {
-    const float* src = &X(b, hx, j0 + jj, 0);
-    if (ahead && jj + kAhead < nk) PrefetchRow(&X(b, hx, j0 + jj + kAhead, 0), F, sf);
+  ForRows(X, b, hx, j0, nk, [&](int64_t jj, const float* src) {
     float* row = dst + jj * ld;
     if (sf == 1)
       std::memcpy(row, src, size_t(F) * sizeof(float));
     else
       for (int64_t f = 0; f < F; ++f) row[f] = src[f * sf];
-  }
+  });
 }
 
 // ---- score tiles: the forward's (transposed) and the backward's ----------
@@ -324,11 +328,7 @@ void PackQ(const FusedCall& c, BackwardScratch& w, int64_t b, int64_t h, int64_t
   const DF d;
   const int64_t N = Lanes();
   const VF scale = hn::Set(d, c.scale);
-  const bool ahead = !rows_adjacent(Q);  // as in PackRows
-  for (int64_t r = 0; ahead && r < std::min(nr, kAhead); ++r) PrefetchRow(&Q(b, h, i0 + r, 0), E, se);
-  for (int64_t r = 0; r < nr; ++r) {
-    const float* src = &Q(b, h, i0 + r, 0);
-    if (ahead && r + kAhead < nr) PrefetchRow(&Q(b, h, i0 + r + kAhead, 0), E, se);
+  ForRows(Q, b, h, i0, nr, [&](int64_t r, const float* src) {
     float* dst = w.q + r * w.Ep;
     const bool bad = RowNonFinite(src, E, se);
     int64_t e = 0;
@@ -337,7 +337,7 @@ void PackQ(const FusedCall& c, BackwardScratch& w, int64_t b, int64_t h, int64_t
     for (; e < E; ++e) dst[e] = c.scale * src[e * se];
     if (bad) std::fill(dst, dst + E, 0.0f);
     w.poisoned[r] = bad;
-  }
+  });
 }
 
 // Σ_e x[e]·y[e·sy] over n features: in vectors when y is dense (lane-wise
