@@ -9,6 +9,8 @@
 // Other architectures keep the builtin (the test prefetch_emitted checks x86).
 #pragma once
 
+#include <cstdint>
+
 namespace attn::detail {
 
 // Level 1: into every cache level (prefetcht0); level 2: into the L2 and
@@ -25,5 +27,9 @@ inline void Prefetch(const void* p) {
 }
 inline void PrefetchL1(const void* p) { Prefetch<1>(p); }
 inline void PrefetchL2(const void* p) { Prefetch<2>(p); }
+// Every cache line of [p, p + bytes) into every level (a row to be read next).
+inline void PrefetchL1Bytes(const void* p, int64_t bytes) {
+  for (int64_t o = 0; o < bytes; o += 64) PrefetchL1(static_cast<const char*>(p) + o);
+}
 
 }  // namespace attn::detail

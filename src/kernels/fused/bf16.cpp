@@ -106,10 +106,8 @@ bool pack_keys(const Problem& p, const SdpaArgs<T>& a, int64_t b, int64_t hk, in
   bool any = false;
   for (int64_t j = j0; j < j1; ++j) {
     if (j + kPackAhead < j1 && a.k.strides[3] == 1 && a.v.strides[3] == 1) {  // key j + kPackAhead's rows
-      const auto* kn = reinterpret_cast<const char*>(&a.k(b, hk, j + kPackAhead, 0));
-      const auto* vn = reinterpret_cast<const char*>(&a.v(b, hk, j + kPackAhead, 0));
-      for (int64_t o = 0; o < p.E * int64_t(sizeof(T)); o += 64) PrefetchL1(kn + o);
-      for (int64_t o = 0; o < p.Ev * int64_t(sizeof(T)); o += 64) PrefetchL1(vn + o);
+      PrefetchL1Bytes(&a.k(b, hk, j + kPackAhead, 0), p.E * int64_t(sizeof(T)));
+      PrefetchL1Bytes(&a.v(b, hk, j + kPackAhead, 0), p.Ev * int64_t(sizeof(T)));
     }
     uint16_t* v = vr.data() + (j - j0) * p.Ev;
     uint16_t* kb = bits ? reinterpret_cast<uint16_t*>(k + j * E2) : kr.data();

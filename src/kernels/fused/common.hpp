@@ -38,6 +38,9 @@ struct FusedCall {
 };
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+// Whether the rows of a (B, Hx, N, F) view are adjacent (row j + 1 starts
+// where row j ends), so a block of them is one dense matrix.
+inline bool rows_adjacent(const View4<const float>& X) { return X.strides[3] == 1 && X.strides[2] == X.dim(3); }
 inline int64_t round_up(int64_t a, int64_t m) { return ceil_div(a, m) * m; }
 
 // The band rule of batch b (score_rules.hpp: causal, window, chunks, key length).

@@ -209,14 +209,12 @@ namespace {
 constexpr int64_t kDenseKVPacks = 16;
 constexpr int64_t kDenseKVBytes = int64_t(256) << 20;
 
-bool rows_adjacent_view(const View4<const float>& x) { return x.strides[3] == 1 && x.strides[2] == x.dim(3); }
-
 struct DenseKV {
   OperandBuffer k, v;
   SdpaArgs<float> args;
   bool used = false;
   DenseKV(const Problem& p, const SdpaArgs<float>& a, const FusedPlan& t) : args(a) {
-    const bool k_dense = rows_adjacent_view(a.k), v_dense = rows_adjacent_view(a.v);
+    const bool k_dense = rows_adjacent(a.k), v_dense = rows_adjacent(a.v);
     const int64_t rows = p.B * p.Hkv * p.S;
     const int64_t packs = p.group() * ceil_div(std::max<int64_t>(p.L, 1), std::max<int64_t>(t.q_block, 1));
     const int64_t bytes = rows * ((k_dense ? 0 : p.E) + (v_dense ? 0 : p.Ev)) * int64_t(sizeof(float));

@@ -122,12 +122,6 @@ FusedCall MakeCall(const Problem& p, const SdpaArgs<float>& a, const FusedPlan& 
 
 // ---- packing (strided views → dense scratch) -------------------------------
 
-// Transposed copy of nk rows of a (B, Hx, N, F) view: dst[f][jj] =
-// X(b, hx, j0 + jj, f), row length ld; columns nk..ld are zero.
-// Whether the rows of a (B, Hx, N, F) view are adjacent (row j + 1 starts
-// where row j ends), so a block of them is one dense matrix.
-bool rows_adjacent(const View4<const float>& X) { return X.strides[3] == 1 && X.strides[2] == X.dim(3); }
-
 // Rows that are not adjacent (a packed batch's rows lie H·F floats apart)
 // are fetched from memory one by one, each a few cache lines after a jump
 // the hardware prefetchers follow badly; the copies below ask for the row
@@ -139,8 +133,7 @@ constexpr int64_t kAhead = 8;
 
 void PrefetchRow(const float* row, int64_t F, int64_t sf) {
   if (sf != 1) return;  // element-strided rows: one line per element, not worth it
-  const char* p = reinterpret_cast<const char*>(row);
-  for (int64_t o = 0; o < F * int64_t(sizeof(float)); o += 64) PrefetchL1(p + o);
+  PrefetchL1Bytes(row, F * int64_t(sizeof(float)));
 }
 
 // fn(jj, row) for the nk rows of a (B, Hx, N, F) view from j0; rows that
