@@ -155,6 +155,7 @@ Case random_case(std::mt19937_64& rng, uint64_t seed, bool variants = false) {
   c.tiles = tiles[std::uniform_int_distribution<size_t>(0, std::size(tiles) - 1)(rng)];
   if (c.tiles.q_block == 1 && c.L * c.S > 100000) c.tiles = {5, 7};  // keep 1×1 tiles cheap
   c.tiles.own_heads = std::bernoulli_distribution(0.5)(rng);  // both backward splits on any shape
+  c.tiles.queries_once = std::bernoulli_distribution(0.5)(rng);  // and both ways to the query side
   attn::testing::random_scale_and_variants(c, rng, variants);
   return c;
 }
@@ -551,7 +552,7 @@ TEST(FusedNaN, EveryInputReachesExactlyTheOutputsItTouchesInBothBackends) {
     c.mask = 3;  // a boolean mask (with a fully masked row) and a bias (with −∞ entries)
     c.key_lengths = variant >= 2;
     c.layout = variant == 3 ? Layout::strided : Layout::bhnd;
-    c.tiles = variant % 2 == 0 ? FusedPlan{12, 16, variant == 2} : FusedPlan{};
+    c.tiles = variant % 2 == 0 ? FusedPlan{12, 16, variant == 2, variant == 0} : FusedPlan{};
     c.threads = variant == 3 ? 2 : 1;
     c.seed = 300 + uint64_t(variant);
     Data clean_data(c);
@@ -703,6 +704,43 @@ TEST(Fused, StridedKeysAndValuesGiveTheDenseLayoutsBits) {
   }
 }
 
+// The backward's query side built once per call (plan.queries_once) gives
+// the bits of packing it per tile: on dense and (B, L, H, E) layouts (where
+// the owned heads also sum dQ in a dense copy), both backward splits, masks,
+// biases, sinks and windows, poisoned rows, head sizes off the lane count,
+// one and two threads.
+TEST(Fused, QuerySideBuiltOnceGivesThePerTileBits) {
+  std::mt19937_64 rng(20261207);
+  int compared = 0;
+  for (int i = 0; i < 24; ++i) {
+    Case c = random_case(rng, 7000 + uint64_t(i), true);
+    c.layout = i % 3 == 0 ? Layout::bhnd : i % 3 == 1 ? Layout::bnhd : Layout::strided;
+    c.tiles = {i % 2 ? 12 : 16, i % 4 < 2 ? 12 : 24, i % 4 == 1 || i % 4 == 2, true};
+    c.threads = 1 + i % 2;
+    Data d(c);
+    if (i % 5 == 4) {  // a bad query row and a bad dY row
+      d.qbuf.view(0, 0, c.L / 2, 0) = std::numeric_limits<float>::quiet_NaN();
+      d.doutbuf.view(c.B - 1, c.H - 1, c.L - 1, c.Ev - 1) = std::numeric_limits<float>::infinity();
+    }
+    SCOPED_TRACE(c.str());
+    const Results once = run_kernels(d, Backend::fused);
+    d.c.tiles.queries_once = false;
+    const Results per_tile = run_kernels(d, Backend::fused);
+    EXPECT_TRUE(bitwise_equal(once.out, per_tile.out));
+    EXPECT_TRUE(bitwise_equal(once.dq, per_tile.dq));
+    EXPECT_TRUE(bitwise_equal(once.dk, per_tile.dk));
+    EXPECT_TRUE(bitwise_equal(once.dv, per_tile.dv));
+    if (!once.dbias.empty()) {
+      EXPECT_TRUE(bitwise_equal(once.dbias, per_tile.dbias));
+    }
+    ASSERT_EQ(once.dsinks.size(), per_tile.dsinks.size());
+    EXPECT_EQ(std::memcmp(once.dsinks.data(), per_tile.dsinks.data(), once.dsinks.size() * sizeof(float)), 0);
+    compared += int(c.S > c.tiles.k_block);
+    if (::testing::Test::HasFailure()) break;
+  }
+  EXPECT_GE(compared, 12);  // most cases meet several key blocks
+}
+
 TEST(Fused, BackwardRecomputesMissingSavedState) {
   Case c;
   c.B = 2, c.H = 2, c.Hkv = 1, c.L = 64, c.S = 65, c.E = 16, c.Ev = 16, c.causal = true, c.seed = 5;
@@ -770,6 +808,7 @@ TEST(Fused, PlanKeepsItsPromises) {
             EXPECT_EQ(tt.q_block, t.q_block);
             EXPECT_EQ(tt.k_block, t.k_block);
             EXPECT_EQ(tt.own_heads, t.own_heads);
+            EXPECT_EQ(tt.queries_once, t.queries_once);
           }
         }
   // Scratch does not grow with the sequence once the blocks are full.

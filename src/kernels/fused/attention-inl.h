@@ -294,72 +294,12 @@ void ForwardImpl(const Problem& p, const SdpaArgs<float>& a, View4<float> out, V
 
 // ---- backward --------------------------------------------------------------
 
-// kt[e][jj] = K(b, hk, j0 + jj, e); columns nk..kbp are zero.
-void PackKt(const FusedCall& c, BackwardScratch& w, int64_t b, int64_t hk, int64_t j0, int64_t nk) {
-  PackTransposed(c.a->k, b, hk, j0, nk, w.kt, w.kbp);
-}
-
-// vt[e][jj] = V(b, hk, j0 + jj, e); columns nk..kbp zero.
-void PackVt(const FusedCall& c, BackwardScratch& w, int64_t b, int64_t hk, int64_t j0, int64_t nk) {
-  PackTransposed(c.a->v, b, hk, j0, nk, w.vt, w.kbp);
-}
 // What one backward tile accumulates.
 struct TileJobs {
   bool dkdv = false;  // dk/dv (scratch, k-block rows) += ...
   bool dq = false;    // dq scratch (q-block rows) += dS·K (unscaled)
 };  // with neither (the dbias pass, which reads it), dS is left in w.dp
 
-// Backward state of a query block: q (scaled), dY, lse and D for its rows.
-void PackQueryBlock(const FusedCall& c, BackwardScratch& w, int64_t b, int64_t h, int64_t i0, int64_t nr,
-                    const View4<const float>& dout, const View4<const float>& out,
-                    const View3<const float>& lse) {
-  PackQ(c, w, b, h, i0, nr);
-  PackRows(dout, b, h, i0, nr, w.dy, w.Evp);
-  const int64_t Ev = c.p->Ev, se = out.strides[3];
-  for (int64_t r = 0; r < nr; ++r) {
-    const float* y = &out(b, h, i0 + r, 0);
-    float* dy = w.dy + r * w.Evp;
-    w.lse[r] = lse(b, h, i0 + r);
-    const bool bad = RowNonFinite(dy, Ev, 1);
-    // Poisoned: a bad query (PackQ), a bad dY, or a NaN lse (the forward's
-    // poisoned rows). Its dY is zeroed and D = 0; its probabilities carry the NaN.
-    w.poisoned[r] = w.poisoned[r] || bad || w.lse[r] != w.lse[r];
-    if (w.poisoned[r]) {
-      std::fill(dy, dy + Ev, 0.0f);
-      w.D[r] = 0.0f;
-      continue;
-    }
-    w.D[r] = RowDot(dy, y, Ev, se);  // D_i = Σ_e dY_ie·Y_ie
-  }
-}
-
-// Key-side state of a key block: kt, vt (and kb_rows when dQ is wanted).
-void PackKeyBlock(const FusedCall& c, BackwardScratch& w, int64_t b, int64_t hk, int64_t j0, int64_t nk,
-                  bool rows) {
-  PackKt(c, w, b, hk, j0, nk);
-  PackVt(c, w, b, hk, j0, nk);
-  if (rows) PackRows(c.a->k, b, hk, j0, nk, w.kr, w.Ep);
-  for (int64_t jj = 0; c.any_bad_keys && jj < nk; ++jj) {
-    if (!c.bad_key(b, hk, j0 + jj)) continue;  // a bad key: zeros (its rows are poisoned)
-    for (int64_t e = 0; e < c.p->E; ++e) w.kt[e * w.kbp + jj] = 0.0f;
-    for (int64_t e = 0; e < c.p->Ev; ++e) w.vt[e * w.kbp + jj] = 0.0f;
-    if (rows) std::fill(w.kr + jj * w.Ep, w.kr + jj * w.Ep + c.p->E, 0.0f);
-  }
-}
-
-// Writes the dK/dV accumulators of a key block (zero where nothing reached).
-void StoreKeyGrads(const FusedCall& c, BackwardScratch& w, const SdpaGrads<float>& g, int64_t b, int64_t hk,
-                   int64_t j0, int64_t nk) {
-  const Problem& p = *c.p;
-  for (int64_t jj = 0; jj < nk; ++jj) {
-    float* dk = &g.dk(b, hk, j0 + jj, 0);
-    float* dv = &g.dv(b, hk, j0 + jj, 0);
-    const float* sk = w.dk + jj * w.Ep;
-    const float* sv = w.dv + jj * w.Evp;
-    for (int64_t e = 0; e < p.E; ++e) dk[e * g.dk.strides[3]] = sk[e];
-    for (int64_t e = 0; e < p.Ev; ++e) dv[e * g.dv.strides[3]] = sv[e];
-  }
-}
 
 // The float32 products of the backward (exact), on the packed blocks of
 // BackwardScratch: S = (scale·Q)·Kᵀ (ScoreTile), dP = dY·Vᵀ, dV += Pᵀ·dY,
@@ -368,6 +308,8 @@ void StoreKeyGrads(const FusedCall& c, BackwardScratch& w, const SdpaGrads<float
 struct Float32BackwardProducts {
   const FusedCall& c;
   BackwardScratch& w;
+  const BackwardQueries* queries = nullptr;  // the call's query side (null: packed per tile)
+  float* dq_accumulator() const { return queries ? queries->dq : nullptr; }  // dense dQ sums (null: in g.dq)
 
   // The padded width of a tile's nk keys.
   int64_t width(int64_t nk) const { return round_up(nk, Lanes()); }
@@ -378,6 +320,7 @@ struct Float32BackwardProducts {
   }
   void pack_queries(int64_t b, int64_t h, int64_t i0, int64_t nr, const View4<const float>& dout,
                     const View4<const float>& out, const View3<const float>& lse) {
+    if (queries) return queries->point(*c.p, w, b, h, i0);
     PackQueryBlock(c, w, b, h, i0, nr, dout, out, lse);
   }
   // w.s = the tile's scores through the score pipeline.
@@ -590,16 +533,24 @@ void DbiasUnitT(const FusedCall& c, Products& pr, BackwardScratch& w, const Sdpa
 }
 
 // The backward unit of plan.own_heads: all of (b, hk), dQ of the group's
-// heads accumulated in the output (zeroed here; no other unit touches it).
+// heads accumulated in the output (zeroed here; no other unit touches it),
+// or in the products' dense dQ sums, copied to the output at the end.
 template <class Products>
 void OwnedHeadUnitT(const FusedCall& c, Products& pr, BackwardScratch& w, const SdpaGrads<float>& g,
                     const View4<const float>& dout, const View4<const float>& out, const View3<const float>& lse,
                     int64_t b, int64_t hk) {
   const Problem& p = *c.p;
+  SdpaGrads<float> acc = g;  // dQ summed in g.dq, or where the products keep it dense
+  if constexpr (requires { pr.dq_accumulator(); })
+    if (pr.dq_accumulator()) acc.dq = View4<float>::bhnd(pr.dq_accumulator(), p.B, p.H, p.L, p.E);
   for (int64_t h = hk * p.group(); h < (hk + 1) * p.group(); ++h)
     for (int64_t i = 0; i < p.L; ++i)
-      for (int64_t e = 0; e < p.E; ++e) g.dq(b, h, i, e) = 0.0f;
-  for (int64_t j0 = 0; j0 < p.S; j0 += w.kb) KeyBlockUnitT(c, pr, w, g, dout, out, lse, b, hk, j0, true);
+      for (int64_t e = 0; e < p.E; ++e) acc.dq(b, h, i, e) = 0.0f;
+  for (int64_t j0 = 0; j0 < p.S; j0 += w.kb) KeyBlockUnitT(c, pr, w, acc, dout, out, lse, b, hk, j0, true);
+  if (acc.dq.data != g.dq.data)
+    for (int64_t h = hk * p.group(); h < (hk + 1) * p.group(); ++h)
+      for (int64_t i = 0; i < p.L; ++i)
+        for (int64_t e = 0; e < p.E; ++e) g.dq(b, h, i, e) = acc.dq(b, h, i, e);
 }
 
 // The float32 units (the dense call's and the packed batch's).
@@ -680,7 +631,10 @@ void BackwardImpl(const Problem& p, const SdpaArgs<float>& a, View4<const float>
                   FusedPlan t) {
   std::vector<uint8_t> bad;
   const FusedCall c = MakeCall(p, a, t, bad);
-  BackwardUnits(c, t, dout, g, out, lse, [&](BackwardScratch& w) { return Float32BackwardProducts{c, w}; });
+  BackwardQueries qs;
+  BuildBackwardQueries(c, t, dout, out, lse, g.dq, qs);
+  const BackwardQueries* built = qs.q ? &qs : nullptr;
+  BackwardUnits(c, t, dout, g, out, lse, [&](BackwardScratch& w) { return Float32BackwardProducts{c, w, built}; });
 }
 
 }  // namespace

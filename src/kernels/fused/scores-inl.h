@@ -1,10 +1,12 @@
 // The fused kernels' operands and score tiles, for one SIMD target (included
 // once per target through attention-inl.h; no ordinary include guard): the
 // NaN/±∞ marking of K and V rows, the packing of strided views into dense
-// scratch (prefetching rows that are not adjacent), and the one function
-// per direction that builds a score tile through the score rules (ScoreTileT for the forward, in base 2 and
-// transposed; ScoreTile for the backward). The units that use them, forward
-// and backward side by side, are in attention-inl.h.
+// scratch (prefetching rows that are not adjacent), the one function per
+// direction that builds a score tile through the score rules (ScoreTileT
+// for the forward, in base 2 and transposed; ScoreTile for the backward),
+// and the backward's packed blocks (the query side per tile or once per
+// call, the key side per key block). The units that use them, forward and
+// backward side by side, are in attention-inl.h.
 
 // Per-target include guard, the Highway way (see attention-inl.h).
 #if defined(ATTN_KERNELS_FUSED_SCORES_INL_H_) == defined(HWY_TARGET_TOGGLE)
@@ -21,6 +23,7 @@
 #include <vector>
 
 #include "attn/sdpa.hpp"
+#include "kernels/fused/bf16.hpp"
 #include "kernels/fused/common.hpp"
 #include "kernels/fused/fused.hpp"
 #include "kernels/fused/online_softmax.hpp"
@@ -404,6 +407,141 @@ void AddSinkGradient(const FusedCall& c, int64_t h, const View4<const float>& do
       for (int64_t e = 0; e < p.Ev; ++e) D += double(dout(b, h, i, e)) * double(out(b, h, i, e));
       acc -= std::exp(double(sink) - double(lse(b, h, i))) * D;
     }
+}
+
+// ---- the backward's packed operands ------------------------------------------
+
+// kt[e][jj] = K(b, hk, j0 + jj, e); columns nk..kbp are zero.
+void PackKt(const FusedCall& c, BackwardScratch& w, int64_t b, int64_t hk, int64_t j0, int64_t nk) {
+  PackTransposed(c.a->k, b, hk, j0, nk, w.kt, w.kbp);
+}
+
+// vt[e][jj] = V(b, hk, j0 + jj, e); columns nk..kbp zero.
+void PackVt(const FusedCall& c, BackwardScratch& w, int64_t b, int64_t hk, int64_t j0, int64_t nk) {
+  PackTransposed(c.a->v, b, hk, j0, nk, w.vt, w.kbp);
+}
+
+// Backward state of a query block: q (scaled), dY, lse and D for its rows.
+void PackQueryBlock(const FusedCall& c, BackwardScratch& w, int64_t b, int64_t h, int64_t i0, int64_t nr,
+                    const View4<const float>& dout, const View4<const float>& out,
+                    const View3<const float>& lse) {
+  PackQ(c, w, b, h, i0, nr);
+  PackRows(dout, b, h, i0, nr, w.dy, w.Evp);
+  const int64_t Ev = c.p->Ev, se = out.strides[3];
+  for (int64_t r = 0; r < nr; ++r) {
+    const float* y = &out(b, h, i0 + r, 0);
+    float* dy = w.dy + r * w.Evp;
+    w.lse[r] = lse(b, h, i0 + r);
+    const bool bad = RowNonFinite(dy, Ev, 1);
+    // Poisoned: a bad query (PackQ), a bad dY, or a NaN lse (the forward's
+    // poisoned rows). Its dY is zeroed and D = 0; its probabilities carry the NaN.
+    w.poisoned[r] = w.poisoned[r] || bad || w.lse[r] != w.lse[r];
+    if (w.poisoned[r]) {
+      std::fill(dy, dy + Ev, 0.0f);
+      w.D[r] = 0.0f;
+      continue;
+    }
+    w.D[r] = RowDot(dy, y, Ev, se);  // D_i = Σ_e dY_ie·Y_ie
+  }
+}
+
+// The query side of a call, built once (BuildBackwardQueries) where every
+// query row would otherwise be packed once per key block: the units of
+// plan.own_heads and of the dK/dV pass visit each query block once per key
+// block (43 times at (1, 8, 2048, 128)), re-reading q, dY and Y, whose rows
+// lie H·E floats apart in torch's (B, L, H, E) layout. Row (b·H + h)·L + i
+// of each array holds what PackQueryBlock leaves in the scratch for that
+// row, padding columns zero; the tiles read the same values, so the results
+// keep their bits:
+//   q [rows × Ep], dy [rows × Evp], lse [rows], D [rows], poisoned [rows]
+//   dq [rows × E]   with plan.own_heads and dQ's rows not adjacent: the
+//                   units' dQ sums (each unit's rows copied out at its end)
+// On Zen 4 (2 threads, new over old, same bits): (1, 8, 2048, 128)
+// 0.78 (q, k, v in the (B, L, H, E) layout) and 0.90 (dense); (1, 8, 2048,
+// 64) 0.88 and 0.96; (2, 8, 1024, 128) 0.89 and 0.98; the dense dQ sums a
+// further 0.96-0.99 on the (B, L, H, E) layout. Where each row is packed 4
+// to 6 times ((4, 8, 512, 64), (8, 8, 768, 64)) the build costs what it
+// saves: hence plan.queries_once only from 8 key blocks (tiles.cpp).
+struct BackwardQueries {
+  OperandBuffer buf;
+  float *q = nullptr, *dy = nullptr, *lse = nullptr, *D = nullptr, *dq = nullptr;
+  uint8_t* poisoned = nullptr;
+  int64_t L = 0;
+
+  // w's query side at rows i0.. of (b, h): the units read them in place.
+  void point(const Problem& p, BackwardScratch& w, int64_t b, int64_t h, int64_t i0) const {
+    const int64_t row = (b * p.H + h) * L + i0;
+    w.q = q + row * w.Ep, w.dy = dy + row * w.Evp;
+    w.lse = lse + row, w.D = D + row, w.poisoned = poisoned + row;
+  }
+};
+constexpr int64_t kBackwardQueriesBytes = int64_t(256) << 20;  // at most (else packed per tile)
+
+// Fills qs for the call where the plan asks for it and it stays within
+// kBackwardQueriesBytes (else leaves it empty): the threads' units of
+// q_block rows each pack into their rows of the arrays.
+void BuildBackwardQueries(const FusedCall& c, const FusedPlan& t, const View4<const float>& dout,
+                          const View4<const float>& out, const View3<const float>& lse, const View4<float>& dq,
+                          BackwardQueries& qs) {
+  const Problem& p = *c.p;
+  const int64_t lanes = Lanes(), Ep = round_up(p.E, lanes), Evp = round_up(p.Ev, lanes);
+  const bool own_dq = t.own_heads && !rows_adjacent(dq);
+  const int64_t rows = p.B * p.H * p.L;
+  const int64_t row_bytes = (Ep + Evp + 2 + (own_dq ? p.E : 0)) * int64_t(sizeof(float)) + 1;
+  if (!t.queries_once || rows == 0 || rows > kBackwardQueriesBytes / row_bytes) return;
+  // 64-byte aligned arrays in one buffer.
+  const int64_t nq = round_up(rows * Ep, 16), ndy = round_up(rows * Evp, 16), nf = round_up(rows, 16);
+  const int64_t ndq = own_dq ? round_up(rows * p.E, 16) : 0;
+  qs.buf = OperandBuffer(size_t(nq + ndy + 2 * nf + ndq) * sizeof(float) + size_t(rows), false);
+  float* const f = qs.buf.as<float>();
+  qs.q = f, qs.dy = f + nq, qs.lse = f + nq + ndy, qs.D = qs.lse + nf;
+  qs.dq = own_dq ? qs.D + nf : nullptr;
+  qs.poisoned = reinterpret_cast<uint8_t*>(qs.D + nf + ndq);
+  qs.L = p.L;
+  const int64_t nqb = ceil_div(p.L, t.q_block);
+#pragma omp parallel num_threads(p.threads)
+  {
+    BackwardScratch w(p, t, lanes, Alloc::no);  // only its widths: the arrays are qs's
+#pragma omp for schedule(static)
+    for (int64_t u = 0; u < p.B * p.H * nqb; ++u) {
+      const int64_t qbi = u % nqb, h = (u / nqb) % p.H, b = u / (nqb * p.H);
+      const int64_t i0 = qbi * t.q_block, nr = std::min(t.q_block, p.L - i0);
+      qs.point(p, w, b, h, i0);
+      PackQueryBlock(c, w, b, h, i0, nr, dout, out, lse);
+      for (int64_t r = 0; r < nr; ++r) {
+        std::fill(w.q + r * Ep + p.E, w.q + (r + 1) * Ep, 0.0f);
+        std::fill(w.dy + r * Evp + p.Ev, w.dy + (r + 1) * Evp, 0.0f);
+      }
+    }
+  }
+}
+
+// Key-side state of a key block: kt, vt (and kb_rows when dQ is wanted).
+void PackKeyBlock(const FusedCall& c, BackwardScratch& w, int64_t b, int64_t hk, int64_t j0, int64_t nk,
+                  bool rows) {
+  PackKt(c, w, b, hk, j0, nk);
+  PackVt(c, w, b, hk, j0, nk);
+  if (rows) PackRows(c.a->k, b, hk, j0, nk, w.kr, w.Ep);
+  for (int64_t jj = 0; c.any_bad_keys && jj < nk; ++jj) {
+    if (!c.bad_key(b, hk, j0 + jj)) continue;  // a bad key: zeros (its rows are poisoned)
+    for (int64_t e = 0; e < c.p->E; ++e) w.kt[e * w.kbp + jj] = 0.0f;
+    for (int64_t e = 0; e < c.p->Ev; ++e) w.vt[e * w.kbp + jj] = 0.0f;
+    if (rows) std::fill(w.kr + jj * w.Ep, w.kr + jj * w.Ep + c.p->E, 0.0f);
+  }
+}
+
+// Writes the dK/dV accumulators of a key block (zero where nothing reached).
+void StoreKeyGrads(const FusedCall& c, BackwardScratch& w, const SdpaGrads<float>& g, int64_t b, int64_t hk,
+                   int64_t j0, int64_t nk) {
+  const Problem& p = *c.p;
+  for (int64_t jj = 0; jj < nk; ++jj) {
+    float* dk = &g.dk(b, hk, j0 + jj, 0);
+    float* dv = &g.dv(b, hk, j0 + jj, 0);
+    const float* sk = w.dk + jj * w.Ep;
+    const float* sv = w.dv + jj * w.Evp;
+    for (int64_t e = 0; e < p.E; ++e) dk[e * g.dk.strides[3]] = sk[e];
+    for (int64_t e = 0; e < p.Ev; ++e) dv[e * g.dv.strides[3]] = sv[e];
+  }
 }
 
 }  // namespace

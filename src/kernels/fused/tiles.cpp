@@ -37,6 +37,9 @@ FusedPlan plan_for(const Problem& p, int64_t kv_floats_per_element, bool tiles =
   t.k_block = std::min(std::max(kb, kRowMultiple), round_up(p.S, kRowMultiple));
   // Enough (b, kv head) pairs keep every thread busy with whole heads.
   t.own_heads = p.B * p.Hkv >= 8;
+  // Where a query block meets 8 key blocks or more, building its query side
+  // once saves more than it costs (scores-inl.h, BackwardQueries).
+  t.queries_once = ceil_div(p.S, t.k_block) >= 8;
   return t;
 }
 

@@ -32,6 +32,11 @@ struct FusedPlan {
   // Backward: one unit per (batch, kv head), dQ accumulated in place (true),
   // or two passes, key blocks for dK/dV then query blocks for dQ (false).
   bool own_heads = false;
+  // Backward, float32 products: the query side (q·scale, dY, lse, D) built
+  // once per call for every row (true), or packed per tile, once for every
+  // key block a query block meets (false). The bfloat16 products always
+  // build theirs once; a packed batch's units pack per tile.
+  bool queries_once = false;
 };
 
 // The one place the plan is chosen. Promises (tests/test_fused.cpp):
