@@ -156,6 +156,7 @@ Case random_case(std::mt19937_64& rng, uint64_t seed, bool variants = false) {
   if (c.tiles.q_block == 1 && c.L * c.S > 100000) c.tiles = {5, 7};  // keep 1×1 tiles cheap
   c.tiles.own_heads = std::bernoulli_distribution(0.5)(rng);  // both backward splits on any shape
   c.tiles.queries_once = std::bernoulli_distribution(0.5)(rng);  // and both ways to the query side
+  c.tiles.keys_once = std::bernoulli_distribution(0.5)(rng);     // and to the key side
   attn::testing::random_scale_and_variants(c, rng, variants);
   return c;
 }
@@ -552,7 +553,7 @@ TEST(FusedNaN, EveryInputReachesExactlyTheOutputsItTouchesInBothBackends) {
     c.mask = 3;  // a boolean mask (with a fully masked row) and a bias (with −∞ entries)
     c.key_lengths = variant >= 2;
     c.layout = variant == 3 ? Layout::strided : Layout::bhnd;
-    c.tiles = variant % 2 == 0 ? FusedPlan{12, 16, variant == 2, variant == 0} : FusedPlan{};
+    c.tiles = variant % 2 == 0 ? FusedPlan{12, 16, variant == 2, variant == 0, variant == 0} : FusedPlan{};
     c.threads = variant == 3 ? 2 : 1;
     c.seed = 300 + uint64_t(variant);
     Data clean_data(c);
@@ -704,27 +705,28 @@ TEST(Fused, StridedKeysAndValuesGiveTheDenseLayoutsBits) {
   }
 }
 
-// The backward's query side built once per call (plan.queries_once) gives
-// the bits of packing it per tile: on dense and (B, L, H, E) layouts (where
-// the owned heads also sum dQ in a dense copy), both backward splits, masks,
-// biases, sinks and windows, poisoned rows, head sizes off the lane count,
-// one and two threads.
-TEST(Fused, QuerySideBuiltOnceGivesThePerTileBits) {
+// The backward's query and key sides built once per call (plan.queries_once,
+// keys_once) give the bits of packing them per tile: on dense and
+// (B, L, H, E) layouts (where the owned heads also sum dQ in a dense copy),
+// both backward splits, masks, biases, sinks and windows, poisoned rows and
+// keys, head sizes off the lane count, one and two threads.
+TEST(Fused, OperandsBuiltOnceGiveThePerTileBits) {
   std::mt19937_64 rng(20261207);
   int compared = 0;
   for (int i = 0; i < 24; ++i) {
     Case c = random_case(rng, 7000 + uint64_t(i), true);
     c.layout = i % 3 == 0 ? Layout::bhnd : i % 3 == 1 ? Layout::bnhd : Layout::strided;
-    c.tiles = {i % 2 ? 12 : 16, i % 4 < 2 ? 12 : 24, i % 4 == 1 || i % 4 == 2, true};
+    c.tiles = {i % 2 ? 12 : 16, i % 4 < 2 ? 12 : 24, i % 4 == 1 || i % 4 == 2, true, true};
     c.threads = 1 + i % 2;
     Data d(c);
-    if (i % 5 == 4) {  // a bad query row and a bad dY row
+    if (i % 5 == 4) {  // a bad query row, a bad dY row and a bad key
       d.qbuf.view(0, 0, c.L / 2, 0) = std::numeric_limits<float>::quiet_NaN();
       d.doutbuf.view(c.B - 1, c.H - 1, c.L - 1, c.Ev - 1) = std::numeric_limits<float>::infinity();
+      d.kbuf.view(c.B - 1, c.Hkv - 1, c.S / 3, c.E - 1) = -std::numeric_limits<float>::infinity();
     }
     SCOPED_TRACE(c.str());
     const Results once = run_kernels(d, Backend::fused);
-    d.c.tiles.queries_once = false;
+    d.c.tiles.queries_once = d.c.tiles.keys_once = false;
     const Results per_tile = run_kernels(d, Backend::fused);
     EXPECT_TRUE(bitwise_equal(once.out, per_tile.out));
     EXPECT_TRUE(bitwise_equal(once.dq, per_tile.dq));
@@ -809,6 +811,7 @@ TEST(Fused, PlanKeepsItsPromises) {
             EXPECT_EQ(tt.k_block, t.k_block);
             EXPECT_EQ(tt.own_heads, t.own_heads);
             EXPECT_EQ(tt.queries_once, t.queries_once);
+            EXPECT_EQ(tt.keys_once, t.keys_once);
           }
         }
   // Scratch does not grow with the sequence once the blocks are full.

@@ -309,6 +309,7 @@ struct Float32BackwardProducts {
   const FusedCall& c;
   BackwardScratch& w;
   const BackwardQueries* queries = nullptr;  // the call's query side (null: packed per tile)
+  const BackwardKeys* keys = nullptr;        // the call's key side (null: packed per tile)
   float* dq_accumulator() const { return queries ? queries->dq : nullptr; }  // dense dQ sums (null: in g.dq)
 
   // The padded width of a tile's nk keys.
@@ -316,6 +317,7 @@ struct Float32BackwardProducts {
   float score_unit() const { return 1.0f; }  // scores in natural units
   float deferred_scale() const { return 1.0f; }  // and scaled (w.q is)
   void pack_keys(int64_t b, int64_t hk, int64_t j0, int64_t nk, bool rows) {
+    if (keys) return keys->point(*c.p, w, b, hk, j0);
     PackKeyBlock(c, w, b, hk, j0, nk, rows);
   }
   void pack_queries(int64_t b, int64_t h, int64_t i0, int64_t nr, const View4<const float>& dout,
@@ -329,7 +331,7 @@ struct Float32BackwardProducts {
   }
   // w.dp = dY·Vᵀ
   void dp(int64_t nr, int64_t nkp, TileOrigin at) {
-    Gemm(nr, nkp, c.p->Ev, w.dy + at.row * w.Evp, w.Evp, 1, w.vt + at.key, w.kbp, w.dp, w.kbp, false);
+    Gemm(nr, nkp, c.p->Ev, w.dy + at.row * w.Evp, w.Evp, 1, w.vt + at.key, w.ldk, w.dp, w.kbp, false);
   }
   // dV += (P∘m)ᵀ·dY ; dK += dUᵀ·(scale·Q)
   void dkdv(int64_t nr, int64_t nk, int64_t, TileOrigin at) {
@@ -633,8 +635,12 @@ void BackwardImpl(const Problem& p, const SdpaArgs<float>& a, View4<const float>
   const FusedCall c = MakeCall(p, a, t, bad);
   BackwardQueries qs;
   BuildBackwardQueries(c, t, dout, out, lse, g.dq, qs);
-  const BackwardQueries* built = qs.q ? &qs : nullptr;
-  BackwardUnits(c, t, dout, g, out, lse, [&](BackwardScratch& w) { return Float32BackwardProducts{c, w, built}; });
+  BackwardKeys ks;
+  BuildBackwardKeys(c, t, ks);
+  const BackwardQueries* queries = qs.q ? &qs : nullptr;
+  const BackwardKeys* keys = ks.kt ? &ks : nullptr;
+  BackwardUnits(c, t, dout, g, out, lse,
+                [&](BackwardScratch& w) { return Float32BackwardProducts{c, w, queries, keys}; });
 }
 
 }  // namespace

@@ -391,7 +391,12 @@ void ScoreTileRules(const FusedCall& c, BackwardScratch& w, int64_t b, int64_t h
 // against keys j0..j0+nk. Needs q and kt packed (the tile at `at` in them).
 void ScoreTile(const FusedCall& c, BackwardScratch& w, int64_t b, int64_t h, int64_t i0, int64_t nr,
                int64_t j0, int64_t nk, int64_t nkp, TileOrigin at) {
-  Gemm(nr, nkp, c.p->E, w.q + at.row * w.Ep, w.Ep, 1, w.kt + at.key, w.kbp, w.s, w.kbp, false);
+  Gemm(nr, nkp, c.p->E, w.q + at.row * w.Ep, w.Ep, 1, w.kt + at.key, w.ldk, w.s, w.kbp, false);
+  // The columns past nk hold the products of whatever keys follow the tile in
+  // kt. The soft-cap's Tanh picks its formula per vector, so they start at 0,
+  // as a tile packed alone has them, for the tile's own scores to keep their bits.
+  if (c.p->rules.capped())
+    for (int64_t r = 0; r < nr; ++r) std::fill(w.s + r * w.kbp + nk, w.s + r * w.kbp + nkp, 0.0f);
   ScoreTileRules(c, w, b, h, i0, nr, j0, nk, nkp, 1.0f);
 }
 
@@ -411,14 +416,14 @@ void AddSinkGradient(const FusedCall& c, int64_t h, const View4<const float>& do
 
 // ---- the backward's packed operands ------------------------------------------
 
-// kt[e][jj] = K(b, hk, j0 + jj, e); columns nk..kbp are zero.
+// kt[e][jj] = K(b, hk, j0 + jj, e); columns nk..ldk are zero.
 void PackKt(const FusedCall& c, BackwardScratch& w, int64_t b, int64_t hk, int64_t j0, int64_t nk) {
-  PackTransposed(c.a->k, b, hk, j0, nk, w.kt, w.kbp);
+  PackTransposed(c.a->k, b, hk, j0, nk, w.kt, w.ldk);
 }
 
-// vt[e][jj] = V(b, hk, j0 + jj, e); columns nk..kbp zero.
+// vt[e][jj] = V(b, hk, j0 + jj, e); columns nk..ldk zero.
 void PackVt(const FusedCall& c, BackwardScratch& w, int64_t b, int64_t hk, int64_t j0, int64_t nk) {
-  PackTransposed(c.a->v, b, hk, j0, nk, w.vt, w.kbp);
+  PackTransposed(c.a->v, b, hk, j0, nk, w.vt, w.ldk);
 }
 
 // Backward state of a query block: q (scaled), dY, lse and D for its rows.
@@ -524,9 +529,58 @@ void PackKeyBlock(const FusedCall& c, BackwardScratch& w, int64_t b, int64_t hk,
   if (rows) PackRows(c.a->k, b, hk, j0, nk, w.kr, w.Ep);
   for (int64_t jj = 0; c.any_bad_keys && jj < nk; ++jj) {
     if (!c.bad_key(b, hk, j0 + jj)) continue;  // a bad key: zeros (its rows are poisoned)
-    for (int64_t e = 0; e < c.p->E; ++e) w.kt[e * w.kbp + jj] = 0.0f;
-    for (int64_t e = 0; e < c.p->Ev; ++e) w.vt[e * w.kbp + jj] = 0.0f;
+    for (int64_t e = 0; e < c.p->E; ++e) w.kt[e * w.ldk + jj] = 0.0f;
+    for (int64_t e = 0; e < c.p->Ev; ++e) w.vt[e * w.ldk + jj] = 0.0f;
     if (rows) std::fill(w.kr + jj * w.Ep, w.kr + jj * w.Ep + c.p->E, 0.0f);
+  }
+}
+
+// The key side of a call, built once (BuildBackwardKeys, plan.keys_once):
+// in the two-pass backward the query pass packs every key block it meets
+// again for each query block and query head (G·L / q_block times). Per
+// (b, kv head), rows bh = b·Hkv + hk, what PackKeyBlock leaves in the
+// scratch for the whole sequence (a bad key's column and row zero):
+//   kt [bh][E × ldk], vt [bh][Ev × ldk]   ldk = S rounded up to the lanes,
+//                                           plus the lanes: zero past S
+//   kr [bh][S × Ep]                        padding columns zero
+// A tile's keys are then columns (rows of kr) j0.. in place; a tile reads at
+// most a vector past its last key, which stays within ldk. The tiles see
+// the same values, so the results keep their bits.
+struct BackwardKeys {
+  OperandBuffer buf;
+  float *kt = nullptr, *vt = nullptr, *kr = nullptr;
+  int64_t ldk = 0, S = 0, Hkv = 0;
+
+  void point(const Problem& p, BackwardScratch& w, int64_t b, int64_t hk, int64_t j0) const {
+    const int64_t bh = b * Hkv + hk;
+    w.kt = kt + bh * p.E * ldk + j0, w.vt = vt + bh * p.Ev * ldk + j0, w.kr = kr + (bh * S + j0) * w.Ep;
+    w.ldk = ldk;
+  }
+};
+constexpr int64_t kBackwardKeysBytes = int64_t(256) << 20;  // at most (else packed per tile)
+
+// Fills ks for the call where the plan asks for it and it stays within
+// kBackwardKeysBytes (else leaves it empty): one unit per (b, kv head).
+void BuildBackwardKeys(const FusedCall& c, const FusedPlan& t, BackwardKeys& ks) {
+  const Problem& p = *c.p;
+  const int64_t lanes = Lanes(), Ep = round_up(p.E, lanes), ldk = round_up(p.S, lanes) + lanes;
+  const int64_t heads = p.B * p.Hkv;
+  const int64_t head_bytes = ((p.E + p.Ev) * ldk + p.S * Ep) * int64_t(sizeof(float));
+  if (!t.keys_once || heads == 0 || p.S == 0 || heads > kBackwardKeysBytes / head_bytes) return;
+  const int64_t nt = heads * p.E * ldk, nv = heads * p.Ev * ldk, nr = heads * p.S * Ep;
+  ks.buf = OperandBuffer(size_t(round_up(nt, 16) + round_up(nv, 16) + nr) * sizeof(float), false);
+  ks.kt = ks.buf.as<float>(), ks.vt = ks.kt + round_up(nt, 16), ks.kr = ks.vt + round_up(nv, 16);
+  ks.ldk = ldk, ks.S = p.S, ks.Hkv = p.Hkv;
+#pragma omp parallel num_threads(p.threads)
+  {
+    BackwardScratch w(p, t, lanes, Alloc::no);  // only its widths: the arrays are ks's
+#pragma omp for schedule(static)
+    for (int64_t u = 0; u < heads; ++u) {
+      const int64_t b = u / p.Hkv, hk = u % p.Hkv;
+      ks.point(p, w, b, hk, 0);
+      PackKeyBlock(c, w, b, hk, 0, p.S, true);  // (zero columns S..ldk of kt and vt)
+      for (int64_t j = 0; j < p.S; ++j) std::fill(w.kr + j * Ep + p.E, w.kr + (j + 1) * Ep, 0.0f);
+    }
   }
 }
 

@@ -40,6 +40,8 @@ FusedPlan plan_for(const Problem& p, int64_t kv_floats_per_element, bool tiles =
   // Where a query block meets 8 key blocks or more, building its query side
   // once saves more than it costs (scores-inl.h, BackwardQueries).
   t.queries_once = ceil_div(p.S, t.k_block) >= 8;
+  // Likewise the key side, where the query pass packs each key block 8 times or more.
+  t.keys_once = !t.own_heads && p.group() * ceil_div(p.L, t.q_block) >= 8;
   return t;
 }
 
@@ -140,6 +142,7 @@ BackwardScratch::BackwardScratch(const Problem& p, const FusedPlan& t, int64_t l
   qb = t.q_block;
   kb = t.k_block;
   kbp = round_up(kb, lanes);
+  ldk = kbp;
   Ep = round_up(p.E, lanes);
   Evp = round_up(p.Ev, lanes);
   const bool f32 = !p.bf16_products;

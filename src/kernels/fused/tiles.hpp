@@ -37,6 +37,10 @@ struct FusedPlan {
   // key block a query block meets (false). The bfloat16 products always
   // build theirs once; a packed batch's units pack per tile.
   bool queries_once = false;
+  // Backward, float32 products, two passes (not own_heads): K and V
+  // transposed once per call (true), or per tile, once for every query
+  // block and query head that meets a key block (false).
+  bool keys_once = false;
 };
 
 // The one place the plan is chosen. Promises (tests/test_fused.cpp):
@@ -111,6 +115,7 @@ struct ForwardScratch {
 // dk, dq and dv are not used (empty).
 struct BackwardScratch {
   int64_t qb = 0, kb = 0, kbp = 0, Ep = 0, Evp = 0;
+  int64_t ldk = 0;  // kt's and vt's row length: kbp, or the call's (BackwardKeys in scores-inl.h)
   float *q = nullptr, *kt = nullptr, *dy = nullptr, *vt = nullptr, *s = nullptr, *kr = nullptr,
         *dp = nullptr, *dk = nullptr, *dq = nullptr, *dv = nullptr, *acc = nullptr, *dcap = nullptr, *lse = nullptr,
         *D = nullptr, *keep = nullptr;
