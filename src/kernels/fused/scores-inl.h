@@ -4,9 +4,9 @@
 // scratch (prefetching rows that are not adjacent), the one function per
 // direction that builds a score tile through the score rules (ScoreTileT
 // for the forward, in base 2 and transposed; ScoreTile for the backward),
-// and the backward's packed blocks (the query side per tile or once per
-// call, the key side per key block). The units that use them, forward and
-// backward side by side, are in attention-inl.h.
+// and the backward's packed blocks (its query and key sides, per tile or
+// once per call). The units that use them, forward and backward side by
+// side, are in attention-inl.h.
 
 // Per-target include guard, the Highway way (see attention-inl.h).
 #if defined(ATTN_KERNELS_FUSED_SCORES_INL_H_) == defined(HWY_TARGET_TOGGLE)
