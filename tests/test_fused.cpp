@@ -736,7 +736,9 @@ TEST(Fused, OperandsBuiltOnceGiveThePerTileBits) {
       EXPECT_TRUE(bitwise_equal(once.dbias, per_tile.dbias));
     }
     ASSERT_EQ(once.dsinks.size(), per_tile.dsinks.size());
-    EXPECT_EQ(std::memcmp(once.dsinks.data(), per_tile.dsinks.data(), once.dsinks.size() * sizeof(float)), 0);
+    if (!once.dsinks.empty()) {
+      EXPECT_EQ(std::memcmp(once.dsinks.data(), per_tile.dsinks.data(), once.dsinks.size() * sizeof(float)), 0);
+    }
     compared += int(c.S > c.tiles.k_block);
     if (::testing::Test::HasFailure()) break;
   }
