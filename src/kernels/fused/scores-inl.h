@@ -461,21 +461,16 @@ void PackQueryBlock(const FusedCall& c, BackwardScratch& w, int64_t b, int64_t h
 //   q [rows × Ep], dy [rows × Evp], lse [rows], D [rows], poisoned [rows]
 //   dq [rows × E]   with plan.own_heads and dQ's rows not adjacent: the
 //                   units' dQ sums (each unit's rows copied out at its end)
-// On Zen 4 (2 threads, new over old, same bits): (1, 8, 2048, 128)
-// 0.78 (q, k, v in the (B, L, H, E) layout) and 0.90 (dense); (1, 8, 2048,
-// 64) 0.88 and 0.96; (2, 8, 1024, 128) 0.89 and 0.98; the dense dQ sums a
-// further 0.96-0.99 on the (B, L, H, E) layout. Where each row is packed 4
-// to 6 times ((4, 8, 512, 64), (8, 8, 768, 64)) the build costs what it
-// saves: hence plan.queries_once only from 8 key blocks (tiles.cpp).
+// What it saves, and why only from 8 key blocks (plan.queries_once,
+// tiles.cpp): docs/fused.md, "Algorithm".
 struct BackwardQueries {
   OperandBuffer buf;
   float *q = nullptr, *dy = nullptr, *lse = nullptr, *D = nullptr, *dq = nullptr;
   uint8_t* poisoned = nullptr;
-  int64_t L = 0;
 
   // w's query side at rows i0.. of (b, h): the units read them in place.
   void point(const Problem& p, BackwardScratch& w, int64_t b, int64_t h, int64_t i0) const {
-    const int64_t row = (b * p.H + h) * L + i0;
+    const int64_t row = (b * p.H + h) * p.L + i0;
     w.q = q + row * w.Ep, w.dy = dy + row * w.Evp;
     w.lse = lse + row, w.D = D + row, w.poisoned = poisoned + row;
   }
@@ -502,7 +497,6 @@ void BuildBackwardQueries(const FusedCall& c, const FusedPlan& t, const View4<co
   qs.q = f, qs.dy = f + nq, qs.lse = f + nq + ndy, qs.D = qs.lse + nf;
   qs.dq = own_dq ? qs.D + nf : nullptr;
   qs.poisoned = reinterpret_cast<uint8_t*>(qs.D + nf + ndq);
-  qs.L = p.L;
   const int64_t nqb = ceil_div(p.L, t.q_block);
 #pragma omp parallel num_threads(p.threads)
   {
@@ -549,11 +543,11 @@ void PackKeyBlock(const FusedCall& c, BackwardScratch& w, int64_t b, int64_t hk,
 struct BackwardKeys {
   OperandBuffer buf;
   float *kt = nullptr, *vt = nullptr, *kr = nullptr;
-  int64_t ldk = 0, S = 0, Hkv = 0;
+  int64_t ldk = 0;
 
   void point(const Problem& p, BackwardScratch& w, int64_t b, int64_t hk, int64_t j0) const {
-    const int64_t bh = b * Hkv + hk;
-    w.kt = kt + bh * p.E * ldk + j0, w.vt = vt + bh * p.Ev * ldk + j0, w.kr = kr + (bh * S + j0) * w.Ep;
+    const int64_t bh = b * p.Hkv + hk;
+    w.kt = kt + bh * p.E * ldk + j0, w.vt = vt + bh * p.Ev * ldk + j0, w.kr = kr + (bh * p.S + j0) * w.Ep;
     w.ldk = ldk;
   }
 };
@@ -570,7 +564,7 @@ void BuildBackwardKeys(const FusedCall& c, const FusedPlan& t, BackwardKeys& ks)
   const int64_t nt = heads * p.E * ldk, nv = heads * p.Ev * ldk, nr = heads * p.S * Ep;
   ks.buf = OperandBuffer(size_t(round_up(nt, 16) + round_up(nv, 16) + nr) * sizeof(float), false);
   ks.kt = ks.buf.as<float>(), ks.vt = ks.kt + round_up(nt, 16), ks.kr = ks.vt + round_up(nv, 16);
-  ks.ldk = ldk, ks.S = p.S, ks.Hkv = p.Hkv;
+  ks.ldk = ldk;
 #pragma omp parallel num_threads(p.threads)
   {
     BackwardScratch w(p, t, lanes, Alloc::no);  // only its widths: the arrays are ks's
