@@ -7,11 +7,17 @@
 #   bash bench/suite.sh TAG [SECTION ...]
 #
 # SECTION: decode, decode-paged, compare-decode, decode-window, variants,
-# compare-variants, layer, gemm, base (default: all of them, in that order).
+# compare-variants, layer, gemm, base, bf16 (default: all of them, in that
+# order).
 # decode-paged is the decode section on paged caches (pages of 256 tokens, as
 # FlashAttention's block_table wants, and of 16, vLLM's default). decode-window is
 # sliding-window decoding (a 4096-key window over caches of up to 131072
-# tokens) in attn-decode-bench and against torch and ggml. Raw outputs go to
+# tokens) in attn-decode-bench and against torch and ggml. bf16 is the table
+# of bfloat16 compute in one file: the forward (every instruction path the CPU
+# has, forced in turn) and forward+backward against PyTorch's bfloat16 and
+# float32 SDPA and attn's float32, the layer's GEMMs against oneDNN's, the
+# multi-head layer in float32 and bfloat16, and decoding with bfloat16
+# products, each beside the peaks it is a fraction of. Raw outputs go to
 # docs/bench/<section>-<date>-TAG.txt, each headed by the machine (CPU model,
 # SIMD target the kernels run, load average), the commit and the command.
 #
@@ -28,7 +34,8 @@ cd "$(dirname "$0")/.."
 tag=${1:?usage: bash bench/suite.sh TAG [SECTION ...]}
 shift
 sections=("$@")
-[ ${#sections[@]} -gt 0 ] || sections=(decode decode-paged compare-decode decode-window variants compare-variants layer gemm base)
+[ ${#sections[@]} -gt 0 ] ||
+  sections=(decode decode-paged compare-decode decode-window variants compare-variants layer gemm base bf16)
 BUILD=${BUILD:-build}
 TORCH_PYTHON=${TORCH_PYTHON:-build-py/venv/bin/python}
 GGML_DRIVER=${GGML_DRIVER:-}
@@ -120,6 +127,25 @@ for s in "${sections[@]}"; do
       torch_or_skip $s || continue
       run compare-torch "$TORCH_PYTHON" bench/compare_torch.py --attn-bench "$BUILD/bench/attn-bench" \
         --lengths 512,1024,2048,4096 --threads 1,2 --reps 3 ;;
-    *) echo "suite.sh: unknown section '$s' (decode, decode-paged, compare-decode, decode-window, variants, compare-variants, layer, gemm, base)" >&2; exit 2 ;;
+    bf16)
+      torch_or_skip $s || continue
+      # The paths this CPU runs, and on AMX the long sequence of the targets too.
+      paths=portable lengths=4096
+      grep -qw avx512_bf16 /proc/cpuinfo && paths="avx512,$paths"
+      grep -qw amx_tile /proc/cpuinfo && paths="amx,$paths" lengths=4096,16384
+      run bf16 bash -c "set -e
+        for dim in 128 64; do
+          '$TORCH_PYTHON' bench/compare_torch.py --attn-bench '$BUILD/bench/attn-bench' --dtype bfloat16 \\
+            --lengths $lengths --threads $THREADS --causal 0,1 --dim \$dim --reps 3 --bf16-paths $paths
+        done
+        '$BUILD/bench/attn-gemm-bench' --embed 256 --rows 1024 --candidates attn,dnnl,attn-bf16,dnnl-bf16 \\
+          --threads $THREADS --reps 9
+        '$BUILD/bench/attn-gemm-bench' --embed 512,768 --rows 2048 --candidates attn,dnnl,attn-bf16,dnnl-bf16 \\
+          --threads $THREADS --reps 9
+        for dtype in float32 bfloat16 bfloat16-params; do
+          '$TORCH_PYTHON' bench/compare_torch.py --layer --layer-dtype \$dtype --threads $THREADS --reps 7
+        done
+        '$BUILD/bench/attn-decode-bench' --threads $THREADS --no-dense --bf16-compute --shapes '$decode_shapes'" ;;
+    *) echo "suite.sh: unknown section '$s' (decode, decode-paged, compare-decode, decode-window, variants, compare-variants, layer, gemm, base, bf16)" >&2; exit 2 ;;
   esac
 done
