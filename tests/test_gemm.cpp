@@ -180,11 +180,47 @@ std::vector<attn::detail::Bf16Path> gemm_bf16_routes() {
   return r;
 }
 
+// One product on one route: the same bits for 1, 2 and 3 threads, within
+// the bound of the rounded operands' sum in double, apart from float32's.
+void check_rounded_product(attn::detail::Bf16Path path, int64_t M, int64_t N, int64_t K, bool ta, bool tb,
+                           float alpha, float beta, int64_t lda, int64_t ldb, int64_t ldc, std::mt19937_64& rng) {
+  const auto r = [](float x) { return double(attn::detail::bf16_value(attn::detail::bf16_operand(x))); };
+  auto A = random_tensor<float>({(ta ? K : M) * lda}, rng);
+  auto B = random_tensor<float>({(tb ? N : K) * ldb}, rng);
+  auto C = random_tensor<float>({M * ldc}, rng);
+  const auto C0 = C;
+  attn::detail::gemm_bf16_on(path, {M, N, K}, ta, A.data(), lda, tb, B.data(), ldb, C.data(), ldc, alpha, beta, 2);
+  for (int threads : {1, 3}) {
+    auto again = C0;
+    attn::detail::gemm_bf16_on(path, {M, N, K}, ta, A.data(), lda, tb, B.data(), ldb, again.data(), ldc, alpha, beta,
+                               threads);
+    ASSERT_EQ(std::memcmp(again.data(), C.data(), C.size() * sizeof(float)), 0) << M << " " << N << " " << K;
+  }
+  double worst = 0, apart = 0;
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t j = 0; j < N; ++j) {
+      double exact = 0, mag = 0, f32 = 0;
+      for (int64_t k = 0; k < K; ++k) {
+        const float a = ta ? A[size_t(k * lda + i)] : A[size_t(i * lda + k)];
+        const float b = tb ? B[size_t(j * ldb + k)] : B[size_t(k * ldb + j)];
+        exact += r(a) * r(b), mag += std::abs(r(a) * r(b)), f32 += double(a) * double(b);
+      }
+      const double c0 = C0[size_t(i * ldc + j)];
+      const double want = alpha * exact + beta * c0;
+      const double bound = double(K + 2) * 0x1p-24 * (std::abs(alpha) * mag + std::abs(beta * c0)) + 1e-30;
+      worst = std::max(worst, std::abs(C[size_t(i * ldc + j)] - want) / bound);
+      apart = std::max(apart, std::abs(alpha * f32 + beta * c0 - want));
+    }
+  ASSERT_LE(worst, 1.0) << M << "x" << N << "x" << K << " ta=" << ta << " tb=" << tb;
+  if (M * N * K > 1000) {
+    ASSERT_GT(apart, 1e-4) << "the operands were not rounded";
+  }
+}
+
 TEST(GemmBf16, IsTheProductOfTheRoundedOperands) {
   for (const auto path : gemm_bf16_routes()) {
   SCOPED_TRACE(attn::detail::bf16_path_name(path));
   std::mt19937_64 rng(17);
-  const auto r = [](float x) { return double(attn::detail::bf16_value(attn::detail::bf16_operand(x))); };
   for (int64_t M : {1, 17, 300})
     for (int64_t N : {1, 33, 280})
       // K = 1101: two chunks of the AMX route with alpha 1 and beta 0, whose
@@ -197,38 +233,21 @@ TEST(GemmBf16, IsTheProductOfTheRoundedOperands) {
           const float alpha = K % 2 ? 1.0f : 0.5f, beta = M == 17 ? 0.25f : K == 1101 ? 1.0f : 0.0f;
           // C's rows 4 KiB apart at (300, 33): the library route's dense tiles, in place elsewhere.
           const int64_t lda = (ta ? M : K) + 1, ldb = (tb ? K : N) + 2, ldc = M == 300 && N == 33 ? 1024 : N + 1;
-          auto A = random_tensor<float>({(ta ? K : M) * lda}, rng);
-          auto B = random_tensor<float>({(tb ? N : K) * ldb}, rng);
-          auto C = random_tensor<float>({M * ldc}, rng);
-          const auto C0 = C;
-          attn::detail::gemm_bf16_on(path, {M, N, K}, ta, A.data(), lda, tb, B.data(), ldb, C.data(), ldc, alpha, beta,
-                                     2);
-          for (int64_t threads : {1, 3}) {
-            auto again = C0;
-            attn::detail::gemm_bf16_on(path, {M, N, K}, ta, A.data(), lda, tb, B.data(), ldb, again.data(), ldc, alpha,
-                                       beta, int(threads));
-            ASSERT_EQ(std::memcmp(again.data(), C.data(), C.size() * sizeof(float)), 0) << M << " " << N << " " << K;
-          }
-          double worst = 0, apart = 0;
-          for (int64_t i = 0; i < M; ++i)
-            for (int64_t j = 0; j < N; ++j) {
-              double exact = 0, mag = 0, f32 = 0;
-              for (int64_t k = 0; k < K; ++k) {
-                const float a = ta ? A[size_t(k * lda + i)] : A[size_t(i * lda + k)];
-                const float b = tb ? B[size_t(j * ldb + k)] : B[size_t(k * ldb + j)];
-                exact += r(a) * r(b), mag += std::abs(r(a) * r(b)), f32 += double(a) * double(b);
-              }
-              const double c0 = C0[size_t(i * ldc + j)];
-              const double want = alpha * exact + beta * c0;
-              const double bound = double(K + 2) * 0x1p-24 * (std::abs(alpha) * mag + std::abs(beta * c0)) + 1e-30;
-              worst = std::max(worst, std::abs(C[size_t(i * ldc + j)] - want) / bound);
-              apart = std::max(apart, std::abs(alpha * f32 + beta * c0 - want));
-            }
-          ASSERT_LE(worst, 1.0) << M << "x" << N << "x" << K << " ta=" << ta << " tb=" << tb;
-          if (M * N * K > 1000) {
-            ASSERT_GT(apart, 1e-4) << "the operands were not rounded";
-          }
+          check_rounded_product(path, M, N, K, ta, tb, alpha, beta, lda, ldb, ldc, rng);
         }
+  // The library route: two tiles down and two across, the last ones partial (304 × 272
+  // with AVX-512's minimum tile, 688 × 656 with AVX2's), each tile's slices of A and B
+  // rounded by whichever threads get there first, shared with the tiles beside it. (The
+  // AMX route packs its panels before its tiles run, and its emulation is slow.)
+  if (path != attn::detail::Bf16Path::amx_emulated && path != attn::detail::Bf16Path::amx) {
+    const int64_t side = attn::detail::gemm_min_tile(), M = 2 * side + 88, N = 2 * side + 8, K = side > 256 ? 64 : 300;
+    const attn::detail::GemmTiles grid = attn::detail::gemm_tiles({M, N, K}, side);
+    ASSERT_EQ(grid.count({M, N, K}), 4);
+    ASSERT_TRUE(M % grid.rows != 0 && N % grid.cols != 0);
+    for (int t = 0; t < 4; ++t)
+      check_rounded_product(path, M, N, K, t & 1, t & 2, 1.0f, t == 3 ? 1.0f : 0.0f, (t & 1 ? M : K) + 3,
+                            (t & 2 ? K : N) + 5, N, rng);
+  }
   // NaN in A's row 2 reaches C's row 2 only.
   auto A = random_tensor<float>({40 * 64}, rng), B = random_tensor<float>({64 * 48}, rng);
   A[2 * 64 + 5] = std::numeric_limits<float>::quiet_NaN();

@@ -248,6 +248,13 @@ void gemm(GemmShape s, bool ta, const T* A, int64_t lda, bool tb, const T* B, in
 
 namespace {
 
+// The body of a loop that waits for another running thread.
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#endif
+}
+
 const dnnl::engine& cpu_engine() {
   static const dnnl::engine e(dnnl::engine::kind::cpu, 0);
   return e;
@@ -433,34 +440,63 @@ void gemm_bf16_library(GemmShape s, bool ta, const float* A, int64_t lda, bool t
     return gemm<float>(s, ta, a.as<float>(), sa.cols, tb, b.as<float>(), sb.cols, C, ldc, alpha, beta, team);
   }
   // Dense copies: a tile's rows of A (unless transposed) and columns of B
-  // (when transposed, the layer's weights) are then dense blocks. Rounded
-  // in the region that runs the tiles (one region, not three: on the
-  // multi-head layer's small products the start and end of each region
-  // cost as much as the rounding).
+  // (when transposed, the layer's weights) are then dense blocks. A tile's
+  // slices are rounded when a thread first needs them, inside the region
+  // that runs the tiles, with no barrier between rounding and products: a
+  // thread that waits passively (OMP_WAIT_POLICY=passive, the default of
+  // attn's programs) sleeps at a barrier and wakes tens of µs later. On the
+  // smallest layer's products (D = 256, 1024 rows: 0.4-1.2 ms a call) that
+  // took 0.91-0.99 of the time of rounding in loops of their own first
+  // (Zen 4, 2 threads, passive, alternating in one process), and the same
+  // with the threads spinning. Rounding is a function of the element, so
+  // C's bits do not depend on which thread rounded what.
   const OperandBuffer abuf(size_t(sa.rows * sa.cols) * sizeof(uint16_t), false);
   const OperandBuffer bbuf(size_t(sb.rows * sb.cols) * sizeof(uint16_t), false);
   uint16_t* const a = abuf.as<uint16_t>();
   uint16_t* const b = bbuf.as<uint16_t>();
   const GemmTiles t = gemm_tiles(s, gemm_min_tile());
   const int64_t across = (s.N + t.cols - 1) / t.cols, n = t.count(s);
+  // A tile row's rows of op(A), a tile column's columns of op(B): a block
+  // of stored rows, or (transposed) of stored columns, rounded in pieces of
+  // about 16K elements that every thread needing the slice takes in turn
+  // (one thread rounding a slice that the others waited for took 3-5%
+  // longer than the loops of their own with the threads spinning).
+  struct Slice {
+    std::atomic<int64_t> next{0}, done{0};  // pieces taken, pieces rounded
+  };
+  const auto rows_per_piece = [](int64_t row) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(row, 1)); };
+  const auto ensure = [&](Slice& slice, const float* X, int64_t ld, int64_t cols, bool by_columns, int64_t from,
+                          int64_t len, int64_t stored_rows, uint16_t* d) {
+    // A piece is a run of stored rows: of all of them for a slice of columns.
+    const int64_t first = by_columns ? 0 : from, rows = by_columns ? stored_rows : len;
+    const int64_t step = rows_per_piece(by_columns ? len : cols), pieces = ceil_div(rows, step);
+    for (int64_t p; (p = slice.next.fetch_add(1, std::memory_order_relaxed)) < pieces;) {
+      for (int64_t i = first + p * step; i < first + std::min(rows, (p + 1) * step); ++i)
+        if (by_columns)
+          bf16_round_row(X + i * ld + from, len, d + i * cols + from);
+        else
+          bf16_round_row(X + i * ld, cols, d + i * cols);
+      slice.done.fetch_add(1, std::memory_order_release);
+    }
+    while (slice.done.load(std::memory_order_acquire) < pieces) cpu_relax();  // the others' pieces
+  };
+  std::vector<Slice> a_slices(static_cast<size_t>(n / across)), b_slices(static_cast<size_t>(across));
   std::atomic<bool> refused{false};
   // oneDNN writes C's tile in place, but where C's rows are a multiple of
   // 4 KiB apart (their lines share L1 sets) into a dense tile copied out:
   // in place took 0.95 of the time on the multi-head layer's forward at
   // (8, 128, 256, 4) and 1.2× on products with rows 8 KiB apart (Zen 4).
   const bool direct = ldc % 1024 != 0;
-#pragma omp parallel num_threads(team) if (team > 1)
+#pragma omp parallel num_threads(int(std::min<int64_t>(n, team))) if (std::min<int64_t>(n, team) > 1)
   {
-#pragma omp for schedule(static) nowait
-    for (int64_t i = 0; i < sa.rows; ++i) bf16_round_row(A + i * lda, sa.cols, a + i * sa.cols);
-#pragma omp for schedule(static)
-    for (int64_t i = 0; i < sb.rows; ++i) bf16_round_row(B + i * ldb, sb.cols, b + i * sb.cols);
     omp_set_num_threads(1);  // oneDNN's team: this thread alone
     std::vector<float> dense;  // the tile of C, dense where C's rows are a multiple of 4 KiB apart
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < n; ++i) {
       const int64_t r = i / across * t.rows, c = i % across * t.cols;
       const GemmShape part{std::min(t.rows, s.M - r), std::min(t.cols, s.N - c), s.K};
+      ensure(a_slices[size_t(i / across)], A, lda, sa.cols, ta, r, part.M, sa.rows, a);
+      ensure(b_slices[size_t(i % across)], B, ldb, sb.cols, !tb, c, part.N, sb.rows, b);
       if (!direct) dense.resize(size_t(part.M * part.N));
       if (!direct && beta != 0.0f)
         for (int64_t y = 0; y < part.M; ++y) std::copy_n(C + (r + y) * ldc + c, part.N, dense.data() + y * part.N);
