@@ -30,7 +30,12 @@
 // ran, which other load on a shared machine does not lower; threads waiting
 // passively for each other are not counted in it); the bfloat16 candidates'
 // totals also give their fraction of the bfloat16 peak measured in the same
-// run (AMX's TDPBF16PS where the CPU has it, else VDPBF16PS). The header names the CPU,
+// run (AMX's TDPBF16PS where the CPU has it, else VDPBF16PS). Each round also
+// ends with a short run of each peak (5 ms, best of three), and the totals
+// give a second fraction, "of the round's peak": every call's time scaled by
+// its round's peak over the first one, so that a spell in which the host
+// gives the VM less (every candidate and the peak slow together) does not
+// count against the products measured in it. The header names the CPU,
 // the settings that force a library's choice when set (OPENBLAS_CORETYPE,
 // BLIS_ARCH_TYPE, ONEDNN_MAX_CPU_ISA) and what each library chose.
 //
@@ -210,6 +215,8 @@ std::vector<Candidate> all_candidates() {
   return c;
 }
 
+constexpr double kRoundPeakSeconds = 0.005;  // each run of a round's peak (best of three)
+
 std::string env_or(const char* name, const char* fallback) {
   const char* v = std::getenv(name);
   return v ? v : fallback;
@@ -298,12 +305,13 @@ int main(int argc, char** argv) {
     if (peak_seconds > 0) peak = attn_bench::fma_peak_gflops(threads, peak_seconds, &per_cpu);
     peaks[threads] = {peak, per_cpu};
     // The bfloat16 candidates' own limit: AMX's tiles where the CPU has them, else VDPBF16PS.
-    double bf16_peak = peak_seconds > 0 ? attn_bench::amx_peak_gflops(threads, peak_seconds) : 0;
-    const char* bf16_peak_what = "AMX bfloat16 peak (TDPBF16PS, tiles in registers)";
-    if (bf16_peak == 0 && peak_seconds > 0) {
-      bf16_peak = attn_bench::dpbf16_peak_gflops(threads, peak_seconds);
-      bf16_peak_what = "AVX512_BF16 peak (VDPBF16PS, 512-bit, 12 chains a thread)";
-    }
+    const bool amx = peak_seconds > 0 && attn_bench::amx_peak_gflops(threads, 0.001) > 0;
+    const auto bf16_peak_of = [amx](int n, double seconds) {
+      return amx ? attn_bench::amx_peak_gflops(n, seconds) : attn_bench::dpbf16_peak_gflops(n, seconds);
+    };
+    const double bf16_peak = peak_seconds > 0 ? bf16_peak_of(threads, peak_seconds) : 0;
+    const char* bf16_peak_what = amx ? "AMX bfloat16 peak (TDPBF16PS, tiles in registers)"
+                                     : "AVX512_BF16 peak (VDPBF16PS, 512-bit, 12 chains a thread)";
     if (table) {
       std::printf("\n%d thread%s; FMA peak %.1f GFLOP/s (%.1f per CPU-second)\n", threads, threads > 1 ? "s" : "",
                   peak, per_cpu);
@@ -312,7 +320,8 @@ int main(int argc, char** argv) {
       std::printf("%6s %6s %6s %2s %2s %-12s %9s %8s %6s %8s %6s %8s  %s\n", "M", "N", "K", "ta", "tb", "candidate",
                   "median ms", "GFLOP/s", "% peak", "GF/cpu-s", "% peak", "rel err", "picked");
     }
-    std::vector<double> total_s(cands.size(), 0.0), total_cpu(cands.size(), 0.0);
+    std::vector<double> total_s(cands.size(), 0.0), total_cpu(cands.size(), 0.0), total_scaled(cands.size(), 0.0);
+    const bool any_bf16 = std::any_of(cands.begin(), cands.end(), [](const Candidate& c) { return c.bf16; });
     std::vector<double> worst(cands.size(), 1e300), best(cands.size(), 0.0);
     double total_flops = 0;
     for (const Shape& s : shapes) {
@@ -340,8 +349,8 @@ int main(int argc, char** argv) {
           return 1;
         }
       }
-      std::vector<std::vector<double>> t(cands.size()), cpu(cands.size());
-      for (int r = 0; r < reps; ++r)
+      std::vector<std::vector<double>> t(cands.size()), cpu(cands.size()), scaled(cands.size());
+      for (int r = 0; r < reps; ++r) {
         for (size_t i = 0; i < cands.size(); ++i) {
           const size_t c = r % 2 == 0 ? i : cands.size() - 1 - i;  // odd rounds in reverse order
           cands[c].set_threads(threads);
@@ -351,10 +360,20 @@ int main(int argc, char** argv) {
           t[c].push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
           cpu[c].push_back(attn_bench::cpu_seconds() - c0);
         }
+        // The round's peaks: each call's time as it would have been at the run's first peak.
+        if (peak_seconds > 0) {
+          const double fma = attn_bench::fma_peak_gflops(threads, kRoundPeakSeconds);
+          const double bf16 = any_bf16 && bf16_peak > 0 ? bf16_peak_of(threads, kRoundPeakSeconds) : 0;
+          for (size_t c = 0; c < cands.size(); ++c)
+            scaled[c].push_back(t[c].back() * (cands[c].bf16 && bf16 > 0 ? bf16 / bf16_peak : fma / peak));
+        }
+      }
       total_flops += s.flops();
       for (size_t c = 0; c < cands.size(); ++c) {
         std::sort(t[c].begin(), t[c].end());
         std::sort(cpu[c].begin(), cpu[c].end());
+        std::sort(scaled[c].begin(), scaled[c].end());
+        if (!scaled[c].empty()) total_scaled[c] += scaled[c][scaled[c].size() / 2];
         const double med = t[c][t[c].size() / 2], med_cpu = cpu[c][cpu[c].size() / 2];
         const double gflops = s.flops() / med * 1e-9, per_cpu_s = s.flops() / med_cpu * 1e-9;
         const double frac = peak > 0 ? gflops / peak : 0, frac_cpu = per_cpu > 0 ? per_cpu_s / per_cpu : 0;
@@ -376,17 +395,22 @@ int main(int argc, char** argv) {
       const double gflops = total_flops / total_s[c] * 1e-9, frac = peak > 0 ? gflops / peak : 0;
       const double per_cpu_s = total_flops / total_cpu[c] * 1e-9, frac_cpu = per_cpu > 0 ? per_cpu_s / per_cpu : 0;
       const double bf16_frac = cands[c].bf16 && bf16_peak > 0 ? gflops / bf16_peak : 0;
+      // Of the round's peak (the candidate's own: bfloat16 for the bfloat16 ones).
+      const double own_peak = cands[c].bf16 && bf16_peak > 0 ? bf16_peak : peak;
+      const double round_frac = total_scaled[c] > 0 && own_peak > 0 ? total_flops / total_scaled[c] * 1e-9 / own_peak : 0;
       summary.push_back({{"candidate", cands[c].name}, {"threads", threads}, {"total_s", total_s[c]},
                          {"gflops", gflops}, {"peak_fraction", frac}, {"min_peak_fraction", worst[c]},
                          {"max_peak_fraction", best[c]}, {"gflop_per_cpu_s", per_cpu_s},
                          {"cpu_peak_fraction", frac_cpu}, {"bf16_peak_gflops", bf16_peak},
-                         {"bf16_peak_fraction", bf16_frac}});
+                         {"bf16_peak_fraction", bf16_frac}, {"round_peak_fraction", round_frac}});
       if (table) {
         std::printf("  %-12s %9.1f ms %8.1f GFLOP/s %6.1f%% of the peak (per product %.1f-%.1f%%); "
                     "%.1f GFLOP per CPU-second, %.1f%%",
                     cands[c].name.c_str(), total_s[c] * 1e3, gflops, 100 * frac, 100 * worst[c], 100 * best[c],
                     per_cpu_s, 100 * frac_cpu);
         if (bf16_frac > 0) std::printf("; %.1f%% of the bfloat16 peak", 100 * bf16_frac);
+        if (round_frac > 0)
+          std::printf("; %.1f%% of the round's %s peak", 100 * round_frac, bf16_frac > 0 ? "bfloat16" : "FMA");
         std::printf("\n");
       }
     }
