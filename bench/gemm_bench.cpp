@@ -397,7 +397,8 @@ int main(int argc, char** argv) {
       const double bf16_frac = cands[c].bf16 && bf16_peak > 0 ? gflops / bf16_peak : 0;
       // Of the round's peak (the candidate's own: bfloat16 for the bfloat16 ones).
       const double own_peak = cands[c].bf16 && bf16_peak > 0 ? bf16_peak : peak;
-      const double round_frac = total_scaled[c] > 0 && own_peak > 0 ? total_flops / total_scaled[c] * 1e-9 / own_peak : 0;
+      const double round_frac =
+          total_scaled[c] > 0 && own_peak > 0 ? total_flops / total_scaled[c] * 1e-9 / own_peak : 0;
       summary.push_back({{"candidate", cands[c].name}, {"threads", threads}, {"total_s", total_s[c]},
                          {"gflops", gflops}, {"peak_fraction", frac}, {"min_peak_fraction", worst[c]},
                          {"max_peak_fraction", best[c]}, {"gflop_per_cpu_s", per_cpu_s},

@@ -146,6 +146,7 @@ for s in "${sections[@]}"; do
           '$TORCH_PYTHON' bench/compare_torch.py --layer --layer-dtype \$dtype --threads $THREADS --reps 7
         done
         '$BUILD/bench/attn-decode-bench' --threads $THREADS --no-dense --bf16-compute --shapes '$decode_shapes'" ;;
-    *) echo "suite.sh: unknown section '$s' (decode, decode-paged, compare-decode, decode-window, variants, compare-variants, layer, gemm, base, bf16)" >&2; exit 2 ;;
+    *) echo "suite.sh: unknown section '$s' (decode, decode-paged, compare-decode, decode-window," \
+         "variants, compare-variants, layer, gemm, base, bf16)" >&2; exit 2 ;;
   esac
 done
